@@ -6,6 +6,7 @@ the traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -35,3 +36,22 @@ def main() -> None:
 
 
 # Commands are registered below, one block each; keep each block a thin wrapper around a library call.
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--vram", help="GPU memory sizes, comma-separated (24G,24G): show how many expert-cache slots fit.")
+@click.option("--reserve", default="1.5G", show_default=True, help="Memory kept back per GPU (context, KV, activations).")
+def inspect(model: str, as_json: bool, vram: str | None, reserve: str) -> None:
+    """Show a GGUF MoE model's anatomy: layers, experts, bytes per tensor role, cache slots in VRAM."""
+    from moeprep.gguf.anatomy import describe_model, format_anatomy, plan_vram
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.units import parse_size
+
+    anatomy = describe_model(open_gguf(model))
+    plan = plan_vram(anatomy, [parse_size(v) for v in vram.split(",")], parse_size(reserve)) if vram else None
+    if as_json:
+        click.echo(json.dumps({**anatomy.to_dict(), "vram": plan.to_dict() if plan else None}, indent=2))
+    else:
+        click.echo(format_anatomy(anatomy, plan))

@@ -1,0 +1,181 @@
+"""Model anatomy: geometry (layers, experts, expert size), bytes per tensor role, and expert-cache slots in VRAM.
+
+Everything here comes from tensor headers and metadata; no tensor data is read. `moeprep inspect` prints it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moeprep.errors import MoeprepError
+from moeprep.units import format_size
+from moeprep.gguf.reader import GGUFModel, TensorInfo
+from moeprep.gguf.roles import TensorRole, parse_tensor_name, role_table, tensor_role
+
+# Per-GPU memory kept back for the CUDA context, KV cache and activations when counting cache slots.
+DEFAULT_RESERVE = 1536 << 20
+
+
+@dataclass
+class ModelGeometry:
+    arch: str
+    n_layer: int
+    moe_layers: list[int]
+    dense_layers: list[int]
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int  # hidden size of one routed expert
+    expert_bytes: dict[int, int]  # MoE block index -> bytes of one expert (all its *_exps tensors, stored types)
+
+
+@dataclass
+class RoleSummary:
+    n_tensors: int = 0
+    n_bytes: int = 0
+    types: dict[str, int] = field(default_factory=dict)  # tensor type name -> tensor count
+
+
+@dataclass
+class Anatomy:
+    name: str
+    arch: str
+    arch_known: bool  # False: the architecture has no role table and names were matched by pattern
+    file_size: int
+    n_shards: int
+    geometry: ModelGeometry
+    roles: dict[str, RoleSummary]
+    expert_share: float  # routed-expert bytes / file size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GpuSlots:
+    vram: int
+    non_expert: int  # this GPU's share of the non-expert weights
+    reserve: int
+    free: int
+    slots_per_layer: int
+
+
+@dataclass
+class VramPlan:
+    gpus: list[GpuSlots]
+    slot_bytes: int  # one cache slot in every MoE layer
+    slots_per_layer: int  # over all GPUs, at most n_expert
+    n_expert: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def classify_tensors(model: GGUFModel) -> tuple[list[tuple[TensorInfo, TensorRole]], bool]:
+    """Every tensor with its role, and whether the architecture's own table was used."""
+    table, known = role_table(model.arch)
+    return [(t, tensor_role(t.name, table)) for t in model.tensors], known
+
+
+def _arch_int(model: GGUFModel, key: str) -> int | None:
+    value = model.get(f"{model.arch}.{key}")
+    return None if value is None else int(value)
+
+
+def model_geometry(model: GGUFModel) -> ModelGeometry:
+    """Layers, which of them are MoE, expert counts and the bytes of one expert per MoE layer."""
+    roles, _ = classify_tensors(model)
+    experts = [t for t, role in roles if role == TensorRole.EXPERT]
+    blocks = {parse_tensor_name(t.name).block for t in model.tensors} - {None}
+    n_layer = _arch_int(model, "block_count") or (max(blocks) + 1 if blocks else 0)
+    if not experts:
+        raise MoeprepError(f"{model.path}: no routed-expert tensors (*_exps); this is not a Mixture-of-Experts model")
+    n_expert = _arch_int(model, "expert_count") or experts[0].shape[0]
+    n_used = _arch_int(model, "expert_used_count") or 0
+    per_block: Counter[int] = Counter()
+    for t in experts:
+        per_block[parse_tensor_name(t.name).block] += t.n_bytes
+    down = next((t for t in experts if parse_tensor_name(t.name).base == "ffn_down_exps"), None)
+    n_ff_exp = _arch_int(model, "expert_feed_forward_length") or (down.shape[-1] if down else 0)
+    moe_layers = sorted(b for b in per_block if b is not None)
+    return ModelGeometry(
+        arch=model.arch, n_layer=n_layer, moe_layers=moe_layers,
+        dense_layers=[i for i in range(n_layer) if i not in per_block],
+        n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
+        expert_bytes={b: per_block[b] // n_expert for b in moe_layers},
+    )
+
+
+def describe_model(model: GGUFModel) -> Anatomy:
+    roles, known = classify_tensors(model)
+    summaries: dict[str, RoleSummary] = {}
+    for t, role in roles:
+        s = summaries.setdefault(role.value, RoleSummary())
+        s.n_tensors += 1
+        s.n_bytes += t.n_bytes
+        s.types[t.type_name] = s.types.get(t.type_name, 0) + 1
+    file_size = model.file_size
+    expert_bytes = summaries.get(TensorRole.EXPERT.value, RoleSummary()).n_bytes
+    return Anatomy(
+        name=model.name, arch=model.arch, arch_known=known, file_size=file_size, n_shards=len(model.shard_paths),
+        geometry=model_geometry(model), roles=summaries, expert_share=expert_bytes / file_size,
+    )
+
+
+def plan_vram(anatomy: Anatomy, vram: list[int], reserve: int = DEFAULT_RESERVE) -> VramPlan:
+    """Expert-cache slots per MoE layer that fit on each GPU.
+
+    The non-expert weights (attention, norms, embeddings, shared experts...) are spread over the GPUs in proportion
+    to their memory, as a layer split would; each GPU keeps `reserve` back; what is left holds cache slots, one
+    slot being one expert in every MoE layer (the cache gives each layer the same number of slots).
+    """
+    geo = anatomy.geometry
+    non_expert = sum(s.n_bytes for role, s in anatomy.roles.items() if role != TensorRole.EXPERT.value)
+    slot_bytes = sum(geo.expert_bytes.values())
+    total_vram = sum(vram)
+    gpus = []
+    for v in vram:
+        share = non_expert * v // total_vram
+        free = max(0, v - share - reserve)
+        gpus.append(GpuSlots(vram=v, non_expert=share, reserve=reserve, free=free,
+                             slots_per_layer=free // slot_bytes if slot_bytes else 0))
+    total = min(geo.n_expert, sum(g.slots_per_layer for g in gpus))
+    return VramPlan(gpus=gpus, slot_bytes=slot_bytes, slots_per_layer=total, n_expert=geo.n_expert)
+
+
+def _types_text(types: dict[str, int]) -> str:
+    return ", ".join(f"{name} x{n}" for name, n in sorted(types.items(), key=lambda kv: -kv[1]))
+
+
+def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
+    """The human-readable report `moeprep inspect` prints."""
+    geo = a.geometry
+    sizes = sorted(set(geo.expert_bytes.values()))
+    per_expert = " / ".join(format_size(s) for s in sizes)
+    lines = [
+        f"model         {a.name}",
+        f"architecture  {a.arch}" + ("" if a.arch_known else "  (unknown: roles guessed from tensor names)"),
+        f"file size     {format_size(a.file_size)} ({a.file_size} bytes, {a.n_shards} shard{'s' * (a.n_shards > 1)})",
+        f"layers        {geo.n_layer} ({len(geo.moe_layers)} MoE, {len(geo.dense_layers)} dense"
+        + (f": {', '.join(map(str, geo.dense_layers))})" if geo.dense_layers else ")"),
+        f"experts       {geo.n_expert} per MoE layer, {geo.n_expert_used} used per token, expert FFN {geo.n_ff_exp}",
+        f"one expert    {per_expert} per layer (gate+up+down as stored)",
+        f"all experts   {format_size(a.roles[TensorRole.EXPERT.value].n_bytes)} = {a.expert_share:.1%} of the file",
+        "",
+        f"{'role':<14}{'tensors':>8}{'bytes':>14}  types",
+    ]
+    for role in TensorRole:
+        s = a.roles.get(role.value)
+        if s is not None:
+            lines.append(f"{role.value:<14}{s.n_tensors:>8}{format_size(s.n_bytes):>14}  {_types_text(s.types)}")
+    if plan is not None:
+        lines += ["", f"expert cache: one slot (an expert in each of {len(geo.moe_layers)} MoE layers) = "
+                  f"{format_size(plan.slot_bytes)}",
+                  f"{'gpu':<5}{'vram':>12}{'non-expert':>13}{'reserve':>12}{'free':>12}{'slots/layer':>13}"]
+        for i, g in enumerate(plan.gpus):
+            lines.append(f"{i:<5}{format_size(g.vram):>12}{format_size(g.non_expert):>13}{format_size(g.reserve):>12}"
+                         f"{format_size(g.free):>12}{g.slots_per_layer:>13}")
+        lines.append(f"total: {plan.slots_per_layer} of {plan.n_expert} experts per MoE layer cached "
+                     f"({plan.slots_per_layer / plan.n_expert:.0%})")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""What each tensor of a MoE model is for, by architecture: a table of name patterns, not a chain of ifs.
+
+A tensor name is `blk.<i>.<base>.<suffix>` inside a block, or `<base>.<suffix>` outside one. Each architecture's
+table maps base names to roles; the tables are built from shared groups (most MoE models share the decoder
+layout and differ in their attention and their extras). An unknown architecture is classified with the union of
+all groups, and `classify_tensors` says so.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class TensorRole(str, enum.Enum):
+    ATTENTION = "attention"
+    EXPERT = "expert"  # routed experts: *_exps, stacked over the expert axis
+    SHARED_EXPERT = "shared_expert"
+    ROUTER = "router"
+    DENSE_FFN = "dense_ffn"
+    NORM = "norm"
+    EMBEDDING = "embedding"
+    OUTPUT = "output"
+    OTHER = "other"
+
+
+R = TensorRole
+
+# Shared groups: base name -> role.
+DECODER = {
+    "token_embd": R.EMBEDDING, "output": R.OUTPUT, "output_norm": R.NORM, "rope_freqs": R.OTHER,
+    "attn_norm": R.NORM, "ffn_norm": R.NORM, "post_attention_norm": R.NORM, "post_ffw_norm": R.NORM,
+    "attn_q": R.ATTENTION, "attn_k": R.ATTENTION, "attn_v": R.ATTENTION, "attn_output": R.ATTENTION,
+    "attn_qkv": R.ATTENTION,
+    "ffn_gate": R.DENSE_FFN, "ffn_up": R.DENSE_FFN, "ffn_down": R.DENSE_FFN,
+    "ffn_gate_inp": R.ROUTER,
+    "ffn_gate_exps": R.EXPERT, "ffn_up_exps": R.EXPERT, "ffn_down_exps": R.EXPERT, "ffn_gate_up_exps": R.EXPERT,
+}
+QK_NORM = {"attn_q_norm": R.NORM, "attn_k_norm": R.NORM}
+SHARED_EXPERTS = {"ffn_gate_shexp": R.SHARED_EXPERT, "ffn_up_shexp": R.SHARED_EXPERT,
+                  "ffn_down_shexp": R.SHARED_EXPERT, "ffn_gate_inp_shexp": R.ROUTER}
+EXPERT_BIAS = {"exp_probs_b": R.ROUTER}  # sigmoid routing's selection bias (DeepSeek-V3, GLM-4.5)
+MLA = {  # DeepSeek's multi-head latent attention
+    "attn_q_a": R.ATTENTION, "attn_q_b": R.ATTENTION, "attn_kv_a_mqa": R.ATTENTION, "attn_kv_b": R.ATTENTION,
+    "attn_k_b": R.ATTENTION, "attn_v_b": R.ATTENTION, "attn_q_a_norm": R.NORM, "attn_kv_a_norm": R.NORM,
+}
+SINKS = {"attn_sinks": R.ATTENTION}  # gpt-oss: learned per-head attention sinks
+NEXTN = {  # multi-token-prediction layers (GLM-4.5, DeepSeek-V3)
+    "nextn.eh_proj": R.OTHER, "nextn.embed_tokens": R.OTHER, "nextn.enorm": R.OTHER, "nextn.hnorm": R.OTHER,
+    "nextn.shared_head_head": R.OTHER, "nextn.shared_head_norm": R.OTHER,
+}
+INDEXER = {  # DeepSeek-V3.2 sparse-attention indexer
+    "indexer.k_norm": R.OTHER, "indexer.proj": R.OTHER, "indexer.attn_k": R.OTHER, "indexer.attn_q_b": R.OTHER,
+}
+LINEAR_ATTENTION = {  # Qwen3-Next / Qwen3.5-MoE gated delta-net layers
+    "attn_gate": R.ATTENTION, "ssm_in": R.OTHER, "ssm_conv1d": R.OTHER, "ssm_dt": R.OTHER, "ssm_a": R.OTHER,
+    "ssm_ba": R.OTHER, "ssm_norm": R.OTHER, "ssm_out": R.OTHER, "ssm_beta_alpha": R.OTHER,
+}
+
+ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
+    "qwen3moe": DECODER | QK_NORM,
+    "qwen2moe": DECODER | SHARED_EXPERTS,
+    "deepseek2": DECODER | MLA | SHARED_EXPERTS | EXPERT_BIAS | NEXTN | INDEXER,
+    "glm4moe": DECODER | QK_NORM | SHARED_EXPERTS | EXPERT_BIAS | NEXTN,
+    "gpt-oss": DECODER | SINKS,
+    "llama": DECODER,  # Mixtral-style MoE under the llama architecture
+    "olmoe": DECODER | QK_NORM,
+    "qwen3next": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,
+    "qwen35moe": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,
+}
+FALLBACK_TABLE: dict[str, TensorRole] = {k: v for table in ROLE_TABLES.values() for k, v in table.items()}
+
+# blk.<i>.<base>.<suffix>, where base may itself contain dots (nextn.eh_proj).
+TENSOR_NAME_RE = re.compile(r"^(?:blk\.(?P<block>\d+)\.)?(?P<base>.+?)(?:\.(?P<suffix>weight|bias|scale))?$")
+
+
+@dataclass(frozen=True)
+class TensorName:
+    block: int | None
+    base: str
+    suffix: str | None
+
+
+def parse_tensor_name(name: str) -> TensorName:
+    m = TENSOR_NAME_RE.match(name)
+    assert m is not None, name  # the pattern accepts any non-empty string
+    block = m["block"]
+    return TensorName(None if block is None else int(block), m["base"], m["suffix"])
+
+
+def role_table(arch: str) -> tuple[dict[str, TensorRole], bool]:
+    """The role table for `arch` and whether it is known (False: the name-pattern fallback)."""
+    table = ROLE_TABLES.get(arch)
+    return (table, True) if table is not None else (FALLBACK_TABLE, False)
+
+
+def tensor_role(name: str, table: dict[str, TensorRole]) -> TensorRole:
+    return table.get(parse_tensor_name(name).base, R.OTHER)
