@@ -55,3 +55,16 @@ def inspect(model: str, as_json: bool, vram: str | None, reserve: str) -> None:
         click.echo(json.dumps({**anatomy.to_dict(), "vram": plan.to_dict() if plan else None}, indent=2))
     else:
         click.echo(format_anatomy(anatomy, plan))
+
+
+@main.command()
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=str),
+              help="Folder for the demo's files (default: a new temporary folder, kept afterwards).")
+def demo(folder: str | None) -> None:
+    """Show every moeprep capability on a small synthetic MoE model, step by step."""
+    import tempfile
+    from pathlib import Path
+
+    from moeprep.demo import run_demo
+
+    run_demo(Path(folder) if folder else Path(tempfile.mkdtemp(prefix="moeprep-demo-")))

@@ -1,0 +1,3 @@
+from moeprep.cli import main
+
+main()
