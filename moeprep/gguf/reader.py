@@ -24,8 +24,16 @@ from moeprep.errors import MoeprepError
 
 # llama.cpp's shard naming: name-00001-of-00003.gguf
 SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-# Bounds for sanity checks on counts a corrupt header could make absurd.
 MAX_DIMS = 4
+# gguf-py's own messages for a damaged header, translated into what is wrong with the file.
+READER_ERRORS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"cannot reshape array of size"), "truncated or corrupt: tensor data extends past the end of the file"),
+    (re.compile(r"out of bounds|larger dtype|buffer is smaller"), "truncated or corrupt header: it ends before its counts say"),
+    (re.compile(r"(\d+)\) is not a valid GGMLQuantizationType"), "corrupt header: unknown tensor type {0}"),
+    (re.compile(r"is not a valid GGUFValueType"), "corrupt header: unknown metadata value type"),
+    (re.compile(r"version (\d+)"), "unsupported GGUF version {0}"),
+    (re.compile(r"duplicated tensor with name (.*)"), "corrupt header: tensor {0} appears twice"),
+]
 
 
 @dataclass(frozen=True)
@@ -155,8 +163,16 @@ def _open_reader(path: Path) -> GGUFReader:
     try:
         return GGUFReader(path)
     except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MoeprepError(f"{path}: corrupt or truncated GGUF header ({reason})") from e
+        raise MoeprepError(f"{path}: {_explain_reader_error(e)}") from e
+
+
+def _explain_reader_error(e: Exception) -> str:
+    text = str(e)
+    for pattern, message in READER_ERRORS:
+        m = pattern.search(text)
+        if m:
+            return message.format(*m.groups())
+    return f"corrupt GGUF header ({type(e).__name__}: {text.splitlines()[0] if text else 'no detail'})"
 
 
 def _tensor_infos(path: Path, reader: GGUFReader, shard: int) -> list[TensorInfo]:
