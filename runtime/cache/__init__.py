@@ -1,0 +1,1 @@
+"""Caches of the runtime: the attention KV cache (kv.py); the expert cache comes with its own issue."""

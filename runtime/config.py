@@ -1,0 +1,174 @@
+"""ModelArgs: every size and switch a model needs, read from GGUF metadata into one flat dataclass.
+
+Metadata keys come from gguf-py's `Keys` tables. Facts an architecture never writes into its metadata (RoPE layout,
+whether top-k weights are renormalised, the gating function when the key is missing) are given by the arch module
+as `fixed` values or as `defaults` for absent keys, so this module never branches on the architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import Keys
+
+from moeprep.errors import MoeprepError
+from moeprep.gguf.reader import GGUFModel
+
+LLM, ATT, ROPE = Keys.LLM, Keys.Attention, Keys.Rope
+
+# gguf's ExpertGatingFuncType values, plus the gpt-oss rule (softmax over the chosen experts' logits only).
+GATING_SOFTMAX = 1
+GATING_SIGMOID = 2
+GATING_SOFTMAX_WEIGHT = 3
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    n_vocab: int
+    dim: int  # D
+    n_layers: int  # L, decoder blocks run (nextn/MTP blocks excluded)
+    n_heads: int  # H
+    n_kv_heads: int
+    head_dim: int  # Dh for Q and K
+    v_head_dim: int
+    n_ctx_train: int
+    norm_eps: float
+    ffn_dim: int  # dense FFN hidden size (leading dense layers)
+    # RoPE
+    rope_style: str  # "normal" (adjacent pairs) or "neox" (halves)
+    rope_dim: int
+    rope_base: float
+    rope_base_swa: float
+    rope_scaling: str  # "none", "linear", "yarn"
+    rope_factor: float  # context extension factor; 0 or 1 means none
+    rope_orig_ctx: int
+    rope_attn_factor: float
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    yarn_log_mul: float
+    attn_scale: float  # 0: 1/sqrt(head_dim)
+    sliding_window: int  # 0: none
+    swa_layers: tuple[bool, ...]  # per layer: does it use the sliding window
+    # MoE
+    n_experts: int  # E
+    n_experts_used: int  # K
+    expert_dim: int  # I
+    n_shared_experts: int
+    shared_expert_dim: int
+    n_dense_lead: int
+    expert_weights_scale: float
+    expert_weights_norm: bool
+    gating: int
+    n_expert_groups: int
+    n_group_used: int
+    # MLA (deepseek2)
+    q_lora_rank: int
+    kv_lora_rank: int
+    head_dim_mla: int
+    v_head_dim_mla: int
+    n_nextn_layers: int
+
+    @classmethod
+    def from_gguf(cls, g: GGUFModel, *, fixed: dict[str, Any] | None = None,
+                  defaults: dict[str, Any] | None = None) -> ModelArgs:
+        """Read the metadata of `g`. `defaults` fill keys the file lacks; `fixed` are arch facts that win over it."""
+        arch = g.arch
+        defaults = defaults or {}
+
+        def get(key: str, field: str, default: Any) -> Any:
+            value = g.get(key.format(arch=arch))
+            if value is None:
+                return defaults.get(field, default)
+            if isinstance(value, list):  # per-layer arrays: supported when uniform over the layers that use them
+                used = [v for v in value if v] or [0]
+                if len(set(used)) != 1:
+                    raise MoeprepError(f"{g.path}: per-layer {key.format(arch=arch)} = {value} is not supported")
+                value = used[0]
+            return value
+
+        def need(key: str) -> Any:
+            value = get(key, "", None)
+            if value is None:
+                raise MoeprepError(f"{g.path}: metadata key {key.format(arch=arch)} is missing; is this a complete {arch} GGUF?")
+            return value
+
+        dim, n_heads = int(need(LLM.EMBEDDING_LENGTH)), int(need(ATT.HEAD_COUNT))
+        head_dim = int(get(ATT.KEY_LENGTH, "head_dim", dim // n_heads))
+        n_ctx_train = int(get(LLM.CONTEXT_LENGTH, "n_ctx_train", 4096))
+        rope_base = float(get(ROPE.FREQ_BASE, "rope_base", 10000.0))
+        n_nextn = int(get(LLM.NEXTN_PREDICT_LAYERS, "n_nextn_layers", 0))
+        tokens = g.fields.get(Keys.Tokenizer.LIST)
+        n_vocab = int(get(LLM.VOCAB_SIZE, "n_vocab", len(tokens.data) if tokens is not None else 0))
+        n_experts_used = int(get(LLM.EXPERT_USED_COUNT, "n_experts_used", 0))
+        ffn_dim = int(get(LLM.FEED_FORWARD_LENGTH, "ffn_dim", 0))
+        values = dict(
+            arch=arch,
+            n_vocab=n_vocab,
+            dim=dim,
+            n_layers=int(need(LLM.BLOCK_COUNT)) - n_nextn,
+            n_heads=n_heads,
+            n_kv_heads=int(get(ATT.HEAD_COUNT_KV, "n_kv_heads", n_heads)),
+            head_dim=head_dim,
+            v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // n_heads)),
+            n_ctx_train=n_ctx_train,
+            norm_eps=float(get(ATT.LAYERNORM_RMS_EPS, "norm_eps", 1e-6)),
+            ffn_dim=ffn_dim,
+            rope_style="normal",
+            rope_dim=int(get(ROPE.DIMENSION_COUNT, "rope_dim", head_dim)),
+            rope_base=rope_base,
+            rope_base_swa=float(get(ROPE.FREQ_BASE_SWA, "rope_base_swa", rope_base)),
+            rope_scaling=str(get(ROPE.SCALING_TYPE, "rope_scaling", "linear")),
+            rope_factor=float(get(ROPE.SCALING_FACTOR, "rope_factor", 0.0)),
+            rope_orig_ctx=int(get(ROPE.SCALING_ORIG_CTX_LEN, "rope_orig_ctx", n_ctx_train)),
+            rope_attn_factor=float(get(ROPE.SCALING_ATTN_FACTOR, "rope_attn_factor", 1.0)),
+            yarn_beta_fast=float(get(ROPE.SCALING_YARN_BETA_FAST, "yarn_beta_fast", 32.0)),
+            yarn_beta_slow=float(get(ROPE.SCALING_YARN_BETA_SLOW, "yarn_beta_slow", 1.0)),
+            yarn_log_mul=float(get(ROPE.SCALING_YARN_LOG_MUL, "yarn_log_mul", 0.0)),
+            attn_scale=float(get(ATT.SCALE, "attn_scale", 0.0)),
+            sliding_window=int(get(ATT.SLIDING_WINDOW, "sliding_window", 0)),
+            swa_layers=(),
+            n_experts=int(get(LLM.EXPERT_COUNT, "n_experts", 0)),
+            n_experts_used=n_experts_used,
+            expert_dim=int(get(LLM.EXPERT_FEED_FORWARD_LENGTH, "expert_dim", ffn_dim // max(n_experts_used, 1))),
+            n_shared_experts=int(get(LLM.EXPERT_SHARED_COUNT, "n_shared_experts", 0)),
+            shared_expert_dim=int(get(LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, "shared_expert_dim", ffn_dim)),
+            n_dense_lead=int(get(LLM.LEADING_DENSE_BLOCK_COUNT, "n_dense_lead", 0)),
+            expert_weights_scale=float(get(LLM.EXPERT_WEIGHTS_SCALE, "expert_weights_scale", 0.0)),
+            expert_weights_norm=bool(get(LLM.EXPERT_WEIGHTS_NORM, "expert_weights_norm", False)),
+            gating=int(get(LLM.EXPERT_GATING_FUNC, "gating", 0)) or defaults.get("gating", GATING_SOFTMAX),
+            n_expert_groups=int(get(LLM.EXPERT_GROUP_COUNT, "n_expert_groups", 0)),
+            n_group_used=int(get(LLM.EXPERT_GROUP_USED_COUNT, "n_group_used", 0)),
+            q_lora_rank=int(get(ATT.Q_LORA_RANK, "q_lora_rank", 0)),
+            kv_lora_rank=int(get(ATT.KV_LORA_RANK, "kv_lora_rank", 0)),
+            head_dim_mla=int(get(ATT.KEY_LENGTH_MLA, "head_dim_mla", 0)),
+            v_head_dim_mla=int(get(ATT.VALUE_LENGTH_MLA, "v_head_dim_mla", 0)),
+            n_nextn_layers=n_nextn,
+        )
+        values.update(fixed or {})
+        values["swa_layers"] = _swa_layers(g, values["n_layers"], values["sliding_window"], defaults.get("swa_pattern", 0))
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> ModelArgs:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def rope_freq_scale(self) -> float:
+        """Position scale of RoPE (llama.cpp's freq_scale): 1/factor, or 1 when there is no scaling."""
+        if self.rope_scaling == "none" or self.rope_factor in (0.0, 1.0):
+            return 1.0
+        return 1.0 / self.rope_factor
+
+
+def _swa_layers(g: GGUFModel, n_layers: int, window: int, default_pattern: int) -> tuple[bool, ...]:
+    """Which layers use the sliding window: an explicit per-layer list, or a period n where all but the last layer
+    of every n use it (gpt-oss: n = 2, even layers slide); period 0 means every layer."""
+    if not window:
+        return (False,) * n_layers
+    pattern = g.get(ATT.SLIDING_WINDOW_PATTERN.format(arch=g.arch), default_pattern)
+    if isinstance(pattern, list):
+        return tuple(bool(p) for p in pattern[:n_layers])
+    n = int(pattern)
+    return tuple(n == 0 or layer % n < n - 1 for layer in range(n_layers))

@@ -1,0 +1,379 @@
+"""The shared layers every architecture file builds on: linear, norm, RoPE, attention, router, experts, blocks.
+
+Letters in shape comments: T tokens in the step, S KV cache slots (= n_ctx), D hidden size, H query heads,
+G KV heads, Dh head size, E experts, K experts per token, I expert hidden size, V vocabulary.
+
+The residual stream is float32; each matmul runs in the weights' compute dtype (float32 on CPU, bfloat16 on CUDA),
+and norms, softmaxes, RoPE and the router run in float32, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moerun.cache.kv import KVCache
+from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelArgs
+from moerun.hooks import Hooks
+from moerun.weights import ExpertTensor, Weights
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) for the GGUF tensor `name`; reports its input to activation hooks."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str, hooks: Hooks) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.name, self.hooks = name, hooks
+
+    @classmethod
+    def load(cls, w: Weights, prefix: str, hooks: Hooks, dtype: torch.dtype | None = None) -> Linear:
+        """`prefix.weight` and, if the file has it, `prefix.bias`."""
+        return cls(w.dense(f"{prefix}.weight", dtype), w.optional(f"{prefix}.bias", torch.float32), f"{prefix}.weight", hooks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hooks.activation:
+            self.hooks.fire_activation(self.name, x)
+        y = F.linear(x.to(self.weight.dtype), self.weight).float()
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    @classmethod
+    def load(cls, w: Weights, name: str, eps: float) -> RMSNorm:
+        return cls(w.dense(name, torch.float32), eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+# ---------------------------------------------------------------------------------------------------------- RoPE
+
+
+def yarn_attn_factor(args: ModelArgs, mscale: float = 1.0) -> float:
+    """The magnitude factor llama.cpp hands its rope op (its context's yarn_attn_factor).
+
+    With YaRN the rope op itself multiplies by 1 + 0.1 ln(factor), so that part is divided out here; `mscale` is
+    the model's own mscale when it has a yarn_log_multiplier (deepseek2 passes its log multiplier).
+    """
+    attn = 1.0
+    if args.rope_scaling == "yarn":
+        factor = 1.0 / args.rope_freq_scale
+
+        def get_mscale(scale: float, m: float) -> float:
+            return 1.0 if scale <= 1.0 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = get_mscale(factor, mscale) / get_mscale(factor, args.yarn_log_mul) if args.yarn_log_mul else get_mscale(factor, 1.0)
+        attn /= 1.0 + 0.1 * math.log(factor)
+    return attn * args.rope_attn_factor
+
+
+class Rope(nn.Module):
+    """Rotary embedding of the first `dim` channels of each head, from cos/sin tables over all n_ctx positions.
+
+    style "normal" rotates adjacent pairs (x0, x1), (x2, x3)...; "neox" rotates (x_i, x_{i + dim/2}).
+    Linear scaling divides positions by the factor; YaRN blends interpolated and original frequencies per
+    channel pair (ramp between the beta_fast/beta_slow correction dims) and scales the magnitude.
+    """
+
+    def __init__(self, args: ModelArgs, n_ctx: int, device: torch.device, *, base: float | None = None,
+                 dim: int | None = None, attn_factor: float | None = None) -> None:
+        super().__init__()
+        dim = dim or args.rope_dim
+        base = base or args.rope_base
+        self.dim, self.style = dim, args.rope_style
+        freq_scale = args.rope_freq_scale
+        mscale = yarn_attn_factor(args) if attn_factor is None else attn_factor
+        inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
+        if args.rope_scaling == "yarn":
+            low, high = _yarn_corr_dims(dim, args.rope_orig_ctx, base, args.yarn_beta_fast, args.yarn_beta_slow)
+            y = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(0.001, high - low)
+            extrapolate = 1 - y.clamp(0, 1)  # 1: keep the original frequency, 0: interpolate
+            inv_freq = inv_freq * (freq_scale * (1 - extrapolate) + extrapolate)
+            mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+        else:
+            inv_freq = inv_freq * freq_scale
+        angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (S, dim/2)
+        self.register_buffer("cos", (angles.cos() * mscale).float().to(device), persistent=False)
+        self.register_buffer("sin", (angles.sin() * mscale).float().to(device), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (T, heads, Dh) -> same shape, float32."""
+        x = x.float()
+        d = self.dim
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # (T, 1, d/2)
+        rot, rest = x[..., :d], x[..., d:]
+        if self.style == "neox":
+            x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
+            rot = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+        return torch.cat([rot, rest], dim=-1)
+
+
+def _yarn_corr_dims(dim: int, orig_ctx: int, base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    """The channel-pair range over which YaRN ramps from extrapolation to interpolation."""
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(0.0, math.floor(corr_dim(beta_fast))), min(dim - 1.0, math.ceil(corr_dim(beta_slow)))
+
+
+# ----------------------------------------------------------------------------------------------------- attention
+
+
+def causal_mask(positions: torch.Tensor, n_slots: int, window: int = 0) -> torch.Tensor:
+    """(T, S) bool: query at positions[t] may see slot s (slot = position); `window` > 0 limits how far back."""
+    slots = torch.arange(n_slots, device=positions.device)[None, :]
+    allowed = slots <= positions[:, None]
+    if window:
+        allowed &= slots > positions[:, None] - window
+    return allowed
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv); query head h reads KV head h // (H/G).
+
+    `sinks` (H,) are per-head logits that join each softmax's denominator without a value (gpt-oss).
+    Returns (T, H, Dv) float32.
+    """
+    T, H, Dk = q.shape
+    S, G, Dv = v.shape
+    qg = q.float().reshape(T, G, H // G, Dk).permute(1, 2, 0, 3)  # (G, H/G, T, Dk)
+    scores = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]) * scale  # (G, H/G, T, S)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(G, H // G, 1, 1).expand(G, H // G, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float().permute(1, 0, 2)[:, None])  # (G, H/G, T, Dv)
+    return out.permute(2, 0, 1, 3).reshape(T, H, Dv)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks and a sliding window."""
+
+    def __init__(self, *, wq: Linear, wk: Linear, wv: Linear, wo: Linear, rope: Rope, cache: KVCache,
+                 n_heads: int, n_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.rope, self.cache = rope, cache
+        self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = n_heads, n_kv_heads, head_dim, v_head_dim
+        self.scale, self.window = scale, window
+        self.register_buffer("sinks", sinks, persistent=False)
+
+    @classmethod
+    def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, rope: Rope, cache: KVCache,
+             scale: float | None = None) -> Attention:
+        """The standard llama.cpp layout: attn_q/k/v/output (+ biases), optional attn_q_norm/k_norm, attn_sinks."""
+        p = f"blk.{layer}"
+        q_norm = RMSNorm.load(w, f"{p}.attn_q_norm.weight", args.norm_eps) if f"{p}.attn_q_norm.weight" in w else None
+        k_norm = RMSNorm.load(w, f"{p}.attn_k_norm.weight", args.norm_eps) if f"{p}.attn_k_norm.weight" in w else None
+        return cls(
+            wq=Linear.load(w, f"{p}.attn_q", hooks), wk=Linear.load(w, f"{p}.attn_k", hooks),
+            wv=Linear.load(w, f"{p}.attn_v", hooks), wo=Linear.load(w, f"{p}.attn_output", hooks),
+            rope=rope, cache=cache, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+            v_head_dim=args.v_head_dim, scale=scale or args.attn_scale or 1.0 / math.sqrt(args.head_dim),
+            q_norm=q_norm, k_norm=k_norm, window=args.sliding_window if args.swa_layers[layer] else 0,
+            sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32),
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(T, self.n_kv_heads, self.v_head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        k_all, v_all = self.cache.update(positions, k, v)  # (S, G, Dh)
+        allowed = causal_mask(positions, k_all.shape[0], self.window)
+        out = attend(q, k_all, v_all, allowed, self.scale, self.sinks)  # (T, H, Dv)
+        return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
+
+
+# ------------------------------------------------------------------------------------------------ feed-forward
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss: the gate is capped at `limit`, up clamped to +-limit, and up gets +1."""
+    gate = gate.clamp(max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1)
+
+
+# Expert activation functions by name; an arch file picks one.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "swiglu": swiglu,
+    "swiglu_oai": swiglu_oai,
+}
+
+
+class FeedForward(nn.Module):
+    """Dense gated FFN: down(act(gate(x)) * up(x)); leading dense layers and shared experts."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+
+    @classmethod
+    def load(cls, w: Weights, hooks: Hooks, layer: int, suffix: str = "") -> FeedForward:
+        p = f"blk.{layer}"
+        return cls(*(Linear.load(w, f"{p}.ffn_{part}{suffix}", hooks) for part in ("gate", "up", "down")))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down(swiglu(self.gate(x), self.up(x)))
+
+
+class Router(nn.Module):
+    """Chooses K experts per token and their gate weights, following llama.cpp's build_moe_ffn.
+
+    gating: softmax or sigmoid over the router logits, or (gpt-oss) softmax over the chosen logits only.
+    `selection_bias` (exp_probs_b) shifts only the choice, not the weights. With expert groups, each group scores
+    the sum of its two best experts and only the best `n_group_used` groups compete.
+    """
+
+    def __init__(self, gate: Linear, args: ModelArgs, *, normalize: bool, selection_bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.k, self.gating, self.normalize = args.n_experts_used, args.gating, normalize
+        self.scale = args.expert_weights_scale
+        self.n_groups, self.n_group_used = args.n_expert_groups, args.n_group_used
+        self.register_buffer("selection_bias", selection_bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32."""
+        logits = self.gate(x).float()  # (T, E)
+        probs = GATING_PROBS[self.gating](logits)
+        scores = probs if self.selection_bias is None else probs + self.selection_bias
+        if self.n_groups > 1:
+            scores = self._mask_groups(scores)
+        ids = torch.topk(scores, self.k, dim=-1).indices  # (T, K)
+        weights = probs.gather(-1, ids)
+        if self.gating == GATING_SOFTMAX_WEIGHT:
+            weights = torch.softmax(weights, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+        if self.scale not in (0.0, 1.0):
+            weights = weights * self.scale
+        return ids, weights
+
+    def _mask_groups(self, scores: torch.Tensor) -> torch.Tensor:
+        T, E = scores.shape
+        grouped = scores.view(T, self.n_groups, E // self.n_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_groups)
+        keep = group_scores.topk(self.n_group_used, dim=-1).indices
+        mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(-1, keep, False)
+        return grouped.masked_fill(mask[..., None], float("-inf")).view(T, E)
+
+
+GATING_PROBS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    GATING_SOFTMAX: lambda logits: torch.softmax(logits, dim=-1),
+    GATING_SIGMOID: torch.sigmoid,
+    GATING_SOFTMAX_WEIGHT: lambda logits: logits,
+}
+
+
+class ExpertCompute(Protocol):
+    """The routed experts' work: sum_k weights[t, k] * expert_{ids[t, k]}(x[t]). The expert cache replaces this."""
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (T, D), ids (T, K), weights (T, K) -> (T, D) float32."""
+        ...
+
+
+class GGUFExperts(nn.Module):
+    """Reference ExpertCompute: dequantizes each selected expert from the GGUF bytes and runs its rows."""
+
+    def __init__(self, gate: ExpertTensor, up: ExpertTensor, down: ExpertTensor, activation: str, hooks: Hooks,
+                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None)) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+        self.act = ACTIVATIONS[activation]
+        self.gate_bias, self.up_bias, self.down_bias = biases  # (E, I), (E, I), (E, D) or None
+        self.hooks = hooks
+
+    @classmethod
+    def load(cls, w: Weights, hooks: Hooks, layer: int, activation: str = "swiglu") -> GGUFExperts:
+        p = f"blk.{layer}"
+        parts = ("gate", "up", "down")
+        return cls(*(w.experts(f"{p}.ffn_{part}_exps.weight") for part in parts), activation, hooks,
+                   tuple(w.optional(f"{p}.ffn_{part}_exps.bias", torch.float32) for part in parts))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # (T, D)
+        for e in torch.unique(ids).tolist():  # the host sync routing needs
+            rows, slots = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and in which of their K slots
+            xe = x[rows]  # (n, D)
+            if self.hooks.activation:
+                self.hooks.fire_activation(self.gate.name, xe, e)
+                self.hooks.fire_activation(self.up.name, xe, e)
+            h = self.act(self._matmul(self.gate, xe, e, self.gate_bias), self._matmul(self.up, xe, e, self.up_bias))
+            if self.hooks.activation:
+                self.hooks.fire_activation(self.down.name, h, e)
+            y = self._matmul(self.down, h, e, self.down_bias)  # (n, D)
+            out.index_add_(0, rows, y * weights[rows, slots, None])
+        return out
+
+    @staticmethod
+    def _matmul(t: ExpertTensor, x: torch.Tensor, e: int, bias: torch.Tensor | None) -> torch.Tensor:
+        w = t.expert(e)  # (out, in)
+        y = F.linear(x.to(w.dtype), w).float()
+        return y if bias is None else y + bias[e]
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts, optionally scaled by a sigmoid gate as in qwen2moe)."""
+
+    def __init__(self, layer: int, router: Router, experts: ExpertCompute, hooks: Hooks,
+                 shared: FeedForward | None = None, shared_gate: Linear | None = None) -> None:
+        super().__init__()
+        self.layer, self.router, self.experts, self.hooks = layer, router, experts, hooks
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router(x)  # (T, K)
+        if self.hooks.routing:
+            self.hooks.fire_routing(self.layer, positions, ids, weights)
+        out = self.experts(x, ids, weights)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(x))
+            out = out + shared
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, attn_norm: RMSNorm, attn: nn.Module, ffn_norm: RMSNorm, ffn: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), positions)
+        return h + self.ffn(self.ffn_norm(h), positions)

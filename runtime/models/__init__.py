@@ -1,0 +1,18 @@
+"""Architectures by GGUF general.architecture; finding one is a dict lookup."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from moeprep.errors import MoeprepError
+from moerun.models import qwen3moe
+
+ARCHS: dict[str, ModuleType] = {
+    "qwen3moe": qwen3moe,
+}
+
+
+def arch_module(arch: str, path: object = "") -> ModuleType:
+    if arch not in ARCHS:
+        raise MoeprepError(f"{path}: architecture '{arch}' is not supported; supported: {', '.join(sorted(ARCHS))}")
+    return ARCHS[arch]

@@ -1,0 +1,59 @@
+"""What every architecture shares: the build context handed to its block builder, and the decoder stack.
+
+An arch module (named after its GGUF general.architecture) provides
+    read_args(g: GGUFModel) -> ModelArgs
+    build_block(ctx: BuildContext, layer: int) -> Block
+and the `Transformer` here wraps its blocks with the token embedding, the final norm and the output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moerun.cache.kv import KVCache
+from moerun.config import ModelArgs
+from moerun.hooks import Hooks
+from moerun.layers import Linear, RMSNorm, Rope
+from moerun.weights import Weights
+
+
+@dataclass
+class BuildContext:
+    args: ModelArgs
+    weights: Weights
+    hooks: Hooks
+    n_ctx: int  # S: KV cache slots and RoPE table length
+    _ropes: dict = field(default_factory=dict)
+
+    def rope(self, **options) -> Rope:
+        """A RoPE table, shared by all layers that ask with the same options (see Rope for them)."""
+        key = tuple(sorted(options.items()))
+        if key not in self._ropes:
+            self._ropes[key] = Rope(self.args, self.n_ctx, self.weights.device, **options)
+        return self._ropes[key]
+
+    def kv_cache(self, n_kv_heads: int, k_dim: int, v_dim: int) -> KVCache:
+        return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device)
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> final RMSNorm -> output head (token_embd when output.weight is absent)."""
+
+    def __init__(self, ctx: BuildContext, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        w, args = ctx.weights, ctx.args
+        self.embed = nn.Parameter(w.dense("token_embd.weight", torch.float32), requires_grad=False)  # (V, D)
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = RMSNorm.load(w, "output_norm.weight", args.norm_eps)
+        head = "output" if "output.weight" in w else "token_embd"
+        self.output = Linear.load(w, head, ctx.hooks)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (T,), positions (T,) -> logits (T, V) float32."""
+        x = self.embed[tokens]  # (T, D)
+        for block in self.blocks:
+            x = block(x, positions)
+        return self.output(self.norm(x))

@@ -1,0 +1,24 @@
+"""Qwen3-MoE: GQA with per-head Q/K RMSNorm, NeoX RoPE; every block MoE, softmax router, top-k renormalised."""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.config import ModelArgs
+from moerun.layers import Attention, Block, GGUFExperts, Linear, MoE, RMSNorm, Router
+from moerun.models.base import BuildContext
+from moeprep.gguf.reader import GGUFModel
+
+
+def read_args(g: GGUFModel) -> ModelArgs:
+    return ModelArgs.from_gguf(g, fixed={"rope_style": "neox"})
+
+
+def build_block(ctx: BuildContext, layer: int) -> Block:
+    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
+    p = f"blk.{layer}"
+    attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
+    router = Router(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, normalize=True)
+    moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks)
+    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
+                 RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), moe)

@@ -1,0 +1,76 @@
+"""Weights straight from the memory-mapped GGUF: dense tensors dequantized once, expert tensors kept as GGUF bytes.
+
+A stacked expert tensor (`blk.N.ffn_*_exps.weight`, numpy shape (E, rows, cols)) stays in the file; `ExpertTensor`
+dequantizes one expert's slice when the router picks it. That is the reference path the expert cache replaces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from moeprep.errors import MoeprepError
+from moeprep.gguf.reader import GGUFModel, TensorInfo
+
+# Types whose bytes are already plain floats: viewed, not run through gguf-py's block dequantizers.
+PLAIN_FLOAT = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+
+def dequantize_bytes(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 tensor of `shape` from its GGUF bytes (uint8, row-major, rows of shape[-1] values)."""
+    if ggml_type in PLAIN_FLOAT:
+        values = raw.view(PLAIN_FLOAT[ggml_type]).astype(np.float32)
+    else:
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        rows = raw.reshape(-1, shape[-1] // block * type_size)
+        try:
+            values = gguf_dequantize(rows, ggml_type).astype(np.float32, copy=False)
+        except NotImplementedError as e:
+            raise MoeprepError(f"tensor type {ggml_type.name} cannot be dequantized by gguf-py; requantize the model") from e
+    return torch.from_numpy(values.reshape(shape))
+
+
+class ExpertTensor:
+    """One stacked expert weight, (E, rows, cols) in numpy order; `expert(e)` is expert e's (rows, cols) matrix."""
+
+    def __init__(self, g: GGUFModel, info: TensorInfo, dtype: torch.dtype, device: torch.device) -> None:
+        assert len(info.shape) == 3, info
+        self.name = info.name
+        self.info = info
+        self.n_experts, self.rows, self.cols = info.shape
+        self.dtype, self.device = dtype, device
+        self._bytes = g.raw(info).reshape(self.n_experts, -1)  # (E, bytes per expert) view of the memory map
+
+    def expert(self, e: int) -> torch.Tensor:
+        w = dequantize_bytes(self._bytes[e], self.info.ggml_type, (self.rows, self.cols))
+        return w.to(device=self.device, dtype=self.dtype)
+
+
+class Weights:
+    """Looks tensors up by GGUF name and hands them out in the compute dtype on the compute device."""
+
+    def __init__(self, g: GGUFModel, dtype: torch.dtype, device: torch.device) -> None:
+        self.gguf, self.dtype, self.device = g, dtype, device
+        self._infos = {t.name: t for t in g.tensors}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._infos:
+            raise MoeprepError(f"{self.gguf.path}: tensor {name} is missing; the file is incomplete or not a {self.gguf.arch} model")
+        return self._infos[name]
+
+    def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor, dequantized (numpy shape: a Linear weight is (out, in))."""
+        info = self.info(name)
+        w = dequantize_bytes(self.gguf.raw(info), info.ggml_type, info.shape)
+        return w.to(device=self.device, dtype=dtype or self.dtype)
+
+    def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self.dense(name, dtype) if name in self else None
+
+    def experts(self, name: str) -> ExpertTensor:
+        return ExpertTensor(self.gguf, self.info(name), self.dtype, self.device)

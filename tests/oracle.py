@@ -1,0 +1,135 @@
+"""llama.cpp as the reference: tokenization, next-token logits and per-layer expert choices, via llama-cpp-python.
+
+`llama_eval` runs tokens through llama.cpp's low-level API on the CPU and records, through the graph's eval
+callback (llama_context_params.cb_eval), the int32 tensors `ffn_moe_topk-<layer>` that hold each token's chosen
+experts. Their bytes are read with libggml's ggml_backend_tensor_get, row by row since the tensor is a view.
+The KV cache is kept in F32 and flash attention is off, so the reference does not round K/V to F16.
+
+llama-cpp-python is a declared test dependency: importing this module without it fails, it does not skip.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import llama_cpp
+import numpy as np
+
+GGML_TYPE_F32 = 0
+GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
+TOPK_PREFIX = b"ffn_moe_topk-"
+
+
+class GGMLTensor(ctypes.Structure):
+    """The leading fields of struct ggml_tensor (ggml/include/ggml.h), enough to reach its shape and name."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+@lru_cache(maxsize=1)
+def _ggml_base() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    return lib
+
+
+@lru_cache(maxsize=1)
+def _backend() -> None:
+    llama_cpp.llama_log_set(_silence, ctypes.c_void_p())
+    llama_cpp.llama_backend_init()
+
+
+@llama_cpp.llama_log_callback
+def _silence(level, text, user_data):  # noqa: ANN001 - ctypes callback
+    pass
+
+
+@dataclass
+class OracleRun:
+    logits: np.ndarray  # (T, V) float32
+    topk: dict[int, np.ndarray]  # layer -> (T, K) int32 chosen experts, in llama.cpp's order
+
+    def experts(self, n_layers: int) -> np.ndarray:
+        """(L, T, K) expert ids for the MoE layers; dense layers (absent) are -1."""
+        T, K = next(iter(self.topk.values())).shape
+        out = np.full((n_layers, T, K), -1, dtype=np.int64)
+        for layer, ids in self.topk.items():
+            out[layer] = ids
+        return out
+
+
+def llama_tokenize(path: str | pathlib.Path, text: str, add_bos: bool = True) -> list[int]:
+    """Tokens of `text` by llama.cpp (special tokens not parsed), through the high-level Llama object."""
+    _backend()
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False))
+
+
+def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) -> OracleRun:
+    """Evaluate `tokens` as one sequence from position 0 in one batch: logits for every position, top-k per layer."""
+    _backend()
+    T = len(tokens)
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    assert model, f"llama.cpp could not load {path}"
+    captured: dict[int, list[np.ndarray]] = {}
+
+    @llama_cpp.ggml_backend_sched_eval_callback
+    def on_tensor(tensor_p, ask, user_data):  # noqa: ANN001 - ctypes callback
+        t = GGMLTensor.from_address(tensor_p)
+        if not t.name.startswith(TOPK_PREFIX):
+            return not ask  # ask: do not stop for it; otherwise: keep computing
+        if ask:
+            return True
+        K, n_rows = t.ne[0], t.ne[1]
+        rows = np.empty((n_rows, K), dtype=np.int32)
+        for r in range(n_rows):  # a view into argsort's output: rows are nb[1] bytes apart
+            _ggml_base().ggml_backend_tensor_get(tensor_p, rows[r].ctypes.data, r * t.nb[1], K * 4)
+        captured.setdefault(int(t.name[len(TOPK_PREFIX):]), []).append(rows)
+        return True
+
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = max(256, -(-T // 256) * 256)
+    cparams.n_batch = cparams.n_ubatch = cparams.n_ctx
+    cparams.n_threads = cparams.n_threads_batch = n_threads
+    cparams.type_k = cparams.type_v = GGML_TYPE_F32
+    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cparams.cb_eval = on_tensor
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    assert ctx, "llama.cpp could not create a context"
+    batch = llama_cpp.llama_batch_init(T, 0, 1)
+    try:
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = True
+        batch.n_tokens = T
+        assert llama_cpp.llama_decode(ctx, batch) == 0, "llama_decode failed"
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(T * n_vocab,)).reshape(T, n_vocab).copy()
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return OracleRun(logits, {layer: np.concatenate(parts) for layer, parts in captured.items()})
+
