@@ -88,7 +88,8 @@ class Rope(nn.Module):
     """
 
     def __init__(self, args: ModelArgs, n_ctx: int, device: torch.device, *, base: float | None = None,
-                 dim: int | None = None, attn_factor: float | None = None) -> None:
+                 dim: int | None = None, attn_factor: float | None = None,
+                 freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         dim = dim or args.rope_dim
         base = base or args.rope_base
@@ -96,6 +97,8 @@ class Rope(nn.Module):
         freq_scale = args.rope_freq_scale
         mscale = yarn_attn_factor(args) if attn_factor is None else attn_factor
         inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
+        if freq_factors is not None:  # llama3-style per-channel-pair divisors (rope_freqs.weight)
+            inv_freq = inv_freq / freq_factors.double().cpu()
         if args.rope_scaling == "yarn":
             low, high = _yarn_corr_dims(dim, args.rope_orig_ctx, base, args.yarn_beta_fast, args.yarn_beta_slow)
             y = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(0.001, high - low)
@@ -201,10 +204,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(T, self.n_heads, self.head_dim)
         k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(T, self.n_kv_heads, self.v_head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
+        if self.q_norm is not None:  # per head, or over the whole projection (olmoe): as long as its weight
+            q = self.q_norm(q.reshape(T, -1, self.q_norm.weight.numel())).view_as(q)
         if self.k_norm is not None:
-            k = self.k_norm(k)
+            k = self.k_norm(k.reshape(T, -1, self.k_norm.weight.numel())).view_as(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
         k_all, v_all = self.cache.update(positions, k, v)  # (S, G, Dh)
         allowed = causal_mask(positions, k_all.shape[0], self.window)

@@ -5,9 +5,12 @@ from __future__ import annotations
 from types import ModuleType
 
 from moeprep.errors import MoeprepError
-from moerun.models import qwen3moe
+from moerun.models import llama, olmoe, qwen2moe, qwen3moe
 
 ARCHS: dict[str, ModuleType] = {
+    "llama": llama,
+    "olmoe": olmoe,
+    "qwen2moe": qwen2moe,
     "qwen3moe": qwen3moe,
 }
 

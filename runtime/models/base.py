@@ -28,11 +28,13 @@ class BuildContext:
     n_ctx: int  # S: KV cache slots and RoPE table length
     _ropes: dict = field(default_factory=dict)
 
-    def rope(self, **options) -> Rope:
-        """A RoPE table, shared by all layers that ask with the same options (see Rope for them)."""
-        key = tuple(sorted(options.items()))
+    def rope(self, *, freq_factors: str | None = None, **options) -> Rope:
+        """A RoPE table, shared by all layers that ask with the same options (see Rope for them);
+        `freq_factors` names the tensor of per-channel-pair frequency divisors, if the model has one."""
+        key = (freq_factors, *sorted(options.items()))
         if key not in self._ropes:
-            self._ropes[key] = Rope(self.args, self.n_ctx, self.weights.device, **options)
+            factors = self.weights.dense(freq_factors, torch.float32) if freq_factors else None
+            self._ropes[key] = Rope(self.args, self.n_ctx, self.weights.device, freq_factors=factors, **options)
         return self._ropes[key]
 
     def kv_cache(self, n_kv_heads: int, k_dim: int, v_dim: int) -> KVCache:

@@ -1,0 +1,28 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): QKV biases, NeoX RoPE; softmax router without renormalisation, plus a
+shared expert scaled per token by sigmoid(ffn_gate_inp_shexp . x)."""
+
+from __future__ import annotations
+
+import torch
+
+from moeprep.gguf.reader import GGUFModel
+from moerun.config import ModelArgs
+from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Router
+from moerun.models.base import BuildContext
+
+
+def read_args(g: GGUFModel) -> ModelArgs:
+    return ModelArgs.from_gguf(g, fixed={"rope_style": "neox"})
+
+
+def build_block(ctx: BuildContext, layer: int) -> Block:
+    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
+    p = f"blk.{layer}"
+    attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
+    router = Router(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, normalize=False)
+    shared_gate_name = f"{p}.ffn_gate_inp_shexp.weight"
+    shared_gate = Linear(w.dense(shared_gate_name).reshape(1, -1), None, shared_gate_name, hooks)  # (1, D)
+    moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks,
+              shared=FeedForward.load(w, hooks, layer, "_shexp"), shared_gate=shared_gate)
+    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
+                 RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), moe)
