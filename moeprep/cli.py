@@ -68,3 +68,60 @@ def demo(folder: str | None) -> None:
     from moeprep.demo import run_demo
 
     run_demo(Path(folder) if folder else Path(tempfile.mkdtemp(prefix="moeprep-demo-")))
+
+
+@main.command()
+@click.argument("source", metavar="IN", type=click.Path(path_type=str))
+@click.argument("out", metavar="OUT", type=click.Path(path_type=str))
+@click.option("--attn", "attn_type", default="Q4_K", show_default=True,
+              help="Type for every attention tensor: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0...")
+@click.option("--imatrix", type=click.Path(path_type=str), help="Importance matrix (llama.cpp GGUF or legacy .dat).")
+@click.option("--type", "type_rules", multiple=True, metavar="REGEX=TYPE",
+              help="Requantize tensors whose name matches REGEX to TYPE (first match wins; experts never change).")
+@click.option("--split-max-size", help="Write llama.cpp shards of at most this size (48G).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--threads", default=os.cpu_count() or 1, show_default=True, help="Quantizer threads.")
+@click.option("--no-verify", is_flag=True, help="Skip the verification of the output against IN.")
+def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_rules: tuple[str, ...],
+             split_max_size: str | None, dry_run: bool, threads: int, no_verify: bool) -> None:
+    """Requantize the attention tensors of IN into OUT; routed experts are copied byte for byte."""
+    from pathlib import Path
+
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.quant.imatrix import read_imatrix
+    from moeprep.quant.plan import format_plan, parse_rule, parse_type, plan_requant
+    from moeprep.quant.quantize import format_summary, quantize_model
+    from moeprep.quant.verify import verify_model
+    from moeprep.units import parse_size
+
+    model = open_gguf(source)
+    plan = plan_requant(model, parse_type(attn_type), [parse_rule(r) for r in type_rules])
+    if dry_run:
+        click.echo(format_plan(plan))
+        return
+    matrix = read_imatrix(imatrix) if imatrix else None
+    result = quantize_model(model, Path(out), plan, imatrix=matrix, threads=threads,
+                            split_max_size=parse_size(split_max_size) if split_max_size else None)
+    report = None if no_verify else verify_model(open_gguf(result.paths[0]), model)
+    click.echo(format_summary(result, report))
+    if report is not None and not report.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("out", metavar="OUT", type=click.Path(path_type=str))
+@click.option("--against", "source", required=True, type=click.Path(path_type=str), help="The source model.")
+def verify(out: str, source: str) -> None:
+    """Check that OUT kept IN's experts, untouched tensors and metadata, and that requantized tensors are close."""
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.quant.verify import verify_model
+
+    report = verify_model(open_gguf(out), open_gguf(source))
+    click.echo(report.summary())
+    if not report.ok:
+        sys.exit(1)
+
+
+from moeprep.profile.cli import profile  # noqa: E402  (the `moeprep profile` group lives with its package)
+
+main.add_command(profile)

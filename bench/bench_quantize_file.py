@@ -1,0 +1,63 @@
+"""Whole-file `moeprep quantize --attn Q4_K` vs a plain copy of the same file, with peak RSS.
+
+    python bench/bench_quantize_file.py [MODEL] [--workdir DIR] [--threads N]
+
+Without MODEL it writes the Qwen3-30B-A3B-shaped synthetic model (about 17 GB, Q4_K experts, Q8_0 attention) into
+the work folder first. Prints one table: copy time, quantize time, their ratio, verify time, peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def timed_child(argv: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a child process."""
+    start = time.perf_counter()
+    pid = subprocess.Popen(argv).pid
+    _, status, usage = os.wait4(pid, 0)
+    if status != 0:
+        sys.exit(f"{argv} failed with status {status}")
+    return time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--workdir", default=tempfile.gettempdir())
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    model = Path(args.model) if args.model else work / "bench-qwen3-30b-a3b.gguf"
+    if not model.exists():
+        subprocess.run([sys.executable, "-m", "moeprep", "synth", str(model), "--preset", "qwen3-30b-a3b",
+                        "--expert-type", "Q4_K", "--attn-type", "Q8_0", "--fast"], check=True)
+    copy_path, out = work / "bench-copy.gguf", work / "bench-q4k-attn.gguf"
+    start = time.perf_counter()
+    shutil.copyfile(model, copy_path)
+    os.sync()
+    copy_s = time.perf_counter() - start
+    copy_path.unlink()
+    quant_s, quant_rss = timed_child([sys.executable, "-m", "moeprep", "quantize", str(model), str(out),
+                                      "--attn", "Q4_K", "--no-verify", "--threads", str(args.threads)])
+    verify_s, verify_rss = timed_child([sys.executable, "-m", "moeprep", "verify", str(out), "--against", str(model)])
+    size = model.stat().st_size
+    print(f"\nmodel {model} ({size / 2**30:.2f} GiB), {args.threads} threads")
+    print(f"{'step':<28}{'seconds':>10}{'peak RSS':>14}")
+    print(f"{'plain copy':<28}{copy_s:>10.1f}{'-':>14}")
+    print(f"{'quantize --attn Q4_K':<28}{quant_s:>10.1f}{quant_rss / 2**20:>11.0f} MiB")
+    print(f"{'verify':<28}{verify_s:>10.1f}{verify_rss / 2**20:>11.0f} MiB")
+    print(f"quantize / copy = {quant_s / copy_s:.2f}x")
+    out.unlink()
+
+
+if __name__ == "__main__":
+    main()
