@@ -23,6 +23,10 @@ GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 GATING_SOFTMAX_WEIGHT = 3
 
+# Fixed values for architectures whose llama.cpp loader ignores the DeepSeek-style MoE keys (weights scale,
+# gating function, leading dense blocks) even when a file carries them.
+PLAIN_MOE: dict[str, Any] = {"expert_weights_scale": 0.0, "gating": GATING_SOFTMAX, "n_dense_lead": 0}
+
 
 @dataclass(frozen=True)
 class ModelArgs:

@@ -267,6 +267,13 @@ class Router(nn.Module):
         self.n_groups, self.n_group_used = args.n_expert_groups, args.n_group_used
         self.register_buffer("selection_bias", selection_bias, persistent=False)
 
+    @classmethod
+    def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, *, normalize: bool) -> Router:
+        """ffn_gate_inp (+ bias) in float32, where near-ties decide routing; exp_probs_b if the model has one."""
+        p = f"blk.{layer}"
+        return cls(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, normalize=normalize,
+                   selection_bias=w.optional(f"{p}.exp_probs_b.bias", torch.float32))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32."""
         logits = self.gate(x).float()  # (T, E)

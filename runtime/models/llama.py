@@ -3,16 +3,14 @@ scale; softmax router with top-k renormalisation. Without experts it is a dense 
 
 from __future__ import annotations
 
-import torch
-
 from moeprep.gguf.reader import GGUFModel
-from moerun.config import ModelArgs
-from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Router
+from moerun.config import PLAIN_MOE, ModelArgs
+from moerun.layers import Attention, Block, FeedForward, GGUFExperts, MoE, RMSNorm, Router
 from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={"rope_style": "normal"})
+    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "rope_style": "normal"})
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
@@ -21,7 +19,7 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     rope = ctx.rope(freq_factors="rope_freqs.weight") if "rope_freqs.weight" in w else ctx.rope()
     attn = Attention.load(args, w, hooks, layer, rope, ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
     if args.n_experts:
-        router = Router(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, normalize=True)
+        router = Router.load(args, w, hooks, layer, normalize=True)
         ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks)
     else:
         ffn = FeedForward.load(w, hooks, layer)

@@ -3,23 +3,21 @@ shared expert scaled per token by sigmoid(ffn_gate_inp_shexp . x)."""
 
 from __future__ import annotations
 
-import torch
-
 from moeprep.gguf.reader import GGUFModel
-from moerun.config import ModelArgs
+from moerun.config import PLAIN_MOE, ModelArgs
 from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Router
 from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={"rope_style": "neox"})
+    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "rope_style": "neox"})
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
     args, w, hooks = ctx.args, ctx.weights, ctx.hooks
     p = f"blk.{layer}"
     attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
-    router = Router(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, normalize=False)
+    router = Router.load(args, w, hooks, layer, normalize=False)
     shared_gate_name = f"{p}.ffn_gate_inp_shexp.weight"
     shared_gate = Linear(w.dense(shared_gate_name).reshape(1, -1), None, shared_gate_name, hooks)  # (1, D)
     moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks,

@@ -1,0 +1,113 @@
+"""DeepSeek-V2/V3 (and the MLA models llama.cpp runs as deepseek2): multi-head latent attention, leading dense
+blocks, routed experts with shared experts, softmax or sigmoid gating with exp_probs_b and group-limited top-k.
+
+MLA runs in its absorbed form in both GGUF layouts: the cache holds one latent row per position, c (kv_lora_rank)
+plus the roped key part k_pe (rope_dim), shared by all heads; each head's non-roped query is mapped into latent
+space by its attn_k_b matrix, and the attention output back out by attn_v_b. Files with the older combined
+attn_kv_b tensor are split into those two at load. Extra letters: C latent rank (kv_lora_rank), R roped dims,
+N non-roped query dims, Dv value head size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moeprep.gguf.reader import GGUFModel
+from moerun.cache.kv import KVCache
+from moerun.config import GATING_SOFTMAX, ModelArgs
+from moerun.hooks import Hooks
+from moerun.layers import Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router, attend, causal_mask, yarn_attn_factor
+from moerun.models.base import BuildContext
+from moerun.weights import Weights
+
+
+def read_args(g: GGUFModel) -> ModelArgs:
+    args = ModelArgs.from_gguf(g, fixed={"rope_style": "normal"}, defaults={"gating": GATING_SOFTMAX})
+    # The converter stores 0.1 * mscale_all_dim as the yarn log multiplier; llama.cpp divides the 0.1 back out.
+    return args.replace(yarn_log_mul=args.yarn_log_mul / 0.1,
+                        head_dim_mla=args.head_dim_mla or args.head_dim,
+                        v_head_dim_mla=args.v_head_dim_mla or args.v_head_dim)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, rope: Rope, cache: KVCache) -> None:
+        super().__init__()
+        p = f"blk.{layer}"
+        self.n_heads, self.rank, self.rope_dim = args.n_heads, args.kv_lora_rank, args.rope_dim
+        self.nope_dim, self.v_dim = args.head_dim_mla - args.rope_dim, args.v_head_dim_mla
+        if args.q_lora_rank:
+            self.wq_a = Linear.load(w, f"{p}.attn_q_a", hooks)
+            self.q_a_norm = RMSNorm.load(w, f"{p}.attn_q_a_norm.weight", args.norm_eps)
+            self.wq = Linear.load(w, f"{p}.attn_q_b", hooks)
+        else:
+            self.wq_a = self.q_a_norm = None
+            self.wq = Linear.load(w, f"{p}.attn_q", hooks)
+        self.wkv_a = Linear.load(w, f"{p}.attn_kv_a_mqa", hooks)
+        self.kv_a_norm = RMSNorm.load(w, f"{p}.attn_kv_a_norm.weight", args.norm_eps)
+        if f"{p}.attn_kv_b.weight" in w:
+            self.kv_b_name = f"{p}.attn_kv_b.weight"
+            kv_b = w.dense(self.kv_b_name).view(self.n_heads, self.nope_dim + self.v_dim, self.rank)
+            k_b, v_b = kv_b[:, : self.nope_dim].transpose(1, 2), kv_b[:, self.nope_dim :]
+            self.k_b_name = self.v_b_name = None
+        else:
+            self.kv_b_name = None
+            self.k_b_name, self.v_b_name = f"{p}.attn_k_b.weight", f"{p}.attn_v_b.weight"
+            k_b, v_b = w.dense(self.k_b_name), w.dense(self.v_b_name)
+        self.k_b = nn.Parameter(k_b.contiguous(), requires_grad=False)  # (H, C, N)
+        self.v_b = nn.Parameter(v_b.contiguous(), requires_grad=False)  # (H, Dv, C)
+        self.wo = Linear.load(w, f"{p}.attn_output", hooks)
+        self.rope, self.cache, self.hooks = rope, cache, hooks
+        # llama.cpp pre-scales the softmax by YaRN's magnitude correction squared (see its deepseek2 graph).
+        freq_scale = args.rope_freq_scale
+        mscale = rope_attn_factor(args) * (1 + 0.1 * math.log(1 / freq_scale))
+        mscale *= 1 + 0.1 * args.yarn_log_mul * math.log(1 / freq_scale)
+        self.scale = mscale * mscale / math.sqrt(args.head_dim_mla)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        T, H = x.shape[0], self.n_heads
+        q_in = x if self.wq_a is None else self.q_a_norm(self.wq_a(x))
+        q = self.wq(q_in).view(T, H, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q[..., : self.nope_dim], self.rope(q[..., self.nope_dim :], positions)  # (T, H, N), (T, H, R)
+        kv = self.wkv_a(x)  # (T, C + R)
+        latent = self.kv_a_norm(kv[:, : self.rank])  # (T, C)
+        k_pe = self.rope(kv[:, None, self.rank :], positions)  # (T, 1, R)
+        if self.hooks.activation:
+            self._fire("q", q_nope, latent)
+        q_latent = torch.einsum("thn,hcn->thc", q_nope.to(self.k_b.dtype), self.k_b).float()  # (T, H, C)
+        k_all, v_all = self.cache.update(positions, torch.cat([latent[:, None], k_pe], dim=-1), latent[:, None])
+        allowed = causal_mask(positions, k_all.shape[0])
+        out = attend(torch.cat([q_latent, q_pe], dim=-1), k_all, v_all, allowed, self.scale)  # (T, H, C)
+        if self.hooks.activation:
+            self._fire("v", out, None)
+        out = torch.einsum("thc,hvc->thv", out.to(self.v_b.dtype), self.v_b).float()  # (T, H, Dv)
+        return self.wo(out.reshape(T, H * self.v_dim))
+
+    def _fire(self, stage: str, x: torch.Tensor, latent: torch.Tensor | None) -> None:
+        """Activation hooks for the 3-D MLA matrices, with one row per (token, head); attn_kv_b sees the latent."""
+        if stage == "q" and self.kv_b_name is not None:
+            self.hooks.fire_activation(self.kv_b_name, latent)
+        name = self.k_b_name if stage == "q" else self.v_b_name
+        if name is not None:
+            self.hooks.fire_activation(name, x.reshape(-1, x.shape[-1]))
+
+
+def rope_attn_factor(args: ModelArgs) -> float:
+    """deepseek2's rope magnitude: llama.cpp takes the model's mscale from its yarn log multiplier."""
+    return yarn_attn_factor(args, mscale=args.yarn_log_mul if args.yarn_log_mul not in (0.0, 1.0) else 1.0)
+
+
+def build_block(ctx: BuildContext, layer: int) -> Block:
+    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
+    p = f"blk.{layer}"
+    rope = ctx.rope(attn_factor=rope_attn_factor(args))
+    attn = MLAttention(args, w, hooks, layer, rope, ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank))
+    if layer < args.n_dense_lead:
+        ffn = FeedForward.load(w, hooks, layer)
+    else:
+        router = Router.load(args, w, hooks, layer, normalize=args.expert_weights_norm)
+        ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks, shared=FeedForward.load(w, hooks, layer, "_shexp"))
+    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
+                 RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), ffn)

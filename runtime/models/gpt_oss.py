@@ -1,0 +1,28 @@
+"""gpt-oss: biases on every projection, per-head attention sinks, a sliding window on all but the last layer of
+every `sliding_window_pattern` (default 2: the even layers), NeoX RoPE (YaRN in the released models, with its own
+base on sliding layers); the router picks the top-k logits and softmaxes over those alone; experts use the
+clamped SwiGLU (alpha 1.702, limit 7) with biases, usually stored as MXFP4."""
+
+from __future__ import annotations
+
+from moeprep.gguf.reader import GGUFModel
+from moerun.config import GATING_SOFTMAX_WEIGHT, PLAIN_MOE, ModelArgs
+from moerun.layers import Attention, Block, GGUFExperts, MoE, RMSNorm, Router
+from moerun.models.base import BuildContext
+
+
+def read_args(g: GGUFModel) -> ModelArgs:
+    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "rope_style": "neox", "gating": GATING_SOFTMAX_WEIGHT},
+                               defaults={"swa_pattern": 2})
+
+
+def build_block(ctx: BuildContext, layer: int) -> Block:
+    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
+    p = f"blk.{layer}"
+    rope = ctx.rope(base=args.rope_base_swa) if args.swa_layers[layer] else ctx.rope()
+    attn = Attention.load(args, w, hooks, layer, rope, ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim),
+                          scale=args.rope_dim ** -0.5)
+    router = Router.load(args, w, hooks, layer, normalize=False)
+    moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer, activation="swiglu_oai"), hooks)
+    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
+                 RMSNorm.load(w, f"{p}.post_attention_norm.weight", args.norm_eps), moe)
