@@ -1,0 +1,117 @@
+"""Q4_K / Q5_K / Q6_K bytes against libggml's ggml_quantize_chunk, with and without an importance matrix."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from moeprep.quant import kquants
+
+KTYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
+IMATRIX = [None, "random", "sparse"]
+
+
+def make_imatrix(kind: str | None, n_per_row: int, rng: np.random.Generator) -> np.ndarray | None:
+    """None, positive random importance, or one that is zero almost everywhere (zero-weight sub-blocks)."""
+    if kind is None:
+        return None
+    if kind == "random":
+        return (rng.random(n_per_row) ** 2 * 3).astype(np.float32)
+    return ((rng.random(n_per_row) < 0.1) * 5).astype(np.float32)
+
+
+def adversarial_rows(n_per_row: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Named [4, n_per_row] inputs that hit ggml's edge paths (zero groups, fp16 overflow, signed zeros...)."""
+    def normal() -> np.ndarray:
+        return rng.standard_normal((4, n_per_row))
+
+    outlier = normal() * 0.01
+    outlier[:, 7], outlier[:, n_per_row // 2 + 3] = 50.0, -80.0
+    rows = {
+        "zeros": np.zeros((4, n_per_row)),
+        "constant": np.full((4, n_per_row), 0.37),
+        "constant-negative": np.full((4, n_per_row), -2.5),
+        "one-outlier": outlier,
+        "huge-1e4": normal() * 1e4,
+        "huge-6e4": normal() * 6e4,  # scales overflow fp16
+        "huge-1e30": normal() * 1e30,  # x*x overflows float32
+        "tiny-1e-10": normal() * 1e-10,
+        "tiny-1e-30": normal() * 1e-30,  # below GROUP_MAX_EPS
+        "negative-only": -np.abs(normal()),
+        "positive-only": np.abs(normal()),
+        "integer-grid": rng.integers(-8, 8, (4, n_per_row)).astype(float),
+        "sparse-signed-zeros": normal() * (rng.random((4, n_per_row)) < 0.05),
+        "signed-zeros": np.where(rng.random((4, n_per_row)) < 0.5, 0.0, -0.0),
+        "mixed-scales": normal() * np.exp(rng.standard_normal((4, n_per_row // 32)) * 4).repeat(32, axis=1),
+    }
+    return {k: v.astype(np.float32) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("n_per_row", [256, 512, 2048])
+@pytest.mark.parametrize("imatrix", IMATRIX)
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_random_rows_match_ggml(ggml, qtype, imatrix, n_per_row):
+    rng = np.random.default_rng(n_per_row)
+    rows = (rng.standard_t(3, (16, n_per_row)) * rng.exponential(1.0, (16, 1))).astype(np.float32)
+    qw = make_imatrix(imatrix, n_per_row, rng)
+    ours = kquants.KQUANTIZERS[qtype](rows, qw)
+    theirs = ggml.quantize(rows, qtype, qw)
+    ggml.assert_same_blocks(ours, theirs, qtype, f"random rows of {n_per_row}, imatrix={imatrix}")
+
+
+@pytest.mark.parametrize("imatrix", IMATRIX)
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_adversarial_rows_match_ggml(ggml, qtype, imatrix):
+    rng = np.random.default_rng(7)
+    qw = make_imatrix(imatrix, 512, rng)
+    for name, rows in adversarial_rows(512, rng).items():
+        ours = kquants.KQUANTIZERS[qtype](rows, qw)
+        ggml.assert_same_blocks(ours, ggml.quantize(rows, qtype, qw), qtype, f"{name}, imatrix={imatrix}")
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_chunk_boundaries_and_per_row_importance(ggml, qtype, monkeypatch):
+    """Rows split over several chunks; an [R, P] importance equals quantizing each row with its own [P] one."""
+    monkeypatch.setattr(kquants, "CHUNK_BLOCKS", 3)
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((5, 512)).astype(np.float32)
+    per_row = (rng.random((5, 512)) + 0.1).astype(np.float32)
+    ours = kquants.KQUANTIZERS[qtype](rows, per_row)
+    theirs = np.concatenate([ggml.quantize(rows[r:r + 1], qtype, per_row[r]) for r in range(5)])
+    ggml.assert_same_blocks(ours, theirs, qtype, "per-row importance over chunks of 3 blocks")
+    reference = kquants.KQUANTIZERS[qtype](rows, None)
+    ggml.assert_same_blocks(reference, ggml.quantize(rows, qtype), qtype, "reference over chunks of 3 blocks")
+
+
+def test_nearest_int_wraps_like_c():
+    """In range it rounds half to even; out of range it returns the C bit trick's value, not a rounded one."""
+    def c_nearest_int(v: float) -> int:
+        bits = struct.unpack("<i", struct.pack("<f", np.float32(np.float32(v) + np.float32(12582912.0))))[0]
+        return (bits & 0x007FFFFF) - 0x00400000
+
+    values = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 3.49, 4194303.0, -4194303.0, 5e6, -9e6, 1e20, np.inf, -np.inf,
+                       np.nan], np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        got = kquants.nearest_int(values)
+    assert got.tolist() == [c_nearest_int(v) for v in values]
+    assert got[:6].tolist() == [0, 2, 2, 0, -2, 3]
+
+
+def test_running_sum_is_sequential():
+    """A running float32 sum, not numpy's pairwise sum: they differ on this input."""
+    terms = np.array([[1e8], [1.0], [-1e8], [1.0]] * 8, np.float32)
+    expected = np.float32(0)
+    for t in terms[:, 0]:
+        expected = np.float32(expected + t)
+    assert kquants.running_sum(terms)[0] == expected
+
+
+def test_output_shape_and_type_sizes():
+    rows = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
+    assert kquants.quantize_q4_k(rows).shape == (3, 2 * 144)
+    assert kquants.quantize_q5_k(rows).shape == (3, 2 * 176)
+    assert kquants.quantize_q6_k(rows).shape == (3, 2 * 210)
+    assert kquants.quantize_q6_k(rows).dtype == np.uint8
