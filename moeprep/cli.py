@@ -125,3 +125,32 @@ def verify(out: str, source: str) -> None:
 from moeprep.profile.cli import profile  # noqa: E402  (the `moeprep profile` group lives with its package)
 
 main.add_command(profile)
+
+
+@main.command()
+@click.argument("out", metavar="OUT", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--arch", default="qwen3moe", show_default=True,
+              help="Architecture as GGUF names it (qwen3moe, deepseek2, gpt-oss, ...).")
+@click.option("--preset", default="tiny", show_default=True, help="Size preset (tiny, small, qwen3-30b-a3b).")
+@click.option("--expert-type", default=None, help="Routed experts' type, e.g. F16, Q8_0, Q4_K (default: the preset's).")
+@click.option("--attn-type", default=None, help="Attention, shared-expert and dense-FFN type (default: the preset's).")
+@click.option("--skew", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="How strongly the routers favour a few experts.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--layers", "n_layer", default=None, type=click.IntRange(min=1), help="Override the layer count.")
+@click.option("--experts", "n_expert", default=None, type=click.IntRange(min=1), help="Override the expert count.")
+@click.option("--experts-used", "n_expert_used", default=None, type=click.IntRange(min=1),
+              help="Override the experts chosen per token.")
+@click.option("--fast-random-blocks", is_flag=True, help="Write quantized tensors as random valid blocks (fast).")
+def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: str | None, skew: float, seed: int,
+          n_layer: int | None, n_expert: int | None, n_expert_used: int | None, fast_random_blocks: bool) -> None:
+    """Write a synthetic MoE model (random weights, real tokenizer) that llama.cpp loads: test and demo fixtures."""
+    from pathlib import Path
+
+    from moeprep.synth import write_synth_model
+    from moeprep.units import format_size
+
+    path = write_synth_model(out, arch, preset=preset, seed=seed, expert_type=expert_type, attn_type=attn_type,
+                             skew=skew, n_layer=n_layer, n_expert=n_expert, n_expert_used=n_expert_used,
+                             fast_random_blocks=fast_random_blocks)
+    click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")
