@@ -86,10 +86,14 @@ class ImportanceMatrix:
         return imp[0] if imp.shape[0] == 1 else imp
 
     def quantize_kv(self) -> dict[str, str | int]:
-        """The quantize.imatrix.* keys llama-quantize records in the model it writes (same omissions)."""
-        kv: dict[str, str | int] = {QUANTIZE_IMATRIX_FILE: self.path}
+        """The quantize.imatrix.* keys llama-quantize records in the model it writes, with its omissions and its
+        127-byte limit on the two strings (they pass through a char[128] override)."""
+        def c_str(v: str) -> str:
+            return v.encode()[:127].decode(errors="ignore")
+
+        kv: dict[str, str | int] = {QUANTIZE_IMATRIX_FILE: c_str(self.path)}
         if self.datasets:
-            kv[QUANTIZE_IMATRIX_DATASET] = self.datasets[0]
+            kv[QUANTIZE_IMATRIX_DATASET] = c_str(self.datasets[0])
         kv[QUANTIZE_IMATRIX_N_ENTRIES] = self.entry_count
         if self.chunk_count > 0:
             kv[QUANTIZE_IMATRIX_N_CHUNKS] = self.chunk_count
@@ -116,7 +120,8 @@ def _read_gguf(path: str) -> ImportanceMatrix:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf-py's reader reports damage as whatever numpy or struct raised on the way
-        raise MoeprepError(f"{path}: corrupt GGUF imatrix ({e}); regenerate it with llama-imatrix") from e
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MoeprepError(f"{path}: corrupt GGUF imatrix ({detail}); regenerate it with llama-imatrix") from e
 
     gtype = _field_value(reader, Keys.General.TYPE)
     if gtype is not None and gtype != gguf.GGUFType.IMATRIX:
@@ -210,7 +215,11 @@ def write_imatrix_gguf(path: str | os.PathLike[str], entries: dict[str, tuple[np
     """Write llama.cpp's GGUF imatrix, atomically (temp file in the same folder, then rename).
 
     entries: weight name -> (in_sum2 [M, P] or [P], counts [M]), raw sums and token counts, as llama-imatrix keeps
-    them; M = 1 for a dense weight. Tensors are written sorted by name, like llama-imatrix."""
+    them; M = 1 for a dense weight. Tensors are written sorted by name, like llama-imatrix.
+    datasets must name at least one dataset: llama-quantize refuses a file without imatrix.datasets, and gguf-py
+    cannot write an empty array."""
+    if not datasets:
+        raise ValueError("write_imatrix_gguf needs at least one dataset name (imatrix.datasets)")
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".imatrix-", suffix=".tmp", dir=folder)

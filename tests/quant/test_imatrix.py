@@ -119,8 +119,10 @@ def test_gguf_write_is_atomic(tmp_path):
     path.write_bytes(b"old")
     bad = {DENSE: (np.ones(10, np.float32), np.ones(3, np.float32))}  # 10 sums do not split into 3 matrices
     with pytest.raises(ValueError):
-        im.write_imatrix_gguf(path, bad, [], 1, 512)
+        im.write_imatrix_gguf(path, bad, ["wiki.train.raw"], 1, 512)
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["imatrix.gguf"]
+    with pytest.raises(ValueError, match="at least one dataset"):
+        im.write_imatrix_gguf(path, sample_entries(np.random.default_rng(0)), [], 1, 512)
 
 
 def test_legacy_dat(tmp_path):
