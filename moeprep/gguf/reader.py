@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,19 @@ class GGUFModel:
     def raw(self, t: TensorInfo) -> np.ndarray:
         """The tensor's stored bytes as a uint8 view of the memory map (no copy)."""
         return self.readers[t.shard].data[t.offset : t.offset + t.n_bytes]
+
+    def iter_bytes(self, t: TensorInfo, chunk_size: int = 64 << 20) -> Iterator[bytes]:
+        """The tensor's stored bytes in chunks, read from the file rather than the memory map, so that streaming a
+        huge model does not leave its pages resident in this process."""
+        with open(self.shard_paths[t.shard], "rb", buffering=0) as f:
+            f.seek(t.offset)
+            left = t.n_bytes
+            while left:
+                chunk = f.read(min(chunk_size, left))
+                if not chunk:
+                    raise MoeprepError(f"{self.shard_paths[t.shard]}: file shrank while reading {t.name}")
+                left -= len(chunk)
+                yield chunk
 
     def dequantize(self, t: TensorInfo) -> np.ndarray:
         """The tensor as float32 in numpy shape (reads and converts the whole tensor)."""

@@ -65,14 +65,8 @@ class KVValue:
 
 
 def copied_tensor(model: GGUFModel, t: TensorInfo) -> OutputTensor:
-    """An output tensor that is a byte-for-byte copy of `t`, read in chunks from the memory map."""
-
-    def chunks() -> Iterator[np.ndarray]:
-        raw = model.raw(t)
-        for start in range(0, t.n_bytes, COPY_CHUNK):
-            yield raw[start : start + COPY_CHUNK]
-
-    return OutputTensor(t.name, t.ggml_type, t.shape, chunks)
+    """An output tensor that is a byte-for-byte copy of `t`, streamed from the source file in chunks."""
+    return OutputTensor(t.name, t.ggml_type, t.shape, lambda: model.iter_bytes(t, COPY_CHUNK))
 
 
 def _pack_string(s: str) -> bytes:

@@ -46,9 +46,8 @@ class VerifyReport:
 
 def tensor_sha256(model: GGUFModel, t: TensorInfo) -> str:
     h = hashlib.sha256()
-    raw = model.raw(t)
-    for start in range(0, t.n_bytes, COPY_CHUNK):
-        h.update(raw[start : start + COPY_CHUNK])
+    for chunk in model.iter_bytes(t, COPY_CHUNK):
+        h.update(chunk)
     return h.hexdigest()
 
 
