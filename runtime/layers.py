@@ -1,6 +1,6 @@
 """The shared layers every architecture file builds on: linear, norm, RoPE, attention, router, experts, blocks.
 
-Letters in shape comments: T tokens in the step, S KV cache slots (= n_ctx), D hidden size, H query heads,
+Letters in shape comments: T tokens in the step, S KV cache slots read (at most n_ctx), D hidden size, H query heads,
 G KV heads, Dh head size, E experts, K experts per token, I expert hidden size, V vocabulary.
 
 The residual stream is float32; each matmul runs in the weights' compute dtype (float32 on CPU, bfloat16 on CUDA),
@@ -10,6 +10,7 @@ and norms, softmaxes, RoPE and the router run in float32, as llama.cpp does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -138,13 +139,28 @@ def _yarn_corr_dims(dim: int, orig_ctx: int, base: float, beta_fast: float, beta
 # ----------------------------------------------------------------------------------------------------- attention
 
 
-def causal_mask(positions: torch.Tensor, n_slots: int, window: int = 0) -> torch.Tensor:
-    """(T, S) bool: query at positions[t] may see slot s (slot = position); `window` > 0 limits how far back."""
-    slots = torch.arange(n_slots, device=positions.device)[None, :]
-    allowed = slots <= positions[:, None]
-    if window:
-        allowed &= slots > positions[:, None] - window
-    return allowed
+@dataclass
+class Step:
+    """One forward call: the positions of its T tokens, and how many KV cache slots attention reads.
+
+    Slots past the last position are masked anyway, so n_slots = last position + 1 is the cheapest choice; a
+    CUDA-graph decode step passes all S slots instead, so that its shapes never change.
+    """
+
+    positions: torch.Tensor  # (T,) int64
+    n_slots: int
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int = 0) -> torch.Tensor:
+        """(T, n_slots) bool: may the query at positions[t] see slot s (slot = position); `window` > 0 limits how
+        far back (llama.cpp's standard sliding window: the last `window` positions, itself included)."""
+        if window not in self._masks:
+            slots = torch.arange(self.n_slots, device=self.positions.device)[None, :]
+            allowed = slots <= self.positions[:, None]
+            if window:
+                allowed &= slots > self.positions[:, None] - window
+            self._masks[window] = allowed
+        return self._masks[window]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
@@ -199,7 +215,7 @@ class Attention(nn.Module):
             sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32),
         )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         T = x.shape[0]
         q = self.wq(x).view(T, self.n_heads, self.head_dim)
         k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
@@ -208,10 +224,10 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(T, -1, self.q_norm.weight.numel())).view_as(q)
         if self.k_norm is not None:
             k = self.k_norm(k.reshape(T, -1, self.k_norm.weight.numel())).view_as(k)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        k_all, v_all = self.cache.update(positions, k, v)  # (S, G, Dh)
-        allowed = causal_mask(positions, k_all.shape[0], self.window)
-        out = attend(q, k_all, v_all, allowed, self.scale, self.sinks)  # (T, H, Dv)
+        q, k = self.rope(q, step.positions), self.rope(k, step.positions)
+        k_all, v_all = self.cache.update(step.positions, k, v)  # (S, G, Dh)
+        n = step.n_slots
+        out = attend(q, k_all[:n], v_all[:n], step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
 
 
@@ -247,7 +263,7 @@ class FeedForward(nn.Module):
         p = f"blk.{layer}"
         return cls(*(Linear.load(w, f"{p}.ffn_{part}{suffix}", hooks) for part in ("gate", "up", "down")))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         return self.down(swiglu(self.gate(x), self.up(x)))
 
 
@@ -334,7 +350,7 @@ class GGUFExperts(nn.Module):
                    tuple(w.optional(f"{p}.ffn_{part}_exps.bias", torch.float32) for part in parts))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # (T, D)
+        per_slot = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # (T, K, D)
         for e in torch.unique(ids).tolist():  # the host sync routing needs
             rows, slots = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and in which of their K slots
             xe = x[rows]  # (n, D)
@@ -345,8 +361,8 @@ class GGUFExperts(nn.Module):
             if self.hooks.activation:
                 self.hooks.fire_activation(self.down.name, h, e)
             y = self._matmul(self.down, h, e, self.down_bias)  # (n, D)
-            out.index_add_(0, rows, y * weights[rows, slots, None])
-        return out
+            per_slot[rows, slots] = y * weights[rows, slots, None]
+        return per_slot.sum(dim=1)
 
     @staticmethod
     def _matmul(t: ExpertTensor, x: torch.Tensor, e: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -364,10 +380,10 @@ class MoE(nn.Module):
         self.layer, self.router, self.experts, self.hooks = layer, router, experts, hooks
         self.shared, self.shared_gate = shared, shared_gate
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         ids, weights = self.router(x)  # (T, K)
         if self.hooks.routing:
-            self.hooks.fire_routing(self.layer, positions, ids, weights)
+            self.hooks.fire_routing(self.layer, step.positions, ids, weights)
         out = self.experts(x, ids, weights)
         if self.shared is not None:
             shared = self.shared(x)
@@ -384,6 +400,6 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), positions)
-        return h + self.ffn(self.ffn_norm(h), positions)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), step)
+        return h + self.ffn(self.ffn_norm(h), step)

@@ -11,6 +11,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, open_gguf
 from moerun.config import ModelArgs
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
+from moerun.layers import Step
 from moerun.models import arch_module
 from moerun.models.base import BuildContext, Transformer
 from moerun.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ class Model:
         if start_pos + T > self.n_ctx:
             raise MoeprepError(f"{start_pos + T} positions do not fit the context of {self.n_ctx}; load with a larger n_ctx")
         positions = torch.arange(start_pos, start_pos + T, device=self.device)
-        return self.net(tokens.to(self.device), positions)
+        return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T))
 
     def add_routing_hook(self, fn: Callable[[RoutingEvent], None]) -> HookHandle:
         return self.hooks.add_routing(fn)

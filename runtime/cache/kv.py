@@ -1,8 +1,9 @@
 """Preallocated KV cache: one slot per position, written with `update`; the buffers never change shape.
 
-Slot s holds position s, so a decode step writes one row and attends over all S slots under a mask built from the
-query positions (stale slots of an earlier sequence sit at later positions and are masked out). Fixed shapes are
-what lets a CUDA graph capture the decode step.
+Slot s holds position s, so a step writes its rows in place and attention reads a prefix of the slots under a
+mask built from the query positions (see layers.Step); stale slots of an earlier sequence sit at later positions
+and are masked out, so starting over at position 0 needs no reset. The buffers' fixed shapes are what lets a
+CUDA graph capture the decode step.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from torch import nn
 from moerun.cache.kv import KVCache
 from moerun.config import ModelArgs
 from moerun.hooks import Hooks
-from moerun.layers import Linear, RMSNorm, Rope
+from moerun.layers import Linear, RMSNorm, Rope, Step
 from moerun.weights import Weights
 
 
@@ -53,9 +53,9 @@ class Transformer(nn.Module):
         head = "output" if "output.weight" in w else "token_embd"
         self.output = Linear.load(w, head, ctx.hooks)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens (T,), positions (T,) -> logits (T, V) float32."""
+    def forward(self, tokens: torch.Tensor, step: Step) -> torch.Tensor:
+        """tokens (T,) at step.positions -> logits (T, V) float32."""
         x = self.embed[tokens]  # (T, D)
         for block in self.blocks:
-            x = block(x, positions)
+            x = block(x, step)
         return self.output(self.norm(x))

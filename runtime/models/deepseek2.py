@@ -19,7 +19,8 @@ from moeprep.gguf.reader import GGUFModel
 from moerun.cache.kv import KVCache
 from moerun.config import GATING_SOFTMAX, ModelArgs
 from moerun.hooks import Hooks
-from moerun.layers import Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router, attend, causal_mask, yarn_attn_factor
+from moerun.layers import (Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router, Step, attend,
+                           yarn_attn_factor)
 from moerun.models.base import BuildContext
 from moerun.weights import Weights
 
@@ -66,8 +67,9 @@ class MLAttention(nn.Module):
         mscale *= 1 + 0.1 * args.yarn_log_mul * math.log(1 / freq_scale)
         self.scale = mscale * mscale / math.sqrt(args.head_dim_mla)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         T, H = x.shape[0], self.n_heads
+        positions = step.positions
         q_in = x if self.wq_a is None else self.q_a_norm(self.wq_a(x))
         q = self.wq(q_in).view(T, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope_dim], self.rope(q[..., self.nope_dim :], positions)  # (T, H, N), (T, H, R)
@@ -78,8 +80,8 @@ class MLAttention(nn.Module):
             self._fire("q", q_nope, latent)
         q_latent = torch.einsum("thn,hcn->thc", q_nope.to(self.k_b.dtype), self.k_b).float()  # (T, H, C)
         k_all, v_all = self.cache.update(positions, torch.cat([latent[:, None], k_pe], dim=-1), latent[:, None])
-        allowed = causal_mask(positions, k_all.shape[0])
-        out = attend(torch.cat([q_latent, q_pe], dim=-1), k_all, v_all, allowed, self.scale)  # (T, H, C)
+        n = step.n_slots
+        out = attend(torch.cat([q_latent, q_pe], dim=-1), k_all[:n], v_all[:n], step.mask(), self.scale)  # (T, H, C)
         if self.hooks.activation:
             self._fire("v", out, None)
         out = torch.einsum("thc,hvc->thv", out.to(self.v_b.dtype), self.v_b).float()  # (T, H, Dv)
