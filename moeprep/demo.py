@@ -20,11 +20,18 @@ from moeprep.errors import MoeprepError
 def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
     """(what the step shows, the command) in order; paths inside `folder`."""
     model = folder / "demo-qwen3moe.gguf"
+    q4 = folder / "demo-qwen3moe-attn-q4k.gguf"
     return [
         ("Write a small synthetic Qwen3-MoE model (skewed routing, byte-level BPE tokenizer)",
          ["moeprep", "synth", str(model), "--arch", "qwen3moe", "--preset", "small", "--skew", "0.5"]),
         ("Inspect it: layers, experts, bytes per tensor role, and expert-cache slots on two 24 GB GPUs",
          ["moeprep", "inspect", str(model), "--vram", "24G,24G"]),
+        ("Plan the requantization: attention to Q4_K, experts copied byte for byte",
+         ["moeprep", "quantize", str(model), str(q4), "--attn", "Q4_K", "--dry-run"]),
+        ("Requantize; the result is verified against the source at the end",
+         ["moeprep", "quantize", str(model), str(q4), "--attn", "Q4_K"]),
+        ("Generate with moeprep's own runtime on the requantized model",
+         ["moerun", "-m", str(q4), "-p", "The expert cache", "-n", "16", "--seed", "0"]),
     ]
 
 
