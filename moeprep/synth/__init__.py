@@ -8,8 +8,8 @@ skew, quantized bytes), tokenizer (the shipped byte-level BPE), model (writing),
 
 from moeprep.synth.archs import ARCHS
 from moeprep.synth.config import PRESETS, SYNTH_TYPES, SynthConfig
-from moeprep.synth.model import SYNTH_ARCHS, synth_config, write_synth_model
+from moeprep.synth.model import SYNTH_ARCHS, synth_config, tensor_data_size, write_synth_model
 from moeprep.synth.weights import BIAS_CHANNEL, BIAS_CHANNEL_NORMED
 
 __all__ = ["ARCHS", "BIAS_CHANNEL", "BIAS_CHANNEL_NORMED", "PRESETS", "SYNTH_ARCHS", "SYNTH_TYPES", "SynthConfig",
-           "synth_config", "write_synth_model"]
+           "synth_config", "tensor_data_size", "write_synth_model"]

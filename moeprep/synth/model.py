@@ -15,6 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from moeprep.errors import MoeprepError
 from moeprep.gguf.roles import TensorRole, parse_tensor_name, role_table, tensor_role
 from moeprep.gguf.writer import KVValue, atomic_outputs
+from moeprep.quant import registry
 from moeprep.synth.archs import ARCHS, ArchSpec, TensorSpec, model_metadata, model_tensors
 from moeprep.synth.config import SynthConfig, resolve_config
 from moeprep.synth.tokenizer import load_vocab, vocab_metadata
@@ -65,15 +66,32 @@ def synth_config(arch: str = "qwen3moe", *, preset: str = "tiny", seed: int = 0,
 
 
 def storage_type(t: TensorSpec, c: SynthConfig, roles: dict[str, TensorRole]) -> GGMLQuantizationType:
-    """Vectors and biases are F32; a matrix takes its pinned type, else its role's type, or F16 if its rows do not
-    fit that type's blocks (e.g. Q4_K rows of 64 values in the tiny preset)."""
+    """Vectors and biases are F32; a matrix takes its pinned type, else its role's type, demoted as llama-quantize
+    does when its rows do not fit that type's blocks (Q4_K rows of 64 values in the tiny preset become Q5_0);
+    MXFP4, which the registry does not cover, falls back to F16."""
     name = parse_tensor_name(t.name)
     if len(t.shape) == 1 or name.suffix == "bias":
         return Q.F32
     if name.base in PINNED_TYPES:
         return PINNED_TYPES[name.base]
     qtype = ROLE_TYPES[tensor_role(t.name, roles)](c)
+    if qtype in registry.QUANTIZERS:
+        return registry.choose_type(qtype, t.shape[-1])[0]
     return qtype if t.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
+
+
+def planned_tensors(c: SynthConfig) -> tuple[list[TensorSpec], list[GGMLQuantizationType]]:
+    """Every tensor of the model in file order, with its storage type."""
+    spec = ARCHS[c.arch]
+    tensors = model_tensors(spec, c, load_vocab().size)
+    roles, _ = role_table(spec.name)
+    return tensors, [storage_type(t, c, roles) for t in tensors]
+
+
+def tensor_data_size(c: SynthConfig) -> int:
+    """Bytes of tensor data the model will have (the file adds metadata and alignment padding)."""
+    tensors, types = planned_tensors(c)
+    return sum(int(np.prod(byte_shape(t.shape, q))) for t, q in zip(tensors, types))
 
 
 def tensor_bytes(t: TensorSpec, qtype: GGMLQuantizationType, c: SynthConfig) -> np.ndarray:
@@ -88,7 +106,7 @@ def tensor_bytes(t: TensorSpec, qtype: GGMLQuantizationType, c: SynthConfig) -> 
     values = t.init.sample(rng, t.shape)
     if t.residual_axis is not None:
         np.moveaxis(values, t.residual_axis, 0)[BIAS_CHANNEL] = 0
-    return quantize(values, qtype, rng)
+    return quantize(values, qtype)
 
 
 def general_metadata(c: SynthConfig, types: list[GGMLQuantizationType]) -> dict[str, KVValue]:
@@ -127,9 +145,7 @@ def write_synth_model(path: str | Path, arch: str = "qwen3moe", *, preset: str =
         raise MoeprepError(f"{path.parent}: output folder does not exist")
     spec: ArchSpec = ARCHS[arch]
     vocab = load_vocab()
-    tensors = model_tensors(spec, c, vocab.size)
-    roles, _ = role_table(spec.name)
-    types = [storage_type(t, c, roles) for t in tensors]
+    tensors, types = planned_tensors(c)
 
     writer = GGUFWriter(path=None, arch=spec.name)
     metadata = general_metadata(c, types) | model_metadata(spec, c) | vocab_metadata(vocab)

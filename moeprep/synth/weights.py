@@ -13,8 +13,8 @@ puts a Zipf-like ranking there: expert e of rank r (a seeded permutation per lay
 Sigmoid-gated archs put the same offsets into exp_probs_b instead (scale in score units), which moves only the
 choice of experts, not their weights. The scales live with the gating kinds in moeprep/synth/archs.py.
 
-Quantized types come from `quantize` (real float weights) or `random_blocks` (fast_random_blocks: valid blocks
-written directly as bytes, their scale fields set so the dequantized values have the intended std).
+Quantized types come from `quantize` (float weights through a real quantizer) or `random_blocks`
+(fast_random_blocks: valid blocks written directly as bytes, scale fields set so the values have the intended std).
 Shapes are numpy order; E experts, D hidden, I expert hidden, R rows.
 """
 
@@ -27,6 +27,8 @@ from typing import Protocol
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from moeprep.quant import registry
 
 Q = GGMLQuantizationType
 BIAS_CHANNEL = 0
@@ -172,18 +174,12 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: GGMLQ
     return blocks.reshape(byte_shape(shape, qtype))
 
 
-# gguf-py quantizes these from floats; it has no K-quant quantizer.
-GGUF_PY_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4})
-
-
-def quantize(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """Bytes of float `values` in qtype: the one place that picks a quantizer.
-
-    K types get random blocks of the values' std (zero rows stay zero, as a real quantizer keeps them) until
-    moeprep.quant.registry.quantize_rows lands; then this function calls it for every type."""
-    if qtype in GGUF_PY_TYPES:
-        return np.ascontiguousarray(gguf.quants.quantize(values, qtype)).view(np.uint8).reshape(
-            byte_shape(values.shape, qtype))
-    blocks = random_blocks(rng, values.shape, qtype, float(values.std()))
-    blocks[~values.any(axis=-1)] = 0
-    return blocks
+def quantize(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Bytes of float `values` in qtype: moeprep's quantizers (byte-equal to ggml's) for every type they cover,
+    gguf-py for the rest (MXFP4)."""
+    rows = values.reshape(-1, values.shape[-1])
+    if qtype in registry.QUANTIZERS:
+        data = registry.quantize_rows(rows, qtype)
+    else:
+        data = np.ascontiguousarray(gguf.quants.quantize(rows, qtype)).view(np.uint8)
+    return data.reshape(byte_shape(values.shape, qtype))
