@@ -39,7 +39,7 @@ def main() -> None:
     model = Path(args.model) if args.model else work / "bench-qwen3-30b-a3b.gguf"
     if not model.exists():
         subprocess.run([sys.executable, "-m", "moeprep", "synth", str(model), "--preset", "qwen3-30b-a3b",
-                        "--expert-type", "Q4_K", "--attn-type", "Q8_0", "--fast"], check=True)
+                        "--expert-type", "Q4_K", "--attn-type", "Q8_0", "--fast-random-blocks"], check=True)
     copy_path, out = work / "bench-copy.gguf", work / "bench-q4k-attn.gguf"
     start = time.perf_counter()
     shutil.copyfile(model, copy_path)
