@@ -20,26 +20,35 @@ from torch import nn
 from moerun.cache.kv import KVCache
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelArgs
 from moerun.hooks import Hooks
+from moerun.rounding import Rounding, input_rounding
 from moerun.weights import ExpertTensor, Weights
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) for the GGUF tensor `name`; reports its input to activation hooks."""
+    """y = x W^T (+ b) for the GGUF tensor `name`; reports its input to activation hooks, then rounds it as
+    llama.cpp does for the stored weight type (see rounding.py)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str, hooks: Hooks) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str, hooks: Hooks,
+                 round_input: Rounding | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.name, self.hooks = name, hooks
+        self.name, self.hooks, self.round_input = name, hooks, round_input
 
     @classmethod
-    def load(cls, w: Weights, prefix: str, hooks: Hooks, dtype: torch.dtype | None = None) -> Linear:
-        """`prefix.weight` and, if the file has it, `prefix.bias`."""
-        return cls(w.dense(f"{prefix}.weight", dtype), w.optional(f"{prefix}.bias", torch.float32), f"{prefix}.weight", hooks)
+    def load(cls, w: Weights, prefix: str, hooks: Hooks, dtype: torch.dtype | None = None,
+             shape: tuple[int, ...] | None = None) -> Linear:
+        """`prefix.weight` (reshaped to `shape` if given) and, if the file has it, `prefix.bias`."""
+        name = f"{prefix}.weight"
+        weight = w.dense(name, dtype)
+        return cls(weight if shape is None else weight.reshape(shape), w.optional(f"{prefix}.bias", torch.float32),
+                   name, hooks, input_rounding(w.info(name).ggml_type))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:
             self.hooks.fire_activation(self.name, x)
+        if self.round_input is not None:
+            x = self.round_input(x)
         y = F.linear(x.to(self.weight.dtype), self.weight).float()
         return y if self.bias is None else y + self.bias
 
@@ -367,6 +376,8 @@ class GGUFExperts(nn.Module):
     @staticmethod
     def _matmul(t: ExpertTensor, x: torch.Tensor, e: int, bias: torch.Tensor | None) -> torch.Tensor:
         w = t.expert(e)  # (out, in)
+        if t.round_input is not None:
+            x = t.round_input(x)
         y = F.linear(x.to(w.dtype), w).float()
         return y if bias is None else y + bias[e]
 

@@ -13,6 +13,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, TensorInfo
+from moerun.rounding import input_rounding
 
 # Types whose bytes are already plain floats: viewed, not run through gguf-py's block dequantizers.
 PLAIN_FLOAT = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
@@ -42,6 +43,7 @@ class ExpertTensor:
         self.n_experts, self.rows, self.cols = info.shape
         self.dtype, self.device = dtype, device
         self._bytes = g.raw(info).reshape(self.n_experts, -1)  # (E, bytes per expert) view of the memory map
+        self.round_input = input_rounding(info.ggml_type)
 
     def expert(self, e: int) -> torch.Tensor:
         w = dequantize_bytes(self._bytes[e], self.info.ggml_type, (self.rows, self.cols))

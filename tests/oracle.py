@@ -90,6 +90,9 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
     T = len(tokens)
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = 0
+    # No repacked (AMX / interleaved) weight buffers: their kernels can raise SIGILL where the CPU advertises AMX
+    # but the OS has not enabled it, and the plain CPU path is the reference anyway.
+    mparams.use_extra_bufts = False
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
     assert model, f"llama.cpp could not load {path}"
     captured: dict[int, list[np.ndarray]] = {}

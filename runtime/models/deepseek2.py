@@ -22,6 +22,7 @@ from moerun.hooks import Hooks
 from moerun.layers import (Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router, Step, attend,
                            yarn_attn_factor)
 from moerun.models.base import BuildContext
+from moerun.rounding import input_rounding
 from moerun.weights import Weights
 
 
@@ -48,15 +49,21 @@ class MLAttention(nn.Module):
             self.wq = Linear.load(w, f"{p}.attn_q", hooks)
         self.wkv_a = Linear.load(w, f"{p}.attn_kv_a_mqa", hooks)
         self.kv_a_norm = RMSNorm.load(w, f"{p}.attn_kv_a_norm.weight", args.norm_eps)
+        # llama.cpp rounds the input of each matmul for its weight type (rounding.py): with attn_kv_b that is the
+        # latent it decompresses, with attn_k_b/attn_v_b the non-roped query and the attention output.
+        self.round_latent = self.round_q = self.round_out = None
         if f"{p}.attn_kv_b.weight" in w:
             self.kv_b_name = f"{p}.attn_kv_b.weight"
             kv_b = w.dense(self.kv_b_name).view(self.n_heads, self.nope_dim + self.v_dim, self.rank)
             k_b, v_b = kv_b[:, : self.nope_dim].transpose(1, 2), kv_b[:, self.nope_dim :]
             self.k_b_name = self.v_b_name = None
+            self.round_latent = input_rounding(w.info(self.kv_b_name).ggml_type)
         else:
             self.kv_b_name = None
             self.k_b_name, self.v_b_name = f"{p}.attn_k_b.weight", f"{p}.attn_v_b.weight"
             k_b, v_b = w.dense(self.k_b_name), w.dense(self.v_b_name)
+            self.round_q = input_rounding(w.info(self.k_b_name).ggml_type)
+            self.round_out = input_rounding(w.info(self.v_b_name).ggml_type)
         self.k_b = nn.Parameter(k_b.contiguous(), requires_grad=False)  # (H, C, N)
         self.v_b = nn.Parameter(v_b.contiguous(), requires_grad=False)  # (H, Dv, C)
         self.wo = Linear.load(w, f"{p}.attn_output", hooks)
@@ -78,12 +85,18 @@ class MLAttention(nn.Module):
         k_pe = self.rope(kv[:, None, self.rank :], positions)  # (T, 1, R)
         if self.hooks.activation:
             self._fire("q", q_nope, latent)
+        if self.round_latent is not None:
+            latent = self.round_latent(latent)
+        if self.round_q is not None:
+            q_nope = self.round_q(q_nope)
         q_latent = torch.einsum("thn,hcn->thc", q_nope.to(self.k_b.dtype), self.k_b).float()  # (T, H, C)
         k_all, v_all = self.cache.update(positions, torch.cat([latent[:, None], k_pe], dim=-1), latent[:, None])
         n = step.n_slots
         out = attend(torch.cat([q_latent, q_pe], dim=-1), k_all[:n], v_all[:n], step.mask(), self.scale)  # (T, H, C)
         if self.hooks.activation:
             self._fire("v", out, None)
+        if self.round_out is not None:
+            out = self.round_out(out)
         out = torch.einsum("thc,hvc->thv", out.to(self.v_b.dtype), self.v_b).float()  # (T, H, Dv)
         return self.wo(out.reshape(T, H * self.v_dim))
 

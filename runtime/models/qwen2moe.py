@@ -18,8 +18,7 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     p = f"blk.{layer}"
     attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
     router = Router.load(args, w, hooks, layer, normalize=False)
-    shared_gate_name = f"{p}.ffn_gate_inp_shexp.weight"
-    shared_gate = Linear(w.dense(shared_gate_name).reshape(1, -1), None, shared_gate_name, hooks)  # (1, D)
+    shared_gate = Linear.load(w, f"{p}.ffn_gate_inp_shexp", hooks, shape=(1, args.dim))  # stored as (D,)
     moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks,
               shared=FeedForward.load(w, hooks, layer, "_shexp"), shared_gate=shared_gate)
     return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
