@@ -89,11 +89,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench binary (else llama-cpp-python, CPU)")
     ap.add_argument("--peer-gpu-layers", type=int, default=0, help="-ngl for llama-bench (99: all on the GPU)")
+    ap.add_argument("--no-peer", action="store_true", help="measure moerun only (the peer runs separately)")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ours = bench_moerun(args.model, args.device, args.prompt, args.gen)
-    if args.llama_bench:
+    if args.no_peer:
+        peer, peer_name = {"prefill_tok_s": float("nan"), "decode_tok_s": float("nan")}, "(peer not run)"
+    elif args.llama_bench:
         peer = bench_llama_bench(args.llama_bench, args.model, args.prompt, args.gen, args.threads, args.peer_gpu_layers)
         peer_name = f"llama-bench -ngl {args.peer_gpu_layers}"
     else:
