@@ -154,3 +154,81 @@ def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: 
                              skew=skew, n_layer=n_layer, n_expert=n_expert, n_expert_used=n_expert_used,
                              fast_random_blocks=fast_random_blocks)
     click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")
+
+
+from pathlib import Path  # noqa: E402  (publish and prepare take paths)
+
+
+@main.command()
+@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("outdir", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--check", "check_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Validate a publish folder instead: shards, checksums, card metadata. Exit 1 on problems.")
+@click.option("--base-model", help="Hugging Face repo the GGUF was made from, ORG/NAME (default: the GGUF's "
+              "general.source.repo_url when it is on the Hub).")
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), help="The model's .moeprof.")
+@click.option("--imatrix", type=click.Path(dir_okay=False, path_type=Path), help="The importance matrix used.")
+@click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), help="The recipe used.")
+@click.option("--quantized-by", help="The card's quantized_by (default: moeprep).")
+@click.option("--repo-id", help="USER/REPO it will be uploaded to: fills in the card's commands.")
+@click.option("--tag", "tags", multiple=True, help="Extra card tag (repeatable).")
+@click.option("--license", "license_id", help="Card license (default: the GGUF's general.license).")
+@click.option("--language", "languages", multiple=True, help="Card language (repeatable; default: the GGUF's).")
+@click.option("--split-max-size", help="Largest file to write (default 46G, under the Hub's 50 GB limit).")
+def publish(model: Path | None, outdir: Path | None, check_dir: Path | None,
+            base_model: str | None, profile: Path | None, imatrix: Path | None,
+            recipe: Path | None, quantized_by: str | None, repo_id: str | None, tags: tuple[str, ...],
+            license_id: str | None, languages: tuple[str, ...], split_max_size: str | None) -> None:
+    """Write OUTDIR for `hf upload USER/REPO OUTDIR`: shards, model card, profile, imatrix, recipe, SHA256SUMS.
+
+    `moeprep publish --check OUTDIR` validates such a folder before upload."""
+    from moeprep.publish import PublishRequest, check_folder, format_published, publish_folder
+    from moeprep.units import parse_size
+
+    if check_dir is not None:
+        if model or outdir:
+            raise click.UsageError("--check takes only the folder: moeprep publish --check OUTDIR")
+        report = check_folder(check_dir)
+        click.echo(report.summary())
+        sys.exit(0 if report.ok else 1)
+    if model is None or outdir is None:
+        raise click.UsageError("give MODEL and OUTDIR (moeprep publish MODEL OUTDIR --base-model ORG/NAME), "
+                               "or --check OUTDIR")
+    result = publish_folder(PublishRequest(
+        model, outdir, base_model, quantized_by, profile, imatrix, recipe,
+        parse_size(split_max_size) if split_max_size else None, tags, license_id, languages, repo_id))
+    click.echo(format_published(result))
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("outdir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--base-model", help="Hugging Face repo MODEL was made from, ORG/NAME (overrides the recipe).")
+@click.option("--quantized-by", help="The card's quantized_by (overrides the recipe).")
+@click.option("--repo-id", help="USER/REPO it will be uploaded to: fills in the card's commands.")
+@click.option("--dataset", help="Calibration text, a Hub dataset or a local file/folder (overrides the recipe).")
+@click.option("--dataset-config", help="Its configuration (overrides the recipe).")
+@click.option("-c", "--ctx", type=click.IntRange(min=2), help="Tokens per calibration chunk (overrides the recipe).")
+@click.option("--chunks", type=click.IntRange(min=1), help="Calibration chunks (overrides the recipe).")
+@click.option("--holdout", type=click.FloatRange(0, 1, max_open=True), help="Held-out share (overrides the recipe).")
+@click.option("--split-max-size", help="Largest published file (overrides the recipe).")
+@click.option("--device", default="cpu", show_default=True, help="Torch device of the calibration passes.")
+@click.option("--threads", default=os.cpu_count() or 1, show_default=True, help="Quantizer threads.")
+def prepare(recipe: Path, model: Path, outdir: Path, base_model: str | None,
+            quantized_by: str | None, repo_id: str | None, dataset: str | None, dataset_config: str | None,
+            ctx: int | None, chunks: int | None, holdout: float | None, split_max_size: str | None, device: str,
+            threads: int) -> None:
+    """Calibrate, quantize with the imatrix, profile, bake and publish MODEL into OUTDIR/upload, as RECIPE says.
+
+    Finished steps are recorded in OUTDIR/work/state.json; a rerun skips them unless their inputs changed."""
+    from moeprep.prepare import PrepareJob, format_prepared, prepare as run_prepare
+    from moeprep.recipe import load_recipe
+
+    overrides = {"publish.base_model": base_model, "publish.quantized_by": quantized_by,
+                 "publish.split_max_size": split_max_size, "calibration.dataset": dataset,
+                 "calibration.config": dataset_config, "calibration.ctx": ctx, "calibration.chunks": chunks,
+                 "calibration.holdout": holdout}
+    job = PrepareJob(load_recipe(recipe, overrides), model, outdir, repo_id, device, threads)
+    results = run_prepare(job, log=click.echo)
+    click.echo(format_prepared(job, results))
