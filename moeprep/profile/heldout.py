@@ -22,6 +22,7 @@ SIZES = (0.10, 0.25, 0.50)  # cache size as a share of a layer's experts
 COLD_WINDOW = 64  # tokens at the start of a chunk
 WINDOWS = ("all", f"first{COLD_WINDOW}")
 CHUNK_BATCH = 32  # chunks replayed together: bounds memory at CHUNK_BATCH*P*S*M caches
+NOT_CACHED = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
@@ -120,35 +121,32 @@ def _replay(ids: np.ndarray, valid: np.ndarray, windows: np.ndarray, slots: np.n
     freq_weight = np.broadcast_to(np.array([p.freq_weight for p in DYNAMIC])[None, :, None, None], shape).reshape(-1)
     warm = np.array([p.warm for p in DYNAMIC])
 
-    cached = np.zeros((*shape, n_e), bool)
-    cached[:, warm] = members[None, None]  # [S, M, E] broadcast over chunks and warm policies
-    cached = cached.reshape(n_b, n_e)
-    # warm experts were "used" just before the chunk, the hottest last: ticks -E..-1; real ticks start at 1
-    last_use = np.broadcast_to(-(rank + 1)[None, None, None], (*shape, n_e)).reshape(n_b, n_e).copy()
-    uses = np.zeros((n_b, n_e), np.int64)
-    n_cached = cached.sum(axis=1)
-    # LFU score = uses * span + last_use orders by uses first, then recency; span exceeds any tick difference
+    # key[b, e]: eviction order of the cached experts, smallest first; NOT_CACHED marks the others.
+    # LRU: the tick of the last use. LFU: uses * span + tick (uses first, recency breaking ties); span exceeds
+    # any tick. Warm experts were "used" just before the chunk, the hottest last: ticks -E..-1; real ticks from 1.
     span = n_t * n_k + n_e + 2
+    key = np.full((*shape, n_e), NOT_CACHED, np.int64)
+    key[:, warm] = np.where(members, -(rank + 1)[None], NOT_CACHED)[None, None]  # [S, M, E] over chunks, policies
+    key = key.reshape(n_b, n_e)
+    n_cached = (key != NOT_CACHED).sum(axis=1)
+    uses = np.zeros((n_b, n_e), np.int64)
     win_hits = np.zeros((len(windows), n_b), np.int64)
 
     for t in range(n_t):
         live = np.broadcast_to(valid[:, t, None, None, None], shape).reshape(-1)
+        used = rows[live]
         in_window = np.broadcast_to(windows[:, :, t, None, None, None], (len(windows), *shape)).reshape(len(windows), -1)
         for k in range(n_k):
-            tick = t * n_k + k + 1
             e = np.broadcast_to(ids[:, t, None, None, :, k], shape).reshape(-1)
-            hit = cached[rows, e] & live
+            hit = (key[rows, e] != NOT_CACHED) & live
             win_hits += hit[None, :] & in_window
             miss = live & ~hit
             evict = np.flatnonzero(miss & (n_cached >= cap))
             if len(evict):
-                score = np.where(cached[evict], uses[evict] * freq_weight[evict, None] * span + last_use[evict],
-                                 np.iinfo(np.int64).max)
-                cached[evict, score.argmin(axis=1)] = False
+                key[evict, key[evict].argmin(axis=1)] = NOT_CACHED
             n_cached += miss & (n_cached < cap)
-            cached[rows[miss], e[miss]] = True
-            used = rows[live]
-            last_use[used, e[live]] = tick
-            uses[used, e[live]] += 1
+            e_used = e[live]
+            uses[used, e_used] += 1
+            key[used, e_used] = uses[used, e_used] * freq_weight[live] * span + (t * n_k + k + 1)
     # [W, C, P, S, M] -> [P, S, W, M]
     return win_hits.reshape(len(windows), *shape).sum(axis=1).transpose(1, 2, 0, 3)

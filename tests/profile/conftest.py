@@ -11,6 +11,7 @@ from moeprep.profile.counts import ExpertCounts
 from moeprep.profile.identity import ModelIdentity
 from moeprep.profile.profile import Profile, Provenance, judge
 from moeprep.profile.trace import RoutingTrace
+from tests.quant.conftest import ggml  # noqa: F401  (libggml's quantizer: the oracle fixture of tests/quant)
 
 
 def fake_identity(n_layer: int = 4, moe_layers: tuple[int, ...] = (1, 2, 3), n_expert: int = 16, k: int = 2,
@@ -75,21 +76,3 @@ def synth(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
     return make
 
-
-@pytest.fixture
-def llama_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """llama.cpp without its extra CPU buffer types (AMX/repacked weights): on this test machine they stop the
-    process with an illegal instruction on quantized matmuls."""
-    import llama_cpp
-
-    default = llama_cpp.llama_model_default_params
-
-    def params():  # noqa: ANN202
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    monkeypatch.setattr(llama_cpp, "llama_model_default_params", params)
-
-
-from tests.quant.conftest import ggml  # noqa: E402,F401  (libggml's quantizer, the oracle fixture of tests/quant)

@@ -49,7 +49,7 @@ def llama_histogram(path: Path, p: Profile, n_chunks: int) -> tuple[np.ndarray, 
     # llama.cpp rounds activations to 8 bits for quantized matmuls: near-tied routers may flip
     ("q8_0", dict(expert_type="Q8_0", attn_type="Q8_0"), 0.99),
 ])
-def test_counts_match_llama_cpp(synth, llama_cpu_only, kind: str, types: dict, floor: float) -> None:  # noqa: ANN001
+def test_counts_match_llama_cpp(synth, kind: str, types: dict, floor: float) -> None:  # noqa: ANN001
     path = synth(f"tiny-{kind}", skew=0.6, **types)
     p = run_profile(path)
     hist, per_token = llama_histogram(path, p, 6)
