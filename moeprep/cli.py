@@ -197,7 +197,7 @@ def publish(model: Path | None, outdir: Path | None, check_dir: Path | None,
     result = publish_folder(PublishRequest(
         model, outdir, base_model, quantized_by, profile, imatrix, recipe,
         parse_size(split_max_size) if split_max_size else None, tags, license_id, languages, repo_id))
-    click.echo(format_published(result))
+    click.echo(format_published(result, repo_id))
 
 
 @main.command()

@@ -236,12 +236,13 @@ def publish_folder(req: PublishRequest) -> Published:
     return result
 
 
-def format_published(result: Published) -> str:
+def format_published(result: Published, repo_id: str | None = None) -> str:
     lines = [f"wrote {result.outdir}" + (" (model re-split to fit the size limit)" if result.resplit else ""),
              *(f"  {f.name:<48} {format_size(f.size):>12}  {f.sha256[:16]}" for f in result.files),
              f"  {SUMS_FILE}",
              f"check it:  moeprep publish --check {result.outdir}",
-             f"upload it: hf upload USER/REPO {result.outdir}   (older huggingface_hub: huggingface-cli upload ...)"]
+             f"upload it: hf upload {repo_id or 'USER/REPO'} {result.outdir}"
+             "   (older huggingface_hub: huggingface-cli upload, same arguments)"]
     return "\n".join(lines)
 
 

@@ -120,7 +120,7 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
 
 def _hint(annotation: Any) -> Any:
     """`str | None` -> str; anything else unchanged."""
-    if isinstance(annotation, types.UnionType):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
         return inner
     return annotation

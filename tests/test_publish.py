@@ -67,9 +67,10 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def folder(inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("pub") / "upload"
-    moeprep("publish", inputs["model"], out, "--base-model", "Org/Base-Model", "--profile", inputs["profile"],
+    stdout = moeprep("publish", inputs["model"], out, "--base-model", "Org/Base-Model", "--profile", inputs["profile"],
             "--imatrix", inputs["imatrix"], "--recipe", RECIPE, "--quantized-by", "tester", "--repo-id",
             "tester/Model-GGUF", "--tag", "synthetic", "--split-max-size", str(LIMIT))
+    assert "(model re-split to fit the size limit)" in stdout and f"hf upload tester/Model-GGUF {out}" in stdout
     return out
 
 
