@@ -118,7 +118,7 @@ def time_llama_bench(binary: str, path: Path, ctx: int, ngl: int, threads: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path)
-    parser.add_argument("--synth", help="write a synthetic model: write_synth_model options, e.g. n_layer=8,n_embd=1024")
+    parser.add_argument("--synth", help="write a synthetic model with these options, e.g. n_layer=8,n_embd=1024")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)

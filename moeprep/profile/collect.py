@@ -10,7 +10,7 @@ Letters: C chunks, T tokens of a chunk, M MoE layers, K experts chosen per token
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,15 +19,18 @@ from tqdm import tqdm
 from moeprep.profile.counts import ExpertCounts
 from moeprep.profile.trace import RoutingTrace
 
+if TYPE_CHECKING:  # moerun is imported only when a model is run
+    from moerun import ActivationEvent, Model, RoutingEvent
+
 
 class RoutingRecorder:
     """Routing hook: keeps the expert ids and gate weights of every MoE layer until `take`."""
 
     def __init__(self, layers: Sequence[int]) -> None:
         self.row = {block: m for m, block in enumerate(layers)}
-        self.events: list[Any] = []
+        self.events: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (row, pos, ids, weights)
 
-    def __call__(self, ev: Any) -> None:
+    def __call__(self, ev: RoutingEvent) -> None:
         self.events.append((self.row[ev.layer], ev.positions.cpu(), ev.expert_ids.cpu(), ev.weights.cpu()))
 
     def take(self, n_tokens: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -51,7 +54,7 @@ class ActivationRecorder:
         self.sums: dict[str, torch.Tensor] = {}  # [n_mat, P] float64, on the model's device
         self.counts: dict[str, np.ndarray] = {}  # [n_mat] int64
 
-    def __call__(self, ev: Any) -> None:
+    def __call__(self, ev: ActivationEvent) -> None:
         # llama-imatrix keeps the weights of blocks only (output.weight just on request)
         if not ev.tensor_name.startswith("blk.") or ev.x.shape[0] == 0:
             return
@@ -67,7 +70,7 @@ class ActivationRecorder:
         return {name: (s.cpu().numpy(), self.counts[name]) for name, s in self.sums.items()}
 
 
-def collect(model: Any, chunks: np.ndarray, heldout: np.ndarray, layers: Sequence[int], n_expert: int,
+def collect(model: Model, chunks: np.ndarray, heldout: np.ndarray, layers: Sequence[int], n_expert: int,
             top_k: int) -> tuple[ExpertCounts, RoutingTrace]:
     """Run every chunk [C, T] from position 0; counts take the chunks not held out, the trace keeps all."""
     recorder = RoutingRecorder(layers)

@@ -34,7 +34,8 @@ class ExpertCounts:
         """Count one batch of routing decisions of MoE layer `row`: ids and weights are [T, K]."""
         flat = expert_ids.reshape(-1)
         self.selections[row] += np.bincount(flat, minlength=self.n_expert)
-        self.gate_mass[row] += np.bincount(flat, weights=weights.reshape(-1).astype(np.float64), minlength=self.n_expert)
+        mass = weights.reshape(-1).astype(np.float64)
+        self.gate_mass[row] += np.bincount(flat, weights=mass, minlength=self.n_expert)
         self.tokens[row] += expert_ids.shape[0]
 
     def scaled(self, weight: int) -> ExpertCounts:

@@ -31,7 +31,7 @@ LOCAL_BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what Dataset(Dict).save_to_disk leaves in a folder
 PIECE_CHARS = 1 << 16  # characters of text tokenized per call
 ROW_BATCH = 1024
-LOCAL_HINT = "pass a local file or folder instead: --dataset wiki.train.raw (.txt, .jsonl, .parquet or a folder of them)"
+LOCAL_HINT = "pass a local file or folder: --dataset wiki.train.raw (.txt, .jsonl, .parquet or a folder of them)"
 
 Encode = Callable[[str, bool], list[int]]  # (text, add_bos) -> token ids
 
@@ -70,12 +70,14 @@ def load_rows(spec: DatasetSpec) -> Any:
                 return loaded[spec.split] if isinstance(loaded, datasets.DatasetDict) else loaded
             return datasets.load_dataset(str(path), spec.config, split=spec.split)
         if path.suffix not in LOCAL_BUILDERS:
-            raise MoeprepError(f"{path}: unknown text file type {path.suffix!r}; use one of {', '.join(LOCAL_BUILDERS)}")
+            raise MoeprepError(f"{path}: unknown text file type {path.suffix!r}; "
+                               f"use one of {', '.join(LOCAL_BUILDERS)}")
         builder, options = LOCAL_BUILDERS[path.suffix]
         return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except ConnectionError as e:
         raise MoeprepError(f"{spec.name}: not in the local Hugging Face cache and the Hub cannot be reached "
-                           f"({e}); run once online to cache it, or {LOCAL_HINT}") from e
+                           f"({e}); run once online to cache it (HF_HUB_OFFLINE=1 then skips the Hub), "
+                           f"or {LOCAL_HINT}") from e
     except (DatasetsError, FileNotFoundError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MoeprepError(f"{spec.name}: cannot load this dataset ({reason}); check the name, --dataset-config and "

@@ -73,7 +73,7 @@ class HeldoutTable:
 
 
 def simulate_caches(trace: RoutingTrace, counts: ExpertCounts) -> HeldoutTable:
-    """Replay the trace's held-out chunks through every policy and size, the static and warm caches built from `counts`."""
+    """Replay the trace's held-out chunks through every policy and size; static and warm caches come from `counts`."""
     chunks = np.flatnonzero(trace.heldout)
     assert len(chunks), "no held-out chunks to replay"
     n_expert = counts.n_expert
@@ -130,12 +130,13 @@ def _replay(ids: np.ndarray, valid: np.ndarray, windows: np.ndarray, slots: np.n
     key = key.reshape(n_b, n_e)
     n_cached = (key != NOT_CACHED).sum(axis=1)
     uses = np.zeros((n_b, n_e), np.int64)
-    win_hits = np.zeros((len(windows), n_b), np.int64)
+    n_w = len(windows)
+    win_hits = np.zeros((n_w, n_b), np.int64)
 
     for t in range(n_t):
         live = np.broadcast_to(valid[:, t, None, None, None], shape).reshape(-1)
         used = rows[live]
-        in_window = np.broadcast_to(windows[:, :, t, None, None, None], (len(windows), *shape)).reshape(len(windows), -1)
+        in_window = np.broadcast_to(windows[:, :, t, None, None, None], (n_w, *shape)).reshape(n_w, -1)
         for k in range(n_k):
             e = np.broadcast_to(ids[:, t, None, None, :, k], shape).reshape(-1)
             hit = (key[rows, e] != NOT_CACHED) & live
@@ -149,4 +150,4 @@ def _replay(ids: np.ndarray, valid: np.ndarray, windows: np.ndarray, slots: np.n
             uses[used, e_used] += 1
             key[used, e_used] = uses[used, e_used] * freq_weight[live] * span + (t * n_k + k + 1)
     # [W, C, P, S, M] -> [P, S, W, M]
-    return win_hits.reshape(len(windows), *shape).sum(axis=1).transpose(1, 2, 0, 3)
+    return win_hits.reshape(n_w, *shape).sum(axis=1).transpose(1, 2, 0, 3)

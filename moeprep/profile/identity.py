@@ -40,7 +40,8 @@ class ModelIdentity:
         return cls(**{f.name: d[f.name] for f in fields(cls)} | {"moe_layers": tuple(d["moe_layers"])})
 
     def describe(self) -> str:
-        return f"{self.name} ({self.arch}, {len(self.moe_layers)} MoE layers x {self.n_expert} experts, router {self.router_sha256[:12]})"
+        return (f"{self.name} ({self.arch}, {len(self.moe_layers)} MoE layers x {self.n_expert} experts, "
+                f"router {self.router_sha256[:12]})")
 
 
 def router_fingerprint(model: GGUFModel) -> str:

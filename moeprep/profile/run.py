@@ -2,7 +2,8 @@
 
 The last `holdout` share of the chunks is held out: it runs through the model like the rest, but only the trace
 keeps it, for the cache simulation. Taking the tail rather than every n-th chunk keeps the held-out text away from
-the counted text, so the table shows how a profile carries over to text it has not seen.
+the counted text, so the table shows how a profile carries over to text it has not seen. The importance matrix
+(--imatrix-out) takes every chunk, held-out ones included: it is not judged, and more text makes it better.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def profile_model(req: ProfileRequest) -> Profile:
         if imatrix is not None:
             handle.remove()
     spec = req.dataset
-    source = Provenance(dataset=spec.name, config=spec.resolved_config, split=None if spec.local and spec.local.is_file() else spec.split,
+    local_file = spec.local is not None and spec.local.is_file()
+    source = Provenance(dataset=spec.name, config=spec.resolved_config, split=None if local_file else spec.split,
                         text_column=spec.text_column, ctx=req.ctx, chunks=int((~heldout).sum()),
                         heldout_chunks=int(heldout.sum()), tokens=int(chunks[~heldout].size))
     if imatrix is not None:

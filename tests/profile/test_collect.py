@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import moerun
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-import moerun
 from moeprep.profile.dataset import DatasetSpec, calibration_chunks
 from moeprep.profile.format import encode_profile
 from moeprep.profile.heldout import POLICIES

@@ -54,7 +54,8 @@ def _corrupt_header(data: bytes, edit) -> bytes:  # noqa: ANN001
     raw = zstandard.ZstdDecompressor().decompress(data[PREAMBLE.size :])
     (n,) = struct.unpack_from("<Q", raw)
     header = edit(raw[8 : 8 + n].decode())
-    return _repack(data, zstandard.ZstdCompressor().compress(struct.pack("<Q", len(header)) + header.encode() + raw[8 + n :]))
+    payload = struct.pack("<Q", len(header)) + header.encode() + raw[8 + n :]
+    return _repack(data, zstandard.ZstdCompressor().compress(payload))
 
 
 @pytest.mark.parametrize("damage, message", [
