@@ -1,7 +1,7 @@
 """The `moerun` command, with llama.cpp's flags.
 
-    moerun -m MODEL -p PROMPT -n N [-c CTX] [--device cpu|cuda] [--temp T] [--top-p P] [--seed S]
-    moerun perplexity -m MODEL -f TEXT [-c 512]
+    moerun -m MODEL -p PROMPT -n N [-c CTX] [--device cpu|cuda] [--temp T] [--top-p P] [--seed S] [-t THREADS]
+    moerun perplexity -m MODEL -f TEXT [-c 512] [-t THREADS]
 
 Generation is the default command (`moerun run ...` names it). MoeprepError becomes one line on stderr and exit
 code 2; set MOEPREP_DEBUG=1 for the traceback.
@@ -42,6 +42,14 @@ class MoerunGroup(click.Group):
 model_option = click.option("-m", "--model", "model_path", required=True, type=click.Path(),
                             help="GGUF model file (or the first shard of a split set).")
 device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+threads_option = click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's).")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 @click.group(cls=MoerunGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,11 +66,13 @@ def main() -> None:
 @click.option("--temp", default=0.8, show_default=True, type=click.FloatRange(min=0.0), help="Temperature; 0 is greedy.")
 @click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", type=int, help="Sampling seed (default: random).")
+@threads_option
 def run(model_path: str, prompt: str, n_predict: int, ctx_size: int | None, device: str, temp: float, top_p: float,
-        seed: int | None) -> None:
+        seed: int | None, threads: int | None) -> None:
     """Generate text from a prompt, streaming it, then print prompt and generation speed."""
     import moerun
 
+    set_threads(threads)
     model = moerun.load_model(model_path, device=device, n_ctx=ctx_size)
     prompt_ids = model.tokenizer.encode(prompt)
     if len(prompt_ids) + n_predict > model.n_ctx:
@@ -89,10 +99,12 @@ def run(model_path: str, prompt: str, n_predict: int, ctx_size: int | None, devi
 @click.option("-f", "--file", "text_file", required=True, type=click.Path(), help="Text file to score.")
 @click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Chunk size in tokens.")
 @device_option
-def perplexity(model_path: str, text_file: str, ctx_size: int, device: str) -> None:
+@threads_option
+def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, threads: int | None) -> None:
     """Perplexity over non-overlapping chunks, scored like llama-perplexity (second half of each chunk)."""
     import moerun
 
+    set_threads(threads)
     model = moerun.load_model(model_path, device=device, n_ctx=ctx_size)
     try:
         with open(text_file, encoding="utf-8", errors="replace") as f:

@@ -46,7 +46,7 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     **{name: (LLAMA3, True) for name in ("glm4", "glm5")},
     **{name: (QWEN2, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "solar-open")},
     "qwen35": (QWEN35, False),
-    **{name: (GPT2, False) for name in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion", "phi-2", "roberta-bpe", "exaone4")},
+    **{name: (GPT2, False) for name in ("gpt-2", "mpt", "olmo", "jais", "trillion", "phi-2", "roberta-bpe", "exaone4")},
     **{name: (STARCODER, False) for name in ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone")},
     "deepseek-v3": (DEEPSEEK3, False),
     **{name: (GPT4O, False) for name in ("gpt-4o", "llama4", "kanana2")},

@@ -1,0 +1,53 @@
+"""Runtime test fixtures: synthetic models written once per session, the test text, one CPU thread per test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeprep.synth import write_synth_model
+from moeprep.synth.corpus import CALIBRATION_PATH
+
+# English prose, code, Unicode of several scripts, emoji, odd whitespace, digits and special-token look-alikes.
+MIXED_TEXT = (
+    "Hello, World! It's a test: don't we'll they've I'm you'd.\n"
+    "def f(x):\n\tif x >= 10_000: return x**2  # comment\r\n    else: return None\n\n\n"
+    "Ünïcödé naïve café — 日本語のテキスト 中文 한국어 Ελληνικά русский עברית العربية 🙂🎉👍🏽\n"
+    "numbers 1234567 3.14159 1,000,000 $99.99 50% 2024-01-01\n"
+    "   leading spaces and trailing   \n\t\ttabs\tand  double  spaces\u00a0nbsp\u2003emsp\n"
+    "CamelCaseWords snake_case_words kebab-case-words URL https://example.com/a?b=c&d=e\n"
+    "```python\nprint('hi')\n```\n<|endoftext|> <s> [INST] \\n \\t\n"
+)
+
+
+@pytest.fixture(scope="session")
+def calibration_text() -> str:
+    return CALIBRATION_PATH.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """synth_model(arch, **write_synth_model options) -> path, each distinct model written once per session."""
+    folder = tmp_path_factory.mktemp("runtime-models")
+    written: dict[tuple, Path] = {}
+
+    def make(arch: str, **options) -> Path:
+        key = (arch, *sorted(options.items()))
+        if key not in written:
+            name = "-".join([arch, *(f"{k}={v}" for k, v in sorted(options.items()))]) + ".gguf"
+            written[key] = write_synth_model(folder / name, arch, **options)
+        return written[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test machines are small and shared; torch's thread pool only adds contention for tiny models."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
