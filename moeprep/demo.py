@@ -20,22 +20,39 @@ from moeprep.errors import MoeprepError
 def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
     """(what the step shows, the command) in order; paths inside `folder`."""
     model = folder / "demo-qwen3moe.gguf"
-    q4 = folder / "demo-qwen3moe-attn-q4k.gguf"
+    calibration = Path(__file__).parent / "data" / "calibration.txt"
+    imatrix, quantized = folder / "demo.imatrix.gguf", folder / "demo-qwen3moe-attnQ4K.gguf"
+    profile, baked, upload = folder / "demo-attnQ4K.moeprof", folder / "demo-attnQ4K-baked.gguf", folder / "upload"
+    calib = ["--dataset", str(calibration), "-c", "64", "--chunks", "6", "--holdout", "0.34"]
     return [
         ("Write a small synthetic Qwen3-MoE model (skewed routing, byte-level BPE tokenizer)",
          ["moeprep", "synth", str(model), "--arch", "qwen3moe", "--preset", "small", "--skew", "0.5"]),
         ("Inspect it: layers, experts, bytes per tensor role, and expert-cache slots on two 24 GB GPUs",
          ["moeprep", "inspect", str(model), "--vram", "24G,24G"]),
+        ("Profile expert use on the shipped calibration text; the same pass writes llama.cpp's importance matrix",
+         ["moeprep", "profile", str(model), *calib, "--imatrix-out", str(imatrix),
+          "-o", str(folder / "demo-qwen3moe.moeprof")]),
         ("Plan the requantization: attention to Q4_K, experts copied byte for byte",
-         ["moeprep", "quantize", str(model), str(q4), "--attn", "Q4_K", "--dry-run"]),
-        ("Requantize; the result is verified against the source at the end",
-         ["moeprep", "quantize", str(model), str(q4), "--attn", "Q4_K"]),
+         ["moeprep", "quantize", str(model), str(quantized), "--attn", "Q4_K", "--dry-run"]),
+        ("Requantize attention to Q4_K with that imatrix; the result is verified against the source",
+         ["moeprep", "quantize", str(model), str(quantized), "--attn", "Q4_K", "--imatrix", str(imatrix)]),
+        ("Profile the quantized model: the profile to publish, judged on held-out text",
+         ["moeprep", "profile", str(quantized), *calib, "-o", str(profile)]),
+        ("Bake the profile into the GGUF as moe_cache.expert_usage, an expert cache's warm start",
+         ["moeprep", "profile", "bake", str(profile), str(quantized), str(baked)]),
         ("Generate with moeprep's own runtime on the requantized model",
-         ["moerun", "-m", str(q4), "-p", "The expert cache", "-n", "16", "--seed", "0"]),
+         ["moerun", "-m", str(baked), "-p", "The expert cache", "-n", "16", "--seed", "0"]),
+        ("Write the upload folder: llama.cpp shards under the size limit, model card, profile, imatrix, SHA256SUMS",
+         ["moeprep", "publish", str(baked), str(upload), "--base-model", "example/synthetic-qwen3moe",
+          "--profile", str(profile), "--imatrix", str(imatrix), "--split-max-size", "16M"]),
+        ("Check the folder before `hf upload USER/REPO` takes it",
+         ["moeprep", "publish", "--check", str(upload)]),
     ]
 
 
 def run_demo(folder: Path) -> None:
+    if folder.exists() and any(folder.iterdir()):
+        raise MoeprepError(f"{folder}: not empty; give the demo a new or empty folder")
     folder.mkdir(parents=True, exist_ok=True)
     for i, (title, argv) in enumerate(demo_steps(folder), 1):
         click.secho(f"\n== step {i}: {title}", bold=True)
