@@ -102,3 +102,20 @@ def test_imatrix_from_the_same_pass(synth, tmp_path: Path, ggml) -> None:  # noq
         for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_0):
             for rows, w in zip(data, weights):
                 assert np.array_equal(quantize_rows(rows, qtype, w), ggml.quantize(rows, qtype, w)), (name, qtype)
+
+
+def test_imatrix_matches_llama_imatrix_rule(synth, tmp_path: Path) -> None:  # noqa: ANN001
+    """in_sum2 and counts equal what llama.cpp's own matmul inputs give under llama-imatrix's rule (F32 model)."""
+    from moeprep.quant.imatrix import read_imatrix
+    from tests.profile.imatrix_oracle import llama_imatrix
+
+    path = synth("tiny-f32", skew=0.6, expert_type="F32", attn_type="F32")
+    out = tmp_path / "m.imatrix.gguf"
+    run_profile(path, 2, imatrix_out=out)
+    ours = read_imatrix(out).entries
+    tok = moerun.load_model(path, n_ctx=CTX).tokenizer
+    theirs = llama_imatrix(path, calibration_chunks(SPEC, tok.encode, tok.bos_id if tok.add_bos else None, CTX, 2))
+    assert set(ours) == set(theirs)
+    for name, (sums, counts) in theirs.items():
+        assert ours[name].counts.tolist() == counts.tolist(), name
+        assert np.allclose(ours[name].sums.reshape(sums.shape), sums, rtol=2e-3, atol=1e-6), name
