@@ -6,7 +6,7 @@ seed)` for temperature / nucleus sampling with its own seeded generator.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

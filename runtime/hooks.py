@@ -6,8 +6,8 @@ before building an event, so with nothing registered a forward pass makes no cop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -10,15 +10,21 @@ and norms, softmaxes, RoPE and the router run in float32, as llama.cpp does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moerun.cache.kv import KVCache
-from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelArgs
+from moerun.config import (
+    GATING_SIGMOID,
+    GATING_SOFTMAX,
+    GATING_SOFTMAX_WEIGHT,
+    ModelArgs,
+)
 from moerun.hooks import Hooks
 from moerun.rounding import Rounding, input_rounding
 from moerun.weights import ExpertTensor, Weights

@@ -8,7 +8,7 @@ llama.cpp breaks them; without it, quantized models pick a different expert at a
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from gguf import GGMLQuantizationType as Q

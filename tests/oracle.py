@@ -59,7 +59,7 @@ def _backend() -> None:
 
 
 @llama_cpp.llama_log_callback
-def _silence(level, text, user_data):  # noqa: ANN001 - ctypes callback
+def _silence(level, text, user_data):
     pass
 
 
@@ -98,7 +98,7 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
     captured: dict[int, list[np.ndarray]] = {}
 
     @llama_cpp.ggml_backend_sched_eval_callback
-    def on_tensor(tensor_p, ask, user_data):  # noqa: ANN001 - ctypes callback
+    def on_tensor(tensor_p, ask, user_data):
         t = GGMLTensor.from_address(tensor_p)
         if not t.name.startswith(TOPK_PREFIX):
             return not ask  # ask: do not stop for it; otherwise: keep computing

@@ -19,8 +19,19 @@ from moeprep.gguf.reader import GGUFModel
 from moerun.cache.kv import KVCache
 from moerun.config import GATING_SOFTMAX, ModelArgs
 from moerun.hooks import Hooks
-from moerun.layers import (Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router, Step, attend,
-                           yarn_attn_factor)
+from moerun.layers import (
+    Block,
+    FeedForward,
+    GGUFExperts,
+    Linear,
+    MoE,
+    RMSNorm,
+    Rope,
+    Router,
+    Step,
+    attend,
+    yarn_attn_factor,
+)
 from moerun.models.base import BuildContext
 from moerun.rounding import input_rounding
 from moerun.weights import Weights

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import Attention, Block, FeedForward, GGUFExperts, MoE, RMSNorm, Router
+from moerun.layers import (
+    Attention,
+    Block,
+    FeedForward,
+    GGUFExperts,
+    MoE,
+    RMSNorm,
+    Router,
+)
 from moerun.models.base import BuildContext
 
 

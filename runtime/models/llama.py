@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import PLAIN_MOE, ModelArgs
-from moerun.layers import Attention, Block, FeedForward, GGUFExperts, MoE, RMSNorm, Router
+from moerun.layers import (
+    Attention,
+    Block,
+    FeedForward,
+    GGUFExperts,
+    MoE,
+    RMSNorm,
+    Router,
+)
 from moerun.models.base import BuildContext
 
 

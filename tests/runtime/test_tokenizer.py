@@ -7,13 +7,13 @@ regex family we support is checked against llama.cpp's own splitting on the same
 from __future__ import annotations
 
 import pytest
-from gguf import GGUFValueType
+from gguf import GGUFValueType, TokenType
 
 import moerun
+from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
-from moeprep.errors import MoeprepError
-from moerun.tokenizer import Tokenizer
+from moerun.tokenizer import Tokenizer, bytes_to_unicode
 from tests.oracle import llama_tokenize
 from tests.runtime.conftest import MIXED_TEXT
 
@@ -29,6 +29,46 @@ def test_tokenization_matches_llama_cpp(pre, synth_model, tmp_path, calibration_
     for text in (MIXED_TEXT, calibration_text[:4000], "", " ", "\n\n", "a"):
         assert tokenizer.encode(text) == llama_tokenize(path, text), f"{pre}: {text[:40]!r}"
         assert tokenizer.encode(text, add_bos=False) == llama_tokenize(path, text, add_bos=False)
+
+
+def _sentencepiece_model(src_path, out_path):
+    """The synthetic byte-level vocabulary recast as a SentencePiece ("llama") one: <unk> <s> </s>, a user-defined
+    <tool>, the 256 byte tokens <0xXX>, then every BPE token that is whole UTF-8 text, spaces as "\u2581", scored
+    by merge order. Tensors are kept; only the tokenizer is read from this file."""
+    src = open_gguf(src_path)
+    char_bytes = {c: b for b, c in bytes_to_unicode().items()}
+    tokens = ["<unk>", "<s>", "</s>", "<tool>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, TokenType.USER_DEFINED, *[TokenType.BYTE] * 256]
+    for text, kind in zip(src.get("tokenizer.ggml.tokens"), src.get("tokenizer.ggml.token_type")):
+        try:
+            piece = bytes(char_bytes[c] for c in text).decode("utf-8").replace(" ", "\u2581")
+        except (KeyError, UnicodeDecodeError):
+            continue
+        if kind == TokenType.NORMAL and piece not in tokens:
+            tokens.append(piece)
+            types.append(TokenType.NORMAL)
+    n_fixed = 4 + 256
+    V = GGUFValueType
+    write_gguf(out_path, src, kv_remove=["tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token"], kv_set={
+        "tokenizer.ggml.model": KVValue("llama", V.STRING),
+        "tokenizer.ggml.tokens": KVValue(tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.scores": KVValue([0.0] * n_fixed + [-float(i) for i in range(len(tokens) - n_fixed)],
+                                         V.ARRAY, V.FLOAT32),
+        "tokenizer.ggml.token_type": KVValue([int(t) for t in types], V.ARRAY, V.INT32),
+        "tokenizer.ggml.bos_token_id": KVValue(1, V.UINT32),
+        "tokenizer.ggml.eos_token_id": KVValue(2, V.UINT32),
+        "tokenizer.ggml.unknown_token_id": KVValue(0, V.UINT32),
+    })
+    return out_path
+
+
+def test_sentencepiece_tokenization_matches_llama_cpp(synth_model, tmp_path, calibration_text):
+    path = _sentencepiece_model(synth_model("llama"), tmp_path / "spm.gguf")
+    tokenizer = Tokenizer(open_gguf(path))
+    assert tokenizer.add_bos  # SentencePiece vocabularies add BOS unless the file says otherwise
+    for text in (MIXED_TEXT, calibration_text[:4000], "", " ", "a<tool>b <tool> c", "naïve 🙂"):
+        assert tokenizer.encode(text) == llama_tokenize(path, text), text[:40]
+    assert tokenizer.decode(tokenizer.encode(MIXED_TEXT, add_bos=False)) == " " + MIXED_TEXT  # the space prefix
 
 
 def test_decode_round_trips(synth_model):
