@@ -24,7 +24,8 @@ GATING_SIGMOID = 2
 GATING_SOFTMAX_WEIGHT = 3
 
 # Fixed values for architectures whose llama.cpp loader ignores the DeepSeek-style MoE keys (weights scale,
-# gating function, leading dense blocks) even when a file carries them.
+# gating function, leading dense blocks) even when a file carries them; each such arch also fixes whether it
+# renormalises the top-k weights (expert_weights_norm).
 PLAIN_MOE: dict[str, Any] = {"expert_weights_scale": 0.0, "gating": GATING_SOFTMAX, "n_dense_lead": 0}
 
 
@@ -61,7 +62,7 @@ class ModelArgs:
     n_experts_used: int  # K
     expert_dim: int  # I
     n_shared_experts: int
-    shared_expert_dim: int
+    shared_expert_dim: int  # all shared experts of a layer together
     n_dense_lead: int
     expert_weights_scale: float
     expert_weights_norm: bool
@@ -138,7 +139,7 @@ class ModelArgs:
             n_experts_used=n_experts_used,
             expert_dim=int(get(LLM.EXPERT_FEED_FORWARD_LENGTH, "expert_dim", ffn_dim // max(n_experts_used, 1))),
             n_shared_experts=int(get(LLM.EXPERT_SHARED_COUNT, "n_shared_experts", 0)),
-            shared_expert_dim=int(get(LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, "shared_expert_dim", ffn_dim)),
+            shared_expert_dim=int(get(LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, "shared_expert_dim", 0)),
             n_dense_lead=int(get(LLM.LEADING_DENSE_BLOCK_COUNT, "n_dense_lead", 0)),
             expert_weights_scale=float(get(LLM.EXPERT_WEIGHTS_SCALE, "expert_weights_scale", 0.0)),
             expert_weights_norm=bool(get(LLM.EXPERT_WEIGHTS_NORM, "expert_weights_norm", False)),

@@ -3,8 +3,9 @@
 Letters in shape comments: T tokens in the step, S KV cache slots read (at most n_ctx), D hidden size, H query heads,
 G KV heads, Dh head size, E experts, K experts per token, I expert hidden size, V vocabulary.
 
-The residual stream is float32; each matmul runs in the weights' compute dtype (float32 on CPU, bfloat16 on CUDA),
-and norms, softmaxes, RoPE and the router run in float32, as llama.cpp does.
+The residual stream is float32; each matmul runs in the weights' compute dtype (float32 on CPU, bfloat16 on CUDA)
+after rounding its input as llama.cpp does for the stored weight type (rounding.py); norms, softmaxes, RoPE and the
+router run in float32, as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -285,24 +286,25 @@ class FeedForward(nn.Module):
 class Router(nn.Module):
     """Chooses K experts per token and their gate weights, following llama.cpp's build_moe_ffn.
 
-    gating: softmax or sigmoid over the router logits, or (gpt-oss) softmax over the chosen logits only.
+    gating: softmax or sigmoid over the router logits, or (gpt-oss) softmax over the chosen logits only; then
+    the chosen weights are renormalised to sum 1 if args.expert_weights_norm, and scaled by expert_weights_scale.
     `selection_bias` (exp_probs_b) shifts only the choice, not the weights. With expert groups, each group scores
     the sum of its two best experts and only the best `n_group_used` groups compete.
     """
 
-    def __init__(self, gate: Linear, args: ModelArgs, *, normalize: bool, selection_bias: torch.Tensor | None = None) -> None:
+    def __init__(self, gate: Linear, args: ModelArgs, selection_bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.gate = gate
-        self.k, self.gating, self.normalize = args.n_experts_used, args.gating, normalize
+        self.k, self.gating, self.normalize = args.n_experts_used, args.gating, args.expert_weights_norm
         self.scale = args.expert_weights_scale
         self.n_groups, self.n_group_used = args.n_expert_groups, args.n_group_used
         self.register_buffer("selection_bias", selection_bias, persistent=False)
 
     @classmethod
-    def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, *, normalize: bool) -> Router:
+    def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int) -> Router:
         """ffn_gate_inp (+ bias) in float32, where near-ties decide routing; exp_probs_b if the model has one."""
         p = f"blk.{layer}"
-        return cls(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, normalize=normalize,
+        return cls(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args,
                    selection_bias=w.optional(f"{p}.exp_probs_b.bias", torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,8 @@ def read_args(g: GGUFModel) -> ModelArgs:
     # The converter stores 0.1 * mscale_all_dim as the yarn log multiplier; llama.cpp divides the 0.1 back out.
     return args.replace(yarn_log_mul=args.yarn_log_mul / 0.1,
                         head_dim_mla=args.head_dim_mla or args.head_dim,
-                        v_head_dim_mla=args.v_head_dim_mla or args.v_head_dim)
+                        v_head_dim_mla=args.v_head_dim_mla or args.v_head_dim,
+                        shared_expert_dim=args.expert_dim * args.n_shared_experts)
 
 
 class MLAttention(nn.Module):
@@ -133,7 +134,7 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     if layer < args.n_dense_lead:
         ffn = FeedForward.load(w, hooks, layer)
     else:
-        router = Router.load(args, w, hooks, layer, normalize=args.expert_weights_norm)
+        router = Router.load(args, w, hooks, layer)
         ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks, shared=FeedForward.load(w, hooks, layer, "_shexp"))
     return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
                  RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), ffn)

@@ -19,7 +19,8 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults={"gating": GATING_SIGMOID})
+    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults={"gating": GATING_SIGMOID})
+    return args.replace(shared_expert_dim=args.expert_dim * args.n_shared_experts)
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
@@ -29,7 +30,7 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     if layer < args.n_dense_lead:
         ffn = FeedForward.load(w, hooks, layer)
     else:
-        router = Router.load(args, w, hooks, layer, normalize=args.expert_weights_norm)
+        router = Router.load(args, w, hooks, layer)
         ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks, shared=FeedForward.load(w, hooks, layer, "_shexp"))
     return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
                  RMSNorm.load(w, f"{p}.post_attention_norm.weight", args.norm_eps), ffn)

@@ -12,8 +12,8 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "rope_style": "neox", "gating": GATING_SOFTMAX_WEIGHT},
-                               defaults={"swa_pattern": 2})
+    fixed = {**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox", "gating": GATING_SOFTMAX_WEIGHT}
+    return ModelArgs.from_gguf(g, fixed=fixed, defaults={"swa_pattern": 2})
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
@@ -22,7 +22,7 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     rope = ctx.rope(base=args.rope_base_swa) if args.swa_layers[layer] else ctx.rope()
     attn = Attention.load(args, w, hooks, layer, rope, ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim),
                           scale=args.rope_dim ** -0.5)
-    router = Router.load(args, w, hooks, layer, normalize=False)
+    router = Router.load(args, w, hooks, layer)
     moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer, activation="swiglu_oai"), hooks)
     return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
                  RMSNorm.load(w, f"{p}.post_attention_norm.weight", args.norm_eps), moe)

@@ -18,7 +18,8 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "rope_style": "normal"})
+    args = ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "expert_weights_norm": True, "rope_style": "normal"})
+    return args.replace(expert_dim=args.ffn_dim)  # the experts are feed_forward_length wide
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
@@ -27,7 +28,7 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     rope = ctx.rope(freq_factors="rope_freqs.weight") if "rope_freqs.weight" in w else ctx.rope()
     attn = Attention.load(args, w, hooks, layer, rope, ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
     if args.n_experts:
-        router = Router.load(args, w, hooks, layer, normalize=True)
+        router = Router.load(args, w, hooks, layer)
         ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks)
     else:
         ffn = FeedForward.load(w, hooks, layer)

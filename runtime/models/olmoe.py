@@ -9,14 +9,15 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "rope_style": "neox"})
+    args = ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox"})
+    return args.replace(expert_dim=args.ffn_dim)  # the experts are feed_forward_length wide
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
     args, w, hooks = ctx.args, ctx.weights, ctx.hooks
     p = f"blk.{layer}"
     attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
-    router = Router.load(args, w, hooks, layer, normalize=False)
+    router = Router.load(args, w, hooks, layer)
     moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks)
     return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
                  RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), moe)

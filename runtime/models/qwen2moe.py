@@ -19,14 +19,15 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "rope_style": "neox"})
+    args = ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox"})
+    return args.replace(n_shared_experts=1, shared_expert_dim=args.shared_expert_dim or args.ffn_dim)
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
     args, w, hooks = ctx.args, ctx.weights, ctx.hooks
     p = f"blk.{layer}"
     attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
-    router = Router.load(args, w, hooks, layer, normalize=False)
+    router = Router.load(args, w, hooks, layer)
     shared_gate = Linear.load(w, f"{p}.ffn_gate_inp_shexp", hooks, shape=(1, args.dim))  # stored as (D,)
     moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks,
               shared=FeedForward.load(w, hooks, layer, "_shexp"), shared_gate=shared_gate)
