@@ -13,23 +13,10 @@ import sys
 import click
 
 from moeprep import __version__
-from moeprep.errors import MoeprepError
+from moeprep.cli_groups import UserErrorGroup
 
 
-class MoeprepGroup(click.Group):
-    """Click group that maps MoeprepError to one line and exit code 2 (see moeprep/errors.py)."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except MoeprepError as e:
-            if os.environ.get("MOEPREP_DEBUG"):
-                raise
-            click.echo(f"moeprep: error: {e}", err=True)
-            sys.exit(2)
-
-
-@click.group(cls=MoeprepGroup)
+@click.group(cls=UserErrorGroup)
 @click.version_option(__version__, prog_name="moeprep")
 def main() -> None:
     """Prepare Mixture-of-Experts GGUF models for expert-cached inference."""

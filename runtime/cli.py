@@ -10,33 +10,18 @@ code 2; set MOEPREP_DEBUG=1 for the traceback.
 from __future__ import annotations
 
 import codecs
-import os
-import sys
 import time
 
 import click
 
+from moeprep.cli_groups import DefaultCommandGroup, UserErrorGroup
 from moeprep.errors import MoeprepError
 
-DEFAULT_COMMAND = "run"
 
+class MoerunGroup(DefaultCommandGroup, UserErrorGroup):
+    """Runs `run` when the first argument names no command; MoeprepError becomes one line and exit 2."""
 
-class MoerunGroup(click.Group):
-    """Runs `run` when the first argument names no command, and maps MoeprepError to one line and exit 2."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
-            args = [DEFAULT_COMMAND, *args]
-        return super().parse_args(ctx, args)
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except MoeprepError as e:
-            if os.environ.get("MOEPREP_DEBUG"):
-                raise
-            click.echo(f"moerun: error: {e}", err=True)
-            sys.exit(2)
+    prog = "moerun"
 
 
 model_option = click.option("-m", "--model", "model_path", required=True, type=click.Path(),

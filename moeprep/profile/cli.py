@@ -8,19 +8,9 @@ from pathlib import Path
 
 import click
 
+from moeprep.cli_groups import DefaultCommandGroup
+
 EXPORT_FORMATS = ["moe-state-ini", "trace-csv", "json"]  # the keys of moeprep.profile.export.EXPORTERS (tested)
-
-
-class DefaultCommandGroup(click.Group):
-    """A group whose first argument, when it is not a subcommand name, goes to `default_command`: so that both
-    `moeprep profile MODEL --dataset X` and `moeprep profile show P` work."""
-
-    default_command = "run"
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
-            args = [self.default_command, *args]
-        return super().parse_args(ctx, args)
 
 
 @click.group(cls=DefaultCommandGroup)
