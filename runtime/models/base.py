@@ -16,7 +16,7 @@ from torch import nn
 from moerun.cache.kv import KVCache
 from moerun.config import ModelArgs
 from moerun.hooks import Hooks
-from moerun.layers import Linear, RMSNorm, Rope, Step
+from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router, Step
 from moerun.weights import Weights
 
 
@@ -39,6 +39,31 @@ class BuildContext:
 
     def kv_cache(self, n_kv_heads: int, k_dim: int, v_dim: int) -> KVCache:
         return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device)
+
+    def attention(self, layer: int, rope: Rope | None = None, **options) -> Attention:
+        """The standard attention of `layer` (GQA, with whatever biases, norms and sinks the file has)."""
+        a = self.args
+        cache = self.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim)
+        return Attention.load(a, self.weights, self.hooks, layer, rope or self.rope(), cache, **options)
+
+    def routed_experts(self, layer: int, activation: str | None = None, shared: bool = False, **moe_options) -> MoE:
+        """The MoE block of `layer`: router, routed experts and, with `shared`, the *_shexp shared expert."""
+        w, hooks = self.weights, self.hooks
+        experts = GGUFExperts.load(w, hooks, layer, **({"activation": activation} if activation else {}))
+        if shared:
+            moe_options["shared"] = FeedForward.load(w, hooks, layer, "_shexp")
+        return MoE(layer, Router.load(self.args, w, hooks, layer), experts, hooks, **moe_options)
+
+    def ffn(self, layer: int, **moe_options) -> nn.Module:
+        """A dense FFN for the leading dense layers, else routed experts with the shared expert."""
+        if layer < self.args.n_dense_lead:
+            return FeedForward.load(self.weights, self.hooks, layer)
+        return self.routed_experts(layer, shared=True, **moe_options)
+
+    def block(self, layer: int, attn: nn.Module, ffn: nn.Module, ffn_norm: str = "ffn_norm") -> Block:
+        """Pre-norm residual block: attn_norm -> attn, then `ffn_norm` -> ffn."""
+        norm = lambda name: RMSNorm.load(self.weights, f"blk.{layer}.{name}.weight", self.args.norm_eps)  # noqa: E731
+        return Block(norm("attn_norm"), attn, norm(ffn_norm), ffn)
 
 
 class Transformer(nn.Module):

@@ -21,13 +21,9 @@ from moerun.config import GATING_SOFTMAX, ModelArgs
 from moerun.hooks import Hooks
 from moerun.layers import (
     Block,
-    FeedForward,
-    GGUFExperts,
     Linear,
-    MoE,
     RMSNorm,
     Rope,
-    Router,
     Step,
     attend,
     yarn_attn_factor,
@@ -127,14 +123,8 @@ def rope_attn_factor(args: ModelArgs) -> float:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
-    p = f"blk.{layer}"
+    args = ctx.args
     rope = ctx.rope(attn_factor=rope_attn_factor(args))
-    attn = MLAttention(args, w, hooks, layer, rope, ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank))
-    if layer < args.n_dense_lead:
-        ffn = FeedForward.load(w, hooks, layer)
-    else:
-        router = Router.load(args, w, hooks, layer)
-        ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks, shared=FeedForward.load(w, hooks, layer, "_shexp"))
-    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
-                 RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), ffn)
+    attn = MLAttention(args, ctx.weights, ctx.hooks, layer, rope,
+                       ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank))
+    return ctx.block(layer, attn, ctx.ffn(layer))

@@ -6,15 +6,7 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import (
-    Attention,
-    Block,
-    FeedForward,
-    GGUFExperts,
-    MoE,
-    RMSNorm,
-    Router,
-)
+from moerun.layers import Block
 from moerun.models.base import BuildContext
 
 
@@ -24,13 +16,4 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
-    p = f"blk.{layer}"
-    attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
-    if layer < args.n_dense_lead:
-        ffn = FeedForward.load(w, hooks, layer)
-    else:
-        router = Router.load(args, w, hooks, layer)
-        ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks, shared=FeedForward.load(w, hooks, layer, "_shexp"))
-    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
-                 RMSNorm.load(w, f"{p}.post_attention_norm.weight", args.norm_eps), ffn)
+    return ctx.block(layer, ctx.attention(layer), ctx.ffn(layer), ffn_norm="post_attention_norm")

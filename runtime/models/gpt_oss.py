@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SOFTMAX_WEIGHT, PLAIN_MOE, ModelArgs
-from moerun.layers import Attention, Block, GGUFExperts, MoE, RMSNorm, Router
+from moerun.layers import Block
 from moerun.models.base import BuildContext
 
 
@@ -17,12 +17,8 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
-    p = f"blk.{layer}"
+    args = ctx.args
     rope = ctx.rope(base=args.rope_base_swa) if args.swa_layers[layer] else ctx.rope()
-    attn = Attention.load(args, w, hooks, layer, rope, ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim),
-                          scale=args.rope_dim ** -0.5)
-    router = Router.load(args, w, hooks, layer)
-    moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer, activation="swiglu_oai"), hooks)
-    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
-                 RMSNorm.load(w, f"{p}.post_attention_norm.weight", args.norm_eps), moe)
+    attn = ctx.attention(layer, rope, scale=args.rope_dim ** -0.5)
+    moe = ctx.routed_experts(layer, activation="swiglu_oai")
+    return ctx.block(layer, attn, moe, ffn_norm="post_attention_norm")

@@ -5,15 +5,7 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import PLAIN_MOE, ModelArgs
-from moerun.layers import (
-    Attention,
-    Block,
-    FeedForward,
-    GGUFExperts,
-    MoE,
-    RMSNorm,
-    Router,
-)
+from moerun.layers import Block, FeedForward
 from moerun.models.base import BuildContext
 
 
@@ -23,14 +15,6 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
-    p = f"blk.{layer}"
-    rope = ctx.rope(freq_factors="rope_freqs.weight") if "rope_freqs.weight" in w else ctx.rope()
-    attn = Attention.load(args, w, hooks, layer, rope, ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
-    if args.n_experts:
-        router = Router.load(args, w, hooks, layer)
-        ffn = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks)
-    else:
-        ffn = FeedForward.load(w, hooks, layer)
-    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
-                 RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), ffn)
+    rope = ctx.rope(freq_factors="rope_freqs.weight") if "rope_freqs.weight" in ctx.weights else ctx.rope()
+    ffn = ctx.routed_experts(layer) if ctx.args.n_experts else FeedForward.load(ctx.weights, ctx.hooks, layer)
+    return ctx.block(layer, ctx.attention(layer, rope), ffn)

@@ -5,16 +5,7 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import PLAIN_MOE, ModelArgs
-from moerun.layers import (
-    Attention,
-    Block,
-    FeedForward,
-    GGUFExperts,
-    Linear,
-    MoE,
-    RMSNorm,
-    Router,
-)
+from moerun.layers import Block, Linear
 from moerun.models.base import BuildContext
 
 
@@ -24,12 +15,6 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    args, w, hooks = ctx.args, ctx.weights, ctx.hooks
-    p = f"blk.{layer}"
-    attn = Attention.load(args, w, hooks, layer, ctx.rope(), ctx.kv_cache(args.n_kv_heads, args.head_dim, args.v_head_dim))
-    router = Router.load(args, w, hooks, layer)
-    shared_gate = Linear.load(w, f"{p}.ffn_gate_inp_shexp", hooks, shape=(1, args.dim))  # stored as (D,)
-    moe = MoE(layer, router, GGUFExperts.load(w, hooks, layer), hooks,
-              shared=FeedForward.load(w, hooks, layer, "_shexp"), shared_gate=shared_gate)
-    return Block(RMSNorm.load(w, f"{p}.attn_norm.weight", args.norm_eps), attn,
-                 RMSNorm.load(w, f"{p}.ffn_norm.weight", args.norm_eps), moe)
+    shared_gate = Linear.load(ctx.weights, f"blk.{layer}.ffn_gate_inp_shexp", ctx.hooks, shape=(1, ctx.args.dim))  # stored as (D,)
+    moe = ctx.routed_experts(layer, shared=True, shared_gate=shared_gate)
+    return ctx.block(layer, ctx.attention(layer), moe)
