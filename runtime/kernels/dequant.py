@@ -134,7 +134,7 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
     dl = (d * (scales & 0x0F).float()).unsqueeze(-1)  # [B, 16, 1]
     ml = (dmin * (scales >> 4).float()).unsqueeze(-1)  # [B, 16, 1]
-    q = _unpack(qs.unflatten(-1, (2, 32)), 2).reshape(-1, 16, 16).float()  # [B, 2 halves, 4 planes, 32] -> [B, 16, 16]
+    q = _unpack(qs.unflatten(-1, (2, 32)), 2).reshape(-1, 16, 16).float()  # [B, 2, 4 planes, 32] -> [B, 16, 16]
     return (dl * q - ml).flatten(-2)
 
 
@@ -184,7 +184,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (ds * q.unflatten(-1, (16, 16)).float()).flatten(-2)
 
 
-# Every type these functions read; anything else goes to gguf-py. Priority order of the brief (expert types first).
+# Every type read here, the common expert types first; gguf-py dequantizes the rest (see `supports`).
 DEQUANTIZERS: dict[Q, BlockDequantizer] = {
     Q.F32: _f32,
     Q.F16: _f16,
