@@ -1,10 +1,14 @@
 """Weights straight from the memory-mapped GGUF: dense tensors dequantized once, expert tensors kept as GGUF bytes.
 
-A stacked expert tensor (`blk.N.ffn_*_exps.weight`, numpy shape (E, rows, cols)) stays in the file; `ExpertTensor`
-dequantizes one expert's slice when the router picks it. That is the reference path the expert cache replaces.
+A stacked expert tensor (`blk.N.ffn_*_exps.weight`, numpy shape (E, rows, cols)) stays in its GGUF bytes;
+`ExpertTensor` dequantizes one expert's slice when the router picks it. That is the reference path the expert cache
+replaces. Types moerun.kernels.dequant supports have their bytes copied to the compute device once and dequantized
+there; the others stay in the memory map and go through gguf-py on the host.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
@@ -13,6 +17,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, TensorInfo
+from moerun.kernels.dequant import dequantize, supports
 from moerun.rounding import input_rounding
 
 # Types whose bytes are already plain floats: viewed, not run through gguf-py's block dequantizers.
@@ -33,6 +38,14 @@ def dequantize_bytes(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tu
     return torch.from_numpy(values.reshape(shape))
 
 
+def device_bytes(raw: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The mapped bytes as a uint8 tensor on `device`: a copy on a GPU, the memory map itself on the CPU."""
+    with warnings.catch_warnings():
+        # The map is read-only and the tensor is only ever read, which is all torch's warning is about.
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.from_numpy(raw).to(device)
+
+
 class ExpertTensor:
     """One stacked expert weight, (E, rows, cols) in numpy order; `expert(e)` is expert e's (rows, cols) matrix."""
 
@@ -42,10 +55,14 @@ class ExpertTensor:
         self.info = info
         self.n_experts, self.rows, self.cols = info.shape
         self.dtype, self.device = dtype, device
-        self._bytes = g.raw(info).reshape(self.n_experts, -1)  # (E, bytes per expert) view of the memory map
+        raw = g.raw(info).reshape(self.n_experts, self.rows, -1)  # (E, rows, row bytes) view of the memory map
+        self.on_device = supports(info.ggml_type)
+        self._bytes = device_bytes(raw, device) if self.on_device else raw  # on_device: (E, rows, row bytes) uint8
         self.round_input = input_rounding(info.ggml_type)
 
     def expert(self, e: int) -> torch.Tensor:
+        if self.on_device:
+            return dequantize(self._bytes[e], self.info.ggml_type, self.cols, self.dtype)
         w = dequantize_bytes(self._bytes[e], self.info.ggml_type, (self.rows, self.cols))
         return w.to(device=self.device, dtype=self.dtype)
 
