@@ -22,9 +22,12 @@ lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/machine.txt"
   cmake --build build --target llama-bench -j 14 > /tmp/peer/build.log 2>&1 && echo built > /tmp/peer/done
 ) &
 
+python3 -m pytest -q --noconftest -p no:cacheprovider tests/runtime/test_dequant.py -k cuda 2>&1 | tail -3 | tee "$OUT/dequant-tests.log"
+python3 bench/bench_dequant.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/dequant-bench.log"
+
 MODEL=/tmp/bench-qwen3-30b-a3b.gguf
 python3 -m moeprep synth "$MODEL" --preset qwen3-30b-a3b --expert-type Q4_K --attn-type Q8_0 --fast-random-blocks
-python3 bench/bench_runtime.py "$MODEL" --device cuda --prompt 512 --gen 32 --json "$OUT/runtime-moerun-cuda.json" \
+python3 bench/bench_runtime.py "$MODEL" --device cuda --prompt 512 --gen 16 --json "$OUT/runtime-moerun-cuda.json" \
     --no-peer 2>&1 | tee "$OUT/runtime.log" || true
 python3 bench/bench_profile.py --model "$MODEL" --device cuda --ctx 512 --chunks 4 --json "$OUT/profile-cuda.json" \
     2>&1 | tee "$OUT/profile.log" || true
