@@ -367,6 +367,8 @@ class GGUFExperts(nn.Module):
                    tuple(w.optional(f"{p}.ffn_{part}_exps.bias", torch.float32) for part in parts))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and not self.hooks.activation:
+            return self._forward_one_token(x, ids[0], weights[0])
         per_slot = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # (T, K, D)
         for e in torch.unique(ids).tolist():  # the host sync routing needs
             rows, slots = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and in which of their K slots
@@ -380,6 +382,22 @@ class GGUFExperts(nn.Module):
             y = self._matmul(self.down, h, e, self.down_bias)  # (n, D)
             per_slot[rows, slots] = y * weights[rows, slots, None]
         return per_slot.sum(dim=1)
+
+    def _forward_one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Decode: the K chosen experts of one token, each tensor dequantized once for all K, no host sync.
+        x (1, D), ids (K,), weights (K,) -> (1, D)."""
+        h = self.act(self._matmul_k(self.gate, x, ids, self.gate_bias), self._matmul_k(self.up, x, ids, self.up_bias))
+        y = self._matmul_k(self.down, h, ids, self.down_bias)  # (K, D)
+        return (y * weights[:, None]).sum(dim=0, keepdim=True)
+
+    @staticmethod
+    def _matmul_k(t: ExpertTensor, x: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (1, in) or (K, in) through experts ids (K,) -> (K, out)."""
+        w = t.experts(ids)  # (K, out, in)
+        if t.round_input is not None:
+            x = t.round_input(x)
+        y = torch.matmul(w, x.to(w.dtype).expand(len(ids), -1)[:, :, None])[:, :, 0].float()
+        return y if bias is None else y + bias[ids]
 
     @staticmethod
     def _matmul(t: ExpertTensor, x: torch.Tensor, e: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -66,6 +66,13 @@ class ExpertTensor:
         w = dequantize_bytes(self._bytes[e], self.info.ggml_type, (self.rows, self.cols))
         return w.to(device=self.device, dtype=self.dtype)
 
+    def experts(self, ids: torch.Tensor) -> torch.Tensor:
+        """The experts `ids` (K,) as one (K, rows, cols) tensor: one dequantization for all of them, no host sync
+        when the bytes live on the device."""
+        if self.on_device:
+            return dequantize(self._bytes[ids], self.info.ggml_type, self.cols, self.dtype)
+        return torch.stack([self.expert(e) for e in ids.tolist()])
+
 
 class Weights:
     """Looks tensors up by GGUF name and hands them out in the compute dtype on the compute device."""
