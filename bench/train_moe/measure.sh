@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every measurement of docs/bench-train-moe.md, from the committed models, on CPU (about 30 minutes on 2 idle cores).
+# Every measurement of docs/BENCHMARKS.md (the bench model section), from the committed models, on CPU (about 30 minutes on 2 idle cores).
 # Variants and profiles go to bench/train_moe/work/ (git-ignored); the trace and the stats are committed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
