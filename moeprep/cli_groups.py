@@ -11,7 +11,8 @@ from moeprep.errors import MoeprepError
 
 
 class UserErrorGroup(click.Group):
-    """Maps MoeprepError (the user's input is wrong) to one line on stderr and exit code 2, as pip-tools does.
+    """Maps MoeprepError (the user's input is wrong) and a subcommand's bad option or argument (a missing file, a
+    wrong value) to one line on stderr and exit code 2, as pip-tools does.
 
     Set MOEPREP_DEBUG=1 for the traceback. `prog` names the program in the message."""
 
@@ -23,8 +24,14 @@ class UserErrorGroup(click.Group):
         except MoeprepError as e:
             if os.environ.get("MOEPREP_DEBUG"):
                 raise
-            click.echo(f"{self.prog}: error: {e}", err=True)
-            sys.exit(2)
+            self.fail(str(e))
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            self.fail(e.format_message() + hint)
+
+    def fail(self, message: str) -> None:
+        click.echo(f"{self.prog}: error: {message}", err=True)
+        sys.exit(2)
 
 
 class DefaultCommandGroup(click.Group):

@@ -114,3 +114,16 @@ def test_not_first_shard(good: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["inspect", str(second)])
     assert result.exit_code == 2
     assert "open the first shard" in result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["quantize", "only-one-path.gguf"],
+    ["profile", "/no/such/model.gguf", "--dataset", "x", "-o", "out.moeprof"],
+    ["inspect", "m.gguf", "--vram"],
+    ["no-such-command"],
+])
+def test_bad_command_line_is_one_line_exit_2(args: list[str]) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeprep: error: "), result.stderr
