@@ -68,9 +68,11 @@ def demo(folder: str | None) -> None:
 @click.option("--split-max-size", help="Write llama.cpp shards of at most this size (48G).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--threads", default=os.cpu_count() or 1, show_default=True, help="Quantizer threads.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where Q4_K/Q5_K/Q6_K are quantized (cuda: torch on the GPU, the same bytes).")
 @click.option("--no-verify", is_flag=True, help="Skip the verification of the output against IN.")
 def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_rules: tuple[str, ...],
-             split_max_size: str | None, dry_run: bool, threads: int, no_verify: bool) -> None:
+             split_max_size: str | None, dry_run: bool, threads: int, device: str, no_verify: bool) -> None:
     """Requantize the attention tensors of IN into OUT; routed experts are copied byte for byte."""
     from pathlib import Path
 
@@ -87,7 +89,7 @@ def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_ru
         click.echo(format_plan(plan))
         return
     matrix = read_imatrix(imatrix) if imatrix else None
-    result = quantize_model(model, Path(out), plan, imatrix=matrix, threads=threads,
+    result = quantize_model(model, Path(out), plan, imatrix=matrix, threads=threads, device=device,
                             split_max_size=parse_size(split_max_size) if split_max_size else None)
     report = None if no_verify else verify_model(open_gguf(result.paths[0]), model)
     click.echo(format_summary(result, report))

@@ -16,7 +16,9 @@ On top of kquants.py's four habits, torch needs these:
     canonical NaN has other mantissa bits. NaN appears in lanes whose result is then discarded (a constant
     sub-block divides 0 by 0), so only this function sees its bits;
   * square roots go through float64 (`_sqrt`): torch's CPU sqrt is not correctly rounded;
-  * integers narrow to uint8 through `& 0xFF`, so the wrap of a C cast does not rest on a backend's conversion.
+  * integers narrow to uint8 through `& 0xFF`, so the wrap of a C cast does not rest on a backend's conversion;
+  * a NaN fp16 scale keeps the bits of the NaN the hardware made, which differ between x86 and a GPU:
+    `quantizers_on` quantizes such rows (|x| > 1.8e19 only) again with kquants.py.
 
 The code is device-agnostic: tensors stay on the device of the rows, and only `quantizers_on` crosses to numpy.
 Shapes as in kquants.py: R rows, P values per row, B super-blocks of QK_K = 256, S sub-blocks, n values per
@@ -401,16 +403,46 @@ quantize_q5_k = KQUANTIZERS[GGMLQuantizationType.Q5_K]
 quantize_q6_k = KQUANTIZERS[GGMLQuantizationType.Q6_K]
 
 
+# Where each type stores its fp16 scales: d, dmin for Q4_K and Q5_K; d last for Q6_K. bytes [.., type_size].
+FP16_FIELDS: dict[GGMLQuantizationType, slice] = {
+    GGMLQuantizationType.Q4_K: slice(0, 4),
+    GGMLQuantizationType.Q5_K: slice(0, 4),
+    GGMLQuantizationType.Q6_K: slice(208, 210),
+}
+assert FP16_FIELDS.keys() == KQUANTIZERS.keys()
+
+
+def nan_scale_rows(out: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Rows of bytes [R, row_bytes] with a block whose fp16 scale is NaN. -> row indices.
+
+    A NaN scale needs |x| > 1.8e19 (x*x overflows float32 and inf - inf follows). Its fp16 bits are those of the
+    NaN the hardware made: x86's default NaN (stored 0xFE00) for ggml and numpy, a GPU's canonical NaN (0x7FFF)
+    on CUDA. Measured on an H200: the 8 blocks of the "huge-1e30" rows with a random imatrix, Q4_K and Q5_K."""
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    half = np.ascontiguousarray(out.reshape(out.shape[0], -1, type_size)[..., FP16_FIELDS[qtype]]).view(np.uint16)
+    nan = ((half & 0x7C00) == 0x7C00) & ((half & 0x03FF) != 0)
+    return np.flatnonzero(nan.reshape(out.shape[0], -1).any(axis=1))
+
+
 def quantizers_on(device: str | torch.device) -> dict[GGMLQuantizationType, Callable]:
-    """KQUANTIZERS with registry's numpy signature (rows [R, P], imatrix) -> [R, row_bytes] uint8, run on device."""
+    """KQUANTIZERS with registry's numpy signature (rows [R, P], imatrix) -> [R, row_bytes] uint8, run on device.
+
+    Rows whose bytes hold a NaN scale are quantized again by kquants.py, so that the NaN has x86's bits as in
+    ggml (see nan_scale_rows); no realistic weight gets there."""
     device = torch.device(device)
     chunk_blocks = CHUNK_BLOCKS[device.type]
 
-    def on_device(fn: Callable) -> Callable:
+    def on_device(qtype: GGMLQuantizationType, fn: Callable) -> Callable:
         def quantize(rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
-            t = torch.from_numpy(np.ascontiguousarray(rows, F32)).to(device)
+            rows = np.ascontiguousarray(rows, F32)
+            t = torch.from_numpy(rows).to(device)
             w = None if imatrix is None else torch.from_numpy(np.ascontiguousarray(imatrix, F32)).to(device)
-            return fn(t, w, chunk_blocks).cpu().numpy()
+            out = fn(t, w, chunk_blocks).cpu().numpy()
+            bad = nan_scale_rows(out, qtype)
+            if bad.size:
+                qw = None if imatrix is None else (imatrix[bad] if np.ndim(imatrix) == 2 else imatrix)
+                out[bad] = kquants.KQUANTIZERS[qtype](rows[bad], qw)
+            return out
         return quantize
 
-    return {qtype: on_device(fn) for qtype, fn in KQUANTIZERS.items()}
+    return {qtype: on_device(qtype, fn) for qtype, fn in KQUANTIZERS.items()}

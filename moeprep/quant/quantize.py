@@ -2,12 +2,15 @@
 
 Memory stays at about one requantized tensor (as float32) plus the copy chunk, whatever the model size: copied
 tensors stream from the memory map, requantized ones are produced one expert slice or row group at a time.
+On `device="cuda"` a type the GPU quantizes (registry.quantizers_on) goes to it one whole 2-D slice at a time;
+every other type is spread over the thread pool as on the CPU.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,7 @@ from moeprep.gguf.reader import GGUFModel
 from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, shard_path, write_gguf
 from moeprep.quant.imatrix import ImportanceMatrix
 from moeprep.quant.plan import QuantPlan, TensorPlan
-from moeprep.quant.registry import quantize_rows
+from moeprep.quant.registry import quantize_rows, quantizers_on
 from moeprep.quant.verify import VerifyReport
 
 QUANTIZATION_VERSION = 2  # ggml's current block layouts
@@ -50,16 +53,27 @@ class QuantizeResult:
         return f32_bytes / 1e6 / self.seconds if self.seconds else 0.0
 
 
-def _quantize_slices(source: np.ndarray, plan: TensorPlan, weights: np.ndarray | None,
-                     pool: ThreadPoolExecutor) -> list[np.ndarray]:
-    """Quantize a 2-D float32 block of rows in thread tasks; `weights` is the imatrix row (or None)."""
-    tasks = [pool.submit(quantize_rows, source[i : i + ROWS_PER_TASK], plan.new_type, weights)
-             for i in range(0, source.shape[0], ROWS_PER_TASK)]
-    return [t.result() for t in tasks]
+# (2-D float32 rows, the tensor's plan, imatrix row or None) -> the rows' bytes, in one or more pieces
+SliceQuantizer = Callable[[np.ndarray, TensorPlan, np.ndarray | None], list[np.ndarray]]
+
+
+def slice_quantizer(device: str, pool: ThreadPoolExecutor) -> SliceQuantizer:
+    """How quantize_model quantizes a 2-D block of rows: a type `device` runs itself (other than "cpu") in one call,
+    which chunks it to the device; any other type in thread tasks of ROWS_PER_TASK rows."""
+    on_device = set() if device == "cpu" else set(quantizers_on(device))
+
+    def quantize(source: np.ndarray, plan: TensorPlan, weights: np.ndarray | None) -> list[np.ndarray]:
+        if plan.new_type in on_device:
+            return [quantize_rows(source, plan.new_type, weights, device)]
+        tasks = [pool.submit(quantize_rows, source[i : i + ROWS_PER_TASK], plan.new_type, weights)
+                 for i in range(0, source.shape[0], ROWS_PER_TASK)]
+        return [t.result() for t in tasks]
+
+    return quantize
 
 
 def requantized_tensor(model: GGUFModel, plan: TensorPlan, imatrix: ImportanceMatrix | None,
-                       pool: ThreadPoolExecutor) -> OutputTensor:
+                       quantize_slice: SliceQuantizer) -> OutputTensor:
     """An output tensor whose bytes are `plan.tensor` dequantized to float32 and quantized to `plan.new_type`."""
     t = plan.tensor
 
@@ -72,7 +86,7 @@ def requantized_tensor(model: GGUFModel, plan: TensorPlan, imatrix: ImportanceMa
         slices = data.reshape(-1, *data.shape[-2:]) if data.ndim > 2 else data[None]
         for i, rows in enumerate(slices):
             w = None if weights is None else (weights[i] if weights.ndim == 2 else weights)
-            yield from _quantize_slices(np.ascontiguousarray(rows, dtype=np.float32), plan, w, pool)
+            yield from quantize_slice(np.ascontiguousarray(rows, dtype=np.float32), plan, w)
 
     return OutputTensor(t.name, plan.new_type, t.shape, chunks)
 
@@ -108,13 +122,18 @@ def check_outputs(model: GGUFModel, out: Path, plan: QuantPlan, split_max_size: 
 
 
 def quantize_model(model: GGUFModel, out: Path, plan: QuantPlan, *, imatrix: ImportanceMatrix | None = None,
-                   split_max_size: int | None = None, threads: int = 1, progress: bool = True) -> QuantizeResult:
-    """Write `model` with `plan` applied to `out` (shards when split_max_size is set)."""
+                   split_max_size: int | None = None, threads: int = 1, device: str = "cpu",
+                   progress: bool = True) -> QuantizeResult:
+    """Write `model` with `plan` applied to `out` (shards when split_max_size is set), quantizing on `device`
+    ("cpu" or "cuda": the same bytes)."""
+    quantizers_on(device)  # no such device: fail before anything is written
     check_outputs(model, out, plan, split_max_size)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool, \
             tqdm(total=plan.bytes_after, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
-        tensors = [requantized_tensor(model, p, imatrix, pool) if p.requantize else copied_tensor(model, p.tensor)
+        quantize_slice = slice_quantizer(device, pool)
+        tensors = [requantized_tensor(model, p, imatrix, quantize_slice) if p.requantize
+                   else copied_tensor(model, p.tensor)
                    for p in plan.tensors]
         paths = write_gguf(out, model, tensors=tensors, kv_set=output_kv(model, plan, imatrix),
                            split_max_size=split_max_size, on_bytes=bar.update)

@@ -7,12 +7,15 @@ equal to libggml's `ggml_quantize_chunk` for the same input:
     in the sign of zero: ggml stores d = -0.0 for an all-zero Q4_0 block, and the first of equal minima as a
     Q4_1 min, where gguf-py's numpy min/argmax pick other signed zeros;
   * Q8_0, F16, BF16, F32: gguf-py (byte-exact); ggml ignores an imatrix for these, and so do we.
+On `device="cuda"` the K-quants run in torch on the GPU (moeprep.quant.kquants_torch, the same bytes); the other
+types stay on the CPU.
 
 Shapes: R rows, P values per row, S blocks of 32.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,6 +127,33 @@ FALLBACK: dict[GGMLQuantizationType, GGMLQuantizationType] = {
 }
 
 
+def _torch_quantizers(device: str) -> dict[GGMLQuantizationType, Quantizer]:
+    import torch  # imported on first use: torch takes a second to import
+
+    from moeprep.quant import kquants_torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoeprepError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() "
+                           f"is False); use --device cpu")
+    return kquants_torch.quantizers_on(device)
+
+
+# --device -> the types that device quantizes itself, built on first use; a type missing there runs on the CPU.
+DEVICES: dict[str, Callable[[], dict[GGMLQuantizationType, Quantizer]]] = {
+    "cpu": lambda: QUANTIZERS,
+    "cuda": lambda: _torch_quantizers("cuda"),
+}
+
+
+@functools.cache
+def quantizers_on(device: str) -> dict[GGMLQuantizationType, Quantizer]:
+    """The quantizers `device` runs itself ("cpu": every type; "cuda": Q4_K, Q5_K, Q6_K). MoeprepError if there is
+    no such device."""
+    if device not in DEVICES:
+        raise MoeprepError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    return DEVICES[device]()
+
+
 def _supported(qtype: GGMLQuantizationType) -> None:
     if qtype not in QUANTIZERS:
         names = ", ".join(t.name for t in QUANTIZERS)
@@ -146,11 +176,13 @@ def _first_bad(a: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
 
 
-def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType, imatrix: np.ndarray | None = None) -> np.ndarray:
+def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType, imatrix: np.ndarray | None = None,
+                  device: str = "cpu") -> np.ndarray:
     """Bytes of rows [R, P] in qtype, as ggml_quantize_chunk writes them. -> uint8 [R, P/block*type_size].
 
     imatrix: importance [P] for all rows, or [R, P] one per row (e.g. the expert of each row); None for the
-    reference path. Rows and importance must be finite; P must fit the type's block (see choose_type)."""
+    reference path. Rows and importance must be finite; P must fit the type's block (see choose_type).
+    device: where to quantize (see quantizers_on); the bytes are the same on every device."""
     _supported(qtype)
     rows = np.asarray(rows, dtype=F32)
     if rows.ndim != 2:
@@ -172,7 +204,7 @@ def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType, imatrix: np.nda
         if not np.isfinite(imatrix).all():
             raise MoeprepError(f"importance matrix has NaN/Inf values (first at {list(_first_bad(imatrix))}); "
                                f"regenerate it with llama-imatrix")
-    return QUANTIZERS[qtype](rows, imatrix)
+    return quantizers_on(device).get(qtype, QUANTIZERS[qtype])(rows, imatrix)
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
