@@ -62,11 +62,11 @@ def main() -> None:
                                                                    for d in devices))
     for qtype, quantize in kquants.KQUANTIZERS.items():
         for qw in (None, imatrix):
-            np_s, expected = seconds(lambda: quantize(rows, qw), 1, None)
+            np_s, expected = seconds(lambda f=quantize, w=qw: f(rows, w), 1, None)
             cells = []
             for d in devices:
                 tables[d][qtype](rows[:8], qw)  # warm-up
-                t_s, got = seconds(lambda: tables[d][qtype](rows, qw), args.repeat, d)
+                t_s, got = seconds(lambda f=tables[d][qtype], w=qw: f(rows, w), args.repeat, d)
                 cells.append(f"{mb / t_s:16.1f}  {compare(got, expected, qtype)}")
             print(f"{qtype.name:6} {'yes' if qw is not None else 'no':8} {mb / np_s:11.1f} " + " ".join(cells),
                   flush=True)
