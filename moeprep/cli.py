@@ -10,10 +10,13 @@ import json
 import os
 import sys
 
+from pathlib import Path
+
 import click
 
 from moeprep import __version__
 from moeprep.cli_groups import UserErrorGroup
+from moeprep.profile.cli import profile
 
 
 @click.group(cls=UserErrorGroup)
@@ -50,7 +53,6 @@ def inspect(model: str, as_json: bool, vram: str | None, reserve: str) -> None:
 def demo(folder: str | None) -> None:
     """Show every moeprep capability on a small synthetic MoE model, step by step."""
     import tempfile
-    from pathlib import Path
 
     from moeprep.demo import run_demo
 
@@ -74,8 +76,6 @@ def demo(folder: str | None) -> None:
 def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_rules: tuple[str, ...],
              split_max_size: str | None, dry_run: bool, threads: int, device: str, no_verify: bool) -> None:
     """Requantize the attention tensors of IN into OUT; routed experts are copied byte for byte."""
-    from pathlib import Path
-
     from moeprep.gguf.reader import open_gguf
     from moeprep.quant.imatrix import read_imatrix
     from moeprep.quant.plan import format_plan, parse_rule, parse_type, plan_requant
@@ -111,9 +111,7 @@ def verify(out: str, source: str) -> None:
         sys.exit(1)
 
 
-from moeprep.profile.cli import profile  # noqa: E402  (the `moeprep profile` group lives with its package)
-
-main.add_command(profile)
+main.add_command(profile)  # the `moeprep profile` group lives with its package
 
 
 @main.command()
@@ -134,8 +132,6 @@ main.add_command(profile)
 def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: str | None, skew: float, seed: int,
           n_layer: int | None, n_expert: int | None, n_expert_used: int | None, fast_random_blocks: bool) -> None:
     """Write a synthetic MoE model (random weights, real tokenizer) that llama.cpp loads: test and demo fixtures."""
-    from pathlib import Path
-
     from moeprep.synth import write_synth_model
     from moeprep.units import format_size
 
@@ -143,9 +139,6 @@ def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: 
                              skew=skew, n_layer=n_layer, n_expert=n_expert, n_expert_used=n_expert_used,
                              fast_random_blocks=fast_random_blocks)
     click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")
-
-
-from pathlib import Path  # noqa: E402  (publish and prepare take paths)
 
 
 @main.command()

@@ -58,9 +58,12 @@ def relative_error(out: GGUFModel, t_out: TensorInfo, src: GGUFModel, t_src: Ten
     return float(np.linalg.norm(a - b) / norm) if norm else float(np.linalg.norm(a))
 
 
+def _kept_keys(kv: dict) -> dict:
+    return {k: v for k, v in kv.items() if not k.startswith(CHANGED_KEY_PREFIXES)}
+
+
 def _check_metadata(out: GGUFModel, src: GGUFModel, report: VerifyReport) -> None:
-    kept = lambda kv: {k: v for k, v in kv.items() if not k.startswith(CHANGED_KEY_PREFIXES)}
-    src_kv, out_kv = kept(src.kv), kept(out.kv)
+    src_kv, out_kv = _kept_keys(src.kv), _kept_keys(out.kv)
     for key, value in src_kv.items():
         if key not in out_kv:
             report.problems.append(f"key {key} missing")
