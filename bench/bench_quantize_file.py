@@ -19,10 +19,11 @@ from pathlib import Path
 
 
 def timed_child(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of a child process."""
+    """Wall seconds (until its writes reach the disk, as for the copy) and peak RSS (bytes) of a child process."""
     start = time.perf_counter()
     pid = subprocess.Popen(argv).pid
     _, status, usage = os.wait4(pid, 0)
+    os.sync()
     if status != 0:
         sys.exit(f"{argv} failed with status {status}")
     return time.perf_counter() - start, usage.ru_maxrss * 1024
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--workdir", default=tempfile.gettempdir())
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", default="cpu", help="quantize --device (cpu or cuda)")
+    ap.add_argument("--skip-verify", action="store_true", help="do not time `moeprep verify` afterwards")
     args = ap.parse_args()
     work = Path(args.workdir)
     model = Path(args.model) if args.model else work / "bench-qwen3-30b-a3b.gguf"
@@ -46,14 +49,17 @@ def main() -> None:
     copy_s = time.perf_counter() - start
     copy_path.unlink()
     quant_s, quant_rss = timed_child([sys.executable, "-m", "moeprep", "quantize", str(model), str(out),
-                                      "--attn", "Q4_K", "--no-verify", "--threads", str(args.threads)])
-    verify_s, verify_rss = timed_child([sys.executable, "-m", "moeprep", "verify", str(out), "--against", str(model)])
+                                      "--attn", "Q4_K", "--no-verify", "--threads", str(args.threads),
+                                      "--device", args.device])
+    if not args.skip_verify:
+        verify_s, verify_rss = timed_child([sys.executable, "-m", "moeprep", "verify", str(out), "--against", str(model)])
     size = model.stat().st_size
-    print(f"\nmodel {model} ({size / 2**30:.2f} GiB), {args.threads} threads")
+    print(f"\nmodel {model} ({size / 2**30:.2f} GiB), {args.threads} threads, quantize --device {args.device}")
     print(f"{'step':<28}{'seconds':>10}{'peak RSS':>14}")
     print(f"{'plain copy':<28}{copy_s:>10.1f}{'-':>14}")
     print(f"{'quantize --attn Q4_K':<28}{quant_s:>10.1f}{quant_rss / 2**20:>11.0f} MiB")
-    print(f"{'verify':<28}{verify_s:>10.1f}{verify_rss / 2**20:>11.0f} MiB")
+    if not args.skip_verify:
+        print(f"{'verify':<28}{verify_s:>10.1f}{verify_rss / 2**20:>11.0f} MiB")
     print(f"quantize / copy = {quant_s / copy_s:.2f}x")
     out.unlink()
 
