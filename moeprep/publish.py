@@ -273,13 +273,26 @@ def _what_was_done(model: GGUFModel, base_model: str, anatomy: Anatomy, recipe: 
     dataset = model.get(QUANTIZE_IMATRIX_DATASET)
     if dataset is not None:
         chunks = model.get(QUANTIZE_IMATRIX_N_CHUNKS)
-        lines.append(f"- importance matrix from `{dataset}`" + (f", {chunks} chunks" if chunks else ""))
+        lines.append(f"- importance matrix from `{public_dataset_name(dataset)}`"
+                     + (f", {chunks} chunks" if chunks else ""))
     if model.get(EXPERT_USAGE_KEY) is not None:
         lines.append(f"- expert-usage counts baked into the GGUF as `{EXPERT_USAGE_KEY}`: the warm start of an "
                      "expert cache")
     if recipe is not None:
         lines.append(f"- recipe: `{recipe.name}`")
     return lines
+
+
+LOCAL_TEXT_SUFFIXES = {".txt", ".raw", ".jsonl", ".json", ".parquet"}
+
+
+def public_dataset_name(dataset: str) -> str:
+    """A dataset as a public card shows it: a Hub name as it is, a local file or folder by its last name only (the
+    provenance keeps the path given, as llama-imatrix does, but a card should not publish the preparer's folders)."""
+    path = Path(dataset)
+    if path.is_absolute() or dataset.startswith((".", "~")) or path.suffix in LOCAL_TEXT_SUFFIXES:
+        return path.name
+    return dataset
 
 
 def _files_table(files: list[PublishedFile]) -> list[str]:
@@ -298,7 +311,8 @@ def _types_table(anatomy: Anatomy) -> list[str]:
 
 
 def _profile_section(profile: Profile, name: str) -> list[str]:
-    texts = [f"{' '.join(x for x in (s.dataset, s.config, s.split) if x)}: {s.chunks} chunks x {s.ctx} tokens "
+    texts = [f"{' '.join(x for x in (public_dataset_name(s.dataset), s.config, s.split) if x)}: "
+             f"{s.chunks} chunks x {s.ctx} tokens "
              f"counted, {s.heldout_chunks} held out" for s in profile.sources]
     return ["## Expert-usage profile", "",
             f"`{name}` records which experts each MoE layer chose on " + "; ".join(texts) + ". The held-out chunks "

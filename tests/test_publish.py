@@ -231,3 +231,13 @@ def test_base_model_is_required_without_a_source_url(tmp_path: Path) -> None:
     model = write_synth_model(tmp_path / "m.gguf", "qwen3moe")
     with pytest.raises(MoeprepError, match="give --base-model ORG/NAME"):
         publish_folder(PublishRequest(model, tmp_path / "out"))
+
+
+@pytest.mark.parametrize("given, shown", [
+    ("wikitext", "wikitext"), ("Salesforce/wikitext", "Salesforce/wikitext"),
+    ("/home/me/data/calib.txt", "calib.txt"), ("data/calib.jsonl", "calib.jsonl"), ("./corpus", "corpus"),
+])
+def test_card_shows_local_datasets_by_name_only(given: str, shown: str) -> None:
+    from moeprep.publish import public_dataset_name
+
+    assert public_dataset_name(given) == shown
