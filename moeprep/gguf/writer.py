@@ -12,6 +12,7 @@ split.count and split.tensors.count, the first shard carrying all other metadata
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -40,14 +41,24 @@ SCALAR_FORMATS: dict[GGUFValueType, str] = {
 SPLIT_KEYS = (Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """Where a copied tensor's bytes already lie: a file and the absolute offset in it."""
+
+    path: Path
+    offset: int
+
+
 @dataclass
 class OutputTensor:
-    """A tensor to write: its header fields and a callable yielding its bytes in order."""
+    """A tensor to write: its header fields and a callable yielding its bytes in order; `source`, when the bytes
+    are a copy of a file's, lets the kernel copy them file to file instead (os.copy_file_range)."""
 
     name: str
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order: row length last
     chunks: Callable[[], Iterable[bytes | np.ndarray]]
+    source: FileRange | None = None
 
     @property
     def n_bytes(self) -> int:
@@ -65,8 +76,10 @@ class KVValue:
 
 
 def copied_tensor(model: GGUFModel, t: TensorInfo) -> OutputTensor:
-    """An output tensor that is a byte-for-byte copy of `t`, streamed from the source file in chunks."""
-    return OutputTensor(t.name, t.ggml_type, t.shape, lambda: model.iter_bytes(t, COPY_CHUNK))
+    """An output tensor that is a byte-for-byte copy of `t`: copied by the kernel, or streamed in chunks where the
+    file system cannot."""
+    return OutputTensor(t.name, t.ggml_type, t.shape, lambda: model.iter_bytes(t, COPY_CHUNK),
+                        FileRange(model.shard_paths[t.shard], t.offset))
 
 
 def _pack_string(s: str) -> bytes:
@@ -147,15 +160,41 @@ def _write_shard(f: BinaryIO, kv_fields: list[bytes], tensors: list[OutputTensor
     meta = header + b"".join(kv_fields) + infos
     f.write(meta + b"\0" * _pad(len(meta), align))
     for t in tensors:
-        written = 0
-        for chunk in t.chunks():
-            b = chunk.tobytes() if isinstance(chunk, np.ndarray) else chunk
-            f.write(b)
-            written += len(b)
-            on_bytes(len(b))
-        if written != t.n_bytes:
-            raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.n_bytes}")
+        if t.source is None or not _kernel_copy(f, t.source, t.n_bytes, on_bytes):
+            written = 0
+            for chunk in t.chunks():
+                b = chunk.tobytes() if isinstance(chunk, np.ndarray) else chunk
+                f.write(b)
+                written += len(b)
+                on_bytes(len(b))
+            if written != t.n_bytes:
+                raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.n_bytes}")
         f.write(b"\0" * _pad(t.n_bytes, align))
+
+
+# copy_file_range's answers for "not between these files" (other file systems on old kernels, unsupported ones):
+# the caller then streams the bytes through Python instead.
+NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def _kernel_copy(f: BinaryIO, source: FileRange, n_bytes: int, on_bytes: Callable[[int], None]) -> bool:
+    """Append n_bytes of `source` to `f` inside the kernel, as `cp` does; False if this pair of files cannot."""
+    f.flush()  # the kernel writes at the descriptor's offset: everything buffered must be there first
+    with open(source.path, "rb", buffering=0) as src:
+        offset, left = source.offset, n_bytes
+        while left:
+            try:
+                done = os.copy_file_range(src.fileno(), f.fileno(), min(left, COPY_CHUNK), offset)
+            except OSError as e:
+                if e.errno in NO_KERNEL_COPY and left == n_bytes:
+                    return False
+                raise
+            if done == 0:
+                raise MoeprepError(f"{source.path}: file shrank while copying from byte {offset}")
+            offset += done
+            left -= done
+            on_bytes(done)
+    return True
 
 
 @contextlib.contextmanager

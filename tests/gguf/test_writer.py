@@ -95,3 +95,16 @@ def test_failure_leaves_nothing_behind(model_path: Path, tmp_path: Path, error: 
         write_gguf(out / "keep.gguf", model, tensors=tensors)
     assert sorted(p.name for p in out.iterdir()) == ["keep.gguf"]
     assert (out / "keep.gguf").read_bytes() == b"old contents"
+
+
+def test_copies_without_kernel_support_stream_the_same_bytes(model_path: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    def unsupported(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", unsupported)
+    out = write_gguf(tmp_path / "streamed.gguf", open_gguf(model_path))
+    assert sha256(out[0]) == sha256(model_path)
