@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.profile.dataset import DatasetSpec
@@ -240,9 +240,8 @@ def read_state(job: PrepareJob) -> dict[str, Any]:
 
 
 def write_state(job: PrepareJob, state: dict[str, Any]) -> None:
-    tmp = job.state_file.with_name(f".{job.state_file.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, job.state_file)
+    with atomic_output(job.state_file) as tmp:
+        tmp.write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from bench.train_moe.model import ModelArgs
 from bench.train_moe.train import load_shards
 from moeprep.gguf.reader import GGUFModel, TensorInfo, open_gguf
 from moeprep.gguf.roles import TensorRole, role_table, tensor_role
-from moeprep.gguf.writer import KVValue, OutputTensor, atomic_outputs, copied_tensor, write_gguf
+from moeprep.atomic import atomic_outputs
+from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, write_gguf
 from moeprep.quant.registry import choose_type, quantize_rows
 from moeprep.synth.archs import ARCHS, model_metadata, model_tensors
 from moeprep.synth.model import synth_config

@@ -11,11 +11,10 @@ split.count and split.tensors.count, the first shard carrying all other metadata
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,6 +22,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
+from moeprep.atomic import atomic_outputs
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, TensorInfo
 
@@ -195,19 +195,6 @@ def _kernel_copy(f: BinaryIO, source: FileRange, n_bytes: int, on_bytes: Callabl
             left -= done
             on_bytes(done)
     return True
-
-
-@contextlib.contextmanager
-def atomic_outputs(paths: list[Path]) -> Iterator[list[Path]]:
-    """Temp paths beside `paths`; renamed over them only if the block finishes, removed on any error or Ctrl-C."""
-    temps = [p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in paths]
-    try:
-        yield temps
-        for tmp, final in zip(temps, paths):
-            os.replace(tmp, final)
-    finally:
-        for tmp in temps:
-            tmp.unlink(missing_ok=True)
 
 
 def write_gguf(out: str | Path, model: GGUFModel, *, tensors: list[OutputTensor] | None = None,

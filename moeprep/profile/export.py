@@ -7,7 +7,6 @@ file's, or the one given by --model) and a text stream.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -15,6 +14,7 @@ from typing import TextIO
 import numpy as np
 from gguf import GGUFValueType
 
+from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
@@ -81,15 +81,11 @@ EXPORTERS: dict[str, Callable[[Profile, ModelIdentity, TextIO], None]] = {
 
 def write_export(p: Profile, fmt: str, label: ModelIdentity, out: Path) -> None:
     """Export to a file, atomically (temp file beside it, then rename)."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
             EXPORTERS[fmt](p, label, f)
-        os.replace(tmp, out)
     except OSError as e:
         raise MoeprepError(f"{out}: cannot write ({e.strerror}); check the path") from e
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def export_label(p: Profile, profile_path: str, model_path: str | None) -> ModelIdentity:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
 from moeprep.profile.counts import ExpertCounts
 from moeprep.profile.heldout import HeldoutTable
@@ -72,12 +72,8 @@ def write_profile(path: str | Path, p: Profile) -> None:
     path = Path(path)
     if not path.parent.exists():
         raise MoeprepError(f"{path.parent}: output folder does not exist")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_output(path) as tmp:
         tmp.write_bytes(encode_profile(p))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def read_profile(path: str | Path) -> Profile:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, Keys
 
+from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
 
 IN_SUM2_SUFFIX = ".in_sum2"
@@ -220,11 +220,7 @@ def write_imatrix_gguf(path: str | os.PathLike[str], entries: dict[str, tuple[np
     cannot write an empty array."""
     if not datasets:
         raise ValueError("write_imatrix_gguf needs at least one dataset name (imatrix.datasets)")
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".imatrix-", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
+    with atomic_output(path) as tmp:
         writer = gguf.GGUFWriter(tmp, arch="")
         # llama-imatrix's file has no general.architecture; GGUFWriter always queues one
         writer.kv_data[0].pop(Keys.General.ARCHITECTURE, None)
@@ -246,8 +242,3 @@ def write_imatrix_gguf(path: str | os.PathLike[str], entries: dict[str, tuple[np
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

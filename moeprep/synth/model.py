@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys, LlamaFileType
 
+from moeprep.atomic import atomic_outputs
 from moeprep.errors import MoeprepError
 from moeprep.gguf.roles import TensorRole, parse_tensor_name, role_table, tensor_role
-from moeprep.gguf.writer import KVValue, atomic_outputs
+from moeprep.gguf.writer import KVValue
 from moeprep.quant import registry
 from moeprep.synth.archs import ARCHS, ArchSpec, TensorSpec, model_metadata, model_tensors
 from moeprep.synth.config import SynthConfig, resolve_config
