@@ -12,30 +12,18 @@ import warnings
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
+from gguf import GGMLQuantizationType
 
 from moeprep.errors import MoeprepError
-from moeprep.gguf.reader import GGUFModel, TensorInfo
+from moeprep.gguf.reader import GGUFModel, TensorInfo, dequantize_raw
 from moerun.kernels.dequant import dequantize, supports
 from moerun.rounding import input_rounding
 
-# Types whose bytes are already plain floats: viewed, not run through gguf-py's block dequantizers.
-PLAIN_FLOAT = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 
 
 def dequantize_bytes(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """float32 tensor of `shape` from its GGUF bytes (uint8, row-major, rows of shape[-1] values)."""
-    if ggml_type in PLAIN_FLOAT:
-        values = raw.view(PLAIN_FLOAT[ggml_type]).astype(np.float32)
-    else:
-        block, type_size = GGML_QUANT_SIZES[ggml_type]
-        rows = raw.reshape(-1, shape[-1] // block * type_size)
-        try:
-            values = gguf_dequantize(rows, ggml_type).astype(np.float32, copy=False)
-        except NotImplementedError as e:
-            raise MoeprepError(f"tensor type {ggml_type.name} cannot be dequantized by gguf-py; requantize the model") from e
-    return torch.from_numpy(values.reshape(shape))
+    """float32 tensor of `shape` from its GGUF bytes, on the host (a writable copy where the bytes are the map's)."""
+    return torch.from_numpy(np.require(dequantize_raw(raw, ggml_type, shape), requirements="W"))
 
 
 def device_bytes(raw: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -124,15 +124,23 @@ class GGUFModel:
 
     def dequantize(self, t: TensorInfo) -> np.ndarray:
         """The tensor as float32 in numpy shape (reads and converts the whole tensor)."""
-        raw = self.raw(t)
-        if t.ggml_type == GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(t.shape)
-        block, type_size = GGML_QUANT_SIZES[t.ggml_type]
-        byte_shape = (*t.shape[:-1], t.shape[-1] // block * type_size)
         try:
-            return gguf_dequantize(raw.reshape(byte_shape), t.ggml_type).astype(np.float32, copy=False)
-        except NotImplementedError as e:
-            raise MoeprepError(f"{self.path}: cannot dequantize {t.name} of type {t.type_name}") from e
+            return dequantize_raw(self.raw(t), t.ggml_type, t.shape)
+        except MoeprepError as e:
+            raise MoeprepError(f"{self.path}: {t.name}: {e}") from e
+
+
+def dequantize_raw(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 values of numpy `shape` from a tensor's stored bytes (uint8, rows of shape[-1] values); F32 bytes are
+    viewed, not copied, and gguf-py converts every other type."""
+    if ggml_type == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(shape)
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    try:
+        values = gguf_dequantize(raw.reshape(-1, shape[-1] // block * type_size), ggml_type)
+    except NotImplementedError as e:
+        raise MoeprepError(f"gguf-py cannot dequantize tensor type {ggml_type.name}; requantize the model") from e
+    return values.astype(np.float32, copy=False).reshape(shape)
 
 
 def field_value(field: ReaderField) -> Any:

@@ -205,10 +205,3 @@ def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType, imatrix: np.nda
             raise MoeprepError(f"importance matrix has NaN/Inf values (first at {list(_first_bad(imatrix))}); "
                                f"regenerate it with llama-imatrix")
     return quantizers_on(device).get(qtype, QUANTIZERS[qtype])(rows, imatrix)
-
-
-def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """float32 values of shape `shape` from raw bytes in qtype (gguf-py's dequantizers)."""
-    row_bytes = gguf.quant_shape_to_byte_shape(shape, qtype)[-1]
-    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, row_bytes)
-    return np.asarray(gguf.quants.dequantize(data, qtype), dtype=F32).reshape(shape)
