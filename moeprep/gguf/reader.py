@@ -9,6 +9,7 @@ Shapes are in numpy order (outermost first, row length last), the reverse of GGU
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -74,9 +75,9 @@ class GGUFModel:
     def path(self) -> Path:
         return self.shard_paths[0]
 
-    @property
+    @functools.cached_property
     def kv(self) -> dict[str, Any]:
-        """Metadata as plain Python values (first shard; split.* keys included)."""
+        """Metadata as plain Python values (first shard; split.* keys included), decoded once."""
         return {name: field_value(f) for name, f in self.fields.items() if not name.startswith("GGUF.")}
 
     def get(self, key: str, default: Any = None) -> Any:
