@@ -3,7 +3,9 @@
 `llama_eval` runs tokens through llama.cpp's low-level API on the CPU and records, through the graph's eval
 callback (llama_context_params.cb_eval), the int32 tensors `ffn_moe_topk-<layer>` that hold each token's chosen
 experts. Their bytes are read with libggml's ggml_backend_tensor_get, row by row since the tensor is a view.
-The KV cache is kept in F32 and flash attention is off, so the reference does not round K/V to F16.
+It also records each layer's output, the residual stream `l_out-<layer>`, so a test can feed llama.cpp's own hidden
+states into our layers one at a time. The KV cache is kept in F32 and flash attention is off, so the reference does
+not round K/V to F16.
 
 llama-cpp-python is a declared test dependency: importing this module without it fails, it does not skip.
 """
@@ -21,6 +23,7 @@ import numpy as np
 GGML_TYPE_F32 = 0
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
 TOPK_PREFIX = b"ffn_moe_topk-"
+LAYER_OUT_PREFIX = b"l_out-"
 
 
 class GGMLTensor(ctypes.Structure):
@@ -67,6 +70,7 @@ def _silence(level, text, user_data):
 class OracleRun:
     logits: np.ndarray  # (T, V) float32
     topk: dict[int, np.ndarray]  # layer -> (T, K) int32 chosen experts, in llama.cpp's order
+    layer_out: dict[int, np.ndarray]  # layer -> (T, D) float32 residual stream after the layer
 
     def experts(self, n_layers: int) -> np.ndarray:
         """(L, T, K) expert ids for the MoE layers; dense layers (absent) are -1."""
@@ -95,20 +99,29 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
     mparams.use_extra_bufts = False
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
     assert model, f"llama.cpp could not load {path}"
-    captured: dict[int, list[np.ndarray]] = {}
+    topk: dict[int, list[np.ndarray]] = {}
+    layer_out: dict[int, np.ndarray] = {}
 
     @llama_cpp.ggml_backend_sched_eval_callback
     def on_tensor(tensor_p, ask, user_data):
         t = GGMLTensor.from_address(tensor_p)
-        if not t.name.startswith(TOPK_PREFIX):
-            return not ask  # ask: do not stop for it; otherwise: keep computing
-        if ask:
-            return True
-        K, n_rows = t.ne[0], t.ne[1]
-        rows = np.empty((n_rows, K), dtype=np.int32)
-        for r in range(n_rows):  # a view into argsort's output: rows are nb[1] bytes apart
-            _ggml_base().ggml_backend_tensor_get(tensor_p, rows[r].ctypes.data, r * t.nb[1], K * 4)
-        captured.setdefault(int(t.name[len(TOPK_PREFIX):]), []).append(rows)
+        wanted = t.name.startswith(TOPK_PREFIX) or (t.name.startswith(LAYER_OUT_PREFIX) and t.type == GGML_TYPE_F32)
+        if ask:  # the scheduler asks whether to stop after this tensor: only for the ones we read
+            return wanted
+        if not wanted:
+            return True  # keep computing
+        if t.name.startswith(TOPK_PREFIX):
+            K, n_rows = t.ne[0], t.ne[1]
+            rows = np.empty((n_rows, K), dtype=np.int32)
+            for r in range(n_rows):  # a view into argsort's output: rows are nb[1] bytes apart
+                _ggml_base().ggml_backend_tensor_get(tensor_p, rows[r].ctypes.data, r * t.nb[1], K * 4)
+            topk.setdefault(int(t.name[len(TOPK_PREFIX):]), []).append(rows)
+        else:
+            D, n_rows = t.ne[0], t.ne[1]
+            assert t.nb[1] == D * 4, "l_out is a contiguous (T, D) float32 tensor"
+            out = np.empty((n_rows, D), dtype=np.float32)
+            _ggml_base().ggml_backend_tensor_get(tensor_p, out.ctypes.data, 0, out.nbytes)
+            layer_out[int(t.name[len(LAYER_OUT_PREFIX):])] = out
         return True
 
     cparams = llama_cpp.llama_context_default_params()
@@ -134,5 +147,5 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
-    return OracleRun(logits, {layer: np.concatenate(parts) for layer, parts in captured.items()})
+    return OracleRun(logits, {layer: np.concatenate(parts) for layer, parts in topk.items()}, layer_out)
 

@@ -3,6 +3,12 @@
 For each arch: prefill shape, cached decode equal to one long prefill, and (CPU, float32) next-token logits and
 per-layer expert choices compared with llama.cpp's over 256 positions of the calibration text. Relative error is
 max |ours - llama.cpp| / max |llama.cpp| over all positions and the whole vocabulary.
+
+Each comparison is made twice: end to end (our whole forward pass against llama.cpp's), and layer by layer, where
+every one of our layers gets llama.cpp's own input for it (the residual stream llama.cpp computed, `l_out` of the
+layer before) and our output head gets llama.cpp's last hidden state. The layer-by-layer view is what tells a real
+difference from the amplification of last-bit differences through the depth of a quantized model (see
+test_quantized_matches_llama_cpp).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from gguf import GGUFValueType
 import moerun
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
+from moerun.layers import Step
 from moerun.models import ARCHS
 from tests.oracle import llama_eval
 
@@ -31,6 +38,8 @@ class Comparison:
     ref: np.ndarray  # (T, V) llama.cpp's logits
     our_experts: dict[int, np.ndarray]  # MoE layer -> (T, K)
     ref_experts: dict[int, np.ndarray]
+    forced: Comparison | None = None  # layer by layer, each layer fed llama.cpp's hidden states
+    layer_errors: list[float] | None = None  # per layer, relative error of our output given llama.cpp's input
 
     @property
     def rel_error(self) -> float:
@@ -57,13 +66,31 @@ def compare(path: Path, text: str) -> Comparison:
         model = moerun.load_model(path)
         tokens = model.tokenizer.encode(text)[:N_POSITIONS]
         assert len(tokens) == N_POSITIONS
+        run = llama_eval(path, tokens)
+        ref_experts = {k: v.astype(np.int64) for k, v in run.topk.items()}
         experts: dict[int, np.ndarray] = {}
         handle = model.add_routing_hook(lambda ev: experts.__setitem__(ev.layer, ev.expert_ids.numpy()))
         ours = model.forward(torch.tensor(tokens)).numpy()
+        end_to_end_experts = dict(experts)
+        forced_logits, layer_errors = _layer_by_layer(model, torch.tensor(tokens), run.layer_out)  # refills experts
         handle.remove()
-        run = llama_eval(path, tokens)
-        _comparisons[path] = Comparison(ours, run.logits, experts, {k: v.astype(np.int64) for k, v in run.topk.items()})
+        forced = Comparison(forced_logits, run.logits, experts, ref_experts)
+        _comparisons[path] = Comparison(ours, run.logits, end_to_end_experts, ref_experts, forced, layer_errors)
     return _comparisons[path]
+
+
+@torch.inference_mode()
+def _layer_by_layer(model: moerun.Model, tokens: torch.Tensor, ref_hidden: dict[int, np.ndarray]) -> tuple[np.ndarray, list[float]]:
+    """Run each of our layers on llama.cpp's input for it, and our head on llama.cpp's last hidden state.
+    Returns those logits (T, V) and each layer's relative output error against llama.cpp's."""
+    net, T = model.net, len(tokens)
+    step = Step(torch.arange(T), n_slots=T)
+    errors = []
+    for layer, block in enumerate(net.blocks):
+        x = net.embed[tokens] if layer == 0 else torch.from_numpy(ref_hidden[layer - 1])
+        ref = ref_hidden[layer]
+        errors.append(float(np.abs(block(x, step).numpy() - ref).max() / np.abs(ref).max()))
+    return net.output(net.norm(torch.from_numpy(ref_hidden[len(net.blocks) - 1]))).numpy(), errors
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -100,23 +127,33 @@ def test_matches_llama_cpp(arch, weights, synth_model, calibration_text):
     assert c.expert_agreement >= 0.999, f"experts agree at only {c.expert_agreement:.2%} of (token, layer) pairs"
 
 
-# Quantized weights: llama.cpp rounds activations to 8 bits and we round the same way (moerun/rounding.py), but
-# the last bits of a sum still differ, an 8-bit rounding can land the other way, and near-tied routers can flip.
-# Given llama.cpp's own inputs, each of our layers reproduces its outputs to float32 precision; the synthetic
-# sigmoid-routed models (deepseek2: two chained quantized query matmuls, then MLA) amplify those flips more.
-CHAOTIC = pytest.mark.xfail(strict=False, reason="measured 94.5-98.4% top-1 (deepseek2), 98.0-98.4% (glm4moe): "
-                                                 "8-bit rounding flips amplified by the synthetic sigmoid routers")
+# Quantized weights: llama.cpp rounds activations to 8 bits and we round the same way (moerun/rounding.py), but the
+# last bits of a float32 sum still differ, so now and then an 8-bit rounding lands the other way. Layer by layer
+# (each layer fed llama.cpp's input) that changes nothing that matters: every case below picks the same experts
+# and the same top-1 token at 100% of positions, with layer outputs within 3e-3 of llama.cpp's. End to end, one
+# flipped rounding perturbs every later activation, which flips more roundings, until the two runs differ by the
+# full 8-bit activation noise; where that noise is large against the synthetic model's margins, near-ties go
+# either way. The synthetic deepseek2 and glm4moe are such models: moerun against itself with a 1e-6 relative jitter
+# on every matmul input (five seeds) agrees at 96.1-96.9% top-1 / 98.6-99.4% experts (deepseek2 Q4_K), 96.9-98.4% /
+# 98.2-99.4% (deepseek2 Q8_0), 97.3-98.1% / 99.0-99.7% (glm4moe Q4_K), as far as it agrees with llama.cpp
+# (docs/runtime.md). Their end-to-end bar is that floor, with a little room below it.
 QUANTIZED = [("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K"), ("qwen3moe", "Q6_K"), ("gpt-oss", "MXFP4"),
              ("gpt-oss", "Q8_0"), ("llama", "Q4_K"), ("qwen2moe", "Q6_K"), ("olmoe", "Q8_0"),
-             pytest.param("glm4moe", "Q4_K", marks=CHAOTIC), pytest.param("deepseek2", "Q4_K", marks=CHAOTIC)]
+             ("glm4moe", "Q4_K"), ("deepseek2", "Q4_K"), ("deepseek2", "Q8_0")]
+# (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
+CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
 
 
 @pytest.mark.parametrize("arch,qtype", QUANTIZED)
 def test_quantized_matches_llama_cpp(arch, qtype, synth_model, calibration_text):
     """Row lengths of the "small" preset are multiples of 256, so K-quants apply to every matrix."""
     c = compare(synth_model(arch, preset="small", expert_type=qtype, attn_type=qtype), calibration_text)
-    assert c.expert_agreement >= 0.99, f"experts agree at only {c.expert_agreement:.2%} of (token, layer) pairs"
-    assert c.top1_agreement >= 0.99, f"top-1 agrees at only {c.top1_agreement:.2%} of positions"
+    assert max(c.layer_errors) <= 1e-2, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
+    assert c.forced.expert_agreement >= 0.99, f"layer by layer, experts agree at {c.forced.expert_agreement:.2%}"
+    assert c.forced.top1_agreement >= 0.99, f"from llama.cpp's hidden states, top-1 agrees at {c.forced.top1_agreement:.2%}"
+    experts_floor, top1_floor = CHAOTIC_FLOORS.get(arch, (0.99, 0.99))
+    assert c.expert_agreement >= experts_floor, f"experts agree at only {c.expert_agreement:.2%} of (token, layer) pairs"
+    assert c.top1_agreement >= top1_floor, f"top-1 agrees at only {c.top1_agreement:.2%} of positions"
 
 
 def _with_keys(src: Path, out: Path, **keys: tuple[object, GGUFValueType]) -> Path:
