@@ -149,3 +149,23 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
         llama_cpp.llama_model_free(model)
     return OracleRun(logits, {layer: np.concatenate(parts) for layer, parts in topk.items()}, layer_out)
 
+
+
+def llama_quantize(path: str | pathlib.Path, out: str | pathlib.Path, attn_type: str = "Q4_K", threads: int = 2) -> None:
+    """llama.cpp's whole-file quantizer (llama_model_quantize, what llama-quantize runs) set up to do what
+    `moeprep quantize --attn TYPE` does on a model whose experts already have that type: `pure` gives every 2-D
+    weight the one type (routers and 1-D tensors stay as they are), so attention is requantized and the experts,
+    already in it, are copied; token_embd and output keep their own types."""
+    _backend()
+    ftypes = {"Q4_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+              "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q5_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_S}
+    from moeprep.gguf.reader import open_gguf  # the types of the two tensors pinned below
+
+    types = {t.name: int(t.ggml_type) for t in open_gguf(path).tensors}
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread, params.ftype = threads, ftypes[attn_type]
+    params.pure = params.allow_requantize = True
+    params.token_embedding_type = types["token_embd.weight"]
+    params.output_tensor_type = types.get("output.weight", types["token_embd.weight"])
+    status = llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params))
+    assert status == 0, f"llama_model_quantize failed on {path}"

@@ -1,0 +1,46 @@
+"""`moeprep quantize` against llama.cpp's own whole-file quantizer (llama_model_quantize) on the same synthetic file:
+the same tensors in the same types with the same bytes. Metadata differs by design (our moeprep.* provenance keys,
+llama.cpp's file type), so only tensors are compared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from moeprep.gguf.reader import open_gguf
+from moeprep.synth import write_synth_model
+from tests.oracle import llama_quantize
+from tests.quant.test_quantize_cmd import run
+
+
+# llama.cpp's `pure` also requantizes dense FFNs (glm4moe's leading dense layer, shared experts): a --type rule
+# asks moeprep for the same.
+DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
+
+
+@pytest.mark.parametrize("arch,preset,attn_type", [
+    ("qwen3moe", "small", "Q4_K"), ("qwen3moe", "small", "Q6_K"), ("glm4moe", "small", "Q4_K"),
+    ("olmoe", "small", "Q8_0"),
+    ("deepseek2", "tiny", "Q4_K"), ("gpt-oss", "tiny", "Q4_K"),  # rows that cannot be Q4_K: the fallbacks
+])
+def test_tensors_equal_llama_cpp_quantize(arch: str, preset: str, attn_type: str, tmp_path: Path) -> None:
+    """Experts already in the target type (so llama.cpp copies them, as we do), attention in Q8_0/F16 to requantize."""
+    source_attn = "F16" if attn_type == "Q8_0" else "Q8_0"
+    src = write_synth_model(tmp_path / "src.gguf", arch, preset=preset, expert_type=attn_type, attn_type=source_attn)
+    ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
+    result = run("quantize", src, ours, "--attn", attn_type, "--type", f"{DENSE_FFN_RULE}={attn_type}", "--threads", "2")
+    assert result.exit_code == 0, result.output
+    llama_quantize(src, peer, attn_type)
+    a, b = open_gguf(ours), open_gguf(peer)
+    peer_tensors = {t.name: t for t in b.tensors}
+    assert sorted(peer_tensors) == sorted(t.name for t in a.tensors)
+    requantized = [t.name for t in open_gguf(src).tensors if t.ggml_type != peer_tensors[t.name].ggml_type]
+    assert requantized, "the case must requantize something"
+    if preset == "tiny":
+        assert {peer_tensors[name].ggml_type for name in requantized} - {T[attn_type]}, "no fallback was exercised"
+    for t in a.tensors:
+        p = peer_tensors[t.name]
+        assert (t.ggml_type, t.shape) == (p.ggml_type, p.shape), t.name
+        assert bytes(a.raw(t)) == bytes(b.raw(p)), f"{t.name} ({t.ggml_type.name}) differs from llama.cpp's"
