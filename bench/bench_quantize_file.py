@@ -1,9 +1,12 @@
-"""Whole-file `moeprep quantize --attn Q4_K` vs a plain copy of the same file, with peak RSS.
+"""Whole-file `moeprep quantize --attn Q4_K` vs a plain copy of the same file and vs llama.cpp's own quantizer.
 
-    python bench/bench_quantize_file.py [MODEL] [--workdir DIR] [--threads N]
+    python bench/bench_quantize_file.py [MODEL] [--workdir DIR] [--threads N] [--device cpu|cuda] [--no-peer]
 
 Without MODEL it writes the Qwen3-30B-A3B-shaped synthetic model (about 17 GB, Q4_K experts, Q8_0 attention) into
-the work folder first. Prints one table: copy time, quantize time, their ratio, verify time, peak RSS.
+the work folder first. The peer is llama.cpp's llama_model_quantize (what llama-quantize runs, through
+llama-cpp-python) doing the same job with the same threads: tests/oracle.py's llama_quantize, whose output
+tests/quant/test_whole_file_peer.py checks equal to ours tensor for tensor. Prints one table: copy, quantize, peer
+and verify times, peak RSS, and the ratios.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--device", default="cpu", help="quantize --device (cpu or cuda)")
     ap.add_argument("--skip-verify", action="store_true", help="do not time `moeprep verify` afterwards")
+    ap.add_argument("--no-peer", action="store_true", help="do not time llama.cpp's quantizer (needs llama-cpp-python)")
     args = ap.parse_args()
     work = Path(args.workdir)
     model = Path(args.model) if args.model else work / "bench-qwen3-30b-a3b.gguf"
@@ -53,14 +57,24 @@ def main() -> None:
                                       "--device", args.device])
     if not args.skip_verify:
         verify_s, verify_rss = timed_child([sys.executable, "-m", "moeprep", "verify", str(out), "--against", str(model)])
+    if not args.no_peer:
+        peer_out = work / "bench-q4k-attn-llama.gguf"
+        peer_call = (f"from tests.oracle import llama_quantize; "
+                     f"llama_quantize({str(model)!r}, {str(peer_out)!r}, 'Q4_K', {args.threads})")
+        peer_s, peer_rss = timed_child([sys.executable, "-c", peer_call])
+        peer_out.unlink()
     size = model.stat().st_size
     print(f"\nmodel {model} ({size / 2**30:.2f} GiB), {args.threads} threads, quantize --device {args.device}")
     print(f"{'step':<28}{'seconds':>10}{'peak RSS':>14}")
     print(f"{'plain copy':<28}{copy_s:>10.1f}{'-':>14}")
     print(f"{'quantize --attn Q4_K':<28}{quant_s:>10.1f}{quant_rss / 2**20:>11.0f} MiB")
+    if not args.no_peer:
+        print(f"{'llama.cpp quantize':<28}{peer_s:>10.1f}{peer_rss / 2**20:>11.0f} MiB")
     if not args.skip_verify:
         print(f"{'verify':<28}{verify_s:>10.1f}{verify_rss / 2**20:>11.0f} MiB")
     print(f"quantize / copy = {quant_s / copy_s:.2f}x")
+    if not args.no_peer:
+        print(f"llama.cpp quantize / copy = {peer_s / copy_s:.2f}x, quantize / llama.cpp quantize = {quant_s / peer_s:.2f}x")
     out.unlink()
 
 
