@@ -1,13 +1,13 @@
-"""Throughput and bytes of moeprep's torch K-quantizers (kquants_torch) against the numpy ones (kquants, ggml-exact).
+"""Throughput and bytes of moeprep's torch K-quantizers (kquants_torch) against the CPU ones (kquants, ggml-exact).
 
     python bench/bench_quant_torch.py [--rows 512] [--cols 4096] [--devices cpu,cuda] [--repeat 3]
 
-For Q4_K, Q5_K and Q6_K, without and with an importance matrix: MB of float32 input per second for numpy (one
-thread, one run) and for torch on each device (best of --repeat after a warm-up), and whether torch's bytes equal
-numpy's ('equal' or the number of differing blocks). Then the adversarial rows of tests/quant/test_kquants.py on
-each device, and how often torch's `tensor / scalar` differs from a correctly rounded division there (the reason
-kquants_torch divides through `_div`). Needs no libggml: numpy is the oracle (tests/quant/test_kquants.py ties it
-to ggml).
+For Q4_K, Q5_K and Q6_K, without and with an importance matrix: MB of float32 input per second for kquants (numba,
+one thread, one run after a warm-up that compiles it) and for torch on each device (best of --repeat after a
+warm-up), and whether torch's bytes equal kquants' ('equal' or the number of differing blocks). Then the adversarial
+rows of tests/quant/test_kquants.py on each device, and how often torch's `tensor / scalar` differs from a correctly
+rounded division there (the reason kquants_torch divides through `_div`). Needs no libggml: kquants is the oracle
+(tests/quant/test_kquants.py ties it to ggml).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ def seconds(fn: Callable[[], np.ndarray], repeat: int, device: str | None) -> tu
     return best, out
 
 
-def compare(ours: np.ndarray, numpy_bytes: np.ndarray, qtype) -> str:
+def compare(ours: np.ndarray, expected: np.ndarray, qtype) -> str:
     size = GGML_QUANT_SIZES[qtype][1]
-    bad = int((ours.reshape(-1, size) != numpy_bytes.reshape(-1, size)).any(axis=1).sum())
-    return "equal" if bad == 0 else f"{bad} of {numpy_bytes.size // size} blocks differ"
+    bad = int((ours.reshape(-1, size) != expected.reshape(-1, size)).any(axis=1).sum())
+    return "equal" if bad == 0 else f"{bad} of {expected.size // size} blocks differ"
 
 
 def main() -> None:
@@ -57,18 +57,19 @@ def main() -> None:
     tables = {d: kquants_torch.quantizers_on(d) for d in devices}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
           + (f", {torch.cuda.get_device_name()}" if "cuda" in devices else ""))
-    print(f"{args.rows} x {args.cols} float32 rows ({mb:.1f} MB); numpy: one run; torch: best of {args.repeat}")
-    print(f"{'type':6} {'imatrix':8} {'numpy MB/s':>11} " + " ".join(f"{'torch-' + d + ' MB/s':>16}  bytes vs numpy"
-                                                                   for d in devices))
+    print(f"{args.rows} x {args.cols} float32 rows ({mb:.1f} MB); kquants: one run; torch: best of {args.repeat}")
+    print(f"{'type':6} {'imatrix':8} {'kquants MB/s':>12} " + " ".join(f"{'torch-' + d + ' MB/s':>16}  bytes vs kquants"
+                                                                     for d in devices))
     for qtype, quantize in kquants.KQUANTIZERS.items():
         for qw in (None, imatrix):
+            quantize(rows[:8], qw)  # warm-up: numba compiles or loads its cache
             np_s, expected = seconds(lambda f=quantize, w=qw: f(rows, w), 1, None)
             cells = []
             for d in devices:
                 tables[d][qtype](rows[:8], qw)  # warm-up
                 t_s, got = seconds(lambda f=tables[d][qtype], w=qw: f(rows, w), args.repeat, d)
                 cells.append(f"{mb / t_s:16.1f}  {compare(got, expected, qtype)}")
-            print(f"{qtype.name:6} {'yes' if qw is not None else 'no':8} {mb / np_s:11.1f} " + " ".join(cells),
+            print(f"{qtype.name:6} {'yes' if qw is not None else 'no':8} {mb / np_s:12.1f} " + " ".join(cells),
                   flush=True)
 
     adv_rng = np.random.default_rng(7)

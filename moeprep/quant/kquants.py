@@ -1,428 +1,638 @@
 """Q4_K, Q5_K and Q6_K quantizers whose bytes equal ggml's (libggml's `ggml_quantize_chunk`).
 
 Without an importance matrix ggml runs its reference quantizer (`quantize_row_qX_K_ref`); with one it runs the
-importance-weighted search (`quantize_qX_K` with `quant_weights`). Both are written here again in numpy, from the
-algorithm, and vectorised over every block at once: only the small fixed candidate loops (scale steps, refinement
-passes) and the running sums are Python loops.
+importance-weighted search (`quantize_qX_K` with `quant_weights`). Both are written here again, from the algorithm,
+as numba kernels. The scale searches (`search_min_scale`, `search_symmetric_scale`, shared with the 32-value types
+in registry.py) run on LANES sub-blocks at once: element-major arrays [n, S] with the loop over the S lanes
+innermost, so that LLVM turns it into SIMD instructions while each lane's running sums still add in C's order. A
+candidate scale costs one pass over data in L1 cache, where numpy made a pass over memory per float operation and
+the C makes a scalar pass per sub-block. What the C decides per sub-block (an early return, taking a better
+candidate) is a per-lane flag. The rest of a super-block (its scale quantization, fp16, requantization, packing) is
+scalar code, one block at a time, as in the C.
 
-Bit-exactness rests on four habits, each mirroring what the C does:
-  * every operation is float32, in the C's association order (`w*l*x` is `(w*l)*x`), with no fused multiply-add;
-  * a running sum `s += t[i]` stays a running sum (`running_sum`): numpy's pairwise `sum` rounds differently;
+Bit-exactness rests on these habits, each mirroring what the C does:
+  * every value is float32: numba types `float32 op float32` as float32, but a Python float literal or an int mixed
+    with a float32 gives float64, so every constant is an `F32(...)` and every integer level is converted with
+    `F32(l)` before it meets a float;
+  * the C's association order (`w*l*x` is `(w*l)*x`), and no fused multiply-add: the kernels are compiled without
+    fastmath, so LLVM neither contracts a*b+c nor reorders a running sum `s += t[i]`. Its SIMD runs across lanes,
+    which are independent, so vectorising changes no lane's operations or their order;
   * `nearest_int` is ggml's magic-number trick on the float32 bits, so out-of-range values (huge or overflowing
-    inputs, a search that drifted) wrap the same way; `np.rint` only where the value is provably in range;
-  * integer stores narrow like C casts (`astype(np.uint8)` wraps), and fp16 is `np.float16`, round-to-nearest-even
-    like GGML_FP32_TO_FP16.
+    inputs, a search that drifted) wrap the same way;
+  * integer stores narrow like C casts (storing an int into a uint8 array or `np.int8(v)` wraps), and fp16 is
+    `fp16_bits`, round-to-nearest-even like GGML_FP32_TO_FP16 (numba has no float16 scalar type);
+  * `error_model="numpy"`: a float division by zero gives inf or NaN, as in C, instead of raising.
 
-Shapes: R rows, P values per row, B super-blocks of QK_K = 256 values, S sub-blocks, n values per sub-block.
-The search arrays are element-major [n, S], so a running sum over a sub-block is n vector adds across all of S.
+The kernels are compiled on first use and cached on disk (`cache=True`; see `_numba_cache_usable`), and release the
+GIL (`nogil=True`), so moeprep.quant.quantize's thread pool runs row chunks in parallel.
+
+Shapes: R rows, P values per row, B = P/256 super-blocks of QK_K = 256 values; a search works on [n, S], n values
+of each of S groups (sub-blocks or blocks; S = LANES in the kernels).
 Rows must be finite float32 (`registry.quantize_rows` checks); P must be a multiple of 256.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
+import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
+from numba.misc.appdirs import AppDirs
 
 F32 = np.float32
 
 # ggml's GROUP_MAX_EPS: a group whose largest magnitude is below this is stored as all zeros.
 GROUP_MAX_EPS = F32(1e-15)
 
-# Blocks per vectorised chunk: big enough to amortise the Python loops, small enough to stay in cache.
-CHUNK_BLOCKS = 512
-
 MAGIC = F32(12582912.0)  # 1.5 * 2**23: adding it leaves round(v) in the low mantissa bits
+_FP16_TINY = F32(2.0 ** -24)  # the smallest fp16 subnormal
+
+# Groups searched at once, the lanes of the searches' vectorised inner loops: four Q4_K/Q5_K super-blocks (eight
+# sub-blocks each), two of Q6_K (sixteen each), 32 blocks of the 32-value types.
+LANES = 32
 
 
-def nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int: add 1.5 * 2**23 and read the low mantissa bits. [...] float32 -> [...] int32.
+def _writable(folder: Path) -> bool:
+    """Whether numba could cache in folder: it creates it and writes a file there, as numba checks."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return False
+    return True
+
+
+def _numba_cache_usable() -> bool:
+    """Make sure numba's on-disk cache has a writable home; False if none can be found (compile in memory).
+
+    numba caches next to the source (moeprep/quant/__pycache__), else in the user-wide cache (~/.cache/numba); with
+    neither writable (a read-only install and a read-only home) `cache=True` raises at import. Then the cache goes
+    to a folder in the system temp dir, through NUMBA_CACHE_DIR (numba reads it when it places a function's cache);
+    a NUMBA_CACHE_DIR the user set wins."""
+    if numba.config.CACHE_DIR:
+        return True
+    if _writable(Path(__file__).parent / "__pycache__") or _writable(Path(AppDirs("numba", False).user_cache_dir)):
+        return True
+    try:
+        fallback = Path(tempfile.gettempdir()) / f"moeprep-numba-{getattr(os, 'getuid', lambda: 0)()}"
+    except FileNotFoundError:  # no writable temp dir either
+        return False
+    if not _writable(fallback):
+        return False
+    numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"] = str(fallback)
+    return True
+
+
+# Options of every kernel (see the module docstring). fastmath stays off: it would allow FMA and reassociation.
+JIT = {"cache": _numba_cache_usable(), "nogil": True, "error_model": "numpy"}
+
+
+@numba.njit(**JIT)
+def nearest_int(v: np.float32) -> int:
+    """ggml's nearest_int: add 1.5 * 2**23 and read the low mantissa bits. float32 -> int.
 
     Equal to round-half-even for |v| <= 4194303; beyond that (or for inf/NaN) it wraps exactly as the C does."""
-    bits = (v + MAGIC).view(np.int32)
+    bits = F32(F32(v) + MAGIC).view(np.int32)
     return (bits & 0x007FFFFF) - 0x00400000
 
 
-def _levels(v: np.ndarray, lo: int, hi: int, scratch: np.ndarray, out: np.ndarray) -> None:
-    """out = max(lo, min(hi, nearest_int(v))) as float32, in place (scratch: int32 like v). Levels are small
-    integers, exact in float32; the search then multiplies them as C multiplies its int levels."""
-    np.add(v, MAGIC, out=scratch.view(F32))
-    np.bitwise_and(scratch, 0x007FFFFF, out=scratch)
-    np.subtract(scratch, 0x00400000, out=scratch)
-    np.maximum(scratch, lo, out=scratch)
-    np.minimum(scratch, hi, out=scratch)
-    np.copyto(out, scratch, casting="unsafe")
+@numba.njit(**JIT)
+def fp16_bits(v: np.float32) -> int:
+    """GGML_FP32_TO_FP16: float32 -> fp16 bits (0..0xFFFF), rounded to nearest even. Overflow gives inf; a NaN keeps
+    its sign and top payload bits and is quieted, as x86's F16C does (x86's default NaN 0xFFC00000 -> 0xFE00)."""
+    f = F32(v).view(np.uint32)
+    sign = (f >> 16) & 0x8000
+    a = f & 0x7FFFFFFF
+    if a > 0x7F800000:  # NaN
+        return sign | 0x7E00 | ((a >> 13) & 0x3FF)
+    if a >= 0x477FF000:  # inf, and 65520 and above, which round to 65536
+        return sign | 0x7C00
+    if a >= 0x38800000:  # normal fp16 (>= 2**-14): rebias the exponent by 127 - 15, keep 10 mantissa bits
+        h = (a - 0x38000000) >> 13
+        dropped, half = a & 0x1FFF, 0x1000
+    else:  # subnormal fp16 or zero: the float32 significand with its implicit bit, in units of 2**-24
+        shift = 126 - (a >> 23)
+        if shift > 24:  # below 2**-25: rounds to zero
+            return sign
+        m = (a & 0x7FFFFF) | 0x800000
+        h = m >> shift
+        dropped, half = m & ((1 << shift) - 1), 1 << (shift - 1)
+    if dropped > half or (dropped == half and h & 1):
+        h += 1  # a carry out of the mantissa is the next binade, as IEEE rounding wants
+    return sign | h
 
 
-def running_sum(terms: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
-    """`acc += terms[i]` for i = 0..n-1 in order, as C's loop does. [n, ...] -> [...].
-
-    start=None begins from 0.0f (C's `float s = 0;`); otherwise from a copy of start."""
-    acc = np.zeros(terms.shape[1:], F32) if start is None else start.astype(F32, copy=True)
-    for t in terms:
-        acc += t
-    return acc
-
-
-def _to_fp16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 -> (fp16 array, the fp16 value read back as float32), as GGML_FP32_TO_FP16 then GGML_FP16_TO_FP32."""
-    h = v.astype(np.float16)
-    return h, h.astype(F32)
+@numba.njit(**JIT)
+def fp16_value(h: int) -> np.float32:
+    """GGML_FP16_TO_FP32 of fp16 bits: the stored scale as the C reads it back. Exact."""
+    sign = (h & 0x8000) << 16
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0:  # zero or subnormal: m * 2**-24 is exact in float32
+        v = F32(m) * _FP16_TINY
+        return -v if sign else v
+    bits = sign | (0x7F800000 if e == 31 else (e + 112) << 23) | (m << 13)
+    return np.uint32(bits).view(np.float32)
 
 
-def search_min_scale(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
-                     nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Affine search `x ~ scale*L + min` (L in 0..nmax, min <= 0), ggml's make_qkx2_quants / make_qkx3_quants.
+@numba.njit(**JIT)
+def search_work(n: int, S: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Scratch for the searches over [n, S] groups, allocated once per kernel call rather than once per search:
+    levels [n, S] uint8, terms [n, S] float32, per-lane values [12, S] float32, per-lane flags [2, S] bool."""
+    return np.empty((n, S), np.uint8), np.empty((n, S), F32), np.empty((12, S), F32), np.empty((2, S), np.bool_)
 
-    With weights given and no mean-absolute error the two C functions do the same arithmetic.
-    x, w: [n, S] float32. Returns scale [S], the_min = -min [S] and L [n, S] uint8."""
+
+@numba.njit(**JIT)
+def search_min_scale(x: np.ndarray, w: np.ndarray, nmax: int, rmin: np.float32, rdelta: np.float32, nstep: int,
+                     L: np.ndarray, scale: np.ndarray, the_min: np.ndarray,
+                     work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """Affine search `x ~ scale*L + min` (L in 0..nmax, min <= 0), ggml's make_qkx2_quants / make_qkx3_quants,
+    for S groups at once. With weights given and no mean-absolute error the two C functions do the same arithmetic.
+
+    x, w: [n, S] float32, value i of group s at [i, s]. Writes L [n, S] uint8, scale [S] and the_min [S] (= -min).
+    work: search_work(n, S)."""
     n, S = x.shape
     nmax_f = F32(nmax)
-    # C keeps the first of equal minima (`x[i] < min`), which decides the sign of a zero min that Q4_1/Q5_1 store
-    xmin = np.take_along_axis(x, x.argmin(axis=0)[None], axis=0)[0]
-    xmax = x.max(axis=0)
-    sum_w = running_sum(w[1:], start=w[0])
-    sum_x = running_sum(w[1:] * x[1:], start=w[0] * x[0])
-    xmin = np.where(xmin > 0, F32(0), xmin)
-    flat = xmax == xmin  # C returns early: L = 0, scale = 0
+    Laux, _, lane, flags = work
+    better, flat = flags[0], flags[1]
+    xmin, xmax, sum_w, sum_x, best_error, iscale = lane[0], lane[1], lane[2], lane[3], lane[4], lane[5]
+    sum_l, sum_l2, sum_xl, this_scale, this_min, error = lane[6], lane[7], lane[8], lane[9], lane[10], lane[11]
 
-    v = np.empty_like(x)
-    scratch = np.empty(x.shape, np.int32)
-    L = np.empty_like(x)  # best levels so far, as float32
-    terms = np.empty((n, 3, S), F32)  # per value: w*l, w*l*l, w*l*x, summed in one pass
-    wl, wl2, wlx = terms[:, 0], terms[:, 1], terms[:, 2]
+    for s in range(S):
+        xmin[s] = x[0, s]
+        xmax[s] = x[0, s]
+        sum_w[s] = w[0, s]
+        sum_x[s] = w[0, s] * x[0, s]
+    for i in range(1, n):
+        for s in range(S):
+            # C keeps the first of equal minima (`x[i] < min`), which decides the sign of a zero min Q4_1/Q5_1 store
+            if x[i, s] < xmin[s]:
+                xmin[s] = x[i, s]
+            if x[i, s] > xmax[s]:
+                xmax[s] = x[i, s]
+            sum_w[s] += w[i, s]
+            sum_x[s] += w[i, s] * x[i, s]
+    for s in range(S):
+        if xmin[s] > F32(0):
+            xmin[s] = F32(0)
+        flat[s] = xmax[s] == xmin[s]  # C returns here: L = 0, scale = 0; the search below runs on and is discarded
+        iscale[s] = nmax_f / (xmax[s] - xmin[s])
+        scale[s] = F32(1) / iscale[s]
+        best_error[s] = F32(0)
+    for i in range(n):
+        for s in range(S):
+            L[i, s] = min(max(nearest_int(iscale[s] * (x[i, s] - xmin[s])), 0), nmax)
+            diff = scale[s] * F32(L[i, s]) + xmin[s] - x[i, s]
+            best_error[s] += w[i, s] * (diff * diff)
 
-    iscale = nmax_f / (xmax - xmin)
-    scale = F32(1) / iscale
-    np.multiply(np.subtract(x, xmin, out=v), iscale, out=v)
-    _levels(v, 0, nmax, scratch, L)
-    np.multiply(L, scale, out=v)
-    v += xmin
-    v -= x
-    v *= v
-    v *= w  # w * diff^2: C's `w * (diff*diff)`, and float multiplication commutes
-    best_error = running_sum(v)
-
-    lf = np.empty_like(x)
     for step in range(nstep + 1):
-        # C reads the running `min` here, so the candidate grid moves when a better fit is found
-        iscale = (F32(rmin) + F32(rdelta) * F32(step) + nmax_f) / (xmax - xmin)
-        np.multiply(np.subtract(x, xmin, out=v), iscale, out=v)
-        _levels(v, 0, nmax, scratch, lf)
-        np.multiply(w, lf, out=wl)
-        np.multiply(wl, lf, out=wl2)
-        np.multiply(wl, x, out=wlx)
-        sum_l, sum_l2, sum_xl = running_sum(terms)
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-        clamp = this_min > 0
-        this_min = np.where(clamp, F32(0), this_min)
-        this_scale = np.where(clamp, sum_xl / sum_l2, this_scale)
-        np.multiply(lf, this_scale, out=v)
-        v += this_min
-        v -= x
-        v *= v
-        v *= w
-        cur_error = running_sum(v)
-        better = (D > 0) & (cur_error < best_error)
-        np.copyto(L, lf, where=better)
-        best_error = np.where(better, cur_error, best_error)
-        scale = np.where(better, this_scale, scale)
-        xmin = np.where(better, this_min, xmin)
+        for s in range(S):
+            # C reads the running `min` here, so the candidate grid moves when a better fit is found
+            iscale[s] = (rmin + rdelta * F32(step) + nmax_f) / (xmax[s] - xmin[s])
+            sum_l[s] = F32(0)
+            sum_l2[s] = F32(0)
+            sum_xl[s] = F32(0)
+        for i in range(n):
+            for s in range(S):
+                l = min(max(nearest_int(iscale[s] * (x[i, s] - xmin[s])), 0), nmax)
+                Laux[i, s] = l
+                wl = w[i, s] * F32(l)
+                sum_l[s] += wl
+                sum_l2[s] += wl * F32(l)
+                sum_xl[s] += wl * x[i, s]
+        for s in range(S):
+            D = sum_w[s] * sum_l2[s] - sum_l[s] * sum_l[s]
+            better[s] = D > F32(0) and not flat[s]
+            this_scale[s] = (sum_w[s] * sum_xl[s] - sum_x[s] * sum_l[s]) / D
+            this_min[s] = (sum_l2[s] * sum_x[s] - sum_l[s] * sum_xl[s]) / D
+            if this_min[s] > F32(0):
+                this_min[s] = F32(0)
+                this_scale[s] = sum_xl[s] / sum_l2[s]
+            error[s] = F32(0)
+        for i in range(n):
+            for s in range(S):
+                diff = this_scale[s] * F32(Laux[i, s]) + this_min[s] - x[i, s]
+                error[s] += w[i, s] * (diff * diff)
+        for s in range(S):
+            better[s] = better[s] and error[s] < best_error[s]
+            if better[s]:
+                best_error[s] = error[s]
+                scale[s] = this_scale[s]
+                xmin[s] = this_min[s]
+        for i in range(n):
+            for s in range(S):
+                if better[s]:
+                    L[i, s] = Laux[i, s]
 
-    L[:, flat] = 0
-    scale = np.where(flat, F32(0), scale)
-    return scale, -xmin, L.astype(np.uint8)
+    for s in range(S):
+        the_min[s] = -xmin[s]
+        if flat[s]:
+            scale[s] = F32(0)
+    for i in range(n):
+        for s in range(S):
+            if flat[s]:
+                L[i, s] = 0
 
 
-def search_symmetric_scale(x: np.ndarray, nmax: int, qw: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric search `x ~ scale*(L - nmax)`, ggml's make_qx_quants with rmse_type 1.
+@numba.njit(**JIT)
+def search_symmetric_scale(x: np.ndarray, w: np.ndarray, nmax: int, L: np.ndarray, scale: np.ndarray,
+                           work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """Symmetric search `x ~ scale*(L - nmax)`, ggml's make_qx_quants with rmse_type 1, for S groups at once.
 
-    x: [n, S] float32; qw: [n, S] weights, or None for ggml's default weight x*x.
-    Returns scale [S] and L [n, S] uint8 in 0..2*nmax-1."""
+    x, w: [n, S] float32, value i of group s at [i, s] (ggml's default weight is x*x: the caller passes it).
+    Writes L [n, S] uint8 (levels in 0..2*nmax-1) and scale [S]. work: search_work(n, S)."""
     n, S = x.shape
     nmax_f = F32(nmax)
-    w = x * x if qw is None else qw
-    wx = w * x
-    ax = np.abs(x)
-    first_max = ax.argmax(axis=0)[None]  # C keeps the first index of the largest |x|
-    amax = np.take_along_axis(ax, first_max, axis=0)[0]
-    vmax = np.take_along_axis(x, first_max, axis=0)[0]
-    all_zero = amax < GROUP_MAX_EPS
+    Laux, wx, lane, flags = work  # wx: C's `w*x[i]*l` is (w*x)*l, the first product the same for every candidate
+    better = flags[0]
+    amax, vmax, iscale, sumlx, suml2, best = lane[0], lane[1], lane[2], lane[3], lane[4], lane[5]
 
-    lf = np.empty_like(x)
-    L = np.empty_like(x)  # best signed levels so far, as float32
-    terms = np.empty((n, 2, S), F32)  # per value: w*x*l, w*l*l
+    for s in range(S):
+        amax[s] = F32(0)
+        vmax[s] = F32(0)
+    for i in range(n):
+        for s in range(S):
+            wx[i, s] = w[i, s] * x[i, s]
+            if abs(x[i, s]) > amax[s]:  # C keeps the first of equal largest |x|
+                amax[s] = abs(x[i, s])
+                vmax[s] = x[i, s]
+    for s in range(S):
+        iscale[s] = -nmax_f / vmax[s]
+        sumlx[s] = F32(0)
+        suml2[s] = F32(0)
+    for i in range(n):
+        for s in range(S):
+            l = min(max(nearest_int(iscale[s] * x[i, s]), -nmax), nmax - 1)
+            L[i, s] = l + nmax
+            sumlx[s] += wx[i, s] * F32(l)
+            suml2[s] += (w[i, s] * F32(l)) * F32(l)
+    for s in range(S):
+        scale[s] = sumlx[s] / suml2[s] if suml2[s] != F32(0) else F32(0)
+        best[s] = scale[s] * sumlx[s]
 
-    def candidate(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # |iscale*x| <= nmax + 0.9 wherever amax >= GROUP_MAX_EPS, where nearest_int is exactly round-half-even;
-        # the other lanes are discarded below
-        np.rint(np.multiply(x, iscale, out=lf), out=lf)
-        np.maximum(lf, F32(-nmax), out=lf)
-        np.minimum(lf, F32(nmax - 1), out=lf)
-        np.multiply(wx, lf, out=terms[:, 0])
-        np.multiply(np.multiply(w, lf, out=terms[:, 1]), lf, out=terms[:, 1])
-        sumlx, suml2 = running_sum(terms)
-        return sumlx, suml2
-
-    sumlx, suml2 = candidate(-nmax_f / vmax)
-    L[:] = lf
-    scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
-    best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        sumlx, suml2 = candidate(-(nmax_f + F32(0.1) * F32(step)) / vmax)
-        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        np.copyto(L, lf, where=better)
-        scale = np.where(better, sumlx / suml2, scale)
-        best = np.where(better, scale * sumlx, best)
+        for s in range(S):
+            iscale[s] = -(nmax_f + F32(0.1) * F32(step)) / vmax[s]
+            sumlx[s] = F32(0)
+            suml2[s] = F32(0)
+        for i in range(n):
+            for s in range(S):
+                l = min(max(nearest_int(iscale[s] * x[i, s]), -nmax), nmax - 1)
+                Laux[i, s] = l + nmax
+                sumlx[s] += wx[i, s] * F32(l)
+                suml2[s] += (w[i, s] * F32(l)) * F32(l)
+        for s in range(S):
+            better[s] = suml2[s] > F32(0) and sumlx[s] * sumlx[s] > best[s] * suml2[s]
+            if better[s]:
+                scale[s] = sumlx[s] / suml2[s]
+                best[s] = scale[s] * sumlx[s]
+        for i in range(n):
+            for s in range(S):
+                if better[s]:
+                    L[i, s] = Laux[i, s]
 
-    L += nmax_f
-    L[:, all_zero] = 0
-    return np.where(all_zero, F32(0), scale), L.astype(np.uint8)
+    for s in range(S):  # all zero: C returns L = 0, scale = 0 before searching
+        if amax[s] < GROUP_MAX_EPS:
+            scale[s] = F32(0)
+    for i in range(n):
+        for s in range(S):
+            if amax[s] < GROUP_MAX_EPS:
+                L[i, s] = 0
 
 
-def _search_block_scale(x: np.ndarray, nmax: int, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize the sub-block scales (or mins) of each super-block to 0..nmax, ggml's make_qp_quants.
+@numba.njit(**JIT)
+def _search_block_scale(x: np.ndarray, nmax: int, qw: np.ndarray, L: np.ndarray) -> np.float32:
+    """Quantize the sub-block scales (or mins) of one super-block to 0..nmax, ggml's make_qp_quants.
 
-    x, qw: [n, B] float32 (n sub-blocks per super-block). Returns block scale [B] and L [n, B] uint8."""
+    x, qw: [n] float32 (n sub-blocks). L: [n] uint8, receives the levels; a negative level wraps as in C's uint8_t
+    store (Q4_K packs it as is). Returns the block scale. Eight values, once per super-block: plain scalar code."""
     n = x.shape[0]
     nmax_f = F32(nmax)
-    xmax = np.zeros(x.shape[1], F32)
-    for xi in x:  # MAX(max, x[i]) from 0, with C's comparison order
-        xmax = np.where(xmax > xi, xmax, xi)
-    all_zero = xmax < GROUP_MAX_EPS
+    xmax = F32(0)
+    for i in range(n):  # MAX(max, x[i]) from 0, with C's comparison order
+        xmax = xmax if xmax > x[i] else x[i]
+    if xmax < GROUP_MAX_EPS:
+        L[:] = 0
+        return F32(0)
 
     iscale = nmax_f / xmax
-    L = nearest_int(iscale * x).astype(np.uint8)
+    for i in range(n):
+        L[i] = nearest_int(iscale * x[i])
     scale = F32(1) / iscale
-    diff = x - scale * L.astype(F32)
-    best_mse = running_sum((qw * diff) * diff)
+    best_mse = F32(0)
+    for i in range(n):
+        diff = x[i] - scale * F32(L[i])
+        best_mse += (qw[i] * diff) * diff
     for step in range(-4, 5):
         if step == 0:
             continue
         iscale_is = (F32(0.1) * F32(step) + nmax_f) / xmax
         scale_is = F32(1) / iscale_is
-        l = np.minimum(nmax, nearest_int(iscale_is * x))
-        diff = x - scale_is * l.astype(F32)
-        mse = running_sum((qw * diff) * diff)
-        better = mse < best_mse
-        best_mse = np.where(better, mse, best_mse)
-        iscale = np.where(better, iscale_is, iscale)
-
-    l = np.minimum(nmax, nearest_int(iscale * x))
-    L = l.astype(np.uint8)
-    lf = l.astype(F32)
-    sumlx = running_sum((qw * x) * lf)
-    suml2 = running_sum((qw * lf) * lf)
-    # Coordinate refinement: C stops after a pass that changes nothing; an unchanged state makes every later pass a
-    # no-op too, so running all five passes on every block gives the same result without a per-block stop flag.
-    for _ in range(5):
+        mse = F32(0)
         for i in range(n):
-            w, xi = qw[i], x[i]
-            li = L[i].astype(F32)
-            slx = sumlx - (w * xi) * li
-            sl2 = suml2 - (w * li) * li
-            new_l = np.minimum(nmax, nearest_int((xi * sl2) / slx))
-            nlf = new_l.astype(F32)
-            slx_new = slx + (w * xi) * nlf
-            sl2_new = sl2 + (w * nlf) * nlf
-            take = ((slx > 0) & (sl2 > 0) & (new_l != L[i].astype(np.int32))
-                    & ((slx_new * slx_new) * suml2 > (sumlx * sumlx) * sl2_new))
-            L[i] = np.where(take, new_l.astype(np.uint8), L[i])
-            sumlx = np.where(take, slx_new, sumlx)
-            suml2 = np.where(take, sl2_new, suml2)
+            diff = x[i] - scale_is * F32(min(nmax, nearest_int(iscale_is * x[i])))
+            mse += (qw[i] * diff) * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
 
-    scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
-    return np.where(all_zero, F32(0), scale), np.where(all_zero, np.uint8(0), L)
-
-
-def _block_sigma2(xb: np.ndarray) -> np.ndarray:
-    """2 * sum(x^2) / QK_K per super-block, summed in order as C does. xb: [B, 256] -> [B]."""
-    xt = np.ascontiguousarray(xb.T)
-    return F32(2) * running_sum(xt * xt) / F32(QK_K)
-
-
-def _pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
-    """Eight 6-bit scales and mins into ggml's 12-byte layout. ls, lm: [B, 8] uint8 -> [B, 12] uint8."""
-    lo_s, hi_s, lo_m, hi_m = ls[:, :4], ls[:, 4:], lm[:, :4], lm[:, 4:]
-    return np.concatenate([lo_s | ((hi_s >> 4) << 6), lo_m | ((hi_m >> 4) << 6),
-                           (hi_s & 0xF) | ((hi_m & 0xF) << 4)], axis=1)
-
-
-def _unpack_scales_k4(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's get_scale_min_k4 for all eight sub-blocks. [B, 12] uint8 -> (sc [B, 8], m [B, 8]) uint8."""
-    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    sc = np.concatenate([a & 63, (c & 0xF) | ((a >> 6) << 4)], axis=1)
-    m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=1)
-    return sc, m
+    sumlx = F32(0)
+    suml2 = F32(0)
+    for i in range(n):
+        l = min(nmax, nearest_int(iscale * x[i]))
+        L[i] = l  # the sums take the int level, the refinement the stored (wrapped) one, as in C
+        sumlx += (qw[i] * x[i]) * F32(l)
+        suml2 += (qw[i] * F32(l)) * F32(l)
+    for _ in range(5):  # coordinate refinement, until a pass changes nothing
+        changed = False
+        for i in range(n):
+            li = F32(L[i])
+            slx = sumlx - (qw[i] * x[i]) * li
+            sl2 = suml2 - (qw[i] * li) * li
+            if slx > F32(0) and sl2 > F32(0):
+                new_l = min(nmax, nearest_int((x[i] * sl2) / slx))
+                if new_l != L[i]:
+                    slx += (qw[i] * x[i]) * F32(new_l)
+                    sl2 += (qw[i] * F32(new_l)) * F32(new_l)
+                    if (slx * slx) * suml2 > (sumlx * sumlx) * sl2:
+                        L[i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        changed = True
+        if not changed:
+            break
+    return sumlx / suml2 if suml2 > F32(0) else F32(0)
 
 
-def _quantize_k_min(xb: np.ndarray, qw: np.ndarray | None, nmax: int, ref_search: tuple[float, float, int],
-                    clamp_weighted_levels: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The shared half of Q4_K and Q5_K: eight sub-blocks of 32, each with a 6-bit scale and a 6-bit min.
-
-    xb: [B, 256] float32; qw: [B, 256] importance or None (reference path). ref_search: the reference path's
-    (rmin, rdelta, nstep). clamp_weighted_levels: ggml clamps the weighted path's scale levels to 63 for Q5_K only;
-    for Q4_K an out-of-range level (a negative sub-block scale wraps to e.g. 250) is packed as is.
-    Returns d [B] fp16, dmin [B] fp16, packed scales [B, 12] uint8, L [B, 256] uint8 in 0..nmax."""
-    B = xb.shape[0]
-    x = np.ascontiguousarray(xb.reshape(B * 8, 32).T)  # [32, S], S = 8B
-    if qw is None:
-        av_x = np.sqrt(running_sum(x * x) / F32(32))
-        weights = av_x + np.abs(x)
-        scales, mins, L = search_min_scale(x, weights, nmax, *ref_search)
-        scales, mins = scales.reshape(B, 8), mins.reshape(B, 8)
-        max_scale = np.zeros(B, F32)
-        max_min = np.zeros(B, F32)
-        for j in range(8):
-            max_scale = np.where(scales[:, j] > max_scale, scales[:, j], max_scale)
-            max_min = np.where(mins[:, j] > max_min, mins[:, j], max_min)
-        inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
-        inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
-        ls = np.minimum(np.uint8(63), nearest_int(inv_scale[:, None] * scales).astype(np.uint8))
-        lm = np.minimum(np.uint8(63), nearest_int(inv_min[:, None] * mins).astype(np.uint8))
-        d_block = max_scale / F32(63)
-        m_block = max_min / F32(63)
-    else:
-        sigma2 = np.repeat(_block_sigma2(xb), 8)  # [S]
-        weights = np.ascontiguousarray(qw.reshape(B * 8, 32).T) * np.sqrt(sigma2 + x * x)
-        sw = running_sum(weights)
-        scales, mins, L = search_min_scale(x, weights, nmax, -0.9, 0.05, 36)
-        # make_qp_quants sees the eight sub-blocks of a super-block as its n: [8, B]
-        sw8 = np.ascontiguousarray(sw.reshape(B, 8).T)
-        d_block, ls = _search_block_scale(np.ascontiguousarray(scales.reshape(B, 8).T), 63, sw8)
-        m_block, lm = _search_block_scale(np.ascontiguousarray(mins.reshape(B, 8).T), 63, sw8)
-        ls, lm = ls.T, lm.T
-        if clamp_weighted_levels:
-            ls, lm = np.minimum(np.uint8(63), ls), np.minimum(np.uint8(63), lm)
-
-    packed = _pack_scales_k4(ls, lm)
-    d16, d = _to_fp16(d_block)
-    dmin16, dmin = _to_fp16(m_block)
-
-    # Requantize against the stored (fp16, 6-bit) scales; a sub-block whose scale is 0 keeps its search result.
-    sc, m = _unpack_scales_k4(packed)
-    d_sub = d[:, None] * sc.astype(F32)  # [B, 8]
-    dm_sub = dmin[:, None] * m.astype(F32)
-    L = L.T.reshape(B, 8, 32)
-    xs = xb.reshape(B, 8, 32)
-    requant = np.clip(nearest_int((xs + dm_sub[..., None]) / d_sub[..., None]), 0, nmax)
-    L = np.where((d_sub != 0)[..., None], requant, L).astype(np.uint8).reshape(B, QK_K)
-    return d16, dmin16, packed, L
+@numba.njit(**JIT)
+def gather_lanes(sub: np.ndarray, first: int, x: np.ndarray) -> int:
+    """Sub-blocks first, first+1, ... of sub [M, n] into the lanes of x [n, S], element-major: sub-block first+s at
+    x[:, s]. Lanes past the last sub-block are zeros, which every search treats as an all-zero group and which are
+    never stored. Returns how many sub-blocks were gathered."""
+    n, S = x.shape
+    count = min(S, sub.shape[0] - first)
+    for s in range(count):  # reads in order, writes strided: measured faster than the other way round
+        for i in range(n):
+            x[i, s] = sub[first + s, i]
+    for i in range(n):
+        for s in range(count, S):
+            x[i, s] = F32(0)
+    return count
 
 
-def _q4_k_blocks(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-    """[B, 256] float32 -> [B, 144] bytes: d, dmin (fp16), scales[12], qs[128] (two 4-bit values per byte)."""
-    B = xb.shape[0]
-    d16, dmin16, packed, L = _quantize_k_min(xb, qw, 15, (-1.0, 0.1, 20), clamp_weighted_levels=False)
-    Lr = L.reshape(B, 4, 2, 32)  # 64-value groups: low nibble = first 32, high nibble = next 32
-    qs = (Lr[:, :, 0] | (Lr[:, :, 1] << 4)).reshape(B, 128)
-    return np.concatenate([d16.view(np.uint8).reshape(B, 2), dmin16.view(np.uint8).reshape(B, 2), packed, qs], axis=1)
+@numba.njit(**JIT)
+def _k_min_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray, nmax: int, rmin: np.float32,
+                rdelta: np.float32, nstep: int, clamp_weighted_levels: bool) -> None:
+    """Q4_K (nmax 15) or Q5_K (nmax 31) bytes of rows [R, P] into out [R, B*type_size]; qw [1 or R, P] or None.
+
+    Eight sub-blocks of 32 per super-block, each with a 6-bit scale and a 6-bit min; the reference path searches
+    with (rmin, rdelta, nstep), the weighted one as ggml's quantize_row_qX_K_impl. clamp_weighted_levels: ggml
+    clamps the weighted path's scale levels to 63 for Q5_K only; for Q4_K an out-of-range level (a negative
+    sub-block scale wraps to e.g. 250) is packed as is.
+    Q4_K block: d, dmin (fp16), scales[12], qs[128]: 64-value groups, the first 32 in the low nibbles, the next 32 high.
+    Q5_K block: d, dmin, scales[12], qh[32] (value group g sets bit g of qh[l]), qs[128] as Q4_K's low 4 bits."""
+    P = rows.shape[1]
+    xb = rows.reshape(-1, QK_K)  # [R*B, 256]
+    xs = rows.reshape(-1, 32)  # [R*B*8, 32]
+    yb = out.reshape(xb.shape[0], -1)
+    x = np.empty((32, LANES), F32)
+    w = np.empty((32, LANES), F32)
+    L = np.empty((32, LANES), np.uint8)
+    scales = np.empty(LANES, F32)
+    mins = np.empty(LANES, F32)
+    sw = np.empty(LANES, F32)
+    spread = np.empty(LANES, F32)  # per lane: the reference weight's av_x, or the weighted path's sigma2
+    work = search_work(32, LANES)
+    ls = np.empty(8, np.uint8)
+    lm = np.empty(8, np.uint8)
+    Lb = np.empty(QK_K, np.uint8)
+    for b0 in range(0, xb.shape[0], LANES // 8):
+        count = gather_lanes(xs, 8 * b0, x) // 8
+        if qw is None:
+            for s in range(LANES):  # weight av_x + |x|, av_x the RMS of the sub-block
+                sum_x2 = F32(0)
+                for i in range(32):
+                    sum_x2 += x[i, s] * x[i, s]
+                spread[s] = np.sqrt(sum_x2 / F32(32))
+            for i in range(32):
+                for s in range(LANES):
+                    w[i, s] = spread[s] + abs(x[i, s])
+            search_min_scale(x, w, nmax, rmin, rdelta, nstep, L, scales, mins, work)
+        else:
+            w[:] = F32(0)
+            for g in range(count):  # weight qw * sqrt(sigma2 + x^2), sigma2 twice the super-block's mean square
+                b = b0 + g
+                sum_x2 = F32(0)
+                for i in range(QK_K):
+                    sum_x2 += xb[b, i] * xb[b, i]
+                q = qw[b // (P // QK_K) if qw.shape[0] > 1 else 0, QK_K * (b % (P // QK_K)):]
+                for j in range(8):
+                    spread[8 * g + j] = F32(2) * sum_x2 / F32(QK_K)
+                    for i in range(32):
+                        w[i, 8 * g + j] = q[32 * j + i]
+            for i in range(32):
+                for s in range(LANES):
+                    w[i, s] = w[i, s] * np.sqrt(spread[s] + x[i, s] * x[i, s])
+            for s in range(LANES):
+                sum_w = F32(0)
+                for i in range(32):
+                    sum_w += w[i, s]
+                sw[s] = sum_w
+            search_min_scale(x, w, nmax, F32(-0.9), F32(0.05), 36, L, scales, mins, work)
+
+        for g in range(count):
+            y = yb[b0 + g]
+            scales_g, mins_g = scales[8 * g:8 * g + 8], mins[8 * g:8 * g + 8]
+            if qw is None:
+                max_scale = F32(0)
+                max_min = F32(0)
+                for j in range(8):
+                    if scales_g[j] > max_scale:
+                        max_scale = scales_g[j]
+                    if mins_g[j] > max_min:
+                        max_min = mins_g[j]
+                inv_scale = F32(63) / max_scale if max_scale > F32(0) else F32(0)
+                inv_min = F32(63) / max_min if max_min > F32(0) else F32(0)
+                for j in range(8):  # C narrows to uint8_t before clamping to 63
+                    ls[j] = min(63, np.uint8(nearest_int(inv_scale * scales_g[j])))
+                    lm[j] = min(63, np.uint8(nearest_int(inv_min * mins_g[j])))
+                d_block = max_scale / F32(63)
+                m_block = max_min / F32(63)
+            else:
+                d_block = _search_block_scale(scales_g, 63, sw[8 * g:8 * g + 8], ls)
+                m_block = _search_block_scale(mins_g, 63, sw[8 * g:8 * g + 8], lm)
+                if clamp_weighted_levels:
+                    for j in range(8):
+                        ls[j] = min(63, ls[j])
+                        lm[j] = min(63, lm[j])
+
+            d16 = fp16_bits(d_block)
+            dmin16 = fp16_bits(m_block)
+            y[0], y[1], y[2], y[3] = d16, d16 >> 8, dmin16, dmin16 >> 8
+            packed = y[4:16]
+            for j in range(8):  # ggml's 12-byte layout: 6 bits each, the high two bits of scales 4..7 in bytes 0..7
+                if j < 4:
+                    packed[j] = ls[j]
+                    packed[j + 4] = lm[j]
+                else:
+                    packed[j + 4] = (ls[j] & 0xF) | ((lm[j] & 0xF) << 4)
+                    packed[j - 4] |= (ls[j] >> 4) << 6
+                    packed[j] |= (lm[j] >> 4) << 6
+
+            # Requantize against the stored (fp16, 6-bit) scales; a sub-block whose scale is 0 keeps its search result.
+            d = fp16_value(d16)
+            dmin = fp16_value(dmin16)
+            for j in range(8):
+                if j < 4:  # ggml's get_scale_min_k4
+                    sc, m = packed[j] & 63, packed[j + 4] & 63
+                else:
+                    sc = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4)
+                    m = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4)
+                d_sub = d * F32(sc)
+                dm_sub = dmin * F32(m)
+                for i in range(32):
+                    if d_sub == F32(0):
+                        Lb[32 * j + i] = L[i, 8 * g + j]
+                    else:
+                        Lb[32 * j + i] = min(max(nearest_int((xb[b0 + g, 32 * j + i] + dm_sub) / d_sub), 0), nmax)
+
+            if nmax == 15:
+                qs = y[16:144]
+                for k in range(4):
+                    for i in range(32):
+                        qs[32 * k + i] = Lb[64 * k + i] | (Lb[64 * k + 32 + i] << 4)
+            else:
+                qh, qs = y[16:48], y[48:176]
+                qh[:] = 0
+                for k in range(4):
+                    for i in range(32):
+                        lo, hi = Lb[64 * k + i], Lb[64 * k + 32 + i]
+                        qh[i] |= ((lo >> 4) << (2 * k)) | ((hi >> 4) << (2 * k + 1))
+                        qs[32 * k + i] = (lo & 0xF) | ((hi & 0xF) << 4)
 
 
-def _q5_k_blocks(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-    """[B, 256] float32 -> [B, 176] bytes: d, dmin (fp16), scales[12], qh[32] (fifth bits), qs[128]."""
-    B = xb.shape[0]
-    d16, dmin16, packed, L = _quantize_k_min(xb, qw, 31, (-0.5, 0.1, 15), clamp_weighted_levels=True)
-    Lr = L.reshape(B, 4, 2, 32)
-    lo = Lr & 0xF
-    qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(B, 128)
-    hi = (Lr >> 4).reshape(B, 8, 32)  # value group g sets bit g of qh[l]
-    qh = np.zeros((B, 32), np.uint8)
-    for g in range(8):
-        qh |= hi[:, g] << g
-    return np.concatenate([d16.view(np.uint8).reshape(B, 2), dmin16.view(np.uint8).reshape(B, 2), packed, qh, qs],
-                          axis=1)
+@numba.njit(**JIT)
+def _q6_k_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray) -> None:
+    """Q6_K bytes of rows [R, P] into out [R, B*210]; qw [1 or R, P] or None. Sixteen sub-blocks of 16.
+
+    Block: ql[128], qh[64], scales[16] (int8), d (fp16). Each 128-value half fills 64 bytes of ql (values l and
+    l+64 share a byte, then l+32 and l+96) and 32 of qh (the high two bits of the four, two bits apart)."""
+    P = rows.shape[1]
+    xb = rows.reshape(-1, QK_K)
+    xs = rows.reshape(-1, 16)  # [R*B*16, 16]
+    yb = out.reshape(xb.shape[0], -1)
+    x = np.empty((16, LANES), F32)
+    w = np.empty((16, LANES), F32)
+    L = np.empty((16, LANES), np.uint8)
+    scales = np.empty(LANES, F32)
+    work = search_work(16, LANES)
+    sc = np.empty(16, np.int8)
+    Lb = np.empty(QK_K, np.uint8)
+    for b0 in range(0, xb.shape[0], LANES // 16):
+        count = gather_lanes(xs, 16 * b0, x) // 16
+        if qw is None:
+            for i in range(16):
+                for s in range(LANES):
+                    w[i, s] = x[i, s] * x[i, s]
+        else:  # ggml passes the importance straight through, without Q4_K's sqrt(sigma2 + x^2) factor
+            w[:] = F32(0)
+            for g in range(count):
+                b = b0 + g
+                q = qw[b // (P // QK_K) if qw.shape[0] > 1 else 0, QK_K * (b % (P // QK_K)):]
+                for j in range(16):
+                    for i in range(16):
+                        w[i, 16 * g + j] = q[16 * j + i]
+        search_symmetric_scale(x, w, 32, L, scales, work)
+
+        for g in range(count):
+            y = yb[b0 + g]
+            scales_g = scales[16 * g:16 * g + 16]
+            max_scale = F32(0)
+            max_abs = F32(0)
+            for j in range(16):  # signed scale of largest magnitude, first one on ties
+                if abs(scales_g[j]) > max_abs:
+                    max_abs = abs(scales_g[j])
+                    max_scale = scales_g[j]
+            if max_abs < GROUP_MAX_EPS:  # ggml memsets a block whose scales all vanish
+                y[:] = 0
+                continue
+
+            iscale = F32(-128) / max_scale
+            d16 = fp16_bits(F32(1) / iscale)
+            d = fp16_value(d16)
+            for j in range(16):
+                sc[j] = np.int8(min(127, nearest_int(iscale * scales_g[j])))  # C's int8_t store wraps
+                d_sub = d * F32(sc[j])
+                for i in range(16):
+                    if d_sub == F32(0):  # keeps its search result
+                        Lb[16 * j + i] = L[i, 16 * g + j]
+                    else:
+                        Lb[16 * j + i] = min(max(nearest_int(xb[b0 + g, 16 * j + i] / d_sub), -32), 31) + 32
+
+            for h in range(2):
+                ql, qh, Lh = y[64 * h:64 * h + 64], y[128 + 32 * h:160 + 32 * h], Lb[128 * h:128 * h + 128]
+                for i in range(32):
+                    ql[i] = (Lh[i] & 0xF) | ((Lh[i + 64] & 0xF) << 4)
+                    ql[i + 32] = (Lh[i + 32] & 0xF) | ((Lh[i + 96] & 0xF) << 4)
+                    qh[i] = ((Lh[i] >> 4) | ((Lh[i + 32] >> 4) << 2) | ((Lh[i + 64] >> 4) << 4)
+                             | ((Lh[i + 96] >> 4) << 6))
+            for j in range(16):
+                y[192 + j] = sc[j]
+            y[208], y[209] = d16, d16 >> 8
 
 
-def _q6_k_blocks(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-    """[B, 256] float32 -> [B, 210] bytes: ql[128], qh[64], scales[16] (int8), d (fp16). Sixteen sub-blocks of 16."""
-    B = xb.shape[0]
-    x = np.ascontiguousarray(xb.reshape(B * 16, 16).T)  # [16, S], S = 16B
-    # ggml passes the importance straight through here, without the sqrt(sigma2 + x^2) factor of Q4_K/Q5_K
-    w = None if qw is None else np.ascontiguousarray(qw.reshape(B * 16, 16).T)
-    scales, L = search_symmetric_scale(x, 32, w)
-    scales = scales.reshape(B, 16)
+def quantize_with(kernel: Callable[..., None], rows: np.ndarray, imatrix: np.ndarray | None, row_bytes: int,
+                  *params: object) -> np.ndarray:
+    """Run a row kernel `kernel(rows, qw, out, *params)`. rows [R, P] float32, imatrix [P] or [R, P] -> [R, row_bytes].
 
-    max_scale = np.zeros(B, F32)
-    max_abs = np.zeros(B, F32)
-    for ib in range(16):  # signed scale of largest magnitude, first one on ties
-        a = np.abs(scales[:, ib])
-        upd = a > max_abs
-        max_abs = np.where(upd, a, max_abs)
-        max_scale = np.where(upd, scales[:, ib], max_scale)
-    zero_block = max_abs < GROUP_MAX_EPS
-
-    iscale = F32(-128) / max_scale
-    d16, d = _to_fp16(F32(1) / iscale)
-    sc = np.minimum(127, nearest_int(iscale[:, None] * scales)).astype(np.int8)  # [B, 16]
-    d_sub = d[:, None] * sc.astype(F32)
-    L = L.T.reshape(B, 16, 16)
-    xs = xb.reshape(B, 16, 16)
-    requant = np.clip(nearest_int(xs / d_sub[..., None]), -32, 31) + 32
-    L = np.where((d_sub != 0)[..., None], requant, L).astype(np.uint8).reshape(B, 2, 4, 32)
-
-    lo, hi = L & 0xF, L >> 4
-    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=2).reshape(B, 128)
-    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(B, 64)
-    out = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8).reshape(B, 2)], axis=1)
-    out[zero_block] = 0  # ggml memsets a block whose scales all vanish
-    return out
-
-
-def quantize_in_chunks(row_fn: Callable[[np.ndarray, np.ndarray | None], np.ndarray], rows: np.ndarray,
-                       imatrix: np.ndarray | None, row_bytes: int) -> np.ndarray:
-    """Apply row_fn to cache-sized chunks of whole rows. rows [R, P] float32, imatrix [P] or [R, P] -> [R, row_bytes].
-
-    row_fn gets a row chunk [r, P] and its importance [r, P] (or None) and returns [r, row_bytes] uint8."""
-    R, P = rows.shape
+    The kernel gets rows C-contiguous, qw as [1, P] (one importance for every row) or [R, P], or None."""
     rows = np.ascontiguousarray(rows, dtype=F32)
-    weights = None if imatrix is None else np.broadcast_to(np.asarray(imatrix, F32), rows.shape)
-    out = np.empty((R, row_bytes), np.uint8)
-    step = max(1, CHUNK_BLOCKS * QK_K // P)
-    with np.errstate(all="ignore"):  # masked-out lanes divide by zero exactly where the C skips them
-        for r0 in range(0, R, step):
-            qw = None if weights is None else np.ascontiguousarray(weights[r0:r0 + step])
-            out[r0:r0 + step] = row_fn(rows[r0:r0 + step], qw)
+    qw = None if imatrix is None else np.ascontiguousarray(np.atleast_2d(imatrix), dtype=F32)
+    out = np.empty((rows.shape[0], row_bytes), np.uint8)
+    kernel(rows, qw, out, *params)
     return out
 
 
-def _quantize(block_fn: Callable[[np.ndarray, np.ndarray | None], np.ndarray], qtype: GGMLQuantizationType,
-              rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
-    """Super-block quantizer over rows [R, P]: block_fn maps [B, 256] (+ importance [B, 256]) to [B, type_size]."""
+# Per type: the row kernel and its parameters. Q4_K and Q5_K: nmax, the reference search's (rmin, rdelta, nstep),
+# and whether the weighted path clamps its scale levels to 63.
+_KERNELS: dict[GGMLQuantizationType, tuple[Callable[..., None], tuple[object, ...]]] = {
+    GGMLQuantizationType.Q4_K: (_k_min_rows, (15, F32(-1.0), F32(0.1), 20, False)),
+    GGMLQuantizationType.Q5_K: (_k_min_rows, (31, F32(-0.5), F32(0.1), 15, True)),
+    GGMLQuantizationType.Q6_K: (_q6_k_rows, ()),
+}
+
+
+def _quantize(qtype: GGMLQuantizationType, rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
     assert rows.ndim == 2 and rows.shape[1] % QK_K == 0, rows.shape
-    row_bytes = rows.shape[1] // QK_K * GGML_QUANT_SIZES[qtype][1]
-
-    def row_fn(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-        blocks = block_fn(x.reshape(-1, QK_K), None if qw is None else qw.reshape(-1, QK_K))
-        return blocks.reshape(x.shape[0], row_bytes)
-
-    return quantize_in_chunks(row_fn, rows, imatrix, row_bytes)
+    kernel, params = _KERNELS[qtype]
+    return quantize_with(kernel, rows, imatrix, rows.shape[1] // QK_K * GGML_QUANT_SIZES[qtype][1], *params)
 
 
 def quantize_q4_k(rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Q4_K bytes of rows [R, P] (P % 256 == 0) -> [R, P/256*144] uint8.
 
     imatrix [P] (or [R, P], one per row) selects ggml's importance-weighted search; None its reference path."""
-    return _quantize(_q4_k_blocks, GGMLQuantizationType.Q4_K, rows, imatrix)
+    return _quantize(GGMLQuantizationType.Q4_K, rows, imatrix)
 
 
 def quantize_q5_k(rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Q5_K bytes of rows [R, P] (P % 256 == 0) -> [R, P/256*176] uint8.
 
     imatrix [P] (or [R, P], one per row) selects ggml's importance-weighted search; None its reference path."""
-    return _quantize(_q5_k_blocks, GGMLQuantizationType.Q5_K, rows, imatrix)
+    return _quantize(GGMLQuantizationType.Q5_K, rows, imatrix)
 
 
 def quantize_q6_k(rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Q6_K bytes of rows [R, P] (P % 256 == 0) -> [R, P/256*210] uint8.
 
     imatrix [P] (or [R, P], one per row) selects ggml's importance-weighted search; None its reference path."""
-    return _quantize(_q6_k_blocks, GGMLQuantizationType.Q6_K, rows, imatrix)
+    return _quantize(GGMLQuantizationType.Q6_K, rows, imatrix)
 
 
 KQUANTIZERS: dict[GGMLQuantizationType, Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = {

@@ -1,16 +1,19 @@
 """Q4_K, Q5_K and Q6_K in torch, on the CPU or a GPU, with the same bytes as moeprep.quant.kquants (and so as ggml).
 
-This module mirrors kquants.py function for function: the same names, the same float32 operations in the same order,
-and the constants and type table imported from there. A change to one is a change to both;
-tests/quant/test_kquants_torch.py checks numpy == torch == libggml bytes on the same inputs.
+It implements the same ggml algorithms as kquants.py's numba kernels, in the same float32 operations and order,
+with the constants and type table imported from there; where kquants.py walks blocks in loops, this module is
+vectorised over every block of a chunk at once (element-major search arrays, masks for what the C decides per block).
+A change to one is a change to both; tests/quant/test_kquants_torch.py checks kquants == torch == libggml bytes on
+the same inputs.
 
-On top of kquants.py's four habits, torch needs these:
+Besides kquants.py's habits (float32 in C's order, no fused multiply-add, running sums in order, ggml's nearest_int,
+C-like narrowing, round-to-nearest-even fp16), torch needs these:
   * every division goes through `_div`, with both operands tensors of the full shape: torch computes
     `scalar / tensor` as `reciprocal() * scalar`, and on CUDA `tensor / python_scalar` as a multiplication by the
     reciprocal; neither is C's correctly rounded division;
   * no fused or reducing ops (addcmul, lerp, matmul, sum): one C operation is one torch op, and a running sum is
     a sequence of adds;
-  * scalar constants are computed in numpy float32, as kquants.py computes them, and passed as Python floats
+  * scalar constants are computed in numpy float32, as kquants.py's `F32(...)` constants, and passed as Python floats
     (exactly representable, so torch casts them back without rounding);
   * `nearest_int` maps NaN to 0, as x86 does for its default NaN (0xFFC00000) that ggml and numpy see; a GPU's
     canonical NaN has other mantissa bits. NaN appears in lanes whose result is then discarded (a constant
@@ -21,8 +24,8 @@ On top of kquants.py's four habits, torch needs these:
     `quantizers_on` quantizes such rows (|x| > 1.8e19 only) again with kquants.py.
 
 The code is device-agnostic: tensors stay on the device of the rows, and only `quantizers_on` crosses to numpy.
-Shapes as in kquants.py: R rows, P values per row, B super-blocks of QK_K = 256, S sub-blocks, n values per
-sub-block; search arrays are element-major [n, S].
+Shapes: R rows, P values per row, B super-blocks of QK_K = 256, S sub-blocks, n values per sub-block; search arrays
+are element-major [n, S].
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ from moeprep.quant.kquants import F32, GROUP_MAX_EPS, MAGIC
 FT = torch.float32
 EPS = float(GROUP_MAX_EPS)
 
-# Blocks per chunk, per device type: the CPU wants cache-sized chunks (kquants.CHUNK_BLOCKS), a GPU chunks large
-# enough to fill it (a Python loop step is one kernel launch): 65536 blocks are 64 MiB of float32 rows.
-CHUNK_BLOCKS: dict[str, int] = {"cpu": 4 * kquants.CHUNK_BLOCKS, "cuda": 1 << 16}
+# Blocks per chunk, per device type: the CPU wants cache-sized chunks (2048 blocks are 2 MiB of float32 rows), a GPU
+# chunks large enough to fill it (a Python loop step is one kernel launch): 65536 blocks are 64 MiB.
+CHUNK_BLOCKS: dict[str, int] = {"cpu": 2048, "cuda": 1 << 16}
 
 TorchBlocks = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -73,19 +76,21 @@ def _to_u8(v: torch.Tensor) -> torch.Tensor:
 
 
 def nearest_int(v: torch.Tensor) -> torch.Tensor:
-    """kquants.nearest_int: ggml's magic-number trick on the float32 bits. [...] float32 -> [...] int32."""
+    """kquants.nearest_int, elementwise: ggml's magic-number trick on the float32 bits. [...] float32 -> [...] int32."""
     bits = (v + float(MAGIC)).view(torch.int32)
     r = (bits & 0x007FFFFF) - 0x00400000
     return torch.where(torch.isnan(v), 0, r)
 
 
 def _levels(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """kquants._levels: max(lo, min(hi, nearest_int(v))) as float32."""
+    """max(lo, min(hi, nearest_int(v))) as float32: levels are small integers, exact in float32."""
     return nearest_int(v).clamp(lo, hi).to(FT)
 
 
 def running_sum(terms: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
-    """kquants.running_sum: `acc += terms[i]` in order. [n, ...] -> [...]."""
+    """`acc += terms[i]` in order, as C's loop does (torch's sum is pairwise). [n, ...] -> [...].
+
+    start=None begins from 0.0f (C's `float s = 0;`); otherwise from a copy of start."""
     acc = torch.zeros(terms.shape[1:], dtype=FT, device=terms.device) if start is None else start.clone()
     for t in terms:
         acc = acc + t
@@ -93,7 +98,8 @@ def running_sum(terms: torch.Tensor, start: torch.Tensor | None = None) -> torch
 
 
 def _to_fp16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kquants._to_fp16: (fp16, read back as float32); `.to(float16)` rounds to nearest even like numpy."""
+    """GGML_FP32_TO_FP16 then GGML_FP16_TO_FP32: (fp16, read back as float32); `.to(float16)` rounds to nearest
+    even."""
     h = v.to(torch.float16)
     return h, h.to(FT)
 
@@ -105,7 +111,9 @@ def _first_along(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def search_min_scale(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
                      nstep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kquants.search_min_scale (make_qkx2/qkx3_quants). x, w [n, S] -> scale [S], -min [S], L [n, S] uint8."""
+    """kquants.search_min_scale (make_qkx2/qkx3_quants). x, w [n, S] -> scale [S], -min [S], L [n, S] uint8.
+
+    The lanes where C returns early (max == min) are searched too and overwritten at the end."""
     nmax_f = F32(nmax)
     xmin = _first_along(x, x.argmin(dim=0))  # torch's argmin, like numpy's, keeps the first of equal minima
     xmax = x.amax(dim=0)
@@ -178,7 +186,8 @@ def search_symmetric_scale(x: torch.Tensor, nmax: int,
 
 
 def _search_block_scale(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kquants._search_block_scale (make_qp_quants). x, qw [n, B] -> block scale [B], L [n, B] uint8."""
+    """make_qp_quants on the sub-block scales (or mins) of every super-block, as kquants._search_block_scale.
+    x, qw [n, B] -> block scale [B], L [n, B] uint8."""
     n = x.shape[0]
     nmax_f = F32(nmax)
     xmax = torch.zeros_like(x[0])
@@ -208,7 +217,9 @@ def _search_block_scale(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[t
     lf = l.to(FT)
     sumlx = running_sum((qw * x) * lf)
     suml2 = running_sum((qw * lf) * lf)
-    for _ in range(5):  # all five passes on every block, as kquants.py argues
+    # Coordinate refinement: C stops after a pass that changes nothing; an unchanged state makes every later pass a
+    # no-op too, so running all five passes on every block gives the same result without a per-block stop flag.
+    for _ in range(5):
         for i in range(n):
             w, xi = qw[i], x[i]
             li = L[i].to(FT)
@@ -229,20 +240,20 @@ def _search_block_scale(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[t
 
 
 def _block_sigma2(xb: torch.Tensor) -> torch.Tensor:
-    """kquants._block_sigma2: 2 * sum(x^2) / QK_K per super-block, in order. [B, 256] -> [B]."""
+    """2 * sum(x^2) / QK_K per super-block, summed in order as C does. [B, 256] -> [B]."""
     xt = xb.T.contiguous()
     return _div(2.0 * running_sum(xt * xt), float(QK_K))
 
 
 def _pack_scales_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
-    """kquants._pack_scales_k4. ls, lm [B, 8] uint8 -> [B, 12] uint8."""
+    """Eight 6-bit scales and mins into ggml's 12-byte layout. ls, lm [B, 8] uint8 -> [B, 12] uint8."""
     lo_s, hi_s, lo_m, hi_m = ls[:, :4], ls[:, 4:], lm[:, :4], lm[:, 4:]
     return torch.cat([lo_s | ((hi_s >> 4) << 6), lo_m | ((hi_m >> 4) << 6), (hi_s & 0xF) | ((hi_m & 0xF) << 4)],
                      dim=1)
 
 
 def _unpack_scales_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kquants._unpack_scales_k4. [B, 12] uint8 -> (sc [B, 8], m [B, 8]) uint8."""
+    """ggml's get_scale_min_k4 for all eight sub-blocks. [B, 12] uint8 -> (sc [B, 8], m [B, 8]) uint8."""
     a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     sc = torch.cat([a & 63, (c & 0xF) | ((a >> 6) << 4)], dim=1)
     m = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=1)
@@ -256,7 +267,7 @@ def _fp16_bytes(h: torch.Tensor) -> torch.Tensor:
 
 def _quantize_k_min(xb: torch.Tensor, qw: torch.Tensor | None, nmax: int, ref_search: tuple[float, float, int],
                     clamp_weighted_levels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kquants._quantize_k_min, the shared half of Q4_K and Q5_K.
+    """The shared half of Q4_K and Q5_K (kquants._k_min_rows): eight sub-blocks of 32, 6-bit scales and mins.
     xb, qw [B, 256] -> d [B] fp16, dmin [B] fp16, packed scales [B, 12], L [B, 256] uint8."""
     B = xb.shape[0]
     x = xb.reshape(B * 8, 32).T.contiguous()  # [32, S], S = 8B
@@ -303,7 +314,7 @@ def _quantize_k_min(xb: torch.Tensor, qw: torch.Tensor | None, nmax: int, ref_se
 
 
 def _q4_k_blocks(xb: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
-    """kquants._q4_k_blocks: [B, 256] float32 -> [B, 144] bytes."""
+    """[B, 256] float32 -> [B, 144] Q4_K bytes: d, dmin (fp16), scales[12], qs[128]."""
     B = xb.shape[0]
     d16, dmin16, packed, L = _quantize_k_min(xb, qw, 15, (-1.0, 0.1, 20), clamp_weighted_levels=False)
     Lr = L.reshape(B, 4, 2, 32)
@@ -312,7 +323,7 @@ def _q4_k_blocks(xb: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
 
 
 def _q5_k_blocks(xb: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
-    """kquants._q5_k_blocks: [B, 256] float32 -> [B, 176] bytes."""
+    """[B, 256] float32 -> [B, 176] Q5_K bytes: d, dmin (fp16), scales[12], qh[32], qs[128]."""
     B = xb.shape[0]
     d16, dmin16, packed, L = _quantize_k_min(xb, qw, 31, (-0.5, 0.1, 15), clamp_weighted_levels=True)
     Lr = L.reshape(B, 4, 2, 32)
@@ -326,7 +337,7 @@ def _q5_k_blocks(xb: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
 
 
 def _q6_k_blocks(xb: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
-    """kquants._q6_k_blocks: [B, 256] float32 -> [B, 210] bytes."""
+    """[B, 256] float32 -> [B, 210] Q6_K bytes: ql[128], qh[64], scales[16] (int8), d (fp16)."""
     B = xb.shape[0]
     x = xb.reshape(B * 16, 16).T.contiguous()  # [16, S], S = 16B
     w = None if qw is None else qw.reshape(B * 16, 16).T.contiguous()
@@ -361,7 +372,8 @@ def _q6_k_blocks(xb: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
 
 def quantize_in_chunks(row_fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], rows: torch.Tensor,
                        imatrix: torch.Tensor | None, row_bytes: int, chunk_blocks: int) -> torch.Tensor:
-    """kquants.quantize_in_chunks on the rows' device. rows [R, P], imatrix [P] or [R, P] -> [R, row_bytes] uint8."""
+    """Apply row_fn to chunks of whole rows on the rows' device. rows [R, P], imatrix [P] or [R, P] -> [R, row_bytes]
+    uint8; row_fn gets a row chunk [r, P] and its importance [r, P] (or None)."""
     R, P = rows.shape
     rows = rows.to(FT).contiguous()
     weights = None if imatrix is None else imatrix.to(device=rows.device, dtype=FT).expand(R, P)
@@ -374,7 +386,7 @@ def quantize_in_chunks(row_fn: Callable[[torch.Tensor, torch.Tensor | None], tor
 
 
 def _quantizer(block_fn: TorchBlocks, qtype: GGMLQuantizationType):
-    """kquants._quantize as a function of (rows [R, P], imatrix, chunk_blocks) -> [R, row_bytes] uint8 tensor."""
+    """The quantizer of qtype: (rows [R, P], imatrix, chunk_blocks) -> [R, row_bytes] uint8 tensor."""
     def quantize(rows: torch.Tensor, imatrix: torch.Tensor | None = None,
                  chunk_blocks: int = CHUNK_BLOCKS["cpu"]) -> torch.Tensor:
         assert rows.ndim == 2 and rows.shape[1] % QK_K == 0, rows.shape

@@ -3,7 +3,8 @@
 A quantizer maps rows [R, P] float32 and an optional importance matrix [P] (or [R, P]) to bytes [R, row_bytes],
 equal to libggml's `ggml_quantize_chunk` for the same input:
   * Q4_K, Q5_K, Q6_K: moeprep.quant.kquants, both ggml paths;
-  * Q4_0, Q4_1, Q5_0, Q5_1: below, both ggml paths. gguf-py has only the reference path, and it differs from ggml
+  * Q4_0, Q4_1, Q5_0, Q5_1: below, both ggml paths, as numba kernels on kquants' searches and habits (its module
+    docstring says how they keep ggml's bytes). gguf-py has only the reference path, and it differs from ggml
     in the sign of zero: ggml stores d = -0.0 for an all-zero Q4_0 block, and the first of equal minima as a
     Q4_1 min, where gguf-py's numpy min/argmax pick other signed zeros;
   * Q8_0, F16, BF16, F32: gguf-py (byte-exact); ggml ignores an imatrix for these, and so do we.
@@ -20,15 +21,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
+import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moeprep.errors import MoeprepError
 from moeprep.quant import kquants
-from moeprep.quant.kquants import F32, quantize_in_chunks, running_sum, search_min_scale, search_symmetric_scale
+from moeprep.quant.kquants import (F32, JIT, LANES, fp16_bits, gather_lanes, quantize_with, search_min_scale,
+                                   search_symmetric_scale, search_work)
 
 Quantizer = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 T = GGMLQuantizationType
+
+FLT_MAX = F32(np.finfo(F32).max)
 
 
 def _unweighted(qtype: GGMLQuantizationType) -> Quantizer:
@@ -40,68 +45,132 @@ def _unweighted(qtype: GGMLQuantizationType) -> Quantizer:
     return quantize
 
 
+@numba.njit(**JIT)
+def _pack_legacy(L: np.ndarray, d: np.ndarray, mn: np.ndarray, levels: int, with_min: bool, packed: np.ndarray,
+                 yb: np.ndarray, b0: int, count: int) -> None:
+    """Blocks b0..b0+count-1 of yb [NB, type_size] from lanes 0..count-1 of L [32, S], d [S], mn [S].
+
+    A block: d (fp16), [min (fp16)], [qh: bit 4 of value j as bit j, for 5-bit types], qs: values j and j+16
+    share byte j, low nibble first. The bytes are put together in lanes (packed: [type_size, S] scratch), then
+    copied out block by block."""
+    S = L.shape[1]
+    k = 4 if with_min else 2
+    if levels == 32:
+        for j in range(4):
+            for s in range(S):
+                packed[k + j, s] = 0
+        for i in range(32):
+            for s in range(S):
+                packed[k + i // 8, s] |= ((L[i, s] >> 4) & 1) << (i % 8)
+        k += 4
+    for j in range(16):
+        for s in range(S):
+            packed[k + j, s] = (L[j, s] & 0xF) | ((L[j + 16, s] & 0xF) << 4)
+    for s in range(count):
+        d16 = fp16_bits(d[s])
+        packed[0, s], packed[1, s] = d16, d16 >> 8
+        if with_min:
+            m16 = fp16_bits(mn[s])
+            packed[2, s], packed[3, s] = m16, m16 >> 8
+    for s in range(count):
+        for j in range(packed.shape[0]):
+            yb[b0 + s, j] = packed[j, s]
+
+
+@numba.njit(**JIT)
+def _reference_levels(x: np.ndarray, levels: int, with_min: bool, L: np.ndarray, d: np.ndarray, mn: np.ndarray,
+                      lane: np.ndarray) -> None:
+    """ggml's quantize_row_qX_Y_ref for S blocks at once. x: [32, S], value i of block s at [i, s].
+
+    Writes L [32, S] uint8, d [S] and, for the affine types, mn [S] (the block's minimum). lane: [3, S] scratch."""
+    n, S = x.shape
+    hi, vmax, inv = lane[0], lane[1], lane[2]  # hi: the maximum, or the largest |x|; vmax: the value of largest |x|
+    for s in range(S):
+        # C scans with `v < min` / `v > max` from +-FLT_MAX (the first of equal extremes wins), or from max = +0.0
+        # taking only a larger |v|
+        mn[s] = FLT_MAX if with_min else F32(0)
+        hi[s] = -FLT_MAX if with_min else F32(0)
+        vmax[s] = F32(0)
+    for i in range(n):
+        for s in range(S):
+            if with_min:
+                if x[i, s] < mn[s]:
+                    mn[s] = x[i, s]
+                if x[i, s] > hi[s]:
+                    hi[s] = x[i, s]
+            elif hi[s] < abs(x[i, s]):
+                hi[s] = abs(x[i, s])
+                vmax[s] = x[i, s]
+    for s in range(S):
+        d[s] = (hi[s] - mn[s]) / F32(levels - 1) if with_min else vmax[s] / F32(-(levels // 2))
+        inv[s] = F32(1) / d[s] if d[s] != F32(0) else F32(0)
+    offset = F32(0.5) if with_min else F32(levels // 2) + F32(0.5)
+    for i in range(n):
+        for s in range(S):
+            v = (x[i, s] - mn[s]) * inv[s] if with_min else x[i, s] * inv[s]
+            # C truncates with an (int8_t) cast; for finite input the value never passes levels - 1
+            L[i, s] = min(levels - 1, np.int8(np.int32(v + offset)))
+
+
+@numba.njit(**JIT)
+def _legacy_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray, levels: int, with_min: bool) -> None:
+    """Q4_0/Q4_1/Q5_0/Q5_1 bytes of rows [R, P] into out [R, P/32*type_size]; qw [1 or R, P] or None.
+
+    LANES blocks at a time. Reference path (qw None): ggml's quantize_row_qX_Y_ref. Weighted path
+    (quantize_row_qX_Y_impl): the symmetric types use make_qx_quants and the affine ones make_qkx3_quants, with
+    weight qw[i] * sqrt(sigma2 + x[i]^2), sigma2 the mean square of the block's whole row."""
+    R, P = rows.shape
+    per_row = P // 32
+    xb = rows.reshape(-1, 32)  # every block of every row: [R*P/32, 32]
+    yb = out.reshape(xb.shape[0], -1)
+    x = np.empty((32, LANES), F32)
+    L = np.empty((32, LANES), np.uint8)
+    d = np.empty(LANES, F32)
+    mn = np.zeros(LANES, F32)  # the symmetric types store no min
+    packed = np.empty((yb.shape[1], LANES), np.uint8)
+    work = search_work(32, LANES)
+    if qw is not None:
+        w = np.empty((32, LANES), F32)
+        sigma2 = np.empty(R, F32)
+        for r in range(R):
+            sum_x2 = F32(0)
+            for i in range(P):
+                sum_x2 += rows[r, i] * rows[r, i]
+            sigma2[r] = sum_x2 / F32(P)
+    for b0 in range(0, xb.shape[0], LANES):
+        count = gather_lanes(xb, b0, x)
+        if qw is None:
+            _reference_levels(x, levels, with_min, L, d, mn, work[2])
+        else:
+            for s in range(LANES):
+                b = b0 + s
+                for i in range(32):
+                    if s < count:
+                        q = qw[b // per_row if qw.shape[0] > 1 else 0, 32 * (b % per_row) + i]
+                        w[i, s] = q * np.sqrt(sigma2[b // per_row] + x[i, s] * x[i, s])
+                    else:
+                        w[i, s] = F32(0)
+            if with_min:
+                search_min_scale(x, w, levels - 1, F32(-0.9), F32(0.05), 36, L, d, mn, work)
+                for s in range(LANES):
+                    mn[s] = -mn[s]  # the search returns -min; the block stores min
+            else:
+                search_symmetric_scale(x, w, levels // 2, L, d, work)
+        _pack_legacy(L, d, mn, levels, with_min, packed, yb, b0, count)
+
+
 @dataclass(frozen=True)
 class LegacyType:
-    """A 32-value block type: Q4_0/Q5_0 store d (symmetric), Q4_1/Q5_1 store d and a min (affine).
-
-    Reference path: ggml's quantize_row_qX_Y_ref. Weighted path (quantize_row_qX_Y_impl): the symmetric types use
-    make_qx_quants and the affine ones make_qkx3_quants, with weight qw[i] * sqrt(sigma2 + x[i]^2), sigma2 the mean
-    square of the whole row."""
+    """A 32-value block type: Q4_0/Q5_0 store d (symmetric), Q4_1/Q5_1 store d and a min (affine)."""
     qtype: GGMLQuantizationType
     levels: int     # 16 (4-bit) or 32 (5-bit: the fifth bits go to a 32-bit qh)
     with_min: bool  # affine (_1) or symmetric (_0)
 
-    def reference(self, xb: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """xb [S, 32] -> d [S], min [S] or None, L [S, 32] uint8."""
-        first = np.take_along_axis
-        if self.with_min:
-            # C scans with `v < min` / `v > max`: the first of equal extremes wins, which fixes a zero's sign
-            mn = first(xb, xb.argmin(axis=1)[:, None], axis=1)[:, 0]
-            mx = first(xb, xb.argmax(axis=1)[:, None], axis=1)[:, 0]
-            d = (mx - mn) / F32(self.levels - 1)
-            offset, shifted = F32(0.5), xb - mn[:, None]
-        else:
-            vmax = first(xb, np.abs(xb).argmax(axis=1)[:, None], axis=1)[:, 0]
-            vmax = np.where(vmax != 0, vmax, F32(0))  # C starts from max = +0.0 and only takes a larger |v|
-            d = vmax / F32(-(self.levels // 2))
-            mn, offset, shifted = None, F32(self.levels // 2 + 0.5), xb
-        inv = np.where(d != 0, F32(1) / d, F32(0))
-        # C truncates with an (int8_t) or (uint8_t) cast; for finite input the value never passes levels - 1
-        q = (shifted * inv[:, None] + offset).astype(np.int32).astype(np.int8)
-        return d, mn, np.minimum(self.levels - 1, q).astype(np.uint8)
-
-    def weighted(self, x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """x, w [32, S] (element-major) -> d [S], min [S] or None, L [S, 32] uint8."""
-        if self.with_min:
-            scale, the_min, L = search_min_scale(x, w, self.levels - 1, -0.9, 0.05, 36)
-            return scale, -the_min, L.T
-        scale, L = search_symmetric_scale(x, self.levels // 2, w)
-        return scale, None, L.T
-
-    def pack(self, d: np.ndarray, mn: np.ndarray | None, L: np.ndarray) -> np.ndarray:
-        """-> [S, type_size]: d (fp16), [min (fp16)], [qh: bit 4 of value j as bit j], qs: values j, j+16 per byte."""
-        parts = [d.astype(np.float16).view(np.uint8).reshape(-1, 2)]
-        if mn is not None:
-            parts.append(mn.astype(np.float16).view(np.uint8).reshape(-1, 2))
-        if self.levels == 32:
-            parts.append(np.packbits((L >> 4) & 1, axis=1, bitorder="little"))
-        parts.append((L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4))
-        return np.concatenate(parts, axis=1)
-
     def quantize(self, rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
+        """rows [R, P] (P % 32 == 0), importance [P], [R, P] or None -> bytes [R, P/32*type_size]."""
         block_size, type_size = GGML_QUANT_SIZES[self.qtype]
-        return quantize_in_chunks(self._rows, rows, imatrix, rows.shape[1] // block_size * type_size)
-
-    def _rows(self, x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-        """Row chunk [r, P] (+ importance [r, P]) -> bytes [r, row_bytes]."""
-        R, P = x.shape
-        if qw is None:
-            return self.pack(*self.reference(x.reshape(-1, 32))).reshape(R, -1)
-        xt = np.ascontiguousarray(x.T)  # [P, r]: the row's running sum of squares, in order
-        sigma2 = np.repeat(running_sum(xt * xt) / F32(P), P // 32)  # [S]
-        xs = np.ascontiguousarray(x.reshape(-1, 32).T)  # [32, S]
-        weight = np.ascontiguousarray(qw.reshape(-1, 32).T) * np.sqrt(sigma2 + xs * xs)
-        return self.pack(*self.weighted(xs, weight)).reshape(R, -1)
+        return quantize_with(_legacy_rows, rows, imatrix, rows.shape[1] // block_size * type_size, self.levels,
+                             self.with_min)
 
 
 # --- the tables ------------------------------------------------------------------------------------------------------

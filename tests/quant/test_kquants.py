@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -73,17 +78,31 @@ def test_adversarial_rows_match_ggml(ggml, qtype, imatrix):
 
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
-def test_chunk_boundaries_and_per_row_importance(ggml, qtype, monkeypatch):
-    """Rows split over several chunks; an [R, P] importance equals quantizing each row with its own [P] one."""
-    monkeypatch.setattr(kquants, "CHUNK_BLOCKS", 3)
+def test_lane_groups_and_per_row_importance(ggml, qtype):
+    """15 super-blocks fill several lane groups and part of the last (kquants.LANES); an [R, P] importance equals
+    quantizing each row with its own [P] one."""
     rng = np.random.default_rng(3)
-    rows = rng.standard_normal((5, 512)).astype(np.float32)
-    per_row = (rng.random((5, 512)) + 0.1).astype(np.float32)
+    rows = rng.standard_normal((5, 768)).astype(np.float32)
+    per_row = (rng.random((5, 768)) + 0.1).astype(np.float32)
     ours = kquants.KQUANTIZERS[qtype](rows, per_row)
     theirs = np.concatenate([ggml.quantize(rows[r:r + 1], qtype, per_row[r]) for r in range(5)])
-    ggml.assert_same_blocks(ours, theirs, qtype, "per-row importance over chunks of 3 blocks")
+    ggml.assert_same_blocks(ours, theirs, qtype, "per-row importance over a partial lane group")
     reference = kquants.KQUANTIZERS[qtype](rows, None)
-    ggml.assert_same_blocks(reference, ggml.quantize(rows, qtype), qtype, "reference over chunks of 3 blocks")
+    ggml.assert_same_blocks(reference, ggml.quantize(rows, qtype), qtype, "reference over a partial lane group")
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_threads_give_the_bytes_of_one_call(qtype):
+    """The kernels release the GIL (moeprep.quant.quantize runs row chunks in a thread pool): chunks quantized on
+    four threads at once equal one call over all rows."""
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((64, 1024)).astype(np.float32)
+    qw = make_imatrix("random", 1024, rng)
+    quantize = kquants.KQUANTIZERS[qtype]
+    for imatrix in (None, qw):
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            parts = list(pool.map(lambda r0, w=imatrix: quantize(rows[r0:r0 + 8], w), range(0, 64, 8)))
+        assert np.array_equal(np.concatenate(parts), quantize(rows, imatrix))
 
 
 def test_nearest_int_wraps_like_c():
@@ -95,18 +114,45 @@ def test_nearest_int_wraps_like_c():
     values = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 3.49, 4194303.0, -4194303.0, 5e6, -9e6, 1e20, np.inf, -np.inf,
                        np.nan], np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        got = kquants.nearest_int(values)
-    assert got.tolist() == [c_nearest_int(v) for v in values]
-    assert got[:6].tolist() == [0, 2, 2, 0, -2, 3]
+        got = [kquants.nearest_int(v) for v in values]
+    assert got == [c_nearest_int(v) for v in values]
+    assert got[:6] == [0, 2, 2, 0, -2, 3]
 
 
-def test_running_sum_is_sequential():
-    """A running float32 sum, not numpy's pairwise sum: they differ on this input."""
-    terms = np.array([[1e8], [1.0], [-1e8], [1.0]] * 8, np.float32)
-    expected = np.float32(0)
-    for t in terms[:, 0]:
-        expected = np.float32(expected + t)
-    assert kquants.running_sum(terms)[0] == expected
+def test_fp16_conversion_matches_numpy():
+    """fp16_bits rounds to nearest even as numpy's float16 cast does (normals, subnormals, ties, overflow to inf,
+    signed zeros), keeps x86's default NaN as 0xFE00; fp16_value reads every non-NaN fp16 back exactly."""
+    rng = np.random.default_rng(0)
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    every = every[~np.isnan(every)]
+    values = np.concatenate([
+        (rng.standard_normal(20000) * np.exp(rng.standard_normal(20000) * 8)).astype(np.float32),
+        every, np.nextafter(every, np.float32(np.inf)),  # every fp16 value, and the float32 just above it
+        np.array([0.0, -0.0, 65504.0, 65519.996, 65520.0, 1e30, -np.inf, 2.0 ** -25, 2.0 ** -26, 3 * 2.0 ** -26],
+                 np.float32),
+    ])
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    assert [kquants.fp16_bits(v) for v in values] == expected.tolist()
+    assert kquants.fp16_bits(np.uint32(0xFFC00000).view(np.float32)) == 0xFE00
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    finite = halves[~np.isnan(halves.view(np.float16))]
+    back = np.array([kquants.fp16_value(int(h)) for h in finite], np.float32)
+    assert np.array_equal(back.view(np.uint32), finite.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+def test_numba_cache_falls_back_to_the_temp_dir(tmp_path: Path, monkeypatch):
+    """With the package folder and numba's user cache read-only the kernels' cache goes to the temp dir, where numba
+    alone would fail at import; with no writable folder at all they compile in memory (see _numba_cache_usable)."""
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(kquants, "_writable", lambda folder: folder.parent == tmp_path)
+    assert kquants._numba_cache_usable()
+    assert Path(numba.config.CACHE_DIR).parent == tmp_path and os.environ["NUMBA_CACHE_DIR"] == numba.config.CACHE_DIR
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    monkeypatch.setattr(kquants, "_writable", lambda folder: False)
+    assert not kquants._numba_cache_usable()
 
 
 def test_output_shape_and_type_sizes():

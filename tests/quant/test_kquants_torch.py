@@ -1,4 +1,4 @@
-"""kquants_torch on the CPU: the same bytes as kquants (numpy) and libggml; and `--device` through registry, quantize
+"""kquants_torch on the CPU: the same bytes as kquants (numba) and libggml; and `--device` through registry, quantize
 and the CLI. CUDA is measured by bench/bench_quant_torch.py on a GPU machine (CI has none)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.quant.test_kquants import IMATRIX, KTYPES, adversarial_rows, make_ima
 
 
 def torch_bytes(qtype: T, rows: np.ndarray, imatrix: np.ndarray | None, **kw) -> np.ndarray:
-    """kquants_torch itself (no numpy fallback) on CPU tensors."""
+    """kquants_torch itself (no kquants fallback) on CPU tensors."""
     w = None if imatrix is None else torch.from_numpy(imatrix)
     return kquants_torch.KQUANTIZERS[qtype](torch.from_numpy(rows), w, **kw).numpy()
 
@@ -28,13 +28,13 @@ def torch_bytes(qtype: T, rows: np.ndarray, imatrix: np.ndarray | None, **kw) ->
 @pytest.mark.parametrize("n_per_row", [256, 2048])
 @pytest.mark.parametrize("imatrix", IMATRIX)
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
-def test_random_rows_numpy_torch_ggml_equal(ggml, qtype, imatrix, n_per_row):
+def test_random_rows_kquants_torch_ggml_equal(ggml, qtype, imatrix, n_per_row):
     rng = np.random.default_rng(n_per_row + 1)
     rows = (rng.standard_t(3, (8, n_per_row)) * rng.exponential(1.0, (8, 1))).astype(np.float32)
     qw = make_imatrix(imatrix, n_per_row, rng)
     theirs = ggml.quantize(rows, qtype, qw)
     label = f"random rows of {n_per_row}, imatrix={imatrix}"
-    ggml.assert_same_blocks(kquants.KQUANTIZERS[qtype](rows, qw), theirs, qtype, f"numpy, {label}")
+    ggml.assert_same_blocks(kquants.KQUANTIZERS[qtype](rows, qw), theirs, qtype, f"kquants, {label}")
     ggml.assert_same_blocks(torch_bytes(qtype, rows, qw), theirs, qtype, f"torch-cpu, {label}")
 
 
@@ -63,12 +63,12 @@ def test_chunk_boundaries_and_per_row_importance(ggml, qtype):
     ggml.assert_same_blocks(ours, theirs, qtype, "per-row importance over chunks of 3 blocks")
 
 
-def test_nearest_int_matches_numpy_and_maps_nan_to_zero():
+def test_nearest_int_matches_kquants_and_maps_nan_to_zero():
     values = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 3.49, 4194303.0, -4194303.0, 5e6, -9e6, 1e20, np.inf, -np.inf,
                        np.nan, -np.nan], np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        expected = kquants.nearest_int(values)
-    assert kquants_torch.nearest_int(torch.from_numpy(values)).tolist() == expected.tolist()
+        expected = [kquants.nearest_int(v) for v in values]
+    assert kquants_torch.nearest_int(torch.from_numpy(values)).tolist() == expected
     # a GPU's canonical NaN (0x7FFFFFFF) gives 0 too, as x86's default NaN does
     assert kquants_torch.nearest_int(torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)).item() == 0
 

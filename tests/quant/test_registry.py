@@ -41,6 +41,17 @@ def test_table_matches_ggml(ggml, qtype, with_imatrix, n_per_row):
     ggml.assert_same_blocks(ours, ggml.quantize(rows, qtype, qw), qtype, f"rows of {n_per_row}")
 
 
+@pytest.mark.parametrize("qtype", LEGACY, ids=lambda t: t.name)
+def test_legacy_per_row_importance_across_lane_groups(ggml, qtype):
+    """Rows of 45 blocks: the weighted search's lane groups (kquants.LANES blocks) cross row ends, each block with
+    its own row's sigma2 and importance row; equal to quantizing each row with its own [P] importance."""
+    rng = np.random.default_rng(4)
+    rows = (rng.standard_normal((5, 1440)) * rng.exponential(1.0, (5, 1))).astype(np.float32)
+    per_row = (rng.random((5, 1440)) + 0.1).astype(np.float32)
+    theirs = np.concatenate([ggml.quantize(rows[r:r + 1], qtype, per_row[r]) for r in range(5)])
+    ggml.assert_same_blocks(registry.quantize_rows(rows, qtype, per_row), theirs, qtype, "per-row importance")
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_k_types_route_to_kquants(ggml, qtype):
     rng = np.random.default_rng(1)
