@@ -1,27 +1,29 @@
 """Carry out a QuantPlan: stream the model into a new GGUF, requantizing the planned tensors through float32.
 
-Memory stays at about one requantized tensor (as float32) plus the copy chunk, whatever the model size: copied
-tensors stream from the memory map, requantized ones are produced one expert slice or row group at a time.
-On `device="cuda"` a type the GPU quantizes (registry.quantizers_on) goes to it one whole 2-D slice at a time;
-every other type is spread over the thread pool as on the CPU.
+Copied tensors go file to file (the writer's copy_file_range); requantized ones are dequantized and quantized on a
+thread pool one row group (or, on a GPU, one 2-D slice) per task, started ahead of the writer (Lookahead) so that the
+quantizing overlaps the copying. Memory stays at the row groups in work plus LOOKAHEAD_BYTES of finished output,
+whatever the model size. On `device="cuda"` a type the GPU quantizes (registry.quantizers_on) goes to it one whole
+2-D slice at a time; every other type is quantized on the CPU.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
 from tqdm import tqdm
 
 from moeprep import __version__
 from moeprep.errors import MoeprepError
-from moeprep.gguf.reader import GGUFModel
+from moeprep.gguf.reader import GGUFModel, TensorInfo, dequantize_raw
 from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, shard_path, write_gguf
 from moeprep.quant.imatrix import ImportanceMatrix
 from moeprep.quant.plan import QuantPlan, TensorPlan
@@ -37,6 +39,7 @@ FILE_TYPES = {
 }
 UNQUANTIZED = {"F32", "F16", "BF16"}
 ROWS_PER_TASK = 256  # rows per thread task: big enough to vectorize, small enough to spread over threads
+LOOKAHEAD_BYTES = 256 << 20  # quantized output submitted ahead of the writer: many layers of attention
 DISK_MARGIN = 64 << 20
 
 
@@ -53,42 +56,66 @@ class QuantizeResult:
         return f32_bytes / 1e6 / self.seconds if self.seconds else 0.0
 
 
-# (2-D float32 rows, the tensor's plan, imatrix row or None) -> the rows' bytes, in one or more pieces
-SliceQuantizer = Callable[[np.ndarray, TensorPlan, np.ndarray | None], list[np.ndarray]]
+class Lookahead:
+    """Requantizes the planned tensors on the thread pool in file order, ahead of the writer.
 
+    While the writer copies the tensors in between (a layer's experts: most of the bytes), the pool is already
+    quantizing the next layers' attention, so compute hides behind I/O instead of adding to it. At most `budget`
+    bytes of output are submitted and not yet written; a task holds only its own rows as float32.
+    """
 
-def slice_quantizer(device: str, pool: ThreadPoolExecutor) -> SliceQuantizer:
-    """How quantize_model quantizes a 2-D block of rows: a type `device` runs itself (other than "cpu") in one call,
-    which chunks it to the device; any other type in thread tasks of ROWS_PER_TASK rows."""
-    on_device = set() if device == "cpu" else set(quantizers_on(device))
+    def __init__(self, model: GGUFModel, plans: list[TensorPlan], imatrix: ImportanceMatrix | None,
+                 pool: ThreadPoolExecutor, device: str, budget: int = LOOKAHEAD_BYTES) -> None:
+        self.model, self.imatrix, self.pool, self.budget = model, imatrix, pool, budget
+        self.on_device = set() if device == "cpu" else set(quantizers_on(device))
+        self.device = device
+        self._waiting: deque[TensorPlan] = deque(plans)  # not yet submitted, in file order
+        self._submitted: dict[str, tuple[int, list[Future]]] = {}
+        self._in_flight = 0  # output bytes submitted and not yet handed to the writer
 
-    def quantize(source: np.ndarray, plan: TensorPlan, weights: np.ndarray | None) -> list[np.ndarray]:
-        if plan.new_type in on_device:
-            return [quantize_rows(source, plan.new_type, weights, device)]
-        tasks = [pool.submit(quantize_rows, source[i : i + ROWS_PER_TASK], plan.new_type, weights)
-                 for i in range(0, source.shape[0], ROWS_PER_TASK)]
-        return [t.result() for t in tasks]
+    def output_tensor(self, plan: TensorPlan) -> OutputTensor:
+        t = plan.tensor
+        return OutputTensor(t.name, plan.new_type, t.shape, lambda: self._results(t.name))
 
-    return quantize
+    def _results(self, name: str) -> Iterator[np.ndarray]:
+        self._submit_ahead(until=name)
+        n_bytes, futures = self._submitted.pop(name)
+        for future in futures:
+            yield future.result()
+        self._in_flight -= n_bytes
+        self._submit_ahead()
 
+    def _submit_ahead(self, until: str | None = None) -> None:
+        """Submit tensors in order while the budget allows, and at least up to `until`."""
+        while self._waiting and (self._in_flight < self.budget or until not in self._submitted):
+            plan = self._waiting.popleft()
+            self._submitted[plan.tensor.name] = (plan.new_bytes, self._submit(plan))
+            self._in_flight += plan.new_bytes
 
-def requantized_tensor(model: GGUFModel, plan: TensorPlan, imatrix: ImportanceMatrix | None,
-                       quantize_slice: SliceQuantizer) -> OutputTensor:
-    """An output tensor whose bytes are `plan.tensor` dequantized to float32 and quantized to `plan.new_type`."""
-    t = plan.tensor
-
-    def chunks():
-        data = model.dequantize(t)
-        if not np.isfinite(data).all():
-            raise MoeprepError(f"{model.path}: tensor {t.name} contains NaN or Inf; the source model is damaged")
-        weights = imatrix.for_tensor(t.name, t.row_length) if imatrix is not None else None
-        # 3-D tensors (stacked over an expert axis) use one imatrix row per slice, as llama.cpp does.
-        slices = data.reshape(-1, *data.shape[-2:]) if data.ndim > 2 else data[None]
-        for i, rows in enumerate(slices):
+    def _submit(self, plan: TensorPlan) -> list[Future]:
+        """One task per 2-D slice (an expert of a 3-D tensor) for a device, per ROWS_PER_TASK rows on the CPU."""
+        t = plan.tensor
+        n_rows = t.shape[-2] if len(t.shape) > 1 else 1  # per 2-D slice
+        raw = self.model.raw(t).reshape(-1, n_rows, t.n_bytes // (t.n_elements // t.row_length))
+        weights = self.imatrix.for_tensor(t.name, t.row_length) if self.imatrix is not None else None
+        device = self.device if plan.new_type in self.on_device else "cpu"
+        step = n_rows if device != "cpu" else ROWS_PER_TASK
+        futures = []
+        for i, slice_raw in enumerate(raw):  # 3-D tensors use one imatrix row per expert slice, as llama.cpp does
             w = None if weights is None else (weights[i] if weights.ndim == 2 else weights)
-            yield from quantize_slice(np.ascontiguousarray(rows, dtype=np.float32), plan, w)
+            futures += [self.pool.submit(self._quantize, t, slice_raw[r : r + step], plan.new_type, w, device)
+                        for r in range(0, n_rows, step)]
+        return futures
 
-    return OutputTensor(t.name, plan.new_type, t.shape, chunks)
+    def _quantize(self, t: TensorInfo, raw: np.ndarray, new_type: GGMLQuantizationType, weights: np.ndarray | None,
+                  device: str) -> np.ndarray:
+        try:
+            rows = dequantize_raw(raw, t.ggml_type, (raw.shape[0], t.row_length))
+        except MoeprepError as e:
+            raise MoeprepError(f"{self.model.path}: {t.name}: {e}") from e
+        if not np.isfinite(rows).all():
+            raise MoeprepError(f"{self.model.path}: tensor {t.name} contains NaN or Inf; the source model is damaged")
+        return quantize_rows(np.ascontiguousarray(rows, dtype=np.float32), new_type, weights, device)
 
 
 def output_kv(model: GGUFModel, plan: QuantPlan, imatrix: ImportanceMatrix | None) -> dict[str, KVValue]:
@@ -129,14 +156,16 @@ def quantize_model(model: GGUFModel, out: Path, plan: QuantPlan, *, imatrix: Imp
     quantizers_on(device)  # no such device: fail before anything is written
     check_outputs(model, out, plan, split_max_size)
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool, \
-            tqdm(total=plan.bytes_after, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
-        quantize_slice = slice_quantizer(device, pool)
-        tensors = [requantized_tensor(model, p, imatrix, quantize_slice) if p.requantize
-                   else copied_tensor(model, p.tensor)
-                   for p in plan.tensors]
-        paths = write_gguf(out, model, tensors=tensors, kv_set=output_kv(model, plan, imatrix),
-                           split_max_size=split_max_size, on_bytes=bar.update)
+    pool = ThreadPoolExecutor(max_workers=max(1, threads))
+    try:
+        with tqdm(total=plan.bytes_after, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
+            lookahead = Lookahead(model, [p for p in plan.tensors if p.requantize], imatrix, pool, device)
+            tensors = [lookahead.output_tensor(p) if p.requantize else copied_tensor(model, p.tensor)
+                       for p in plan.tensors]
+            paths = write_gguf(out, model, tensors=tensors, kv_set=output_kv(model, plan, imatrix),
+                               split_max_size=split_max_size, on_bytes=bar.update)
+    finally:
+        pool.shutdown(cancel_futures=True)  # after an error or Ctrl-C, tasks not yet started never run
     return QuantizeResult(paths, plan, time.perf_counter() - start)
 
 
