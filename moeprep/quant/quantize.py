@@ -10,6 +10,7 @@ whatever the model size. On `device="cuda"` a type the GPU quantizes (registry.q
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -72,6 +73,7 @@ class Lookahead:
         self._waiting: deque[TensorPlan] = deque(plans)  # not yet submitted, in file order
         self._submitted: dict[str, tuple[int, list[Future]]] = {}
         self._in_flight = 0  # output bytes submitted and not yet handed to the writer
+        self._device_lock = threading.Lock()
 
     def output_tensor(self, plan: TensorPlan) -> OutputTensor:
         t = plan.tensor
@@ -115,7 +117,13 @@ class Lookahead:
             raise MoeprepError(f"{self.model.path}: {t.name}: {e}") from e
         if not np.isfinite(rows).all():
             raise MoeprepError(f"{self.model.path}: tensor {t.name} contains NaN or Inf; the source model is damaged")
-        return quantize_rows(np.ascontiguousarray(rows, dtype=np.float32), new_type, weights, device)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if device == "cpu":
+            return quantize_rows(rows, new_type, weights)
+        # One slice at a time on the device: it fills the GPU alone, and many threads launching its small kernels
+        # at once only contend for the GIL (measured: 24 s instead of 19 s on the 30B-shaped file).
+        with self._device_lock:
+            return quantize_rows(rows, new_type, weights, device)
 
 
 def output_kv(model: GGUFModel, plan: QuantPlan, imatrix: ImportanceMatrix | None) -> dict[str, KVValue]:
