@@ -91,7 +91,7 @@ def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_ru
     matrix = read_imatrix(imatrix) if imatrix else None
     result = quantize_model(model, Path(out), plan, imatrix=matrix, threads=threads, device=device,
                             split_max_size=parse_size(split_max_size) if split_max_size else None)
-    report = None if no_verify else verify_model(open_gguf(result.paths[0]), model)
+    report = None if no_verify else verify_model(open_gguf(result.paths[0]), model, threads=threads, progress=True)
     click.echo(format_summary(result, report))
     if report is not None and not report.ok:
         sys.exit(1)
@@ -100,12 +100,13 @@ def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_ru
 @main.command()
 @click.argument("out", metavar="OUT", type=click.Path(path_type=str))
 @click.option("--against", "source", required=True, type=click.Path(path_type=str), help="The source model.")
-def verify(out: str, source: str) -> None:
+@click.option("--threads", default=os.cpu_count() or 1, show_default=True, help="Tensors checked at once.")
+def verify(out: str, source: str, threads: int) -> None:
     """Check that OUT kept IN's experts, untouched tensors and metadata, and that requantized tensors are close."""
     from moeprep.gguf.reader import open_gguf
     from moeprep.quant.verify import verify_model
 
-    report = verify_model(open_gguf(out), open_gguf(source))
+    report = verify_model(open_gguf(out), open_gguf(source), threads=threads, progress=True)
     click.echo(report.summary())
     if not report.ok:
         sys.exit(1)

@@ -132,7 +132,7 @@ def run_quantize(job: PrepareJob) -> None:
     plan = plan_requant(source, parse_type(q.attn), [parse_rule(r) for r in q.types])
     imatrix = read_imatrix(job.imatrix) if q.imatrix else None
     result = quantize_model(source, job.quantized, plan, imatrix=imatrix, threads=job.threads)
-    report = verify_model(open_gguf(result.paths[0]), source)
+    report = verify_model(open_gguf(result.paths[0]), source, threads=job.threads, progress=True)
     if not report.ok:
         raise MoeprepError(f"{job.quantized}: does not verify against {job.model} ({report.summary()}); the source "
                            "may be damaged: check it with `moeprep verify`")

@@ -195,3 +195,26 @@ def test_interrupted_write_leaves_nothing(small: Path, tmp_path: Path, monkeypat
         q.quantize_model(open_gguf(small), tmp_path / "out.gguf",
                          plan_requant(open_gguf(small), T.Q4_K), threads=1, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_catches_a_damaged_requantized_tensor(small: Path, quantized, tmp_path: Path) -> None:
+    out, _ = quantized
+    damaged = tmp_path / "damaged.gguf"
+    raw = bytearray(out.read_bytes())
+    t = open_gguf(out).tensor("blk.0.attn_q.weight")
+    raw[t.offset : t.offset + t.n_bytes] = bytes(t.n_bytes)  # all scales zero: the tensor reads as zeros
+    damaged.write_bytes(bytes(raw))
+    result = run("verify", damaged, "--against", small, "--threads", "2")
+    assert result.exit_code == 1 and "blk.0.attn_q.weight: relative error 1.0000 > 0.14 for Q4_K" in result.stdout
+
+
+def test_verify_error_over_row_groups_equals_the_whole_tensor(small: Path, quantized,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import moeprep.quant.verify as v
+
+    out, src = open_gguf(quantized[0]), open_gguf(small)
+    monkeypatch.setattr(v, "ERROR_ROWS", 7)  # groups that do not divide the rows
+    name = "blk.0.attn_q.weight"
+    a, b = out.dequantize(out.tensor(name)).astype(np.float64), src.dequantize(src.tensor(name)).astype(np.float64)
+    expected = np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert v.relative_error(out, out.tensor(name), src, src.tensor(name)) == pytest.approx(expected, rel=1e-12)
