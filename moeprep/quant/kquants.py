@@ -238,6 +238,23 @@ def search_min_scale(x: np.ndarray, w: np.ndarray, nmax: int, rmin: np.float32, 
                 L[i, s] = 0
 
 
+@numba.njit(inline="always", **JIT)
+def _symmetric_levels(x: np.ndarray, w: np.ndarray, wx: np.ndarray, iscale: np.ndarray, nmax: int, L: np.ndarray,
+                      sumlx: np.ndarray, suml2: np.ndarray) -> None:
+    """One candidate of search_symmetric_scale: levels clamp(nearest_int(iscale*x), -nmax, nmax-1) + nmax into L,
+    and per lane the sums of (w*x)*l and (w*l)*l, in C's order."""
+    n, S = x.shape
+    for s in range(S):
+        sumlx[s] = F32(0)
+        suml2[s] = F32(0)
+    for i in range(n):
+        for s in range(S):
+            l = min(max(nearest_int(iscale[s] * x[i, s]), -nmax), nmax - 1)
+            L[i, s] = l + nmax
+            sumlx[s] += wx[i, s] * F32(l)
+            suml2[s] += (w[i, s] * F32(l)) * F32(l)
+
+
 @numba.njit(**JIT)
 def search_symmetric_scale(x: np.ndarray, w: np.ndarray, nmax: int, L: np.ndarray, scale: np.ndarray,
                            work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
@@ -262,14 +279,7 @@ def search_symmetric_scale(x: np.ndarray, w: np.ndarray, nmax: int, L: np.ndarra
                 vmax[s] = x[i, s]
     for s in range(S):
         iscale[s] = -nmax_f / vmax[s]
-        sumlx[s] = F32(0)
-        suml2[s] = F32(0)
-    for i in range(n):
-        for s in range(S):
-            l = min(max(nearest_int(iscale[s] * x[i, s]), -nmax), nmax - 1)
-            L[i, s] = l + nmax
-            sumlx[s] += wx[i, s] * F32(l)
-            suml2[s] += (w[i, s] * F32(l)) * F32(l)
+    _symmetric_levels(x, w, wx, iscale, nmax, L, sumlx, suml2)
     for s in range(S):
         scale[s] = sumlx[s] / suml2[s] if suml2[s] != F32(0) else F32(0)
         best[s] = scale[s] * sumlx[s]
@@ -279,14 +289,7 @@ def search_symmetric_scale(x: np.ndarray, w: np.ndarray, nmax: int, L: np.ndarra
             continue
         for s in range(S):
             iscale[s] = -(nmax_f + F32(0.1) * F32(step)) / vmax[s]
-            sumlx[s] = F32(0)
-            suml2[s] = F32(0)
-        for i in range(n):
-            for s in range(S):
-                l = min(max(nearest_int(iscale[s] * x[i, s]), -nmax), nmax - 1)
-                Laux[i, s] = l + nmax
-                sumlx[s] += wx[i, s] * F32(l)
-                suml2[s] += (w[i, s] * F32(l)) * F32(l)
+        _symmetric_levels(x, w, wx, iscale, nmax, Laux, sumlx, suml2)
         for s in range(S):
             better[s] = suml2[s] > F32(0) and sumlx[s] * sumlx[s] > best[s] * suml2[s]
             if better[s]:
