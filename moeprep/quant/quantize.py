@@ -89,7 +89,9 @@ class Lookahead:
 
     def _submit_ahead(self, until: str | None = None) -> None:
         """Submit tensors in order while the budget allows, and at least up to `until`."""
-        while self._waiting and (self._in_flight < self.budget or until not in self._submitted):
+        while self._waiting:
+            if self._in_flight >= self.budget and (until is None or until in self._submitted):
+                return
             plan = self._waiting.popleft()
             self._submitted[plan.tensor.name] = (plan.new_bytes, self._submit(plan))
             self._in_flight += plan.new_bytes

@@ -218,3 +218,23 @@ def test_verify_error_over_row_groups_equals_the_whole_tensor(small: Path, quant
     a, b = out.dequantize(out.tensor(name)).astype(np.float64), src.dequantize(src.tensor(name)).astype(np.float64)
     expected = np.linalg.norm(a - b) / np.linalg.norm(b)
     assert v.relative_error(out, out.tensor(name), src, src.tensor(name)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_lookahead_stays_within_its_budget_and_gives_each_tensors_bytes(small: Path) -> None:
+    """With a budget of one byte the pool may run at most one tensor ahead of the writer; every tensor's bytes are
+    those of quantizing it whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moeprep.quant.quantize import Lookahead
+    from moeprep.quant.registry import quantize_rows
+
+    model = open_gguf(small)
+    plans = [p for p in plan_requant(model, T.Q4_K).tensors if p.requantize]
+    assert len(plans) > 3
+    with ThreadPoolExecutor(2) as pool:
+        lookahead = Lookahead(model, plans, None, pool, "cpu", budget=1)
+        for plan in plans:
+            got = np.concatenate([np.asarray(c).reshape(-1) for c in lookahead.output_tensor(plan).chunks()])
+            assert len(lookahead._submitted) <= 1, "the lookahead ran past its budget"
+            rows = model.dequantize(plan.tensor).reshape(-1, plan.tensor.row_length)
+            np.testing.assert_array_equal(got, quantize_rows(rows, T.Q4_K).reshape(-1))
