@@ -20,6 +20,8 @@ from functools import lru_cache
 import llama_cpp
 import numpy as np
 
+from moeprep.gguf.reader import open_gguf
+
 GGML_TYPE_F32 = 0
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
 TOPK_PREFIX = b"ffn_moe_topk-"
@@ -159,8 +161,6 @@ def llama_quantize(path: str | pathlib.Path, out: str | pathlib.Path, attn_type:
     _backend()
     ftypes = {"Q4_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
               "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q5_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_S}
-    from moeprep.gguf.reader import open_gguf  # the types of the two tensors pinned below
-
     types = {t.name: int(t.ggml_type) for t in open_gguf(path).tensors}
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread, params.ftype = threads, ftypes[attn_type]
