@@ -125,8 +125,16 @@ class GGUFModel:
 
     def dequantize(self, t: TensorInfo) -> np.ndarray:
         """The tensor as float32 in numpy shape (reads and converts the whole tensor)."""
+        return self.dequantize_rows(t).reshape(t.shape)
+
+    def dequantize_rows(self, t: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start..stop of the tensor seen as [rows, row_length] (a 3-D tensor's slices one after another), as
+        float32; reads and converts only those rows."""
+        n_rows = t.n_elements // t.row_length
+        stop = n_rows if stop is None else min(stop, n_rows)
+        rows = self.raw(t).reshape(n_rows, -1)[start:stop]
         try:
-            return dequantize_raw(self.raw(t), t.ggml_type, t.shape)
+            return dequantize_raw(rows, t.ggml_type, (stop - start, t.row_length))
         except MoeprepError as e:
             raise MoeprepError(f"{self.path}: {t.name}: {e}") from e
 

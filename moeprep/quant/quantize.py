@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from moeprep import __version__
 from moeprep.errors import MoeprepError
-from moeprep.gguf.reader import GGUFModel, TensorInfo, dequantize_raw
+from moeprep.gguf.reader import GGUFModel, TensorInfo
 from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, shard_path, write_gguf
 from moeprep.quant.imatrix import ImportanceMatrix
 from moeprep.quant.plan import QuantPlan, TensorPlan
@@ -100,23 +100,22 @@ class Lookahead:
         """One task per 2-D slice (an expert of a 3-D tensor) for a device, per ROWS_PER_TASK rows on the CPU."""
         t = plan.tensor
         n_rows = t.shape[-2] if len(t.shape) > 1 else 1  # per 2-D slice
-        raw = self.model.raw(t).reshape(-1, n_rows, t.n_bytes // (t.n_elements // t.row_length))
         weights = self.imatrix.for_tensor(t.name, t.row_length) if self.imatrix is not None else None
         device = self.device if plan.new_type in self.on_device else "cpu"
         step = n_rows if device != "cpu" else ROWS_PER_TASK
         futures = []
-        for i, slice_raw in enumerate(raw):  # 3-D tensors use one imatrix row per expert slice, as llama.cpp does
+        # 3-D tensors (stacked over an expert axis) use one imatrix row per slice, as llama.cpp does.
+        for i in range(t.n_elements // (n_rows * t.row_length)):
             w = None if weights is None else (weights[i] if weights.ndim == 2 else weights)
-            futures += [self.pool.submit(self._quantize, t, slice_raw[r : r + step], plan.new_type, w, device)
+            futures += [self.pool.submit(self._quantize, t, i * n_rows + r, i * n_rows + min(r + step, n_rows),
+                                         plan.new_type, w, device)
                         for r in range(0, n_rows, step)]
         return futures
 
-    def _quantize(self, t: TensorInfo, raw: np.ndarray, new_type: GGMLQuantizationType, weights: np.ndarray | None,
-                  device: str) -> np.ndarray:
-        try:
-            rows = dequantize_raw(raw, t.ggml_type, (raw.shape[0], t.row_length))
-        except MoeprepError as e:
-            raise MoeprepError(f"{self.model.path}: {t.name}: {e}") from e
+    def _quantize(self, t: TensorInfo, start: int, stop: int, new_type: GGMLQuantizationType,
+                  weights: np.ndarray | None, device: str) -> np.ndarray:
+        """Rows start..stop of `t` (counted over all its slices) requantized to new_type."""
+        rows = self.model.dequantize_rows(t, start, stop)
         if not np.isfinite(rows).all():
             raise MoeprepError(f"{self.model.path}: tensor {t.name} contains NaN or Inf; the source model is damaged")
         rows = np.ascontiguousarray(rows, dtype=np.float32)

@@ -9,13 +9,14 @@ checked on a thread pool (file reads, comparisons and numpy release the GIL), wi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
-from moeprep.gguf.reader import GGUFModel, TensorInfo, dequantize_raw
+from moeprep.gguf.reader import GGUFModel, TensorInfo
 
 # Keys quantize sets or replaces; everything else must survive unchanged.
 CHANGED_KEY_PREFIXES = ("general.file_type", "general.quantization_version", "quantize.", "moeprep.", "split.")
@@ -54,13 +55,10 @@ def same_bytes(out: GGUFModel, t_out: TensorInfo, src: GGUFModel, t_src: TensorI
     return all(a == b for a, b in zip(out.iter_bytes(t_out, COMPARE_CHUNK), src.iter_bytes(t_src, COMPARE_CHUNK)))
 
 
-def _row_groups(model: GGUFModel, t: TensorInfo):
+def _row_groups(model: GGUFModel, t: TensorInfo) -> Iterator[np.ndarray]:
     """The tensor's values as float64 [rows, row_length], ERROR_ROWS rows at a time."""
-    n_rows = t.n_elements // t.row_length
-    raw = model.raw(t).reshape(n_rows, -1)
-    for r in range(0, n_rows, ERROR_ROWS):
-        rows = raw[r : r + ERROR_ROWS]
-        yield dequantize_raw(rows, t.ggml_type, (rows.shape[0], t.row_length)).astype(np.float64)
+    for r in range(0, t.n_elements // t.row_length, ERROR_ROWS):
+        yield model.dequantize_rows(t, r, r + ERROR_ROWS).astype(np.float64)
 
 
 def relative_error(out: GGUFModel, t_out: TensorInfo, src: GGUFModel, t_src: TensorInfo) -> float:
