@@ -1,0 +1,207 @@
+"""Continuous batching as a plain object: `add` jobs, call `step` until it has nothing to do, `cancel` at any time.
+
+The model's KV cache holds n_seq sequences. A job waits in a bounded queue until a sequence is free, then runs its
+prompt through that sequence in chunks (one chunk per step, so that a long prompt does not stall the others), and
+from its first token on decodes together with every other decoding job: one `forward_batch` per step, one token
+each. A job leaves the moment it finishes (an end-of-generation token, a stop string, its token limit or the end of
+the context) or is cancelled, and its sequence takes the next job at the next step.
+
+Each sequence remembers the token ids whose KV its slots hold. A new job goes to the free sequence that shares the
+longest prefix with its prompt and starts at the end of that prefix: a chat that goes on prefills only its new turn.
+
+Text comes out in whole UTF-8 characters, and a stop string ends the job where it starts (the string itself is not
+returned); text that could still turn out to begin a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from moerun.generate import Sampler, greedy
+from moerun.model import Model
+
+PREFILL_CHUNK = 512  # prompt tokens one job runs per step
+
+
+class QueueFull(Exception):
+    """Every sequence is busy and the waiting queue is at its limit."""
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int | None  # None: until the context is full
+    sampler: Sampler = greedy
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one step produced for one job: new text, and finish_reason once it is done ("stop" or "length")."""
+
+    job: int
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was already in the sequence
+
+
+class TextStream:
+    """Token bytes -> text deltas: whole characters only, cut at the first stop string, holding back any tail that
+    could be the start of one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = stops
+        self._held = ""
+
+    def push(self, data: bytes) -> tuple[str, bool]:
+        """-> (text to send, whether a stop string was reached)."""
+        held = self._held + self._decoder.decode(data)
+        hits = [i for s in self._stops if (i := held.find(s)) >= 0]
+        if hits:
+            self._held = ""
+            return held[:min(hits)], True
+        keep = max((k for s in self._stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+        self._held = held[len(held) - keep:]
+        return held[:len(held) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, and a replacement character for an unfinished UTF-8 sequence: the job is over."""
+        text, self._held = self._held + self._decoder.decode(b"", final=True), ""
+        return text
+
+
+@dataclass
+class _Running:
+    id: int
+    job: Job
+    feed: list[int]  # tokens to run next: the rest of the prompt, then the last sampled token
+    limit: int  # completion tokens allowed: max_tokens within the context
+    cached: int
+    text: TextStream
+    generated: int = 0
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int] = field(default_factory=list)  # the ids whose KV sits at positions 0.. of this sequence
+    job: _Running | None = None
+    last_used: int = 0
+
+
+class Scheduler:
+    def __init__(self, model: Model, max_queue: int = 64, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        self.model, self.max_queue, self.prefill_chunk = model, max_queue, prefill_chunk
+        self.sequences = [_Sequence() for _ in range(model.n_seq)]
+        self.waiting: deque[tuple[int, Job]] = deque()
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(s.job for s in self.sequences)
+
+    def add(self, job: Job) -> int:
+        """Queue a job; its id. Raises QueueFull when the queue is at its limit."""
+        assert 0 < len(job.prompt) < self.model.n_ctx, "the caller checks the prompt against the context"
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting for one of {len(self.sequences)} sequences")
+        job_id = next(self._ids)
+        self.waiting.append((job_id, job))
+        return job_id
+
+    def cancel(self, job_id: int) -> None:
+        """Drop a waiting or running job (a client that went away); its sequence is free at once."""
+        self.waiting = deque((i, j) for i, j in self.waiting if i != job_id)
+        for s in self.sequences:
+            if s.job and s.job.id == job_id:
+                s.job = None
+
+    def reset(self) -> list[int]:
+        """Drop every job and forget every sequence's contents (after a failed step); the ids dropped."""
+        dropped = [i for i, _ in self.waiting] + [s.job.id for s in self.sequences if s.job]
+        self.waiting.clear()
+        self.sequences = [_Sequence() for _ in self.sequences]
+        return dropped
+
+    def step(self) -> list[Output]:
+        """Admit waiting jobs to free sequences, run one prompt chunk of each job still prefilling, then one
+        decode token of every job that has sampled: one forward_batch for all of them."""
+        self._admit()
+        outputs: list[Output] = []
+        for s, seq in enumerate(self.sequences):
+            r = seq.job
+            if r and not r.generated:
+                chunk = r.feed[:self.prefill_chunk]
+                logits = self.model.forward(torch.tensor(chunk), len(seq.tokens), seq=s)
+                seq.tokens += chunk
+                r.feed = r.feed[len(chunk):]
+                if not r.feed:
+                    outputs.append(self._emit(seq, self._sample([r], logits[-1:])[0]))
+        decoding = [s for s, seq in enumerate(self.sequences) if seq.job and seq.job.generated]
+        if decoding:
+            runs = [self.sequences[s].job for s in decoding]
+            tokens = [r.feed[0] for r in runs]
+            positions = [len(self.sequences[s].tokens) for s in decoding]
+            if len(decoding) == 1:
+                logits = self.model.decode(tokens[0], positions[0], decoding[0])[None]
+            else:
+                logits = self.model.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(decoding))
+            for s, token in zip(decoding, tokens):
+                self.sequences[s].tokens.append(token)
+            outputs += [self._emit(self.sequences[s], t) for s, t in zip(decoding, self._sample(runs, logits))]
+        return outputs
+
+    def _admit(self) -> None:
+        """Give each waiting job, in order, the free sequence sharing the longest prefix with its prompt (the least
+        recently used one where none shares any)."""
+        free = [s for s, seq in enumerate(self.sequences) if seq.job is None]
+        while self.waiting and free:
+            job_id, job = self.waiting.popleft()
+            shared = {s: _common_prefix(self.sequences[s].tokens, job.prompt) for s in free}
+            s = max(free, key=lambda s: (shared[s], -self.sequences[s].last_used))
+            free.remove(s)
+            seq = self.sequences[s]
+            keep = min(shared[s], len(job.prompt) - 1)  # the last prompt token always runs: it gives the logits
+            del seq.tokens[keep:]
+            limit = self.model.n_ctx - len(job.prompt)
+            seq.job = _Running(job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep,
+                               TextStream(job.stop))
+
+    @staticmethod
+    def _sample(runs: list[_Running], logits: torch.Tensor) -> list[int]:
+        """One token per row; the greedy rows with one argmax (one host sync) for all."""
+        best = logits.argmax(-1).tolist()
+        return [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
+
+    def _emit(self, seq: _Sequence, token: int) -> Output:
+        r = seq.job
+        r.generated += 1
+        tokenizer = self.model.tokenizer
+        if token in tokenizer.eog_ids:
+            text, finish = r.text.flush(), "stop"
+        else:
+            text, stopped = r.text.push(tokenizer.token_bytes(token))
+            finish = "stop" if stopped else "length" if r.generated >= r.limit else None
+            text += r.text.flush() if finish == "length" else ""
+        if finish:
+            seq.job, seq.last_used = None, next(self._clock)
+        else:
+            r.feed = [token]
+        return Output(r.id, text, finish, len(r.job.prompt), r.generated, r.cached)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
