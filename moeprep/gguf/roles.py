@@ -57,6 +57,19 @@ LINEAR_ATTENTION = {  # Qwen3-Next / Qwen3.5-MoE gated delta-net layers
     "attn_gate": R.ATTENTION, "ssm_in": R.OTHER, "ssm_conv1d": R.OTHER, "ssm_dt": R.OTHER, "ssm_a": R.OTHER,
     "ssm_ba": R.OTHER, "ssm_norm": R.OTHER, "ssm_out": R.OTHER, "ssm_beta_alpha": R.OTHER,
 }
+KDA = {  # GLM-5.3-Flash's Kimi delta attention layers: attn_q/k/v/output, short convolutions, low-rank gates
+    "ssm_conv1d_q": R.OTHER, "ssm_conv1d_k": R.OTHER, "ssm_conv1d_v": R.OTHER,
+    "ssm_f_a": R.ATTENTION, "ssm_f_b": R.ATTENTION, "ssm_g_a": R.ATTENTION, "ssm_g_b": R.ATTENTION,
+    "ssm_beta": R.ATTENTION, "ssm_a": R.OTHER, "ssm_dt": R.OTHER, "ssm_norm": R.OTHER,
+}
+KPOOL_INDEXER = INDEXER | {  # GLM-5.3-Flash's DSA indexer also pools keys through a gate and a position bias
+    "indexer_compressor_gate": R.OTHER, "indexer_compressor_ape": R.OTHER,
+}
+HYPER_CONNECTIONS = {  # 4-stream residual mixing (GLM-5.3-Flash): fn [mix, 4 D], base [mix], scale [3]
+    "hc_attn_fn": R.OTHER, "hc_attn_base": R.OTHER, "hc_attn_scale": R.OTHER,
+    "hc_ffn_fn": R.OTHER, "hc_ffn_base": R.OTHER, "hc_ffn_scale": R.OTHER,
+}
+GLM5_NEXT = DECODER | KDA | MLA | KPOOL_INDEXER | HYPER_CONNECTIONS | SHARED_EXPERTS | EXPERT_BIAS | NEXTN
 
 ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
     "qwen3moe": DECODER | QK_NORM,
@@ -68,8 +81,27 @@ ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
     "olmoe": DECODER | QK_NORM,
     "qwen3next": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,
     "qwen35moe": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,
+    "glm5-next": GLM5_NEXT,
+    "glm5next": GLM5_NEXT,  # unsloth's dialect of the same files (see moeprep/gguf/dialect.py)
 }
 FALLBACK_TABLE: dict[str, TensorRole] = {k: v for table in ROLE_TABLES.values() for k, v in table.items()}
+
+
+class QuantLimit(str, enum.Enum):
+    """What llama.cpp's quantizer (llama-quant.cpp) allows for a tensor beyond its role, by architecture."""
+
+    KEEP = "keep"  # never requantized, whatever the request (tensor_allows_quantization says no)
+    Q8_0_FLOOR = "q8_0_floor"  # a requested quantized type becomes Q8_0, float types stay, unless a rule names it
+
+
+GLM5_NEXT_LIMITS = {
+    **dict.fromkeys(("hc_attn_fn", "hc_ffn_fn", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj",
+                     "indexer_compressor_gate", "indexer_compressor_ape", "ssm_f_a", "ssm_f_b", "ssm_g_a", "ssm_g_b",
+                     "ssm_beta", "ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v", "attn_kv_a_mqa", "attn_k_b",
+                     "attn_v_b"), QuantLimit.KEEP),
+    **dict.fromkeys(("attn_q_a", "attn_q_b", "nextn.eh_proj"), QuantLimit.Q8_0_FLOOR),
+}
+QUANT_LIMITS: dict[str, dict[str, QuantLimit]] = {"glm5-next": GLM5_NEXT_LIMITS, "glm5next": GLM5_NEXT_LIMITS}
 
 # blk.<i>.<base>.<suffix>, where base may itself contain dots (nextn.eh_proj).
 TENSOR_NAME_RE = re.compile(r"^(?:blk\.(?P<block>\d+)\.)?(?P<base>.+?)(?:\.(?P<suffix>weight|bias|scale))?$")
@@ -97,3 +129,8 @@ def role_table(arch: str) -> tuple[dict[str, TensorRole], bool]:
 
 def tensor_role(name: str, table: dict[str, TensorRole]) -> TensorRole:
     return table.get(parse_tensor_name(name).base, R.OTHER)
+
+
+def quant_limit(arch: str, name: str) -> QuantLimit | None:
+    """The quantizer's limit on tensor `name` of an `arch` model, None where its role alone decides."""
+    return QUANT_LIMITS.get(arch, {}).get(parse_tensor_name(name).base)

@@ -2,9 +2,11 @@
 
 Rules, in order (the first that applies decides):
 1. routed experts are copied byte for byte (the point of moeprep: the expert cache keeps their original bytes);
-2. routers, norms and every 1-D tensor (biases, sinks, scales) are never touched;
+2. routers, norms, every 1-D tensor (biases, sinks, scales) and the tensors llama.cpp's quantizer never touches for
+   the architecture (roles.QUANT_LIMITS: glm5-next's hyper-connections, indexer, KDA gates...) are never touched;
 3. a `--type REGEX=TYPE` rule whose regex matches the tensor name (first match wins);
-4. attention tensors become the `--attn` type;
+4. attention tensors become the `--attn` type, or Q8_0 where llama.cpp keeps them at Q8_0 or better (glm5-next's
+   attn_q_a/attn_q_b; a rule naming them overrides that, as llama.cpp's --tensor-type does);
 5. everything else is copied.
 A tensor already in its target type is copied (requantizing Q4_K to Q4_K only adds error). A target type whose block
 does not divide the row length falls back as llama-quantize does (registry.choose_type).
@@ -20,10 +22,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import classify_tensors
 from moeprep.gguf.reader import GGUFModel, TensorInfo
-from moeprep.gguf.roles import TensorRole
+from moeprep.gguf.roles import QuantLimit, TensorRole, quant_limit
 from moeprep.quant.registry import QUANTIZERS, choose_type
 
 NEVER_TOUCHED = {TensorRole.EXPERT: "routed expert", TensorRole.ROUTER: "router", TensorRole.NORM: "norm"}
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 @dataclass(frozen=True)
@@ -99,15 +102,19 @@ def parse_rule(text: str) -> TypeRule:
     return TypeRule(compiled, parse_type(type_name))
 
 
-def _plan_tensor(t: TensorInfo, role: TensorRole, attn_type: GGMLQuantizationType,
+def _plan_tensor(t: TensorInfo, role: TensorRole, limit: QuantLimit | None, attn_type: GGMLQuantizationType,
                  rules: list[TypeRule]) -> TensorPlan:
     if role in NEVER_TOUCHED:
         return TensorPlan(t, role, t.ggml_type, f"{NEVER_TOUCHED[role]}: copied")
     if len(t.shape) == 1:
         return TensorPlan(t, role, t.ggml_type, "1-D: copied")
+    if limit == QuantLimit.KEEP:
+        return TensorPlan(t, role, t.ggml_type, "llama.cpp never requantizes it: copied")
     rule = next((r for r in rules if r.pattern.search(t.name)), None)
     if rule is not None:
         target, why = rule.qtype, f"--type {rule.text}"
+    elif role == TensorRole.ATTENTION and limit == QuantLimit.Q8_0_FLOOR and attn_type not in FLOAT_TYPES:
+        target, why = GGMLQuantizationType.Q8_0, "attention kept at Q8_0 or better, as llama.cpp keeps it"
     elif role == TensorRole.ATTENTION:
         target, why = attn_type, "attention"
     else:
@@ -125,7 +132,8 @@ def plan_requant(model: GGUFModel, attn_type: GGMLQuantizationType, rules: list[
     """The plan for every tensor of `model`, in file order."""
     rules = list(rules)
     roles, _ = classify_tensors(model)
-    return QuantPlan([_plan_tensor(t, role, attn_type, rules) for t, role in roles], attn_type, rules)
+    return QuantPlan([_plan_tensor(t, role, quant_limit(model.arch, t.name), attn_type, rules) for t, role in roles],
+                     attn_type, rules)
 
 
 def format_plan(plan: QuantPlan) -> str:

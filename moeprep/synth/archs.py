@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, ExpertGatingFuncType, GGUFValueType, Keys
 
@@ -216,10 +216,18 @@ class Moe:
 MetaRule = Callable[[SynthConfig], Any]  # a value, or None to leave the key out
 
 
+class Mixer(Protocol):
+    """A block's attention part: its tensors and the keys that describe them (GQA, MLA, glm5_next's mixer)."""
+
+    def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]: ...
+
+    def metadata(self, c: SynthConfig) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    arch: MODEL_ARCH
-    attention: GQA | MLA
+    arch: MODEL_ARCH | str  # a name: an architecture gguf-py 0.19 does not know (glm5-next)
+    attention: Mixer
     moe: Moe
     ffn_norm: MODEL_TENSOR = T.FFN_NORM  # glm4moe and gpt-oss name it post_attention_norm
     derived: Mapping[str, Rule] = field(default_factory=dict)  # config fields this arch sets (see config.py)
@@ -228,7 +236,7 @@ class ArchSpec:
 
     @property
     def name(self) -> str:
-        return MODEL_ARCH_NAMES[self.arch]
+        return self.arch if isinstance(self.arch, str) else MODEL_ARCH_NAMES[self.arch]
 
     def layer_tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         """attn_norm, attention, the FFN norm, then a dense FFN (leading layers) or the MoE block."""
@@ -331,5 +339,17 @@ def model_metadata(spec: ArchSpec, c: SynthConfig) -> dict[str, KVValue]:
     """The architecture's keys, as llama.cpp reads them; rules returning None are left out."""
     rules: dict[str, MetaRule] = {**COMMON_METADATA, **spec.metadata}
     values = {key: rule(c) for key, rule in rules.items()} | spec.attention.metadata(c)
-    return {key.format(arch=spec.name): KVValue(value, VALUE_TYPES[type(value)])
-            for key, value in values.items() if value is not None}
+    return {key.format(arch=spec.name): _kv(value) for key, value in values.items() if value is not None}
+
+
+def _kv(value: Any) -> KVValue:
+    """A scalar, or a per-layer list (glm5-next's head_count_kv) as an array of its elements' type."""
+    if isinstance(value, list):
+        return KVValue(value, GGUFValueType.ARRAY, VALUE_TYPES[type(value[0])])
+    return KVValue(value, VALUE_TYPES[type(value)])
+
+
+# Architectures assembled in their own modules from the parts above.
+from moeprep.synth.glm5_next import GLM5_NEXT  # noqa: E402  (it imports this module's parts)
+
+ARCHS[GLM5_NEXT.name] = GLM5_NEXT

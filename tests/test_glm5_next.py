@@ -1,0 +1,173 @@
+"""GLM-5.3-Flash (`glm5-next`, and unsloth's `glm5next` dialect): roles, synthetic models, quantize and the dialect
+rewrite, each checked against llama.cpp (llama-cpp-python 0.3.36 runs glm5-next)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGMLQuantizationType as T
+
+from moeprep.cli import main
+from moeprep.gguf.dialect import DIALECTS, rename_architecture
+from moeprep.gguf.reader import open_gguf
+from moeprep.gguf.roles import QuantLimit, TensorRole, quant_limit, role_table, tensor_role
+from moeprep.synth import write_synth_model
+from moeprep.synth.glm5_next import is_dsa
+from moeprep.synth import synth_config
+from tests.oracle import _backend, llama_quantize
+
+R = TensorRole
+TOKENS = list(range(1, 25))
+# One name of each kind, as llama.cpp's glm5-next loader names them (src/models/glm5-next.cpp).
+ROLES = {
+    "blk.0.hc_attn_fn.weight": R.OTHER, "blk.0.hc_ffn_base.weight": R.OTHER, "blk.0.hc_attn_scale.weight": R.OTHER,
+    "blk.0.attn_q.weight": R.ATTENTION, "blk.0.attn_k.weight": R.ATTENTION, "blk.0.attn_v.weight": R.ATTENTION,
+    "blk.0.attn_output.weight": R.ATTENTION, "blk.0.ssm_conv1d_q.weight": R.OTHER,
+    "blk.0.ssm_f_a.weight": R.ATTENTION, "blk.0.ssm_f_b.weight": R.ATTENTION, "blk.0.ssm_g_a.weight": R.ATTENTION,
+    "blk.0.ssm_g_b.weight": R.ATTENTION, "blk.0.ssm_beta.weight": R.ATTENTION, "blk.0.ssm_a": R.OTHER,
+    "blk.0.ssm_dt.bias": R.OTHER, "blk.0.ssm_norm.weight": R.OTHER,
+    "blk.0.ffn_gate.weight": R.DENSE_FFN, "blk.0.ffn_down.weight": R.DENSE_FFN,
+    "blk.3.attn_q_a.weight": R.ATTENTION, "blk.3.attn_q_a_norm.weight": R.NORM, "blk.3.attn_q_b.weight": R.ATTENTION,
+    "blk.3.attn_kv_a_mqa.weight": R.ATTENTION, "blk.3.attn_kv_a_norm.weight": R.NORM,
+    "blk.3.attn_k_b.weight": R.ATTENTION, "blk.3.attn_v_b.weight": R.ATTENTION,
+    "blk.3.indexer.k_norm.bias": R.OTHER, "blk.3.indexer.proj.weight": R.OTHER, "blk.3.indexer.attn_k.weight": R.OTHER,
+    "blk.3.indexer.attn_q_b.weight": R.OTHER, "blk.3.indexer_compressor_gate.weight": R.OTHER,
+    "blk.3.indexer_compressor_ape.weight": R.OTHER,
+    "blk.3.ffn_gate_inp.weight": R.ROUTER, "blk.3.exp_probs_b.bias": R.ROUTER, "blk.3.ffn_up_exps.weight": R.EXPERT,
+    "blk.3.ffn_gate_shexp.weight": R.SHARED_EXPERT,
+    "blk.45.nextn.eh_proj.weight": R.OTHER, "blk.45.ffn_down_exps.weight": R.EXPERT,
+}
+KEPT = ("hc_attn_fn", "hc_ffn_fn", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_gate",
+        "indexer_compressor_ape", "ssm_f_a", "ssm_f_b", "ssm_g_a", "ssm_g_b", "ssm_beta", "attn_kv_a_mqa", "attn_k_b",
+        "attn_v_b")
+
+
+def run(*args: object):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def llama_logits(path: Path, tokens: list[int] = TOKENS) -> np.ndarray:
+    """llama.cpp's logits (T, V) for `tokens` from position 0 (tests/oracle.llama_eval reads l_out as one stream,
+    and glm5-next's holds four)."""
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=256, n_threads=2, verbose=False)
+    llm.eval(tokens)
+    return np.array(llm.scores[: len(tokens)])
+
+
+@pytest.mark.parametrize("arch", ["glm5-next", "glm5next"])
+def test_role_table_and_limits(arch: str) -> None:
+    table, known = role_table(arch)
+    assert known
+    assert {name: tensor_role(name, table) for name in ROLES} == ROLES
+    assert all(quant_limit(arch, f"blk.3.{base}.weight") == QuantLimit.KEEP for base in KEPT)
+    for name in ("blk.3.attn_q_a.weight", "blk.3.attn_q_b.weight", "blk.45.nextn.eh_proj.weight"):
+        assert quant_limit(arch, name) == QuantLimit.Q8_0_FLOOR
+    assert quant_limit(arch, "blk.0.attn_q.weight") is None and quant_limit("deepseek2", "blk.3.attn_k_b.weight") is None
+
+
+def test_synthetic_layout(tmp_path: Path) -> None:
+    """KDA layers with head_count_kv 0, DSA every fourth trunk layer and the NextN block with 1; llama.cpp runs it."""
+    path = write_synth_model(tmp_path / "g.gguf", "glm5-next")
+    model = open_gguf(path)
+    c = synth_config("glm5-next")
+    pattern = model.get("glm5-next.attention.head_count_kv")
+    assert pattern == [0, 0, 0, 1, 0, 1] == [int(is_dsa(c, il)) for il in range(c.n_layer)]
+    assert model.get("glm5-next.nextn_predict_layers") == 1
+    names = {t.name for t in model.tensors}
+    assert {"blk.0.ssm_a", "blk.3.indexer_compressor_ape.weight", "blk.5.nextn.eh_proj.weight"} <= names
+    assert "blk.5.hc_attn_fn.weight" not in names and "blk.3.ssm_beta.weight" not in names
+    logits = llama_logits(path)
+    assert np.isfinite(logits).all() and 0.3 < logits.std() < 3.0
+    assert not np.allclose(logits[0], logits[-1])
+
+
+@pytest.fixture(scope="module")
+def small_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every row a multiple of 256 but the KDA gates' (head_dim 64): Q8_0 non-experts, Q4_K experts."""
+    return write_synth_model(tmp_path_factory.mktemp("g") / "src.gguf", "glm5-next", preset="small",
+                             expert_type="Q4_K", attn_type="Q8_0")
+
+
+def test_quantize_equals_llama_cpp_pure(small_q8: Path, tmp_path: Path) -> None:
+    """Every block tensor asked for Q4_K, as llama.cpp's `pure` does: the tensors llama.cpp never requantizes
+    (hyper-connections, indexer, KDA gates, attn_kv_a_mqa/k_b/v_b) stay, all the rest match byte for byte."""
+    ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
+    result = run("quantize", small_q8, ours, "--attn", "Q4_K", "--type", r"blk\.\d+\..*\.weight$=Q4_K",
+                 "--threads", "2")
+    assert result.exit_code == 0, result.output
+    llama_quantize(small_q8, peer, "Q4_K")
+    src, a, b = open_gguf(small_q8), open_gguf(ours), open_gguf(peer)
+    peer_tensors = {t.name: t for t in b.tensors}
+    assert sorted(peer_tensors) == sorted(t.name for t in a.tensors)
+    requantized = {t.name for t in src.tensors if t.ggml_type != peer_tensors[t.name].ggml_type}
+    assert {"blk.3.attn_q_a.weight", "blk.1.attn_q.weight", "blk.0.ffn_gate.weight"} <= requantized
+    kept = {t.name for t in src.tensors if quant_limit("glm5-next", t.name) == QuantLimit.KEEP and len(t.shape) > 1}
+    assert kept and not kept & requantized
+    for t in a.tensors:
+        p = peer_tensors[t.name]
+        assert (t.ggml_type, t.shape) == (p.ggml_type, p.shape), t.name
+        assert bytes(a.raw(t)) == bytes(b.raw(p)), f"{t.name} ({t.ggml_type.name}) differs from llama.cpp's"
+
+
+def llama_quantize_default(path: Path, out: Path) -> None:
+    """llama.cpp's quantizer with its own type choices (not `pure`) for Q4_K_S: glm5-next's Q8_0 floor applies."""
+    _backend()
+    types = {t.name: int(t.ggml_type) for t in open_gguf(path).tensors}
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread, params.ftype, params.allow_requantize = 2, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S, True
+    params.token_embedding_type, params.output_tensor_type = types["token_embd.weight"], types["output.weight"]
+    assert llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params)) == 0
+
+
+def test_q8_0_floor_as_llama_cpp(tmp_path: Path) -> None:
+    """From F16, `--attn Q4_K` gives attn_q_a/attn_q_b Q8_0, the bytes llama.cpp's own choice writes; the rest of
+    the attention becomes Q4_K and the protected tensors are copied."""
+    src = write_synth_model(tmp_path / "f16.gguf", "glm5-next", preset="small")
+    ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
+    result = run("quantize", src, ours, "--attn", "Q4_K", "--threads", "2")
+    assert result.exit_code == 0, result.output
+    llama_quantize_default(src, peer)
+    a, b, s = open_gguf(ours), open_gguf(peer), open_gguf(src)
+    for name in ("blk.3.attn_q_a.weight", "blk.3.attn_q_b.weight", "blk.5.attn_q_a.weight"):
+        assert a.tensor(name).ggml_type == b.tensor(name).ggml_type == T.Q8_0, name
+        assert bytes(a.raw(a.tensor(name))) == bytes(b.raw(b.tensor(name))), name
+    for base in KEPT:
+        name = f"blk.3.{base}.weight" if base.startswith(("indexer", "attn_")) else f"blk.1.{base}.weight"
+        assert bytes(a.raw(a.tensor(name))) == bytes(s.raw(s.tensor(name))) == bytes(b.raw(b.tensor(name))), name
+    assert a.tensor("blk.1.attn_q.weight").ggml_type == T.Q4_K and a.tensor("blk.3.attn_output.weight").ggml_type == T.Q4_K
+
+
+def test_unsloth_dialect_to_mainline(tmp_path: Path) -> None:
+    """A glm5next file (mainline refuses it) becomes a glm5-next file llama.cpp runs to the same logits, tensors
+    byte for byte."""
+    mainline = write_synth_model(tmp_path / "mainline.gguf", "glm5-next")
+    fork = tmp_path / "fork.gguf"
+    dialect = DIALECTS["glm5next"]
+    rename_architecture(open_gguf(mainline), fork, "glm5next", dropped=tuple(dialect.added))
+    assert "glm5next.attention.indexer.kpool_select_tail" not in open_gguf(fork).kv
+    _backend()
+    params = llama_cpp.llama_model_default_params()
+    refused = llama_cpp.llama_model_load_from_file(str(fork).encode(), params)
+    assert not refused, "mainline llama.cpp is expected to refuse the fork's architecture name"
+
+    out = tmp_path / "converted.gguf"
+    result = run("to-mainline", fork, out)
+    assert result.exit_code == 0, result.output
+    assert "glm5next -> glm5-next" in result.output
+    a, m = open_gguf(out), open_gguf(mainline)
+    assert a.arch == "glm5-next" and a.kv == m.kv  # the same keys and values (dicts ignore their order)
+    assert [t.name for t in a.tensors] == [t.name for t in m.tensors]
+    assert all(bytes(a.raw(t)) == bytes(m.raw(m.tensor(t.name))) for t in a.tensors)
+    np.testing.assert_array_equal(llama_logits(out), llama_logits(mainline))
+
+
+def test_to_mainline_refuses_other_architectures(tmp_path: Path) -> None:
+    src = write_synth_model(tmp_path / "q.gguf", "qwen3moe")
+    result = run("to-mainline", src, tmp_path / "out.gguf")
+    assert result.exit_code == 2 and "not a fork dialect" in result.output
+    assert not (tmp_path / "out.gguf").exists()
