@@ -27,6 +27,8 @@ class Engine:
         self._tickets = itertools.count()
         self._job_of: dict[int, int] = {}  # ticket -> scheduler job id
         self._replies: dict[int, tuple[int, Reply]] = {}  # scheduler job id -> (ticket, reply)
+        self.cancelled = 0  # jobs dropped before they finished (their clients went away)
+        self.status = self._status()  # replaced, never mutated, so that other threads may read it
         self._thread = threading.Thread(target=self._run, name="moerun-engine", daemon=True)
 
     def start(self) -> None:
@@ -53,6 +55,10 @@ class Engine:
                     return
             if self.scheduler.busy:
                 self._step()
+            self.status = self._status()
+
+    def _status(self) -> dict[str, int]:
+        return {**self.scheduler.counts(), "cancelled": self.cancelled}
 
     def _commands(self) -> list[tuple[str, int, Job | None, Reply | None]]:
         """What the inbox holds; with nothing to run, waits for the first command instead of spinning."""
@@ -78,6 +84,7 @@ class Engine:
             job_id = self._job_of.pop(ticket)
             self._replies.pop(job_id)
             self.scheduler.cancel(job_id)
+            self.cancelled += 1
         return True
 
     def _step(self) -> None:

@@ -75,7 +75,7 @@ class Server:
             return web.json_response(ApiError(500, "internal error; see the server's log").body(), status=500)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", **self.engine.status})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(model_list(self.name, self.created))

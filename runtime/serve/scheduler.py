@@ -108,10 +108,15 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting) or any(s.job for s in self.sequences)
 
+    def counts(self) -> dict[str, int]:
+        return {"sequences": len(self.sequences), "running": sum(s.job is not None for s in self.sequences),
+                "waiting": len(self.waiting)}
+
     def add(self, job: Job) -> int:
-        """Queue a job; its id. Raises QueueFull when the queue is at its limit."""
+        """Queue a job; its id. Raises QueueFull when max_queue jobs wait already with no sequence free."""
         assert 0 < len(job.prompt) < self.model.n_ctx, "the caller checks the prompt against the context"
-        if len(self.waiting) >= self.max_queue:
+        free = sum(s.job is None for s in self.sequences)  # jobs up to this many wait only for the next step
+        if len(self.waiting) >= self.max_queue + free:
             raise QueueFull(f"{len(self.waiting)} requests are waiting for one of {len(self.sequences)} sequences")
         job_id = next(self._ids)
         self.waiting.append((job_id, job))
