@@ -14,31 +14,29 @@ from tests.profile.conftest import make_profile, skewed_routing
 
 
 def reference_hits(chunk: np.ndarray, policy: str, slots: int, hottest: list[int]) -> tuple[int, int]:
-    """(hits over all tokens, hits over the first COLD_WINDOW) of one layer's [T, K] ids, one cache."""
-    cache: OrderedDict[int, None] = OrderedDict()  # least recently used first
+    """(hits over all tokens, hits over the first COLD_WINDOW) of one layer's [T, K] ids, one cache, stepped as the
+    runtime decodes: a token's K lookups see the cache as it was at the token's start, then the cache keeps the
+    `slots` best of its experts and the token's (LRU: most recent; LFU: most used, then most recent)."""
+    n_k = chunk.shape[1]
+    tick: dict[int, int] = {}
     uses: dict[int, int] = {}
-    if policy == "lru-warm":
-        for e in reversed(hottest[:slots]):  # the hottest ends up most recent
-            cache[e] = None
-    static = set(hottest[:slots])
+    cache: set[int] = set()
+    if policy in ("lru-warm", "static"):
+        cache = set(hottest[:slots])
+        tick = {e: -(rank + 1) for rank, e in enumerate(hottest)}  # the hottest counts as the most recent
     hits = cold = 0
     for t, row in enumerate(chunk):
-        for e in map(int, row):
-            hit = e in static if policy == "static" else e in cache
-            hits += hit
-            cold += hit and t < COLD_WINDOW
-            if policy == "static":
-                continue
-            if not hit and len(cache) >= slots:
-                if policy == "lfu":
-                    order = list(cache)  # recency order breaks ties among the least used
-                    victim = min(order, key=lambda x: (uses.get(x, 0), order.index(x)))
-                else:
-                    victim = next(iter(cache))
-                del cache[victim]
-            cache[e] = None
-            cache.move_to_end(e)
+        row = [int(e) for e in row]
+        hit = sum(e in cache for e in row)
+        hits += hit
+        cold += hit * (t < COLD_WINDOW)
+        if policy == "static":
+            continue
+        for k, e in enumerate(row):
+            tick[e] = t * n_k + k + 1
             uses[e] = uses.get(e, 0) + 1
+        key = (lambda e: tick[e]) if policy in ("lru", "lru-warm") else (lambda e: (uses[e], tick[e]))
+        cache = set(sorted(cache | set(row), key=key)[-slots:])
     return hits, cold
 
 

@@ -1,0 +1,417 @@
+"""Expert-cache replacement policies: which experts a layer's slots hold, decided between steps. numpy only.
+
+The definitions live here, in moeprep, so `moeprep profile` simulates them without importing torch; the runtime
+imports them as moerun.cache.policy. A policy counts the experts each step selected (`observe`) and, when asked, names the uploads to make (`plan`):
+an expert to copy into a slot, evicting the expert there. One object holds B independent caches ("rows") over
+E experts each, stepped together; the runtime uses one row per MoE layer (`observe(layer, ids)`,
+`plan(layer, resident, free)`), and `replay` steps many rows over a routing trace: `moeprep profile`'s held-out
+table (moeprep/profile/heldout.py) and bench/bench_cache_policy.py. So a simulated hit rate is the runtime's.
+
+A step, as the runtime runs it: the step's tokens look up their experts in the residency at the step's start (the
+forward cannot wait for an upload); then the policy counts the uses, and `plan` chooses at most `free` uploads,
+which land before the next step. Candidates are the step's missed experts (and, while slots are still empty, the
+best-known others). They are taken best first, at most `free`: each goes into an empty slot, or replaces the
+lowest-priority resident when it has a higher priority and the policy admits it. So after a plan a row holds, of
+its residents and the admitted candidates, the S of highest priority. A policy is its priority (which
+experts to keep) and its admission test (whether a candidate may replace that victim).
+
+Ticks order uses: the k-th expert of token t of a row gets tick t*K + k + 1 (seeded history has ticks <= 0).
+Letters: B rows (caches), R rows of one call, E experts, T tokens of a step, K experts per token, S slots, J
+candidates of a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from moeprep.errors import MoeprepError
+
+SPAN = float(2**32)  # priority = primary * SPAN + last tick: recency breaks ties (ticks stay below 2**32)
+SEED_TOKENS = 256  # seeded lifetime counts weigh as much as this many tokens of use (the cache stays adaptive)
+
+
+class Policy(Protocol):
+    """What the runtime's CacheController calls: one row per MoE layer."""
+
+    def observe(self, layer: int, ids: np.ndarray) -> None: ...  # [T, K] experts a step selected in `layer`
+
+    def plan(self, layer: int, resident: np.ndarray, free: int) -> list[tuple[int, int]]: ...  # (slot, expert)
+
+    def seed(self, usage: np.ndarray) -> None: ...  # [L, E] lifetime counts from a profile
+
+
+class Replacement:
+    """B caches of E experts under one policy. Subclasses give `priority` and may override `admits` and the hooks.
+
+    State every policy keeps: `cached` residency (the runtime overwrites a row from its slot table at each plan),
+    `uses` lifetime counts (kept for evicted experts too: ghost counts), `last` tick of the last use, `pending`
+    experts used since the row's last plan."""
+
+    name = ""
+
+    def __init__(self, slots: np.ndarray | list[int], n_expert: int, top_k: int):
+        slots = np.asarray(slots, np.int64)
+        n = len(slots)
+        self.slots, self.n_expert, self.top_k = slots.copy(), n_expert, top_k
+        self.cached = np.zeros((n, n_expert), bool)
+        self.uses = np.zeros((n, n_expert))
+        self.last = np.zeros((n, n_expert), np.int64)
+        self.seen = np.zeros((n, n_expert), bool)  # used or seeded: a known candidate for an empty slot
+        self.pending = np.zeros((n, n_expert), bool)
+        self.tokens = np.zeros(n, np.int64)  # tokens observed per row
+
+    # --- what a policy defines ------------------------------------------------------------------------------------
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        """[R, E] float64: larger is kept longer."""
+        raise NotImplementedError
+
+    def admits(self, rows: np.ndarray, experts: np.ndarray, victims: np.ndarray) -> np.ndarray:
+        """[R] bool: may candidate `experts` replace `victims` (-1: fill an empty slot), given that the candidate's
+        priority is the higher? Default: yes."""
+        return np.ones(len(rows), bool)
+
+    def _used(self, rows: np.ndarray, flat_rows: np.ndarray, flat_ids: np.ndarray, flat_tok: np.ndarray,
+              n_tok: np.ndarray) -> None:
+        """Hook after a step's uses are counted: (flat_rows, flat_ids) used at token index flat_tok of the step."""
+
+    def _placed(self, rows: np.ndarray, experts: np.ndarray, victims: np.ndarray) -> None:
+        """Hook after `experts` went in, `victims` (-1: an empty slot) out."""
+
+    def _seeded(self, shares: np.ndarray) -> None:
+        """Hook after seed: shares [B, E] of each row's selections."""
+
+    # --- the runtime's Policy ---------------------------------------------------------------------------------------
+
+    def observe(self, layer: int, ids: np.ndarray) -> None:
+        self.observe_rows(np.array([layer]), np.asarray(ids)[None])
+
+    def plan(self, layer: int, resident: np.ndarray, free: int) -> list[tuple[int, int]]:
+        """resident [S]: the expert in each of the layer's slots, -1 for empty; at most `free` uploads."""
+        resident = np.asarray(resident)
+        self.slots[layer] = len(resident)
+        self.cached[layer] = False
+        self.cached[layer, resident[resident >= 0]] = True
+        placed, victims = self.plan_rows(np.array([layer]), free)
+        slot_of = {int(e): s for s, e in enumerate(resident) if e >= 0}
+        empty = iter(np.flatnonzero(resident < 0).tolist())
+        uploads = []
+        for e, v in zip(placed[0].tolist(), victims[0].tolist()):
+            if e < 0:
+                continue
+            slot = next(empty) if v < 0 else slot_of.pop(v)
+            slot_of[e] = slot
+            uploads.append((slot, e))
+        return uploads
+
+    def seed(self, usage: np.ndarray) -> None:
+        """Lifetime counts [B, E] from a profile (rows of zeros are ignored): the hottest expert counts as the most
+        recent use (ticks -1, -2, ... in hottest-first order), and `uses` weigh as SEED_TOKENS tokens."""
+        usage = np.asarray(usage, np.float64)
+        total = usage.sum(axis=1, keepdims=True)
+        shares = np.divide(usage, total, out=np.zeros(usage.shape), where=total > 0)
+        known = (total > 0)[:, 0]
+        rank = np.argsort(np.argsort(-usage, axis=1, kind="stable"), axis=1)  # [B, E] 0 = hottest
+        self.last[known] = -(rank[known] + 1)
+        self.uses += shares * (SEED_TOKENS * self.top_k)
+        self.seen[known] = True
+        self._seeded(shares)
+
+    # --- batched over rows ------------------------------------------------------------------------------------------
+
+    def observe_rows(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        """ids [R, T, K]: T tokens of one step for each of `rows` (distinct rows)."""
+        n_r, n_t, n_k = ids.shape
+        flat_rows = np.repeat(rows, n_t * n_k)
+        flat_ids = ids.reshape(-1).astype(np.int64)
+        ticks = (self.tokens[rows] * n_k)[:, None] + np.arange(1, n_t * n_k + 1)[None, :]  # [R, T*K]
+        if n_t == 1:  # a token's experts are distinct: plain indexing, no repeated (row, expert) pairs
+            self.uses[flat_rows, flat_ids] += 1.0
+            self.last[flat_rows, flat_ids] = ticks.reshape(-1)
+        else:
+            np.add.at(self.uses, (flat_rows, flat_ids), 1.0)
+            np.maximum.at(self.last, (flat_rows, flat_ids), ticks.reshape(-1))
+        self.seen[flat_rows, flat_ids] = True
+        self.pending[flat_rows, flat_ids] = True
+        flat_tok = np.tile(np.repeat(np.arange(n_t), n_k), n_r)
+        self._used(rows, flat_rows, flat_ids, flat_tok, n_t)
+        self.tokens[rows] += n_t
+
+    def plan_rows(self, rows: np.ndarray, free: int | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Uploads for `rows`, at most `free` each (None: no cap). -> (placed [R, J], victims [R, J]) expert ids,
+        -1 where nothing went in or an empty slot was filled. Updates `cached`; clears `pending`."""
+        n_r = len(rows)
+        cached = self.cached[rows]
+        n_empty = np.maximum(self.slots[rows] - cached.sum(axis=1), 0)
+        want = self.pending[rows] & ~cached
+        self.pending[rows] = False
+        if not (want.any() or n_empty.any()):
+            return np.full((n_r, 0), -1, np.int64), np.full((n_r, 0), -1, np.int64)
+        prio = self.priority(rows)
+        pool = want.copy()
+        if n_empty.any():  # while slots are empty, known experts that were not used this step may fill them
+            fill = self.seen[rows] & ~cached & ~want
+            pool |= fill & (_rank_desc(np.where(fill, prio, -np.inf)) < n_empty[:, None])
+        take = pool
+        if free is not None:
+            cap = np.broadcast_to(np.asarray(free), (n_r,))
+            take = pool & (_rank_desc(np.where(pool, prio, -np.inf)) < cap[:, None])
+        n_j = int(take.sum(axis=1).max(initial=0))
+        placed = np.full((n_r, n_j), -1, np.int64)
+        victims = np.full((n_r, n_j), -1, np.int64)
+        if n_j:
+            cand = np.argsort(np.where(take, -prio, np.inf), axis=1, kind="stable")[:, :n_j]  # best first
+            valid = np.take_along_axis(take, cand, axis=1)
+            may_evict = np.take_along_axis(want, cand, axis=1)  # fillers only take empty slots
+            for j in range(n_j):
+                self._place(rows, cand[:, j], valid[:, j], may_evict[:, j], placed[:, j], victims[:, j])
+        return placed, victims
+
+    def _place(self, rows: np.ndarray, cand: np.ndarray, valid: np.ndarray, may_evict: np.ndarray,
+               placed: np.ndarray, victims: np.ndarray) -> None:
+        """One candidate per row (where valid) into an empty slot, or over the lowest-priority resident when the
+        candidate's priority is higher and the policy admits it."""
+        cached = self.cached[rows]
+        empty = cached.sum(axis=1) < self.slots[rows]
+        act = np.flatnonzero(valid & (empty | may_evict))
+        if not len(act):
+            return
+        r, e, at = rows[act], cand[act], np.arange(len(act))
+        prio = self.priority(r)
+        held = np.where(cached[act], prio, np.inf)
+        v = np.where(empty[act], -1, held.argmin(axis=1))
+        ok = (v < 0) | (prio[at, e] > held[at, np.maximum(v, 0)])
+        ok[ok] = self.admits(r[ok], e[ok], v[ok])
+        evict = ok & (v >= 0)
+        self.cached[r[evict], v[evict]] = False
+        self.cached[r[ok], e[ok]] = True
+        placed[act[ok]] = e[ok]
+        victims[act[evict]] = v[evict]
+        self._placed(r[ok], e[ok], v[ok])
+
+
+def _rank_desc(values: np.ndarray) -> np.ndarray:
+    """[R, E] position of each entry in its row sorted largest first (ties: lower index first)."""
+    order = np.argsort(-values, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(values.shape[1])[None, :], axis=1)
+    return rank
+
+
+# --- the policies ---------------------------------------------------------------------------------------------------
+
+class Lru(Replacement):
+    """Least recently used goes; every miss goes in (it is the most recent)."""
+
+    name = "lru"
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        return self.last[rows].astype(np.float64)
+
+
+class Static(Lru):
+    """A fixed set: whatever first fills the slots stays; seeded, that is the profile's hottest experts."""
+
+    name = "static"
+
+    def admits(self, rows, experts, victims) -> np.ndarray:
+        return victims < 0
+
+
+class Lfu(Replacement):
+    """The most used stay: lifetime counts, kept for evicted experts too (ghost counts), recency breaking ties. A
+    miss goes in only once its count passes the least used resident's."""
+
+    name = "lfu"
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        return self.uses[rows] * SPAN + self.last[rows]
+
+
+class Lfuda(Replacement):
+    """LFU with dynamic aging: priority = uses + the cache's age at the expert's last use or upload; each eviction
+    raises the age to the victim's priority, so experts that were hot long ago age out. Counts are kept for evicted
+    experts (ghost counts), so an expert that comes back resumes its count."""
+
+    name = "lfuda"
+
+    def __init__(self, slots, n_expert: int, top_k: int):
+        super().__init__(slots, n_expert, top_k)
+        self.age = np.zeros(len(self.slots))
+        self.base = np.zeros((len(self.slots), n_expert))
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        return (self.uses[rows] + self.base[rows]) * SPAN + self.last[rows]
+
+    def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
+        self.base[flat_rows, flat_ids] = self.age[flat_rows]
+
+    def _placed(self, rows, experts, victims) -> None:
+        evicted = victims >= 0
+        # the victim's primary term (uses + base), without the recency tie-break
+        self.age[rows[evicted]] = self.uses[rows[evicted], victims[evicted]] + self.base[rows[evicted],
+                                                                                        victims[evicted]]
+        self.base[rows, experts] = self.age[rows]
+
+
+class AdmitAfterRepeat(Lru):
+    """LRU, but a miss replaces a resident expert only when the candidate was also used within the previous
+    `window` tokens (its second recent use); one-off experts stay on the CPU. Empty slots take any candidate."""
+
+    name = "admit2"
+
+    def __init__(self, slots, n_expert: int, top_k: int, window: int = 16):
+        super().__init__(slots, n_expert, top_k)
+        self.window = window
+        self.last_tok = np.full((len(self.slots), n_expert), -(1 << 40), np.int64)
+        self.prev_tok = self.last_tok.copy()
+
+    def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
+        when = self.tokens[flat_rows] + flat_tok
+        # the latest two uses per (row, expert): sort by (row, expert, token); a group's last element is the
+        # latest use, the one before it (same group) or the stored last use the one before that
+        order = np.lexsort((when, flat_ids, flat_rows))
+        r, e, w = flat_rows[order], flat_ids[order], when[order]
+        same_prev = np.zeros(len(r), bool)
+        same_prev[1:] = (r[1:] == r[:-1]) & (e[1:] == e[:-1])
+        last = np.flatnonzero(np.append(~same_prev[1:], True))
+        r, e = r[last], e[last]
+        self.prev_tok[r, e] = np.where(same_prev[last], w[last - 1], self.last_tok[r, e])
+        self.last_tok[r, e] = w[last]
+
+    def admits(self, rows, experts, victims) -> np.ndarray:
+        repeat = self.last_tok[rows, experts] - self.prev_tok[rows, experts] <= self.window
+        return (victims < 0) | repeat
+
+
+@dataclass(frozen=True)
+class UploadCost:
+    """What an upload costs and a hit saves. A miss computes the expert on the CPU, reading its bytes from host RAM
+    at `cpu_gbps`; an upload copies them to the GPU at `upload_gbps`. Defaults: the H200 machine of issue 13 (host
+    RAM reads 89 GB/s with 16 threads, pinned copies 55 GB/s) and the 60 GB bench model's 9.28 MiB experts."""
+
+    expert_bytes: int = 9_732_096
+    cpu_gbps: float = 89.0
+    upload_gbps: float = 55.0
+
+    @property
+    def hit_saves_s(self) -> float:
+        return self.expert_bytes / (self.cpu_gbps * 1e9)
+
+    @property
+    def upload_s(self) -> float:
+        return self.expert_bytes / (self.upload_gbps * 1e9)
+
+
+class Payback(Replacement):
+    """Cost/benefit: an upload happens only when the CPU time it is expected to save beats its own copy time.
+
+    Each expert's expected uses over the next `horizon` tokens are its recent uses, decayed by 1 - 1/horizon per
+    token (a seeded profile starts them at share * K * horizon). Replacing victim v by candidate c saves
+    (uses_c - uses_v) * hit_saves_s of CPU time and costs upload_s, so c goes in only when
+    uses_c - uses_v > upload_s / hit_saves_s + margin (the expert's bytes cancel; an empty slot has uses_v = 0).
+    The margin keeps two experts of about equal use from trading places every step."""
+
+    name = "payback"
+
+    def __init__(self, slots, n_expert: int, top_k: int, cost: UploadCost = UploadCost(), horizon: int = 64,
+                 margin: float = 0.5):
+        super().__init__(slots, n_expert, top_k)
+        self.cost, self.horizon, self.margin = cost, horizon, margin
+        self.decay = 1.0 - 1.0 / horizon
+        self.recent = np.zeros((len(self.slots), n_expert))
+
+    @property
+    def threshold(self) -> float:
+        return self.cost.upload_s / self.cost.hit_saves_s + self.margin
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        return self.recent[rows] * SPAN + self.last[rows]
+
+    def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
+        self.recent[rows] *= self.decay ** n_tok
+        np.add.at(self.recent, (flat_rows, flat_ids), self.decay ** (n_tok - 1 - flat_tok))
+
+    def _seeded(self, shares: np.ndarray) -> None:
+        self.recent += shares * self.top_k * self.horizon
+
+    def admits(self, rows, experts, victims) -> np.ndarray:
+        lost = np.where(victims >= 0, self.recent[rows, np.maximum(victims, 0)], 0.0)
+        return self.recent[rows, experts] - lost > self.threshold
+
+
+class Belady(Replacement):
+    """The offline optimum (Belady's MIN with bypass): keep the experts needed soonest; a candidate goes in only if
+    it is needed before the victim (the priority test of every plan). Without an upload cap no policy gets more hits on the same stream.
+
+    `next_use` [B, T, K]: for each row's token t and choice k, the token index at which that expert is used next in
+    the row (`next_uses`), T or more for never. Tokens must be observed one at a time, in trace order."""
+
+    name = "belady"
+
+    def __init__(self, slots, n_expert: int, top_k: int, next_use: np.ndarray):
+        super().__init__(slots, n_expert, top_k)
+        self.next_use = next_use
+        self.never = next_use.shape[1] + 1
+        self.next = np.full((len(self.slots), n_expert), self.never, np.int64)
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        return -self.next[rows] * SPAN + self.last[rows]
+
+    def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
+        assert n_tok == 1, "Belady replays one token per step"
+        self.next[flat_rows, flat_ids] = self.next_use[rows, self.tokens[rows]].reshape(-1)
+
+
+def next_uses(ids: np.ndarray) -> np.ndarray:
+    """ids [B, T, K] -> [B, T, K]: the next token index at which each choice's expert is used again in its row
+    (T if never)."""
+    n_b, n_t, n_k = ids.shape
+    n_e = int(ids.max(initial=0)) + 1
+    out = np.empty(ids.shape, np.int64)
+    upcoming = np.full((n_b, n_e), n_t, np.int64)
+    rows = np.arange(n_b)[:, None]
+    for t in range(n_t - 1, -1, -1):
+        out[:, t] = upcoming[rows, ids[:, t]]
+        upcoming[rows, ids[:, t]] = t
+    return out
+
+
+POLICIES: dict[str, type[Replacement]] = {p.name: p for p in (Static, Lru, Lfu, Lfuda, AdmitAfterRepeat, Payback)}
+DEFAULT_POLICY = "payback"
+
+
+def make_policy(name: str, slots: np.ndarray | list[int], n_expert: int, top_k: int, **params) -> Replacement:
+    """A policy by name (a key of POLICIES) over len(slots) rows; params go to its constructor."""
+    if name not in POLICIES:
+        raise MoeprepError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](slots, n_expert, top_k, **params)
+
+
+@dataclass
+class Replay:
+    hits: np.ndarray  # [B, T] lookups of each token that found their expert cached
+    uploads: np.ndarray  # [B, T] uploads planned after each token
+
+
+def replay(policy: Replacement, ids: np.ndarray, valid: np.ndarray | None = None,
+           free: int | None = None) -> Replay:
+    """Step every row of `policy` through ids [B, T, K] one token per step (as decode runs): look up, observe,
+    plan at most `free` uploads. valid [B, T]: False skips a row's token (padding of shorter chunks)."""
+    n_b, n_t, n_k = ids.shape
+    valid = np.ones((n_b, n_t), bool) if valid is None else valid
+    hits = np.zeros((n_b, n_t), np.uint8)
+    uploads = np.zeros((n_b, n_t), np.uint16)
+    for t in range(n_t):
+        rows = np.flatnonzero(valid[:, t])
+        if not len(rows):
+            continue
+        step = ids[rows, t]  # [R, K]
+        hits[rows, t] = policy.cached[rows[:, None], step].sum(axis=1)
+        policy.observe_rows(rows, step[:, None, :])
+        placed, _ = policy.plan_rows(rows, free)
+        uploads[rows, t] = (placed >= 0).sum(axis=1)
+    return Replay(hits, uploads)
