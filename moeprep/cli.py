@@ -34,7 +34,7 @@ def main() -> None:
 @click.option("--vram", help="GPU memory sizes, comma-separated (24G,24G): show how many expert-cache slots fit.")
 @click.option("--reserve", default="1.5G", show_default=True, help="Memory kept back per GPU (context, KV, activations).")
 def inspect(model: str, as_json: bool, vram: str | None, reserve: str) -> None:
-    """Show a GGUF MoE model's anatomy: layers, experts, bytes per tensor role, cache slots in VRAM."""
+    """Show a GGUF model's anatomy: layers, experts, bytes per tensor role, cache slots in VRAM (MoE or dense)."""
     from moeprep.gguf.anatomy import describe_model, format_anatomy, plan_vram
     from moeprep.gguf.reader import open_gguf
     from moeprep.units import parse_size
@@ -143,15 +143,18 @@ main.add_command(profile)  # the `moeprep profile` group lives with its package
 @click.option("--experts-used", "n_expert_used", default=None, type=click.IntRange(min=1),
               help="Override the experts chosen per token.")
 @click.option("--fast-random-blocks", is_flag=True, help="Write quantized tensors as random valid blocks (fast).")
+@click.option("--vocab-size", "n_vocab", default=None, type=click.IntRange(min=1),
+              help="Vocabulary size: the tokenizer's 2048 tokens padded with unused ones (real models: 150k-262k).")
 def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: str | None, skew: float, seed: int,
-          n_layer: int | None, n_expert: int | None, n_expert_used: int | None, fast_random_blocks: bool) -> None:
+          n_layer: int | None, n_expert: int | None, n_expert_used: int | None, fast_random_blocks: bool,
+          n_vocab: int | None) -> None:
     """Write a synthetic MoE model (random weights, real tokenizer) that llama.cpp loads: test and demo fixtures."""
     from moeprep.synth import write_synth_model
     from moeprep.units import format_size
 
     path = write_synth_model(out, arch, preset=preset, seed=seed, expert_type=expert_type, attn_type=attn_type,
                              skew=skew, n_layer=n_layer, n_expert=n_expert, n_expert_used=n_expert_used,
-                             fast_random_blocks=fast_random_blocks)
+                             fast_random_blocks=fast_random_blocks, n_vocab=n_vocab)
     click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")
 
 

@@ -105,8 +105,7 @@ class ModelArgs:
         n_ctx_train = int(get(LLM.CONTEXT_LENGTH, "n_ctx_train", 4096))
         rope_base = float(get(ROPE.FREQ_BASE, "rope_base", 10000.0))
         n_nextn = int(get(LLM.NEXTN_PREDICT_LAYERS, "n_nextn_layers", 0))
-        tokens = g.fields.get(Keys.Tokenizer.LIST)
-        n_vocab = int(get(LLM.VOCAB_SIZE, "n_vocab", len(tokens.data) if tokens is not None else 0))
+        n_vocab = int(get(LLM.VOCAB_SIZE, "n_vocab", len(g.get(Keys.Tokenizer.LIST, ()))))
         n_experts_used = int(get(LLM.EXPERT_USED_COUNT, "n_experts_used", 0))
         ffn_dim = int(get(LLM.FEED_FORWARD_LENGTH, "ffn_dim", 0))
         values = dict(

@@ -45,10 +45,10 @@ class Model:
         return self.hooks.add_activation(fn)
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, n_ctx: int | None = None) -> Model:
+def load_model(path: str | Path | GGUFModel, device: str = "cpu", dtype: torch.dtype | None = None, n_ctx: int | None = None) -> Model:
     """Open a GGUF MoE model (file or first shard). dtype defaults to float32 on CPU and bfloat16 on CUDA."""
-    g = open_gguf(path)
-    arch = arch_module(g.arch, g.path)
+    g = path if isinstance(path, GGUFModel) else open_gguf(path)  # an opened model is not parsed again
+    arch = arch_module(g.arch, g.path)  # an architecture moerun does not run is refused before any weight loads
     device_ = torch.device(device)
     if device_.type == "cuda" and not torch.cuda.is_available():
         raise MoeprepError("--device cuda: no CUDA device is available; use --device cpu")

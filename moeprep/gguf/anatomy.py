@@ -1,6 +1,7 @@
 """Model anatomy: geometry (layers, experts, expert size), bytes per tensor role, and expert-cache slots in VRAM.
 
-Everything here comes from tensor headers and metadata; no tensor data is read. `moeprep inspect` prints it.
+Everything here comes from tensor headers and metadata; no tensor data is read. `moeprep inspect` prints it, for
+a dense model too (no expert rows, nothing to cache); commands that need experts call `moe_geometry`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from moeprep.gguf.roles import TensorRole, parse_tensor_name, role_table, tensor
 
 # Per-GPU memory kept back for the CUDA context, KV cache and activations when counting cache slots.
 DEFAULT_RESERVE = 1536 << 20
+NOT_MOE = "no routed-expert tensors (*_exps); this is not a Mixture-of-Experts model"
+NO_CACHE = "a dense model: no routed experts, so there is no expert cache to plan"
 
 
 @dataclass
@@ -28,6 +31,10 @@ class ModelGeometry:
     n_expert_used: int
     n_ff_exp: int  # hidden size of one routed expert
     expert_bytes: dict[int, int]  # MoE block index -> bytes of one expert (all its *_exps tensors, stored types)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
 
 @dataclass
@@ -84,14 +91,13 @@ def _arch_int(model: GGUFModel, key: str) -> int | None:
 
 
 def model_geometry(model: GGUFModel) -> ModelGeometry:
-    """Layers, which of them are MoE, expert counts and the bytes of one expert per MoE layer."""
+    """Layers, which of them are MoE, expert counts and the bytes of one expert per MoE layer (a dense model: no
+    MoE layers, no experts)."""
     roles, _ = classify_tensors(model)
     experts = [t for t, role in roles if role == TensorRole.EXPERT]
     blocks = {parse_tensor_name(t.name).block for t in model.tensors} - {None}
     n_layer = _arch_int(model, "block_count") or (max(blocks) + 1 if blocks else 0)
-    if not experts:
-        raise MoeprepError(f"{model.path}: no routed-expert tensors (*_exps); this is not a Mixture-of-Experts model")
-    n_expert = _arch_int(model, "expert_count") or experts[0].shape[0]
+    n_expert = _arch_int(model, "expert_count") or (experts[0].shape[0] if experts else 0)
     n_used = _arch_int(model, "expert_used_count") or 0
     per_block: Counter[int] = Counter()
     for t in experts:
@@ -105,6 +111,14 @@ def model_geometry(model: GGUFModel) -> ModelGeometry:
         n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         expert_bytes={b: per_block[b] // n_expert for b in moe_layers},
     )
+
+
+def moe_geometry(model: GGUFModel) -> ModelGeometry:
+    """model_geometry for what needs experts (profiles, publishing): a dense model is refused."""
+    geo = model_geometry(model)
+    if not geo.is_moe:
+        raise MoeprepError(f"{model.path}: {NOT_MOE}")
+    return geo
 
 
 def describe_model(model: GGUFModel) -> Anatomy:
@@ -123,14 +137,16 @@ def describe_model(model: GGUFModel) -> Anatomy:
     )
 
 
-def plan_vram(anatomy: Anatomy, vram: list[int], reserve: int = DEFAULT_RESERVE) -> VramPlan:
-    """Expert-cache slots per MoE layer that fit on each GPU.
+def plan_vram(anatomy: Anatomy, vram: list[int], reserve: int = DEFAULT_RESERVE) -> VramPlan | None:
+    """Expert-cache slots per MoE layer that fit on each GPU; None for a dense model, which has nothing to cache.
 
     The non-expert weights (attention, norms, embeddings, shared experts...) are spread over the GPUs in proportion
     to their memory, as a layer split would; each GPU keeps `reserve` back; what is left holds cache slots, one
     slot being one expert in every MoE layer (the cache gives each layer the same number of slots).
     """
     geo = anatomy.geometry
+    if not geo.is_moe:
+        return None
     non_expert = sum(s.n_bytes for role, s in anatomy.roles.items() if role != TensorRole.EXPERT.value)
     slot_bytes = sum(geo.expert_bytes.values())
     total_vram = sum(vram)
@@ -148,20 +164,28 @@ def _types_text(types: dict[str, int]) -> str:
     return ", ".join(f"{name} x{n}" for name, n in sorted(types.items(), key=lambda kv: -kv[1]))
 
 
+def _expert_lines(a: Anatomy) -> list[str]:
+    geo = a.geometry
+    if not geo.is_moe:
+        return ["experts       -", "one expert    -", "all experts   -", f"note          {NO_CACHE}"]
+    per_expert = " / ".join(format_size(s) for s in sorted(set(geo.expert_bytes.values())))
+    return [
+        f"experts       {geo.n_expert} per MoE layer, {geo.n_expert_used} used per token, expert FFN {geo.n_ff_exp}",
+        f"one expert    {per_expert} per layer (gate+up+down as stored)",
+        f"all experts   {format_size(a.roles[TensorRole.EXPERT.value].n_bytes)} = {a.expert_share:.1%} of the file",
+    ]
+
+
 def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
     """The human-readable report `moeprep inspect` prints."""
     geo = a.geometry
-    sizes = sorted(set(geo.expert_bytes.values()))
-    per_expert = " / ".join(format_size(s) for s in sizes)
     lines = [
         f"model         {a.name}",
         f"architecture  {a.arch}" + ("" if a.arch_known else "  (unknown: roles guessed from tensor names)"),
         f"file size     {format_size(a.file_size)} ({a.file_size} bytes, {a.n_shards} shard{'s' * (a.n_shards > 1)})",
         f"layers        {geo.n_layer} ({len(geo.moe_layers)} MoE, {len(geo.dense_layers)} dense"
-        + (f": {', '.join(map(str, geo.dense_layers))})" if geo.dense_layers else ")"),
-        f"experts       {geo.n_expert} per MoE layer, {geo.n_expert_used} used per token, expert FFN {geo.n_ff_exp}",
-        f"one expert    {per_expert} per layer (gate+up+down as stored)",
-        f"all experts   {format_size(a.roles[TensorRole.EXPERT.value].n_bytes)} = {a.expert_share:.1%} of the file",
+        + (f": {', '.join(map(str, geo.dense_layers))})" if geo.dense_layers and geo.is_moe else ")"),
+        *_expert_lines(a),
         "",
         f"{'role':<14}{'tensors':>8}{'bytes':>14}  types",
     ]

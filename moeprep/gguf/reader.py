@@ -1,8 +1,8 @@
 """Open a GGUF model (one file or a split set) memory-mapped, validate it, and describe its tensors.
 
-gguf-py's GGUFReader does the parsing; this module adds what it leaves out: split sets read as one model, checks
-that turn a corrupt or truncated file into one clear MoeprepError, and plain dataclasses the rest of moeprep uses.
-Tensor data is never read into RAM here: `GGUFModel.raw` returns a view of the memory map.
+moeprep.gguf.header parses each file; this module reads a split set as one model and offers plain dataclasses the
+rest of moeprep uses. A corrupt or truncated file becomes one clear MoeprepError. Tensor data is never read into
+RAM here: `GGUFModel.raw` returns a view of the memory map.
 
 Shapes are in numpy order (outermost first, row length last), the reverse of GGUF's ne[] order.
 """
@@ -11,55 +11,23 @@ from __future__ import annotations
 
 import functools
 import re
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from moeprep.errors import MoeprepError
+from moeprep.gguf.header import Field, GGUFFile, StringArray, TensorInfo, read_header
+
+__all__ = ["SPLIT_RE", "Field", "GGUFFile", "GGUFModel", "StringArray", "TensorInfo", "dequantize_raw",
+           "field_value", "open_gguf", "shard_paths_for"]
 
 # llama.cpp's shard naming: name-00001-of-00003.gguf
 SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-MAX_DIMS = 4
-# gguf-py's own messages for a damaged header, translated into what is wrong with the file.
-READER_ERRORS: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"cannot reshape array of size"), "truncated or corrupt: tensor data extends past the end of the file"),
-    (re.compile(r"out of bounds|larger dtype|buffer is smaller"), "truncated or corrupt header: it ends before its counts say"),
-    (re.compile(r"(\d+)\) is not a valid GGMLQuantizationType"), "corrupt header: unknown tensor type {0}"),
-    (re.compile(r"is not a valid GGUFValueType"), "corrupt header: unknown metadata value type"),
-    (re.compile(r"version (\d+)"), "unsupported GGUF version {0}"),
-    (re.compile(r"duplicated tensor with name (.*)"), "corrupt header: tensor {0} appears twice"),
-]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor's description; its bytes live in shard `shard` at absolute file offset `offset`."""
-
-    name: str
-    ggml_type: GGMLQuantizationType
-    shape: tuple[int, ...]  # numpy order: row length last
-    n_bytes: int
-    shard: int
-    offset: int
-
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def row_length(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def type_name(self) -> str:
-        return self.ggml_type.name
 
 
 @dataclass
@@ -67,8 +35,8 @@ class GGUFModel:
     """A GGUF model: metadata from the first shard, tensors of all shards in file order."""
 
     shard_paths: list[Path]
-    readers: list[GGUFReader]
-    fields: OrderedDict[str, ReaderField]  # the first shard's key/value fields, in file order
+    readers: list[GGUFFile]  # one parsed header per shard
+    fields: dict[str, Field]  # the first shard's key/value fields, in file order
     tensors: list[TensorInfo]
 
     @property
@@ -78,11 +46,11 @@ class GGUFModel:
     @functools.cached_property
     def kv(self) -> dict[str, Any]:
         """Metadata as plain Python values (first shard; split.* keys included), decoded once."""
-        return {name: field_value(f) for name, f in self.fields.items() if not name.startswith("GGUF.")}
+        return {name: f.value for name, f in self.fields.items()}
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.fields.get(key)
-        return default if field is None else field_value(field)
+        return default if field is None else field.value
 
     @property
     def arch(self) -> str:
@@ -100,11 +68,12 @@ class GGUFModel:
     def alignment(self) -> int:
         return int(self.readers[0].alignment)
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, TensorInfo]:
+        return {t.name: t for t in self.tensors}
+
     def tensor(self, name: str) -> TensorInfo:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+        return self._by_name[name]
 
     def raw(self, t: TensorInfo) -> np.ndarray:
         """The tensor's stored bytes as a uint8 view of the memory map (no copy)."""
@@ -152,17 +121,9 @@ def dequantize_raw(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tupl
     return values.astype(np.float32, copy=False).reshape(shape)
 
 
-def field_value(field: ReaderField) -> Any:
+def field_value(field: Field) -> Any:
     """A metadata field as a Python value: str, int, float, bool, or a list of them."""
-    main = field.types[0] if field.types else None
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i][0].item() for i in field.data]
-    if main == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
-    return field.parts[-1][0].item()
+    return field.value
 
 
 def shard_paths_for(path: Path) -> list[Path]:
@@ -180,64 +141,17 @@ def shard_paths_for(path: Path) -> list[Path]:
     return paths
 
 
-def _open_reader(path: Path) -> GGUFReader:
-    if not path.exists():
-        raise MoeprepError(f"{path}: no such file")
-    if path.is_dir():
-        raise MoeprepError(f"{path}: is a folder; give the path of a .gguf file")
-    size = path.stat().st_size
-    if size < 24:
-        raise MoeprepError(f"{path}: not a GGUF file (only {size} bytes)")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise MoeprepError(f"{path}: not a GGUF file (bad magic)")
-    try:
-        return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
-        raise MoeprepError(f"{path}: {_explain_reader_error(e)}") from e
-
-
-def _explain_reader_error(e: Exception) -> str:
-    text = str(e)
-    for pattern, message in READER_ERRORS:
-        m = pattern.search(text)
-        if m:
-            return message.format(*m.groups())
-    return f"corrupt GGUF header ({type(e).__name__}: {text.splitlines()[0] if text else 'no detail'})"
-
-
-def _tensor_infos(path: Path, reader: GGUFReader, shard: int) -> list[TensorInfo]:
-    """Validated tensor descriptions: known types, sane shapes, data inside the file."""
-    size = reader.data.shape[0]
-    infos = []
-    for t in reader.tensors:
-        ne = [int(d) for d in t.shape]
-        if not 1 <= len(ne) <= MAX_DIMS or any(d <= 0 for d in ne):
-            raise MoeprepError(f"{path}: tensor {t.name} has an invalid shape {ne}")
-        block, _ = GGML_QUANT_SIZES[t.tensor_type]
-        if ne[0] % block:
-            raise MoeprepError(f"{path}: tensor {t.name} row length {ne[0]} is not a multiple of {block} for {t.tensor_type.name}")
-        if t.data_offset + t.n_bytes > size:
-            raise MoeprepError(f"{path}: truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} of {size}")
-        infos.append(TensorInfo(t.name, t.tensor_type, tuple(reversed(ne)), int(t.n_bytes), shard, int(t.data_offset)))
-    return infos
-
-
 def open_gguf(path: str | Path) -> GGUFModel:
     """Open a GGUF file or the first shard of a split set; raises MoeprepError on anything unreadable."""
     path = Path(path)
     paths = shard_paths_for(path)
-    readers, tensors = [], []
-    for i, p in enumerate(paths):
-        reader = _open_reader(p)
-        readers.append(reader)
-        tensors += _tensor_infos(p, reader, i)
+    readers = [read_header(p, i) for i, p in enumerate(paths)]
     first = readers[0]
     if len(paths) > 1:
         count = first.get_field("split.count")
-        if count is None or field_value(count) != len(paths):
+        if count is None or count.value != len(paths):
             raise MoeprepError(f"{path}: split.count does not match the {len(paths)} shard files")
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
+    tensors = [t for r in readers for t in r.tensors]
+    if len({t.name for t in tensors}) != len(tensors):
         raise MoeprepError(f"{path}: the same tensor name appears in more than one shard")
     return GGUFModel(shard_paths=paths, readers=readers, fields=first.fields, tensors=tensors)

@@ -107,13 +107,7 @@ def pack_kv(key: str, kv: KVValue) -> bytes:
 def _original_kv_bytes(model: GGUFModel) -> dict[str, bytes]:
     """The first shard's key/value fields as their exact bytes, in file order."""
     data = model.readers[0].data
-    out = {}
-    for name, field in model.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        size = sum(int(p.nbytes) for p in field.parts)
-        out[name] = bytes(data[field.offset : field.offset + size])
-    return out
+    return {name: bytes(data[f.offset : f.offset + f.nbytes]) for name, f in model.fields.items()}
 
 
 def _pad(n: int, align: int) -> int:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from moeprep.errors import MoeprepError
-from moeprep.gguf.anatomy import classify_tensors, model_geometry
+from moeprep.gguf.anatomy import classify_tensors, moe_geometry
 from moeprep.gguf.reader import GGUFModel
 from moeprep.gguf.roles import TensorRole
 
@@ -55,7 +55,7 @@ def router_fingerprint(model: GGUFModel) -> str:
 
 
 def identify_model(model: GGUFModel) -> ModelIdentity:
-    geo = model_geometry(model)
+    geo = moe_geometry(model)
     return ModelIdentity(arch=geo.arch, name=model.name, file_size=model.file_size, n_layer=geo.n_layer,
                          moe_layers=tuple(geo.moe_layers), n_expert=geo.n_expert, n_expert_used=geo.n_expert_used,
                          router_sha256=router_fingerprint(model))

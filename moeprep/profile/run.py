@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from moeprep.errors import MoeprepError
+from moeprep.gguf.reader import open_gguf
 from moeprep.profile.collect import ActivationRecorder, collect
 from moeprep.profile.dataset import DatasetSpec, calibration_chunks
 from moeprep.profile.identity import identify_model
@@ -53,8 +54,9 @@ def heldout_mask(n_chunks: int, holdout: float, where: str) -> np.ndarray:
 def profile_model(req: ProfileRequest) -> Profile:
     import moerun
 
-    model = moerun.load_model(req.model, device=req.device, n_ctx=req.ctx)
-    identity = identify_model(model.gguf)
+    g = open_gguf(req.model)
+    identity = identify_model(g)  # refuses a dense model before any weight is loaded
+    model = moerun.load_model(g, device=req.device, n_ctx=req.ctx)
     tok = model.tokenizer
     chunks = calibration_chunks(req.dataset, tok.encode, tok.bos_id if tok.add_bos else None, req.ctx,
                                 req.max_chunks)

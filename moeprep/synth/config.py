@@ -16,6 +16,7 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from moeprep.errors import MoeprepError
+from moeprep.synth.tokenizer import VOCAB_SIZE
 
 Q = GGMLQuantizationType
 # Weight types a synthetic model can be written in (F32/F16 for norms etc. are chosen separately).
@@ -60,6 +61,7 @@ class SynthConfig:
     v_head_dim: int
     mla_split: bool  # deepseek2: write attn_k_b/attn_v_b (absorbed MLA) instead of attn_kv_b
     yarn: bool  # write YaRN rope-scaling keys (factor YARN_FACTOR over n_ctx / YARN_FACTOR original positions)
+    n_vocab: int  # the shipped tokenizer's tokens, then padding tokens (real models have 150k-260k)
 
     @property
     def model_name(self) -> str:
@@ -99,6 +101,7 @@ COMMON_DEFAULTS: dict[str, Rule] = {
     "v_head_dim": lambda g: 0,
     "mla_split": lambda g: False,
     "yarn": lambda g: False,
+    "n_vocab": lambda g: VOCAB_SIZE,
 }
 
 GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(SynthConfig)
@@ -122,6 +125,7 @@ CHECKS: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (
     (lambda c: c.n_dense_lead < c.n_layer, "n_dense_lead must leave at least one MoE layer"),
     (lambda c: 0.0 <= c.skew <= 1.0, "skew must be between 0 and 1"),
     (lambda c: c.n_embd >= 2, "n_embd must be at least 2 (channel 0 is the router's bias channel)"),
+    (lambda c: c.n_vocab >= VOCAB_SIZE, f"n_vocab must be at least the tokenizer's {VOCAB_SIZE} tokens"),
 )
 
 
@@ -151,4 +155,4 @@ def resolve_config(arch: str, preset: str, derived: Mapping[str, Rule], explicit
 def explicit_summary(c: SynthConfig) -> str:
     return (f"n_layer={c.n_layer} n_embd={c.n_embd} n_head={c.n_head} n_head_kv={c.n_head_kv} "
             f"head_dim={c.head_dim} n_expert={c.n_expert} n_expert_used={c.n_expert_used} rope_dim={c.rope_dim} "
-            f"n_dense_lead={c.n_dense_lead} skew={c.skew}")
+            f"n_dense_lead={c.n_dense_lead} skew={c.skew} n_vocab={c.n_vocab}")

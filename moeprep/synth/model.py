@@ -19,7 +19,7 @@ from moeprep.gguf.writer import KVValue
 from moeprep.quant import registry
 from moeprep.synth.archs import ARCHS, ArchSpec, TensorSpec, model_metadata, model_tensors
 from moeprep.synth.config import SynthConfig, resolve_config
-from moeprep.synth.tokenizer import load_vocab, vocab_metadata
+from moeprep.synth.tokenizer import load_vocab, padded_vocab, vocab_metadata
 from moeprep.synth.weights import BIAS_CHANNEL, RANDOM_BLOCKS, byte_shape, quantize, random_blocks, tensor_rng
 
 Q = GGMLQuantizationType
@@ -84,7 +84,7 @@ def storage_type(t: TensorSpec, c: SynthConfig, roles: dict[str, TensorRole]) ->
 def planned_tensors(c: SynthConfig) -> tuple[list[TensorSpec], list[GGMLQuantizationType]]:
     """Every tensor of the model in file order, with its storage type."""
     spec = ARCHS[c.arch]
-    tensors = model_tensors(spec, c, load_vocab().size)
+    tensors = model_tensors(spec, c, c.n_vocab)
     roles, _ = role_table(spec.name)
     return tensors, [storage_type(t, c, roles) for t in tensors]
 
@@ -145,7 +145,7 @@ def write_synth_model(path: str | Path, arch: str = "qwen3moe", *, preset: str =
     if not path.parent.is_dir():
         raise MoeprepError(f"{path.parent}: output folder does not exist")
     spec: ArchSpec = ARCHS[arch]
-    vocab = load_vocab()
+    vocab = padded_vocab(load_vocab(), c.n_vocab)
     tensors, types = planned_tensors(c)
 
     writer = GGUFWriter(path=None, arch=spec.name)

@@ -21,6 +21,8 @@ from moeprep.gguf.writer import KVValue
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 TOKENIZER_PATH = DATA_DIR / "tokenizer.json"
 VOCAB_SIZE = 2048
+# Real checkpoints pad their vocabularies with tokens no text produces (Gemma's <unusedN>); so does n_vocab here.
+PADDING_TOKEN = "<unused{}>"
 ENDOFTEXT = "<|endoftext|>"
 SPECIAL_TOKENS = (ENDOFTEXT, "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: the trainer puts them first
 PRE_TOKENIZER = "qwen2"
@@ -73,6 +75,16 @@ def load_vocab(path: Path = TOKENIZER_PATH) -> Vocab:
     # tokenizers writes merges as [left, right] pairs; older versions wrote "left right" strings.
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     return Vocab(tokens, [int(t) for t in types], merges, eos_id=vocab[ENDOFTEXT])
+
+
+def padded_vocab(vocab: Vocab, size: int) -> Vocab:
+    """`vocab` grown to `size` tokens with UNUSED padding tokens, for files with a real model's vocabulary size.
+
+    No text ever becomes a padding token: BPE reaches a token only through merges, and the pre-tokenizer splits
+    every digit into a piece of its own, so no piece is ever a whole <unusedN>."""
+    extra = range(size - vocab.size)
+    return Vocab(vocab.tokens + [PADDING_TOKEN.format(i) for i in extra],
+                 vocab.token_types + [int(TokenType.UNUSED)] * len(extra), vocab.merges, vocab.eos_id)
 
 
 def vocab_metadata(vocab: Vocab) -> dict[str, KVValue]:

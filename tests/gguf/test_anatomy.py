@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from moeprep.cli import main
-from moeprep.gguf.anatomy import (DEFAULT_RESERVE, describe_model, model_geometry, plan_vram)
+from moeprep.errors import MoeprepError
+from moeprep.gguf.anatomy import DEFAULT_RESERVE, describe_model, model_geometry, moe_geometry, plan_vram
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.roles import TensorRole
 from moeprep.gguf.writer import write_gguf
@@ -107,3 +108,27 @@ def test_unknown_architecture_says_so(synth_models: dict[str, Path], tmp_path: P
     text = CliRunner().invoke(main, ["inspect", str(out)]).stdout
     assert "unknown: roles guessed from tensor names" in text
     assert describe_model(open_gguf(out)).roles == describe_model(model).roles
+
+
+def test_dense_model_shows_its_anatomy(dense_model: Path) -> None:
+    """A dense GGUF: layers and role bytes as for any model, the expert rows empty, no cache to plan."""
+    model = open_gguf(dense_model)
+    anatomy = describe_model(model)
+    geo = anatomy.geometry
+    assert not geo.is_moe and geo.moe_layers == [] and geo.dense_layers == [0, 1] and geo.n_expert == 0
+    assert TensorRole.EXPERT.value not in anatomy.roles and anatomy.expert_share == 0
+    assert sum(s.n_bytes for s in anatomy.roles.values()) == sum(t.n_bytes for t in model.tensors)
+    assert plan_vram(anatomy, [24 << 30]) is None
+    result = CliRunner().invoke(main, ["inspect", str(dense_model), "--vram", "24G"])
+    assert result.exit_code == 0, result.output
+    rows = dict(line.split(None, 1) if " " in line else (line, "") for line in result.stdout.splitlines() if line)
+    assert rows["layers"] == "2 (0 MoE, 2 dense)" and rows["experts"] == "-" and rows["all"] == "experts   -"
+    assert "no expert cache to plan" in rows["note"] and "slots/layer" not in result.stdout
+    assert rows["dense_ffn"].split()[0] == "6"  # gate, up, down in each of the 2 layers
+    report = json.loads(CliRunner().invoke(main, ["inspect", str(dense_model), "--json", "--vram", "24G"]).stdout)
+    assert report["geometry"]["moe_layers"] == [] and report["vram"] is None
+
+
+def test_commands_that_need_experts_refuse_a_dense_model(dense_model: Path) -> None:
+    with pytest.raises(MoeprepError, match="not a Mixture-of-Experts model"):
+        moe_geometry(open_gguf(dense_model))
