@@ -1,0 +1,228 @@
+"""Products of activations with weights stored as GGUF blocks, decoded in registers: no dequantized copy is written.
+
+Two kernels, both generic over the block type through qtypes.BLOCK_TYPES (the decoder is a compile-time argument):
+- `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens) streams a tile of R weight rows x B blocks per step and
+  multiplies each decoded value with every token's input in float32, so the weight bytes are read once for all tokens.
+- `_gemm_kernel` (prefill) decodes a [BN rows, B blocks] tile per K step to bfloat16 and multiplies it with a
+  [BM tokens, K] input tile through tl.dot, accumulating in float32.
+Both take an optional slot per program (a row of a bank of expert matrices): the MoE entry points use it, -1 meaning
+"skip": the program reads no weight bytes and its outputs are zeros.
+
+Shapes: T tokens, K experts per token, N rows (output features), C columns (input features), E slots in a bank.
+Nothing here synchronises with the host: grouping tokens by expert for the prefill GEMM is done with sort/scatter/
+cumsum on the device into buffers of a size known from the shapes alone, so every call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as Q
+
+from moerun.kernels import tuning
+from moerun.kernels.qtypes import BLOCK_TYPES, BlockType
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """GGUF bytes of one matrix or of a bank of expert matrices, on the device."""
+
+    data: torch.Tensor  # uint8, (N, row_bytes) or (E, N, row_bytes), contiguous
+    qtype: Q
+    rows: int  # N, output features
+    cols: int  # C, input features (a multiple of the type's block size)
+
+
+def supports(qtype: Q) -> bool:
+    return qtype in BLOCK_TYPES
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div, n_tokens,
+                 DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
+                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr):
+    """Program (g, i): rows i*R .. i*R+R-1 for the TG input rows of group g.
+
+    Group g reads input rows (g // x_div) * TG + t and writes output rows g * TG + t, t < n_tokens; with SLOTTED, its
+    weights are matrix slot[g] of the bank (none when -1).
+    """
+    g = tl.program_id(0)
+    r = tl.program_id(1) * R + tl.arange(0, R)
+    w_base = w_ptr
+    n_steps = n_blocks
+    if SLOTTED:
+        slot = tl.load(slot_ptr + g)
+        w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
+        n_steps = tl.where(slot >= 0, n_blocks, 0)
+    row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None, None] * row_bytes  # [R, 1, 1]
+    t = tl.arange(0, TG)
+    x_row = ((g // x_div) * TG + t)[:, None, None] * cols  # [TG, 1, 1]
+    t_ok = (t < n_tokens)[:, None, None]
+    lane = tl.arange(0, P)[None, :]
+    acc = tl.zeros((TG, R, B, P), tl.float32)
+    for kb in range(0, n_steps, B):
+        b = kb + tl.arange(0, B)
+        b_ok = (b < n_blocks)[None, :, None]
+        b = tl.minimum(b, n_blocks - 1)
+        blk = row_ptr + b[None, :, None] * S  # [R, B, 1]
+        for part in tl.static_range(V // P):
+            w = DECODE(blk, part)  # [R, B, P]
+            col = (b[:, None] * V + part * P + lane)[None, :, :]  # [1, B, P]
+            xv = tl.load(x_ptr + x_row + col, mask=t_ok & b_ok, other=0.0).to(tl.float32)  # [TG, B, P]
+            acc += w[None, :, :, :] * xv[:, None, :, :]
+    y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [TG, R]
+    out_row = (g * TG + t)[:, None] * n_rows
+    tl.store(out_ptr + out_row + r[None, :], y, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, n_blocks, row_bytes, slot_bytes,
+                 cols, x_div,
+                 DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, B: tl.constexpr, GROUPED: tl.constexpr,
+                 DOT_IN_F32: tl.constexpr):
+    """Program (m, i): output rows i*BN .. i*BN+BN-1 for BM ids.
+
+    Dense: the ids are m*BM + j < n_ids (token = id). GROUPED: ids_ptr[m*BM + j] are (token, expert) pair ids, -1 for
+    padding, all of them for bank slot block_slot_ptr[m] (-1: a spare block past the last group, nothing to do).
+    An id reads input row id // x_div and writes output row id.
+    """
+    m = tl.program_id(0)
+    r = tl.program_id(1) * BN + tl.arange(0, BN)
+    ids = m * BM + tl.arange(0, BM)
+    ok = ids < n_ids
+    w_base = w_ptr
+    n_steps = n_blocks
+    if GROUPED:
+        ids = tl.load(ids_ptr + ids)
+        ok = ids >= 0
+        slot = tl.load(block_slot_ptr + m)
+        w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
+        n_steps = tl.where(slot >= 0, n_blocks, 0)
+    x_row = (tl.where(ok, ids, 0) // x_div)[:, None] * cols  # [BM, 1]
+    row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None, None] * row_bytes  # [BN, 1, 1]
+    lane = tl.arange(0, P)[None, :]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for kb in range(0, n_steps, B):
+        b = kb + tl.arange(0, B)
+        col_ok = tl.reshape(tl.broadcast_to((b < n_blocks)[:, None], (B, P)), (B * P,))
+        b = tl.minimum(b, n_blocks - 1)
+        blk = row_ptr + b[None, :, None] * S  # [BN, B, 1]
+        for part in tl.static_range(V // P):
+            w = tl.reshape(DECODE(blk, part), (BN, B * P)).to(tl.bfloat16)
+            col = tl.reshape(b[:, None] * V + part * P + lane, (B * P,))
+            xv = tl.load(x_ptr + x_row + col[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.bfloat16)
+            if DOT_IN_F32:  # the same bfloat16 operands, exactly widened
+                acc = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xv, tl.trans(w), acc)
+    tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
+
+
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as its raw uint16 bits and its tl.dot
+# multiplies those bits as integers, so there the GEMM widens its bfloat16 operands to float32 before the dot.
+_INTERPRETED = not isinstance(_gemm_kernel, triton.runtime.JITFunction)
+
+
+def _block_type(w: QWeight) -> BlockType:
+    bt = BLOCK_TYPES[Q(w.qtype)]
+    assert w.data.dtype == torch.uint8 and w.data.is_contiguous(), (w.data.dtype, w.qtype)
+    assert w.cols % bt.values == 0 and w.data.shape[-2:] == (w.rows, w.cols // bt.values * bt.nbytes), (
+        tuple(w.data.shape), Q(w.qtype).name, w.rows, w.cols)
+    assert w.data.data_ptr() % 4 == 0, "fp16 fields are loaded as fp16: the bytes must start aligned"
+    return bt
+
+
+def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
+          slots: torch.Tensor | None) -> None:
+    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values)
+    row_bytes = w.data.shape[-1]
+    grid = (groups, triton.cdiv(w.rows, tiles.rows))
+    _gemv_kernel[grid](
+        x, w.data, x if slots is None else slots, out, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
+        w.cols, x_div, tokens,
+        DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=triton.next_power_of_2(tokens),
+        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, num_warps=tiles.num_warps)
+
+
+def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: int, x_div: int,
+          grouped: tuple[torch.Tensor, torch.Tensor] | None, tiles: tuning.GemmTiles) -> None:
+    row_bytes = w.data.shape[-1]
+    ids, block_slot = grouped if grouped is not None else (x, x)
+    n_m = block_slot.numel() if grouped is not None else triton.cdiv(n_ids, tiles.block_m)
+    grid = (n_m, triton.cdiv(w.rows, tiles.block_n))
+    _gemm_kernel[grid](
+        x, w.data, ids, block_slot, out, n_ids, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
+        w.cols, x_div,
+        DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, BM=tiles.block_m, BN=tiles.block_n, B=tiles.blocks,
+        GROUPED=grouped is not None, DOT_IN_F32=_INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x (T, C) float32 or bfloat16 @ w.T -> (T, N) float32."""
+    bt = _block_type(w)
+    assert x.dim() == 2 and x.shape[1] == w.cols and w.data.dim() == 2, (tuple(x.shape), tuple(w.data.shape))
+    x = x.contiguous()
+    n_tokens = x.shape[0]
+    out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
+    if n_tokens <= tuning.GEMV_MAX_TOKENS:
+        _gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None)
+    else:
+        _gemm(x, w, bt, out, n_tokens, 1, None, tuning.gemm_tiles(Q(w.qtype), bt.values))
+    return out
+
+
+def group_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """slots (T, K) -> (ids, block_slot): the (t, k) pair ids t*K + k sorted by slot, each slot's run padded with -1
+    to a multiple of block_m, and the slot of every block of block_m ids (-1 for the spare blocks at the end).
+
+    Sizes depend only on T*K, n_slots and block_m (at most one partly filled block per slot present), so nothing
+    waits for the device: sort, scatter-add counts, cumsum and searchsorted all stay there.
+    """
+    pairs = slots.reshape(-1).long()  # [TK]
+    n_pairs = pairs.numel()
+    n_blocks = triton.cdiv(n_pairs, block_m) + min(n_slots, n_pairs)
+    key = torch.where(pairs >= 0, pairs, n_slots)  # skipped pairs sort last and get no block
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(n_slots + 1, dtype=torch.long, device=slots.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:n_slots]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    first_id = padded_end - padded  # where each slot's run starts in ids
+    first_pair = counts.cumsum(0) - counts  # where each slot's pairs start in `order`
+    sorted_key = key[order]
+    in_run = sorted_key.clamp(max=n_slots - 1)
+    position = first_id[in_run] + torch.arange(n_pairs, device=slots.device) - first_pair[in_run]
+    position = torch.where(sorted_key < n_slots, position, n_blocks * block_m)  # skipped pairs: a spare element
+    ids = torch.full((n_blocks * block_m + 1,), -1, dtype=torch.int32, device=slots.device)
+    ids.scatter_(0, position, order.to(torch.int32))
+    block_start = torch.arange(n_blocks, device=slots.device) * block_m
+    block_slot = torch.searchsorted(padded_end, block_start, right=True)
+    block_slot = torch.where(block_slot < n_slots, block_slot, -1).to(torch.int32)
+    return ids[:-1], block_slot
+
+
+def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor) -> torch.Tensor:
+    """Each token's K experts of a bank in one launch: -> (T, K, N) float32.
+
+    w.data: (E, N, row_bytes); slots (T, K) int32: the bank slot of token t's k-th expert, -1 to skip it (zeros out).
+    x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
+    """
+    bt = _block_type(w)
+    assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype == torch.int32, (tuple(w.data.shape), slots.dtype)
+    n_tokens, k = slots.shape
+    assert x.shape == (n_tokens, w.cols) or x.shape == (n_tokens, k, w.cols), (tuple(x.shape), tuple(slots.shape))
+    x_div = k if x.dim() == 2 else 1  # pair id t*K + k reads input row t, or its own row
+    x, slots = x.contiguous(), slots.contiguous()
+    if n_tokens <= tuning.GEMV_MAX_TOKENS:
+        out = torch.empty(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)
+        _gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)
+    else:
+        out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
+        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values)
+        grouped = group_by_slot(slots, w.data.shape[0], tiles.block_m)
+        _gemm(x, w, bt, out, n_tokens * k, x_div, grouped, tiles)
+    return out.view(n_tokens, k, w.rows)

@@ -1,0 +1,48 @@
+"""Tile sizes of the GGUF matmul kernels (gguf_matmul.py), per block type.
+
+GEMV tiles are R rows x B blocks per loop step, each thread holding a few of the R*B*P values of a part; a tile
+holds enough bytes that the loads in flight cover HBM latency without spilling registers. GEMM tiles are the usual
+BM tokens x BN rows, stepping B GGUF blocks (B*P values per tl.dot) at a time. Numbers from bench/bench_gguf_matmul.py
+on an H200 (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as Q
+
+# Up to this many tokens (or (token, expert) pairs per expert slot on the decode path) the weights are streamed by
+# the matrix-vector kernel; more go through the tiled GEMM.
+GEMV_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    rows: int  # R
+    blocks: int  # B
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_m: int  # tokens
+    block_n: int  # weight rows
+    blocks: int  # GGUF blocks per K step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Keyed by values per block: a 256-value K-quant block already gives a row 256 values per step.
+_GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=2), 32: GemvTiles(rows=4, blocks=16)}
+_GEMM_BY_BLOCK_VALUES = {256: GemmTiles(64, 64, 1), 32: GemmTiles(64, 64, 2)}
+GEMV_OVERRIDES: dict[Q, GemvTiles] = {}
+GEMM_OVERRIDES: dict[Q, GemmTiles] = {}
+
+
+def gemv_tiles(qtype: Q, block_values: int) -> GemvTiles:
+    return GEMV_OVERRIDES.get(qtype) or _GEMV_BY_BLOCK_VALUES[block_values]
+
+
+def gemm_tiles(qtype: Q, block_values: int) -> GemmTiles:
+    return GEMM_OVERRIDES.get(qtype) or _GEMM_BY_BLOCK_VALUES[block_values]
