@@ -21,6 +21,7 @@ from moeprep.gguf.reader import open_gguf
 from moeprep.synth import BIAS_CHANNEL, SYNTH_ARCHS, synth_config, write_synth_model
 from moeprep.synth.tokenizer import TOKENIZER_PATH
 from moeprep.synth.weights import RANDOM_BLOCKS, random_blocks
+from tests.conftest import REAL_VOCAB
 from tests.oracle import llama_eval
 
 MIXED_TEXT = ("Hello, world! It's 2024: don't  panic.\n\ndef f(x):\n    return x ** 2  # 12345\n"
@@ -81,6 +82,23 @@ def test_tokenizer_round_trip_and_agreement(tiny_models: dict[str, Path]) -> Non
         assert ids == reference.encode(text, add_special_tokens=False).ids
     assert llm.tokenize(b"<|im_start|>user", add_bos=False, special=True)[0] == 1
     assert llm.token_eos() == 0
+
+
+def test_real_vocabulary_size_loads_in_llama_cpp(real_vocab_model: Path, tiny_models: dict[str, Path]) -> None:
+    """n_vocab pads the vocabulary with unused tokens: llama.cpp takes all of them, no text becomes one, and the
+    embedding and output tensors have a row per token."""
+    llm = llama_cpp.Llama(model_path=str(real_vocab_model), vocab_only=True, verbose=False)
+    small = llama_cpp.Llama(model_path=str(tiny_models["qwen3moe"]), vocab_only=True, verbose=False)
+    assert llm.n_vocab() == REAL_VOCAB
+    for text in (MIXED_TEXT, "<unused0> <unused12345>"):
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert ids == small.tokenize(text.encode(), add_bos=False, special=True)
+        assert llm.detokenize(ids).decode() == text
+    model = open_gguf(real_vocab_model)
+    assert model.tensor("token_embd.weight").shape[0] == model.tensor("output.weight").shape[0] == REAL_VOCAB
+    cli = CliRunner().invoke(main, ["synth", str(real_vocab_model.with_name("cli.gguf")), "--vocab-size", "4096"])
+    assert cli.exit_code == 0, cli.output
+    assert len(open_gguf(real_vocab_model.with_name("cli.gguf")).get("tokenizer.ggml.tokens")) == 4096
 
 
 @pytest.mark.parametrize("arch", SYNTH_ARCHS)
@@ -220,6 +238,7 @@ def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
     (dict(n_expert_used=32), "n_expert_used"),
     (dict(flux_capacitor=1), "unknown synth option"),
     (dict(arch="olmoe", n_head_kv=2), "n_head_kv must equal n_head"),
+    (dict(n_vocab=1000), "n_vocab must be at least"),
 ])
 def test_bad_options_are_user_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(MoeprepError, match=message):
