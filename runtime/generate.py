@@ -48,7 +48,7 @@ def prefill(model: Model, prompt_ids: list[int]) -> torch.Tensor:
 
 def decode_one(model: Model, token: int, pos: int) -> torch.Tensor:
     """Feed one token at position `pos`; the logits (V,) for the next."""
-    return model.forward(torch.tensor([token], dtype=torch.long), pos)[0]
+    return model.decode(token, pos)
 
 
 def generate(model: Model, prompt_ids: list[int], n_predict: int, sampler: Sampler = greedy) -> Iterator[int]:

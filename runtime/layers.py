@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,6 +27,7 @@ from moerun.config import (
 )
 from moerun.hooks import Hooks
 from moerun.rounding import Rounding, input_rounding
+from moerun.step import Step
 from moerun.weights import ExpertTensor, Weights
 
 
@@ -155,49 +155,33 @@ def _yarn_corr_dims(dim: int, orig_ctx: int, base: float, beta_fast: float, beta
 # ----------------------------------------------------------------------------------------------------- attention
 
 
-@dataclass
-class Step:
-    """One forward call: the positions of its T tokens, and how many KV cache slots attention reads.
-
-    Slots past the last position are masked anyway, so n_slots = last position + 1 is the cheapest choice; a
-    CUDA-graph decode step passes all S slots instead, so that its shapes never change.
-    """
-
-    positions: torch.Tensor  # (T,) int64
-    n_slots: int
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def mask(self, window: int = 0) -> torch.Tensor:
-        """(T, n_slots) bool: may the query at positions[t] see slot s (slot = position); `window` > 0 limits how
-        far back (llama.cpp's standard sliding window: the last `window` positions, itself included)."""
-        if window not in self._masks:
-            slots = torch.arange(self.n_slots, device=self.positions.device)[None, :]
-            allowed = slots <= self.positions[:, None]
-            if window:
-                allowed &= slots > self.positions[:, None] - window
-            self._masks[window] = allowed
-        return self._masks[window]
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv); query head h reads KV head h // (H/G).
+    """Softmax attention of q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv), or over k (T, S, G, Dk), v (T, S, G, Dv)
+    when each token reads its own sequence (KVCache.update says which); query head h reads KV head h // (H/G).
 
     `sinks` (H,) are per-head logits that join each softmax's denominator without a value (gpt-oss).
     Returns (T, H, Dv) float32.
     """
     T, H, Dk = q.shape
-    S, G, Dv = v.shape
-    qg = q.float().reshape(T, G, H // G, Dk).permute(1, 2, 0, 3)  # (G, H/G, T, Dk)
-    scores = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]) * scale  # (G, H/G, T, S)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    G, Dv = v.shape[-2:]
+    per_token = k.dim() == 4
+    if per_token:  # each token reads its own sequence: scores (T, G, H/G, S)
+        qg = q.float().reshape(T, G, H // G, Dk)[:, :, :, None, :]  # (T, G, H/G, 1, Dk)
+        kt, vt = k.float().permute(0, 2, 3, 1)[:, :, None], v.float().permute(0, 2, 1, 3)[:, :, None]
+        mask = ~allowed[:, None, None, None, :]
+    else:  # one sequence: the T queries of a KV head share its slots, scores (G, H/G, T, S)
+        qg = q.float().reshape(T, G, H // G, Dk).permute(1, 2, 0, 3)  # (G, H/G, T, Dk)
+        kt, vt, mask = k.float().permute(1, 2, 0)[:, None], v.float().permute(1, 0, 2)[:, None], ~allowed
+    scores = (torch.matmul(qg, kt) * scale).masked_fill(mask, float("-inf"))
     if sinks is not None:
-        sink = sinks.float().reshape(G, H // G, 1, 1).expand(G, H // G, T, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S]
+        sink = sinks.float().reshape(G, H // G)
+        sink = (sink[None, :, :, None, None] if per_token else sink[:, :, None, None]).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float().permute(1, 0, 2)[:, None])  # (G, H/G, T, Dv)
-    return out.permute(2, 0, 1, 3).reshape(T, H, Dv)
+    out = torch.matmul(probs, vt)  # (T, G, H/G, 1, Dv) or (G, H/G, T, Dv)
+    return (out if per_token else out.permute(2, 0, 1, 3)).reshape(T, H, Dv)
 
 
 class Attention(nn.Module):
@@ -241,9 +225,8 @@ class Attention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k.reshape(T, -1, self.k_norm.weight.numel())).view_as(k)
         q, k = self.rope(q, step.positions), self.rope(k, step.positions)
-        k_all, v_all = self.cache.update(step.positions, k, v)  # (S, G, Dh)
-        n = step.n_slots
-        out = attend(q, k_all[:n], v_all[:n], step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
+        k_all, v_all = self.cache.update(step, k, v)  # (S, G, Dh), or (T, S, G, Dh) across sequences
+        out = attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
 
 

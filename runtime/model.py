@@ -10,8 +10,9 @@ import torch
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, open_gguf
 from moerun.config import ModelArgs
+from moerun.graphs import DecodeGraphs, graph_blockers
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
-from moerun.layers import Step
+from moerun.step import Step
 from moerun.models import arch_module
 from moerun.models.base import BuildContext, Transformer
 from moerun.tokenizer import Tokenizer
@@ -22,21 +23,48 @@ DEFAULT_MAX_CTX = 4096
 
 
 class Model:
-    """A loaded model. `forward` runs a chunk of tokens through the KV cache and returns their next-token logits."""
+    """A loaded model. `forward` runs a chunk of one sequence's tokens through the KV cache, `forward_batch` tokens
+    of several sequences at once; both return next-token logits."""
 
     def __init__(self, g: GGUFModel, args: ModelArgs, net: Transformer, tokenizer: Tokenizer, hooks: Hooks,
-                 n_ctx: int, device: torch.device) -> None:
+                 n_ctx: int, device: torch.device, n_seq: int = 1) -> None:
         self.gguf, self.args, self.net, self.tokenizer = g, args, net, tokenizer
-        self.hooks, self.n_ctx, self.device = hooks, n_ctx, device
+        self.hooks, self.n_ctx, self.device, self.n_seq = hooks, n_ctx, device, n_seq
+        self.decode_graphs = DecodeGraphs(self) if device.type == "cuda" else None
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions start_pos.. -> logits (T, V) float32; start_pos 0 starts a new sequence."""
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, seq: int = 0) -> torch.Tensor:
+        """tokens (T,) int64 at positions start_pos.. of sequence `seq` -> logits (T, V) float32; the sequence's
+        slots from start_pos on are overwritten, so start_pos 0 starts it anew and a shared prefix can be kept."""
         T = tokens.shape[0]
-        if start_pos + T > self.n_ctx:
-            raise MoeprepError(f"{start_pos + T} positions do not fit the context of {self.n_ctx}; load with a larger n_ctx")
+        self._check_fits(start_pos + T, seq)
         positions = torch.arange(start_pos, start_pos + T, device=self.device)
-        return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T))
+        return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T, seq=seq))
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+        """tokens (T,) of several sequences in one pass: token t sits at positions[t] of sequence seqs[t] and
+        attends to that sequence's slots up to its own position -> logits (T, V) float32."""
+        positions, seqs = positions.long(), seqs.long()
+        self._check_fits(int(positions.max()) + 1, int(seqs.max()))
+        if int(seqs.min()) < 0:
+            raise MoeprepError(f"sequence {int(seqs.min())} does not exist; the model holds {self.n_seq}")
+        step = Step(positions.to(self.device), n_slots=int(positions.max()) + 1, seqs=seqs.to(self.device))
+        return self.net(tokens.to(self.device), step)
+
+    def decode(self, token: int, pos: int, seq: int = 0) -> torch.Tensor:
+        """One token at position `pos` of sequence `seq` -> the logits (V,) for the next: a CUDA graph replay where
+        the step can be captured (see graphs.py), else an eager forward."""
+        if self.decode_graphs is not None and not graph_blockers(self):
+            self._check_fits(pos + 1, seq)
+            return self.decode_graphs(token, pos, seq)
+        return self.forward(torch.tensor([token], dtype=torch.long), pos, seq)[0]
+
+    def _check_fits(self, n_positions: int, seq: int) -> None:
+        if n_positions > self.n_ctx:
+            raise MoeprepError(f"{n_positions} positions do not fit the context of {self.n_ctx}; load with a larger n_ctx")
+        if not 0 <= seq < self.n_seq:
+            raise MoeprepError(f"sequence {seq} does not exist; the model holds {self.n_seq} (load with a larger n_seq)")
 
     def add_routing_hook(self, fn: Callable[[RoutingEvent], None]) -> HookHandle:
         return self.hooks.add_routing(fn)
@@ -45,8 +73,10 @@ class Model:
         return self.hooks.add_activation(fn)
 
 
-def load_model(path: str | Path | GGUFModel, device: str = "cpu", dtype: torch.dtype | None = None, n_ctx: int | None = None) -> Model:
-    """Open a GGUF MoE model (file or first shard). dtype defaults to float32 on CPU and bfloat16 on CUDA."""
+def load_model(path: str | Path | GGUFModel, device: str = "cpu", dtype: torch.dtype | None = None, n_ctx: int | None = None,
+               n_seq: int = 1) -> Model:
+    """Open a GGUF MoE model (file or first shard) with a KV cache of n_seq sequences of n_ctx positions each.
+    dtype defaults to float32 on CPU and bfloat16 on CUDA."""
     g = path if isinstance(path, GGUFModel) else open_gguf(path)  # an opened model is not parsed again
     arch = arch_module(g.arch, g.path)  # an architecture moerun does not run is refused before any weight loads
     device_ = torch.device(device)
@@ -56,6 +86,6 @@ def load_model(path: str | Path | GGUFModel, device: str = "cpu", dtype: torch.d
     args = arch.read_args(g)
     n_ctx = n_ctx or min(args.n_ctx_train, DEFAULT_MAX_CTX)
     hooks = Hooks()
-    ctx = BuildContext(args, Weights(g, dtype, device_), hooks, n_ctx)
+    ctx = BuildContext(args, Weights(g, dtype, device_), hooks, n_ctx, n_seq)
     net = Transformer(ctx, [arch.build_block(ctx, layer) for layer in range(args.n_layers)])
-    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, device_)
+    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, device_, n_seq)

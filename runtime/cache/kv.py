@@ -1,9 +1,10 @@
-"""Preallocated KV cache: one slot per position, written with `update`; the buffers never change shape.
+"""Preallocated KV cache for n_seq independent sequences: one slot per position, written with `update`; the
+buffers never change shape.
 
-Slot s holds position s, so a step writes its rows in place and attention reads a prefix of the slots under a
-mask built from the query positions (see layers.Step); stale slots of an earlier sequence sit at later positions
-and are masked out, so starting over at position 0 needs no reset. The buffers' fixed shapes are what lets a
-CUDA graph capture the decode step.
+Slot s of a sequence holds its position s, so a step writes its rows in place and attention reads a prefix of the
+slots under a mask built from the query positions (see layers.Step); stale slots of an earlier request sit at later
+positions and are masked out, so starting over (or going on after a shared prefix) needs no reset. The buffers' fixed
+shapes are what lets a CUDA graph capture the decode step.
 """
 
 from __future__ import annotations
@@ -11,16 +12,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moerun.step import Step
+
 
 class KVCache(nn.Module):
     def __init__(self, n_ctx: int, n_kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, n_seq: int = 1) -> None:
         super().__init__()
-        self.register_buffer("k", torch.zeros(n_ctx, n_kv_heads, k_dim, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(n_ctx, n_kv_heads, v_dim, dtype=dtype, device=device), persistent=False)
+        for name, dim in (("k", k_dim), ("v", v_dim)):
+            self.register_buffer(name, torch.zeros(n_seq, n_ctx, n_kv_heads, dim, dtype=dtype, device=device),
+                                 persistent=False)
 
-    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k (T, Hkv, Dk) and v (T, Hkv, Dv) at `positions` (T,); return the whole cache (S, Hkv, D*)."""
-        self.k.index_copy_(0, positions, k.to(self.k.dtype))
-        self.v.index_copy_(0, positions, v.to(self.v.dtype))
-        return self.k, self.v
+    def update(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k (T, Hkv, Dk) and v (T, Hkv, Dv) at the step's positions of its sequences; return the slots
+        attention reads: (n_slots, Hkv, D*) of the step's one sequence, or (T, n_slots, Hkv, D*), each token's own
+        sequence, when the step mixes sequences."""
+        n = step.n_slots
+        if step.seqs is None:
+            k_seq, v_seq = self.k[step.seq], self.v[step.seq]
+            k_seq.index_copy_(0, step.positions, k.to(k_seq.dtype))
+            v_seq.index_copy_(0, step.positions, v.to(v_seq.dtype))
+            return k_seq[:n], v_seq[:n]
+        self.k.index_put_((step.seqs, step.positions), k.to(self.k.dtype))
+        self.v.index_put_((step.seqs, step.positions), v.to(self.v.dtype))
+        return self.k[step.seqs, :n], self.v[step.seqs, :n]

@@ -16,7 +16,8 @@ from torch import nn
 from moerun.cache.kv import KVCache
 from moerun.config import ModelArgs
 from moerun.hooks import Hooks
-from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router, Step
+from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router
+from moerun.step import Step
 from moerun.weights import Weights
 
 
@@ -25,7 +26,8 @@ class BuildContext:
     args: ModelArgs
     weights: Weights
     hooks: Hooks
-    n_ctx: int  # S: KV cache slots and RoPE table length
+    n_ctx: int  # S: KV cache slots per sequence and RoPE table length
+    n_seq: int = 1  # sequences the KV cache holds side by side
     _ropes: dict = field(default_factory=dict)
 
     def rope(self, *, freq_factors: str | None = None, **options) -> Rope:
@@ -38,7 +40,7 @@ class BuildContext:
         return self._ropes[key]
 
     def kv_cache(self, n_kv_heads: int, k_dim: int, v_dim: int) -> KVCache:
-        return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device)
+        return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device, self.n_seq)
 
     def attention(self, layer: int, rope: Rope | None = None, **options) -> Attention:
         """The standard attention of `layer` (GQA, with whatever biases, norms and sinks the file has)."""

@@ -1,0 +1,57 @@
+"""Several sequences in one KV cache: a batch of their tokens gives each the logits it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerun
+from moeprep.errors import MoeprepError
+
+PROMPTS = ("def bisect(a, x):", "Once upon a time, in a land", "SELECT name FROM users WHERE")
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2"])
+def test_batched_decode_equals_each_sequence_alone(synth_model, arch):
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
+    alone = moerun.load_model(path)
+    batched = moerun.load_model(path, n_seq=len(PROMPTS))
+    prompts = [alone.tokenizer.encode(p) for p in PROMPTS]
+    # each sequence alone: prefill, then three fixed continuation tokens one at a time
+    continuation = [[5, 17, 99], [40, 41, 42], [7, 7, 7]]
+    expected = []
+    for prompt, extra in zip(prompts, continuation):
+        rows = [alone.forward(torch.tensor(prompt))[-1]]
+        rows += [alone.forward(torch.tensor([t]), len(prompt) + i)[0] for i, t in enumerate(extra)]
+        expected.append(torch.stack(rows))
+    # batched: the prompts prefilled into their own sequences (in another order, to catch a mix-up), then every
+    # decode step runs all three sequences' tokens in one forward_batch
+    got = [[] for _ in prompts]
+    for s in reversed(range(len(prompts))):
+        got[s].append(batched.forward(torch.tensor(prompts[s]), 0, seq=s)[-1])
+    for i in range(3):
+        tokens = torch.tensor([extra[i] for extra in continuation])
+        positions = torch.tensor([len(p) + i for p in prompts])
+        logits = batched.forward_batch(tokens, positions, torch.arange(len(prompts)))
+        for s in range(len(prompts)):
+            got[s].append(logits[s])
+    for s in range(len(prompts)):
+        torch.testing.assert_close(torch.stack(got[s]), expected[s], rtol=1e-4, atol=1e-4)
+
+
+def test_a_shared_prefix_is_kept_and_the_rest_overwritten(synth_model):
+    model = moerun.load_model(synth_model("qwen3moe", expert_type="F32", attn_type="F32"), n_seq=2)
+    a = model.tokenizer.encode("The cat sat on the mat and purred")
+    b = a[:4] + model.tokenizer.encode(" dog barked loudly")
+    model.forward(torch.tensor(a), 0, seq=1)
+    went_on = model.forward(torch.tensor(b[4:]), 4, seq=1)  # the first four slots of `a` serve `b`
+    fresh = model.forward(torch.tensor(b), 0, seq=0)[4:]
+    torch.testing.assert_close(went_on, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_sequences_are_refused(synth_model):
+    model = moerun.load_model(synth_model("qwen3moe"), n_seq=2)
+    with pytest.raises(MoeprepError, match="sequence 2 does not exist"):
+        model.forward(torch.tensor([1, 2]), 0, seq=2)
+    with pytest.raises(MoeprepError, match="does not exist"):
+        model.forward_batch(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, -1]))
