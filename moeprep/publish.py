@@ -329,6 +329,8 @@ def _usage_section(repo: str, first: str, profile_name: str | None, baked: bool)
              f"hf download {repo} --local-dir {local}", "",
              "# moerun, moeprep's runtime",
              f'moerun -m {model} -p "{PROMPT}" -n 128', "",
+             "# or serve it over the OpenAI API at http://127.0.0.1:8080/v1 (any OpenAI client; 4 requests batched)",
+             f"moerun serve -m {model} -c 8192 --parallel 4", "",
              "# stock llama.cpp: give the first shard, it finds the others",
              f'llama-cli -m {model} -p "{PROMPT}" -n 128', ""]
     if baked:
