@@ -1,8 +1,18 @@
-"""Settings every test that runs llama.cpp needs, and model files several test folders share."""
+"""Settings every test that runs llama.cpp needs, Triton's interpreter where there is no GPU, and model files several
+test folders share."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Triton kernels (moerun.kernels.gguf_matmul) run in Triton's interpreter on machines without a GPU, where compiled
+# ones cannot run at all, so this changes no other test. Triton reads the variable when it decorates a function, its
+# own library's included, so it is set here, before any test module can import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_cpp_api
