@@ -2,6 +2,7 @@
 
     moerun -m MODEL -p PROMPT -n N [-c CTX] [--device cpu|cuda] [--temp T] [--top-p P] [--seed S] [-t THREADS]
     moerun perplexity -m MODEL -f TEXT [-c 512] [-t THREADS]
+    moerun serve -m MODEL [--host 127.0.0.1] [--port 8080] [--api-key KEY] [-c CTX] [-np N] [--device ...]
 
 Generation is the default command (`moerun run ...` names it). MoeprepError becomes one line on stderr and exit
 code 2; set MOEPREP_DEBUG=1 for the traceback.
@@ -10,7 +11,9 @@ code 2; set MOEPREP_DEBUG=1 for the traceback.
 from __future__ import annotations
 
 import codecs
+import functools
 import time
+from dataclasses import dataclass
 
 import click
 
@@ -28,6 +31,8 @@ model_option = click.option("-m", "--model", "model_path", required=True, type=c
                             help="GGUF model file (or the first shard of a split set).")
 device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 threads_option = click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's).")
+ctx_option = click.option("-c", "--ctx-size", type=click.IntRange(min=1),
+                          help="Context size of a sequence (default: the model's, at most 4096).")
 
 
 def set_threads(threads: int | None) -> None:
@@ -37,28 +42,55 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """The options of every command that loads a model to generate with, as `model_options` collects them."""
+
+    model_path: str
+    ctx_size: int | None
+    device: str
+    threads: int | None
+
+    def load(self, n_seq: int = 1):
+        import moerun
+
+        set_threads(self.threads)
+        return moerun.load_model(self.model_path, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq)
+
+
+MODEL_OPTIONS = (model_option, ctx_option, device_option, threads_option)
+
+
+def model_options(command):
+    """The options `run`, `bench` and `serve` share, defined once: the command gets them as one ModelOptions,
+    `model_opts`, so an option added here reaches every command without touching their signatures."""
+
+    @functools.wraps(command)
+    def with_model_options(*args, model_path, ctx_size, device, threads, **kwargs):
+        return command(*args, model_opts=ModelOptions(model_path, ctx_size, device, threads), **kwargs)
+
+    for option in reversed(MODEL_OPTIONS):
+        with_model_options = option(with_model_options)
+    return with_model_options
+
+
 @click.group(cls=MoerunGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Run a GGUF Mixture-of-Experts model: generate text (default) or measure perplexity."""
+    """Run a GGUF Mixture-of-Experts model: generate text (default), measure perplexity, or serve the OpenAI API."""
 
 
 @main.command()
-@model_option
+@model_options
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
 @click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens to generate.")
-@click.option("-c", "--ctx-size", type=click.IntRange(min=1), help="Context size (default: the model's, at most 4096).")
-@device_option
 @click.option("--temp", default=0.8, show_default=True, type=click.FloatRange(min=0.0), help="Temperature; 0 is greedy.")
 @click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", type=int, help="Sampling seed (default: random).")
-@threads_option
-def run(model_path: str, prompt: str, n_predict: int, ctx_size: int | None, device: str, temp: float, top_p: float,
-        seed: int | None, threads: int | None) -> None:
+def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_p: float, seed: int | None) -> None:
     """Generate text from a prompt, streaming it, then print prompt and generation speed."""
     import moerun
 
-    set_threads(threads)
-    model = moerun.load_model(model_path, device=device, n_ctx=ctx_size)
+    model = model_opts.load()
     prompt_ids = model.tokenizer.encode(prompt)
     if len(prompt_ids) + n_predict > model.n_ctx:
         raise MoeprepError(f"prompt ({len(prompt_ids)} tokens) plus -n {n_predict} exceed the context of {model.n_ctx}; raise -c or lower -n")
@@ -101,3 +133,20 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, thre
     n_chunks = len(tokens) // ctx_size
     click.echo(f"perplexity: {ppl:.4f} over {n_chunks} chunks of {ctx_size} tokens "
                f"({n_chunks * ctx_size / (time.perf_counter() - start):.1f} tokens/s)")
+
+
+@main.command()
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--api-key", envvar="MOERUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 requests "
+              "(default: $MOERUN_API_KEY, else none).")
+@click.option("-np", "--parallel", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Sequences decoded together, each with its own KV cache of -c positions.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Requests that may wait for a free sequence; past that the server answers 503.")
+def serve(model_opts: ModelOptions, host: str, port: int, api_key: str | None, parallel: int, max_queue: int) -> None:
+    """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    from moerun.serve import serve as serve_model
+
+    serve_model(model_opts.load(n_seq=parallel), host, port, api_key, max_queue)

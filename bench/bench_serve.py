@@ -1,0 +1,171 @@
+"""Serving throughput and latency: 1, 4 and 8 concurrent streaming clients against `moerun serve`, and the same
+client against llama.cpp's llama-server when one is running (--peer-url).
+
+    python bench/bench_serve.py MODEL [--device cpu|cuda] [--streams 1,4,8] [--requests 2] [--prompt 64] [--gen 32]
+                                      [-t THREADS] [--chat] [--peer-url http://127.0.0.1:8081] [--json OUT]
+    python bench/bench_serve.py --url http://127.0.0.1:8080 ...        # a moerun serve already running
+
+Ours: `moerun serve -m MODEL -np <most streams> -c <prompt + gen + 16>` started on a free port. The peer: start
+llama-server on the same file with the same --parallel and context per sequence (llama-server's -c is the total:
+`llama-server -m MODEL -np 8 -c $((8 * 112)) --port 8081`), then pass --peer-url.
+
+Each level runs N clients at once, each sending --requests streamed /v1/completions requests one after another
+(--chat: /v1/chat/completions, for models with a chat template), greedy, with a prompt of --prompt seeded random
+token ids of its own (token-id prompts: no tokenizer or template differences between servers) and max_tokens
+--gen. Measured on the client: time to first token (request sent -> first text chunk), per-token latency (gaps
+between text chunks; both servers send one token per chunk), and aggregate tok/s (completion tokens of all
+requests, from the servers' usage counts, over the level's wall time, prefills included). One warm-up request first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import aiohttp
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], gen: int, chat: bool) -> dict:
+    body = {"max_tokens": gen, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if chat:  # token ids cannot be sent as a message: the ids' text instead, the same for both servers
+        body["messages"] = [{"role": "user", "content": " ".join(map(str, prompt))}]
+    else:
+        body["prompt"] = prompt
+    start = time.perf_counter()
+    stamps: list[float] = []
+    n_tokens = 0
+    async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n_tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    stamps.append(time.perf_counter())
+    return {"ttft": stamps[0] - start if stamps else float("nan"), "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
+            "tokens": n_tokens or len(stamps)}
+
+
+async def run_level(url: str, streams: int, requests: int, prompt_len: int, gen: int, vocab: int, chat: bool,
+                    seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [[[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(requests)] for _ in range(streams)]
+
+    async def client(session: aiohttp.ClientSession, i: int) -> list[dict]:
+        return [await one_request(session, url, p, gen, chat) for p in prompts[i]]
+
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        await one_request(session, url, prompts[0][0][:8], 4, chat)  # warm-up
+        start = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(client(session, i) for i in range(streams))) for r in rs]
+        wall = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    return {"streams": streams, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "wall_s": wall, "tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+            "tpot_p50_ms": 1e3 * percentile(gaps, 50) if gaps else float("nan"),
+            "tpot_p99_ms": 1e3 * percentile(gaps, 99) if gaps else float("nan")}
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not become ready")
+
+
+def start_moerun(model: str, parallel: int, n_ctx: int, device: str, threads: int | None) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "moerun", "serve", "-m", model, "-np", str(parallel), "-c", str(n_ctx),
+           "--device", device, "--port", str(port)] + (["-t", str(threads)] if threads else [])
+    log = tempfile.NamedTemporaryFile("w", prefix="moerun-serve-", suffix=".log", delete=False)
+    print(" ".join(cmd), f"(log: {log.name})", file=sys.stderr)
+    return subprocess.Popen(cmd, stdout=log, stderr=log), f"http://127.0.0.1:{port}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", help="GGUF file to serve with moerun (or --url)")
+    ap.add_argument("--url", help="a moerun serve already running")
+    ap.add_argument("--peer-url", help="llama.cpp's llama-server, running on the same file")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("-t", "--threads", type=int)
+    ap.add_argument("--streams", default="1,4,8")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client at each level")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--gen", type=int, default=32, help="max_tokens")
+    ap.add_argument("--vocab", type=int, default=2000, help="prompt token ids are drawn below this")
+    ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    ap.add_argument("--json", help="write the numbers here")
+    args = ap.parse_args()
+    if not (args.model or args.url):
+        ap.error("give MODEL or --url")
+    levels = [int(s) for s in args.streams.split(",")]
+    servers, proc = {}, None
+    if args.url:
+        servers["moerun"] = args.url
+    else:
+        proc, servers["moerun"] = start_moerun(args.model, max(levels), args.prompt + args.gen + 16, args.device,
+                                               args.threads)
+    if args.peer_url:
+        servers["llama-server"] = args.peer_url
+    rows = []
+    try:
+        for name, url in servers.items():
+            wait_ready(url, proc if name == "moerun" else None)
+            for streams in levels:
+                row = asyncio.run(run_level(url, streams, args.requests, args.prompt, args.gen, args.vocab, args.chat,
+                                            seed=streams))
+                rows.append({"server": name, **row})
+                print(f"{name:12s} streams {streams}: {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
+                      f"p99 {row['ttft_p99_ms']:.0f} ms, per token p50 {row['tpot_p50_ms']:.1f} ms "
+                      f"p99 {row['tpot_p99_ms']:.1f} ms", file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+    print("| server | streams | requests | tokens | aggregate tok/s | TTFT p50 / p99 ms | per token p50 / p99 ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['server']} | {r['streams']} | {r['requests']} | {r['tokens']} | {r['tok_s']:.1f} | "
+              f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} |")
+    base = {r["server"]: r["tok_s"] for r in rows if r["streams"] == min(levels)}
+    for r in rows:
+        if r["streams"] == max(levels) and r["server"] in base:
+            print(f"{r['server']}: {max(levels)} streams give {r['tok_s'] / base[r['server']]:.2f}x the aggregate "
+                  f"tok/s of {min(levels)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
