@@ -72,7 +72,8 @@ def demo(folder: str | None) -> None:
 @click.option("--threads", default=os.cpu_count() or 1, show_default=True, help="Quantizer threads.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where Q4_K/Q5_K/Q6_K are quantized (cuda: torch on the GPU, the same bytes).")
-@click.option("--no-verify", is_flag=True, help="Skip the verification of the output against IN.")
+@click.option("--no-verify", is_flag=True, help="Skip the verification of the output against IN (done before OUT "
+              "is renamed into place).")
 def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_rules: tuple[str, ...],
              split_max_size: str | None, dry_run: bool, threads: int, device: str, no_verify: bool) -> None:
     """Requantize the attention tensors of IN into OUT; routed experts are copied byte for byte."""
@@ -80,7 +81,6 @@ def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_ru
     from moeprep.quant.imatrix import read_imatrix
     from moeprep.quant.plan import format_plan, parse_rule, parse_type, plan_requant
     from moeprep.quant.quantize import format_summary, quantize_model
-    from moeprep.quant.verify import verify_model
     from moeprep.units import parse_size
 
     model = open_gguf(source)
@@ -90,10 +90,10 @@ def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_ru
         return
     matrix = read_imatrix(imatrix) if imatrix else None
     result = quantize_model(model, Path(out), plan, imatrix=matrix, threads=threads, device=device,
-                            split_max_size=parse_size(split_max_size) if split_max_size else None)
-    report = None if no_verify else verify_model(open_gguf(result.paths[0]), model, threads=threads, progress=True)
-    click.echo(format_summary(result, report))
-    if report is not None and not report.ok:
+                            split_max_size=parse_size(split_max_size) if split_max_size else None,
+                            verify=not no_verify)
+    click.echo(format_summary(result, Path(out)))
+    if result.report is not None and not result.report.ok:
         sys.exit(1)
 
 
@@ -110,19 +110,6 @@ def verify(out: str, source: str, threads: int) -> None:
     click.echo(report.summary())
     if not report.ok:
         sys.exit(1)
-
-
-@main.command("to-mainline")
-@click.argument("source", metavar="IN", type=click.Path(path_type=str))
-@click.argument("out", metavar="OUT", type=click.Path(path_type=str))
-@click.option("--split-max-size", help="Write llama.cpp shards of at most this size (48G).")
-def to_mainline(source: str, out: str, split_max_size: str | None) -> None:
-    """Rewrite a fork's GGUF (unsloth's glm5next) as mainline llama.cpp's (glm5-next): metadata only."""
-    from moeprep.gguf.dialect import to_mainline as rewrite
-    from moeprep.units import parse_size
-
-    dialect, paths = rewrite(source, out, parse_size(split_max_size) if split_max_size else None)
-    click.echo(f"{dialect.fork} -> {dialect.mainline}: {', '.join(map(str, paths))} (tensors copied byte for byte)")
 
 
 main.add_command(profile)  # the `moeprep profile` group lives with its package
@@ -174,10 +161,12 @@ def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: 
 @click.option("--license", "license_id", help="Card license (default: the GGUF's general.license).")
 @click.option("--language", "languages", multiple=True, help="Card language (repeatable; default: the GGUF's).")
 @click.option("--split-max-size", help="Largest file to write (default 46G, under the Hub's 50 GB limit).")
+@click.option("--hardlink", is_flag=True, help="Hard-link the model's files instead of reflinking or copying them "
+              "(no bytes written, but an edit in place of the folder's copy then edits MODEL too).")
 def publish(model: Path | None, outdir: Path | None, check_dir: Path | None,
             base_model: str | None, profile: Path | None, imatrix: Path | None,
             recipe: Path | None, quantized_by: str | None, repo_id: str | None, tags: tuple[str, ...],
-            license_id: str | None, languages: tuple[str, ...], split_max_size: str | None) -> None:
+            license_id: str | None, languages: tuple[str, ...], split_max_size: str | None, hardlink: bool) -> None:
     """Write OUTDIR for `hf upload USER/REPO OUTDIR`: shards, model card, profile, imatrix, recipe, SHA256SUMS.
 
     `moeprep publish --check OUTDIR` validates such a folder before upload."""
@@ -195,7 +184,7 @@ def publish(model: Path | None, outdir: Path | None, check_dir: Path | None,
                                "or --check OUTDIR")
     result = publish_folder(PublishRequest(
         model, outdir, base_model, quantized_by, profile, imatrix, recipe,
-        parse_size(split_max_size) if split_max_size else None, tags, license_id, languages, repo_id))
+        parse_size(split_max_size) if split_max_size else None, tags, license_id, languages, repo_id, hardlink))
     click.echo(format_published(result, repo_id))
 
 

@@ -7,27 +7,37 @@ import sys
 
 import click
 
+from moeprep.atomic import logged_outputs
 from moeprep.errors import MoeprepError
+
+INTERRUPTED = 130  # 128 + SIGINT: the exit code shells give a Ctrl-C'd command
 
 
 class UserErrorGroup(click.Group):
     """Maps MoeprepError (the user's input is wrong) and a subcommand's bad option or argument (a missing file, a
-    wrong value) to one line on stderr and exit code 2, as pip-tools does.
+    wrong value) to one line on stderr and exit code 2, as pip-tools does; and Ctrl-C to one line saying what state
+    the files are in (moeprep.atomic's log of the outputs) and exit code 130, as a shell reports SIGINT.
 
     Set MOEPREP_DEBUG=1 for the traceback. `prog` names the program in the message."""
 
     prog = "moeprep"
 
     def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except MoeprepError as e:
-            if os.environ.get("MOEPREP_DEBUG"):
-                raise
-            self.fail(str(e))
-        except click.UsageError as e:
-            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-            self.fail(e.format_message() + hint)
+        with logged_outputs() as outputs:
+            try:
+                return super().invoke(ctx)
+            except MoeprepError as e:
+                if os.environ.get("MOEPREP_DEBUG"):
+                    raise
+                self.fail(str(e))
+            except click.UsageError as e:
+                hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+                self.fail(e.format_message() + hint)
+            except KeyboardInterrupt:
+                if os.environ.get("MOEPREP_DEBUG"):
+                    raise
+                click.echo(f"{self.prog}: interrupted: {outputs.summary()}", err=True)
+                sys.exit(INTERRUPTED)
 
     def fail(self, message: str) -> None:
         click.echo(f"{self.prog}: error: {message}", err=True)

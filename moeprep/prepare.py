@@ -25,7 +25,7 @@ from typing import Any
 
 from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
-from moeprep.gguf.reader import open_gguf, shard_paths_for
+from moeprep.gguf.reader import open_gguf
 from moeprep.profile.dataset import DatasetSpec
 from moeprep.profile.export import bake_profile
 from moeprep.profile.format import read_profile, write_profile
@@ -35,7 +35,6 @@ from moeprep.publish import (PublishRequest, check_split_max_size, file_sha256, 
 from moeprep.quant.imatrix import read_imatrix
 from moeprep.quant.plan import parse_rule, parse_type, plan_requant
 from moeprep.quant.quantize import quantize_model
-from moeprep.quant.verify import verify_model
 from moeprep.recipe import Recipe, recipe_text
 from moeprep.units import format_size, parse_size
 
@@ -65,7 +64,7 @@ class PrepareJob:
     @property
     def model_files(self) -> list[Path]:
         """Every shard of MODEL: a shard changing is the model changing."""
-        return shard_paths_for(Path(self.model))
+        return open_gguf(self.model).shard_paths
 
     @property
     def text_files(self) -> list[Path]:
@@ -131,11 +130,10 @@ def run_quantize(job: PrepareJob) -> None:
     source = open_gguf(job.model)
     plan = plan_requant(source, parse_type(q.attn), [parse_rule(r) for r in q.types])
     imatrix = read_imatrix(job.imatrix) if q.imatrix else None
-    result = quantize_model(source, job.quantized, plan, imatrix=imatrix, threads=job.threads)
-    report = verify_model(open_gguf(result.paths[0]), source, threads=job.threads, progress=True)
+    report = quantize_model(source, job.quantized, plan, imatrix=imatrix, threads=job.threads).report
     if not report.ok:
-        raise MoeprepError(f"{job.quantized}: does not verify against {job.model} ({report.summary()}); the source "
-                           "may be damaged: check it with `moeprep verify`")
+        raise MoeprepError(f"{job.quantized}: not written, it does not verify against {job.model} "
+                           f"({report.summary()}); the source may be damaged: check it with `moeprep verify`")
 
 
 def run_profile(job: PrepareJob) -> None:
@@ -158,7 +156,8 @@ def publish_request(job: PrepareJob) -> PublishRequest:
 def run_publish(job: PrepareJob) -> None:
     if job.upload.exists():  # ours: the publish step's record names it (see _prepare_outdir)
         shutil.rmtree(job.upload)
-    job.recipe_copy.write_text(recipe_text(job.recipe), encoding="utf-8")
+    with atomic_output(job.recipe_copy) as tmp:
+        tmp.write_text(recipe_text(job.recipe), encoding="utf-8")
     publish_folder(publish_request(job))
 
 

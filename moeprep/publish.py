@@ -4,14 +4,18 @@ The folder holds the GGUF (llama.cpp shards, each under the Hub's file limit), R
 huggingface_hub's ModelCard), the .moeprof, the imatrix, the recipe, and SHA256SUMS (`sha256sum -c` format) over
 every other file. Layout and card contents: docs/publish.md.
 
-Atomicity: the folder is built in a hidden sibling (.OUTDIR.partial-PID) and renamed to OUTDIR only when complete,
-with SHA256SUMS written last inside it, so an interrupted publish never leaves an OUTDIR that passes --check.
-The user's model is hard-linked (copied across file systems), never moved or written; it is re-split (write_gguf)
-only when one of its files is over the size limit.
+Atomicity: the folder is built in a hidden sibling (moeprep.atomic) and renamed to OUTDIR only when complete, with
+SHA256SUMS written last inside it, so an interrupted publish never leaves an OUTDIR that passes --check.
+The user's model is never moved or written, and by default the folder shares no writable inode with it (an edit in
+place of the folder's copy, as gguf-set-metadata makes, must not change the source): its files are reflinked where
+the file system can (FICLONE: instant, blocks shared copy-on-write), else copied; hard links only on request. It is
+re-split (write_gguf) instead when one of its files is over the size limit.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -22,15 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from tqdm import tqdm
 from gguf import GGUFType, Keys
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
-from moeprep.gguf.anatomy import Anatomy, describe_model, moe_geometry
+from moeprep.gguf.anatomy import Anatomy, describe_model
 from moeprep.gguf.reader import SPLIT_RE, GGUFModel, field_value, open_gguf
 from moeprep.gguf.roles import TensorRole
-from moeprep.gguf.writer import write_gguf
+from moeprep.gguf.writer import FileRange, _kernel_copy, write_gguf
 from moeprep.profile.analysis import format_heldout
 from moeprep.profile.export import EXPERT_USAGE_KEY
 from moeprep.profile.format import read_profile
@@ -55,6 +61,10 @@ CARD_FROM_GGUF = {"license": Keys.General.LICENSE, "license_name": Keys.General.
                   "license_link": Keys.General.LICENSE_LINK, "language": Keys.General.LANGUAGES}
 # `sha256sum` output: hash, then " " for text or "*" for binary mode, then the name
 SUMS_LINE_RE = re.compile(r"^(?P<sha>[0-9a-f]{64}) [ *](?P<name>.+)$")
+FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int): make the destination share the source's blocks, copy-on-write
+# FICLONE's answers for "this file system (or this pair of files) cannot share blocks": copy the bytes instead
+NO_REFLINK = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF}
+COPY_CHUNK = 64 << 20
 
 
 def _is_repo_id(v: Any) -> bool:
@@ -92,6 +102,8 @@ class PublishRequest:
     license: str | None = None  # None: the GGUF's general.license
     language: tuple[str, ...] = ()  # empty: the GGUF's general.languages
     repo_id: str | None = None  # where it will be uploaded: fills in the card's commands
+    hardlink: bool = False  # hard-link the model's files (an edit in place of the folder then edits the source)
+    progress: bool = True  # a progress bar over the bytes copied
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,7 @@ class Published:
     outdir: Path
     files: list[PublishedFile]  # every file but SHA256SUMS, sorted by name
     model_files: list[str]  # the GGUF's shards, in order
-    resplit: bool  # the model was re-split to fit the limit (else linked or copied as it was)
+    placed: str  # how the model's files got there: a PLACED key
     profile_file: str | None  # the .moeprof's name in the folder
 
 
@@ -165,27 +177,60 @@ def check_split_max_size(size: int | None) -> int:
     return limit
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link when src and dst share a file system (no bytes written), else a copy."""
+# How publish_folder placed the model's files -> what the summary says. In this order, the first that applies to any
+# of the files is the one to tell.
+PLACED = {
+    "hardlink": "hard-linked (--hardlink: an edit in place of the folder's files edits it too)",
+    "copy": "copied (an edit of the folder's files leaves it unchanged)",
+    "reflink": "reflinked (blocks shared copy-on-write: an edit of the folder's files leaves it unchanged)",
+    "resplit": "re-split to fit the size limit (new files)",
+}
+
+
+def _copy(src: Path, dst: Path, on_bytes: Callable[[int], None]) -> str:
+    """`dst`, a new file with src's bytes that shares no inode with it: a reflink where the file system has them,
+    else a copy (in the kernel where it can: copy_file_range); returns the PLACED key."""
+    size = src.stat().st_size
+    with open(src, "rb") as s, open(dst, "xb") as d:
+        try:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+            on_bytes(size)
+            return "reflink"
+        except OSError as e:
+            if e.errno not in NO_REFLINK:
+                raise
+        if not _kernel_copy(d, FileRange(src, 0), size, on_bytes):
+            while chunk := s.read(COPY_CHUNK):
+                d.write(chunk)
+                on_bytes(len(chunk))
+    return "copy"
+
+
+def _link(src: Path, dst: Path, on_bytes: Callable[[int], None]) -> str:
+    """A hard link where the file system allows it (not across file systems), else a copy; returns the PLACED key."""
     try:
         os.link(src, dst)
     except OSError:
-        shutil.copyfile(src, dst)
+        return _copy(src, dst, on_bytes)
+    on_bytes(src.stat().st_size)
+    return "hardlink"
 
 
-def _place_model(model: GGUFModel, stage: Path, limit: int) -> tuple[list[Path], bool]:
-    """The model's files in `stage`: linked as they are when every file fits `limit`, else re-split."""
+def _place_model(model: GGUFModel, stage: Path, limit: int, hardlink: bool, progress: bool) -> tuple[list[Path], str]:
+    """The model's files in `stage` and how they got there: as they are when every file fits `limit`, else re-split."""
     if all(p.stat().st_size <= limit for p in model.shard_paths):
-        for p in model.shard_paths:
-            _link_or_copy(p, stage / p.name)
-        return [stage / p.name for p in model.shard_paths], False
+        place = _link if hardlink else _copy
+        with tqdm(total=sum(p.stat().st_size for p in model.shard_paths), unit="B", unit_scale=True, desc="copy",
+                  disable=not progress) as bar:
+            methods = {place(p, stage / p.name, bar.update) for p in model.shard_paths}
+        return [stage / p.name for p in model.shard_paths], next(m for m in PLACED if m in methods)
     # write_gguf limits a shard's tensor bytes; leave room for the header and each tensor's alignment padding
     budget = limit - model.readers[0].data_offset - model.alignment * len(model.tensors)
     biggest = max(model.tensors, key=lambda t: t.n_bytes)
     if biggest.n_bytes > budget:
         raise MoeprepError(f"{model.path}: tensor {biggest.name} alone is {format_size(biggest.n_bytes)}, more than "
                            f"a shard of {format_size(limit)} can hold; raise --split-max-size")
-    return write_gguf(stage / f"{model_stem(model.path)}.gguf", model, split_max_size=budget), True
+    return write_gguf(stage / f"{model_stem(model.path)}.gguf", model, split_max_size=budget), "resplit"
 
 
 def _check_outdir(outdir: Path) -> None:
@@ -201,7 +246,7 @@ def publish_folder(req: PublishRequest) -> Published:
     limit = check_split_max_size(req.split_max_size)
     _check_outdir(req.outdir)
     model = open_gguf(req.model)
-    moe_geometry(model)  # refuses a GGUF without experts before anything is written
+    describe_model(model)  # refuses a GGUF without experts before anything is written
     base_model = resolve_base_model(model, req.base_model)
     profile = read_profile(req.profile) if req.profile else None
     if profile is not None:
@@ -211,10 +256,9 @@ def publish_folder(req: PublishRequest) -> Published:
     if req.recipe and not req.recipe.is_file():
         raise MoeprepError(f"{req.recipe}: no such recipe file")
 
-    stage = req.outdir.parent / f".{req.outdir.name}.partial-{os.getpid()}"
-    stage.mkdir()
-    try:
-        shards, resplit = _place_model(model, stage, limit)
+    with atomic_output(req.outdir) as stage:  # replaces an empty OUTDIR; the folder appears complete or not at all
+        stage.mkdir()
+        shards, placed = _place_model(model, stage, limit, req.hardlink, req.progress)
         stem = model_stem(shards[0])
         extras: dict[str, Path] = {}
         if req.profile:
@@ -226,18 +270,15 @@ def publish_folder(req: PublishRequest) -> Published:
         for name, src in extras.items():
             shutil.copyfile(src, stage / name)
         result = Published(req.outdir, [_published_file(p) for p in sorted(stage.iterdir())], [p.name for p in shards],
-                           resplit, f"{stem}.moeprof" if req.profile else None)
+                           placed, f"{stem}.moeprof" if req.profile else None)
         build_card(model, req, base_model, result, profile).save(stage / CARD_FILE)
         result.files = sorted([*result.files, _published_file(stage / CARD_FILE)], key=lambda f: f.name)
         (stage / SUMS_FILE).write_text("".join(f"{f.sha256}  {f.name}\n" for f in result.files), encoding="utf-8")
-        os.replace(stage, req.outdir)  # replaces an empty OUTDIR; the folder appears complete or not at all
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return result
 
 
 def format_published(result: Published, repo_id: str | None = None) -> str:
-    lines = [f"wrote {result.outdir}" + (" (model re-split to fit the size limit)" if result.resplit else ""),
+    lines = [f"wrote {result.outdir}; model {PLACED[result.placed]}",
              *(f"  {f.name:<48} {format_size(f.size):>12}  {f.sha256[:16]}" for f in result.files),
              f"  {SUMS_FILE}",
              f"check it:  moeprep publish --check {result.outdir}",
@@ -428,7 +469,7 @@ def _check_model(folder: Path, report: CheckReport) -> GGUFModel | None:
         report.problems.append(f"{model.path.name}: split.tensors.count {tensors} but the shards hold "
                                f"{len(model.tensors)} tensors")
     try:
-        moe_geometry(model)
+        describe_model(model)
     except MoeprepError as e:
         report.problems.append(str(e))
     report.model = model.path.name

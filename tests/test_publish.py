@@ -70,7 +70,7 @@ def folder(inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
     stdout = moeprep("publish", inputs["model"], out, "--base-model", "Org/Base-Model", "--profile", inputs["profile"],
             "--imatrix", inputs["imatrix"], "--recipe", RECIPE, "--quantized-by", "tester", "--repo-id",
             "tester/Model-GGUF", "--tag", "synthetic", "--split-max-size", str(LIMIT))
-    assert "(model re-split to fit the size limit)" in stdout and f"hf upload tester/Model-GGUF {out}" in stdout
+    assert "model re-split to fit the size limit" in stdout and f"hf upload tester/Model-GGUF {out}" in stdout
     return out
 
 
@@ -81,7 +81,7 @@ def test_folder_layout(folder: Path, inputs: dict[str, Path]) -> None:
     assert all((folder / s).stat().st_size <= LIMIT for s in shards)
     assert (folder / "qwen3moe.toml").read_bytes() == RECIPE.read_bytes()
     assert inputs["model"].is_file(), "the user's model is never moved"
-    assert not list(folder.parent.glob(".*partial*")), "no staging folder left behind"
+    assert list(folder.parent.iterdir()) == [folder], "no staging folder left behind"
 
 
 def test_shards_are_the_same_model(folder: Path, inputs: dict[str, Path]) -> None:
@@ -174,15 +174,66 @@ def test_card_without_required_fields_fails_check(folder: Path, tmp_path: Path) 
     assert any("metadata does not parse" in p for p in check_folder(copy).problems)
 
 
-def test_split_set_within_limit_is_linked_not_rewritten(folder: Path, tmp_path: Path) -> None:
+def _flip_a_byte(path: Path, offset: int) -> None:
+    """An edit in place, as gguf-set-metadata makes one: the same inode, one byte changed."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_split_set_within_limit_is_copied_not_shared(folder: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(folder, source)  # a model of the user's own, to damage the copy of
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
     out = tmp_path / "again"
-    first = folder / "model-00001-of-00003.gguf"
-    result = publish_folder(PublishRequest(first, out))  # base_model from the GGUF's general.source.repo_url
-    assert not result.resplit and result.model_files == [f"model-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    result = publish_folder(PublishRequest(source / "model-00001-of-00003.gguf", out, progress=False))
+    assert result.placed in ("reflink", "copy")  # which one: the file system's (ext4: copy; btrfs, XFS: reflink)
+    assert result.model_files == [f"model-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
     for name in result.model_files:
-        assert (out / name).stat().st_ino == (folder / name).stat().st_ino  # hard link: no bytes written
-    assert ModelCard.load(out / CARD_FILE).data.base_model == "Org/Source-Model"
+        assert (out / name).stat().st_ino != (source / name).stat().st_ino
+        assert (out / name).read_bytes() == before[name]
+    assert ModelCard.load(out / CARD_FILE).data.base_model == "Org/Source-Model"  # from general.source.repo_url
     assert check_folder(out).ok
+
+    _flip_a_byte(out / "model-00002-of-00003.gguf", 1000)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before, "the user's model is unchanged"
+    problems = check_folder(out).problems
+    assert problems == ["model-00002-of-00003.gguf: sha256 does not match SHA256SUMS (changed or damaged)"]
+
+
+def test_copy_without_reflinks_streams_the_bytes(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without reflinks (FICLONE refused) nor copy_file_range between the files: a plain copy."""
+    import errno
+
+    def refused(*args):  # noqa: ANN002, ANN202
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(publish_module.fcntl, "ioctl", refused)
+    monkeypatch.setattr(publish_module, "_kernel_copy", lambda *args: False)
+    monkeypatch.setattr(publish_module, "COPY_CHUNK", 1 << 20)  # several chunks per shard
+    out = tmp_path / "copied"
+    first = folder / "model-00001-of-00003.gguf"
+    result = publish_folder(PublishRequest(first, out, progress=False))
+    assert result.placed == "copy" and check_folder(out).ok
+    for name in result.model_files:
+        assert (out / name).read_bytes() == (folder / name).read_bytes()
+
+
+def test_hardlink_on_request(folder: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(folder, source)
+    out = tmp_path / "linked"
+    stdout = moeprep("publish", source / "model-00001-of-00003.gguf", out, "--hardlink")
+    assert "model hard-linked (--hardlink: an edit in place of the folder's files edits it too)" in stdout
+    for i in (1, 2, 3):
+        name = f"model-{i:05d}-of-00003.gguf"
+        assert (out / name).stat().st_ino == (source / name).stat().st_ino  # no bytes written
+    assert moeprep("publish", "--check", out).startswith("OK: ")
+    _flip_a_byte(out / "model-00003-of-00003.gguf", 2000)  # the risk --hardlink takes: the source changes too
+    assert (source / "model-00003-of-00003.gguf").read_bytes() == (out / "model-00003-of-00003.gguf").read_bytes()
+    assert "model-00003-of-00003.gguf: sha256 does not match" in moeprep("publish", "--check", out, code=1)
 
 
 def test_interrupted_publish_leaves_nothing_that_passes(inputs: dict[str, Path], tmp_path: Path,

@@ -23,13 +23,14 @@ from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
 from tqdm import tqdm
 
 from moeprep import __version__
+from moeprep.atomic import staged_outputs
 from moeprep.errors import MoeprepError
-from moeprep.gguf.reader import GGUFModel, TensorInfo
+from moeprep.gguf.reader import GGUFModel, TensorInfo, open_gguf
 from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, shard_path, write_gguf
 from moeprep.quant.imatrix import ImportanceMatrix
 from moeprep.quant.plan import QuantPlan, TensorPlan
 from moeprep.quant.registry import quantize_rows, quantizers_on
-from moeprep.quant.verify import VerifyReport
+from moeprep.quant.verify import VerifyReport, verify_model
 
 QUANTIZATION_VERSION = 2  # ggml's current block layouts
 # general.file_type when every quantized tensor ends up in one type (the "pure" file types of llama-quantize).
@@ -48,7 +49,8 @@ DISK_MARGIN = 64 << 20
 class QuantizeResult:
     paths: list[Path]
     plan: QuantPlan
-    seconds: float
+    seconds: float  # writing, not verifying
+    report: VerifyReport | None = None  # None: not verified
 
     @property
     def throughput(self) -> float:
@@ -159,30 +161,43 @@ def check_outputs(model: GGUFModel, out: Path, plan: QuantPlan, split_max_size: 
 
 def quantize_model(model: GGUFModel, out: Path, plan: QuantPlan, *, imatrix: ImportanceMatrix | None = None,
                    split_max_size: int | None = None, threads: int = 1, device: str = "cpu",
-                   progress: bool = True) -> QuantizeResult:
+                   progress: bool = True, verify: bool = True) -> QuantizeResult:
     """Write `model` with `plan` applied to `out` (shards when split_max_size is set), quantizing on `device`
-    ("cpu" or "cuda": the same bytes)."""
+    ("cpu" or "cuda": the same bytes).
+
+    With `verify`, the output is checked against `model` (verify_model) before it is renamed into place, so `out`
+    appears only verified; when the check fails nothing is written and result.paths is empty."""
     quantizers_on(device)  # no such device: fail before anything is written
     check_outputs(model, out, plan, split_max_size)
     start = time.perf_counter()
-    pool = ThreadPoolExecutor(max_workers=max(1, threads))
-    try:
-        with tqdm(total=plan.bytes_after, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
-            lookahead = Lookahead(model, [p for p in plan.tensors if p.requantize], imatrix, pool, device)
-            tensors = [lookahead.output_tensor(p) if p.requantize else copied_tensor(model, p.tensor)
-                       for p in plan.tensors]
-            paths = write_gguf(out, model, tensors=tensors, kv_set=output_kv(model, plan, imatrix),
-                               split_max_size=split_max_size, on_bytes=bar.update)
-    finally:
-        pool.shutdown(cancel_futures=True)  # after an error or Ctrl-C, tasks not yet started never run
-    return QuantizeResult(paths, plan, time.perf_counter() - start)
+    report = None
+    with staged_outputs(out) as stage:
+        pool = ThreadPoolExecutor(max_workers=max(1, threads))
+        try:
+            with tqdm(total=plan.bytes_after, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
+                lookahead = Lookahead(model, [p for p in plan.tensors if p.requantize], imatrix, pool, device)
+                tensors = [lookahead.output_tensor(p) if p.requantize else copied_tensor(model, p.tensor)
+                           for p in plan.tensors]
+                staged = write_gguf(stage / out.name, model, tensors=tensors, kv_set=output_kv(model, plan, imatrix),
+                                    split_max_size=split_max_size, on_bytes=bar.update)
+        finally:
+            pool.shutdown(cancel_futures=True)  # after an error or Ctrl-C, tasks not yet started never run
+        seconds = time.perf_counter() - start
+        if verify:
+            report = verify_model(open_gguf(staged[0]), model, threads=threads, progress=progress)
+            if not report.ok:
+                for p in staged:  # a failed check: leave nothing behind to be mistaken for a good output
+                    p.unlink()
+    paths = [out.parent / p.name for p in staged] if report is None or report.ok else []
+    return QuantizeResult(paths, plan, seconds, report)
 
 
-def format_summary(result: QuantizeResult, report: VerifyReport | None) -> str:
-    plan = result.plan
+def format_summary(result: QuantizeResult, out: Path) -> str:
+    plan, report = result.plan, result.report
     fallbacks = [p for p in plan.tensors if p.fell_back_from is not None]
     lines = [
-        f"wrote {', '.join(str(p) for p in result.paths)}",
+        f"wrote {', '.join(str(p) for p in result.paths)}" if result.paths else f"{out} was not written (it does "
+        "not verify against the input)",
         f"tensors requantized: {len(plan.changed)} of {len(plan.tensors)} "
         f"({', '.join(sorted({f'{p.tensor.type_name}->{p.new_type.name}' for p in plan.changed})) or 'none'})",
         f"bytes: {plan.bytes_before} -> {plan.bytes_after} ({plan.bytes_after / plan.bytes_before:.1%})",

@@ -107,21 +107,24 @@ def verify_model(out: GGUFModel, src: GGUFModel, threads: int = 1, progress: boo
         report.problems.append("tensor names or order differ")
         return report
     pairs = list(zip(out.tensors, src.tensors))
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool, \
-            tqdm(total=sum(t.n_bytes for t in out.tensors), unit="B", unit_scale=True, desc="verify",
-                 disable=not progress) as bar:
+    pool = ThreadPoolExecutor(max_workers=max(1, threads))
+    try:
+        with tqdm(total=sum(t.n_bytes for t in out.tensors), unit="B", unit_scale=True, desc="verify",
+                  disable=not progress) as bar:
 
-        def check(pair: tuple[TensorInfo, TensorInfo]) -> tuple[str, float | str]:
-            result = _check_tensor(out, pair[0], src, pair[1])
-            bar.update(pair[0].n_bytes)
-            return result
+            def check(pair: tuple[TensorInfo, TensorInfo]) -> tuple[str, float | str]:
+                result = _check_tensor(out, pair[0], src, pair[1])
+                bar.update(pair[0].n_bytes)
+                return result
 
-        for (t_out, _), (kind, value) in zip(pairs, pool.map(check, pairs)):
-            if kind == "identical":
-                report.identical += 1
-            elif kind == "requantized":
-                report.requantized += 1
-                report.worst_error[t_out.name] = value
-            else:
-                report.problems.append(value)
+            for (t_out, _), (kind, value) in zip(pairs, pool.map(check, pairs)):
+                if kind == "identical":
+                    report.identical += 1
+                elif kind == "requantized":
+                    report.requantized += 1
+                    report.worst_error[t_out.name] = value
+                else:
+                    report.problems.append(value)
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a Ctrl-C the checks not yet started never run
     return report
