@@ -47,9 +47,15 @@ class Linear(nn.Module):
              shape: tuple[int, ...] | None = None) -> Linear:
         """`prefix.weight` (reshaped to `shape` if given) and, if the file has it, `prefix.bias`."""
         name = f"{prefix}.weight"
+        bias = w.optional(f"{prefix}.bias", torch.float32)
+        blocks = w.blocks(name) if dtype is None and shape is None else None
+        if blocks is not None:  # the GPU multiplies the GGUF blocks directly
+            from moerun.quantized import QuantLinear  # needs Triton, which CUDA builds of torch bring
+
+            return QuantLinear(blocks, bias, name, hooks)
         weight = w.dense(name, dtype)
-        return cls(weight if shape is None else weight.reshape(shape), w.optional(f"{prefix}.bias", torch.float32),
-                   name, hooks, input_rounding(w.info(name).ggml_type))
+        return cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
+                   input_rounding(w.info(name).ggml_type))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:

@@ -54,6 +54,12 @@ class ExpertTensor:
         w = dequantize_bytes(self._bytes[e], self.info.ggml_type, (self.rows, self.cols))
         return w.to(device=self.device, dtype=self.dtype)
 
+    @property
+    def device_bytes(self) -> torch.Tensor:
+        """(E, rows, row bytes) uint8 on the compute device (only where `on_device`)."""
+        assert self.on_device, self.name
+        return self._bytes
+
     def experts(self, ids: torch.Tensor) -> torch.Tensor:
         """The experts `ids` (K,) as one (K, rows, cols) tensor: one dequantization for all of them, no host sync
         when the bytes live on the device."""
@@ -82,6 +88,19 @@ class Weights:
         info = self.info(name)
         w = dequantize_bytes(self.gguf.raw(info), info.ggml_type, info.shape)
         return w.to(device=self.device, dtype=dtype or self.dtype)
+
+    def blocks(self, name: str):
+        """The 2-D tensor `name` as a QWeight (its GGUF bytes on the GPU) where the GPU kernels multiply its type
+        directly; None on the CPU and for types they do not decode (those are dequantized once, see `dense`)."""
+        if self.device.type != "cuda":
+            return None
+        from moerun.kernels.gguf_matmul import QWeight, supports  # Triton: present where CUDA is
+
+        info = self.info(name)
+        if len(info.shape) != 2 or not supports(info.ggml_type):
+            return None
+        rows, cols = info.shape
+        return QWeight(device_bytes(self.gguf.raw(info).reshape(rows, -1), self.device), info.ggml_type, rows, cols)
 
     def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.dense(name, dtype) if name in self else None

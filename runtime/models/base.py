@@ -51,10 +51,20 @@ class BuildContext:
     def routed_experts(self, layer: int, activation: str | None = None, shared: bool = False, **moe_options) -> MoE:
         """The MoE block of `layer`: router, routed experts and, with `shared`, the *_shexp shared expert."""
         w, hooks = self.weights, self.hooks
-        experts = GGUFExperts.load(w, hooks, layer, **({"activation": activation} if activation else {}))
+        experts = self.expert_compute(layer).load(w, hooks, layer, **({"activation": activation} if activation else {}))
         if shared:
             moe_options["shared"] = FeedForward.load(w, hooks, layer, "_shexp")
         return MoE(layer, Router.load(self.args, w, hooks, layer), experts, hooks, **moe_options)
+
+    def expert_compute(self, layer: int) -> type[GGUFExperts]:
+        """The ExpertCompute for `layer` on this device: on a GPU, DeviceExperts where the kernels decode the
+        experts' types; otherwise the reference path."""
+        if self.weights.device.type == "cuda":
+            from moerun.quantized import DeviceExperts  # needs Triton, which CUDA builds of torch bring
+
+            if DeviceExperts.can_run(self.weights, layer):
+                return DeviceExperts
+        return GGUFExperts
 
     def ffn(self, layer: int, **moe_options) -> nn.Module:
         """A dense FFN for the leading dense layers, else routed experts with the shared expert."""

@@ -1,0 +1,76 @@
+"""Layers that compute straight from GGUF blocks on the GPU (kernels/gguf_matmul.py): no dequantized copy is kept.
+
+`QuantLinear` replaces a Linear whose weight type the kernels decode, `DeviceExperts` the reference expert path:
+the selected experts' blocks are decoded in registers, so VRAM holds the weights at their GGUF size (a Q4_K matrix
+takes a quarter of its bfloat16 copy) and each decode step reads every weight byte once. Imported only where the
+device is CUDA (Triton comes with CUDA builds of torch).
+
+Unlike the CPU path, inputs are not rounded to llama.cpp's 8-bit activation blocks first: the kernels multiply the
+float activations by the exact weight values, which is closer to the model, and the rounding would cost about ten
+small kernels per product. Agreement with llama.cpp is checked on the CPU path; GPU runs are checked against it
+within the tolerance accepted between moerun's CPU and GPU paths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.hooks import Hooks
+from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, supports
+from moerun.layers import GGUFExperts, Linear
+from moerun.weights import ExpertTensor, Weights
+
+__all__ = ["DeviceExperts", "QuantLinear", "QWeight", "supports"]
+
+
+class QuantLinear(Linear):
+    """y = x W^T (+ b) with W in its GGUF blocks on the GPU."""
+
+    def __init__(self, qweight: QWeight, bias: torch.Tensor | None, name: str, hooks: Hooks) -> None:
+        torch.nn.Module.__init__(self)
+        self.qweight, self.bias, self.name, self.hooks = qweight, bias, name, hooks
+        self.register_buffer("blocks", qweight.data, persistent=False)  # so .to()/memory accounting see the bytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hooks.activation:
+            self.hooks.fire_activation(self.name, x)
+        y = gguf_mm(x, self.qweight)
+        return y if self.bias is None else y + self.bias
+
+
+def expert_bank(t: ExpertTensor) -> QWeight:
+    """A stacked expert tensor's device bytes as a bank whose slot e is expert e."""
+    return QWeight(t.device_bytes, t.info.ggml_type, t.rows, t.cols)
+
+
+class DeviceExperts(GGUFExperts):
+    """ExpertCompute from the GGUF bytes on the GPU: gate, up and down of all selected experts of a layer in one
+    launch each, whatever the number of tokens, with no host sync (so a decode step can be captured in a graph).
+    With activation hooks registered it runs the reference path, which reports each expert's inputs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.banks = tuple(expert_bank(t) for t in (self.gate, self.up, self.down))
+
+    @classmethod
+    def can_run(cls, w: Weights, layer: int) -> bool:
+        return all(supports(w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type) for part in ("gate", "up", "down"))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.hooks.activation:
+            return super().forward(x, ids, weights)
+        return bank_moe(x, ids.int(), weights, self.banks, self.act, (self.gate_bias, self.up_bias, self.down_bias),
+                        ids)
+
+
+def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks: tuple[QWeight, QWeight, QWeight],
+             act, biases: tuple, ids: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * expert(x[t]) over the (t, k) whose slot is not -1; the expert's weights are slot
+    slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]. x (T, D) -> (T, D) float32."""
+    gate_b, up_b, down_b = (None if b is None else b[ids] for b in biases)  # (T, K, rows) each
+    gate, up = gguf_moe(x, banks[0], slots), gguf_moe(x, banks[1], slots)
+    h = act(gate if gate_b is None else gate + gate_b, up if up_b is None else up + up_b)  # (T, K, I)
+    y = gguf_moe(h, banks[2], slots)  # (T, K, D)
+    if down_b is not None:
+        y = y + down_b
+    return torch.einsum("tkd,tk->td", y, torch.where(slots >= 0, weights, 0.0))

@@ -1,0 +1,81 @@
+"""The GPU fast path (runs where CUDA is; the GPU machine runs it with bench/gpu_fastpath.sh): weights stay in their
+GGUF blocks and the kernels multiply them (QuantLinear, DeviceExperts), and decode steps replay CUDA graphs.
+
+Self-contained (no conftest: the GPU machine runs it with --noconftest, since it has no llama.cpp to import).
+The CPU path is the reference here: it agrees with llama.cpp (test_models.py). The GPU path does not round inputs to
+llama.cpp's 8-bit activation blocks (quantized.py says why), so on quantized models the two differ by that rounding;
+on F16/F32 models only by summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerun
+from moeprep.synth import write_synth_model
+from moerun.graphs import graph_blockers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
+
+@pytest.fixture(scope="module")
+def synth_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpu-models")
+
+    def make(arch: str, **options):
+        name = "-".join([arch, *(f"{k}={v}" for k, v in sorted(options.items()))]) + ".gguf"
+        return folder / name if (folder / name).exists() else write_synth_model(folder / name, arch, **options)
+
+    return make
+
+PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)\n    while lo < hi:"
+
+
+def logits_of(model, tokens: list[int]) -> torch.Tensor:
+    return model.forward(torch.tensor(tokens)).float().cpu()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2", "glm4moe"])
+@pytest.mark.parametrize(("experts", "attn", "rel_bound"), [("F16", "F16", 2e-3), ("Q4_K", "Q8_0", 5e-2)])
+def test_gpu_path_matches_the_cpu_reference(synth_model, arch, experts, attn, rel_bound):
+    path = synth_model(arch, preset="small", expert_type=experts, attn_type=attn)
+    cpu, gpu = moerun.load_model(path), moerun.load_model(path, device="cuda")
+    kinds = {type(m).__name__ for m in gpu.net.modules()}
+    assert {"QuantLinear", "DeviceExperts"} <= kinds, kinds
+    tokens = cpu.tokenizer.encode(PROMPT)
+    ours, ref = logits_of(gpu, tokens), logits_of(cpu, tokens)
+    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(rel.max()) < rel_bound, rel
+    assert float((ours.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_graph_decode_replays_the_eager_step(synth_model):
+    path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
+    graphed, eager = moerun.load_model(path, device="cuda", n_ctx=600), moerun.load_model(path, device="cuda", n_ctx=600)
+    assert graph_blockers(graphed) == []
+    prompt = graphed.tokenizer.encode(PROMPT)
+    for model in (graphed, eager):
+        model.forward(torch.tensor(prompt))
+    tokens = [7, 300, 12, 5, 99]
+    # positions 250-262 cross the first KV bucket (256 slots) into the second
+    start = 250
+    for model in (graphed, eager):
+        model.forward(torch.randint(1, 1000, (start - len(prompt),), generator=torch.Generator().manual_seed(0)), len(prompt))
+    for i, t in enumerate(tokens * 3):
+        g = graphed.decode(t, start + i).cpu()
+        e = eager.forward(torch.tensor([t]), start + i)[0].cpu()
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert len(graphed.decode_graphs.graphs) == 2
+
+
+def test_hooks_turn_graphs_off(synth_model):
+    model = moerun.load_model(synth_model("qwen3moe", preset="small"), device="cuda")
+    seen = []
+    handle = model.add_routing_hook(seen.append)
+    assert graph_blockers(model)
+    model.forward(torch.tensor([1, 2, 3]))
+    model.decode(4, 3)
+    assert len(seen) == 2 * (model.args.n_layers - model.args.n_dense_lead)
+    handle.remove()
+    assert graph_blockers(model) == []
