@@ -112,6 +112,19 @@ def verify(out: str, source: str, threads: int) -> None:
         sys.exit(1)
 
 
+@main.command("to-mainline")
+@click.argument("source", metavar="IN", type=click.Path(path_type=str))
+@click.argument("out", metavar="OUT", type=click.Path(path_type=str))
+@click.option("--split-max-size", help="Write llama.cpp shards of at most this size (48G).")
+def to_mainline(source: str, out: str, split_max_size: str | None) -> None:
+    """Rewrite a fork's GGUF (unsloth's glm5next) as mainline llama.cpp's (glm5-next): metadata only."""
+    from moeprep.gguf.dialect import to_mainline as rewrite
+    from moeprep.units import parse_size
+
+    dialect, paths = rewrite(source, out, parse_size(split_max_size) if split_max_size else None)
+    click.echo(f"{dialect.fork} -> {dialect.mainline}: {', '.join(map(str, paths))} (tensors copied byte for byte)")
+
+
 main.add_command(profile)  # the `moeprep profile` group lives with its package
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
-from moeprep.gguf.reader import open_gguf
+from moeprep.gguf.reader import open_gguf, shard_paths_for
 from moeprep.profile.dataset import DatasetSpec
 from moeprep.profile.export import bake_profile
 from moeprep.profile.format import read_profile, write_profile
@@ -64,7 +64,7 @@ class PrepareJob:
     @property
     def model_files(self) -> list[Path]:
         """Every shard of MODEL: a shard changing is the model changing."""
-        return open_gguf(self.model).shard_paths
+        return shard_paths_for(Path(self.model))
 
     @property
     def text_files(self) -> list[Path]:

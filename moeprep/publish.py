@@ -33,7 +33,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
-from moeprep.gguf.anatomy import Anatomy, describe_model
+from moeprep.gguf.anatomy import Anatomy, describe_model, moe_geometry
 from moeprep.gguf.reader import SPLIT_RE, GGUFModel, field_value, open_gguf
 from moeprep.gguf.roles import TensorRole
 from moeprep.gguf.writer import FileRange, _kernel_copy, write_gguf
@@ -246,7 +246,7 @@ def publish_folder(req: PublishRequest) -> Published:
     limit = check_split_max_size(req.split_max_size)
     _check_outdir(req.outdir)
     model = open_gguf(req.model)
-    describe_model(model)  # refuses a GGUF without experts before anything is written
+    moe_geometry(model)  # refuses a GGUF without experts before anything is written
     base_model = resolve_base_model(model, req.base_model)
     profile = read_profile(req.profile) if req.profile else None
     if profile is not None:
@@ -469,7 +469,7 @@ def _check_model(folder: Path, report: CheckReport) -> GGUFModel | None:
         report.problems.append(f"{model.path.name}: split.tensors.count {tensors} but the shards hold "
                                f"{len(model.tensors)} tensors")
     try:
-        describe_model(model)
+        moe_geometry(model)
     except MoeprepError as e:
         report.problems.append(str(e))
     report.model = model.path.name
