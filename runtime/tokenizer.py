@@ -80,9 +80,7 @@ class ByteLevelBPE:
             raise MoeprepError(f"{g.path}: pre-tokenizer '{pre}' is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}")
         regexes, ignore_merges = PRE_TOKENIZERS[pre]
         merges = [tuple(m.split(" ", 1)) for m in g.get(TOK.MERGES, [])]
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)
+        vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))  # a repeated token keeps its first id
         hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
@@ -163,7 +161,7 @@ class Tokenizer:
         if kind not in TOKENIZER_MODELS:
             raise MoeprepError(f"{g.path}: tokenizer model '{kind}' is not supported; supported: {', '.join(TOKENIZER_MODELS)}")
         tokens: list[str] = g.get(TOK.LIST)
-        types = [TokenType(t) for t in (g.get(TOK.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens))]
+        types = [TOKEN_TYPES[t] for t in (g.get(TOK.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens))]
         self._model = TOKENIZER_MODELS[kind](g, tokens, types)
         self._user_defined = sorted(((t, i) for i, (t, ty) in enumerate(zip(tokens, types))
                                      if ty == TokenType.USER_DEFINED and t), key=lambda ti: -len(ti[0].encode()))
@@ -213,7 +211,14 @@ class Tokenizer:
         return b"".join(self._model.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
 
 
+TOKEN_TYPES = {int(t): t for t in TokenType}  # a dict lookup per token: TokenType(t) costs seconds on 262k tokens
 _BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
+# str.translate table: each character of GPT-2's byte alphabet to its byte's code point, so that latin-1 encoding
+# gives the bytes in one step (a 262k-token vocabulary in a fraction of a second, not seconds per character).
+# Characters 0x80-0xff outside the alphabet are UTF-8 (two bytes) as they stand: they map to a character latin-1
+# cannot encode, which sends their token to the per-character path.
+_BYTE_TABLE = {ord(c): b for c, b in _BYTE_OF_CHAR.items()} | {
+    x: 0x100 for x in range(0x80, 0x100) if chr(x) not in _BYTE_OF_CHAR}
 
 
 def _byte_level_bytes(text: str, token_type: TokenType) -> bytes:
@@ -221,7 +226,10 @@ def _byte_level_bytes(text: str, token_type: TokenType) -> bytes:
         return b""
     if token_type == TokenType.USER_DEFINED:
         return text.encode("utf-8")
-    return b"".join(bytes([_BYTE_OF_CHAR[c]]) if c in _BYTE_OF_CHAR else c.encode("utf-8") for c in text)
+    try:
+        return text.translate(_BYTE_TABLE).encode("latin-1")
+    except UnicodeEncodeError:  # a character outside the byte alphabet: its UTF-8 bytes, as llama.cpp keeps them
+        return b"".join(bytes([_BYTE_OF_CHAR[c]]) if c in _BYTE_OF_CHAR else c.encode("utf-8") for c in text)
 
 
 def _sentencepiece_bytes(text: str, token_type: TokenType) -> bytes:
