@@ -38,6 +38,7 @@ N_CTX = 256
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 IM_START, IM_END = 1, 2  # the synthetic vocabulary's control tokens
+BENCH_MODEL = Path(__file__).resolve().parents[2] / "bench" / "models" / "bench-qwen3moe-q4k.gguf"  # trained, Q4_K
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog "[: 5 + 3 * i] for i in range(16)]
 
 
@@ -103,10 +104,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(chat_model, tmp_path_factory):
-    """`main`: 4 sequences, an API key. `single`: one sequence and no queue, for the 503 and disconnect tests."""
+    """`main`: 4 sequences, an API key. `single`: one sequence and no queue, for the 503 and disconnect tests.
+    `bench`: the trained bench model, 4 sequences."""
     logs = tmp_path_factory.mktemp("serve-logs")
     started = {"main": Server(chat_model, logs / "main.log", "-np", "4", "--api-key", API_KEY),
-               "single": Server(chat_model, logs / "single.log", "-np", "1", "--max-queue", "0")}
+               "single": Server(chat_model, logs / "single.log", "-np", "1", "--max-queue", "0"),
+               "bench": Server(BENCH_MODEL, logs / "bench.log", "-np", "4")}
     try:
         for s in started.values():
             s.wait_ready()
@@ -116,10 +119,10 @@ def servers(chat_model, tmp_path_factory):
             s.stop()
 
 
-@pytest.fixture(scope="module")
-def alone(chat_model):
-    """The model in this process, one sequence: what a prompt gets when it is served alone."""
-    model = moerun.load_model(chat_model, n_ctx=N_CTX)
+def served_alone(path: Path):
+    """The model in this process, one sequence: answer(ids, max_tokens[, sampler]) is what a prompt gets when it is
+    served alone."""
+    model = moerun.load_model(path, n_ctx=N_CTX)
 
     def answer(ids: list[int], max_tokens: int, sampler=moerun.greedy) -> tuple[str, str, int]:
         """-> (text, finish_reason, completion tokens), checking that no greedy step is a near-tie."""
@@ -139,6 +142,11 @@ def alone(chat_model):
     answer.model = model
     answer.chat = ChatFormat(model.gguf, model.tokenizer)
     return answer
+
+
+@pytest.fixture(scope="module")
+def alone(chat_model):
+    return served_alone(chat_model)
 
 
 # ------------------------------------------------------------------------------------------ the openai client
@@ -259,6 +267,18 @@ def test_eight_clients_at_once_each_get_what_they_get_alone(servers, alone):
         for (prompt, max_tokens), got in zip(work[c], answers[c]):
             assert got == alone(alone.model.tokenizer.encode(prompt), max_tokens), (c, prompt)
     assert main_server.health()["running"] == 0
+
+
+def test_the_trained_bench_model_batched_equals_moerun_greedy(servers):
+    alone_bench = served_alone(BENCH_MODEL)
+    texts = ["The expert cache keeps", "def fib(n):", "Once upon a time", "In 1905, Einstein"]
+    client = servers["bench"].client()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        replies = list(pool.map(lambda t: client.completions.create(model="x", prompt=t, max_tokens=12, temperature=0),
+                                texts))
+    for text, r in zip(texts, replies):
+        expected = alone_bench(alone_bench.model.tokenizer.encode(text), 12)
+        assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == expected, text
 
 
 # -------------------------------------------------------------------------------------------- hostile input
