@@ -82,18 +82,21 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion(await _json_body(request))
-        tokenizer = self.model.tokenizer
-        if isinstance(req.prompt, str):
-            prompt = tokenizer.encode(req.prompt)
-        elif all(0 <= t < tokenizer.n_vocab for t in req.prompt):
-            prompt = req.prompt
-        else:
-            raise ApiError(400, f"'prompt': token ids must be in [0, {tokenizer.n_vocab})", param="prompt")
-        return await self._generate(request, req, prompt, COMPLETION)
+        return await self._generate(request, req, await asyncio.to_thread(self._prompt_ids, req.prompt), COMPLETION)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat(await _json_body(request))
-        return await self._generate(request, req, self.chat.encode(req.messages), CHAT)
+        return await self._generate(request, req, await asyncio.to_thread(self.chat.encode, req.messages), CHAT)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's token ids. Called in a worker thread, as chat.encode is: tokenizing a long prompt
+        must not stall the other requests' streams on the event loop."""
+        tokenizer = self.model.tokenizer
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        if not all(0 <= t < tokenizer.n_vocab for t in prompt):
+            raise ApiError(400, f"'prompt': token ids must be in [0, {tokenizer.n_vocab})", param="prompt")
+        return prompt
 
     async def _generate(self, request: web.Request, req: GenerationRequest, prompt: list[int],
                         shape: ResponseShape) -> web.StreamResponse:
