@@ -2,7 +2,8 @@
 no traceback, every output either absent or complete (a quantized model: verified), no temp files, inputs unchanged.
 
 The interrupt is a real SIGINT sent to the main thread (as a terminal's Ctrl-C reaches Python) from inside a
-patched step, at its first, a middle or its last call, so where it lands is the same on every run."""
+patched step, at its first, a middle or its last call, so where it lands is the same on every run. Also: a quantize
+whose output fails verification writes no OUT."""
 
 from __future__ import annotations
 
@@ -121,6 +122,17 @@ def test_quantize(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     else:
         assert shards == [], "OUT appears only once it is verified"
         assert line == f"moeprep: interrupted: {out} not written (no temp files left); the inputs are unchanged"
+
+
+def test_quantize_that_fails_verification_writes_nothing(model: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(moeprep.quant.verify.MAX_RELATIVE_ERROR, "Q8_0", 0.0)  # every requantized tensor fails
+    out = tmp_path / "q.gguf"
+    result = cli("quantize", model, out, "--attn", "Q8_0", "--threads", "2")
+    assert result.exit_code == 1, result.output
+    assert f"{out} was not written (it does not verify against the input)" in result.stdout
+    assert "verify: FAILED: 12 problem(s)" in result.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_quantize_in_a_terminal(model: Path, tmp_path: Path) -> None:
