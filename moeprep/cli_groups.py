@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import click
 
@@ -35,7 +36,7 @@ class UserErrorGroup(click.Group):
                 self.fail(e.format_message() + hint)
             except KeyboardInterrupt:
                 if os.environ.get("MOEPREP_DEBUG"):
-                    raise
+                    traceback.print_exc()  # where it was (click would print only "Aborted!")
                 click.echo(f"{self.prog}: interrupted: {outputs.summary()}", err=True)
                 sys.exit(INTERRUPTED)
 
