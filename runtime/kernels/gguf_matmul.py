@@ -112,18 +112,18 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
         b = tl.minimum(b, n_blocks - 1)
         blk = row_ptr + b[None, :, None] * S  # [BN, B, 1]
         for part in tl.static_range(V // P):
-            w = tl.reshape(DECODE(blk, part), (BN, B * P)).to(tl.bfloat16)
+            w = tl.reshape(DECODE(blk, part), (BN, B * P))
             col = tl.reshape(b[:, None] * V + part * P + lane, (B * P,))
-            xv = tl.load(x_ptr + x_row + col[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.bfloat16)
-            if DOT_IN_F32:  # the same bfloat16 operands, exactly widened
-                acc = tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            xv = tl.load(x_ptr + x_row + col[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
+            if DOT_IN_F32:
+                acc = tl.dot(xv.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
             else:
-                acc = tl.dot(xv, tl.trans(w), acc)
+                acc = tl.dot(xv.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
 
 
-# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as its raw uint16 bits and its tl.dot
-# multiplies those bits as integers, so there the GEMM widens its bfloat16 operands to float32 before the dot.
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as its raw uint16 bits, its tl.dot multiplies
+# those bits as integers and its float32 -> bfloat16 conversion truncates, so there the GEMM multiplies in float32.
 _INTERPRETED = not isinstance(_gemm_kernel, triton.runtime.JITFunction)
 
 

@@ -34,15 +34,15 @@ class GemmTiles:
 
 
 # Keyed by values per block: a 256-value K-quant block already gives a row 256 values per step.
-_GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=2), 32: GemvTiles(rows=4, blocks=16)}
-_GEMM_BY_BLOCK_VALUES = {256: GemmTiles(64, 64, 1), 32: GemmTiles(64, 64, 2)}
+GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=2), 32: GemvTiles(rows=4, blocks=16)}
+GEMM_BY_BLOCK_VALUES = {256: GemmTiles(64, 64, 1), 32: GemmTiles(64, 64, 2)}
 GEMV_OVERRIDES: dict[Q, GemvTiles] = {}
 GEMM_OVERRIDES: dict[Q, GemmTiles] = {}
 
 
 def gemv_tiles(qtype: Q, block_values: int) -> GemvTiles:
-    return GEMV_OVERRIDES.get(qtype) or _GEMV_BY_BLOCK_VALUES[block_values]
+    return GEMV_OVERRIDES.get(qtype) or GEMV_BY_BLOCK_VALUES[block_values]
 
 
 def gemm_tiles(qtype: Q, block_values: int) -> GemmTiles:
-    return GEMM_OVERRIDES.get(qtype) or _GEMM_BY_BLOCK_VALUES[block_values]
+    return GEMM_OVERRIDES.get(qtype) or GEMM_BY_BLOCK_VALUES[block_values]

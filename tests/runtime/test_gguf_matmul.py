@@ -1,0 +1,182 @@
+"""moerun.kernels.gguf_matmul against dequantize-then-matmul in float64, on fresh random GGUF bytes of every type.
+
+CI has no GPU, so there the kernels run in Triton's interpreter (numpy, on the CPU): tests/conftest.py sets
+TRITON_INTERPRET=1 on machines without CUDA before anything imports triton. The interpreter costs about a millisecond
+per Triton operation per program, so on the CPU the tiles are widened to cover a whole test matrix in one program
+(`wide_tiles`); `test_production_tiles` runs the tiles tuning.py ships, on fewer rows. Where CUDA is available the
+same tests run compiled, on the GPU, with the shipped tiles.
+
+Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and u = 2**-24 (float32 rounding):
+- the decoded weights equal the reference's float32 values exactly (every scale product is exact; see qtypes.py), so
+  the matrix-vector kernel only rounds its float32 products and sums: |y - ref| <= (C + 1) u S (C = columns, the
+  classic bound for a sum of C rounded products in any order), tested with a factor 2 to spare;
+- the GEMM rounds x and w to bfloat16 on the GPU (to nearest, as torch's .bfloat16() does) and accumulates in float32,
+  so there it is compared with the float64 product of the same bfloat16 operands, within the same bound; the
+  interpreter multiplies float32 operands (gguf_matmul._INTERPRETED says why), so on the CPU no operand is rounded.
+Random data are never zeros; a wrong nibble, scale or row order misses these bounds by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from moerun.kernels import dequant, tuning
+from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, group_by_slot, supports
+from moerun.kernels.qtypes import BLOCK_TYPES
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+U = 2.0 ** -24
+FIRST_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4]
+# Byte offsets of each block's fp16 scale fields (ggml-common.h); the other bytes may hold anything.
+FP16_FIELDS: dict[Q, tuple[int, ...]] = {
+    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.Q4_0: (0,), Q.MXFP4: (), Q.IQ4_XS: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2),
+}
+PLAIN_FLOATS = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}
+# Columns per type: not powers of two where the block size allows (3 K-quant blocks; 25 blocks of 32).
+COLS = {256: 768, 32: 800}
+
+
+@pytest.fixture
+def wide_tiles(monkeypatch):
+    """Tiles covering the test matrices in one program each (the interpreter's cost is per program)."""
+    if DEVICE != "cpu":
+        return
+    monkeypatch.setattr(tuning, "GEMV_BY_BLOCK_VALUES",
+                        {256: tuning.GemvTiles(rows=64, blocks=4), 32: tuning.GemvTiles(rows=64, blocks=32)})
+    monkeypatch.setattr(tuning, "GEMM_BY_BLOCK_VALUES",
+                        {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)})
+
+
+def random_weights(qtype: Q, lead: tuple[int, ...], cols: int, rng: np.random.Generator) -> torch.Tensor:
+    """[*lead, row_bytes] uint8 of valid random blocks with scales of moderate size (random signs), never zero."""
+    n_rows = int(np.prod(lead))
+    if qtype in PLAIN_FLOATS:
+        values = torch.from_numpy(rng.standard_normal((n_rows, cols), dtype=np.float32)).to(PLAIN_FLOATS[qtype])
+        return values.view(torch.uint8).reshape(*lead, -1).clone()
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n_rows, cols // block_values, block_bytes), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        scale = rng.choice([-1.0, 1.0], blocks.shape[:-1]) * 2.0 ** rng.uniform(-8, -4, blocks.shape[:-1])
+        blocks[..., offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:-1], 2)
+    if qtype == Q.MXFP4:
+        blocks[..., 0] = rng.integers(118, 128, blocks.shape[:-1])  # E8M0 exponents 2**-9 .. 2**0
+    return torch.from_numpy(blocks.reshape(*lead, -1))
+
+
+def dequantized(data: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
+    """The reference weights, float64: moerun's torch dequantizers, gguf-py's for the types they lack (IQ4_XS)."""
+    if dequant.supports(qtype):
+        return dequant.dequantize(data, qtype, cols).double()
+    return torch.from_numpy(gguf_dequantize(data.numpy(), qtype).astype(np.float64))
+
+
+def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bfloat16_operands: bool) -> None:
+    """y (T, N) against x (T, C) @ w (N, C).T in float64 within (C + 1) u S, doubled (module docstring)."""
+    if bfloat16_operands:
+        x, w = x.bfloat16(), w.float().bfloat16()
+    x, w = x.double(), w.double()
+    ref = x @ w.T
+    bound = 2 * (x.shape[1] + 1) * U * (x.abs() @ w.abs().T)
+    y = y.cpu().double()
+    assert y.shape == ref.shape and torch.isfinite(y).all()
+    excess = (y - ref).abs() / bound
+    assert excess.max() <= 1, (f"{int((excess > 1).sum())} of {excess.numel()} outputs out of bound; worst at "
+                               f"{np.unravel_index(int(excess.argmax()), excess.shape)}: x{float(excess.max()):.1f}")
+
+
+def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype=torch.float32) -> None:
+    cols = COLS[BLOCK_TYPES[qtype].values]
+    data = random_weights(qtype, (rows,), cols, rng)
+    x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32)).to(x_dtype)
+    w = QWeight(data.to(DEVICE), qtype, rows, cols)
+    y = gguf_mm(x.to(DEVICE), w)
+    assert y.dtype == torch.float32 and y.shape == (n_tokens, rows)
+    gemm_on_gpu = DEVICE == "cuda" and n_tokens > tuning.GEMV_MAX_TOKENS
+    assert_close(y, x, dequantized(data, qtype, cols), bfloat16_operands=gemm_on_gpu)
+
+
+def test_supported_types() -> None:
+    assert all(supports(q) for q in [*FIRST_TYPES, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.F16,
+                                             Q.BF16])
+    assert not supports(Q.IQ2_XXS)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 64])
+@pytest.mark.parametrize("qtype", list(FP16_FIELDS) + list(PLAIN_FLOATS), ids=lambda q: q.name)
+def test_every_type(wide_tiles, qtype: Q, n_tokens: int) -> None:
+    """Matrix-vector (T=1) and GEMM (T=64) on 40 rows."""
+    run_mm(qtype, n_tokens, rows=40, rng=np.random.default_rng([int(qtype), n_tokens]))
+
+
+@pytest.mark.parametrize("n_tokens", [3, 8, 300])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_token_counts(wide_tiles, qtype: Q, n_tokens: int) -> None:
+    """Padded token groups in the matrix-vector kernel (3, 8) and several token blocks in the GEMM (300)."""
+    run_mm(qtype, n_tokens, rows=24, rng=np.random.default_rng([int(qtype), n_tokens, 1]))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, 40])
+def test_bfloat16_input(wide_tiles, n_tokens: int) -> None:
+    run_mm(Q.Q4_K, n_tokens, rows=24, rng=np.random.default_rng(n_tokens), x_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("n_tokens", [2, 20])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_production_tiles(qtype: Q, n_tokens: int) -> None:
+    """tuning.py's own tiles: several programs per matrix, a partial last row tile and a partial last K step."""
+    rows = tuning.gemv_tiles(qtype, BLOCK_TYPES[qtype].values).rows * 2 + 3
+    run_mm(qtype, n_tokens, rows=rows, rng=np.random.default_rng([int(qtype), n_tokens, 2]))
+
+
+@pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
+@pytest.mark.parametrize("n_tokens", [3, 21])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0, Q.MXFP4], ids=lambda q: q.name)
+def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
+    """Decode (3 tokens: a program per (t, k)) and prefill (21 tokens: grouped by slot) on a bank of 6 slots, with
+    experts repeated across tokens, -1 (skipped) slots, and a slot no token uses."""
+    rng = np.random.default_rng([int(qtype), n_tokens, shared_input])
+    n_slots, k, rows = 6, 4, 24
+    cols = COLS[BLOCK_TYPES[qtype].values]
+    bank = random_weights(qtype, (n_slots, rows), cols, rng)
+    slots = torch.from_numpy(rng.permuted(np.tile(np.arange(-1, n_slots - 1), (n_tokens, 1)), axis=1)[:, :k])
+    slots = slots.to(torch.int32)  # slot n_slots - 1 is never used; -1 appears in about 1 of 6 places
+    x_shape = (n_tokens, cols) if shared_input else (n_tokens, k, cols)
+    x = torch.from_numpy(rng.standard_normal(x_shape, dtype=np.float32))
+    w = QWeight(bank.to(DEVICE), qtype, rows, cols)
+    y = gguf_moe(x.to(DEVICE), w, slots.to(DEVICE)).cpu()
+    assert y.shape == (n_tokens, k, rows) and y.dtype == torch.float32
+    weights = dequantized(bank, qtype, cols)  # [E, N, C]
+    xs = x[:, None, :].expand(n_tokens, k, cols) if shared_input else x
+    grouped = DEVICE == "cuda" and n_tokens > tuning.GEMV_MAX_TOKENS
+    for t in range(n_tokens):
+        for j in range(k):
+            slot = int(slots[t, j])
+            if slot < 0:
+                assert (y[t, j] == 0).all()
+            else:
+                assert_close(y[t, j][None], xs[t, j][None], weights[slot], bfloat16_operands=grouped)
+
+
+def test_group_by_slot_shapes_and_contents() -> None:
+    """Every kept pair exactly once, in blocks of one slot; sizes from T*K, E and BM alone (no host sync needed)."""
+    rng = np.random.default_rng(7)
+    n_slots, block_m = 9, 4
+    shapes = set()
+    for _ in range(5):
+        slots = torch.from_numpy(rng.integers(-1, n_slots, (13, 3))).to(torch.int32)
+        ids, block_slot = group_by_slot(slots, n_slots, block_m)
+        shapes.add((ids.shape, block_slot.shape))
+        flat = slots.reshape(-1)
+        kept = ids[ids >= 0]
+        assert sorted(kept.tolist()) == (flat >= 0).nonzero().reshape(-1).tolist()
+        for b, slot in enumerate(block_slot.tolist()):
+            members = ids[b * block_m:(b + 1) * block_m]
+            members = members[members >= 0]
+            assert (flat[members] == slot).all() and (slot >= 0 or len(members) == 0)
+    assert len(shapes) == 1
