@@ -4,25 +4,33 @@ rewrite, each checked against llama.cpp (llama-cpp-python 0.3.36 runs glm5-next)
 from __future__ import annotations
 
 import ctypes
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 
+import moerun
 from moeprep.cli import main
+from moeprep.errors import MoeprepError
 from moeprep.gguf.dialect import DIALECTS, rename_architecture
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.roles import QuantLimit, TensorRole, quant_limit, role_table, tensor_role
-from moeprep.synth import write_synth_model
+from moeprep.synth import synth_config, write_synth_model
+from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
-from moeprep.synth import synth_config
-from tests.oracle import _backend, llama_quantize
+from moerun.step import Step
+from moerun.tokenizer import Tokenizer
+from tests.oracle import GGMLTensor, _backend, _ggml_base, llama_quantize
 
 R = TensorRole
 TOKENS = list(range(1, 25))
+N_POSITIONS = 256
 # One name of each kind, as llama.cpp's glm5-next loader names them (src/models/glm5-next.cpp).
 ROLES = {
     "blk.0.hc_attn_fn.weight": R.OTHER, "blk.0.hc_ffn_base.weight": R.OTHER, "blk.0.hc_attn_scale.weight": R.OTHER,
@@ -171,3 +179,132 @@ def test_to_mainline_refuses_other_architectures(tmp_path: Path) -> None:
     result = run("to-mainline", src, tmp_path / "out.gguf")
     assert result.exit_code == 2 and "not a fork dialect" in result.output
     assert not (tmp_path / "out.gguf").exists()
+
+
+# --- moerun against llama.cpp -----------------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaRun:
+    logits: np.ndarray  # (T, V)
+    topk: dict[int, np.ndarray]  # MoE layer -> (T, K) chosen experts
+    streams: dict[int, np.ndarray]  # layer -> (T, 4, D): llama.cpp's l_out, the 4 residual streams
+
+
+def llama_run(path: Path, tokens: list[int]) -> LlamaRun:
+    """tokens in one batch from position 0, F32 KV cache, no flash attention; records ffn_moe_topk-N and the 4-stream
+    l_out-N through the graph callback (as tests/oracle.llama_eval does for one-stream models)."""
+    _backend()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    assert model
+    topk: dict[int, np.ndarray] = {}
+    streams: dict[int, np.ndarray] = {}
+
+    def layer_of(name: bytes, prefix: bytes) -> int | None:
+        rest = name[len(prefix):]
+        return int(rest) if name.startswith(prefix) and rest.isdigit() else None
+
+    @llama_cpp.ggml_backend_sched_eval_callback
+    def on_tensor(tensor_p, ask, user_data):
+        t = GGMLTensor.from_address(tensor_p)
+        k_layer, l_layer = layer_of(t.name, b"ffn_moe_topk-"), layer_of(t.name, b"l_out-")
+        if ask:
+            return k_layer is not None or l_layer is not None
+        if k_layer is not None:
+            rows = np.empty((t.ne[1], t.ne[0]), dtype=np.int32)
+            for r in range(t.ne[1]):
+                _ggml_base().ggml_backend_tensor_get(tensor_p, rows[r].ctypes.data, r * t.nb[1], t.ne[0] * 4)
+            topk[k_layer] = rows
+        elif l_layer is not None:
+            out = np.empty((t.ne[2], t.ne[1], t.ne[0]), dtype=np.float32)
+            _ggml_base().ggml_backend_tensor_get(tensor_p, out.ctypes.data, 0, out.nbytes)
+            streams[l_layer] = out
+        return True
+
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = max(256, -(-len(tokens) // 256) * 256)
+    cparams.n_threads = cparams.n_threads_batch = 2
+    cparams.type_k = cparams.type_v = 0  # F32
+    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cparams.cb_eval = on_tensor
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, True
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = len(tokens)
+        assert llama_cpp.llama_decode(ctx, batch) == 0
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(len(tokens) * n_vocab,))
+        logits = logits.reshape(len(tokens), n_vocab).copy()
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return LlamaRun(logits, topk, streams)
+
+
+@pytest.fixture(scope="module")
+def calibration_tokens() -> list[int]:
+    return list(Tokenizer(open_gguf(write_synth_model(Path(tempfile.mkdtemp()) / "t.gguf", "qwen3moe")))
+                .encode(CALIBRATION_PATH.read_text(encoding="utf-8"))[:N_POSITIONS])
+
+
+@pytest.mark.parametrize("weights", ["F32", "F16"])
+def test_moerun_matches_llama_cpp(weights: str, calibration_tokens: list[int], tmp_path: Path) -> None:
+    """Logits within 1e-3 relative, the same top-1 token and the same experts at every (token, MoE layer); and each
+    block, fed llama.cpp's 4 streams, gives llama.cpp's next streams."""
+    path = write_synth_model(tmp_path / "g.gguf", "glm5-next", expert_type=weights, attn_type=weights, skew=0.3)
+    model = moerun.load_model(path)
+    ref = llama_run(path, calibration_tokens)
+    experts: dict[int, np.ndarray] = {}
+    handle = model.add_routing_hook(lambda ev: experts.__setitem__(ev.layer, ev.expert_ids.numpy()))
+    ours = model.forward(torch.tensor(calibration_tokens)).numpy()
+    handle.remove()
+    error = np.abs(ours - ref.logits).max()
+    assert error / np.abs(ref.logits).max() <= 1e-3
+    # top-1 where llama.cpp's best logit leads by more than twice the largest difference (F16 has a 2e-5 near-tie)
+    top2 = np.sort(ref.logits, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * error
+    assert clear.mean() > 0.9 and (ours.argmax(-1) == ref.logits.argmax(-1))[clear].all()
+    assert sorted(experts) == sorted(ref.topk) == [1, 2, 3, 4]
+    for layer, ids in ref.topk.items():
+        assert all(set(a) == set(b) for a, b in zip(experts[layer], ids)), f"layer {layer} chose other experts"
+    net, T = model.net, len(calibration_tokens)
+    step = Step(torch.arange(T), n_slots=T)
+    with torch.inference_mode():
+        for layer, block in enumerate(net.blocks[:-1]):  # the last one returns the mean of its streams
+            x = net.embed[torch.tensor(calibration_tokens)] if layer == 0 else torch.from_numpy(ref.streams[layer - 1])
+            got, want = block(x, step).numpy(), ref.streams[layer]
+            assert np.abs(got - want).max() / np.abs(want).max() <= 1e-3, f"block {layer}"
+
+
+def test_cached_decode_equals_prefill(calibration_tokens: list[int], tmp_path: Path) -> None:
+    """Chunks, then single tokens, carry the KDA convolution and recurrent state and the MLA cache; position 0
+    starts over; two sequences side by side in one batch keep their own states."""
+    model = moerun.load_model(write_synth_model(tmp_path / "g.gguf", "glm5-next", expert_type="F32", attn_type="F32"),
+                              n_seq=2)
+    tokens = torch.tensor(calibration_tokens[:40])
+    full = model.forward(tokens)
+    pieces = [model.forward(tokens[:24], 0), model.forward(tokens[24:32], 24)]
+    pieces += [model.forward(tokens[i:i + 1], i) for i in range(32, 40)]
+    tol = dict(rtol=1e-4, atol=1e-4 * full.abs().max().item())
+    torch.testing.assert_close(torch.cat(pieces), full, **tol)
+    torch.testing.assert_close(model.forward(tokens[:24], 0), full[:24], **tol)
+    other = torch.tensor(calibration_tokens[100:140])
+    other_full = model.forward(other, 0, seq=1)
+    model.forward(tokens[:30], 0, seq=0)
+    model.forward(other[:30], 0, seq=1)
+    batched = [model.forward_batch(torch.stack([tokens[i], other[i]]), torch.tensor([i, i]), torch.tensor([0, 1]))
+               for i in range(30, 40)]
+    torch.testing.assert_close(torch.stack([b[0] for b in batched]), full[30:40], **tol)
+    torch.testing.assert_close(torch.stack([b[1] for b in batched]), other_full[30:40], **tol)
+
+
+def test_sparse_contexts_are_refused(tmp_path: Path) -> None:
+    model = moerun.load_model(write_synth_model(tmp_path / "g.gguf", "glm5-next"), n_ctx=2100)
+    with pytest.raises(MoeprepError, match="sparse DSA indexer"):
+        model.forward(torch.zeros(2, dtype=torch.long), start_pos=2050)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from types import ModuleType
 
 from moeprep.errors import MoeprepError
-from moerun.models import deepseek2, glm4moe, gpt_oss, llama, olmoe, qwen2moe, qwen3moe
+from moerun.models import deepseek2, glm4moe, glm5_next, gpt_oss, llama, olmoe, qwen2moe, qwen3moe
 
 ARCHS: dict[str, ModuleType] = {
     "deepseek2": deepseek2,
     "glm4moe": glm4moe,
+    "glm5-next": glm5_next,
     "gpt-oss": gpt_oss,
     "llama": llama,
     "olmoe": olmoe,

@@ -29,6 +29,8 @@ from moerun.models import ARCHS
 from tests.oracle import llama_eval
 
 ARCH_NAMES = sorted(ARCHS)
+# glm5-next's l_out holds 4 residual streams, which llama_eval reads as one: tests/test_glm5_next.py compares it.
+ONE_STREAM_ARCHS = [arch for arch in ARCH_NAMES if arch != "glm5-next"]
 N_POSITIONS = 256
 
 
@@ -119,7 +121,7 @@ def test_cached_decode_equals_uncached(arch, synth_model, calibration_text):
 
 
 @pytest.mark.parametrize("weights", ["F32", "F16"])
-@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("arch", ONE_STREAM_ARCHS)
 def test_matches_llama_cpp(arch, weights, synth_model, calibration_text):
     c = compare(synth_model(arch, expert_type=weights, attn_type=weights), calibration_text)
     assert c.rel_error <= 1e-3, f"logits differ from llama.cpp's: relative error {c.rel_error:.2e}"
