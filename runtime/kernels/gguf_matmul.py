@@ -138,13 +138,14 @@ def _block_type(w: QWeight) -> BlockType:
 
 def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
           slots: torch.Tensor | None) -> None:
-    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values)
+    group = triton.next_power_of_2(tokens)
+    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, bt.part, group)
     row_bytes = w.data.shape[-1]
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](
         x, w.data, x if slots is None else slots, out, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
         w.cols, x_div, tokens,
-        DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=triton.next_power_of_2(tokens),
+        DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
         R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, num_warps=tiles.num_warps)
 
 

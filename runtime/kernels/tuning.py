@@ -40,8 +40,18 @@ GEMV_OVERRIDES: dict[Q, GemvTiles] = {}
 GEMM_OVERRIDES: dict[Q, GemmTiles] = {}
 
 
-def gemv_tiles(qtype: Q, block_values: int) -> GemvTiles:
-    return GEMV_OVERRIDES.get(qtype) or GEMV_BY_BLOCK_VALUES[block_values]
+# The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
+GEMV_ACCUMULATORS_PER_THREAD = 64
+
+
+def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int) -> GemvTiles:
+    """The type's tiles, with fewer blocks (then rows) per step when `tokens` accumulators per value would spill."""
+    tiles = GEMV_OVERRIDES.get(qtype) or GEMV_BY_BLOCK_VALUES[block_values]
+    rows, blocks = tiles.rows, tiles.blocks
+    budget = GEMV_ACCUMULATORS_PER_THREAD * 32 * tiles.num_warps
+    while tokens * rows * blocks * part_values > budget and rows * blocks > 1:
+        rows, blocks = (rows, blocks // 2) if blocks > 1 else (rows // 2, blocks)
+    return GemvTiles(rows, blocks, tiles.num_warps)
 
 
 def gemm_tiles(qtype: Q, block_values: int) -> GemmTiles:

@@ -47,8 +47,9 @@ def wide_tiles(monkeypatch):
     """Tiles covering the test matrices in one program each (the interpreter's cost is per program)."""
     if DEVICE != "cpu":
         return
-    monkeypatch.setattr(tuning, "GEMV_BY_BLOCK_VALUES",
-                        {256: tuning.GemvTiles(rows=64, blocks=4), 32: tuning.GemvTiles(rows=64, blocks=32)})
+    # num_warps means nothing to the interpreter, but sizes the accumulator budget that tuning.gemv_tiles keeps to
+    monkeypatch.setattr(tuning, "GEMV_BY_BLOCK_VALUES", {256: tuning.GemvTiles(rows=64, blocks=4, num_warps=32),
+                                                         32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32)})
     monkeypatch.setattr(tuning, "GEMM_BY_BLOCK_VALUES",
                         {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)})
 
@@ -130,7 +131,8 @@ def test_bfloat16_input(wide_tiles, n_tokens: int) -> None:
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
 def test_production_tiles(qtype: Q, n_tokens: int) -> None:
     """tuning.py's own tiles: several programs per matrix, a partial last row tile and a partial last K step."""
-    rows = tuning.gemv_tiles(qtype, BLOCK_TYPES[qtype].values).rows * 2 + 3
+    bt = BLOCK_TYPES[qtype]
+    rows = tuning.gemv_tiles(qtype, bt.values, bt.part, n_tokens).rows * 2 + 3
     run_mm(qtype, n_tokens, rows=rows, rng=np.random.default_rng([int(qtype), n_tokens, 2]))
 
 

@@ -1,0 +1,229 @@
+"""Speed of moerun's GGUF matmul kernels (runtime/kernels/gguf_matmul.py) on one GPU, next to torch's bfloat16 peer.
+
+    python bench/bench_gguf_matmul.py [--sweep] [--json FILE]
+
+Prints, from one run:
+- the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
+- matrix-vector products (T = 1 and 8 tokens) of a 4096x4096 weight in Q4_K, Q8_0, Q6_K, Q4_0: GB/s of weight bytes;
+- grouped MoE decode, 8 of 128 experts (distinct), one token: 2048x768 and 768x2048 in Q4_K (Qwen3-30B-A3B shape),
+  4096x1408 in Q4_K and 1408x4096 in Q4_0 (the 60 GB benchmark shape); shapes are GGUF's (columns x rows);
+- prefill GEMM at T = 512: TFLOP/s for the 4096x4096 weight and the grouped experts (8 of 128 per token);
+- the peer on every shape: torch bfloat16 F.linear (dense) or bmm over the 8 experts' pre-stacked bfloat16 weights.
+Weights are random bytes (timing does not depend on the values; tests/runtime/test_gguf_matmul.py checks results).
+Every timed call reads weights that are not in L2: the calls rotate over enough copies (or experts) to pass 200 MB.
+Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
+step), median of --repeat replays after a warm-up. --sweep first times a few GEMV/GEMM tile shapes per type and uses
+the fastest (to copy into runtime/kernels/tuning.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from gguf import GGMLQuantizationType as Q
+
+from moerun.kernels import tuning
+from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe
+from moerun.kernels.qtypes import BLOCK_TYPES
+
+ROTATE_BYTES = 200 << 20  # more than the H200's 50 MB L2, several times over
+DENSE = (4096, 4096)  # (rows, cols)
+DENSE_TYPES = (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q4_0)
+# name, qtype, (rows, cols), input per (t, k)?
+MOE_SHAPES = (
+    ("30B gate/up 2048x768", Q.Q4_K, (768, 2048), False),
+    ("30B down 768x2048", Q.Q4_K, (2048, 768), True),
+    ("60GB gate/up 4096x1408", Q.Q4_K, (1408, 4096), False),
+    ("60GB down 1408x4096", Q.Q4_0, (4096, 1408), True),
+)
+N_EXPERTS, TOP_K, PREFILL_T = 128, 8, 512
+
+
+def graph_seconds(calls: list[Callable[[], object]], repeat: int) -> float:
+    """Seconds per call: a CUDA graph of all calls, replayed; median over replays."""
+    for call in calls:  # compile and warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def guarded(measure: Callable[..., dict], *args) -> dict:
+    """A failing measurement reports its error instead of ending the run (one GPU call measures everything)."""
+    try:
+        return measure(*args)
+    except Exception as e:  # noqa: BLE001
+        print(f"  {measure.__name__}{args}: {type(e).__name__}: {str(e)[:300]}")
+        return {"error": str(e)[:300], "us": float("nan"), "GB/s": float("nan"), "TFLOP/s": float("nan")}
+
+
+def copy_bandwidth(repeat: int) -> float:
+    n = 2 << 30
+    src, dst = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8,
+                                                                                       device="cuda")
+    return 2 * n / graph_seconds([lambda: dst.copy_(src)], repeat) / 1e9
+
+
+def random_bank(qtype: Q, n: int, rows: int, cols: int) -> torch.Tensor:
+    bt = BLOCK_TYPES[qtype]
+    return torch.randint(0, 256, (n, rows, cols // bt.values * bt.nbytes), dtype=torch.uint8, device="cuda")
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-ROTATE_BYTES // nbytes))
+
+
+def dense_gemv(qtype: Q, n_tokens: int, repeat: int) -> dict:
+    rows, cols = DENSE
+    bank = random_bank(qtype, 1, rows, cols)[0]
+    weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
+    x = torch.randn(n_tokens, cols, device="cuda")
+    t = graph_seconds([lambda w=w: gguf_mm(x, w) for w in weights], repeat)
+    return {"us": t * 1e6, "GB/s": bank.numel() / t / 1e9}
+
+
+def dense_peer(n_tokens: int, repeat: int) -> dict:
+    rows, cols = DENSE
+    weights = [torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(rows * cols * 2))]
+    x = torch.randn(n_tokens, cols, device="cuda", dtype=torch.bfloat16)
+    t = graph_seconds([lambda w=w: F.linear(x, w) for w in weights], repeat)
+    return {"us": t * 1e6, "GB/s": rows * cols * 2 / t / 1e9, "TFLOP/s": 2 * n_tokens * rows * cols / t / 1e12}
+
+
+def moe_inputs(n_tokens: int, cols: int, per_pair: bool, n_calls: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = torch.randn((n_tokens, TOP_K, cols) if per_pair else (n_tokens, cols), device="cuda")
+    slots = [torch.rand(n_tokens, N_EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].to(torch.int32)
+             for _ in range(n_calls)]
+    return x, slots
+
+
+def moe(qtype: Q, shape: tuple[int, int], per_pair: bool, n_tokens: int, repeat: int) -> dict:
+    rows, cols = shape
+    w = QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols)
+    expert_bytes = w.data[0].numel()
+    x, slots = moe_inputs(n_tokens, cols, per_pair, n_calls=16)
+    t = graph_seconds([lambda s=s: gguf_moe(x, w, s) for s in slots], repeat)
+    return {"us": t * 1e6, "GB/s": TOP_K * expert_bytes / t / 1e9,
+            "TFLOP/s": 2 * n_tokens * TOP_K * rows * cols / t / 1e12}
+
+
+def moe_peer_decode(shape: tuple[int, int], repeat: int) -> dict:
+    """bmm of one token's input with its 8 experts' bfloat16 weights, already stacked (the peer's best case)."""
+    rows, cols = shape
+    nbytes = TOP_K * rows * cols * 2
+    stacks = [torch.randn(TOP_K, cols, rows, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(nbytes))]
+    x = torch.randn(TOP_K, 1, cols, device="cuda", dtype=torch.bfloat16)
+    t = graph_seconds([lambda s=s: torch.bmm(x, s) for s in stacks], repeat)
+    return {"us": t * 1e6, "GB/s": nbytes / t / 1e9}
+
+
+def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
+    v = BLOCK_TYPES[qtype].values
+    shapes = [(2, 4), (4, 4), (8, 2), (8, 4), (16, 2)] if v == 256 else [(4, 8), (4, 16), (8, 8), (8, 16), (16, 8)]
+    results = []
+    for rows, blocks in shapes:
+        for warps in (4, 8):
+            tiles = tuning.GemvTiles(rows, blocks, warps)
+            tuning.GEMV_OVERRIDES[qtype] = tiles
+            results.append((guarded(dense_gemv, qtype, 1, repeat)["GB/s"], tiles))
+    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    tuning.GEMV_OVERRIDES[qtype] = best
+    return best, [(round(gbs), t.__dict__) for gbs, t in results]
+
+
+def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
+    v = BLOCK_TYPES[qtype].values
+    b = 1 if v == 256 else 4
+    candidates = [tuning.GemmTiles(64, 64, b, 4, 2), tuning.GemmTiles(64, 128, b, 4, 3),
+                  tuning.GemmTiles(128, 64, b, 4, 3), tuning.GemmTiles(128, 128, b, 8, 3),
+                  tuning.GemmTiles(64, 128, 2 * b, 8, 3)]
+    results = []
+    for tiles in candidates:
+        tuning.GEMM_OVERRIDES[qtype] = tiles
+        results.append((guarded(gemm, qtype, repeat)["TFLOP/s"], tiles))
+    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    tuning.GEMM_OVERRIDES[qtype] = best
+    return best, [(round(tf, 1), t.__dict__) for tf, t in results]
+
+
+def gemm(qtype: Q, repeat: int) -> dict:
+    rows, cols = DENSE
+    bank = random_bank(qtype, 1, rows, cols)[0]
+    weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
+    x = torch.randn(PREFILL_T, cols, device="cuda", dtype=torch.bfloat16)
+    t = graph_seconds([lambda w=w: gguf_mm(x, w) for w in weights], repeat)
+    return {"us": t * 1e6, "TFLOP/s": 2 * PREFILL_T * rows * cols / t / 1e12}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    r = args.repeat
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    results["copy GB/s"] = copy = copy_bandwidth(r)
+    print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
+    if args.sweep:
+        for qtype in DENSE_TYPES:
+            best, table = sweep_gemv(qtype, r)
+            results[f"sweep gemv {qtype.name}"] = table
+            print(f"sweep GEMV {qtype.name}: {table} -> {best}")
+        for qtype in (Q.Q4_K, Q.Q8_0):
+            best, table = sweep_gemm(qtype, r)
+            results[f"sweep gemm {qtype.name}"] = table
+            print(f"sweep GEMM {qtype.name}: {table} -> {best}")
+    rows = []
+    for n_tokens in (1, 8):
+        peer = guarded(dense_peer, n_tokens, r)
+        for qtype in DENSE_TYPES:
+            ours = guarded(dense_gemv, qtype, n_tokens, r)
+            rows.append((f"4096x4096 T={n_tokens}", qtype.name, ours, peer))
+    for name, qtype, shape, per_pair in MOE_SHAPES:
+        rows.append((f"{name} 8/128 T=1", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
+                     guarded(moe_peer_decode, shape, r)))
+    print(f"\n{'shape':34} {'type':6} {'us':>8} {'GB/s':>7} {'% copy':>7}   {'bf16 peer us':>12} {'GB/s':>7}")
+    for shape, qname, ours, peer in rows:
+        print(f"{shape:34} {qname:6} {ours['us']:8.1f} {ours['GB/s']:7.0f} {100 * ours['GB/s'] / copy:6.0f}%   "
+              f"{peer['us']:12.1f} {peer['GB/s']:7.0f}")
+        results[f"{shape} {qname}"] = {"ours": ours, "peer": peer}
+    peer = guarded(dense_peer, PREFILL_T, r)
+    print(f"\n{'prefill T=512':34} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
+    for qtype in DENSE_TYPES:
+        ours = guarded(gemm, qtype, r)
+        print(f"{'4096x4096':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
+              f"{peer['TFLOP/s']:8.1f}")
+        results[f"prefill 4096x4096 {qtype.name}"] = {"ours": ours, "peer": peer}
+    for name, qtype, shape, per_pair in MOE_SHAPES:
+        ours = guarded(moe, qtype, shape, per_pair, PREFILL_T, r)
+        print(f"{name + ' 8/128':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}")
+        results[f"prefill {name} {qtype.name}"] = {"ours": ours}
+    results["tiles"] = {"gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
+                        "gemm": {q.name: t.__dict__ for q, t in tuning.GEMM_OVERRIDES.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
