@@ -18,9 +18,11 @@ from gguf import GGMLQuantizationType as T
 import moerun
 from moeprep.cli import main
 from moeprep.errors import MoeprepError
+from moeprep.gguf.anatomy import describe_model
 from moeprep.gguf.dialect import DIALECTS, rename_architecture
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.roles import QuantLimit, TensorRole, quant_limit, role_table, tensor_role
+from moeprep.quant.plan import plan_requant
 from moeprep.synth import synth_config, write_synth_model
 from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
@@ -172,6 +174,18 @@ def test_unsloth_dialect_to_mainline(tmp_path: Path) -> None:
     assert [t.name for t in a.tensors] == [t.name for t in m.tensors]
     assert all(bytes(a.raw(t)) == bytes(m.raw(m.tensor(t.name))) for t in a.tensors)
     np.testing.assert_array_equal(llama_logits(out), llama_logits(mainline))
+
+
+def test_fork_dialect_plans_like_mainline(small_q8: Path, tmp_path: Path) -> None:
+    """inspect and quantize read an unsloth glm5next file as they read the mainline one."""
+    fork = tmp_path / "fork.gguf"
+    rename_architecture(open_gguf(small_q8), fork, "glm5next")
+    plans = [plan_requant(open_gguf(path), T.Q4_K) for path in (small_q8, fork)]
+    assert [(p.tensor.name, p.role, p.new_type) for p in plans[0].tensors] == \
+        [(p.tensor.name, p.role, p.new_type) for p in plans[1].tensors]
+    anatomy = describe_model(open_gguf(fork))
+    assert anatomy.arch_known and anatomy.roles["attention"].n_tensors == describe_model(
+        open_gguf(small_q8)).roles["attention"].n_tensors
 
 
 def test_to_mainline_refuses_other_architectures(tmp_path: Path) -> None:
