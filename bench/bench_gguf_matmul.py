@@ -140,11 +140,12 @@ def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
     v = BLOCK_TYPES[qtype].values
     shapes = [(2, 4), (4, 4), (8, 2), (8, 4), (16, 2)] if v == 256 else [(4, 8), (4, 16), (8, 8), (8, 16), (16, 8)]
     results = []
-    for rows, blocks in shapes:
-        for warps in (4, 8):
-            tiles = tuning.GemvTiles(rows, blocks, warps)
-            tuning.GEMV_OVERRIDES[qtype] = tiles
-            results.append((guarded(dense_gemv, qtype, 1, repeat)["GB/s"], tiles))
+    for tiles in [tuning.GemvTiles(rows, blocks, 4) for rows, blocks in shapes] + [None]:
+        if tiles is None:  # the best shape again with 8 warps
+            best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+            tiles = tuning.GemvTiles(best.rows, best.blocks, 8)
+        tuning.GEMV_OVERRIDES[qtype] = tiles
+        results.append((guarded(dense_gemv, qtype, 1, repeat)["GB/s"], tiles))
     best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
     tuning.GEMV_OVERRIDES[qtype] = best
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
@@ -158,10 +159,10 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
                   tuning.GemmTiles(64, 128, 2 * b, 8, 3)]
     results = []
     for tiles in candidates:
-        tuning.GEMM_OVERRIDES[qtype] = tiles
+        tuning.DENSE_GEMM_OVERRIDES[qtype] = tiles
         results.append((guarded(gemm, qtype, repeat)["TFLOP/s"], tiles))
     best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
-    tuning.GEMM_OVERRIDES[qtype] = best
+    tuning.DENSE_GEMM_OVERRIDES[qtype] = best
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
@@ -188,38 +189,38 @@ def main() -> None:
         for qtype in DENSE_TYPES:
             best, table = sweep_gemv(qtype, r)
             results[f"sweep gemv {qtype.name}"] = table
-            print(f"sweep GEMV {qtype.name}: {table} -> {best}")
+            print(f"sweep GEMV {qtype.name}: {table} -> {best}", flush=True)
         for qtype in (Q.Q4_K, Q.Q8_0):
             best, table = sweep_gemm(qtype, r)
             results[f"sweep gemm {qtype.name}"] = table
-            print(f"sweep GEMM {qtype.name}: {table} -> {best}")
-    rows = []
+            print(f"sweep GEMM {qtype.name}: {table} -> {best}", flush=True)
+    print(f"\n{'shape':34} {'type':6} {'us':>8} {'GB/s':>7} {'% copy':>7}   {'bf16 peer us':>12} {'GB/s':>7}")
+
+    def report(shape: str, qname: str, ours: dict, peer: dict) -> None:
+        print(f"{shape:34} {qname:6} {ours['us']:8.1f} {ours['GB/s']:7.0f} {100 * ours['GB/s'] / copy:6.0f}%   "
+              f"{peer['us']:12.1f} {peer['GB/s']:7.0f}", flush=True)
+        results[f"{shape} {qname}"] = {"ours": ours, "peer": peer}
+
     for n_tokens in (1, 8):
         peer = guarded(dense_peer, n_tokens, r)
         for qtype in DENSE_TYPES:
-            ours = guarded(dense_gemv, qtype, n_tokens, r)
-            rows.append((f"4096x4096 T={n_tokens}", qtype.name, ours, peer))
+            report(f"4096x4096 T={n_tokens}", qtype.name, guarded(dense_gemv, qtype, n_tokens, r), peer)
     for name, qtype, shape, per_pair in MOE_SHAPES:
-        rows.append((f"{name} 8/128 T=1", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
-                     guarded(moe_peer_decode, shape, r)))
-    print(f"\n{'shape':34} {'type':6} {'us':>8} {'GB/s':>7} {'% copy':>7}   {'bf16 peer us':>12} {'GB/s':>7}")
-    for shape, qname, ours, peer in rows:
-        print(f"{shape:34} {qname:6} {ours['us']:8.1f} {ours['GB/s']:7.0f} {100 * ours['GB/s'] / copy:6.0f}%   "
-              f"{peer['us']:12.1f} {peer['GB/s']:7.0f}")
-        results[f"{shape} {qname}"] = {"ours": ours, "peer": peer}
+        report(f"{name} 8/128 T=1", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
+               guarded(moe_peer_decode, shape, r))
     peer = guarded(dense_peer, PREFILL_T, r)
     print(f"\n{'prefill T=512':34} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
     for qtype in DENSE_TYPES:
         ours = guarded(gemm, qtype, r)
         print(f"{'4096x4096':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
-              f"{peer['TFLOP/s']:8.1f}")
+              f"{peer['TFLOP/s']:8.1f}", flush=True)
         results[f"prefill 4096x4096 {qtype.name}"] = {"ours": ours, "peer": peer}
     for name, qtype, shape, per_pair in MOE_SHAPES:
         ours = guarded(moe, qtype, shape, per_pair, PREFILL_T, r)
-        print(f"{name + ' 8/128':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}")
+        print(f"{name + ' 8/128':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
         results[f"prefill {name} {qtype.name}"] = {"ours": ours}
     results["tiles"] = {"gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
-                        "gemm": {q.name: t.__dict__ for q, t in tuning.GEMM_OVERRIDES.items()}}
+                        "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -172,7 +172,7 @@ def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     if n_tokens <= tuning.GEMV_MAX_TOKENS:
         _gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None)
     else:
-        _gemm(x, w, bt, out, n_tokens, 1, None, tuning.gemm_tiles(Q(w.qtype), bt.values))
+        _gemm(x, w, bt, out, n_tokens, 1, None, tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=False))
     return out
 
 
@@ -223,7 +223,7 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor) -> torch.Tensor:
         _gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
-        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values)
+        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True)
         grouped = group_by_slot(slots, w.data.shape[0], tiles.block_m)
         _gemm(x, w, bt, out, n_tokens * k, x_div, grouped, tiles)
     return out.view(n_tokens, k, w.rows)

@@ -33,11 +33,16 @@ class GemmTiles:
     num_stages: int = 2
 
 
-# Keyed by values per block: a 256-value K-quant block already gives a row 256 values per step.
-GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=2), 32: GemvTiles(rows=4, blocks=16)}
+# Measured on an H200 (Triton 3.6; bench/bench_gguf_matmul.py --sweep, docs/BENCHMARKS.md), 4096x4096, T=1: the
+# fastest of 2-16 rows x 2-16 blocks, 4 or 8 warps. Keyed by values per block; types not swept take their size's.
+GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=4), 32: GemvTiles(rows=8, blocks=16)}
+GEMV_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_0: GemvTiles(rows=8, blocks=16, num_warps=8)}
+# GEMM, T=512: 128x128 tiles, 8 warps, 3 stages ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0), but the
+# grouped kernel (token rows gathered through the ids) asked for 303 KB of shared memory there (the H200 has 227 KB),
+# so it keeps the 64x64 tiles, measured on it; Q6_K and Q4_0 were not swept and keep them too.
 GEMM_BY_BLOCK_VALUES = {256: GemmTiles(64, 64, 1), 32: GemmTiles(64, 64, 2)}
-GEMV_OVERRIDES: dict[Q, GemvTiles] = {}
-GEMM_OVERRIDES: dict[Q, GemmTiles] = {}
+DENSE_GEMM_OVERRIDES: dict[Q, GemmTiles] = {Q.Q4_K: GemmTiles(128, 128, 1, num_warps=8, num_stages=3),
+                                            Q.Q8_0: GemmTiles(128, 128, 4, num_warps=8, num_stages=3)}
 
 
 # The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
@@ -54,5 +59,5 @@ def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int) -> Ge
     return GemvTiles(rows, blocks, tiles.num_warps)
 
 
-def gemm_tiles(qtype: Q, block_values: int) -> GemmTiles:
-    return GEMM_OVERRIDES.get(qtype) or GEMM_BY_BLOCK_VALUES[block_values]
+def gemm_tiles(qtype: Q, block_values: int, grouped: bool) -> GemmTiles:
+    return (None if grouped else DENSE_GEMM_OVERRIDES.get(qtype)) or GEMM_BY_BLOCK_VALUES[block_values]

@@ -50,6 +50,7 @@ def wide_tiles(monkeypatch):
     # num_warps means nothing to the interpreter, but sizes the accumulator budget that tuning.gemv_tiles keeps to
     monkeypatch.setattr(tuning, "GEMV_BY_BLOCK_VALUES", {256: tuning.GemvTiles(rows=64, blocks=4, num_warps=32),
                                                          32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32)})
+    monkeypatch.setattr(tuning, "DENSE_GEMM_OVERRIDES", {})
     monkeypatch.setattr(tuning, "GEMM_BY_BLOCK_VALUES",
                         {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)})
 
