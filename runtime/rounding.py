@@ -4,33 +4,109 @@ ggml converts the activations to the weight type's `vec_dot_type` first: F16 wei
 block-quantized weights meet 8-bit blocks (Q8_0: 32 values and an F16 scale; Q8_K: 256 values and an F32 scale,
 for the K-quants). Rounding our float32 inputs the same way makes near-tied routers and logits break the same way
 llama.cpp breaks them; without it, quantized models pick a different expert at about 1% of (token, layer) pairs.
+
+Each 8-bit rounding is written twice with the same float32 operations in the same order: in torch (any device), and
+as a numba kernel (`q8_0_blocks`, `q8_k_blocks`) that runs on CPU tensors in one pass instead of about ten torch
+ops, and that also hands the 8-bit values and scales to moerun.kernels.cpu_experts' integer dot products. The two
+agree bit for bit (tests/runtime/test_cpu_experts.py); the comments on the torch versions name the operations the
+kernels reproduce.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numba
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+
+from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
 
 
-def round_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """Blocks of 32 as int8 times an F16 scale amax / 127 (Q8_0, and Q8_1's values)."""
+def _round_q8_0_torch(x: torch.Tensor) -> torch.Tensor:
     blocks = x.float().unflatten(-1, (-1, 32))
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(blocks / torch.where(scale == 0, 1.0, scale))
+    scale = blocks.abs().amax(-1, keepdim=True) / 127  # a float32 division
+    q = torch.round(blocks / torch.where(scale == 0, 1.0, scale))  # division, then round half to even
     return (q * scale.half().float()).flatten(-2)
 
 
-def round_q8_k(x: torch.Tensor) -> torch.Tensor:
-    """Blocks of 256 scaled so that the value of largest magnitude maps to -127, clipped at 127 (Q8_K)."""
+def _round_q8_k_torch(x: torch.Tensor) -> torch.Tensor:
     blocks = x.float().unflatten(-1, (-1, 256))
-    peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # signed value of largest magnitude
+    peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # signed value of largest magnitude (the first)
     safe_peak = torch.where(peak == 0, 1.0, peak)
+    # `-127 / tensor` is torch's __rdiv__: reciprocal(tensor) * -127, two roundings
     q = torch.round(blocks * (-127 / safe_peak)).clamp(max=127)
     return (q * torch.where(peak == 0, 0.0, -safe_peak / 127)).flatten(-2)
+
+
+@numba.njit(**JIT)
+def q8_0_blocks(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> None:
+    """One row x (n,) float32 as Q8_0 blocks of 32: q (n,) values (int8, or float32 keeping the sign of a zero as
+    torch does) and d (n/32,) float32 scales, the F16 scale read back (value = q * d)."""
+    for b in range(x.shape[0] // 32):
+        amax = F32(0)
+        for i in range(b * 32, b * 32 + 32):
+            amax = max(amax, abs(x[i]))
+        scale = amax / F32(127)
+        div = scale if scale != F32(0) else F32(1)
+        for i in range(b * 32, b * 32 + 32):
+            q[i] = np.rint(x[i] / div)  # stored as q's type: int8 for the kernels, float32 to round
+        d[b] = fp16_value(fp16_bits(scale))
+
+
+@numba.njit(**JIT)
+def q8_k_blocks(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> None:
+    """One row x (n,) float32 as Q8_K blocks of 256: q (n,) values (int8 or float32, as in q8_0_blocks) and d
+    (n/256,) float32 scales (value = q * d); the value of largest magnitude maps to -127."""
+    for b in range(x.shape[0] // 256):
+        peak, amax = F32(0), F32(0)
+        for i in range(b * 256, b * 256 + 256):
+            if abs(x[i]) > amax:
+                amax, peak = abs(x[i]), x[i]
+        safe_peak = peak if peak != F32(0) else F32(1)
+        iscale = (F32(1) / safe_peak) * F32(-127)
+        for i in range(b * 256, b * 256 + 256):
+            q[i] = min(np.rint(x[i] * iscale), F32(127))
+        d[b] = -safe_peak / F32(127) if peak != F32(0) else F32(0)
+
+
+def _rows_kernel(blocks: Callable) -> Callable:
+    """A kernel rounding every row of x (R, n) into out (R, n) with `blocks`, one row's scratch reused."""
+    @numba.njit(**JIT)
+    def round_rows(x: np.ndarray, out: np.ndarray, block: int) -> None:
+        n = x.shape[1]
+        q = np.empty(n, F32)
+        d = np.empty(n // block, F32)
+        for r in range(x.shape[0]):
+            blocks(x[r], q, d)
+            for i in range(n):
+                out[r, i] = q[i] * d[i // block]
+    return round_rows
+
+
+_round_q8_0_rows = _rows_kernel(q8_0_blocks)
+_round_q8_k_rows = _rows_kernel(q8_k_blocks)
+
+
+def _on_cpu(torch_version: Rounding, kernel: Callable, block: int) -> Rounding:
+    """The rounding: `kernel` for CPU tensors (one pass), `torch_version` elsewhere."""
+    def rounding(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return torch_version(x)
+        rows = x.float().reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(rows)
+        kernel(rows.numpy(), out.numpy(), block)
+        return out.view(x.shape)
+    return rounding
+
+
+round_q8_0 = _on_cpu(_round_q8_0_torch, _round_q8_0_rows, 32)
+round_q8_0.__doc__ = "Blocks of 32 as int8 times an F16 scale amax / 127 (Q8_0, and Q8_1's values)."
+round_q8_k = _on_cpu(_round_q8_k_torch, _round_q8_k_rows, 256)
+round_q8_k.__doc__ = "Blocks of 256 scaled so that the value of largest magnitude maps to -127, clipped at 127 (Q8_K)."
 
 
 def _round_f16(x: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moerun.cache.expert_cache import CachedExperts, ExpertCache
 from moerun.cache.kv import KVCache
 from moerun.config import ModelArgs
 from moerun.hooks import Hooks
+from moerun.kernels.cpu_experts import CPUExperts
 from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router
 from moerun.step import Step
 from moerun.weights import Weights
@@ -28,6 +30,7 @@ class BuildContext:
     hooks: Hooks
     n_ctx: int  # S: KV cache slots per sequence and RoPE table length
     n_seq: int = 1  # sequences the KV cache holds side by side
+    cache: ExpertCache | None = None  # routed experts through the expert cache instead of all on the device
     _ropes: dict = field(default_factory=dict)
 
     def rope(self, *, freq_factors: str | None = None, **options) -> Rope:
@@ -51,14 +54,19 @@ class BuildContext:
     def routed_experts(self, layer: int, activation: str | None = None, shared: bool = False, **moe_options) -> MoE:
         """The MoE block of `layer`: router, routed experts and, with `shared`, the *_shexp shared expert."""
         w, hooks = self.weights, self.hooks
-        experts = self.expert_compute(layer).load(w, hooks, layer, **({"activation": activation} if activation else {}))
+        if self.cache is not None:
+            experts = CachedExperts.for_layer(w.gguf, layer, self.cache, hooks, activation or "swiglu")
+        else:
+            experts = self.expert_compute(layer).load(w, hooks, layer, **({"activation": activation} if activation else {}))
         if shared:
             moe_options["shared"] = FeedForward.load(w, hooks, layer, "_shexp")
         return MoE(layer, Router.load(self.args, w, hooks, layer), experts, hooks, **moe_options)
 
     def expert_compute(self, layer: int) -> type[GGUFExperts]:
         """The ExpertCompute for `layer` on this device: on a GPU, DeviceExperts where the kernels decode the
-        experts' types; otherwise the reference path."""
+        experts' types; on the CPU, CPUExperts where its kernels do; otherwise the reference path."""
+        if self.weights.device.type == "cpu" and CPUExperts.can_run(self.weights, layer):
+            return CPUExperts
         if self.weights.device.type == "cuda":
             from moerun.quantized import DeviceExperts  # needs Triton, which CUDA builds of torch bring
 

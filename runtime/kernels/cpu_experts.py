@@ -1,0 +1,774 @@
+"""Routed experts on the CPU, computed straight from their GGUF bytes in host memory (numba, multi-threaded, no GIL).
+
+`moe_rows` runs gate, up and down of the experts the router chose for each token, reading each expert's rows from the
+(E, rows, row_bytes) uint8 view of the memory-mapped GGUF. It does what llama.cpp's CPU backend does, in our own
+code: each activation row is rounded once to 8-bit blocks (Q8_K, 256 values, for the K-quants and IQ4_XS; Q8_0, 32
+values, for the 32-value types; moerun.rounding holds both roundings), then every weight block meets its activation
+block in an integer dot product, scaled once per (sub-)block:
+
+    block value  = d * sc[s] * q - dmin * m[s]          (sub-block s; sc and m small integers, d and dmin floats)
+    block . x    = xd * (d * sum_s sc[s] * (q . xq)_s - dmin * sum_s m[s] * sum(xq)_s)
+
+where x = xd * xq is the rounded activation block. The integer parts are exact; the float parts differ from a float64
+dequantize-then-matmul only by float32 rounding (tests/runtime/test_cpu_experts.py). F16, BF16 and F32 experts take
+a float32 dot product on the input rounded to their type instead.
+
+Each type is a `Format`: `unpack` decodes one weight row into int8 values `wq`, per-sub-block integer scales `sc`
+and mins `mn`, and per-block float scales `dd` (d, dmin) (float types: float32 values `wf`); `dot` is the dot product
+above; `rounding` names the activation rounding. Work is split into items (one expert, the tokens that chose it, a
+range of rows), run by numba's `prange`; every output element is computed by one item with the same operations
+whatever the split, so any thread count gives the same bits. A row is decoded once for all the tokens of its item.
+
+Shapes: T tokens, K experts per token, P = the (token, k) pairs with an expert (ids >= 0), E experts, D hidden
+size, I expert hidden size; a row has `cols` values in `nb` blocks of `block` values, each of `n_sub` sub-blocks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numba
+from numba import literal_unroll
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+import torch
+from torch import nn
+
+from moeprep.errors import MoeprepError
+from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
+from moerun.hooks import Hooks
+from moerun.layers import GGUFExperts
+from moerun.rounding import q8_0_blocks, q8_k_blocks
+from moerun.weights import Weights
+
+INLINE = JIT
+
+# Fewest weight rows per work item: below this the per-item setup outweighs the rows.
+MIN_ROWS_PER_ITEM = 16
+# Work items per thread for each tensor, so that uneven items (experts chosen by more tokens) still balance.
+ITEMS_PER_THREAD = 4
+
+
+@dataclass(frozen=True)
+class ExpertBytes:
+    """One stacked expert tensor as GGUF bytes in host memory (E, rows, row_bytes), and its optional bias (E, rows)."""
+
+    data: np.ndarray
+    qtype: Q
+    rows: int
+    cols: int
+    bias: np.ndarray | None = None
+
+
+# ------------------------------------------------------------------------------------------------ block decoders
+# unpack(row, wq, wf, sc, mn, dd): one weight row's bytes -> for the integer types wq (cols,) int16, each value
+# already times its sub-block's integer scale (exact: at most 127 * 32 in magnitude), mn (nb, n_sub) int32 mins and
+# dd (nb, 2) float32 (d, dmin), with sc (nb, n_sub) int32 as scratch; for the float types wf (cols,) float32.
+# Layouts are ggml's blocks, read as moerun.kernels.dequant reads them (its docstrings draw them). Every block and
+# its values are taken as slices first: indices from 0 let LLVM drop numba's negative-index checks and vectorize.
+
+
+_TWO_POW_112 = F32(2.0 ** 112)
+
+
+@numba.njit(**INLINE)
+def _f16(blk: np.ndarray, o: int) -> np.float32:
+    """The fp16 at blk[o:o + 2], exactly: its exponent and mantissa bits moved into a float32 (rebias 15 -> 127 is
+    the product by 2**112, which also turns fp16 subnormals into the right normals); inf and NaN the slow way."""
+    h = np.uint32(blk[o]) | (np.uint32(blk[o + 1]) << np.uint32(8))
+    if h & np.uint32(0x7C00) == np.uint32(0x7C00):
+        return fp16_value(h)
+    magnitude = np.uint32((h & np.uint32(0x7FFF)) << np.uint32(13)).view(np.float32) * _TWO_POW_112
+    return -magnitude if h & np.uint32(0x8000) else magnitude
+
+
+@numba.njit(**INLINE)
+def _u32(blk: np.ndarray, o: int) -> int:
+    return np.int64(blk[o]) | (np.int64(blk[o + 1]) << 8) | (np.int64(blk[o + 2]) << 16) | (np.int64(blk[o + 3]) << 24)
+
+
+@numba.njit(**INLINE)
+def _unpack_q4_0(row, wq, wf, sc, mn, dd):
+    """d (fp16), 16 bytes: value l is the low nibble of byte l, value l + 16 its high nibble; q - 8."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 18:(b + 1) * 18], wq[b * 32:(b + 1) * 32]
+        dd[b, 0] = _f16(blk, 0)
+        for l in range(16):
+            c = blk[2 + l]
+            q[l] = np.int16(c & 15) - 8
+            q[16 + l] = np.int16(c >> 4) - 8
+
+
+@numba.njit(**INLINE)
+def _unpack_q4_1(row, wq, wf, sc, mn, dd):
+    """d, m (fp16), 16 bytes of nibbles as Q4_0; value d * q + m."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 20:(b + 1) * 20], wq[b * 32:(b + 1) * 32]
+        dd[b, 0], dd[b, 1] = _f16(blk, 0), -_f16(blk, 2)
+        mn[b, 0] = 1
+        for l in range(16):
+            c = blk[4 + l]
+            q[l] = np.int16(c & 15)
+            q[16 + l] = np.int16(c >> 4)
+
+
+@numba.njit(**INLINE)
+def _unpack_q5_0(row, wq, wf, sc, mn, dd):
+    """d (fp16), qh (uint32: bit j is value j's fifth bit), 16 bytes of nibbles as Q4_0; q - 16."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 22:(b + 1) * 22], wq[b * 32:(b + 1) * 32]
+        dd[b, 0] = _f16(blk, 0)
+        qh = _u32(blk, 2)
+        for l in range(16):
+            c = blk[6 + l]
+            q[l] = np.int16((c & 15) | (((qh >> l) & 1) << 4)) - 16
+            q[16 + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16
+
+
+@numba.njit(**INLINE)
+def _unpack_q5_1(row, wq, wf, sc, mn, dd):
+    """d, m (fp16), qh, 16 bytes of nibbles as Q5_0; value d * q + m."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 24:(b + 1) * 24], wq[b * 32:(b + 1) * 32]
+        dd[b, 0], dd[b, 1] = _f16(blk, 0), -_f16(blk, 2)
+        mn[b, 0] = 1
+        qh = _u32(blk, 4)
+        for l in range(16):
+            c = blk[8 + l]
+            q[l] = np.int16((c & 15) | (((qh >> l) & 1) << 4))
+            q[16 + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4))
+
+
+@numba.njit(**INLINE)
+def _unpack_q8_0(row, wq, wf, sc, mn, dd):
+    """d (fp16), 32 int8 values."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 34:(b + 1) * 34], wq[b * 32:(b + 1) * 32]
+        dd[b, 0] = _f16(blk, 0)
+        for l in range(32):
+            q[l] = np.int8(blk[2 + l])
+
+
+# E2M1 codes (sign, 2-bit exponent, 1-bit mantissa) as twice their value, the integers ggml's MXFP4 dot uses.
+E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
+
+
+@numba.njit(**INLINE)
+def _unpack_mxfp4(row, wq, wf, sc, mn, dd):
+    """e (E8M0 exponent), 16 bytes of E2M1 nibbles as Q4_0; value = doubled code * 2**(e - 128)."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 17:(b + 1) * 17], wq[b * 32:(b + 1) * 32]
+        e = np.int64(blk[0])
+        bits = (0x00200000 << e) if e < 2 else ((e - 1) << 23)  # below float32's normal range: subnormals
+        dd[b, 0] = np.uint32(bits).view(np.float32)
+        for l in range(16):
+            c = blk[1 + l]
+            q[l] = E2M1_DOUBLED[c & 15]
+            q[16 + l] = E2M1_DOUBLED[c >> 4]
+
+
+@numba.njit(**INLINE)
+def _unpack_q2_k(row, wq, wf, sc, mn, dd):
+    """16 scale bytes (low nibble scale, high nibble min of a sub-block of 16), 64 bytes of 2-bit values, d, dmin.
+    Each 32-byte half h holds 128 values as four 2-bit planes p of 32: value 128h + 32p + l in byte 32h + l."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 84:(b + 1) * 84], wq[b * 256:(b + 1) * 256]
+        for s in range(16):
+            mn[b, s] = blk[s] >> 4
+        dd[b, 0], dd[b, 1] = _f16(blk, 80), _f16(blk, 82)
+        for h in range(2):
+            for p in range(4):
+                for g in range(2):
+                    scale = np.int16(blk[h * 8 + p * 2 + g] & 15)
+                    src, dst = blk[16 + h * 32 + g * 16:], q[h * 128 + p * 32 + g * 16:]
+                    for l in range(16):
+                        dst[l] = np.int16((src[l] >> (2 * p)) & 3) * scale
+
+
+@numba.njit(**INLINE)
+def _unpack_q3_k(row, wq, wf, sc, mn, dd):
+    """32 bytes hmask (third bits), 64 bytes of 2-bit values as Q2_K, 12 bytes of 6-bit signed scales, d.
+    Scale i: low 4 bits from nibble i of bytes 0-7 (the low nibbles first), top 2 bits from 2-bit field i // 4 of
+    byte 8 + i % 4. Value j is its 2 low bits, minus 4 where bit j // 32 of hmask byte j % 32 is clear."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 110:(b + 1) * 110], wq[b * 256:(b + 1) * 256]
+        scales = blk[96:108]
+        for i in range(16):
+            low = np.int64(scales[i] & 15) if i < 8 else np.int64(scales[i - 8] >> 4)
+            high = np.int64(scales[8 + i % 4] >> (2 * (i // 4))) & 3
+            sc[b, i] = (low | (high << 4)) - 32
+        dd[b, 0] = _f16(blk, 108)
+        for h in range(2):
+            for p in range(4):
+                for g in range(2):
+                    scale = np.int16(sc[b, h * 8 + p * 2 + g])
+                    src, mask, dst = blk[32 + h * 32 + g * 16:], blk[g * 16:], q[h * 128 + p * 32 + g * 16:]
+                    for l in range(16):
+                        low2 = np.int16((src[l] >> (2 * p)) & 3)
+                        third = np.int16((mask[l] >> (h * 4 + p)) & 1)
+                        dst[l] = (low2 - 4 + 4 * third) * scale
+
+
+@numba.njit(**INLINE)
+def _kquant_scales_mins(blk, sc, mn):
+    """Bytes 4-15 of a Q4_K/Q5_K block: the 6-bit scales and mins of its eight sub-blocks (see
+    dequant._kquant_scales_mins)."""
+    for j in range(4):
+        sc[j] = blk[4 + j] & 63
+        mn[j] = blk[8 + j] & 63
+        sc[4 + j] = (blk[12 + j] & 15) | ((blk[4 + j] >> 6) << 4)
+        mn[4 + j] = (blk[12 + j] >> 4) | ((blk[8 + j] >> 6) << 4)
+
+
+@numba.njit(**INLINE)
+def _unpack_q4_k(row, wq, wf, sc, mn, dd):
+    """d, dmin (fp16), 12 bytes of scales and mins, 128 bytes: chunk c of 32 bytes holds sub-block 2c in its low
+    nibbles and 2c + 1 in its high nibbles."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 144:(b + 1) * 144], wq[b * 256:(b + 1) * 256]
+        dd[b, 0], dd[b, 1] = _f16(blk, 0), _f16(blk, 2)
+        _kquant_scales_mins(blk, sc[b], mn[b])
+        for c in range(4):
+            lo, hi = np.int16(sc[b, 2 * c]), np.int16(sc[b, 2 * c + 1])
+            src, dst = blk[16 + c * 32:], q[c * 64:]
+            for l in range(32):
+                dst[l] = np.int16(src[l] & 15) * lo
+                dst[32 + l] = np.int16(src[l] >> 4) * hi
+
+
+@numba.njit(**INLINE)
+def _unpack_q5_k(row, wq, wf, sc, mn, dd):
+    """Q4_K with 32 bytes qh before the nibbles: bit j of qh[l] is the fifth bit of sub-block j's value l."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 176:(b + 1) * 176], wq[b * 256:(b + 1) * 256]
+        dd[b, 0], dd[b, 1] = _f16(blk, 0), _f16(blk, 2)
+        _kquant_scales_mins(blk, sc[b], mn[b])
+        qh = blk[16:48]
+        for c in range(4):
+            lo, hi = np.int16(sc[b, 2 * c]), np.int16(sc[b, 2 * c + 1])
+            src, dst = blk[48 + c * 32:], q[c * 64:]
+            for l in range(32):
+                dst[l] = np.int16((src[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) * lo
+                dst[32 + l] = np.int16((src[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) * hi
+
+
+@numba.njit(**INLINE)
+def _unpack_q6_k(row, wq, wf, sc, mn, dd):
+    """128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales (sub-blocks of 16), d; q - 32.
+    Half h of 128 values: value 32k + l (k = 0..3, l < 32) takes the low (k < 2) or high nibble of byte
+    64h + 32(k % 2) + l and, as its top bits, 2-bit plane k of byte 32h + l."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 210:(b + 1) * 210], wq[b * 256:(b + 1) * 256]
+        dd[b, 0] = _f16(blk, 208)
+        for h in range(2):
+            for g in range(2):
+                scales = blk[192 + h * 8 + g:]  # sub-block 8h + 2k + g
+                s0, s1 = np.int16(np.int8(scales[0])), np.int16(np.int8(scales[2]))
+                s2, s3 = np.int16(np.int8(scales[4])), np.int16(np.int8(scales[6]))
+                a, c, hb = blk[h * 64 + g * 16:], blk[h * 64 + 32 + g * 16:], blk[128 + h * 32 + g * 16:]
+                dst = q[h * 128 + g * 16:]
+                for l in range(16):
+                    dst[l] = (np.int16((a[l] & 15) | ((hb[l] & 3) << 4)) - 32) * s0
+                    dst[32 + l] = (np.int16((c[l] & 15) | (((hb[l] >> 2) & 3) << 4)) - 32) * s1
+                    dst[64 + l] = (np.int16((a[l] >> 4) | (((hb[l] >> 4) & 3) << 4)) - 32) * s2
+                    dst[96 + l] = (np.int16((c[l] >> 4) | (((hb[l] >> 6) & 3) << 4)) - 32) * s3
+
+
+# IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit code stands for.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+
+
+@numba.njit(**INLINE)
+def _unpack_iq4_xs(row, wq, wf, sc, mn, dd):
+    """d (fp16), scales_h (uint16: 2 high bits per sub-block of 32), scales_l (4 bytes: a low nibble per
+    sub-block), 128 bytes: 16 per sub-block, value l the level of the low nibble of byte l, l + 16 of the high."""
+    for b in range(dd.shape[0]):
+        blk, q = row[b * 136:(b + 1) * 136], wq[b * 256:(b + 1) * 256]
+        dd[b, 0] = _f16(blk, 0)
+        high = np.int64(blk[2]) | (np.int64(blk[3]) << 8)
+        for s in range(8):
+            low = np.int64(blk[4 + s // 2] >> (4 * (s % 2))) & 15
+            scale = np.int16((low | (((high >> (2 * s)) & 3) << 4)) - 32)
+            src, dst = blk[8 + s * 16:], q[s * 32:]
+            for l in range(16):
+                dst[l] = IQ4_LEVELS[src[l] & 15] * scale
+                dst[16 + l] = IQ4_LEVELS[src[l] >> 4] * scale
+
+
+@numba.njit(**INLINE)
+def _unpack_f32(row, wq, wf, sc, mn, dd):
+    wf[:] = row.view(np.float32)
+
+
+@numba.njit(**INLINE)
+def _unpack_f16(row, wq, wf, sc, mn, dd):
+    for i in range(wf.shape[0]):
+        wf[i] = _f16(row, 2 * i)
+
+
+@numba.njit(**INLINE)
+def _unpack_bf16(row, wq, wf, sc, mn, dd):
+    for i in range(wf.shape[0]):
+        wf[i] = np.uint32((np.int64(row[2 * i]) << 16) | (np.int64(row[2 * i + 1]) << 24)).view(np.float32)
+
+
+# --------------------------------------------------------------------------------------------- dot products
+
+
+def _int_dot(block: int, n_sub: int, has_min: bool) -> Callable:
+    """The integer dot product of a decoded weight row with a rounded activation row (module docstring); the
+    sub-block scales are already in wq, so each block is one int32 sum. `prod` (cols,) int32 is scratch."""
+    sums_per_sub = block // n_sub // 16
+
+    @numba.njit(**INLINE)
+    def dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
+        # int32 lanes: numba types int32 * int32 as int64, the narrowing keeps twice as many values per vector.
+        # 32-value blocks: all products in one flat loop first; a reduction per 32 values vectorizes poorly.
+        if block < 256:
+            for i in range(wq.shape[0]):
+                prod[i] = np.int32(wq[i]) * np.int32(xq[i])
+        acc = F32(0)
+        for b in range(dd.shape[0]):
+            t = np.int32(0)
+            if block < 256:
+                p = prod[b * block:(b + 1) * block]
+                for i in range(block):
+                    t = np.int32(t + p[i])
+            else:
+                w, x = wq[b * block:(b + 1) * block], xq[b * block:(b + 1) * block]
+                for i in range(block):
+                    t = np.int32(t + np.int32(w[i]) * np.int32(x[i]))
+            v = dd[b, 0] * F32(t)
+            if has_min:
+                sums = xs[b * block // 16:(b + 1) * block // 16]
+                msum = 0
+                for s in range(n_sub):
+                    for j in range(sums_per_sub):
+                        msum += mn[b, s] * sums[s * sums_per_sub + j]
+                v -= dd[b, 1] * F32(msum)
+            acc += xd[b] * v
+        return acc
+
+    return dot
+
+
+@numba.njit(**INLINE)
+def _float_dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
+    """float32 dot product in eight running sums (which LLVM keeps in one vector register), then their sum."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = F32(0)
+    n = wf.shape[0]
+    for i in range(0, n - n % 8, 8):
+        a0 += wf[i] * xf[i]
+        a1 += wf[i + 1] * xf[i + 1]
+        a2 += wf[i + 2] * xf[i + 2]
+        a3 += wf[i + 3] * xf[i + 3]
+        a4 += wf[i + 4] * xf[i + 4]
+        a5 += wf[i + 5] * xf[i + 5]
+        a6 += wf[i + 6] * xf[i + 6]
+        a7 += wf[i + 7] * xf[i + 7]
+    for i in range(n - n % 8, n):
+        a0 += wf[i] * xf[i]
+    return ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))
+
+
+# ------------------------------------------------------------------------------------------ activation rounding
+# rounding(x, xq, xf, xd, xs): one activation row x (cols,) float32 -> xq (cols,) int8, xd (nb,) float32 block
+# scales and xs (cols/16,) int32 sums of 16 xq values (the integer types); xf (cols,) float32 (the float types).
+
+
+def _int_rounding(blocks: Callable) -> Callable:
+    @numba.njit(**INLINE)
+    def rounding(x, xq, xf, xd, xs):
+        blocks(x, xq, xd)
+        for j in range(xs.shape[0]):
+            t = 0
+            for i in range(16 * j, 16 * j + 16):
+                t += xq[i]
+            xs[j] = t
+
+    return rounding
+
+
+@numba.njit(**INLINE)
+def _rounding_f32(x, xq, xf, xd, xs):
+    xf[:] = x
+
+
+@numba.njit(**INLINE)
+def _rounding_f16(x, xq, xf, xd, xs):
+    for i in range(x.shape[0]):
+        xf[i] = fp16_value(fp16_bits(x[i]))
+
+
+@numba.njit(**INLINE)
+def _rounding_bf16(x, xq, xf, xd, xs):
+    """Round to nearest even on the top 16 bits of the float32 (finite inputs), as torch's .bfloat16()."""
+    for i in range(x.shape[0]):
+        bits = np.int64(F32(x[i]).view(np.uint32))
+        xf[i] = np.uint32(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).view(np.float32)
+
+
+# Activation roundings by name (Format.rounding), in the order of their codes.
+ROUNDINGS: dict[str, Callable] = {
+    "q8_k": _int_rounding(q8_k_blocks),
+    "q8_0": _int_rounding(q8_0_blocks),
+    "f16": _rounding_f16,
+    "bf16": _rounding_bf16,
+    "f32": _rounding_f32,
+}
+INTEGER_ROUNDINGS = ("q8_k", "q8_0")
+
+
+def _rows_kernel(unpack: Callable, dot: Callable) -> Callable:
+    """The work item of one format: y[p, r] = row r of expert e . activation row act_row[p] (+ bias[e, r]) for the
+    pairs p = order[j0:j1] and rows r0..r1-1 of item (e, j0, j1, r0, r1); each row is decoded once."""
+    @numba.njit(**JIT)
+    def rows(w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y):
+        e, j0, j1, r0, r1 = item[0], item[1], item[2], item[3], item[4]
+        nb = max(xq.shape[1], xf.shape[1]) // block
+        wq = np.empty(xq.shape[1], np.int16)
+        prod = np.empty(xq.shape[1], np.int32)
+        wf = np.empty(xf.shape[1], F32)
+        sc = np.zeros((nb, n_sub), np.int32)
+        mn = np.zeros((nb, n_sub), np.int32)
+        dd = np.zeros((nb, 2), F32)
+        for r in range(r0, r1):
+            unpack(w[e, r], wq, wf, sc, mn, dd)
+            for j in range(j0, j1):
+                p = order[j]
+                a = act_row[p]
+                v = dot(wq, wf, sc, mn, dd, xq[a], xf[a], xd[a], xs[a], prod)
+                y[p, r] = v + bias[e, r] if bias.shape[0] else v
+
+    return rows
+
+
+@dataclass(frozen=True)
+class Format:
+    rows: Callable  # the work item (_rows_kernel)
+    rounding: str  # key of ROUNDINGS: what llama.cpp rounds this type's input to (moerun.rounding)
+    block: int  # values per block (and per activation block)
+    n_sub: int  # sub-blocks per block with their own integer scale
+
+
+def _int_format(unpack: Callable, rounding: str, block: int, n_sub: int, has_min: bool) -> Format:
+    return Format(_rows_kernel(unpack, _int_dot(block, n_sub, has_min)), rounding, block, n_sub)
+
+
+def _float_format(unpack: Callable, rounding: str) -> Format:
+    return Format(_rows_kernel(unpack, _float_dot), rounding, 1, 1)
+
+
+# The expert types of common MoE GGUFs, the K-quants and the 32-value types, and the float ones.
+FORMATS: dict[Q, Format] = {
+    Q.Q4_K: _int_format(_unpack_q4_k, "q8_k", 256, 8, True),
+    Q.Q5_K: _int_format(_unpack_q5_k, "q8_k", 256, 8, True),
+    Q.Q6_K: _int_format(_unpack_q6_k, "q8_k", 256, 16, False),
+    Q.Q3_K: _int_format(_unpack_q3_k, "q8_k", 256, 16, False),
+    Q.Q2_K: _int_format(_unpack_q2_k, "q8_k", 256, 16, True),
+    Q.IQ4_XS: _int_format(_unpack_iq4_xs, "q8_k", 256, 8, False),
+    Q.Q8_0: _int_format(_unpack_q8_0, "q8_0", 32, 1, False),
+    Q.Q4_0: _int_format(_unpack_q4_0, "q8_0", 32, 1, False),
+    Q.Q5_0: _int_format(_unpack_q5_0, "q8_0", 32, 1, False),
+    Q.Q4_1: _int_format(_unpack_q4_1, "q8_0", 32, 1, True),
+    Q.Q5_1: _int_format(_unpack_q5_1, "q8_0", 32, 1, True),
+    Q.MXFP4: _int_format(_unpack_mxfp4, "q8_0", 32, 1, False),
+    Q.F32: _float_format(_unpack_f32, "f32"),
+    Q.F16: _float_format(_unpack_f16, "f16"),
+    Q.BF16: _float_format(_unpack_bf16, "bf16"),
+}
+
+
+def supports(qtype: Q) -> bool:
+    return qtype in FORMATS
+
+
+# ------------------------------------------------------------------------------------------------- the kernels
+# The parallel kernels take a table index (a format's, a rounding's, an activation's) and pick the function with
+# literal_unroll over the table, rather than taking the function itself: numba's disk cache cannot key a compiled
+# function on a function argument, and would compile these again in every process.
+
+# Calling a table's function through literal_unroll is what numba's warning calls its first-class function feature.
+warnings.filterwarnings("ignore", ".*First-class function type feature is experimental",
+                        numba.core.errors.NumbaExperimentalFeatureWarning)
+
+_FORMAT_CODES = {qtype: i for i, qtype in enumerate(FORMATS)}
+_ROWS = tuple(f.rows for f in FORMATS.values())
+_ROUNDING_CODES = {name: i for i, name in enumerate(ROUNDINGS)}
+_ROUNDINGS = tuple(ROUNDINGS.values())
+
+
+@numba.njit(**JIT)
+def _round_one(code, x, xq, xf, xd, xs):
+    i = 0
+    for rounding in literal_unroll(_ROUNDINGS):
+        if i == code:
+            rounding(x, xq, xf, xd, xs)
+        i += 1
+
+
+@numba.njit(parallel=True, **JIT)
+def _round_rows(code, x, xq, xf, xd, xs):
+    """Round each row of x into the same row of xq/xf/xd/xs."""
+    for i in numba.prange(x.shape[0]):
+        _round_one(code, x[i], xq[i], xf[i], xd[i], xs[i])
+
+
+@numba.njit(**JIT)
+def _rows_one(code, w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y):
+    i = 0
+    for rows in literal_unroll(_ROWS):
+        if i == code:
+            rows(w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y)
+        i += 1
+
+
+@numba.njit(parallel=True, **JIT)
+def _expert_rows(code, w, bias, items, order, act_row, xq, xf, xd, xs, block, n_sub, y):
+    """Every work item of `items` (see _rows_kernel), in parallel."""
+    for it in numba.prange(items.shape[0]):
+        _rows_one(code, w, bias, items[it], order, act_row, xq, xf, xd, xs, block, n_sub, y)
+
+
+@numba.njit(**JIT)
+def _plan(ids, n_experts, rows, items_wanted, min_rows):
+    """Pairs (t, k) with ids[t, k] >= 0, numbered in (t, k) order, grouped by expert (a counting sort, stable).
+    Returns the token of each pair (P,), the pairs in expert order (P,), and one item list per entry of `rows`
+    (each (n, 5): expert, first and end index into the ordered pairs, first and end row)."""
+    T, K = ids.shape
+    count = np.zeros(n_experts + 1, np.int64)
+    P = 0
+    for t in range(T):
+        for k in range(K):
+            if ids[t, k] >= 0:
+                count[ids[t, k] + 1] += 1
+                P += 1
+    token = np.empty(P, np.int64)
+    start = np.cumsum(count)  # start[e]: first slot of expert e
+    fill = start.copy()
+    order = np.empty(P, np.int64)
+    p = 0
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            if e >= 0:
+                token[p] = t
+                order[fill[e]] = p
+                fill[e] += 1
+                p += 1
+    n_seg = 0
+    for e in range(n_experts):
+        n_seg += start[e + 1] > start[e]
+    plans = []
+    for n_rows in rows:
+        chunks = max(1, min(-(-items_wanted // max(n_seg, 1)), -(-n_rows // min_rows)))
+        items = np.empty((n_seg * chunks, 5), np.int64)
+        i = 0
+        for e in range(n_experts):
+            if start[e + 1] > start[e]:
+                for c in range(chunks):
+                    items[i, 0], items[i, 1], items[i, 2] = e, start[e], start[e + 1]
+                    items[i, 3], items[i, 4] = n_rows * c // chunks, n_rows * (c + 1) // chunks
+                    i += 1
+        plans.append(items)
+    return token, order, plans
+
+
+@numba.njit(**INLINE)
+def _swiglu(g: np.float32, u: np.float32) -> np.float32:
+    return g / (F32(1) + np.exp(-g)) * u
+
+
+@numba.njit(**INLINE)
+def _swiglu_oai(g: np.float32, u: np.float32) -> np.float32:
+    """gpt-oss (alpha 1.702, limit 7): the gate capped at the limit, up clamped to +-limit and shifted by 1."""
+    g = min(g, F32(7))
+    u = max(min(u, F32(7)), F32(-7))
+    return g / (F32(1) + np.exp(-F32(1.702) * g)) * (u + F32(1))
+
+
+# Expert activations by name, as moerun.layers.ACTIVATIONS.
+ACTIVATIONS: dict[str, Callable] = {"swiglu": _swiglu, "swiglu_oai": _swiglu_oai}
+_ACTIVATION_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
+_ACTIVATIONS = tuple(ACTIVATIONS.values())
+
+
+@numba.njit(**JIT)
+def _activate_one(code, g, u, h):
+    i = 0
+    for act in literal_unroll(_ACTIVATIONS):
+        if i == code:
+            for j in range(g.shape[0]):
+                h[j] = act(g[j], u[j])
+        i += 1
+
+
+@numba.njit(parallel=True, **JIT)
+def _activate(act_code, round_code, g, u, h, hq, hf, hd, hs):
+    """h = act(g, u) per pair, rounded for the down projection into hq/hf/hd/hs."""
+    for p in numba.prange(g.shape[0]):
+        _activate_one(act_code, g[p], u[p], h[p])
+        _round_one(round_code, h[p], hq[p], hf[p], hd[p], hs[p])
+
+
+@numba.njit(**JIT)
+def _combine(ids, weights, y, out):
+    """out[t] += sum over k (in order) of weights[t, k] * y[pair of (t, k)]."""
+    T, K = ids.shape
+    first = 0
+    for t in range(T):
+        n = 0
+        for k in range(K):
+            n += ids[t, k] >= 0
+        for i in range(out.shape[1]):
+            acc = F32(0)
+            p = first
+            for k in range(K):
+                if ids[t, k] >= 0:
+                    acc += weights[t, k] * y[p, i]
+                    p += 1
+            out[t, i] += acc
+        first += n
+
+
+class _Rounded:
+    """Activation rows rounded for one format: the arrays its rounding fills (unused ones have no columns)."""
+
+    def __init__(self, fmt: Format, n: int, cols: int) -> None:
+        integer = fmt.rounding in INTEGER_ROUNDINGS
+        self.code = _ROUNDING_CODES[fmt.rounding]
+        self.xq = np.empty((n, cols if integer else 0), np.int8)
+        self.xf = np.empty((n, 0 if integer else cols), F32)
+        self.xd = np.empty((n, cols // fmt.block if integer else 0), F32)
+        self.xs = np.empty((n, cols // 16 if integer else 0), np.int32)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.xq, self.xf, self.xd, self.xs
+
+
+def _format(t: ExpertBytes) -> Format:
+    if t.qtype not in FORMATS:
+        raise MoeprepError(f"no CPU expert kernel for {Q(t.qtype).name}")
+    block, type_size = GGML_QUANT_SIZES[t.qtype]
+    assert t.cols % block == 0 and t.data.shape[1:] == (t.rows, t.cols // block * type_size), (t.data.shape, t.qtype)
+    return FORMATS[t.qtype]
+
+
+def _read_only(a: np.ndarray, dtype: type) -> np.ndarray:
+    """A C-contiguous read-only view (a copy only if a is not C-contiguous of dtype): memory-mapped and in-memory
+    arrays then share one numba type, hence one compiled kernel."""
+    view = np.ascontiguousarray(a, dtype).view(np.ndarray)
+    view.flags.writeable = False
+    return view
+
+
+_NO_BIAS = _read_only(np.zeros((0, 0), F32), F32)
+
+
+def _matmul(t: ExpertBytes, fmt: Format, items: np.ndarray, order: np.ndarray, act_row: np.ndarray,
+            x: _Rounded, n_pairs: int) -> np.ndarray:
+    y = np.empty((n_pairs, t.rows), F32)
+    bias = _NO_BIAS if t.bias is None else _read_only(t.bias, F32)
+    _expert_rows(_FORMAT_CODES[t.qtype], _read_only(t.data, np.uint8), bias, items, order, act_row, *x.arrays(),
+                 fmt.block, fmt.n_sub, y)
+    return y
+
+
+def expert_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: int | None = None) -> np.ndarray:
+    """y[i] = expert experts[i] of t times x[i] (+ its bias), rounding x[i] as llama.cpp does for t's type.
+    x (n, cols) float32, experts (n,) integers -> y (n, rows) float32."""
+    fmt = _format(t)
+    previous = numba.get_num_threads()
+    if threads is not None:
+        numba.set_num_threads(threads)
+    try:
+        ids = np.ascontiguousarray(experts, np.int64)[:, None]
+        token, order, (items,) = _plan(ids, t.data.shape[0], np.array([t.rows]),
+                                       ITEMS_PER_THREAD * numba.get_num_threads(), MIN_ROWS_PER_ITEM)
+        rounded = _Rounded(fmt, len(x), t.cols)
+        _round_rows(rounded.code, np.ascontiguousarray(x, F32), *rounded.arrays())
+        return _matmul(t, fmt, items, order, token, rounded, len(token))
+    finally:
+        numba.set_num_threads(previous)
+
+
+def moe_rows(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertBytes, up: ExpertBytes,
+             down: ExpertBytes, activation: str, out: np.ndarray, threads: int | None = None) -> None:
+    """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
+    (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b. `threads`:
+    numba threads for this call (default: numba's setting for the calling thread)."""
+    previous = numba.get_num_threads()
+    if threads is not None:
+        numba.set_num_threads(threads)
+    try:
+        _moe_rows(x, ids, weights, gate, up, down, activation, out)
+    finally:
+        numba.set_num_threads(previous)
+
+
+def _moe_rows(x, ids, weights, gate, up, down, activation, out) -> None:
+    f_gate, f_up, f_down = _format(gate), _format(up), _format(down)
+    T, D = x.shape
+    x = np.ascontiguousarray(x, F32)
+    ids = np.ascontiguousarray(ids, np.int64)
+    weights = np.ascontiguousarray(weights, F32)
+    items_wanted = ITEMS_PER_THREAD * numba.get_num_threads()
+    token, order, (gate_items, down_items) = _plan(ids, gate.data.shape[0], np.array([gate.rows, down.rows]),
+                                                   items_wanted, MIN_ROWS_PER_ITEM)
+    P = len(token)
+    if P == 0:
+        return
+    xg = _Rounded(f_gate, T, D)
+    _round_rows(xg.code, x, *xg.arrays())
+    xu = xg
+    if (f_up.rounding, f_up.block) != (f_gate.rounding, f_gate.block):
+        xu = _Rounded(f_up, T, D)
+        _round_rows(xu.code, x, *xu.arrays())
+    g = _matmul(gate, f_gate, gate_items, order, token, xg, P)
+    u = _matmul(up, f_up, gate_items, order, token, xu, P)
+    h = np.empty_like(g)
+    hx = _Rounded(f_down, P, gate.rows)
+    _activate(_ACTIVATION_CODES[activation], hx.code, g, u, h, *hx.arrays())
+    y = _matmul(down, f_down, down_items, order, np.arange(P), hx, P)
+    _combine(ids, weights, y, out)
+
+
+# ------------------------------------------------------------------------------------------- the ExpertCompute
+
+
+class CPUExperts(GGUFExperts):
+    """ExpertCompute on the CPU through moe_rows, straight from the memory-mapped GGUF, with torch's thread count.
+    With activation hooks registered (imatrix collection) it runs the reference path, which reports each expert's
+    inputs."""
+
+    @classmethod
+    def can_run(cls, w: Weights, layer: int) -> bool:
+        return all(supports(w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type) for part in ("gate", "up", "down"))
+
+    @classmethod
+    def load(cls, w: Weights, hooks: Hooks, layer: int, activation: str = "swiglu") -> CPUExperts:
+        experts = super().load(w, hooks, layer, activation)
+        experts.activation = activation
+        experts.host = tuple(_host_bytes(w, f"blk.{layer}.ffn_{part}_exps") for part in ("gate", "up", "down"))
+        return experts
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.hooks.activation:
+            return super().forward(x, ids, weights)
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        moe_rows(x.float().contiguous().numpy(), ids.numpy(), weights.float().contiguous().numpy(), *self.host,
+                 self.activation, out.numpy(), threads=min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        return out
+
+
+def _host_bytes(w: Weights, prefix: str) -> ExpertBytes:
+    """`prefix.weight` as (E, rows, row_bytes) in the memory map, and `prefix.bias` if the file has one."""
+    info = w.info(f"{prefix}.weight")
+    n_experts, rows, cols = info.shape
+    bias = w.optional(f"{prefix}.bias", torch.float32)
+    return ExpertBytes(w.gguf.raw(info).reshape(n_experts, rows, -1), info.ggml_type, rows, cols,
+                       None if bias is None else bias.cpu().numpy())

@@ -1,0 +1,236 @@
+"""The CPU expert kernels (moerun.kernels.cpu_experts) against float64 dequantize-then-matmul, and moe_rows' contract.
+
+Reference: the weight dequantized by moerun.kernels.dequant (bit-identical to gguf-py; gguf-py itself for IQ4_XS),
+the input rounded as moerun.rounding does for the weight type, the product in float64. The kernels compute the same
+rounded input times the same weights, with exact integer block sums; only their float32 scaling and accumulation
+differ, so the bars below are float32 rounding bars, not quantization-error bars.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import gguf
+import numba
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+import moerun
+from moerun import rounding
+from moerun.kernels import cpu_experts
+from moerun.kernels.cpu_experts import ExpertBytes, expert_matmul, moe_rows
+from moerun.kernels.dequant import dequantize, supports
+from moeprep.synth.weights import quantize
+
+QTYPES = list(cpu_experts.FORMATS)
+# Types no moeprep or gguf-py quantizer writes: random bytes with their scale fields (fp16 d, dmin) set to sane
+# values; every byte pattern of the rest is a valid block.
+RANDOM_BYTES_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.IQ4_XS: (0,)}
+EPS32 = 2.0 ** -24
+
+
+def expert_bytes(rng: np.random.Generator, qtype: Q, n_experts: int, rows: int, cols: int,
+                 bias: bool = False) -> ExpertBytes:
+    """Fresh random experts of qtype (values of about N(0, 0.02^2)), never all zeros."""
+    if qtype in RANDOM_BYTES_SCALES:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (n_experts, rows, cols // block, type_size), dtype=np.uint8)
+        for offset in RANDOM_BYTES_SCALES[qtype]:
+            scales = (rng.uniform(0.5, 1.5, data.shape[:-1]) * 1e-3).astype(np.float16)
+            data[..., offset:offset + 2] = scales.view(np.uint8).reshape(*scales.shape, 2)
+        data = data.reshape(n_experts, rows, -1)
+    else:
+        data = quantize((rng.standard_normal((n_experts, rows, cols)) * 0.02).astype(np.float32), qtype)
+    b = (rng.standard_normal((n_experts, rows)) * 0.01).astype(np.float32) if bias else None
+    return ExpertBytes(data, qtype, rows, cols, b)
+
+
+def dequantized(t: ExpertBytes, e: int) -> np.ndarray:
+    """Expert e of t as float64 (rows, cols)."""
+    if supports(t.qtype):
+        return dequantize(torch.from_numpy(t.data[e]), t.qtype, t.cols).double().numpy()
+    return gguf.quants.dequantize(t.data[e], t.qtype).astype(np.float64)
+
+
+def rounded_input(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """x rounded as llama.cpp rounds a matmul input for weights of qtype (the torch version, as the reference)."""
+    round_input = rounding.input_rounding(qtype)
+    return x if round_input is None else round_input(torch.from_numpy(x)).numpy()
+
+
+def reference_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 y[i] = W_{experts[i]} round(x[i]) (+ bias), and sum_j |W_ij round(x)_j| (the scale of its rounding)."""
+    xr = rounded_input(x, t.qtype).astype(np.float64)
+    ys, scales = [], []
+    for xi, e in zip(xr, experts):
+        w = dequantized(t, e)
+        ys.append(w @ xi + (0.0 if t.bias is None else t.bias[e]))
+        scales.append(np.abs(w) @ np.abs(xi))
+    return np.array(ys), np.array(scales)
+
+
+def test_rounding_kernels_equal_torch():
+    """The numba roundings give the torch versions' bits, zero blocks and tied peaks included."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((12, 1024)) * 10.0 ** rng.integers(-6, 4, (12, 1))).astype(np.float32)
+    x[0, :256] = 0.0
+    x[1, 3], x[1, 9] = -5.0, 5.0  # two values of largest magnitude, opposite signs: the first one is the peak
+    x[2, 40:72] = -0.0
+    for fast, reference in ((rounding.round_q8_0, rounding._round_q8_0_torch),
+                            (rounding.round_q8_k, rounding._round_q8_k_torch)):
+        a, b = fast(torch.from_numpy(x)), reference(torch.from_numpy(x))
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_matmul_matches_float64(qtype):
+    rng = np.random.default_rng(int(qtype))
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 512 if block == 256 else 320
+    t = expert_bytes(rng, qtype, n_experts=3, rows=48, cols=cols, bias=qtype == Q.MXFP4)
+    x = rng.standard_normal((5, cols)).astype(np.float32)
+    experts = np.array([2, 0, 2, 1, 0])
+    y = expert_matmul(x, t, experts)
+    ref, scale = reference_matmul(x, t, experts)
+    # float32 roundings: per block a product and a scaling (exact integer sums inside), then a running sum over
+    # the blocks (integer types) or 8 running sums over cols/8 values (float types); plus one rounding of the
+    # reference's float32 weights (a K-quant's min). Each is at most 2^-24 of the sum of |products|.
+    n_sums = cols // block if block > 1 else cols // 8
+    assert np.abs(ref).max() > 0
+    assert np.all(np.abs(y - ref) <= (n_sums + 6) * EPS32 * scale[:, None] + 1e-30)
+
+
+def test_matmul_f32_is_not_rounded():
+    """F32 weights take the input as it is; Q8_0 rounds it (the reference tells the two apart)."""
+    rng = np.random.default_rng(3)
+    t = expert_bytes(rng, Q.F32, 1, 4, 64)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    exact = dequantized(t, 0) @ x[0].astype(np.float64)
+    np.testing.assert_allclose(expert_matmul(x, t, np.zeros(1))[0], exact, rtol=1e-5)
+
+
+def _moe_reference(x, ids, weights, gate, up, down, act) -> np.ndarray:
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k]
+            if e < 0:
+                continue
+            g, _ = reference_matmul(x[t:t + 1], gate, [e])
+            u, _ = reference_matmul(x[t:t + 1], up, [e])
+            h = act(torch.from_numpy(g), torch.from_numpy(u)).float().numpy()
+            y, _ = reference_matmul(h, down, [e])
+            out[t] += weights[t, k] * y[0]
+    return out
+
+
+ACT = {"swiglu": moerun.layers.swiglu, "swiglu_oai": moerun.layers.swiglu_oai}
+
+
+@pytest.mark.parametrize("qtype,activation", [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai")],
+                         ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("T", [1, 5])
+def test_moe_rows_matches_float64(qtype, activation, T):
+    """Repeated experts within a token and ids < 0 included; out is added to, not overwritten."""
+    rng = np.random.default_rng(T)
+    D, I, E, K = 256, 512, 6, 4
+    bias = activation == "swiglu_oai"  # gpt-oss has expert biases
+    gate, up = (expert_bytes(rng, qtype, E, I, D, bias) for _ in range(2))
+    down = expert_bytes(rng, qtype, E, D, I, bias)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    ids = rng.integers(0, E, (T, K))
+    ids[0, 1] = ids[0, 0]  # the same expert twice
+    ids[-1, 2] = -1  # no expert in this slot
+    weights = rng.random((T, K)).astype(np.float32)
+    start = rng.standard_normal((T, D)).astype(np.float32)
+    out = start.copy()
+    moe_rows(x, ids, weights, gate, up, down, activation, out)
+    ref = start + _moe_reference(x, ids, weights, gate, up, down, ACT[activation])
+    # g and u carry float32 roundings (about 1e-6 relative, test_matmul_matches_float64); h's 8-bit rounding can
+    # then land one step (1/127 of its block's peak) the other way on a few of the I values, each moving the
+    # output by about 1e-3 of its peak. A wrong expert, weight, bias or skipped slot moves it by O(1).
+    assert np.abs(out - ref).max() <= 3e-3 * np.abs(ref - start).max()
+
+
+def test_moe_rows_skipped_slot_equals_absent_slot():
+    """An id < 0 contributes nothing: the same bits as leaving the slot out."""
+    rng = np.random.default_rng(5)
+    gate, up, down = (expert_bytes(rng, Q.Q4_K, 4, r, c) for r, c in ((256, 256), (256, 256), (256, 256)))
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    ids = np.array([[0, -1, 3], [2, 2, -1], [-1, -1, -1]])
+    weights = rng.random((3, 3)).astype(np.float32)
+    with_gaps = np.zeros((3, 256), np.float32)
+    moe_rows(x, ids, weights, gate, up, down, "swiglu", with_gaps)
+    for t, keep in enumerate(ids >= 0):
+        alone = np.zeros((1, 256), np.float32)
+        moe_rows(x[t:t + 1], ids[t:t + 1, keep], weights[t:t + 1, keep], gate, up, down, "swiglu", alone)
+        assert np.array_equal(alone[0], with_gaps[t])
+    assert not with_gaps[2].any()
+
+
+def test_threads_do_not_change_the_bits():
+    """Every output element is computed by one work item with the same operations, whatever the split."""
+    threads = numba.config.NUMBA_NUM_THREADS
+    assert threads > 1, "needs a machine with 2 or more cores"
+    rng = np.random.default_rng(6)
+    gate, up = (expert_bytes(rng, Q.Q4_K, 8, 512, 256) for _ in range(2))
+    down = expert_bytes(rng, Q.Q4_0, 8, 256, 512)
+    x = rng.standard_normal((7, 256)).astype(np.float32)
+    ids = rng.integers(0, 8, (7, 3))
+    weights = rng.random((7, 3)).astype(np.float32)
+    outs = []
+    for n in (1, threads):
+        out = np.zeros((7, 256), np.float32)
+        moe_rows(x, ids, weights, gate, up, down, "swiglu", out, threads=n)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_moe_rows_releases_the_gil():
+    """A Python thread keeps running while moe_rows computes."""
+    rng = np.random.default_rng(7)
+    gate, up = (expert_bytes(rng, Q.Q8_0, 4, 1024, 1024) for _ in range(2))
+    down = expert_bytes(rng, Q.Q8_0, 4, 1024, 1024)
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    ids = rng.integers(0, 4, (64, 4))
+    weights = np.ones((64, 4), np.float32)
+    out = np.zeros((64, 1024), np.float32)
+    moe_rows(x[:1], ids[:1], weights[:1], gate, up, down, "swiglu", out[:1])  # compiled before timing
+    done = threading.Event()
+
+    def work():
+        for _ in range(3):
+            moe_rows(x, ids, weights, gate, up, down, "swiglu", out, threads=1)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    start = time.perf_counter()
+    worker.start()
+    count = 0
+    while not done.is_set():
+        count += 1
+    worker.join()
+    elapsed = time.perf_counter() - start
+    # Holding the GIL, moe_rows would leave this loop only the moments between its kernel calls.
+    assert elapsed > 0.05 and count > 2000 * elapsed, (count, elapsed)
+
+
+def test_model_on_cpu_uses_cpu_experts(synth_model):
+    """A quantized model on the CPU computes its experts with CPUExperts; with activation hooks registered, the
+    reference path reports each expert's inputs."""
+    from moerun.kernels.cpu_experts import CPUExperts
+
+    model = moerun.load_model(synth_model("qwen3moe", expert_type="Q8_0", attn_type="Q8_0"))
+    moe = [b.ffn for b in model.net.blocks if hasattr(b.ffn, "experts")]
+    assert moe and all(isinstance(m.experts, CPUExperts) for m in moe)
+    tokens = torch.tensor(model.tokenizer.encode("the experts of a token"))
+    seen = []
+    handle = model.add_activation_hook(lambda ev: seen.append(ev.tensor_name))
+    hooked = model.forward(tokens)
+    handle.remove()
+    assert any("ffn_down_exps" in name for name in seen)
+    torch.testing.assert_close(model.forward(tokens), hooked, rtol=1e-3, atol=1e-3 * hooked.abs().max().item())
