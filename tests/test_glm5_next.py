@@ -318,7 +318,29 @@ def test_cached_decode_equals_prefill(calibration_tokens: list[int], tmp_path: P
     torch.testing.assert_close(torch.stack([b[1] for b in batched]), other_full[30:40], **tol)
 
 
-def test_sparse_contexts_are_refused(tmp_path: Path) -> None:
-    model = moerun.load_model(write_synth_model(tmp_path / "g.gguf", "glm5-next"), n_ctx=2100)
-    with pytest.raises(MoeprepError, match="sparse DSA indexer"):
-        model.forward(torch.zeros(2, dtype=torch.long), start_pos=2050)
+def test_sparse_indexer_matches_llama_cpp(tmp_path: Path) -> None:
+    """Past 2051 positions DSA attends to its indexer's 512 best pools of 4 positions plus the query's unfinished
+    pool. The DSA block fed llama.cpp's 4 streams gives llama.cpp's next streams at every position whose 512th and
+    513th pool scores are not tied: the synthetic scores are often exactly 0 (relu of every indexer head), and
+    where a tie decides, each engine's top-k order picks. Attending to every position instead would not match."""
+    n = 2200
+    path = write_synth_model(tmp_path / "g.gguf", "glm5-next", expert_type="F32", attn_type="F32")
+    model = moerun.load_model(path, n_ctx=n)
+    tokens = model.tokenizer.encode(CALIBRATION_PATH.read_text(encoding="utf-8"))[:n]
+    assert len(tokens) == n
+    ref = llama_run(path, tokens)
+    block, step = model.net.blocks[3], Step(torch.arange(n), n_slots=n)  # blocks 3 and 5 (NextN) are DSA
+    indexer = block.attn.indexer
+    keep = indexer.n_top  # 512 pools
+    x, want = torch.from_numpy(ref.streams[2]), ref.streams[3]
+    with torch.inference_mode():
+        errors = np.abs(block(x, step).numpy() - want).max((1, 2)) / np.abs(want).max()
+        h, _, _ = block.hc_attn.split(x)
+        ranked = indexer.pool_scores(block.attn_norm(h), step).sort(-1, descending=True).values
+        indexer.n_top = n  # every pool: dense attention
+        dense_errors = np.abs(block(x, step).numpy() - want).max((1, 2)) / np.abs(want).max()
+    sparse = np.arange(n) >= 2051
+    judged = sparse & (ranked[:, keep - 1] != ranked[:, keep]).numpy()
+    assert judged.sum() >= 0.8 * sparse.sum()
+    assert errors[~sparse].max() <= 1e-3 and errors[judged].max() <= 1e-3
+    assert dense_errors[judged].max() > 10 * errors[judged].max()

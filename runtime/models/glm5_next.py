@@ -15,13 +15,15 @@ the delta-rule write S += k beta (v - S^T k)^T; the output S^T q / sqrt(Hd) is R
 sigmoid(g_b(g_a(x))) and projected by attn_output. The state lives in this module, per sequence; a step whose first
 position is 0 starts its sequence's state anew.
 
-DSA. deepseek2's MLAttention with no roped part. The lightning indexer selects every cached position while there
-are fewer than top_k + kpool - 1 of them (2051 in GLM-5.3-Flash), which makes DSA dense attention there; longer
-steps are refused rather than computed densely. Letters: H heads, Hd KDA head size, Di = H Hd.
+DSA. deepseek2's MLAttention with no roped part, over the positions its lightning indexer selects: the best
+top_k / kpool pools of kpool consecutive positions by the indexer's score, plus the query's unfinished pool. Below
+top_k + kpool - 1 positions (2051 in GLM-5.3-Flash) that is every position, and the scoring is skipped.
+Letters: H heads, Hd KDA head size, Di = H Hd.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -61,7 +63,10 @@ class Glm5NextArgs:
     gate_lower_bound: float | None
     clamp_exp: tuple[float, ...]  # SwiGLU limit per block, routed experts
     clamp_shexp: tuple[float, ...]  # shared expert and dense FFN
-    dense_limit: int  # positions below which the indexer selects everything
+    indexer_heads: int
+    top_k: int  # positions the indexer keeps, in pools of kpool
+    kpool: int
+    layer_norm_eps: float  # the indexer key's LayerNorm
 
     @classmethod
     def from_gguf(cls, g: GGUFModel) -> Glm5NextArgs:
@@ -79,9 +84,14 @@ class Glm5NextArgs:
             return value
 
         clamp_exp = per_block("swiglu_clamp_exp", 0.0)
+        dsa = tuple(bool(n) for n in need("attention.head_count_kv"))
+        full = g.get(key("attention.indexer.types"), [1] * n_blocks)
+        if any(d and not f for d, f in zip(dsa, full)):
+            raise MoeprepError(f"{g.path}: DSA layers that reuse another layer's indexer (attention.indexer.types "
+                               f"= {full}) are not supported yet")
         lower_bound = g.get(key("kda.gate_lower_bound"))
         return cls(
-            dsa_layers=tuple(bool(n) for n in need("attention.head_count_kv")),
+            dsa_layers=dsa,
             n_streams=int(need("hyper_connection.count")),
             sinkhorn_iterations=int(need("hyper_connection.sinkhorn_iterations")),
             hc_eps=float(need("hyper_connection.epsilon")),
@@ -91,7 +101,10 @@ class Glm5NextArgs:
             clamp_exp=clamp_exp,
             clamp_shexp=per_block("swiglu_clamp_shexp", 0.0) if g.get(key("swiglu_clamp_shexp")) is not None
             else clamp_exp,
-            dense_limit=int(need("attention.indexer.top_k")) + int(need("attention.indexer.kpool")) - 1,
+            indexer_heads=int(need("attention.indexer.head_count")),
+            top_k=int(need("attention.indexer.top_k")),
+            kpool=int(need("attention.indexer.kpool")),
+            layer_norm_eps=float(g.get(key("attention.layer_norm_epsilon"), 0.0)),
         )
 
 
@@ -246,18 +259,94 @@ def clamped_ffn(w: Weights, hooks: Hooks, layer: int, limit: float, suffix: str 
 # ---------------------------------------------------------------------------------------------------- blocks
 
 
-class DenseDSA(nn.Module):
-    """DSA while its indexer selects every position: MLA over the whole cache. Beyond `limit` positions the
-    selection is sparse, which moerun does not compute yet, so such a step is refused."""
+class LightningIndexer(nn.Module):
+    """DSA's pooled indexer: which cached positions each query attends to.
 
-    def __init__(self, mla: MLAttention, limit: int) -> None:
+    Every position caches a key (indexer.attn_k, LayerNorm'd) and a gate (indexer_compressor_gate). A pool is KPOOL
+    consecutive positions; once complete its pooled key is, per channel, the softmax over its members of gate + ape
+    (indexer_compressor_ape, one row per place in the pool) weighting their keys. A query scores each complete pool
+    that ends at or before it as sum_h relu(q_h . pooled) w_h, q = indexer.attn_q_b(its q_a latent), w =
+    indexer.proj(x) / sqrt(Hi di), and attends to the positions of its top_k / KPOOL best pools plus those of its
+    own unfinished pool. Letters: Hi heads, di key size, P pools."""
+
+    def __init__(self, w: Weights, hooks: Hooks, layer: int, a: Glm5NextArgs, q_a: Linear, q_a_norm: RMSNorm,
+                 n_ctx: int, n_seq: int) -> None:
         super().__init__()
-        self.mla, self.limit = mla, limit
+        p = f"blk.{layer}.indexer"
+        self.k, self.q = Linear.load(w, f"{p}.attn_k", hooks), Linear.load(w, f"{p}.attn_q_b", hooks)
+        self.proj = Linear.load(w, f"{p}.proj", hooks)
+        self.gate = Linear.load(w, f"blk.{layer}.indexer_compressor_gate", hooks)
+        self.register_buffer("k_norm", w.dense(f"{p}.k_norm.weight", torch.float32), persistent=False)
+        self.register_buffer("k_norm_bias", w.dense(f"{p}.k_norm.bias", torch.float32), persistent=False)
+        self.register_buffer("ape", w.dense(f"blk.{layer}.indexer_compressor_ape.weight", torch.float32),
+                             persistent=False)  # (KPOOL, di)
+        self.q_a, self.q_a_norm = q_a, q_a_norm  # the attention's own, run here without its hooks
+        self.kpool, self.n_top, self.norm_eps, self.n_heads = a.kpool, a.top_k // a.kpool, a.layer_norm_eps, a.indexer_heads
+        di = self.k_norm.numel()
+        self.register_buffer("cache", torch.zeros(n_seq, n_ctx, 2, di, device=w.device), persistent=False)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor | None:
+        """Cache the step's keys and gates; return the (T, n_slots) bool selection, or None while every position
+        is selected (no more complete pools than the indexer keeps)."""
+        key = F.layer_norm(self.k(x), self.k_norm.shape, self.k_norm, self.k_norm_bias, self.norm_eps)
+        rows = torch.stack([key, self.gate(x)], dim=1)  # (T, 2, di)
+        if step.seqs is None:
+            self.cache[step.seq].index_copy_(0, step.positions, rows)
+        else:
+            self.cache.index_put_((step.seqs, step.positions), rows)
+        scores = self.pool_scores(x, step)
+        return None if scores is None else self.select(scores, step)
+
+    def pool_scores(self, x: torch.Tensor, step: Step) -> torch.Tensor | None:
+        """(T, P) scores of the complete pools among the step's slots, -inf for those ending after the query;
+        None while there are no more than the indexer keeps. The step's own rows must be cached already."""
+        P = step.n_slots // self.kpool
+        if P <= self.n_top:
+            return None
+        seq = step.seq if step.seqs is None else step.seqs
+        cached = self.cache[seq, : P * self.kpool]  # (P K, 2, di), or (T, P K, 2, di) across sequences
+        pools = cached.unflatten(-3, (P, self.kpool))  # (..., P, K, 2, di)
+        weights = torch.softmax(pools[..., 1, :] + self.ape, dim=-2)
+        pooled = (weights * pools[..., 0, :]).sum(-2)  # (P, di) or (T, P, di)
+        T = x.shape[0]
+        q = self.q(self.q_a_norm(_no_hooks(self.q_a, x))).view(T, self.n_heads, -1)  # (T, Hi, di)
+        w_heads = self.proj(x) / math.sqrt(q.shape[1] * q.shape[2])  # (T, Hi)
+        scores = (torch.einsum("thd,tpd->thp", q, pooled.expand(T, -1, -1)).relu() * w_heads[..., None]).sum(1)
+        pool_end = torch.arange(P, device=x.device) * self.kpool + self.kpool - 1
+        return scores.masked_fill(pool_end[None, :] > step.positions[:, None], float("-inf"))
+
+    def select(self, scores: torch.Tensor, step: Step) -> torch.Tensor:
+        """(T, n_slots) bool: the members of each query's best pools, its own unfinished pool, none after it."""
+        T, P = scores.shape
+        top = scores.topk(self.n_top, dim=-1)
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices, top.values > float("-inf"))
+        slots = torch.arange(step.n_slots, device=scores.device)
+        positions = step.positions[:, None]
+        # the query's own unfinished pool: its last (position + 1) % KPOOL positions (none once the pool is complete)
+        selected = slots[None, :] > positions - (positions + 1) % self.kpool
+        selected[:, : P * self.kpool] |= chosen.repeat_interleave(self.kpool, dim=1)
+        return selected & (slots[None, :] <= positions)
+
+
+def _no_hooks(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` without firing activation hooks: a second use of a matrix the attention already reported."""
+    if linear.round_input is not None:
+        x = linear.round_input(x)
+    y = F.linear(x.to(linear.weight.dtype), linear.weight).float()
+    return y if linear.bias is None else y + linear.bias
+
+
+class SparseMLA(nn.Module):
+    """DSA: MLA over the positions its indexer selects (all of them while there are few)."""
+
+    def __init__(self, mla: MLAttention, indexer: LightningIndexer) -> None:
+        super().__init__()
+        self.mla, self.indexer = mla, indexer
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        if step.n_slots > self.limit:
-            raise MoeprepError(f"glm5-next: {step.n_slots} positions need the sparse DSA indexer, which moerun does "
-                               f"not implement yet; it runs contexts of up to {self.limit} positions")
+        selected = self.indexer(x, step)
+        if selected is not None:
+            step = dataclasses.replace(step, _masks={0: selected})
         return self.mla(x, step)
 
 
@@ -268,7 +357,8 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     if a.dsa_layers[layer]:
         mla = MLAttention(args, w, hooks, layer, ctx.rope(attn_factor=rope_attn_factor(args)),
                           ctx.kv_cache(1, args.kv_lora_rank, args.kv_lora_rank))
-        attn: nn.Module = DenseDSA(mla, a.dense_limit)
+        indexer = LightningIndexer(w, hooks, layer, a, mla.wq_a, mla.q_a_norm, ctx.n_ctx, ctx.n_seq)
+        attn: nn.Module = SparseMLA(mla, indexer)
     else:
         attn = KimiDeltaAttention(args, a, w, hooks, layer, ctx.n_seq)
     if layer < args.n_dense_lead:
