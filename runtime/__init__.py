@@ -3,11 +3,33 @@
     model = moerun.load_model("model.gguf")
     ids = model.tokenizer.encode("Hello")
     for token in moerun.generate(model, ids, 32, moerun.greedy): ...
+
+The names below are imported on first use: `moerun --help`, and refusing a file moerun cannot run, need no torch.
 """
 
-from moerun.generate import generate, greedy, make_sampler
-from moerun.hooks import ActivationEvent, RoutingEvent
-from moerun.model import Model, load_model
-from moerun.perplexity import perplexity
+from __future__ import annotations
 
-__all__ = ["ActivationEvent", "Model", "RoutingEvent", "generate", "greedy", "load_model", "make_sampler", "perplexity"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moerun.generate import generate, greedy, make_sampler
+    from moerun.hooks import ActivationEvent, RoutingEvent
+    from moerun.model import Model, load_model
+    from moerun.perplexity import perplexity
+
+EXPORTS = {
+    "generate": "moerun.generate", "greedy": "moerun.generate", "make_sampler": "moerun.generate",
+    "ActivationEvent": "moerun.hooks", "RoutingEvent": "moerun.hooks",
+    "Model": "moerun.model", "load_model": "moerun.model",
+    "perplexity": "moerun.perplexity",
+}
+__all__ = sorted(EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'moerun' has no attribute {name!r}")
+    value = getattr(importlib.import_module(EXPORTS[name]), name)
+    globals()[name] = value  # also replaces the submodule attribute of the same name (moerun.generate, .perplexity)
+    return value

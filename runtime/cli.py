@@ -42,6 +42,17 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def open_model_file(model_path: str):
+    """The GGUF, opened once; a file of an architecture moerun does not run is refused here, before torch is
+    imported (moerun's package imports lazily), so the refusal takes a fraction of a second."""
+    from moeprep.gguf.reader import open_gguf
+    from moerun.models import check_arch
+
+    g = open_gguf(model_path)
+    check_arch(g.arch, g.path)
+    return g
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """The options of every command that loads a model to generate with, as `model_options` collects them."""
@@ -54,8 +65,9 @@ class ModelOptions:
     def load(self, n_seq: int = 1):
         import moerun
 
+        g = open_model_file(self.model_path)
         set_threads(self.threads)
-        return moerun.load_model(self.model_path, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq)
+        return moerun.load_model(g, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq)
 
 
 MODEL_OPTIONS = (model_option, ctx_option, device_option, threads_option)
@@ -121,8 +133,9 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, thre
     """Perplexity over non-overlapping chunks, scored like llama-perplexity (second half of each chunk)."""
     import moerun
 
+    g = open_model_file(model_path)
     set_threads(threads)
-    model = moerun.load_model(model_path, device=device, n_ctx=ctx_size)
+    model = moerun.load_model(g, device=device, n_ctx=ctx_size)
     try:
         with open(text_file, encoding="utf-8", errors="replace") as f:
             tokens = model.tokenizer.encode(f.read())

@@ -1,25 +1,29 @@
-"""Architectures by GGUF general.architecture; finding one is a dict lookup."""
+"""Architectures by GGUF general.architecture; finding one is a dict lookup. An architecture's module is imported
+when a model of it is loaded, so refusing a file of another architecture needs neither the modules nor torch."""
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 from moeprep.errors import MoeprepError
-from moerun.models import deepseek2, glm4moe, glm5_next, gpt_oss, llama, olmoe, qwen2moe, qwen3moe
 
-ARCHS: dict[str, ModuleType] = {
-    "deepseek2": deepseek2,
-    "glm4moe": glm4moe,
-    "glm5-next": glm5_next,
-    "gpt-oss": gpt_oss,
-    "llama": llama,
-    "olmoe": olmoe,
-    "qwen2moe": qwen2moe,
-    "qwen3moe": qwen3moe,
+ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
+    "deepseek2": "deepseek2",
+    "glm4moe": "glm4moe",
+    "gpt-oss": "gpt_oss",
+    "llama": "llama",
+    "olmoe": "olmoe",
+    "qwen2moe": "qwen2moe",
+    "qwen3moe": "qwen3moe",
 }
 
 
-def arch_module(arch: str, path: object = "") -> ModuleType:
+def check_arch(arch: str, path: object = "") -> None:
     if arch not in ARCHS:
         raise MoeprepError(f"{path}: architecture '{arch}' is not supported; supported: {', '.join(sorted(ARCHS))}")
-    return ARCHS[arch]
+
+
+def arch_module(arch: str, path: object = "") -> ModuleType:
+    check_arch(arch, path)
+    return importlib.import_module(f"moerun.models.{ARCHS[arch]}")

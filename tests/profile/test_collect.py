@@ -3,18 +3,22 @@ and the importance matrix from the same pass."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import moerun
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 
+from moeprep.gguf.roles import parse_tensor_name
 from moeprep.profile.dataset import DatasetSpec, calibration_chunks
 from moeprep.profile.format import encode_profile
 from moeprep.profile.heldout import POLICIES
 from moeprep.profile.profile import Profile
 from moeprep.profile.run import ProfileRequest, profile_model
+from tests.near_ties import MIN_JUDGED, judged, router_inputs, routing_margins
 from tests.profile.conftest import CALIBRATION
 
 SPEC = DatasetSpec(str(CALIBRATION))
@@ -25,37 +29,63 @@ def run_profile(path: Path, chunks: int = 6, holdout: float = 0.0, **kw) -> Prof
     return profile_model(ProfileRequest(path, SPEC, ctx=CTX, chunks=chunks, holdout=holdout, **kw))
 
 
-def llama_histogram(path: Path, p: Profile, n_chunks: int) -> tuple[np.ndarray, float]:
-    """llama.cpp's [M, E] histogram of ffn_moe_topk over the same chunks, and the share of our per-token choices
-    it agrees with."""
+@dataclass
+class LlamaRouting:
+    """llama.cpp's routing of the profiled chunks against the profile's."""
+
+    hist: np.ndarray  # [M, E] histogram of llama.cpp's ffn_moe_topk
+    per_token: float  # share of our per-token choices it agrees with, on tokens no near-tie decides
+    tied: float  # share of tokens left out for a routing near-tie at some layer (tests/near_ties.py)
+    first_flip: int | None  # the first block where some token's choice differs, None if none does
+
+
+def llama_routing(path: Path, p: Profile, n_chunks: int) -> LlamaRouting:
     from tests.oracle import llama_eval
 
-    tok = moerun.load_model(path, n_ctx=CTX).tokenizer
+    model = moerun.load_model(path, n_ctx=CTX)
+    tok = model.tokenizer
     chunks = calibration_chunks(SPEC, tok.encode, tok.bos_id if tok.add_bos else None, CTX, n_chunks)
     hist = np.zeros_like(p.counts.selections)
-    same = 0
+    same = judged_choices = tied = 0
+    flips: set[int] = set()
     for c, chunk in enumerate(chunks):
         topk = llama_eval(path, chunk.tolist()).topk
+        with router_inputs(model) as inputs:
+            model.forward(torch.tensor(chunk))
+        clear = judged(routing_margins(model, inputs))  # (CTX,)
+        tied += int((~clear).sum())
         for m, block in enumerate(p.model.moe_layers):
             hist[m] += np.bincount(topk[block].reshape(-1), minlength=p.model.n_expert)
-            ours = p.trace.chunk(c)[:, m]
-            same += sum(len(set(a) & set(b)) for a, b in zip(ours.tolist(), topk[block].tolist()))
-    return hist, same / hist.sum()
+            ours = p.trace.chunk(c)[:, m].tolist()
+            same += sum(len(set(a) & set(b)) for a, b, keep in zip(ours, topk[block].tolist(), clear) if keep)
+            judged_choices += int(clear.sum()) * p.model.n_expert_used
+            if any(set(a) != set(b) for a, b in zip(ours, topk[block].tolist())):
+                flips.add(block)
+    return LlamaRouting(hist, same / judged_choices, tied / (len(chunks) * CTX), min(flips, default=None))
 
 
+# F32 and F16 weights: llama.cpp and moerun differ only in the last bits of float32 sums (and F16 roundings they
+# move), so every choice of a token that no near-tie decides is the same, and the histograms differ by at most the
+# choices of the tied tokens.
+# Q8_0: llama.cpp rounds activations to 8 bits, a drift no tie bound covers: near-tied routers may flip, and the
+# bar is a floor.
 @pytest.mark.parametrize("kind, types, floor", [
-    ("f32", dict(expert_type="F32", attn_type="F32"), 0.999),
-    ("f16", dict(expert_type="F16", attn_type="F16"), 0.999),
-    # llama.cpp rounds activations to 8 bits for quantized matmuls: near-tied routers may flip
+    ("f32", dict(expert_type="F32", attn_type="F32"), None),
+    ("f16", dict(expert_type="F16", attn_type="F16"), None),
     ("q8_0", dict(expert_type="Q8_0", attn_type="Q8_0"), 0.99),
 ])
-def test_counts_match_llama_cpp(synth, kind: str, types: dict, floor: float) -> None:  # noqa: ANN001
+def test_counts_match_llama_cpp(synth, kind: str, types: dict, floor: float | None) -> None:  # noqa: ANN001
     path = synth(f"tiny-{kind}", skew=0.6, **types)
     p = run_profile(path)
-    hist, per_token = llama_histogram(path, p, 6)
+    r = llama_routing(path, p, 6)
+    hist, per_token, tied = r.hist, r.per_token, r.tied
     agreement = np.minimum(hist, p.counts.selections).sum() / hist.sum()
     assert hist.sum() == p.counts.selections.sum() == 6 * CTX * len(p.model.moe_layers) * p.model.n_expert_used
-    assert agreement >= floor and per_token >= floor, (agreement, per_token)
+    assert tied <= 1 - MIN_JUDGED, f"{tied:.1%} of the tokens are routing near-ties"
+    if floor is None:
+        assert per_token == 1.0 and agreement >= 1 - tied, (agreement, per_token, tied)
+    else:
+        assert agreement >= floor and per_token >= floor, (agreement, per_token)
 
 
 def test_profiles_are_deterministic(synth) -> None:  # noqa: ANN001
@@ -111,11 +141,24 @@ def test_imatrix_matches_llama_imatrix_rule(synth, tmp_path: Path) -> None:  # n
 
     path = synth("tiny-f32", skew=0.6, expert_type="F32", attn_type="F32")
     out = tmp_path / "m.imatrix.gguf"
-    run_profile(path, 2, imatrix_out=out)
+    p = run_profile(path, 2, imatrix_out=out)
     ours = read_imatrix(out).entries
     tok = moerun.load_model(path, n_ctx=CTX).tokenizer
     theirs = llama_imatrix(path, calibration_chunks(SPEC, tok.encode, tok.bos_id if tok.add_bos else None, CTX, 2))
     assert set(ours) == set(theirs)
+    # Where llama.cpp's build routes a near-tied token the other way (tests/near_ties.py), that block's experts and
+    # everything after it see other inputs; every routing difference must be such a tie, and only what no
+    # difference reaches is compared (here, on this machine, everything).
+    routing = llama_routing(path, p, 2)
+    assert routing.per_token == 1.0, "llama.cpp routes a token no near-tie decides otherwise"
+    flip = routing.first_flip
+
+    def reached(name: str) -> bool:
+        block = parse_tensor_name(name).block
+        return flip is not None and block is not None and (block > flip or (block == flip and "_exps" in name))
+
     for name, (sums, counts) in theirs.items():
+        if reached(name):
+            continue
         assert ours[name].counts.tolist() == counts.tolist(), name
         assert np.allclose(ours[name].sums.reshape(sums.shape), sums, rtol=2e-3, atol=1e-6), name
