@@ -9,6 +9,7 @@ import torch
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, open_gguf
+from moerun.cache.expert_cache import CacheConfig, ExpertCache, open_cache
 from moerun.config import ModelArgs
 from moerun.graphs import DecodeGraphs, graph_blockers
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
@@ -27,9 +28,10 @@ class Model:
     of several sequences at once; both return next-token logits."""
 
     def __init__(self, g: GGUFModel, args: ModelArgs, net: Transformer, tokenizer: Tokenizer, hooks: Hooks,
-                 n_ctx: int, device: torch.device, n_seq: int = 1) -> None:
+                 n_ctx: int, device: torch.device, n_seq: int = 1, expert_cache: ExpertCache | None = None) -> None:
         self.gguf, self.args, self.net, self.tokenizer = g, args, net, tokenizer
         self.hooks, self.n_ctx, self.device, self.n_seq = hooks, n_ctx, device, n_seq
+        self.expert_cache = expert_cache
         self.decode_graphs = DecodeGraphs(self) if device.type == "cuda" else None
 
     @torch.inference_mode()
@@ -74,9 +76,10 @@ class Model:
 
 
 def load_model(path: str | Path | GGUFModel, device: str = "cpu", dtype: torch.dtype | None = None, n_ctx: int | None = None,
-               n_seq: int = 1) -> Model:
+               n_seq: int = 1, cache: CacheConfig | None = None) -> Model:
     """Open a GGUF MoE model (file or first shard) with a KV cache of n_seq sequences of n_ctx positions each.
-    dtype defaults to float32 on CPU and bfloat16 on CUDA."""
+    dtype defaults to float32 on CPU and bfloat16 on CUDA. With `cache`, routed experts stay in host RAM and run
+    through the expert cache (cache/expert_cache.py); otherwise they all go to the device."""
     g = path if isinstance(path, GGUFModel) else open_gguf(path)  # an opened model is not parsed again
     arch = arch_module(g.arch, g.path)  # an architecture moerun does not run is refused before any weight loads
     device_ = torch.device(device)
@@ -86,6 +89,7 @@ def load_model(path: str | Path | GGUFModel, device: str = "cpu", dtype: torch.d
     args = arch.read_args(g)
     n_ctx = n_ctx or min(args.n_ctx_train, DEFAULT_MAX_CTX)
     hooks = Hooks()
-    ctx = BuildContext(args, Weights(g, dtype, device_), hooks, n_ctx, n_seq)
+    expert_cache = None if cache is None else open_cache(g, cache, args.n_layers, args.n_experts_used, device_)
+    ctx = BuildContext(args, Weights(g, dtype, device_), hooks, n_ctx, n_seq, expert_cache)
     net = Transformer(ctx, [arch.build_block(ctx, layer) for layer in range(args.n_layers)])
-    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, device_, n_seq)
+    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, device_, n_seq, expert_cache)
