@@ -62,6 +62,9 @@ def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):
     ours = moerun.perplexity(model, tokens, 128)
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
     reference = _llama_cpp_perplexity(path, tokens, 128, bos)
+    # Robust on any machine's llama.cpp build: a routing near-tie that goes the other way there (tests/near_ties.py)
+    # moves one position's logits by about 1e-2 of their range, its loss by under 0.1, and so the perplexity of the
+    # ~190 scored positions by under 1e-3 of itself; the bar leaves room for several such ties.
     assert abs(ours / reference - 1) <= 0.005, f"perplexity {ours:.4f} vs llama.cpp's {reference:.4f}"
 
 
