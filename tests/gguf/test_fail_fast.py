@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,15 @@ def test_moerun_refuses_an_unsupported_architecture_before_loading(foreign_arch:
         forbid(monkeypatch, moerun.model, name)
     result = CliRunner().invoke(moerun_main, ["-m", str(foreign_arch), "-p", "hi", "-n", "1"])
     one_line_error(result, "architecture 'gemma3' is not supported")
+
+
+def test_moerun_refuses_before_importing_torch(foreign_arch: Path) -> None:
+    """The refusal costs a header read, not torch's import (seconds on a small machine): checked in a fresh process."""
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom moerun.cli import main\n"
+            f"result = CliRunner().invoke(main, ['-m', {str(foreign_arch)!r}, '-p', 'hi'])\n"
+            "print(result.exit_code, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
 
 
 def test_profile_refuses_a_dense_model_before_loading(dense_model: Path, tmp_path: Path,
