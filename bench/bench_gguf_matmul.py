@@ -138,14 +138,13 @@ def moe_peer_decode(shape: tuple[int, int], repeat: int) -> dict:
 
 def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
     v = BLOCK_TYPES[qtype].values
-    shapes = [(2, 4), (4, 4), (8, 2), (8, 4), (16, 2)] if v == 256 else [(4, 8), (4, 16), (8, 8), (8, 16), (16, 8)]
+    shapes = [(2, 4), (4, 4), (8, 4), (4, 8)] if v == 256 else [(4, 16), (8, 8), (8, 16), (16, 16)]
     results = []
-    for tiles in [tuning.GemvTiles(rows, blocks, 4) for rows, blocks in shapes] + [None]:
-        if tiles is None:  # the best shape again with 8 warps
-            best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
-            tiles = tuning.GemvTiles(best.rows, best.blocks, 8)
-        tuning.GEMV_OVERRIDES[qtype] = tiles
-        results.append((guarded(dense_gemv, qtype, 1, repeat)["GB/s"], tiles))
+    for rows, blocks in shapes:
+        for warps in (1, 2, 4):
+            tiles = tuning.GemvTiles(rows, blocks, warps)
+            tuning.GEMV_OVERRIDES[qtype] = tiles
+            results.append((guarded(dense_gemv, qtype, 1, repeat)["GB/s"], tiles))
     best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
     tuning.GEMV_OVERRIDES[qtype] = best
     return best, [(round(gbs), t.__dict__) for gbs, t in results]

@@ -57,25 +57,32 @@ def _gemv_kernel(x_ptr, w_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, s
         slot = tl.load(slot_ptr + g)
         w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
         n_steps = tl.where(slot >= 0, n_blocks, 0)
-    row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None, None] * row_bytes  # [R, 1, 1]
+    # Tiles are 4-D [TG, R, B, P] from the start, the weights [1, R, B, P], so that products only broadcast; and the
+    # products of a step are summed before they meet the loop-carried accumulator, so that they keep the layout of
+    # the weight loads (a 4-D accumulator would take another one, and each decoded part would move to it through
+    # shared memory).
+    row_ptr = w_base + tl.minimum(r, n_rows - 1)[None, :, None, None] * row_bytes  # [1, R, 1, 1]
     t = tl.arange(0, TG)
-    x_row = ((g // x_div) * TG + t)[:, None, None] * cols  # [TG, 1, 1]
-    t_ok = (t < n_tokens)[:, None, None]
-    lane = tl.arange(0, P)[None, :]
-    acc = tl.zeros((TG, R, B, P), tl.float32)
+    x_row = ((g // x_div) * TG + t)[:, None, None, None] * cols  # [TG, 1, 1, 1]
+    t_ok = (t < n_tokens)[:, None, None, None]
+    lane = tl.arange(0, P)[None, None, None, :]
+    every_row = tl.zeros((1, R, 1, 1), tl.int32)  # x is read per row of the tile too: [TG, R, B, P] like w
+    acc = tl.zeros((TG, R), tl.float32)
     for kb in range(0, n_steps, B):
         b = kb + tl.arange(0, B)
-        b_ok = (b < n_blocks)[None, :, None]
-        b = tl.minimum(b, n_blocks - 1)
-        blk = row_ptr + b[None, :, None] * S  # [R, B, 1]
+        b_ok = (b < n_blocks)[None, None, :, None]
+        b = tl.minimum(b, n_blocks - 1)[None, None, :, None]
+        blk = row_ptr + b * S  # [1, R, B, 1]
         for part in tl.static_range(V // P):
-            w = DECODE(blk, part)  # [R, B, P]
-            col = (b[:, None] * V + part * P + lane)[None, :, :]  # [1, B, P]
-            xv = tl.load(x_ptr + x_row + col, mask=t_ok & b_ok, other=0.0).to(tl.float32)  # [TG, B, P]
-            acc += w[None, :, :, :] * xv[:, None, :, :]
-    y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [TG, R]
+            w = DECODE(blk, lane, part)  # [1, R, B, P]
+            xv = tl.load(x_ptr + x_row + b * V + part * P + lane + every_row, mask=t_ok & b_ok, other=0.0)
+            if part == 0:
+                products = w * xv.to(tl.float32)
+            else:
+                products += w * xv.to(tl.float32)
+        acc += tl.sum(tl.sum(products, axis=3), axis=2)
     out_row = (g * TG + t)[:, None] * n_rows
-    tl.store(out_ptr + out_row + r[None, :], y, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
+    tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
 
 
 @triton.jit
@@ -104,7 +111,7 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
         n_steps = tl.where(slot >= 0, n_blocks, 0)
     x_row = (tl.where(ok, ids, 0) // x_div)[:, None] * cols  # [BM, 1]
     row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None, None] * row_bytes  # [BN, 1, 1]
-    lane = tl.arange(0, P)[None, :]
+    lane = tl.arange(0, P)
     acc = tl.zeros((BM, BN), tl.float32)
     for kb in range(0, n_steps, B):
         b = kb + tl.arange(0, B)
@@ -112,8 +119,8 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
         b = tl.minimum(b, n_blocks - 1)
         blk = row_ptr + b[None, :, None] * S  # [BN, B, 1]
         for part in tl.static_range(V // P):
-            w = tl.reshape(DECODE(blk, part), (BN, B * P))
-            col = tl.reshape(b[:, None] * V + part * P + lane, (B * P,))
+            w = tl.reshape(DECODE(blk, lane[None, None, :], part), (BN, B * P))
+            col = tl.reshape(b[:, None] * V + part * P + lane[None, :], (B * P,))
             xv = tl.load(x_ptr + x_row + col[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
             if DOT_IN_F32:
                 acc = tl.dot(xv.to(tl.float32), tl.trans(w), acc, input_precision="ieee")

@@ -4,8 +4,9 @@ A decoder reads one GGUF block per (row, block) pair of a tile and returns one *
 (columns part*P .. part*P + P - 1 of the block) that share a scale, so that the scale is loaded once per part rather
 than once per value. The kernels loop over the V // P parts of a block at compile time (`tl.static_range`).
 
-    decode(blk, PART) -> [R, B, P] float32
-    blk: [R, B, 1] uint8 pointers to the first byte of a block (R rows x B blocks of a tile), PART: constexpr.
+    decode(blk, lane, PART) -> [..., P] float32
+    blk: [..., 1] uint8 pointers to the first byte of a block (R rows x B blocks of a tile), lane: tl.arange(0, P)
+    shaped [1, ..., 1, P], PART: constexpr. Any rank: the GEMV's tiles are 4-D, the GEMM's 3-D.
 
 Layouts are ggml's (ggml-common.h), read the way kernels/dequant.py (the torch reference these are tested against)
 reads them; each docstring names only what a part needs. Small non-negative integers become float32 through the
@@ -39,59 +40,59 @@ def _small_f32(u):
 
 
 @triton.jit
-def _bytes(p, P: tl.constexpr):
-    """[R, B, P] int32: the P bytes from p on, p being [R, B, 1]."""
-    return tl.load(p + tl.arange(0, P)[None, None, :]).to(tl.int32)
+def _bytes(p, lane):
+    """The bytes at p + lane, as int32: a part's run of quant bytes."""
+    return tl.load(p + lane).to(tl.int32)
 
 
 @triton.jit
-def _q8_0(blk, PART: tl.constexpr):
+def _q8_0(blk, lane, PART: tl.constexpr):
     """d (fp16), 32 int8 quants; one part of 32. (u ^ 0x80) is q + 128 for the byte u of an int8 q."""
-    return (_small_f32(_bytes(blk + 2, 32) ^ 0x80) - 128.0) * _f16(blk)
+    return (_small_f32(_bytes(blk + 2, lane) ^ 0x80) - 128.0) * _f16(blk)
 
 
 @triton.jit
-def _q4_0(blk, PART: tl.constexpr):
+def _q4_0(blk, lane, PART: tl.constexpr):
     """d (fp16), 16 bytes: the low nibbles are values 0-15 (part 0), the high ones 16-31 (part 1); d * (q - 8)."""
-    return (_small_f32((_bytes(blk + 2, 16) >> (4 * PART)) & 15) - 8.0) * _f16(blk)
+    return (_small_f32((_bytes(blk + 2, lane) >> (4 * PART)) & 15) - 8.0) * _f16(blk)
 
 
 @triton.jit
-def _q4_1(blk, PART: tl.constexpr):
+def _q4_1(blk, lane, PART: tl.constexpr):
     """d, m (fp16), 16 bytes of nibbles as in Q4_0; d * q + m."""
-    return _small_f32((_bytes(blk + 4, 16) >> (4 * PART)) & 15) * _f16(blk) + _f16(blk + 2)
+    return _small_f32((_bytes(blk + 4, lane) >> (4 * PART)) & 15) * _f16(blk) + _f16(blk + 2)
 
 
 @triton.jit
-def _nibbles_5bit(qs, qh, PART: tl.constexpr):
+def _nibbles_5bit(qs, qh, lane, PART: tl.constexpr):
     """Q5_0/Q5_1 quants of part PART (16 values): nibbles at qs as Q4_0's, bit j of the uint32 at qh is value j's
     fifth bit."""
-    j = PART * 16 + tl.arange(0, 16)[None, None, :]
+    j = PART * 16 + lane
     fifth = (tl.load(qh + j // 8).to(tl.int32) >> (j % 8)) & 1
-    return _small_f32(((_bytes(qs, 16) >> (4 * PART)) & 15) | (fifth << 4))
+    return _small_f32(((_bytes(qs, lane) >> (4 * PART)) & 15) | (fifth << 4))
 
 
 @triton.jit
-def _q5_0(blk, PART: tl.constexpr):
+def _q5_0(blk, lane, PART: tl.constexpr):
     """d (fp16), qh (4 bytes), 16 bytes of nibbles; d * (q - 16)."""
-    return (_nibbles_5bit(blk + 6, blk + 2, PART) - 16.0) * _f16(blk)
+    return (_nibbles_5bit(blk + 6, blk + 2, lane, PART) - 16.0) * _f16(blk)
 
 
 @triton.jit
-def _q5_1(blk, PART: tl.constexpr):
+def _q5_1(blk, lane, PART: tl.constexpr):
     """d, m (fp16), qh (4 bytes), 16 bytes of nibbles; d * q + m."""
-    return _nibbles_5bit(blk + 8, blk + 4, PART) * _f16(blk) + _f16(blk + 2)
+    return _nibbles_5bit(blk + 8, blk + 4, lane, PART) * _f16(blk) + _f16(blk + 2)
 
 
 @triton.jit
-def _mxfp4(blk, PART: tl.constexpr):
+def _mxfp4(blk, lane, PART: tl.constexpr):
     """e (E8M0), 16 bytes of E2M1 nibbles ordered as Q4_0's; e2m1 * 2**(e - 127).
 
     Twice the E2M1 value is an integer (0, 1, 2, 3, 4, 6, 8, 12): exponent 0 is the mantissa itself, exponent x > 0
     (2 + mantissa) << (x - 1). It multiplies half the scale, 2**(e - 128), whose float32 bits are built directly
     (e < 2 are subnormals).
     """
-    code = (_bytes(blk + 1, 16) >> (4 * PART)) & 15
+    code = (_bytes(blk + 1, lane) >> (4 * PART)) & 15
     exp, man = (code >> 1) & 3, code & 1
     doubled = _small_f32(tl.where(exp == 0, man, (2 + man) << tl.maximum(exp - 1, 0)))
     e = tl.load(blk).to(tl.int32)
@@ -117,53 +118,53 @@ def _q4_k_q5_k(blk, q, PART: tl.constexpr):
 
 
 @triton.jit
-def _q4_k(blk, PART: tl.constexpr):
+def _q4_k(blk, lane, PART: tl.constexpr):
     """Parts are the 8 sub-blocks of 32; sub-blocks 2c and 2c+1 are the low and high nibbles of 32 bytes at 16+32c."""
-    return _q4_k_q5_k(blk, (_bytes(blk + 16 + (PART // 2) * 32, 32) >> (4 * (PART % 2))) & 15, PART)
+    return _q4_k_q5_k(blk, (_bytes(blk + 16 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15, PART)
 
 
 @triton.jit
-def _q5_k(blk, PART: tl.constexpr):
+def _q5_k(blk, lane, PART: tl.constexpr):
     """Q4_K with 32 bytes qh at 16 and the nibbles at 48: bit PART of qh[l] is sub-block PART's fifth bit of value l."""
-    low = (_bytes(blk + 48 + (PART // 2) * 32, 32) >> (4 * (PART % 2))) & 15
-    return _q4_k_q5_k(blk, low | (((_bytes(blk + 16, 32) >> PART) & 1) << 4), PART)
+    low = (_bytes(blk + 48 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15
+    return _q4_k_q5_k(blk, low | (((_bytes(blk + 16, lane) >> PART) & 1) << 4), PART)
 
 
 @triton.jit
-def _q6_k(blk, PART: tl.constexpr):
+def _q6_k(blk, lane, PART: tl.constexpr):
     """128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales at 192, d (fp16) at 208; 16 parts of 16.
 
     Value n*128 + f*32 + l (half n, field f, l < 32): low nibble of byte n*64 + (f%2)*32 + l (its high nibble when
     f >= 2), high bits (byte 128 + n*32 + l) >> 2f; d * sc * (q - 32).
     """
     n, f, l0 = PART // 8, (PART % 8) // 2, (PART % 2) * 16
-    low = (_bytes(blk + n * 64 + (f % 2) * 32 + l0, 16) >> ((f // 2) * 4)) & 15
-    high = (_bytes(blk + 128 + n * 32 + l0, 16) >> (2 * f)) & 3
+    low = (_bytes(blk + n * 64 + (f % 2) * 32 + l0, lane) >> ((f // 2) * 4)) & 15
+    high = (_bytes(blk + 128 + n * 32 + l0, lane) >> (2 * f)) & 3
     sc = tl.load(blk + 192 + PART).to(tl.int8, bitcast=True).to(tl.float32)
     return (_f16(blk + 208) * sc) * (_small_f32(low | (high << 4)) - 32.0)
 
 
 @triton.jit
-def _q2_k(blk, PART: tl.constexpr):
+def _q2_k(blk, lane, PART: tl.constexpr):
     """16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit quants, d, dmin (fp16) at 80, 82.
 
     Parts are the 16 sub-blocks of 16: sub-block j is 2-bit plane (j%8)//2 of bytes 16 + (j//8)*32 + (j%2)*16 + l.
     """
-    q = (_bytes(blk + 16 + (PART // 8) * 32 + (PART % 2) * 16, 16) >> (2 * ((PART % 8) // 2))) & 3
+    q = (_bytes(blk + 16 + (PART // 8) * 32 + (PART % 2) * 16, lane) >> (2 * ((PART % 8) // 2))) & 3
     sm = tl.load(blk + PART).to(tl.int32)
     return (_f16(blk + 80) * (sm & 15).to(tl.float32)) * _small_f32(q) - _f16(blk + 82) * (sm >> 4).to(tl.float32)
 
 
 @triton.jit
-def _q3_k(blk, PART: tl.constexpr):
+def _q3_k(blk, lane, PART: tl.constexpr):
     """32 bytes hmask, 64 bytes of 2-bit quants (as Q2_K's), 12 bytes of 6-bit scales at 96, d (fp16) at 108.
 
     Scale PART: low 4 bits from nibble PART of bytes 96-103 (all low nibbles first), top 2 bits from field PART // 4
     of byte 104 + PART % 4, minus 32. Quant: 2 low bits, minus 4 where bit PART // 2 of hmask[l] is clear.
     """
     l0 = (PART % 2) * 16
-    q = (_bytes(blk + 32 + (PART // 8) * 32 + l0, 16) >> (2 * ((PART % 8) // 2))) & 3
-    h = (_bytes(blk + l0, 16) >> (PART // 2)) & 1
+    q = (_bytes(blk + 32 + (PART // 8) * 32 + l0, lane) >> (2 * ((PART % 8) // 2))) & 3
+    h = (_bytes(blk + l0, lane) >> (PART // 2)) & 1
     low = (tl.load(blk + 96 + PART % 8).to(tl.int32) >> (4 * (PART // 8))) & 15
     high = (tl.load(blk + 104 + PART % 4).to(tl.int32) >> (2 * (PART // 4))) & 3
     ds = _f16(blk + 108) * ((low | (high << 4)) - 32).to(tl.float32)
@@ -171,7 +172,7 @@ def _q3_k(blk, PART: tl.constexpr):
 
 
 @triton.jit
-def _iq4_xs(blk, PART: tl.constexpr):
+def _iq4_xs(blk, lane, PART: tl.constexpr):
     """d (fp16), scales_h (uint16), scales_l (4 bytes), 128 bytes of 4-bit codes; 16 parts of 16.
 
     Sub-block j = PART // 2 of 32: 6-bit scale ls = nibble j of scales_l | (2-bit field j of scales_h) << 4; values
@@ -181,7 +182,7 @@ def _iq4_xs(blk, PART: tl.constexpr):
     j = PART // 2
     ls = ((tl.load(blk + 4 + j // 2).to(tl.int32) >> (4 * (j % 2))) & 15) | (
         ((tl.load(blk + 2 + j // 4).to(tl.int32) >> (2 * (j % 4))) & 3) << 4)
-    c = (_bytes(blk + 8 + 16 * j, 16) >> (4 * (PART % 2))) & 15
+    c = (_bytes(blk + 8 + 16 * j, lane) >> (4 * (PART % 2))) & 15
     b0, b1, b2 = (c & 1) != 0, (c & 2) != 0, (c & 4) != 0
     negative = tl.where(b2, tl.where(b1, tl.where(b0, -10, -22), tl.where(b0, -35, -49)),
                         tl.where(b1, tl.where(b0, -65, -83), tl.where(b0, -104, -127)))
@@ -192,23 +193,23 @@ def _iq4_xs(blk, PART: tl.constexpr):
 
 
 @triton.jit
-def _f16_values(blk, PART: tl.constexpr):
-    return tl.load(blk.to(tl.pointer_type(tl.float16)) + tl.arange(0, 32)[None, None, :]).to(tl.float32)
+def _f16_values(blk, lane, PART: tl.constexpr):
+    return tl.load(blk.to(tl.pointer_type(tl.float16)) + lane).to(tl.float32)
 
 
 @triton.jit
-def _bf16_values(blk, PART: tl.constexpr):
-    return tl.load(blk.to(tl.pointer_type(tl.bfloat16)) + tl.arange(0, 32)[None, None, :]).to(tl.float32)
+def _bf16_values(blk, lane, PART: tl.constexpr):
+    return tl.load(blk.to(tl.pointer_type(tl.bfloat16)) + lane).to(tl.float32)
 
 
 @triton.jit
-def _f32_values(blk, PART: tl.constexpr):
-    return tl.load(blk.to(tl.pointer_type(tl.float32)) + tl.arange(0, 32)[None, None, :])
+def _f32_values(blk, lane, PART: tl.constexpr):
+    return tl.load(blk.to(tl.pointer_type(tl.float32)) + lane)
 
 
 @dataclass(frozen=True)
 class BlockType:
-    decode: triton.JITFunction  # (blk [R, B, 1], PART) -> [R, B, P] float32
+    decode: triton.JITFunction  # (blk [..., 1], lane [..., P], PART) -> [..., P] float32
     values: int  # V: values per block
     nbytes: int  # S: bytes per block
     part: int  # P: values per part (a power of two, at least 16 for tl.dot)
