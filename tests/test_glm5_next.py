@@ -4,6 +4,7 @@ rewrite, each checked against llama.cpp (llama-cpp-python 0.3.36 runs glm5-next)
 from __future__ import annotations
 
 import ctypes
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,3 +345,21 @@ def test_sparse_indexer_matches_llama_cpp(tmp_path: Path) -> None:
     assert judged.sum() >= 0.8 * sparse.sum()
     assert errors[~sparse].max() <= 1e-3 and errors[judged].max() <= 1e-3
     assert dense_errors[judged].max() > 10 * errors[judged].max()
+
+
+def test_perplexity_matches_llama_cpp(calibration_tokens: list[int], tmp_path: Path) -> None:
+    """moerun.perplexity against llama-perplexity's rule on llama.cpp's logits (3 chunks of 64, second halves)."""
+    path = write_synth_model(tmp_path / "g.gguf", "glm5-next")
+    model = moerun.load_model(path, n_ctx=64)
+    tokens, n_ctx = calibration_tokens[:3 * 64], 64
+    assert model.tokenizer.bos_id is None or not model.tokenizer.add_bos  # chunks start with their own token
+    nll, count = 0.0, 0
+    for start in range(0, len(tokens), n_ctx):
+        chunk = tokens[start:start + n_ctx]
+        logits = llama_run(path, chunk).logits.astype(np.float64)[n_ctx // 2:n_ctx - 1]
+        log_norm = logits.max(-1) + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
+        nll -= (logits[np.arange(len(logits)), chunk[n_ctx // 2 + 1:]] - log_norm).sum()
+        count += len(logits)
+    reference = math.exp(nll / count)
+    ours = moerun.perplexity(model, tokens, n_ctx)
+    assert abs(ours / reference - 1) <= 0.005, f"perplexity {ours:.4f} vs llama.cpp's {reference:.4f}"
