@@ -363,3 +363,11 @@ def test_perplexity_matches_llama_cpp(calibration_tokens: list[int], tmp_path: P
     reference = math.exp(nll / count)
     ours = moerun.perplexity(model, tokens, n_ctx)
     assert abs(ours / reference - 1) <= 0.005, f"perplexity {ours:.4f} vs llama.cpp's {reference:.4f}"
+
+
+def test_inspect_shows_the_attention_pattern(tmp_path: Path) -> None:
+    path = write_synth_model(tmp_path / "g.gguf", "glm5-next", n_layer=10)
+    result = run("inspect", path)
+    assert result.exit_code == 0, result.output
+    assert "attention     KDA x7: 0, 1, 2, 4, 5, 6, 8; DSA x3: 3, 7, 9" in result.output
+    assert describe_model(open_gguf(write_synth_model(tmp_path / "q.gguf", "qwen3moe"))).geometry.attention == {}

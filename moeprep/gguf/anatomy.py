@@ -13,7 +13,7 @@ from typing import Any
 from moeprep.errors import MoeprepError
 from moeprep.units import format_size
 from moeprep.gguf.reader import GGUFModel, TensorInfo
-from moeprep.gguf.roles import TensorRole, parse_tensor_name, role_table, tensor_role
+from moeprep.gguf.roles import TensorRole, attention_kinds, parse_tensor_name, role_table, tensor_role
 
 # Per-GPU memory kept back for the CUDA context, KV cache and activations when counting cache slots.
 DEFAULT_RESERVE = 1536 << 20
@@ -31,6 +31,7 @@ class ModelGeometry:
     n_expert_used: int
     n_ff_exp: int  # hidden size of one routed expert
     expert_bytes: dict[int, int]  # MoE block index -> bytes of one expert (all its *_exps tensors, stored types)
+    attention: dict[str, list[int]] = field(default_factory=dict)  # hybrids (glm5-next): blocks by attention kind
 
     @property
     def is_moe(self) -> bool:
@@ -110,6 +111,7 @@ def model_geometry(model: GGUFModel) -> ModelGeometry:
         dense_layers=[i for i in range(n_layer) if i not in per_block],
         n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         expert_bytes={b: per_block[b] // n_expert for b in moe_layers},
+        attention=attention_kinds(model.arch, model.kv),
     )
 
 
@@ -185,6 +187,8 @@ def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
         f"file size     {format_size(a.file_size)} ({a.file_size} bytes, {a.n_shards} shard{'s' * (a.n_shards > 1)})",
         f"layers        {geo.n_layer} ({len(geo.moe_layers)} MoE, {len(geo.dense_layers)} dense"
         + (f": {', '.join(map(str, geo.dense_layers))})" if geo.dense_layers and geo.is_moe else ")"),
+        *(["attention     " + "; ".join(f"{kind} x{len(blocks)}: {', '.join(map(str, blocks))}"
+                                        for kind, blocks in geo.attention.items())] if geo.attention else []),
         *_expert_lines(a),
         "",
         f"{'role':<14}{'tensors':>8}{'bytes':>14}  types",

@@ -103,6 +103,11 @@ GLM5_NEXT_LIMITS = {
 }
 QUANT_LIMITS: dict[str, dict[str, QuantLimit]] = {"glm5-next": GLM5_NEXT_LIMITS, "glm5next": GLM5_NEXT_LIMITS}
 
+# Hybrid architectures: the per-block metadata key that says which attention a block runs, and its values' names.
+GLM5_NEXT_ATTENTION = ("attention.head_count_kv", {0: "KDA", 1: "DSA"})
+ATTENTION_KINDS: dict[str, tuple[str, dict[int, str]]] = {"glm5-next": GLM5_NEXT_ATTENTION,
+                                                          "glm5next": GLM5_NEXT_ATTENTION}
+
 # blk.<i>.<base>.<suffix>, where base may itself contain dots (nextn.eh_proj).
 TENSOR_NAME_RE = re.compile(r"^(?:blk\.(?P<block>\d+)\.)?(?P<base>.+?)(?:\.(?P<suffix>weight|bias|scale))?$")
 
@@ -134,3 +139,15 @@ def tensor_role(name: str, table: dict[str, TensorRole]) -> TensorRole:
 def quant_limit(arch: str, name: str) -> QuantLimit | None:
     """The quantizer's limit on tensor `name` of an `arch` model, None where its role alone decides."""
     return QUANT_LIMITS.get(arch, {}).get(parse_tensor_name(name).base)
+
+
+def attention_kinds(arch: str, metadata: dict[str, object]) -> dict[str, list[int]]:
+    """Blocks by attention kind for a hybrid architecture ({"KDA": [0, 1, 2, 4, ...], "DSA": [3, ...]}), else {}."""
+    key, names = ATTENTION_KINDS.get(arch, ("", {}))
+    per_block = metadata.get(f"{arch}.{key}")
+    if not isinstance(per_block, list):
+        return {}
+    kinds: dict[str, list[int]] = {}
+    for block, value in enumerate(per_block):
+        kinds.setdefault(names.get(value, str(value)), []).append(block)
+    return kinds
