@@ -52,7 +52,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 @dataclass(frozen=True)
 class Glm5NextArgs:
-    """The keys ModelArgs does not hold, read once per model."""
+    """The keys ModelArgs does not hold (read by each block builder: dictionary lookups)."""
 
     dsa_layers: tuple[bool, ...]  # head_count_kv 1 (DSA) or 0 (KDA), per block
     n_streams: int
