@@ -62,6 +62,8 @@ class SynthConfig:
     mla_split: bool  # deepseek2: write attn_k_b/attn_v_b (absorbed MLA) instead of attn_kv_b
     yarn: bool  # write YaRN rope-scaling keys (factor YARN_FACTOR over n_ctx / YARN_FACTOR original positions)
     n_vocab: int  # the shipped tokenizer's tokens, then padding tokens (real models have 150k-260k)
+    routing: str  # "random", or "text": routers follow the text (skew and reuse as real models; synth/routing.py)
+    tensor_types: tuple[tuple[str, GGMLQuantizationType], ...]  # (tensor base name, type) over the role's type
 
     @property
     def model_name(self) -> str:
@@ -84,6 +86,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
                           n_expert_used=8, n_ff_exp=768, n_ff=6144, n_ctx=40960, sliding_window=128,
                           rope_freq_base=1_000_000.0, expert_type="Q4_K", attn_type="Q4_K"),
+    # The 60 GB benchmark shape of issues 12/13 (9.28 MiB per expert), with routing that follows the text so an
+    # expert cache meets real skew and reuse; meant for fast_random_blocks=True.
+    "bench-60g": dict(n_layer=46, n_embd=4096, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
+                      n_expert_used=8, n_ff_exp=1408, n_ff=11264, n_ctx=32768, sliding_window=128,
+                      rope_freq_base=1_000_000.0, expert_type="Q4_K", attn_type="Q8_0", n_vocab=32000,
+                      tensor_types=(("ffn_down_exps", "Q4_0"), ("output", "Q8_0")), routing="text"),
 }
 
 # Fields no preset sets: their values unless the architecture or the caller sets them.
@@ -102,7 +110,10 @@ COMMON_DEFAULTS: dict[str, Rule] = {
     "mla_split": lambda g: False,
     "yarn": lambda g: False,
     "n_vocab": lambda g: VOCAB_SIZE,
+    "routing": lambda g: "random",
+    "tensor_types": lambda g: (),
 }
+ROUTING_KINDS = ("random", "text")  # the keys of moeprep.synth.routing.ROUTINGS
 
 GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(SynthConfig)
                         if f.name not in ("arch", "preset", "seed", "skew", "fast_random_blocks"))
@@ -126,6 +137,7 @@ CHECKS: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (
     (lambda c: 0.0 <= c.skew <= 1.0, "skew must be between 0 and 1"),
     (lambda c: c.n_embd >= 2, "n_embd must be at least 2 (channel 0 is the router's bias channel)"),
     (lambda c: c.n_vocab >= VOCAB_SIZE, f"n_vocab must be at least the tokenizer's {VOCAB_SIZE} tokens"),
+    (lambda c: c.routing in ROUTING_KINDS, f"routing must be one of {', '.join(ROUTING_KINDS)}"),
 )
 
 
@@ -145,6 +157,7 @@ def resolve_config(arch: str, preset: str, derived: Mapping[str, Rule], explicit
         values.setdefault(field, rule(values))
     values["expert_type"] = parse_type(values["expert_type"], "expert type")
     values["attn_type"] = parse_type(values["attn_type"], "attention type")
+    values["tensor_types"] = tuple((base, parse_type(t, f"{base} type")) for base, t in values["tensor_types"])
     config = SynthConfig(arch=arch, preset=preset, **values)
     for holds, message in CHECKS + arch_checks:
         if not holds(config):

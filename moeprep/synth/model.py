@@ -19,6 +19,7 @@ from moeprep.gguf.writer import KVValue
 from moeprep.quant import registry
 from moeprep.synth.archs import ARCHS, ArchSpec, TensorSpec, model_metadata, model_tensors
 from moeprep.synth.config import SynthConfig, resolve_config
+from moeprep.synth.routing import shape_routing
 from moeprep.synth.tokenizer import load_vocab, padded_vocab, vocab_metadata
 from moeprep.synth.weights import BIAS_CHANNEL, RANDOM_BLOCKS, byte_shape, quantize, random_blocks, tensor_rng
 
@@ -75,7 +76,7 @@ def storage_type(t: TensorSpec, c: SynthConfig, roles: dict[str, TensorRole]) ->
         return Q.F32
     if name.base in PINNED_TYPES:
         return PINNED_TYPES[name.base]
-    qtype = ROLE_TYPES[tensor_role(t.name, roles)](c)
+    qtype = dict(c.tensor_types).get(name.base) or ROLE_TYPES[tensor_role(t.name, roles)](c)
     if qtype in registry.QUANTIZERS:
         return registry.choose_type(qtype, t.shape[-1])[0]
     return qtype if t.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
@@ -84,7 +85,7 @@ def storage_type(t: TensorSpec, c: SynthConfig, roles: dict[str, TensorRole]) ->
 def planned_tensors(c: SynthConfig) -> tuple[list[TensorSpec], list[GGMLQuantizationType]]:
     """Every tensor of the model in file order, with its storage type."""
     spec = ARCHS[c.arch]
-    tensors = model_tensors(spec, c, c.n_vocab)
+    tensors = shape_routing(c, model_tensors(spec, c, c.n_vocab))
     roles, _ = role_table(spec.name)
     return tensors, [storage_type(t, c, roles) for t in tensors]
 
