@@ -132,7 +132,8 @@ main.add_command(profile)  # the `moeprep profile` group lives with its package
 @click.argument("out", metavar="OUT", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--arch", default="qwen3moe", show_default=True,
               help="Architecture as GGUF names it (qwen3moe, deepseek2, gpt-oss, ...).")
-@click.option("--preset", default="tiny", show_default=True, help="Size preset (tiny, small, qwen3-30b-a3b).")
+@click.option("--preset", default="tiny", show_default=True,
+              help="Size preset (tiny, small, qwen3-30b-a3b, bench-60g).")
 @click.option("--expert-type", default=None, help="Routed experts' type, e.g. F16, Q8_0, Q4_K (default: the preset's).")
 @click.option("--attn-type", default=None, help="Attention, shared-expert and dense-FFN type (default: the preset's).")
 @click.option("--skew", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
