@@ -25,8 +25,10 @@ size, I expert hidden size; a row has `cols` values in `nb` blocks of `block` va
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numba
@@ -46,6 +48,14 @@ from moerun.rounding import q8_0_blocks, q8_k_blocks
 from moerun.weights import Weights
 
 INLINE = JIT
+
+# numba's OpenMP layer leaves its workers spinning after each parallel region (GNU OpenMP's spin count), on the
+# cores torch's threads need for the attention that follows in a decode step; the workqueue layer's workers sleep.
+# It does not take two launches at once, so launches hold _LAUNCH. A layer the user chose (NUMBA_THREADING_LAYER)
+# wins.
+if numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "workqueue"
+_LAUNCH = threading.Lock()
 
 # Fewest weight rows per work item: below this the per-item setup outweighs the rows.
 MIN_ROWS_PER_ITEM = 16
@@ -678,22 +688,30 @@ def _matmul(t: ExpertBytes, fmt: Format, items: np.ndarray, order: np.ndarray, a
     return y
 
 
+@contextlib.contextmanager
+def _threads(threads: int | None) -> Iterator[None]:
+    """One launch at a time (_LAUNCH), with `threads` numba threads (None: the calling thread's setting)."""
+    with _LAUNCH:
+        previous = numba.get_num_threads()
+        if threads is not None:
+            numba.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(previous)
+
+
 def expert_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: int | None = None) -> np.ndarray:
     """y[i] = expert experts[i] of t times x[i] (+ its bias), rounding x[i] as llama.cpp does for t's type.
     x (n, cols) float32, experts (n,) integers -> y (n, rows) float32."""
     fmt = _format(t)
-    previous = numba.get_num_threads()
-    if threads is not None:
-        numba.set_num_threads(threads)
-    try:
+    with _threads(threads):
         ids = np.ascontiguousarray(experts, np.int64)[:, None]
         token, order, (items,) = _plan(ids, t.data.shape[0], np.array([t.rows]),
                                        ITEMS_PER_THREAD * numba.get_num_threads(), MIN_ROWS_PER_ITEM)
         rounded = _Rounded(fmt, len(x), t.cols)
         _round_rows(rounded.code, np.ascontiguousarray(x, F32), *rounded.arrays())
         return _matmul(t, fmt, items, order, token, rounded, len(token))
-    finally:
-        numba.set_num_threads(previous)
 
 
 def moe_rows(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertBytes, up: ExpertBytes,
@@ -701,13 +719,8 @@ def moe_rows(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertBy
     """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
     (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b. `threads`:
     numba threads for this call (default: numba's setting for the calling thread)."""
-    previous = numba.get_num_threads()
-    if threads is not None:
-        numba.set_num_threads(threads)
-    try:
+    with _threads(threads):
         _moe_rows(x, ids, weights, gate, up, down, activation, out)
-    finally:
-        numba.set_num_threads(previous)
 
 
 def _moe_rows(x, ids, weights, gate, up, down, activation, out) -> None:
