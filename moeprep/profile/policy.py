@@ -317,7 +317,7 @@ class Payback(Replacement):
 
     name = "payback"
 
-    def __init__(self, slots, n_expert: int, top_k: int, cost: UploadCost = UploadCost(), horizon: int = 64,
+    def __init__(self, slots, n_expert: int, top_k: int, cost: UploadCost = UploadCost(), horizon: int = 32,
                  margin: float = 0.5):
         super().__init__(slots, n_expert, top_k)
         self.cost, self.horizon, self.margin = cost, horizon, margin
