@@ -37,7 +37,7 @@ class CachePolicy:
 HELDOUT_POLICIES = (
     CachePolicy("static", "static", True, "the profile's hottest experts, fixed"),
     CachePolicy("lru", "lru", False, "least recently used, starts empty"),
-    CachePolicy("lfu", "lfu", False, "most used in the chunk stay (a miss must outnumber the least used), starts empty"),
+    CachePolicy("lfu", "lfu", False, "most used in the chunk stay (a miss must outnumber one), starts empty"),
     CachePolicy("lru-warm", "lru", True, "least recently used, starts with the profile's hottest experts"),
 )
 POLICIES = tuple(p.name for p in HELDOUT_POLICIES)
@@ -106,7 +106,8 @@ def _replay(policy: CachePolicy, ids: np.ndarray, valid: np.ndarray, windows: np
     rows_slots = np.broadcast_to(slots[None, :, None], shape).reshape(-1)
     cache = make_policy(policy.rule, rows_slots, counts.n_expert, n_k)
     if policy.warm:
-        cache.seed(np.broadcast_to(counts.selections[None, None], (*shape, counts.n_expert)).reshape(-1, counts.n_expert))
+        usage = np.broadcast_to(counts.selections[None, None], (*shape, counts.n_expert))
+        cache.seed(usage.reshape(-1, counts.n_expert))
         cache.plan_rows(np.arange(len(rows_slots)))  # fill the empty slots with the hottest experts
     hit = replay(cache, rows_ids, rows_valid).hits.reshape(*shape, n_t).astype(np.int64)
     return np.einsum("wct,csmt->swm", windows.astype(np.int64), hit)

@@ -1,19 +1,20 @@
 """Expert-cache replacement policies: which experts a layer's slots hold, decided between steps. numpy only.
 
 The definitions live here, in moeprep, so `moeprep profile` simulates them without importing torch; the runtime
-imports them as moerun.cache.policy. A policy counts the experts each step selected (`observe`) and, when asked, names the uploads to make (`plan`):
-an expert to copy into a slot, evicting the expert there. One object holds B independent caches ("rows") over
-E experts each, stepped together; the runtime uses one row per MoE layer (`observe(layer, ids)`,
-`plan(layer, resident, free)`), and `replay` steps many rows over a routing trace: `moeprep profile`'s held-out
-table (moeprep/profile/heldout.py) and bench/bench_cache_policy.py. So a simulated hit rate is the runtime's.
+imports them as moerun.cache.policy. A policy counts the experts each step selected (`observe`) and, when asked,
+names the uploads to make (`plan`): an expert to copy into a slot, evicting the expert there. One object holds B
+independent caches ("rows") over E experts each, stepped together; the runtime uses one row per MoE layer
+(`observe(layer, ids)`, `plan(layer, resident, free)`), and `replay` steps many rows over a routing trace:
+`moeprep profile`'s held-out table (moeprep/profile/heldout.py) and bench/bench_cache_policy.py. So a simulated
+hit rate is the runtime's.
 
 A step, as the runtime runs it: the step's tokens look up their experts in the residency at the step's start (the
 forward cannot wait for an upload); then the policy counts the uses, and `plan` chooses at most `free` uploads,
 which land before the next step. Candidates are the step's missed experts (and, while slots are still empty, the
 best-known others). They are taken best first, at most `free`: each goes into an empty slot, or replaces the
 lowest-priority resident when it has a higher priority and the policy admits it. So after a plan a row holds, of
-its residents and the admitted candidates, the S of highest priority. A policy is its priority (which
-experts to keep) and its admission test (whether a candidate may replace that victim).
+its residents and the admitted candidates, the S of highest priority. A policy is its priority (which experts to
+keep) and its admission test (whether a candidate may replace that victim).
 
 Ticks order uses: the k-th expert of token t of a row gets tick t*K + k + 1 (seeded history has ticks <= 0).
 Letters: B rows (caches), R rows of one call, E experts, T tokens of a step, K experts per token, S slots, J
@@ -345,7 +346,8 @@ class Payback(Replacement):
 
 class Belady(Replacement):
     """The offline optimum (Belady's MIN with bypass): keep the experts needed soonest; a candidate goes in only if
-    it is needed before the victim (the priority test of every plan). Without an upload cap no policy gets more hits on the same stream.
+    it is needed before the victim (the priority test of every plan). Without an upload cap no policy gets more hits
+    on the same stream.
 
     `next_use` [B, T, K]: for each row's token t and choice k, the token index at which that expert is used next in
     the row (`next_uses`), T or more for never. Tokens must be observed one at a time, in trace order."""
