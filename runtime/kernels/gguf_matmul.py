@@ -176,6 +176,8 @@ def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     x = x.contiguous()
     n_tokens = x.shape[0]
     out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
+    if n_tokens == 0:
+        return out
     if n_tokens <= tuning.GEMV_MAX_TOKENS:
         _gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None)
     else:
@@ -225,6 +227,8 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor) -> torch.Tensor:
     assert x.shape == (n_tokens, w.cols) or x.shape == (n_tokens, k, w.cols), (tuple(x.shape), tuple(slots.shape))
     x_div = k if x.dim() == 2 else 1  # pair id t*K + k reads input row t, or its own row
     x, slots = x.contiguous(), slots.contiguous()
+    if n_tokens * k == 0:
+        return torch.zeros(n_tokens, k, w.rows, dtype=torch.float32, device=x.device)
     if n_tokens <= tuning.GEMV_MAX_TOKENS:
         out = torch.empty(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)
         _gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)

@@ -166,6 +166,13 @@ def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
                 assert_close(y[t, j][None], xs[t, j][None], weights[slot], bfloat16_operands=grouped)
 
 
+def test_no_tokens() -> None:
+    data = random_weights(Q.Q4_K, (2, 8), 256, np.random.default_rng(9)).to(DEVICE)
+    assert gguf_mm(torch.zeros(0, 256, device=DEVICE), QWeight(data[0], Q.Q4_K, 8, 256)).shape == (0, 8)
+    no_slots = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    assert gguf_moe(torch.zeros(0, 256, device=DEVICE), QWeight(data, Q.Q4_K, 8, 256), no_slots).shape == (0, 2, 8)
+
+
 def test_group_by_slot_shapes_and_contents() -> None:
     """Every kept pair exactly once, in blocks of one slot; sizes from T*K, E and BM alone (no host sync needed)."""
     rng = np.random.default_rng(7)
