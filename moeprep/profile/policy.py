@@ -94,19 +94,28 @@ class Replacement:
         """resident [S]: the expert in each of the layer's slots, -1 for empty; at most `free` uploads."""
         resident = np.asarray(resident)
         self.slots[layer] = len(resident)
-        self.cached[layer] = False
-        self.cached[layer, resident[resident >= 0]] = True
-        placed, victims = self.plan_rows(np.array([layer]), free)
-        slot_of = {int(e): s for s, e in enumerate(resident) if e >= 0}
-        empty = iter(np.flatnonzero(resident < 0).tolist())
-        uploads = []
-        for e, v in zip(placed[0].tolist(), victims[0].tolist()):
-            if e < 0:
-                continue
-            slot = next(empty) if v < 0 else slot_of.pop(v)
-            slot_of[e] = slot
-            uploads.append((slot, e))
-        return uploads
+        slot, expert = self.plan_slots(np.array([layer]), resident[None], free)
+        return [(s, e) for s, e in zip(slot[0].tolist(), expert[0].tolist()) if e >= 0]
+
+    def plan_slots(self, rows: np.ndarray, resident: np.ndarray,
+                   free: int | np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """`plan` for many layers in one call (one per step instead of one per layer): resident [R, S] expert per
+        slot, -1 for empty (a row uses its first `slots[row]` columns). -> (slot [R, J], expert [R, J]), -1 where
+        nothing is uploaded. A victim is always a slot's expert from before the plan: a placed candidate outranks
+        every later one, so none of this plan's uploads is overwritten by another."""
+        resident = np.asarray(resident, np.int64)
+        in_use = np.arange(resident.shape[1])[None, :] < self.slots[rows, None]
+        self.cached[rows] = False
+        r, c = np.nonzero(in_use & (resident >= 0))
+        self.cached[rows[r], resident[r, c]] = True
+        placed, victims = self.plan_rows(rows, free)
+        # victims: the slot holding them; fills: the row's empty slots in order
+        slot = (resident[:, None, :] == victims[:, :, None]).argmax(axis=2)  # [R, J]
+        empty_slots = np.argsort(~(in_use & (resident < 0)), axis=1, kind="stable")  # empty slots first
+        fills = (placed >= 0) & (victims < 0)
+        nth_fill = np.cumsum(fills, axis=1) - 1
+        slot = np.where(fills, np.take_along_axis(empty_slots, np.maximum(nth_fill, 0), axis=1), slot)
+        return np.where(placed >= 0, slot, -1), placed
 
     def seed(self, usage: np.ndarray) -> None:
         """Lifetime counts [B, E] from a profile (rows of zeros are ignored): the hottest expert counts as the most

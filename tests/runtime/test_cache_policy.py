@@ -136,6 +136,25 @@ def test_runtime_calls_equal_the_replay(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
+def test_one_call_for_every_layer_equals_a_call_per_layer(name: str) -> None:
+    n_layer, n_expert, k, free = 4, 16, 4, 2
+    slots = [2, 3, 5, 8]
+    ids = np.stack([skewed_stream(20 + m, 60, n_expert, k) for m in range(n_layer)])  # [L, T, K]
+    batched, single = make_policy(name, slots, n_expert, k), make_policy(name, slots, n_expert, k)
+    tables = np.full((n_layer, max(slots)), -1)
+    for t in range(ids.shape[1]):
+        batched.observe_rows(np.arange(n_layer), ids[:, t, None])
+        slot, expert = batched.plan_slots(np.arange(n_layer), tables, free)
+        for layer in range(n_layer):
+            single.observe(layer, ids[layer, t, None])
+            want = single.plan(layer, tables[layer, : slots[layer]].copy(), free)
+            got = [(s, e) for s, e in zip(slot[layer].tolist(), expert[layer].tolist()) if e >= 0]
+            assert got == want, (t, layer)
+            for s, e in got:
+                tables[layer, s] = e
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_a_step_of_many_tokens_counts_as_those_tokens_one_by_one(name: str) -> None:
     """Prefill observes T tokens at once (repeated experts among them); the state must equal T single steps."""
     ids = skewed_stream(5, 24, 10, 3)
