@@ -130,7 +130,8 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as its raw uint16 bits, its tl.dot multiplies
-# those bits as integers and its float32 -> bfloat16 conversion truncates, so there the GEMM multiplies in float32.
+# those bits as integers and its float32 -> bfloat16 conversion truncates, so there the GEMM widens its (bfloat16)
+# inputs and multiplies them with the float32 weights.
 _INTERPRETED = not isinstance(_gemm_kernel, triton.runtime.JITFunction)
 
 
@@ -158,6 +159,9 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
 
 def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: int, x_div: int,
           grouped: tuple[torch.Tensor, torch.Tensor] | None, tiles: tuning.GemmTiles) -> None:
+    # The products take bfloat16 inputs; rounding them here (to nearest, as the kernel would) halves the bytes the
+    # programs read and the shared memory their pipelined loads take.
+    x = x.to(torch.bfloat16)
     row_bytes = w.data.shape[-1]
     ids, block_slot = grouped if grouped is not None else (x, x)
     n_m = block_slot.numel() if grouped is not None else triton.cdiv(n_ids, tiles.block_m)

@@ -10,9 +10,9 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
 - the decoded weights equal the reference's float32 values exactly (every scale product is exact; see qtypes.py), so
   the matrix-vector kernel only rounds its float32 products and sums: |y - ref| <= (C + 1) u S (C = columns, the
   classic bound for a sum of C rounded products in any order), tested with a factor 2 to spare;
-- the GEMM rounds x and w to bfloat16 on the GPU (to nearest, as torch's .bfloat16() does) and accumulates in float32,
-  so there it is compared with the float64 product of the same bfloat16 operands, within the same bound; the
-  interpreter multiplies float32 operands (gguf_matmul._INTERPRETED says why), so on the CPU no operand is rounded.
+- the GEMM rounds x to bfloat16 (to nearest, as torch's .bfloat16() does), and w too on the GPU, and accumulates in
+  float32, so it is compared with the float64 product of the same operands, within the same bound (the interpreter
+  multiplies bfloat16 x with float32 w: gguf_matmul._INTERPRETED says why).
 Random data are never zeros; a wrong nibble, scale or row order misses these bounds by orders of magnitude.
 """
 
@@ -78,10 +78,12 @@ def dequantized(data: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
     return torch.from_numpy(gguf_dequantize(data.numpy(), qtype).astype(np.float64))
 
 
-def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bfloat16_operands: bool) -> None:
-    """y (T, N) against x (T, C) @ w (N, C).T in float64 within (C + 1) u S, doubled (module docstring)."""
-    if bfloat16_operands:
-        x, w = x.bfloat16(), w.float().bfloat16()
+def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gemm: bool) -> None:
+    """y (T, N) against x (T, C) @ w (N, C).T in float64 within (C + 1) u S, doubled (module docstring); for the GEMM
+    with the operands it multiplies: x in bfloat16, and w too on the GPU."""
+    if gemm:
+        x = x.bfloat16()
+        w = w.float().bfloat16() if DEVICE == "cuda" else w
     x, w = x.double(), w.double()
     ref = x @ w.T
     bound = 2 * (x.shape[1] + 1) * U * (x.abs() @ w.abs().T)
@@ -99,8 +101,7 @@ def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype
     w = QWeight(data.to(DEVICE), qtype, rows, cols)
     y = gguf_mm(x.to(DEVICE), w)
     assert y.dtype == torch.float32 and y.shape == (n_tokens, rows)
-    gemm_on_gpu = DEVICE == "cuda" and n_tokens > tuning.GEMV_MAX_TOKENS
-    assert_close(y, x, dequantized(data, qtype, cols), bfloat16_operands=gemm_on_gpu)
+    assert_close(y, x, dequantized(data, qtype, cols), gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
 
 
 def test_supported_types() -> None:
@@ -156,14 +157,14 @@ def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
     assert y.shape == (n_tokens, k, rows) and y.dtype == torch.float32
     weights = dequantized(bank, qtype, cols)  # [E, N, C]
     xs = x[:, None, :].expand(n_tokens, k, cols) if shared_input else x
-    grouped = DEVICE == "cuda" and n_tokens > tuning.GEMV_MAX_TOKENS
+    grouped = n_tokens > tuning.GEMV_MAX_TOKENS
     for t in range(n_tokens):
         for j in range(k):
             slot = int(slots[t, j])
             if slot < 0:
                 assert (y[t, j] == 0).all()
             else:
-                assert_close(y[t, j][None], xs[t, j][None], weights[slot], bfloat16_operands=grouped)
+                assert_close(y[t, j][None], xs[t, j][None], weights[slot], gemm=grouped)
 
 
 def test_no_tokens() -> None:
