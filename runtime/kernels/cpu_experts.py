@@ -78,25 +78,36 @@ class ExpertBytes:
 # unpack(row, wq, wf, sc, mn, dd): one weight row's bytes -> for the integer types wq (cols,) int16, each value
 # already times its sub-block's integer scale (exact: at most 127 * 32 in magnitude), mn (nb, n_sub) int32 mins and
 # dd (nb, 2) float32 (d, dmin), with sc (nb, n_sub) int32 as scratch; for the float types wf (cols,) float32.
-# Layouts are ggml's blocks, read as moerun.kernels.dequant reads them (its docstrings draw them). Every block and
-# its values are taken as slices first: indices from 0 let LLVM drop numba's negative-index checks and vectorize.
+# Layouts are ggml's blocks, read as moerun.kernels.dequant reads them (its docstrings draw them).
+#
+# Written for LLVM's loop vectorizer: flat indices into the row (a slice per block costs more than a block of 16
+# values), and the short inner loops run to a count it cannot see (`_opaque`): a loop of a known 16 or 32 steps is
+# unrolled before the vectorizer runs and then stays scalar, 3-10x slower.
+
+
+@numba.njit(inline="always")
+def _opaque(n: int, a: np.ndarray) -> int:
+    """n, in a form the compiler cannot fold to a constant (an array's length is never negative, but LLVM does not
+    know that)."""
+    return n + (a.shape[0] < 0)
 
 
 _TWO_POW_112 = F32(2.0 ** 112)
 
 
-@numba.njit(**INLINE)
+@numba.njit(inline="always")
 def _f16(blk: np.ndarray, o: int) -> np.float32:
-    """The fp16 at blk[o:o + 2], exactly: its exponent and mantissa bits moved into a float32 (rebias 15 -> 127 is
-    the product by 2**112, which also turns fp16 subnormals into the right normals); inf and NaN the slow way."""
+    """The fp16 at blk[o:o + 2], exactly and without a branch on the sign: its exponent and mantissa bits moved into
+    a float32 (rebias 15 -> 127 is the product by 2**112, which also turns fp16 subnormals into the right normals),
+    then its sign bit; inf and NaN the slow way."""
     h = np.uint32(blk[o]) | (np.uint32(blk[o + 1]) << np.uint32(8))
     if h & np.uint32(0x7C00) == np.uint32(0x7C00):
         return fp16_value(h)
-    magnitude = np.uint32((h & np.uint32(0x7FFF)) << np.uint32(13)).view(np.float32) * _TWO_POW_112
-    return -magnitude if h & np.uint32(0x8000) else magnitude
+    magnitude = F32(np.uint32((h & np.uint32(0x7FFF)) << np.uint32(13)).view(np.float32) * _TWO_POW_112)
+    return np.uint32(magnitude.view(np.uint32) | ((h & np.uint32(0x8000)) << np.uint32(16))).view(np.float32)
 
 
-@numba.njit(**INLINE)
+@numba.njit(inline="always")
 def _u32(blk: np.ndarray, o: int) -> int:
     return np.int64(blk[o]) | (np.int64(blk[o + 1]) << 8) | (np.int64(blk[o + 2]) << 16) | (np.int64(blk[o + 3]) << 24)
 
@@ -104,63 +115,68 @@ def _u32(blk: np.ndarray, o: int) -> int:
 @numba.njit(**INLINE)
 def _unpack_q4_0(row, wq, wf, sc, mn, dd):
     """d (fp16), 16 bytes: value l is the low nibble of byte l, value l + 16 its high nibble; q - 8."""
+    half = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 18:(b + 1) * 18], wq[b * 32:(b + 1) * 32]
-        dd[b, 0] = _f16(blk, 0)
-        for l in range(16):
-            c = blk[2 + l]
-            q[l] = np.int16(c & 15) - 8
-            q[16 + l] = np.int16(c >> 4) - 8
+        o, v = b * 18, b * 32
+        dd[b, 0] = _f16(row, o)
+        for l in range(half):
+            c = row[o + 2 + l]
+            wq[v + l] = np.int16(c & 15) - 8
+            wq[v + half + l] = np.int16(c >> 4) - 8
 
 
 @numba.njit(**INLINE)
 def _unpack_q4_1(row, wq, wf, sc, mn, dd):
     """d, m (fp16), 16 bytes of nibbles as Q4_0; value d * q + m."""
+    half = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 20:(b + 1) * 20], wq[b * 32:(b + 1) * 32]
-        dd[b, 0], dd[b, 1] = _f16(blk, 0), -_f16(blk, 2)
+        o, v = b * 20, b * 32
+        dd[b, 0], dd[b, 1] = _f16(row, o), -_f16(row, o + 2)
         mn[b, 0] = 1
-        for l in range(16):
-            c = blk[4 + l]
-            q[l] = np.int16(c & 15)
-            q[16 + l] = np.int16(c >> 4)
+        for l in range(half):
+            c = row[o + 4 + l]
+            wq[v + l] = np.int16(c & 15)
+            wq[v + half + l] = np.int16(c >> 4)
 
 
 @numba.njit(**INLINE)
 def _unpack_q5_0(row, wq, wf, sc, mn, dd):
     """d (fp16), qh (uint32: bit j is value j's fifth bit), 16 bytes of nibbles as Q4_0; q - 16."""
+    half = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 22:(b + 1) * 22], wq[b * 32:(b + 1) * 32]
-        dd[b, 0] = _f16(blk, 0)
-        qh = _u32(blk, 2)
-        for l in range(16):
-            c = blk[6 + l]
-            q[l] = np.int16((c & 15) | (((qh >> l) & 1) << 4)) - 16
-            q[16 + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16
+        o, v = b * 22, b * 32
+        dd[b, 0] = _f16(row, o)
+        qh = _u32(row, o + 2)
+        for l in range(half):
+            c = row[o + 6 + l]
+            wq[v + l] = np.int16((c & 15) | (((qh >> l) & 1) << 4)) - 16
+            wq[v + half + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16
 
 
 @numba.njit(**INLINE)
 def _unpack_q5_1(row, wq, wf, sc, mn, dd):
     """d, m (fp16), qh, 16 bytes of nibbles as Q5_0; value d * q + m."""
+    half = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 24:(b + 1) * 24], wq[b * 32:(b + 1) * 32]
-        dd[b, 0], dd[b, 1] = _f16(blk, 0), -_f16(blk, 2)
+        o, v = b * 24, b * 32
+        dd[b, 0], dd[b, 1] = _f16(row, o), -_f16(row, o + 2)
         mn[b, 0] = 1
-        qh = _u32(blk, 4)
-        for l in range(16):
-            c = blk[8 + l]
-            q[l] = np.int16((c & 15) | (((qh >> l) & 1) << 4))
-            q[16 + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4))
+        qh = _u32(row, o + 4)
+        for l in range(half):
+            c = row[o + 8 + l]
+            wq[v + l] = np.int16((c & 15) | (((qh >> l) & 1) << 4))
+            wq[v + half + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4))
 
 
 @numba.njit(**INLINE)
 def _unpack_q8_0(row, wq, wf, sc, mn, dd):
     """d (fp16), 32 int8 values."""
+    n = _opaque(32, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 34:(b + 1) * 34], wq[b * 32:(b + 1) * 32]
-        dd[b, 0] = _f16(blk, 0)
-        for l in range(32):
-            q[l] = np.int8(blk[2 + l])
+        o, v = b * 34, b * 32
+        dd[b, 0] = _f16(row, o)
+        for l in range(n):
+            wq[v + l] = np.int8(row[o + 2 + l])
 
 
 # E2M1 codes (sign, 2-bit exponent, 1-bit mantissa) as twice their value, the integers ggml's MXFP4 dot uses.
@@ -170,33 +186,35 @@ E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 @numba.njit(**INLINE)
 def _unpack_mxfp4(row, wq, wf, sc, mn, dd):
     """e (E8M0 exponent), 16 bytes of E2M1 nibbles as Q4_0; value = doubled code * 2**(e - 128)."""
+    half = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 17:(b + 1) * 17], wq[b * 32:(b + 1) * 32]
-        e = np.int64(blk[0])
+        o, v = b * 17, b * 32
+        e = np.int64(row[o])
         bits = (0x00200000 << e) if e < 2 else ((e - 1) << 23)  # below float32's normal range: subnormals
         dd[b, 0] = np.uint32(bits).view(np.float32)
-        for l in range(16):
-            c = blk[1 + l]
-            q[l] = E2M1_DOUBLED[c & 15]
-            q[16 + l] = E2M1_DOUBLED[c >> 4]
+        for l in range(half):
+            c = row[o + 1 + l]
+            wq[v + l] = E2M1_DOUBLED[c & 15]
+            wq[v + half + l] = E2M1_DOUBLED[c >> 4]
 
 
 @numba.njit(**INLINE)
 def _unpack_q2_k(row, wq, wf, sc, mn, dd):
     """16 scale bytes (low nibble scale, high nibble min of a sub-block of 16), 64 bytes of 2-bit values, d, dmin.
     Each 32-byte half h holds 128 values as four 2-bit planes p of 32: value 128h + 32p + l in byte 32h + l."""
+    n = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 84:(b + 1) * 84], wq[b * 256:(b + 1) * 256]
+        o, v = b * 84, b * 256
         for s in range(16):
-            mn[b, s] = blk[s] >> 4
-        dd[b, 0], dd[b, 1] = _f16(blk, 80), _f16(blk, 82)
+            mn[b, s] = row[o + s] >> 4
+        dd[b, 0], dd[b, 1] = _f16(row, o + 80), _f16(row, o + 82)
         for h in range(2):
             for p in range(4):
                 for g in range(2):
-                    scale = np.int16(blk[h * 8 + p * 2 + g] & 15)
-                    src, dst = blk[16 + h * 32 + g * 16:], q[h * 128 + p * 32 + g * 16:]
-                    for l in range(16):
-                        dst[l] = np.int16((src[l] >> (2 * p)) & 3) * scale
+                    scale = np.int16(row[o + h * 8 + p * 2 + g] & 15)
+                    src, dst = o + 16 + h * 32 + g * 16, v + h * 128 + p * 32 + g * 16
+                    for l in range(n):
+                        wq[dst + l] = np.int16((row[src + l] >> (2 * p)) & 3) * scale
 
 
 @numba.njit(**INLINE)
@@ -204,66 +222,68 @@ def _unpack_q3_k(row, wq, wf, sc, mn, dd):
     """32 bytes hmask (third bits), 64 bytes of 2-bit values as Q2_K, 12 bytes of 6-bit signed scales, d.
     Scale i: low 4 bits from nibble i of bytes 0-7 (the low nibbles first), top 2 bits from 2-bit field i // 4 of
     byte 8 + i % 4. Value j is its 2 low bits, minus 4 where bit j // 32 of hmask byte j % 32 is clear."""
+    n = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 110:(b + 1) * 110], wq[b * 256:(b + 1) * 256]
-        scales = blk[96:108]
+        o, v = b * 110, b * 256
         for i in range(16):
-            low = np.int64(scales[i] & 15) if i < 8 else np.int64(scales[i - 8] >> 4)
-            high = np.int64(scales[8 + i % 4] >> (2 * (i // 4))) & 3
+            low = np.int64(row[o + 96 + i] & 15) if i < 8 else np.int64(row[o + 88 + i] >> 4)
+            high = np.int64(row[o + 104 + i % 4] >> (2 * (i // 4))) & 3
             sc[b, i] = (low | (high << 4)) - 32
-        dd[b, 0] = _f16(blk, 108)
+        dd[b, 0] = _f16(row, o + 108)
         for h in range(2):
             for p in range(4):
                 for g in range(2):
                     scale = np.int16(sc[b, h * 8 + p * 2 + g])
-                    src, mask, dst = blk[32 + h * 32 + g * 16:], blk[g * 16:], q[h * 128 + p * 32 + g * 16:]
-                    for l in range(16):
-                        low2 = np.int16((src[l] >> (2 * p)) & 3)
-                        third = np.int16((mask[l] >> (h * 4 + p)) & 1)
-                        dst[l] = (low2 - 4 + 4 * third) * scale
+                    src, mask, dst = o + 32 + h * 32 + g * 16, o + g * 16, v + h * 128 + p * 32 + g * 16
+                    for l in range(n):
+                        low2 = np.int16((row[src + l] >> (2 * p)) & 3)
+                        third = np.int16((row[mask + l] >> (h * 4 + p)) & 1)
+                        wq[dst + l] = (low2 - 4 + 4 * third) * scale
 
 
-@numba.njit(**INLINE)
-def _kquant_scales_mins(blk, sc, mn):
-    """Bytes 4-15 of a Q4_K/Q5_K block: the 6-bit scales and mins of its eight sub-blocks (see
+@numba.njit(inline="always")
+def _kquant_scales_mins(row, o, sc, mn):
+    """The 12 bytes at o of 6-bit scales and mins of Q4_K/Q5_K's eight sub-blocks (see
     dequant._kquant_scales_mins)."""
     for j in range(4):
-        sc[j] = blk[4 + j] & 63
-        mn[j] = blk[8 + j] & 63
-        sc[4 + j] = (blk[12 + j] & 15) | ((blk[4 + j] >> 6) << 4)
-        mn[4 + j] = (blk[12 + j] >> 4) | ((blk[8 + j] >> 6) << 4)
+        sc[j] = row[o + j] & 63
+        mn[j] = row[o + 4 + j] & 63
+        sc[4 + j] = (row[o + 8 + j] & 15) | ((row[o + j] >> 6) << 4)
+        mn[4 + j] = (row[o + 8 + j] >> 4) | ((row[o + 4 + j] >> 6) << 4)
 
 
 @numba.njit(**INLINE)
 def _unpack_q4_k(row, wq, wf, sc, mn, dd):
     """d, dmin (fp16), 12 bytes of scales and mins, 128 bytes: chunk c of 32 bytes holds sub-block 2c in its low
     nibbles and 2c + 1 in its high nibbles."""
+    n = _opaque(32, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 144:(b + 1) * 144], wq[b * 256:(b + 1) * 256]
-        dd[b, 0], dd[b, 1] = _f16(blk, 0), _f16(blk, 2)
-        _kquant_scales_mins(blk, sc[b], mn[b])
+        o, v = b * 144, b * 256
+        dd[b, 0], dd[b, 1] = _f16(row, o), _f16(row, o + 2)
+        _kquant_scales_mins(row, o + 4, sc[b], mn[b])
         for c in range(4):
             lo, hi = np.int16(sc[b, 2 * c]), np.int16(sc[b, 2 * c + 1])
-            src, dst = blk[16 + c * 32:], q[c * 64:]
-            for l in range(32):
-                dst[l] = np.int16(src[l] & 15) * lo
-                dst[32 + l] = np.int16(src[l] >> 4) * hi
+            src, dst = o + 16 + c * 32, v + c * 64
+            for l in range(n):
+                wq[dst + l] = np.int16(row[src + l] & 15) * lo
+                wq[dst + n + l] = np.int16(row[src + l] >> 4) * hi
 
 
 @numba.njit(**INLINE)
 def _unpack_q5_k(row, wq, wf, sc, mn, dd):
     """Q4_K with 32 bytes qh before the nibbles: bit j of qh[l] is the fifth bit of sub-block j's value l."""
+    n = _opaque(32, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 176:(b + 1) * 176], wq[b * 256:(b + 1) * 256]
-        dd[b, 0], dd[b, 1] = _f16(blk, 0), _f16(blk, 2)
-        _kquant_scales_mins(blk, sc[b], mn[b])
-        qh = blk[16:48]
+        o, v = b * 176, b * 256
+        dd[b, 0], dd[b, 1] = _f16(row, o), _f16(row, o + 2)
+        _kquant_scales_mins(row, o + 4, sc[b], mn[b])
         for c in range(4):
             lo, hi = np.int16(sc[b, 2 * c]), np.int16(sc[b, 2 * c + 1])
-            src, dst = blk[48 + c * 32:], q[c * 64:]
-            for l in range(32):
-                dst[l] = np.int16((src[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) * lo
-                dst[32 + l] = np.int16((src[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) * hi
+            src, qh, dst = o + 48 + c * 32, o + 16, v + c * 64
+            for l in range(n):
+                x, h = row[src + l], row[qh + l]
+                wq[dst + l] = np.int16((x & 15) | (((h >> (2 * c)) & 1) << 4)) * lo
+                wq[dst + n + l] = np.int16((x >> 4) | (((h >> (2 * c + 1)) & 1) << 4)) * hi
 
 
 @numba.njit(**INLINE)
@@ -271,21 +291,23 @@ def _unpack_q6_k(row, wq, wf, sc, mn, dd):
     """128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales (sub-blocks of 16), d; q - 32.
     Half h of 128 values: value 32k + l (k = 0..3, l < 32) takes the low (k < 2) or high nibble of byte
     64h + 32(k % 2) + l and, as its top bits, 2-bit plane k of byte 32h + l."""
+    n = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 210:(b + 1) * 210], wq[b * 256:(b + 1) * 256]
-        dd[b, 0] = _f16(blk, 208)
+        o, v = b * 210, b * 256
+        dd[b, 0] = _f16(row, o + 208)
         for h in range(2):
             for g in range(2):
-                scales = blk[192 + h * 8 + g:]  # sub-block 8h + 2k + g
-                s0, s1 = np.int16(np.int8(scales[0])), np.int16(np.int8(scales[2]))
-                s2, s3 = np.int16(np.int8(scales[4])), np.int16(np.int8(scales[6]))
-                a, c, hb = blk[h * 64 + g * 16:], blk[h * 64 + 32 + g * 16:], blk[128 + h * 32 + g * 16:]
-                dst = q[h * 128 + g * 16:]
-                for l in range(16):
-                    dst[l] = (np.int16((a[l] & 15) | ((hb[l] & 3) << 4)) - 32) * s0
-                    dst[32 + l] = (np.int16((c[l] & 15) | (((hb[l] >> 2) & 3) << 4)) - 32) * s1
-                    dst[64 + l] = (np.int16((a[l] >> 4) | (((hb[l] >> 4) & 3) << 4)) - 32) * s2
-                    dst[96 + l] = (np.int16((c[l] >> 4) | (((hb[l] >> 6) & 3) << 4)) - 32) * s3
+                scales = o + 192 + h * 8 + g  # sub-block 8h + 2k + g
+                s0, s1 = np.int16(np.int8(row[scales])), np.int16(np.int8(row[scales + 2]))
+                s2, s3 = np.int16(np.int8(row[scales + 4])), np.int16(np.int8(row[scales + 6]))
+                a, c, hb = o + h * 64 + g * 16, o + h * 64 + 32 + g * 16, o + 128 + h * 32 + g * 16
+                dst = v + h * 128 + g * 16
+                for l in range(n):
+                    x, y, z = row[a + l], row[c + l], row[hb + l]
+                    wq[dst + l] = (np.int16((x & 15) | ((z & 3) << 4)) - 32) * s0
+                    wq[dst + 32 + l] = (np.int16((y & 15) | (((z >> 2) & 3) << 4)) - 32) * s1
+                    wq[dst + 64 + l] = (np.int16((x >> 4) | (((z >> 4) & 3) << 4)) - 32) * s2
+                    wq[dst + 96 + l] = (np.int16((y >> 4) | (((z >> 6) & 3) << 4)) - 32) * s3
 
 
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit code stands for.
@@ -296,17 +318,18 @@ IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 def _unpack_iq4_xs(row, wq, wf, sc, mn, dd):
     """d (fp16), scales_h (uint16: 2 high bits per sub-block of 32), scales_l (4 bytes: a low nibble per
     sub-block), 128 bytes: 16 per sub-block, value l the level of the low nibble of byte l, l + 16 of the high."""
+    n = _opaque(16, row)
     for b in range(dd.shape[0]):
-        blk, q = row[b * 136:(b + 1) * 136], wq[b * 256:(b + 1) * 256]
-        dd[b, 0] = _f16(blk, 0)
-        high = np.int64(blk[2]) | (np.int64(blk[3]) << 8)
+        o, v = b * 136, b * 256
+        dd[b, 0] = _f16(row, o)
+        high = np.int64(row[o + 2]) | (np.int64(row[o + 3]) << 8)
         for s in range(8):
-            low = np.int64(blk[4 + s // 2] >> (4 * (s % 2))) & 15
+            low = np.int64(row[o + 4 + s // 2] >> (4 * (s % 2))) & 15
             scale = np.int16((low | (((high >> (2 * s)) & 3) << 4)) - 32)
-            src, dst = blk[8 + s * 16:], q[s * 32:]
-            for l in range(16):
-                dst[l] = IQ4_LEVELS[src[l] & 15] * scale
-                dst[16 + l] = IQ4_LEVELS[src[l] >> 4] * scale
+            src, dst = o + 8 + s * 16, v + s * 32
+            for l in range(n):
+                wq[dst + l] = IQ4_LEVELS[row[src + l] & 15] * scale
+                wq[dst + n + l] = IQ4_LEVELS[row[src + l] >> 4] * scale
 
 
 @numba.njit(**INLINE)
@@ -338,27 +361,26 @@ def _int_dot(block: int, n_sub: int, has_min: bool) -> Callable:
     def dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
         # int32 lanes: numba types int32 * int32 as int64, the narrowing keeps twice as many values per vector.
         # 32-value blocks: all products in one flat loop first; a reduction per 32 values vectorizes poorly.
+        n = _opaque(block, wq)
         if block < 256:
             for i in range(wq.shape[0]):
                 prod[i] = np.int32(wq[i]) * np.int32(xq[i])
         acc = F32(0)
         for b in range(dd.shape[0]):
             t = np.int32(0)
+            o = b * n
             if block < 256:
-                p = prod[b * block:(b + 1) * block]
-                for i in range(block):
-                    t = np.int32(t + p[i])
+                for i in range(n):
+                    t = np.int32(t + prod[o + i])
             else:
-                w, x = wq[b * block:(b + 1) * block], xq[b * block:(b + 1) * block]
-                for i in range(block):
-                    t = np.int32(t + np.int32(w[i]) * np.int32(x[i]))
+                for i in range(n):
+                    t = np.int32(t + np.int32(wq[o + i]) * np.int32(xq[o + i]))
             v = dd[b, 0] * F32(t)
             if has_min:
-                sums = xs[b * block // 16:(b + 1) * block // 16]
                 msum = 0
                 for s in range(n_sub):
                     for j in range(sums_per_sub):
-                        msum += mn[b, s] * sums[s * sums_per_sub + j]
+                        msum += mn[b, s] * xs[(o + s * (block // n_sub)) // 16 + j]
                 v -= dd[b, 1] * F32(msum)
             acc += xd[b] * v
         return acc
