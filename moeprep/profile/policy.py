@@ -52,6 +52,7 @@ class Replacement:
     experts used since the row's last plan."""
 
     name = ""
+    moving_priority = False  # True: placing and evicting change priorities (LFUDA's age)
 
     def __init__(self, slots: np.ndarray | list[int], n_expert: int, top_k: int):
         slots = np.asarray(slots, np.int64)
@@ -158,41 +159,51 @@ class Replacement:
         n_empty = np.maximum(self.slots[rows] - cached.sum(axis=1), 0)
         want = self.pending[rows] & ~cached
         self.pending[rows] = False
-        if not (want.any() or n_empty.any()):
+        sub = np.flatnonzero(want.any(axis=1) | (n_empty > 0))  # rows with anything to place
+        if not len(sub):
             return np.full((n_r, 0), -1, np.int64), np.full((n_r, 0), -1, np.int64)
-        prio = self.priority(rows)
-        pool = want.copy()
-        if n_empty.any():  # while slots are empty, known experts that were not used this step may fill them
-            fill = self.seen[rows] & ~cached & ~want
-            pool |= fill & (_rank_desc(np.where(fill, prio, -np.inf)) < n_empty[:, None])
-        take = pool
+        prio, want = self.priority(rows[sub]), want[sub]
+        pool = want
+        if n_empty[sub].any():  # while slots are empty, known experts that were not used this step may fill them
+            fill = self.seen[rows[sub]] & ~cached[sub] & ~want & (n_empty[sub, None] > 0)
+            if fill.any():
+                pool = want | (fill & (_rank_desc(np.where(fill, prio, -np.inf)) < n_empty[sub, None]))
+        # candidates as flat (row, expert) pairs, each row's best first (ties: the lower expert id)
+        r, e = np.nonzero(pool)
+        order = np.lexsort((-prio[r, e], r))
+        r, e = r[order], e[order]
+        j = np.arange(len(r)) - np.searchsorted(r, r)  # rank within the row
         if free is not None:
-            cap = np.broadcast_to(np.asarray(free), (n_r,))
-            take = pool & (_rank_desc(np.where(pool, prio, -np.inf)) < cap[:, None])
-        n_j = int(take.sum(axis=1).max(initial=0))
-        placed = np.full((n_r, n_j), -1, np.int64)
-        victims = np.full((n_r, n_j), -1, np.int64)
-        if n_j:
-            cand = np.argsort(np.where(take, -prio, np.inf), axis=1, kind="stable")[:, :n_j]  # best first
-            valid = np.take_along_axis(take, cand, axis=1)
-            may_evict = np.take_along_axis(want, cand, axis=1)  # fillers only take empty slots
-            for j in range(n_j):
-                self._place(rows, cand[:, j], valid[:, j], may_evict[:, j], placed[:, j], victims[:, j])
-        return placed, victims
+            keep = j < np.broadcast_to(np.asarray(free), (n_r,))[sub][r]
+            r, e, j = r[keep], e[keep], j[keep]
+        n_j = int(j.max(initial=-1)) + 1
+        cand = np.full((len(sub), n_j), -1, np.int64)
+        cand[r, j] = e
+        may_evict = np.zeros((len(sub), n_j), bool)
+        may_evict[r, j] = want[r, e]  # fillers only take empty slots
+        placed, victims = np.full((2, len(sub), n_j), -1, np.int64)
+        for k in range(n_j):
+            self._place(rows[sub], cand[:, k], may_evict[:, k], prio, placed[:, k], victims[:, k])
+        out = np.full((2, n_r, n_j), -1, np.int64)
+        out[:, sub] = placed, victims
+        return out[0], out[1]
 
-    def _place(self, rows: np.ndarray, cand: np.ndarray, valid: np.ndarray, may_evict: np.ndarray,
+    def _place(self, rows: np.ndarray, cand: np.ndarray, may_evict: np.ndarray, prio: np.ndarray,
                placed: np.ndarray, victims: np.ndarray) -> None:
-        """One candidate per row (where valid) into an empty slot, or over the lowest-priority resident when the
-        candidate's priority is higher and the policy admits it."""
-        cached = self.cached[rows]
-        empty = cached.sum(axis=1) < self.slots[rows]
-        act = np.flatnonzero(valid & (empty | may_evict))
+        """One candidate per row (-1: none) into an empty slot, or over the lowest-priority resident when the
+        candidate's priority is higher and the policy admits it. prio [R, E]: the rows' priorities at the plan's
+        start (recomputed for policies whose priorities move as experts go in and out)."""
+        has = np.flatnonzero(cand >= 0)
+        cached = self.cached[rows[has]]
+        empty = cached.sum(axis=1) < self.slots[rows[has]]
+        go = empty | may_evict[has]
+        act, cached, empty = has[go], cached[go], empty[go]
         if not len(act):
             return
         r, e, at = rows[act], cand[act], np.arange(len(act))
-        prio = self.priority(r)
-        held = np.where(cached[act], prio, np.inf)
-        v = np.where(empty[act], -1, held.argmin(axis=1))
+        prio = self.priority(r) if self.moving_priority else prio[act]
+        held = np.where(cached, prio, np.inf)
+        v = np.where(empty, -1, held.argmin(axis=1))
         ok = (v < 0) | (prio[at, e] > held[at, np.maximum(v, 0)])
         ok[ok] = self.admits(r[ok], e[ok], v[ok])
         evict = ok & (v >= 0)
@@ -247,6 +258,7 @@ class Lfuda(Replacement):
     experts (ghost counts), so an expert that comes back resumes its count."""
 
     name = "lfuda"
+    moving_priority = True
 
     def __init__(self, slots, n_expert: int, top_k: int):
         super().__init__(slots, n_expert, top_k)
