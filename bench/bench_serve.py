@@ -71,8 +71,9 @@ async def run_level(url: str, streams: int, requests: int, prompt_len: int, gen:
     async def client(session: aiohttp.ClientSession, i: int) -> list[dict]:
         return [await one_request(session, url, p, gen, chat) for p in prompts[i]]
 
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # a new connection per request: llama-server closes idle keep-alive connections the pool would reuse
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
         await one_request(session, url, prompts[0][0][:8], 4, chat)  # warm-up
         start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(client(session, i) for i in range(streams))) for r in rs]
