@@ -101,7 +101,8 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) ->
     raise TimeoutError(f"{url} did not become ready")
 
 
-def start_moerun(model: str, parallel: int, n_ctx: int, device: str, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_moerun(model: str, parallel: int, n_ctx: int, device: str,
+                 threads: int | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

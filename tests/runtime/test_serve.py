@@ -173,7 +173,8 @@ def test_chat_uses_the_gguf_template_and_special_tokens(servers, alone):
     assert alone.chat.encode(messages) == expected_ids
     r = servers["main"].client().chat.completions.create(model="x", messages=messages, max_tokens=10, temperature=0)
     text, finish, n = alone(expected_ids, 10)
-    assert (r.choices[0].message.content, r.choices[0].message.role, r.choices[0].finish_reason) == (text, "assistant", finish)
+    choice = r.choices[0]
+    assert (choice.message.content, choice.message.role, choice.finish_reason) == (text, "assistant", finish)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(expected_ids), n)
 
 
@@ -185,10 +186,12 @@ def test_streaming_gives_the_same_text_then_usage(servers, alone):
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
-    assert not chunks[-1].choices and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), n)
+    assert not chunks[-1].choices
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), n)
     messages = [{"role": "user", "content": PROMPTS[4]}]
     chat_text, chat_finish, _ = alone(alone.chat.encode(messages), 9)
-    deltas = list(client.chat.completions.create(model="x", messages=messages, max_tokens=9, temperature=0, stream=True))
+    deltas = list(client.chat.completions.create(model="x", messages=messages, max_tokens=9, temperature=0,
+                                                 stream=True))
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat_text
     assert deltas[-1].choices[0].finish_reason == chat_finish
@@ -254,8 +257,9 @@ def test_eight_clients_at_once_each_get_what_they_get_alone(servers, alone):
             if c % 2:
                 chunks = list(client.completions.create(model="x", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                         stream=True, stream_options={"include_usage": True}))
-                out.append(("".join(ch.choices[0].text for ch in chunks if ch.choices),
-                            [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1], chunks[-1].usage.completion_tokens))
+                choices = [ch.choices[0] for ch in chunks if ch.choices]
+                out.append(("".join(ch.text for ch in choices), choices[-1].finish_reason,
+                            chunks[-1].usage.completion_tokens))
             else:
                 r = client.completions.create(model="x", prompt=prompt, max_tokens=max_tokens, temperature=0)
                 out.append((r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens))
@@ -375,7 +379,8 @@ def test_full_queue_503_and_a_client_that_disconnects_mid_stream(servers, alone)
 def test_serve_refuses_a_port_in_use_with_one_line(servers, chat_model):
     result = CliRunner().invoke(main, ["serve", "-m", str(chat_model), "-c", "64", "--port", str(servers["main"].port)])
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("moerun: error: cannot listen on 127.0.0.1:") and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("moerun: error: cannot listen on 127.0.0.1:")
+    assert len(result.stderr.splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------- the pieces, in this process
