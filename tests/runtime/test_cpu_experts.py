@@ -220,17 +220,23 @@ def test_moe_rows_releases_the_gil():
 
 
 def test_model_on_cpu_uses_cpu_experts(synth_model):
-    """A quantized model on the CPU computes its experts with CPUExperts; with activation hooks registered, the
-    reference path reports each expert's inputs."""
+    """A quantized model on the CPU computes its experts with CPUExperts, which agree with the reference path on the
+    same routing; with activation hooks registered, the reference path runs and reports each expert's inputs."""
     from moerun.kernels.cpu_experts import CPUExperts
+    from moerun.layers import GGUFExperts
 
     model = moerun.load_model(synth_model("qwen3moe", expert_type="Q8_0", attn_type="Q8_0"))
     moe = [b.ffn for b in model.net.blocks if hasattr(b.ffn, "experts")]
     assert moe and all(isinstance(m.experts, CPUExperts) for m in moe)
-    tokens = torch.tensor(model.tokenizer.encode("the experts of a token"))
+    x = torch.randn(6, model.args.dim, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ids, weights = moe[0].router(x)
+        fast, reference = moe[0].experts(x, ids, weights), GGUFExperts.forward(moe[0].experts, x, ids, weights)
+    # the same bar as test_moe_rows_matches_float64: float32 sums, and an 8-bit rounding of h that may land a step
+    # the other way
+    assert (fast - reference).abs().max() <= 3e-3 * reference.abs().max()
     seen = []
     handle = model.add_activation_hook(lambda ev: seen.append(ev.tensor_name))
-    hooked = model.forward(tokens)
+    model.forward(torch.tensor(model.tokenizer.encode("the experts of a token")))
     handle.remove()
     assert any("ffn_down_exps" in name for name in seen)
-    torch.testing.assert_close(model.forward(tokens), hooked, rtol=1e-3, atol=1e-3 * hooked.abs().max().item())
