@@ -49,12 +49,9 @@ from moerun.weights import Weights
 
 INLINE = JIT
 
-# numba's OpenMP layer leaves its workers spinning after each parallel region (GNU OpenMP's spin count), on the
-# cores torch's threads need for the attention that follows in a decode step; the workqueue layer's workers sleep.
-# It does not take two launches at once, so launches hold _LAUNCH. A layer the user chose (NUMBA_THREADING_LAYER)
-# wins.
-if numba.config.THREADING_LAYER == "default":
-    numba.config.THREADING_LAYER = "workqueue"
+# numba's workqueue threading layer (its fallback where neither TBB nor OpenMP is there) aborts the process on two
+# launches at once, so launches hold _LAUNCH. (The OpenMP layer it picks otherwise starts a parallel region in about
+# 5 us against workqueue's 80-100 us, which made a 4-layer decode step 1.8x slower, docs/BENCHMARKS.md.)
 _LAUNCH = threading.Lock()
 
 # Fewest weight rows per work item: below this the per-item setup outweighs the rows.
