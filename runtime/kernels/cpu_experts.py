@@ -4,20 +4,21 @@
 (E, rows, row_bytes) uint8 view of the memory-mapped GGUF. It does what llama.cpp's CPU backend does, in our own
 code: each activation row is rounded once to 8-bit blocks (Q8_K, 256 values, for the K-quants and IQ4_XS; Q8_0, 32
 values, for the 32-value types; moerun.rounding holds both roundings), then every weight block meets its activation
-block in an integer dot product, scaled once per (sub-)block:
+block in an integer dot product, scaled once per block:
 
     block value  = d * sc[s] * q - dmin * m[s]          (sub-block s; sc and m small integers, d and dmin floats)
-    block . x    = xd * (d * sum_s sc[s] * (q . xq)_s - dmin * sum_s m[s] * sum(xq)_s)
+    block . x    = xd * (d * sum_i (sc q)_i xq_i - dmin * sum_s m[s] * sum(xq)_s)
 
 where x = xd * xq is the rounded activation block. The integer parts are exact; the float parts differ from a float64
 dequantize-then-matmul only by float32 rounding (tests/runtime/test_cpu_experts.py). F16, BF16 and F32 experts take
 a float32 dot product on the input rounded to their type instead.
 
-Each type is a `Format`: `unpack` decodes one weight row into int8 values `wq`, per-sub-block integer scales `sc`
-and mins `mn`, and per-block float scales `dd` (d, dmin) (float types: float32 values `wf`); `dot` is the dot product
-above; `rounding` names the activation rounding. Work is split into items (one expert, the tokens that chose it, a
-range of rows), run by numba's `prange`; every output element is computed by one item with the same operations
-whatever the split, so any thread count gives the same bits. A row is decoded once for all the tokens of its item.
+Each type is a `Format`: its `unpack` decodes one weight row into int16 values `wq` that already carry their
+sub-block's integer scale (so a block is one integer sum: `vpmaddwd` work), integer mins `mn` and per-block float
+scales `dd` (d, dmin) (float types: float32 values `wf`), and its `dot` is the product above; `rounding` names the
+activation rounding. Work is split into items (one expert, the tokens that chose it, a range of rows), run by numba's
+`prange`; every output element is computed by one item with the same operations whatever the split, so any thread
+count gives the same bits. A row is decoded once for all the tokens of its item.
 
 Shapes: T tokens, K experts per token, P = the (token, k) pairs with an expert (ids >= 0), E experts, D hidden
 size, I expert hidden size; a row has `cols` values in `nb` blocks of `block` values, each of `n_sub` sub-blocks.
@@ -32,13 +33,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numba
-from numba import literal_unroll
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-
-import torch
-from torch import nn
+from numba import literal_unroll
 
 from moeprep.errors import MoeprepError
 from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
@@ -46,8 +45,6 @@ from moerun.hooks import Hooks
 from moerun.layers import GGUFExperts
 from moerun.rounding import q8_0_blocks, q8_k_blocks
 from moerun.weights import Weights
-
-INLINE = JIT
 
 # numba's workqueue threading layer (its fallback where neither TBB nor OpenMP is there) aborts the process on two
 # launches at once, so launches hold _LAUNCH. (The OpenMP layer it picks otherwise starts a parallel region in about
@@ -109,7 +106,7 @@ def _u32(blk: np.ndarray, o: int) -> int:
     return np.int64(blk[o]) | (np.int64(blk[o + 1]) << 8) | (np.int64(blk[o + 2]) << 16) | (np.int64(blk[o + 3]) << 24)
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q4_0(row, wq, wf, sc, mn, dd):
     """d (fp16), 16 bytes: value l is the low nibble of byte l, value l + 16 its high nibble; q - 8."""
     half = _opaque(16, row)
@@ -122,7 +119,7 @@ def _unpack_q4_0(row, wq, wf, sc, mn, dd):
             wq[v + half + l] = np.int16(c >> 4) - 8
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q4_1(row, wq, wf, sc, mn, dd):
     """d, m (fp16), 16 bytes of nibbles as Q4_0; value d * q + m."""
     half = _opaque(16, row)
@@ -136,7 +133,7 @@ def _unpack_q4_1(row, wq, wf, sc, mn, dd):
             wq[v + half + l] = np.int16(c >> 4)
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q5_0(row, wq, wf, sc, mn, dd):
     """d (fp16), qh (uint32: bit j is value j's fifth bit), 16 bytes of nibbles as Q4_0; q - 16."""
     half = _opaque(16, row)
@@ -150,7 +147,7 @@ def _unpack_q5_0(row, wq, wf, sc, mn, dd):
             wq[v + half + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q5_1(row, wq, wf, sc, mn, dd):
     """d, m (fp16), qh, 16 bytes of nibbles as Q5_0; value d * q + m."""
     half = _opaque(16, row)
@@ -165,7 +162,7 @@ def _unpack_q5_1(row, wq, wf, sc, mn, dd):
             wq[v + half + l] = np.int16((c >> 4) | (((qh >> (l + 16)) & 1) << 4))
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q8_0(row, wq, wf, sc, mn, dd):
     """d (fp16), 32 int8 values."""
     n = _opaque(32, row)
@@ -180,7 +177,7 @@ def _unpack_q8_0(row, wq, wf, sc, mn, dd):
 E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_mxfp4(row, wq, wf, sc, mn, dd):
     """e (E8M0 exponent), 16 bytes of E2M1 nibbles as Q4_0; value = doubled code * 2**(e - 128)."""
     half = _opaque(16, row)
@@ -195,7 +192,7 @@ def _unpack_mxfp4(row, wq, wf, sc, mn, dd):
             wq[v + half + l] = E2M1_DOUBLED[c >> 4]
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q2_k(row, wq, wf, sc, mn, dd):
     """16 scale bytes (low nibble scale, high nibble min of a sub-block of 16), 64 bytes of 2-bit values, d, dmin.
     Each 32-byte half h holds 128 values as four 2-bit planes p of 32: value 128h + 32p + l in byte 32h + l."""
@@ -214,7 +211,7 @@ def _unpack_q2_k(row, wq, wf, sc, mn, dd):
                         wq[dst + l] = np.int16((row[src + l] >> (2 * p)) & 3) * scale
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q3_k(row, wq, wf, sc, mn, dd):
     """32 bytes hmask (third bits), 64 bytes of 2-bit values as Q2_K, 12 bytes of 6-bit signed scales, d.
     Scale i: low 4 bits from nibble i of bytes 0-7 (the low nibbles first), top 2 bits from 2-bit field i // 4 of
@@ -249,7 +246,7 @@ def _kquant_scales_mins(row, o, sc, mn):
         mn[4 + j] = (row[o + 8 + j] >> 4) | ((row[o + 4 + j] >> 6) << 4)
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q4_k(row, wq, wf, sc, mn, dd):
     """d, dmin (fp16), 12 bytes of scales and mins, 128 bytes: chunk c of 32 bytes holds sub-block 2c in its low
     nibbles and 2c + 1 in its high nibbles."""
@@ -266,7 +263,7 @@ def _unpack_q4_k(row, wq, wf, sc, mn, dd):
                 wq[dst + n + l] = np.int16(row[src + l] >> 4) * hi
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q5_k(row, wq, wf, sc, mn, dd):
     """Q4_K with 32 bytes qh before the nibbles: bit j of qh[l] is the fifth bit of sub-block j's value l."""
     n = _opaque(32, row)
@@ -283,7 +280,7 @@ def _unpack_q5_k(row, wq, wf, sc, mn, dd):
                 wq[dst + n + l] = np.int16((x >> 4) | (((h >> (2 * c + 1)) & 1) << 4)) * hi
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_q6_k(row, wq, wf, sc, mn, dd):
     """128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales (sub-blocks of 16), d; q - 32.
     Half h of 128 values: value 32k + l (k = 0..3, l < 32) takes the low (k < 2) or high nibble of byte
@@ -311,7 +308,7 @@ def _unpack_q6_k(row, wq, wf, sc, mn, dd):
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_iq4_xs(row, wq, wf, sc, mn, dd):
     """d (fp16), scales_h (uint16: 2 high bits per sub-block of 32), scales_l (4 bytes: a low nibble per
     sub-block), 128 bytes: 16 per sub-block, value l the level of the low nibble of byte l, l + 16 of the high."""
@@ -329,18 +326,18 @@ def _unpack_iq4_xs(row, wq, wf, sc, mn, dd):
                 wq[dst + n + l] = IQ4_LEVELS[row[src + l] >> 4] * scale
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_f32(row, wq, wf, sc, mn, dd):
     wf[:] = row.view(np.float32)
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_f16(row, wq, wf, sc, mn, dd):
     for i in range(wf.shape[0]):
         wf[i] = _f16(row, 2 * i)
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _unpack_bf16(row, wq, wf, sc, mn, dd):
     for i in range(wf.shape[0]):
         wf[i] = np.uint32((np.int64(row[2 * i]) << 16) | (np.int64(row[2 * i + 1]) << 24)).view(np.float32)
@@ -354,7 +351,7 @@ def _int_dot(block: int, n_sub: int, has_min: bool) -> Callable:
     sub-block scales are already in wq, so each block is one int32 sum. `prod` (cols,) int32 is scratch."""
     sums_per_sub = block // n_sub // 16
 
-    @numba.njit(**INLINE)
+    @numba.njit(**JIT)
     def dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
         # int32 lanes: numba types int32 * int32 as int64, the narrowing keeps twice as many values per vector.
         # 32-value blocks: all products in one flat loop first; a reduction per 32 values vectorizes poorly.
@@ -385,9 +382,10 @@ def _int_dot(block: int, n_sub: int, has_min: bool) -> Callable:
     return dot
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _float_dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
-    """float32 dot product in eight running sums (which LLVM keeps in one vector register), then their sum."""
+    """float32 dot product in eight running sums (independent, so they run side by side without the
+    reassociation numba's fastmath=False forbids), then their sum."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = F32(0)
     n = wf.shape[0]
     for i in range(0, n - n % 8, 8):
@@ -410,7 +408,7 @@ def _float_dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
 
 
 def _int_rounding(blocks: Callable) -> Callable:
-    @numba.njit(**INLINE)
+    @numba.njit(**JIT)
     def rounding(x, xq, xf, xd, xs):
         blocks(x, xq, xd)
         for j in range(xs.shape[0]):
@@ -422,18 +420,18 @@ def _int_rounding(blocks: Callable) -> Callable:
     return rounding
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _rounding_f32(x, xq, xf, xd, xs):
     xf[:] = x
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _rounding_f16(x, xq, xf, xd, xs):
     for i in range(x.shape[0]):
         xf[i] = fp16_value(fp16_bits(x[i]))
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _rounding_bf16(x, xq, xf, xd, xs):
     """Round to nearest even on the top 16 bits of the float32 (finite inputs), as torch's .bfloat16()."""
     for i in range(x.shape[0]):
@@ -607,12 +605,12 @@ def _plan(ids, n_experts, rows, items_wanted, min_rows):
     return token, order, plans
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _swiglu(g: np.float32, u: np.float32) -> np.float32:
     return g / (F32(1) + np.exp(-g)) * u
 
 
-@numba.njit(**INLINE)
+@numba.njit(**JIT)
 def _swiglu_oai(g: np.float32, u: np.float32) -> np.float32:
     """gpt-oss (alpha 1.702, limit 7): the gate capped at the limit, up clamped to +-limit and shifted by 1."""
     g = min(g, F32(7))
