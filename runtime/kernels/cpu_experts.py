@@ -705,6 +705,12 @@ def _matmul(t: ExpertBytes, fmt: Format, items: np.ndarray, order: np.ndarray, a
     return y
 
 
+def _check_ids(ids: np.ndarray, n_experts: int) -> None:
+    """The kernels index without bounds checks: an expert id past the stack would read (and plan) out of bounds."""
+    if ids.size and ids.max() >= n_experts:
+        raise ValueError(f"expert id {ids.max()} out of range: the tensors hold {n_experts} experts")
+
+
 @contextlib.contextmanager
 def _threads(threads: int | None) -> Iterator[None]:
     """One launch at a time (_LAUNCH), with `threads` numba threads (None: the calling thread's setting)."""
@@ -724,6 +730,7 @@ def expert_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: i
     fmt = _format(t)
     with _threads(threads):
         ids = np.ascontiguousarray(experts, np.int64)[:, None]
+        _check_ids(ids, t.data.shape[0])
         token, order, (items,) = _plan(ids, t.data.shape[0], np.array([t.rows]),
                                        ITEMS_PER_THREAD * numba.get_num_threads(), MIN_ROWS_PER_ITEM)
         rounded = _Rounded(fmt, len(x), t.cols)
@@ -746,6 +753,7 @@ def _moe_rows(x, ids, weights, gate, up, down, activation, out) -> None:
     x = np.ascontiguousarray(x, F32)
     ids = np.ascontiguousarray(ids, np.int64)
     weights = np.ascontiguousarray(weights, F32)
+    _check_ids(ids, gate.data.shape[0])
     items_wanted = ITEMS_PER_THREAD * numba.get_num_threads()
     token, order, (gate_items, down_items) = _plan(ids, gate.data.shape[0], np.array([gate.rows, down.rows]),
                                                    items_wanted, MIN_ROWS_PER_ITEM)

@@ -172,6 +172,16 @@ def test_moe_rows_skipped_slot_equals_absent_slot():
     assert not with_gaps[2].any()
 
 
+def test_moe_rows_rejects_an_expert_past_the_stack():
+    rng = np.random.default_rng(8)
+    gate, up, down = (expert_bytes(rng, Q.Q8_0, 2, 64, 64) for _ in range(3))
+    out = np.zeros((1, 64), np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        moe_rows(np.ones((1, 64), np.float32), np.array([[0, 2]]), np.ones((1, 2), np.float32), gate, up, down,
+                 "swiglu", out)
+    assert not out.any()
+
+
 def test_threads_do_not_change_the_bits():
     """Every output element is computed by one work item with the same operations, whatever the split."""
     threads = numba.config.NUMBA_NUM_THREADS
