@@ -1,0 +1,116 @@
+"""The expert cache on the CPU, a CPU device standing in for the GPU (its slot banks run through the Triton kernels
+in Triton's interpreter, tests/conftest.py): outputs equal the all-resident path, hits and uploads are counted as the
+policy decides, slots never disagree with the table, and warm starts come from a profile or the GGUF's baked counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import moerun
+from moeprep.cli import main as moeprep_main
+from moeprep.errors import MoeprepError
+from moerun.cache.expert_cache import CacheConfig, CachedExperts
+from moeprep.synth.corpus import CALIBRATION_PATH
+
+BUDGET = [8 << 30]  # more than the synthetic models need: --cache-slots sets the slots
+
+
+def cached_layers(model) -> list[CachedExperts]:
+    return [m for m in model.net.modules() if isinstance(m, CachedExperts)]
+
+
+def check_tables(model) -> None:
+    for layer in cached_layers(model):
+        resident = layer.resident[layer.resident >= 0]
+        assert len(set(resident.tolist())) == len(resident)  # an expert sits in one slot at most
+        for slot, e in enumerate(layer.resident.tolist()):
+            assert e < 0 or layer.slot_of[e] == slot
+        assert (layer.slot_of >= 0).sum() == len(resident)
+
+
+@pytest.mark.parametrize("slots", [1, 16])
+def test_cached_forward_equals_all_resident(synth_model, slots):
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    reference = moerun.load_model(path)
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=slots))
+    assert [layer.n_slots for layer in cached_layers(cached)] == [slots] * len(cached_layers(cached))
+    prompt = torch.tensor(reference.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)"))
+    torch.testing.assert_close(cached.forward(prompt), reference.forward(prompt), rtol=1e-4, atol=1e-4)
+    for i, token in enumerate([5, 17, 99, 5, 17, 99, 5]):  # repeats: what the policy uploads gets hit
+        pos = len(prompt) + i
+        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos),
+                                   reference.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4)
+        check_tables(cached)
+    stats = cached.expert_cache.stats
+    assert stats.lookups.sum() == (len(prompt) + 7) * reference.args.n_experts_used * len(cached_layers(cached))
+    assert 0 < stats.hits.sum() < stats.lookups.sum() and stats.uploads > 0
+
+
+def test_every_expert_cached_and_warm_is_all_hits(synth_model):
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    n_expert = moerun.load_model(path).args.n_experts
+    usage = np.ones((3, n_expert), np.int64)  # every expert known: warm start fills every slot
+    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=n_expert, usage=usage))
+    model.forward(torch.arange(1, 12))
+    stats = model.expert_cache.stats
+    assert stats.hits.sum() == stats.lookups.sum() > 0 and stats.uploads == 0
+
+
+def test_generation_with_the_cache_is_the_same_text(synth_model):
+    path = synth_model("gpt-oss", expert_type="F32", attn_type="F32")  # expert biases and swiglu_oai too
+    prompt = moerun.load_model(path).tokenizer.encode("Once upon a time")
+    plain = list(moerun.generate(moerun.load_model(path), prompt, 12))
+    cached = list(moerun.generate(moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=3)),
+                                  prompt, 12))
+    assert cached == plain
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory, synth_model):
+    """A model and a profile of it made by `moeprep profile`, and a second, different model."""
+    folder = tmp_path_factory.mktemp("cache-profile")
+    model = synth_model("qwen3moe", preset="small", skew=1.0)
+    out = folder / "p.moeprof"
+    result = CliRunner().invoke(moeprep_main, ["profile", str(model), "--dataset", str(CALIBRATION_PATH), "-c", "64",
+                                               "--chunks", "3", "--holdout", "0.34", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return model, out, synth_model("qwen3moe", preset="small", seed=1)
+
+
+def test_profile_warm_start_fills_the_hottest_experts(profiled):
+    from moeprep.profile.format import read_profile
+
+    model_path, profile_path, _ = profiled
+    counts = read_profile(profile_path).counts
+    model = moerun.load_model(model_path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4,
+                                                            profile=str(profile_path)))
+    for layer in cached_layers(model):
+        row = counts.selections[counts.layers.index(layer.layer)]
+        hottest = set(np.argsort(-row, kind="stable")[:4].tolist())
+        assert set(layer.resident.tolist()) == hottest
+    cold = moerun.load_model(model_path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4))
+    assert all((layer.resident < 0).all() for layer in cached_layers(cold))
+
+
+def test_baked_counts_warm_without_a_flag(profiled, tmp_path):
+    model_path, profile_path, _ = profiled
+    baked = tmp_path / "baked.gguf"
+    result = CliRunner().invoke(moeprep_main, ["profile", "bake", str(profile_path), str(model_path), str(baked)])
+    assert result.exit_code == 0, result.output
+    model = moerun.load_model(baked, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4))
+    assert all((layer.resident >= 0).all() for layer in cached_layers(model))
+
+
+def test_a_profile_of_another_model_is_refused(profiled):
+    _, profile_path, other = profiled
+    with pytest.raises(MoeprepError):
+        moerun.load_model(other, cache=CacheConfig(budgets=BUDGET, profile=str(profile_path)))
+
+
+def test_a_budget_without_room_for_slots_is_refused(synth_model):
+    with pytest.raises(MoeprepError, match="vram-budget"):
+        moerun.load_model(synth_model("qwen3moe"), cache=CacheConfig(budgets=[1 << 20]))
