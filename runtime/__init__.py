@@ -13,13 +13,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moerun.generate import generate, greedy, make_sampler
+    from moerun.generation import generate, greedy, make_sampler
     from moerun.hooks import ActivationEvent, RoutingEvent
     from moerun.model import Model, load_model
     from moerun.perplexity import perplexity
 
 EXPORTS = {
-    "generate": "moerun.generate", "greedy": "moerun.generate", "make_sampler": "moerun.generate",
+    "generate": "moerun.generation", "greedy": "moerun.generation", "make_sampler": "moerun.generation",
     "ActivationEvent": "moerun.hooks", "RoutingEvent": "moerun.hooks",
     "Model": "moerun.model", "load_model": "moerun.model",
     "perplexity": "moerun.perplexity",
@@ -31,5 +31,5 @@ def __getattr__(name: str) -> Any:
     if name not in EXPORTS:
         raise AttributeError(f"module 'moerun' has no attribute {name!r}")
     value = getattr(importlib.import_module(EXPORTS[name]), name)
-    globals()[name] = value  # also replaces the submodule attribute of the same name (moerun.generate, .perplexity)
+    globals()[name] = value  # also replaces the submodule attribute of the same name (moerun.perplexity)
     return value

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from moeprep.errors import MoeprepError
-from moerun.generate import make_sampler
+from moerun.generation import make_sampler
 from moerun.model import Model
 from moerun.serve.chat import ChatFormat
 from moerun.serve.engine import Engine

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moerun.generate import Sampler, greedy
+from moerun.generation import Sampler, greedy
 from moerun.model import Model
 
 PREFILL_CHUNK = 512  # prompt tokens one job runs per step

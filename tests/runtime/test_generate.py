@@ -10,7 +10,7 @@ import torch
 
 import moerun
 from moeprep.errors import MoeprepError
-from moerun.generate import make_sampler
+from moerun.generation import make_sampler
 from tests.oracle import llama_eval
 
 
