@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from moerun.hooks import Hooks
+from moerun.kernels.dequant import supports as device_dequantizes
 from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, supports
 from moerun.layers import GGUFExperts, Linear
 from moerun.weights import ExpertTensor, Weights
@@ -54,7 +55,10 @@ class DeviceExperts(GGUFExperts):
 
     @classmethod
     def can_run(cls, w: Weights, layer: int) -> bool:
-        return all(supports(w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type) for part in ("gate", "up", "down"))
+        """The kernels decode all three expert types, and ExpertTensor keeps their bytes on the device (it does so
+        for the types the device dequantizer reads, which its reference path for hooks needs; IQ4_XS is not one)."""
+        types = [w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type for part in ("gate", "up", "down")]
+        return all(supports(t) and device_dequantizes(t) for t in types)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:

@@ -142,12 +142,14 @@ class CachedExperts(nn.Module):
         ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
         slots_h = self.slot_of[ids_h]  # (T, K), -1 = miss
         missed = slots_h < 0
-        x_host = x.to("cpu", non_blocking=x.device.type == "cuda")
-        x_ready = torch.cuda.Event() if x.device.type == "cuda" else None
-        if x_ready is not None:
-            x_ready.record()
-            if self.uploaded is not None:
-                torch.cuda.current_stream().wait_event(self.uploaded)
+        on_gpu = x.device.type == "cuda"
+        if missed.any():  # the CPU's input is enqueued before the GPU's expert kernels, so it need not wait for them
+            x_host = x.to("cpu", non_blocking=on_gpu)
+            x_ready = torch.cuda.Event() if on_gpu else None
+            if x_ready is not None:
+                x_ready.record()
+        if on_gpu and self.uploaded is not None:
+            torch.cuda.current_stream().wait_event(self.uploaded)
         out = bank_moe(x, torch.from_numpy(slots_h).to(x.device), weights, self.banks, self.act, self.biases, ids)
         if missed.any():
             if x_ready is not None:
