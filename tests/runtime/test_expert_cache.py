@@ -60,13 +60,15 @@ def test_every_expert_cached_and_warm_is_all_hits(synth_model):
     assert stats.hits.sum() == stats.lookups.sum() > 0 and stats.uploads == 0
 
 
-def test_generation_with_the_cache_is_the_same_text(synth_model):
+def test_generated_text_scores_the_same_through_the_cache(synth_model):
     path = synth_model("gpt-oss", expert_type="F32", attn_type="F32")  # expert biases and swiglu_oai too
-    prompt = moerun.load_model(path).tokenizer.encode("Once upon a time")
-    plain = list(moerun.generate(moerun.load_model(path), prompt, 12))
-    cached = list(moerun.generate(moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=3)),
-                                  prompt, 12))
-    assert cached == plain
+    plain = moerun.load_model(path)
+    prompt = plain.tokenizer.encode("Once upon a time")
+    text = torch.tensor(prompt + list(moerun.generate(plain, prompt, 12)))
+    # teacher-forced over the plain model's own generation: equal logits, not equal argmaxes, so that a near-tie the
+    # two summation orders break differently on another CPU cannot fail the test
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=3))
+    torch.testing.assert_close(cached.forward(text), plain.forward(text), rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
