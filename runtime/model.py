@@ -35,24 +35,28 @@ class Model:
         self.decode_graphs = DecodeGraphs(self) if device.type == "cuda" else None
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, seq: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions start_pos.. of sequence `seq` -> logits (T, V) float32; the sequence's
-        slots from start_pos on are overwritten, so start_pos 0 starts it anew and a shared prefix can be kept."""
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, seq: int = 0, last_only: bool = False) -> torch.Tensor:
+        """tokens (T,) int64 at positions start_pos.. of sequence `seq` -> logits (T, V) float32, or (1, V) for the
+        last token with `last_only` (a prompt to generate from); the sequence's slots from start_pos on are
+        overwritten, so start_pos 0 starts it anew and a shared prefix can be kept."""
         T = tokens.shape[0]
         self._check_fits(start_pos + T, seq)
         positions = torch.arange(start_pos, start_pos + T, device=self.device)
-        return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T, seq=seq))
+        outputs = torch.tensor([T - 1], device=self.device) if last_only else None
+        return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T, seq=seq), outputs)
 
     @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                      outputs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (T,) of several sequences in one pass: token t sits at positions[t] of sequence seqs[t] and
-        attends to that sequence's slots up to its own position -> logits (T, V) float32."""
+        attends to that sequence's slots up to its own position -> logits (T, V) float32, or (R, V) for the rows
+        `outputs` (R,) only (the last token of each sequence in the batch, say)."""
         positions, seqs = positions.long(), seqs.long()
         self._check_fits(int(positions.max()) + 1, int(seqs.max()))
         if int(seqs.min()) < 0:
             raise MoeprepError(f"sequence {int(seqs.min())} does not exist; the model holds {self.n_seq}")
         step = Step(positions.to(self.device), n_slots=int(positions.max()) + 1, seqs=seqs.to(self.device))
-        return self.net(tokens.to(self.device), step)
+        return self.net(tokens.to(self.device), step, None if outputs is None else outputs.to(self.device))
 
     def decode(self, token: int, pos: int, seq: int = 0) -> torch.Tensor:
         """One token at position `pos` of sequence `seq` -> the logits (V,) for the next: a CUDA graph replay where

@@ -98,9 +98,12 @@ class Transformer(nn.Module):
         head = "output" if "output.weight" in w else "token_embd"
         self.output = Linear.load(w, head, ctx.hooks)
 
-    def forward(self, tokens: torch.Tensor, step: Step) -> torch.Tensor:
-        """tokens (T,) at step.positions -> logits (T, V) float32."""
+    def forward(self, tokens: torch.Tensor, step: Step, outputs: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the
+        final norm and the output head, the largest matmul of a prompt chunk, run only where logits are wanted."""
         x = self.embed[tokens]  # (T, D)
         for block in self.blocks:
             x = block(x, step)
+        if outputs is not None:
+            x = x[outputs]  # (R, D)
         return self.output(self.norm(x))
