@@ -6,12 +6,19 @@ G KV heads, Dh head size, E experts, K experts per token, I expert hidden size, 
 The residual stream is float32; each matmul runs in the weights' compute dtype (float32 on CPU, bfloat16 on CUDA)
 after rounding its input as llama.cpp does for the stored weight type (rounding.py); norms, softmaxes, RoPE and the
 router run in float32, as in llama.cpp.
+
+Norms, RoPE, attention, the router's top-k and the SwiGLU product run as torch ops (the float32 reference, on the
+CPU) or, where the weights are on a GPU, as the fused Triton kernels of kernels/fused.py: each layer takes its
+`Kernels` from `kernels_for(device)` once, at load.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, partial
 from typing import Protocol
 
 import torch
@@ -66,19 +73,35 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream plus a layer's output, and its norm: (x + delta, rms_norm(x + delta))."""
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.eps = eps
+        self.kernels = kernels_for(weight.device)
 
     @classmethod
     def load(cls, w: Weights, name: str, eps: float) -> RMSNorm:
         return cls(w.dense(name, torch.float32), eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): x, delta (T, D) float32."""
+        return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------------------- RoPE
@@ -204,6 +227,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = n_heads, n_kv_heads, head_dim, v_head_dim
         self.scale, self.window = scale, window
         self.register_buffer("sinks", sinks, persistent=False)
+        self.kernels = kernels_for(cache.k.device)
 
     @classmethod
     def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, rope: Rope, cache: KVCache,
@@ -226,14 +250,24 @@ class Attention(nn.Module):
         q = self.wq(x).view(T, self.n_heads, self.head_dim)
         k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(T, self.n_kv_heads, self.v_head_dim)
-        if self.q_norm is not None:  # per head, or over the whole projection (olmoe): as long as its weight
-            q = self.q_norm(q.reshape(T, -1, self.q_norm.weight.numel())).view_as(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k.reshape(T, -1, self.k_norm.weight.numel())).view_as(k)
-        q, k = self.rope(q, step.positions), self.rope(k, step.positions)
+        q, k, v = self.kernels.norm_rope(q, k, v, self.q_norm, self.k_norm, self.rope, step.positions,
+                                         self.cache.k.dtype)
         k_all, v_all = self.cache.update(step, k, v)  # (S, G, Dh), or (T, S, G, Dh) across sequences
-        out = attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
+        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
+
+
+def norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
+              rope: Rope, positions: torch.Tensor, kv_dtype: torch.dtype,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q/K RMSNorm (per head, or over the whole projection as in olmoe: as long as its weight), then RoPE.
+    q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) -> q, k float32 and v as they came (the KV cache casts k and v)."""
+    T = q.shape[0]
+    if q_norm is not None:
+        q = q_norm(q.reshape(T, -1, q_norm.weight.numel())).view_as(q)
+    if k_norm is not None:
+        k = k_norm(k.reshape(T, -1, k_norm.weight.numel())).view_as(k)
+    return rope(q, positions), rope(k, positions), v
 
 
 # ------------------------------------------------------------------------------------------------ feed-forward
@@ -262,6 +296,7 @@ class FeedForward(nn.Module):
     def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
+        self.act = kernels_for(device_of(gate)).activations["swiglu"]
 
     @classmethod
     def load(cls, w: Weights, hooks: Hooks, layer: int, suffix: str = "") -> FeedForward:
@@ -269,7 +304,7 @@ class FeedForward(nn.Module):
         return cls(*(Linear.load(w, f"{p}.ffn_{part}{suffix}", hooks) for part in ("gate", "up", "down")))
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
-        return self.down(swiglu(self.gate(x), self.up(x)))
+        return self.down(self.act(self.gate(x), self.up(x)))
 
 
 class Router(nn.Module):
@@ -288,6 +323,10 @@ class Router(nn.Module):
         self.scale = args.expert_weights_scale
         self.n_groups, self.n_group_used = args.n_expert_groups, args.n_group_used
         self.register_buffer("selection_bias", selection_bias, persistent=False)
+        route = kernels_for(device_of(gate)).route
+        plain = route is not None and selection_bias is None and self.n_groups <= 1
+        self.choose = (partial(route, k=self.k, gating=self.gating, normalize=self.normalize, scale=self.scale)
+                       if plain else self.choose_general)
 
     @classmethod
     def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int) -> Router:
@@ -298,7 +337,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32."""
-        logits = self.gate(x).float()  # (T, E)
+        return self.choose(self.gate(x).float())
+
+    def choose_general(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference, for every gating: logits (T, E) -> ids (T, K), weights (T, K)."""
         probs = GATING_PROBS[self.gating](logits)
         scores = probs if self.selection_bias is None else probs + self.selection_bias
         if self.n_groups > 1:
@@ -349,7 +391,7 @@ class GGUFExperts(nn.Module):
                  biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None)) -> None:
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
-        self.act = ACTIVATIONS[activation]
+        self.act = kernels_for(gate.device).activations[activation]
         self.gate_bias, self.up_bias, self.down_bias = biases  # (E, I), (E, I), (E, D) or None
         self.hooks = hooks
 
@@ -435,5 +477,62 @@ class Block(nn.Module):
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), step)
-        return h + self.ffn(self.ffn_norm(h), step)
+        h, normed = self.ffn_norm.add_forward(x, self.attn(self.attn_norm(x), step))
+        return h + self.ffn(normed, step)
+
+
+# ------------------------------------------------------------------------------------------------------ kernels
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The elementwise and normalization work of the layers, as torch ops or as fused Triton kernels.
+
+    `route` chooses experts for the plain gatings (no selection bias, no expert groups; None: the Router's torch
+    code); `activations` are the expert activations by name (ACTIVATIONS' keys).
+    """
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    attend: Callable[..., torch.Tensor]
+    route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
+    activations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+
+
+# The float32 reference: the CPU path, and what the fused kernels are tested against.
+TORCH_KERNELS = Kernels(rms_norm, add_rms_norm, norm_rope, attend, None, ACTIVATIONS)
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """Fused Triton kernels on a GPU, torch ops elsewhere."""
+    return fused_kernels() if device.type == "cuda" else TORCH_KERNELS
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where a module's weights are: its parameters, or its buffers (QuantLinear's GGUF blocks)."""
+    return next(itertools.chain(module.parameters(), module.buffers())).device
+
+
+@cache
+def fused_kernels() -> Kernels:
+    from moerun.kernels import fused  # Triton comes with CUDA builds of torch
+
+    def fused_norm_rope(q, k, v, q_norm, k_norm, rope, positions, kv_dtype):
+        """One launch where the Q/K norms are per head (or absent), else the torch reference."""
+        per_head = (q_norm is not None and k_norm is not None
+                    and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1])
+        if not (per_head or (q_norm is None and k_norm is None)):
+            return norm_rope(q, k, v, q_norm, k_norm, rope, positions, kv_dtype)
+        return fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,
+                              q_norm.eps if per_head else 0.0, rope.cos, rope.sin, positions, rope.style == "neox",
+                              kv_dtype)
+
+    def fused_attend(q, k, v, allowed, scale, sinks=None):
+        """Decode-sized steps of one sequence in the split kernel; prefill and mixed batches in torch."""
+        if fused.attend_supports(q, k, v):
+            return fused.attend_decode(q, k, v, allowed, scale, sinks)
+        return attend(q, k, v, allowed, scale, sinks)
+
+    return Kernels(fused.rms_norm, fused.add_rms_norm, fused_norm_rope, fused_attend, fused.route,
+                   {**ACTIVATIONS, "swiglu": fused.swiglu})

@@ -17,6 +17,7 @@ import torch
 
 from moerun.hooks import Hooks
 from moerun.kernels.dequant import supports as device_dequantizes
+from moerun.kernels.fused import moe_combine
 from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, supports
 from moerun.layers import GGUFExperts, Linear
 from moerun.weights import ExpertTensor, Weights
@@ -77,4 +78,4 @@ def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks:
     y = gguf_moe(h, banks[2], slots)  # (T, K, D)
     if down_b is not None:
         y = y + down_b
-    return torch.einsum("tkd,tk->td", y, torch.where(slots >= 0, weights, 0.0))
+    return moe_combine(y, weights, slots)
