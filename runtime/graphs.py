@@ -36,6 +36,8 @@ def graph_blockers(model) -> list[str]:
         reasons.append(f"the model runs on {model.device.type}, not CUDA")
     if model.hooks.routing or model.hooks.activation:
         reasons.append("hooks are registered (they run Python inside the step)")
+    if model.net.layout.spans_devices:
+        reasons.append("the model spans several GPUs (a graph is captured on one)")
     if model.expert_cache is not None:
         reasons.append("the expert cache reads each layer's routing on the host (the CPU computes the misses)")
     reasons += [f"{name} is dequantized on the host" for name in host_expert_tensors(model.net)]

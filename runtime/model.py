@@ -11,6 +11,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, open_gguf
 from moerun.cache.expert_cache import CacheConfig, ExpertCache, open_cache
 from moerun.config import ModelArgs
+from moerun.devices import DeviceMap, DeviceSpec, resolve_devices, split_by_bytes
 from moerun.graphs import DecodeGraphs, graph_blockers
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
 from moerun.step import Step
@@ -25,7 +26,8 @@ DEFAULT_MAX_CTX = 4096
 
 class Model:
     """A loaded model. `forward` runs a chunk of one sequence's tokens through the KV cache, `forward_batch` tokens
-    of several sequences at once; both return next-token logits."""
+    of several sequences at once; both return next-token logits. `device` is where tokens go (the first block's
+    device); on several devices the logits come from the last block's (`net.layout`)."""
 
     def __init__(self, g: GGUFModel, args: ModelArgs, net: Transformer, tokenizer: Tokenizer, hooks: Hooks,
                  n_ctx: int, device: torch.device, n_seq: int = 1, expert_cache: ExpertCache | None = None) -> None:
@@ -79,21 +81,29 @@ class Model:
         return self.hooks.add_activation(fn)
 
 
-def load_model(path: str | Path | GGUFModel, device: str = "cpu", dtype: torch.dtype | None = None, n_ctx: int | None = None,
-               n_seq: int = 1, cache: CacheConfig | None = None) -> Model:
+def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: torch.dtype | None = None,
+               n_ctx: int | None = None, n_seq: int = 1, cache: CacheConfig | None = None) -> Model:
     """Open a GGUF MoE model (file or first shard) with a KV cache of n_seq sequences of n_ctx positions each.
     dtype defaults to float32 on CPU and bfloat16 on CUDA. With `cache`, routed experts stay in host RAM and run
-    through the expert cache (cache/expert_cache.py); otherwise they all go to the device."""
+    through the expert cache (cache/expert_cache.py); otherwise they all go to the device.
+
+    device: "cpu", "cuda", "cuda:1", or several ("cuda:0,cuda:1" or a list): the blocks are split over them
+    (devices.py), by the cache's placement or else by bytes. A cache with N budgets runs on N devices: "cuda" then
+    means the first N GPUs (without budgets, every visible GPU with its free memory), "cpu" N CPU stand-ins."""
     g = path if isinstance(path, GGUFModel) else open_gguf(path)  # an opened model is not parsed again
     arch = arch_module(g.arch, g.path)  # an architecture moerun does not run is refused before any weight loads
-    device_ = torch.device(device)
-    if device_.type == "cuda" and not torch.cuda.is_available():
-        raise MoeprepError("--device cuda: no CUDA device is available; use --device cpu")
-    dtype = dtype or (torch.bfloat16 if device_.type == "cuda" else torch.float32)
+    budgets = None if cache is None else cache.budgets
+    devices = resolve_devices(device, len(budgets) if budgets else None, every_gpu=cache is not None)
+    dtype = dtype or (torch.bfloat16 if devices[0].type == "cuda" else torch.float32)
     args = arch.read_args(g)
     n_ctx = n_ctx or min(args.n_ctx_train, DEFAULT_MAX_CTX)
     hooks = Hooks()
-    expert_cache = None if cache is None else open_cache(g, cache, args.n_layers, args.n_experts_used, device_)
-    ctx = BuildContext(args, Weights(g, dtype, device_), hooks, n_ctx, n_seq, expert_cache)
-    net = Transformer(ctx, [arch.build_block(ctx, layer) for layer in range(args.n_layers)])
-    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, device_, n_seq, expert_cache)
+    expert_cache = None if cache is None else open_cache(g, cache, args.n_layers, args.n_experts_used, devices)
+    if expert_cache is None:
+        layout = split_by_bytes(g, devices, args.n_layers)
+    else:
+        layout = DeviceMap(expert_cache.devices, expert_cache.placement.device[: args.n_layers])
+    ctx = BuildContext(args, Weights(g, dtype, layout.first), hooks, n_ctx, n_seq, expert_cache)
+    blocks = [arch.build_block(ctx.on(layout.device_of(layer)), layer) for layer in range(args.n_layers)]
+    net = Transformer(ctx, blocks, layout)
+    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, layout.first, n_seq, expert_cache)

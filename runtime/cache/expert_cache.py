@@ -78,7 +78,7 @@ class ExpertCache:
     placement: Placement
     n_expert: int
     top_k: int
-    device: torch.device
+    devices: tuple[torch.device, ...]  # [G] the device of each budget (CPU stand-ins may repeat "cpu")
     config: CacheConfig
     stats: CacheStats = field(init=False)
 
@@ -87,8 +87,12 @@ class ExpertCache:
         self.policy = make_policy(self.config.policy, list(self.placement.slots), self.n_expert, self.top_k)
         if self.config.usage is not None:
             self.policy.seed(self.config.usage)
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.copy_streams = {d: torch.cuda.Stream(d) for d in self.devices if d.type == "cuda"}  # one per GPU
         self.reset_stats(n_layer)
+
+    def device_of(self, layer: int) -> torch.device:
+        """The device the placement gave `layer` (its slots, and the whole block: see moerun.devices)."""
+        return self.devices[self.placement.device[layer]]
 
     def reset_stats(self, n_layer: int | None = None) -> None:
         n = n_layer if n_layer is not None else len(self.stats.hits)
@@ -107,7 +111,8 @@ class CachedExperts(nn.Module):
 
         self.layer, self.host, self.cache, self.hooks = layer, host, cache, hooks
         self.activation, self.act = activation, ACTIVATIONS[activation]
-        device = cache.device
+        device = cache.device_of(layer)
+        self.copy_stream = cache.copy_streams.get(device)  # uploads into this layer's slots
         self.banks = tuple(QWeight(torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8, device=device),
                                    t.qtype, t.rows, t.cols) for t in host)
         self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
@@ -169,7 +174,7 @@ class CachedExperts(nn.Module):
         policy.observe(self.layer, ids_h)
         plan = policy.plan(self.layer, self.resident, self.cache.config.uploads_per_layer_step)
         if plan:
-            stream = self.cache.copy_stream
+            stream = self.copy_stream
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream())  # no kernel still reads a slot being replaced
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -187,9 +192,9 @@ class CachedExperts(nn.Module):
         self.resident[slot], self.slot_of[expert] = expert, slot
 
     def _uploads_done(self) -> None:
-        if self.cache.copy_stream is not None:
+        if self.copy_stream is not None:
             self.uploaded = torch.cuda.Event()
-            self.uploaded.record(self.cache.copy_stream)
+            self.uploaded.record(self.copy_stream)
 
 
 def host_experts(g: GGUFModel, layer: int) -> tuple[ExpertBytes, ExpertBytes, ExpertBytes]:
@@ -234,24 +239,26 @@ def expert_usage(g: GGUFModel, profile_path: str | None, n_layer: int) -> np.nda
 
 
 
-def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int, device: torch.device) -> ExpertCache:
-    """Resolve the warm-start counts, place the slots in the budget, and make the shared cache state."""
+def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
+               devices: list[torch.device] | torch.device) -> ExpertCache:
+    """Resolve the warm-start counts, place the slots in the budgets (one per device; moerun.devices resolves
+    them), and make the shared cache state."""
+    devices = [devices] if isinstance(devices, torch.device) else list(devices)
+    device = devices[0]
     if config.usage is None:
         config = replace(config, usage=expert_usage(g, config.profile, n_layer))
     budgets = config.budgets
     if budgets is None:
         if device.type != "cuda":
             raise MoeprepError("the expert cache on a CPU device needs an explicit budget (--vram-budget)")
-        budgets = [torch.cuda.mem_get_info(device)[0]]
-    if len(budgets) > 1:
-        raise MoeprepError(f"--vram-budget lists {len(budgets)} GPUs; this moerun runs the expert cache on one GPU "
-                           "(the placement over several is planned, the multi-GPU forward is not written yet)")
+        budgets = [torch.cuda.mem_get_info(d)[0] for d in devices]
+    assert len(budgets) == len(devices), (budgets, devices)
     placement = place(describe_model(g), budgets, usage=config.usage)
     if config.slots_per_layer is not None:
         n_expert = placement.n_expert
         slots = tuple(min(config.slots_per_layer, n_expert) if s else 0 for s in placement.slots)
         placement = replace(placement, slots=slots)
-    return ExpertCache(placement, placement.n_expert, top_k, device, config)
+    return ExpertCache(placement, placement.n_expert, top_k, tuple(devices), config)
 
 
 def describe_cache(cache: ExpertCache) -> str:

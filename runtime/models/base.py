@@ -4,11 +4,13 @@ An arch module (named after its GGUF general.architecture) provides
     read_args(g: GGUFModel) -> ModelArgs
     build_block(ctx: BuildContext, layer: int) -> Block
 and the `Transformer` here wraps its blocks with the token embedding, the final norm and the output head.
+On several devices each block is built by `ctx.on(its device)` and the Transformer moves the hidden state between
+them (devices.py); block builders never see more than one device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from moerun.cache.expert_cache import CachedExperts, ExpertCache
 from moerun.cache.kv import KVCache
 from moerun.config import ModelArgs
+from moerun.devices import DeviceMap, on_device
 from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import CPUExperts
 from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router
@@ -32,6 +35,17 @@ class BuildContext:
     n_seq: int = 1  # sequences the KV cache holds side by side
     cache: ExpertCache | None = None  # routed experts through the expert cache instead of all on the device
     _ropes: dict = field(default_factory=dict)
+    _contexts: dict = field(default_factory=dict)  # device -> the context building there, shared by all of them
+
+    def on(self, device: torch.device) -> BuildContext:
+        """This context building on `device`: weights, KV caches and RoPE tables land there (one set of tables per
+        device, shared by its layers)."""
+        self._contexts.setdefault(self.weights.device, self)
+        if device not in self._contexts:
+            w = self.weights
+            self._contexts[device] = replace(self, weights=Weights(w.gguf, w.dtype, device), _ropes={},
+                                             _contexts=self._contexts)
+        return self._contexts[device]
 
     def rope(self, *, freq_factors: str | None = None, **options) -> Rope:
         """A RoPE table, shared by all layers that ask with the same options (see Rope for them);
@@ -87,13 +101,19 @@ class BuildContext:
 
 
 class Transformer(nn.Module):
-    """Token embedding -> blocks -> final RMSNorm -> output head (token_embd when output.weight is absent)."""
+    """Token embedding -> blocks -> final RMSNorm -> output head (token_embd when output.weight is absent).
 
-    def __init__(self, ctx: BuildContext, blocks: list[nn.Module]) -> None:
+    `layout` says which device runs each block (all on ctx's device without one): the embedding sits with the first
+    block, the norm and head with the last, and the hidden state and the step move at each change of device."""
+
+    def __init__(self, ctx: BuildContext, blocks: list[nn.Module], layout: DeviceMap | None = None) -> None:
         super().__init__()
-        w, args = ctx.weights, ctx.args
+        self.layout = layout or DeviceMap((ctx.weights.device,), (0,) * len(blocks))
+        self.runs = self.layout.runs()  # [(device, slice of blocks)]
+        w, args = ctx.on(self.layout.first).weights, ctx.args
         self.embed = nn.Parameter(w.dense("token_embd.weight", torch.float32), requires_grad=False)  # (V, D)
         self.blocks = nn.ModuleList(blocks)
+        w = ctx.on(self.layout.last).weights
         self.norm = RMSNorm.load(w, "output_norm.weight", args.norm_eps)
         head = "output" if "output.weight" in w else "token_embd"
         self.output = Linear.load(w, head, ctx.hooks)
@@ -102,8 +122,11 @@ class Transformer(nn.Module):
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the
         final norm and the output head, the largest matmul of a prompt chunk, run only where logits are wanted."""
         x = self.embed[tokens]  # (T, D)
-        for block in self.blocks:
-            x = block(x, step)
+        for device, run in self.runs:
+            x, on = x.to(device, non_blocking=True), step.on(device)  # no copies while the device stays the same
+            with on_device(device):
+                for block in self.blocks[run]:
+                    x = block(x, on)
         if outputs is not None:
-            x = x[outputs]  # (R, D)
+            x = x[outputs.to(x.device)]  # (R, D)
         return self.output(self.norm(x))
