@@ -43,7 +43,7 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, seed: int | None = None)
 def prefill(model: Model, prompt_ids: list[int]) -> torch.Tensor:
     """Run the prompt from position 0; the logits (V,) for the token after it."""
     tokens = torch.tensor(prompt_ids, dtype=torch.long)
-    return model.forward(tokens, 0)[-1]
+    return model.forward(tokens, 0, last_only=True)[0]
 
 
 def decode_one(model: Model, token: int, pos: int) -> torch.Tensor:

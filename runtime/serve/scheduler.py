@@ -1,10 +1,12 @@
 """Continuous batching as a plain object: `add` jobs, call `step` until it has nothing to do, `cancel` at any time.
 
 The model's KV cache holds n_seq sequences. A job waits in a bounded queue until a sequence is free, then runs its
-prompt through that sequence in chunks (one chunk per step, so that a long prompt does not stall the others), and
-from its first token on decodes together with every other decoding job: one `forward_batch` per step, one token
-each. A job leaves the moment it finishes (an end-of-generation token, a stop string, its token limit or the end of
-the context) or is cancelled, and its sequence takes the next job at the next step.
+prompt through that sequence in chunks, and from its first token on decodes one token per step. Every step is one
+pass through the model (`forward_batch`): one token of each decoding job, plus up to `prefill_chunk` prompt tokens
+of the jobs still prefilling (the oldest first), so a long prompt rides along with the others' decode steps instead
+of stalling them, and the output head runs only on the rows that give a token. A job leaves the moment it finishes
+(an end-of-generation token, a stop string, its token limit or the end of the context) or is cancelled, and its
+sequence takes the next job at the next step.
 
 Each sequence remembers the token ids whose KV its slots hold. A new job goes to the free sequence that shares the
 longest prefix with its prompt and starts at the end of that prefix: a chat that goes on prefills only its new turn.
@@ -25,7 +27,7 @@ import torch
 from moerun.generation import Sampler, greedy
 from moerun.model import Model
 
-PREFILL_CHUNK = 512  # prompt tokens one job runs per step
+PREFILL_CHUNK = 512  # prompt tokens one step runs, over all the jobs still prefilling
 
 
 class QueueFull(Exception):
@@ -137,32 +139,47 @@ class Scheduler:
         return dropped
 
     def step(self) -> list[Output]:
-        """Admit waiting jobs to free sequences, run one prompt chunk of each job still prefilling, then one
-        decode token of every job that has sampled: one forward_batch for all of them."""
+        """Admit waiting jobs to free sequences, then run one pass: a token of every decoding job and the next
+        prompt chunks of the prefilling ones, within prefill_chunk prompt tokens."""
         self._admit()
-        outputs: list[Output] = []
-        for s, seq in enumerate(self.sequences):
+        runs = sorted((seq.job.id, s) for s, seq in enumerate(self.sequences) if seq.job)
+        budget = self.prefill_chunk
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        ready: list[tuple[int, int]] = []  # (row, sequence) of the rows whose logits give a token
+        for _, s in runs:
+            seq = self.sequences[s]
             r = seq.job
-            if r and not r.generated:
-                chunk = r.feed[:self.prefill_chunk]
-                logits = self.model.forward(torch.tensor(chunk), len(seq.tokens), seq=s)
-                seq.tokens += chunk
-                r.feed = r.feed[len(chunk):]
-                if not r.feed:
-                    outputs.append(self._emit(seq, self._sample([r], logits[-1:])[0]))
-        decoding = [s for s, seq in enumerate(self.sequences) if seq.job and seq.job.generated]
-        if decoding:
-            runs = [self.sequences[s].job for s in decoding]
-            tokens = [r.feed[0] for r in runs]
-            positions = [len(self.sequences[s].tokens) for s in decoding]
-            if len(decoding) == 1:
-                logits = self.model.decode(tokens[0], positions[0], decoding[0])[None]
+            if r.generated:
+                chunk = r.feed
             else:
-                logits = self.model.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(decoding))
-            for s, token in zip(decoding, tokens):
-                self.sequences[s].tokens.append(token)
-            outputs += [self._emit(self.sequences[s], t) for s, t in zip(decoding, self._sample(runs, logits))]
-        return outputs
+                chunk, budget = r.feed[:budget], budget - min(budget, len(r.feed))
+            if not chunk:
+                continue
+            tokens += chunk
+            positions += range(len(seq.tokens), len(seq.tokens) + len(chunk))
+            seqs += [s] * len(chunk)
+            seq.tokens += chunk
+            r.feed = r.feed[len(chunk):]
+            if not r.feed:
+                ready.append((len(tokens) - 1, s))
+        if not tokens:
+            return []
+        logits = self._forward(tokens, positions, seqs, [row for row, _ in ready])
+        picked = self._sample([self.sequences[s].job for _, s in ready], logits)
+        return [self._emit(self.sequences[s], token) for (_, s), token in zip(ready, picked)]
+
+    def _forward(self, tokens: list[int], positions: list[int], seqs: list[int], rows: list[int]) -> torch.Tensor:
+        """One pass -> the logits (R, V) of `rows`: a decode step (a CUDA graph where it can) or a prompt chunk
+        when the step holds one sequence, forward_batch when it mixes several."""
+        if len(set(seqs)) == 1:
+            if len(tokens) == 1:
+                return self.model.decode(tokens[0], positions[0], seqs[0])[None]
+            return self.model.forward(torch.tensor(tokens), positions[0], seqs[0], last_only=True)[:len(rows)]
+        outputs = torch.tensor(rows or [len(tokens) - 1])  # no row gives a token: one cheap row, unread
+        return self.model.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs),
+                                        outputs)[:len(rows)]
 
     def _admit(self) -> None:
         """Give each waiting job, in order, the free sequence sharing the longest prefix with its prompt (the least

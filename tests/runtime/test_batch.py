@@ -55,3 +55,22 @@ def test_unknown_sequences_are_refused(synth_model):
         model.forward(torch.tensor([1, 2]), 0, seq=2)
     with pytest.raises(MoeprepError, match="does not exist"):
         model.forward_batch(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, -1]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_a_prompt_chunk_rides_with_decode_tokens_and_only_chosen_rows_get_logits(synth_model, arch):
+    """One forward_batch holding a decode token of sequence 0 and a prompt chunk of sequence 1, asking for the
+    logits of two rows only, gives those rows' logits as each sequence alone does (forward with last_only too)."""
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
+    alone, batched = moerun.load_model(path), moerun.load_model(path, n_seq=2)
+    first, second = (alone.tokenizer.encode(p) for p in PROMPTS[:2])
+    expected_first = alone.forward(torch.tensor(first + [17]))[-1]
+    expected_second = alone.forward(torch.tensor(second))[-1]
+    torch.testing.assert_close(alone.forward(torch.tensor(second), 0, last_only=True), expected_second[None])
+    batched.forward(torch.tensor(first), 0, seq=0)
+    tokens = torch.tensor([17] + second)
+    positions = torch.tensor([len(first)] + list(range(len(second))))
+    seqs = torch.tensor([0] + [1] * len(second))
+    logits = batched.forward_batch(tokens, positions, seqs, outputs=torch.tensor([0, len(second)]))
+    assert logits.shape == (2, alone.args.n_vocab)
+    torch.testing.assert_close(logits, torch.stack([expected_first, expected_second]), rtol=1e-4, atol=1e-4)

@@ -436,3 +436,50 @@ def test_scheduler_queue_limit_and_cancel(chat_model):
     assert {o.job for o in outputs} == {waiting} and sched.counts()["running"] == 1
     sched.cancel(waiting)
     assert not sched.busy
+
+
+def test_a_long_prompt_prefills_in_chunks_while_a_stream_keeps_decoding(chat_model, alone):
+    """A job streams; a second job with a prompt of several chunks joins. Until the second job's first token, every
+    step is one pass through the model holding the stream's next token and one prompt chunk, and gives the stream a
+    token; both answers equal their answers alone."""
+    model = moerun.load_model(chat_model, n_ctx=N_CTX, n_seq=2)
+    passes: list[tuple[str, list[int]]] = []  # (method, the sequence of each token) of every pass through the model
+    for name in ("forward", "forward_batch", "decode"):
+        def record(*args, _name=name, _method=getattr(model, name), **kwargs):
+            seqs = (args[2].tolist() if _name == "forward_batch" else
+                    [kwargs.get("seq", args[2] if len(args) > 2 else 0)] * (1 if _name == "decode" else len(args[0])))
+            passes.append((_name, seqs))
+            return _method(*args, **kwargs)
+        setattr(model, name, record)
+    chunk = 16
+    sched = Scheduler(model, prefill_chunk=chunk)
+    stream_ids = alone.model.tokenizer.encode(PROMPTS[1])
+    long_ids = alone.model.tokenizer.encode(" ".join(PROMPTS[2:9]))
+    n_chunks = -(-len(long_ids) // chunk)
+    assert n_chunks >= 3
+    expected = {"stream": alone(stream_ids, 24), "long": alone(long_ids, 8)}
+    assert expected["stream"][1:] == ("length", 24), "the stream must outlast the long prompt's prefill"
+    jobs = {"stream": sched.add(Job(stream_ids, 24))}
+    got: dict[int, list] = {}
+
+    def step() -> set[int]:
+        outputs = sched.step()
+        for o in outputs:
+            got.setdefault(o.job, []).append(o)
+        return {o.job for o in outputs}
+
+    assert step() == {jobs["stream"]} and step() == {jobs["stream"]}  # the stream's prompt, then a decode step
+    jobs["long"] = sched.add(Job(long_ids, 8))
+    passes.clear()
+    during = [step() for _ in range(n_chunks)]
+    assert during[:-1] == [{jobs["stream"]}] * (n_chunks - 1)  # the stream got a token at every prefill step
+    assert during[-1] == {jobs["stream"], jobs["long"]}  # ... and the last chunk gives the long job its first token
+    assert len(passes) == n_chunks  # one pass per step, each with the stream's token and at most one chunk
+    for method, seqs in passes:
+        assert method == "forward_batch" and seqs.count(0) + seqs.count(1) == len(seqs)
+        assert min(seqs.count(0), seqs.count(1)) == 1 and len(seqs) <= chunk + 1, seqs
+    while sched.busy:
+        step()
+    for name, job in jobs.items():
+        outs = got[job]
+        assert ("".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_tokens) == expected[name]
