@@ -13,20 +13,24 @@ import llama_cpp
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType
 
 import moerun
 from moeprep.cli import main
 from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import describe_model
 from moeprep.gguf.dialect import DIALECTS, rename_architecture
-from moeprep.gguf.reader import open_gguf
+from moeprep.gguf.reader import GGUFModel, open_gguf
 from moeprep.gguf.roles import QuantLimit, TensorRole, quant_limit, role_table, tensor_role
+from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, write_gguf
 from moeprep.quant.plan import plan_requant
 from moeprep.synth import synth_config, write_synth_model
 from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
+from moerun.models.glm5_next import KDA_CHUNK, KDA_SUBCHUNK, kda_chunked, kda_recurrent
 from moerun.step import Step
 from moerun.tokenizer import Tokenizer
 from tests.oracle import GGMLTensor, _backend, _ggml_base, llama_quantize
@@ -371,3 +375,118 @@ def test_inspect_shows_the_attention_pattern(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "attention     KDA x7: 0, 1, 2, 4, 5, 6, 8; DSA x3: 3, 7, 9" in result.output
     assert describe_model(open_gguf(write_synth_model(tmp_path / "q.gguf", "qwen3moe"))).geometry.attention == {}
+
+
+# --- KDA ----------------------------------------------------------------------------------------------------------
+
+
+def f32(model: GGUFModel, name: str) -> np.ndarray:
+    t = model.tensor(name)
+    assert t.ggml_type == T.F32, name
+    return np.asarray(model.raw(t)).view(np.float32).reshape(t.shape)
+
+
+def rewrite(src: Path, out: Path, kv: dict[str, KVValue], arrays: dict[str, np.ndarray]) -> Path:
+    """`src` with keys set and some F32 tensors replaced by `arrays`."""
+    model = open_gguf(src)
+    tensors = [OutputTensor(t.name, t.ggml_type, t.shape, lambda a=arrays[t.name]: [a.astype(np.float32).tobytes()])
+               if t.name in arrays else copied_tensor(model, t) for t in model.tensors]
+    write_gguf(out, model, tensors=tensors, kv_set=kv)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 63, 64, 200])
+def test_kda_chunked_equals_token_by_token(n: int) -> None:
+    """Prefill runs the delta rule in chunks: the same outputs and final state as the token-by-token recurrence
+    (computed in float64 here), over several chunk boundaries and a ragged last chunk, from a nonzero state, with
+    gates from barely decaying (g = -1e-4) to wiping the state (g = -8e3, where a float32 running sum of g alone
+    would lose the differences between tokens)."""
+    gen = torch.Generator().manual_seed(n)
+    H, Hd = 3, 16
+    q, k = (F.normalize(torch.randn(n, H, Hd, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(n, H, Hd, generator=gen)
+    g = -torch.exp(3 * torch.randn(n, H, Hd, generator=gen))
+    beta, S = torch.rand(n, H, generator=gen), torch.randn(H, Hd, Hd, generator=gen)
+    want, want_state = kda_recurrent(*(t.double() for t in (q, k, v, g, beta, S)))
+    token_by_token, _ = kda_recurrent(q, k, v, g, beta, S)
+    assert (token_by_token.double() - want).abs().max() <= 1e-5
+    for chunk, sub in ((KDA_CHUNK, KDA_SUBCHUNK), (16, 4), (32, 32)):
+        out, state = kda_chunked(q, k, v, g, beta, S, chunk=chunk, sub=sub)
+        assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max(), (chunk, sub)
+        assert (state.double() - want_state).abs().max() <= 1e-5 * want_state.abs().max(), (chunk, sub)
+
+
+LOWER_BOUND = -5.0
+
+
+def kda_layer_f64(g: GGUFModel, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A KDA attention layer from position 0 in float64, written from llama.cpp's graph (src/models/glm5-next.cpp):
+    -> (its output (T, D), the decay gate (T, H, Hd))."""
+    arch = g.arch
+    w = lambda name: f32(g, f"blk.{layer}.{name}").astype(np.float64)  # noqa: E731
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    H, Hd = int(g.get(f"{arch}.attention.head_count")), int(g.get(f"{arch}.kda.head_dim"))
+    n, K = len(x), int(g.get(f"{arch}.ssm.conv_kernel"))
+    qkv = []
+    for name in "qkv":
+        proj = x @ w(f"attn_{name}.weight").T  # (T, Di)
+        padded = np.concatenate([np.zeros((K - 1, H * Hd)), proj])
+        taps = w(f"ssm_conv1d_{name}.weight").reshape(H * Hd, K)
+        conv = sum(padded[j:j + n] * taps[:, j] for j in range(K))
+        qkv.append((conv * sigmoid(conv)).reshape(n, H, Hd))
+    q, k, v = qkv
+    q, k = (t / np.sqrt((t * t).sum(-1, keepdims=True) + 1e-6) for t in (q, k))
+    f = ((x @ w("ssm_f_a.weight").T) @ w("ssm_f_b.weight").T + w("ssm_dt.bias")).reshape(n, H, Hd)
+    gate = LOWER_BOUND * sigmoid(-f * w("ssm_a")[:, None])
+    beta = sigmoid(x @ w("ssm_beta.weight").T)
+    S, out = np.zeros((H, Hd, Hd)), np.zeros((n, H, Hd))
+    for t in range(n):
+        S = S * np.exp(gate[t])[:, :, None]
+        S = S + k[t][:, :, None] * (beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", S, k[t])))[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", S, q[t]) / np.sqrt(Hd)
+    eps = float(g.get(f"{arch}.attention.layer_norm_rms_epsilon"))
+    normed = out / np.sqrt((out * out).mean(-1, keepdims=True) + eps) * w("ssm_norm.weight")
+    out_gate = sigmoid((x @ w("ssm_g_a.weight").T) @ w("ssm_g_b.weight").T).reshape(n, H, Hd)
+    return (normed * out_gate).reshape(n, H * Hd) @ w("attn_output.weight").T, gate
+
+
+def test_kda_gate_lower_bound(calibration_tokens: list[int], tmp_path: Path) -> None:
+    """With kda.gate_lower_bound set, the decay gate is lower_bound * sigmoid(-(f ssm_a)), in (lower_bound, 0):
+    ssm_dt.bias raised by 60 on every other channel puts those channels on the bound (a decay of exp(-5) per
+    token). A KDA layer then matches a float64 computation of the layer, in one 150-token prefill (chunked) and
+    token by token; and the model matches llama.cpp, which without the key computes other logits."""
+    src = write_synth_model(tmp_path / "g.gguf", "glm5-next", expert_type="F32", attn_type="F32")
+    plain = open_gguf(src)
+    c = synth_config("glm5-next")
+    raised = {}
+    for il in range(c.n_layer):
+        if not is_dsa(c, il):
+            bias = f32(plain, f"blk.{il}.ssm_dt.bias").copy()
+            bias[::2] += 60
+            raised[f"blk.{il}.ssm_dt.bias"] = bias
+    bounded = rewrite(src, tmp_path / "bounded.gguf",
+                      {"glm5-next.kda.gate_lower_bound": KVValue(LOWER_BOUND, GGUFValueType.FLOAT32)}, raised)
+    unbounded = rewrite(src, tmp_path / "unbounded.gguf", {}, raised)
+    g = open_gguf(bounded)
+    model = moerun.load_model(bounded)
+    attn = model.net.blocks[0].attn
+    assert attn.lower_bound == LOWER_BOUND
+
+    n = 150
+    x = np.random.default_rng(0).standard_normal((n, c.n_embd)).astype(np.float32)
+    want, gate = kda_layer_f64(g, 0, x.astype(np.float64))
+    on_bound = np.abs(gate / LOWER_BOUND - 1) < 1e-6
+    assert on_bound.mean() > 0.3 and (gate / LOWER_BOUND < 0.9).mean() > 0.3  # both regimes present
+    with torch.inference_mode():
+        prefill = attn(torch.from_numpy(x), Step(torch.arange(n), n_slots=n)).numpy()
+        steps = np.concatenate([attn(torch.from_numpy(x[t:t + 1]), Step(torch.tensor([t]), n_slots=t + 1)).numpy()
+                                for t in range(n)])
+    scale = np.abs(want).max()
+    assert np.abs(prefill - want).max() <= 1e-5 * scale and np.abs(steps - want).max() <= 1e-5 * scale
+
+    tokens = calibration_tokens[:n]
+    ref = llama_run(bounded, tokens).logits
+    ours = model.forward(torch.tensor(tokens)).numpy()
+    error = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert error <= 1e-3
+    assert np.abs(llama_run(unbounded, tokens).logits - ref).max() / np.abs(ref).max() > 100 * error
