@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Top-k choices compare these codes (config.GATING_*): 0 softmax over all logits, 1 sigmoid, 2 softmax over the
-# chosen logits only (gpt-oss).
-_SOFTMAX, _SIGMOID, _SOFTMAX_WEIGHT = 0, 1, 2
+from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
+
 # KV slots per program of attend_decode; query tokens it takes (more go to the torch reference, which is a batched
 # matmul over all of them); largest head size its tiles hold.
 ATTEND_SLOTS = 64
@@ -279,7 +278,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, scale,
-                  GATING: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr, K: tl.constexpr,
+                  SOFTMAX: tl.constexpr, SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, BE: tl.constexpr):
     """Token t: the K largest logits (equal ones: the lowest expert id first), in descending order, and their
     weights: softmax over all E logits, sigmoid, or softmax over the K chosen; then optionally / their sum and * scale.
@@ -291,12 +290,12 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, scale,
     e = tl.arange(0, BE)
     ok = e < E
     x = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf"))
-    if GATING == 0:
+    if SOFTMAX:
         ex = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
         probs = ex / tl.sum(ex, axis=0)
-    elif GATING == 1:
+    elif SIGMOID:
         probs = 1.0 / (1.0 + tl.exp(-x))
-    else:
+    else:  # softmax over the chosen logits, below
         probs = x
     kk = tl.arange(0, KP)
     ids = tl.zeros((KP,), tl.int32)
@@ -309,7 +308,7 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, scale,
         chosen = tl.where(kk == i, tl.sum(tl.where(e == pick, probs, 0.0), axis=0), chosen)
         free = free & (e != pick)
     k_ok = kk < K
-    if GATING == 2:
+    if not SOFTMAX and not SIGMOID:
         ex = tl.where(k_ok, tl.exp(chosen - tl.max(tl.where(k_ok, chosen, float("-inf")), axis=0)), 0.0)
         chosen = ex / tl.sum(ex, axis=0)
     if NORMALIZE:
@@ -329,7 +328,8 @@ def route(logits: torch.Tensor, k: int, gating: int, normalize: bool, scale: flo
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, ids, weights, E, scale, GATING=gating, NORMALIZE=normalize,
+        _route_kernel[(T,)](logits, ids, weights, E, scale, SOFTMAX=gating == GATING_SOFTMAX,
+                            SIGMOID=gating == GATING_SIGMOID, NORMALIZE=normalize,
                             SCALE=scale not in (0.0, 1.0), K=k, KP=triton.next_power_of_2(k),
                             BE=triton.next_power_of_2(E))
     return ids, weights

@@ -1,0 +1,231 @@
+"""moerun.kernels.fused against the torch reference of moerun.layers (the CPU path), on random inputs.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the shapes are
+tiny; with CUDA the same tests run compiled: `python -m pytest --noconftest tests/runtime/test_fused.py`.
+The fused kernels reorder float32 sums (a norm's mean, a softmax's denominator, attention over split slots), so
+values are compared within a few float32 roundings of the result's magnitude; expert choices and ids exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moeprep.gguf.reader import open_gguf
+from moerun import layers
+from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
+from moerun.kernels import fused
+from moerun.models import arch_module
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RTOL = 2e-6  # float32 values through a different summation order: a few roundings of the largest magnitude
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, rtol: float = RTOL) -> None:
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert got.shape == ref.shape, (tuple(got.shape), tuple(ref.shape))
+    scale = ref.abs().max().item()
+    assert scale > 0, "reference is all zeros"
+    err = (got - ref).abs().max().item()
+    assert err <= rtol * scale * 4, f"max error {err:.3g} against max |ref| {scale:.3g}"
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("shape", [(3, 40), (2, 3, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(shape, dtype, gen):
+    x, w = randn(*shape, gen=gen, dtype=dtype) * 3, randn(shape[-1], gen=gen)
+    close(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6))
+
+
+def test_rms_norm_of_a_column_slice(gen):
+    """deepseek2 norms a slice of a projection's columns (rows strided)."""
+    kv = randn(3, 56, gen=gen)
+    w = randn(40, gen=gen)
+    close(fused.rms_norm(kv[:, :40], w, 1e-5), layers.rms_norm(kv[:, :40], w, 1e-5))
+
+
+def test_add_rms_norm(gen):
+    x, delta, w = randn(2, 48, gen=gen), randn(2, 48, gen=gen), randn(48, gen=gen)
+    h, normed = fused.add_rms_norm(x, delta, w, 1e-6)
+    h_ref, normed_ref = layers.add_rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(h, h_ref)
+    close(normed, normed_ref)
+
+
+# ---------------------------------------------------------------------------------------------------- norm + rope
+
+
+@pytest.fixture(scope="module")
+def qwen3_args(tmp_path_factory):
+    from moeprep.synth import write_synth_model
+
+    path = write_synth_model(tmp_path_factory.mktemp("fused") / "qwen3moe.gguf", "qwen3moe")
+    return arch_module("qwen3moe", path).read_args(open_gguf(path))
+
+
+@pytest.mark.parametrize("style,rope_dim,norm", [("neox", 16, True), ("normal", 16, True), ("neox", 8, False),
+                                                 ("normal", 12, False)])
+def test_qkv_rope(qwen3_args, style, rope_dim, norm, gen):
+    """Per-head Q/K norm then RoPE (NeoX halves or adjacent pairs, over all or the first channels of a head), and
+    k, v cast to the cache dtype, against layers.norm_rope followed by the cache's cast."""
+    args = dataclasses.replace(qwen3_args, rope_style=style, rope_dim=rope_dim)
+    rope = layers.Rope(args, 64, torch.device(DEVICE))
+    T, H, G, Dh, Dv = 3, 4, 2, 16, 24
+    q, k, v = randn(T, H, Dh, gen=gen), randn(T, G, Dh, gen=gen), randn(T, G, Dv, gen=gen)
+    q_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6) if norm else None
+    k_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6) if norm else None
+    positions = torch.tensor([5, 17, 63], device=DEVICE)
+    got = fused.qkv_rope(q, k, v, q_norm.weight if norm else None, k_norm.weight if norm else None, 1e-6, rope.cos,
+                         rope.sin, positions, style == "neox", torch.bfloat16)
+    q_ref, k_ref, v_ref = layers.norm_rope(q, k, v, q_norm, k_norm, rope, positions, torch.bfloat16)
+    close(got[0], q_ref)
+    assert got[1].dtype == got[2].dtype == torch.bfloat16
+    # k: the same float32 value up to rounding, then rounded to bfloat16: one bfloat16 step apart at most; v is
+    # only rounded (Triton's interpreter truncates to bfloat16 where the GPU rounds to nearest: one step too)
+    close(got[1], k_ref, rtol=2 ** -8)
+    if DEVICE == "cuda":
+        assert torch.equal(got[2], v_ref.to(torch.bfloat16))
+    else:
+        close(got[2], v_ref, rtol=2 ** -8)
+
+
+def test_fused_norm_rope_falls_back_for_whole_projection_norms(qwen3_args, gen):
+    """olmoe's Q/K norms span all heads: the fused dispatch hands those to the torch reference."""
+    rope = layers.Rope(qwen3_args, 16, torch.device(DEVICE))
+    T, H, G, Dh = 2, 4, 2, 16
+    q, k, v = randn(T, H, Dh, gen=gen), randn(T, G, Dh, gen=gen), randn(T, G, Dh, gen=gen)
+    q_norm, k_norm = layers.RMSNorm(randn(H * Dh, gen=gen), 1e-6), layers.RMSNorm(randn(G * Dh, gen=gen), 1e-6)
+    positions = torch.tensor([1, 2], device=DEVICE)
+    got = layers.fused_kernels().norm_rope(q, k, v, q_norm, k_norm, rope, positions, torch.bfloat16)
+    ref = layers.norm_rope(q, k, v, q_norm, k_norm, rope, positions, torch.bfloat16)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------------ attention
+
+
+@pytest.mark.parametrize("T,H,G,D,S,window,sinks", [(1, 8, 2, 32, 100, 0, False), (3, 4, 4, 16, 70, 0, True),
+                                                    (2, 8, 1, 64, 130, 24, False)])
+def test_attend_decode(T, H, G, D, S, window, sinks, gen):
+    """Queries at the last T positions of S slots (several split chunks, the last partial), a bfloat16 cache read
+    as a prefix of a longer buffer, GQA groups of 4, 1 and 8, a sliding window, attention sinks."""
+    cache_k, cache_v = randn(S + 30, G, D, gen=gen, dtype=torch.bfloat16), randn(S + 30, G, D, gen=gen,
+                                                                               dtype=torch.bfloat16)
+    k, v = cache_k[:S], cache_v[:S]
+    q = randn(T, H, D, gen=gen)
+    positions = torch.arange(S - T - 5, S - 5, device=DEVICE)  # the slots past the positions stay masked
+    slots = torch.arange(S, device=DEVICE)[None, :]
+    allowed = slots <= positions[:, None]
+    if window:
+        allowed &= slots > positions[:, None] - window
+    sink = randn(H, gen=gen) if sinks else None
+    assert fused.attend_supports(q, k, v)
+    got = fused.attend_decode(q, k, v, allowed, 0.3, sink)
+    close(got, layers.attend(q, k, v, allowed, 0.3, sink))
+
+
+def test_attend_hands_prefill_and_batches_to_torch(gen):
+    q, k = randn(9, 4, 16, gen=gen), randn(20, 2, 16, gen=gen)
+    assert not fused.attend_supports(q, k, k)
+    assert not fused.attend_supports(q[:2], k[None].expand(2, -1, -1, -1), k[None].expand(2, -1, -1, -1))
+
+
+# --------------------------------------------------------------------------------------------------------- router
+
+
+def router(args, gating: int, normalize: bool, scale: float, k: int) -> layers.Router:
+    args = dataclasses.replace(args, gating=gating, expert_weights_norm=normalize, expert_weights_scale=scale,
+                               n_experts_used=k)
+    return layers.Router(layers.Linear(torch.zeros(1, 1), None, "gate", None), args)
+
+
+@pytest.mark.parametrize("gating,normalize,scale", [(GATING_SOFTMAX, True, 0.0), (GATING_SOFTMAX, False, 2.5),
+                                                    (GATING_SIGMOID, True, 1.0),
+                                                    (GATING_SOFTMAX_WEIGHT, False, 0.0)])
+def test_route(qwen3_args, gating, normalize, scale, gen):
+    E, K = 48, 6
+    logits = randn(5, E, gen=gen) * 2
+    ref = router(qwen3_args, gating, normalize, scale, K).choose_general(logits)
+    ids, weights = fused.route(logits, K, gating, normalize, scale)
+    assert torch.equal(ids, ref[0]), (ids, ref[0])
+    close(weights, ref[1])
+
+
+def lowest_index_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk's choice on CUDA: all values above the k-th largest, then the lowest ids among those equal to it
+    (its gather pass walks the ids in order), here in descending order, equal values by id."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def test_route_ties_go_to_the_lowest_id(qwen3_args, gen):
+    """Logits from a few distinct values: many experts tie at the k-th place. The choice is torch.topk's on CUDA
+    (compared directly when the test runs on a GPU; on the CPU torch.topk breaks ties another way)."""
+    E, K = 128, 8
+    logits = (torch.randint(0, 4, (6, E), generator=gen).float() * 0.5).to(DEVICE)
+    logits[0] = 1.0  # all tied
+    for gating in (GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT):
+        ids, weights = fused.route(logits, K, gating, True, 0.0)
+        assert torch.equal(ids, lowest_index_topk(logits, K))
+        probs = layers.GATING_PROBS[gating](logits)
+        assert torch.equal(ids, lowest_index_topk(probs, K))
+        if DEVICE == "cuda":
+            assert torch.equal(ids.sort(-1).values, torch.topk(probs, K, dim=-1).indices.sort(-1).values)
+        ref = router(qwen3_args, gating, True, 0.0, K)
+        ref.choose = ref.choose_general
+        chosen = probs.gather(-1, ids)
+        ref_weights = torch.softmax(chosen, -1) if gating == GATING_SOFTMAX_WEIGHT else chosen
+        close(weights, ref_weights / ref_weights.sum(-1, keepdim=True))
+
+
+# --------------------------------------------------------------------------------------------------- feed-forward
+
+
+def test_swiglu(gen):
+    gate, up = randn(3, 4, 40, gen=gen) * 4, randn(3, 4, 40, gen=gen)
+    close(fused.swiglu(gate, up), layers.swiglu(gate, up))
+
+
+def test_moe_combine(gen):
+    T, K, D = 3, 4, 1100  # two column tiles, the second partial
+    y, weights = randn(T, K, D, gen=gen), randn(T, K, gen=gen).abs()
+    slots = torch.tensor([[0, 5, -1, 2], [1, 1, 3, 4], [-1, -1, 7, 0]], dtype=torch.int32, device=DEVICE)
+    ref = torch.einsum("tkd,tk->td", y.double(), torch.where(slots >= 0, weights, 0.0).double())
+    close(fused.moe_combine(y, weights, slots), ref)
+
+
+# --------------------------------------------------------------------------------------------------- whole model
+
+
+def test_model_with_fused_kernels(synth_model, monkeypatch):
+    """A qwen3moe prefill and decode steps with every layer on the fused kernels (as on CUDA) against the torch
+    path, both in float32 on the CPU: the logits agree within float32 summation-order noise. F32 weights, whose
+    inputs are not rounded to 8-bit blocks (that rounding would turn a last-bit difference into a quantization
+    step now and then)."""
+    import moerun
+
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    tokens = torch.tensor([3, 17, 99, 5, 250, 1000, 42, 7, 8, 9, 10, 11])
+    reference = moerun.load_model(path, device=DEVICE, dtype=torch.float32)
+    monkeypatch.setattr(layers, "kernels_for", lambda device: layers.fused_kernels())
+    model = moerun.load_model(path, device=DEVICE, dtype=torch.float32)
+    assert model.net.blocks[0].attn.kernels is layers.fused_kernels()
+    for m in (reference, model):
+        m.logits = [m.forward(tokens, 0)[-1]] + [m.forward(torch.tensor([t]), len(tokens) + i)[0]
+                                                  for i, t in enumerate([20, 21])]
+    for got, ref in zip(model.logits, reference.logits):
+        close(got, ref, rtol=1e-5)
