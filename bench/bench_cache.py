@@ -1,58 +1,79 @@
-"""moerun with the expert cache at a VRAM budget: prefill and decode tok/s, hit rate, uploads per token.
+"""moerun with the expert cache at a VRAM budget, next to the same model all resident: `moerun bench`'s tests
+(runtime/bench.py) for each setting in one process, so the numbers share a machine state.
 
-    python bench/bench_cache.py MODEL --budget 8G [--prompt 512] [--gen 64] [--profile P.moeprof] [--json OUT]
+    python bench/bench_cache.py MODEL --budget 8G [-p 512] [-n 128] -f TEXT [--warm-text TEXT] [--json OUT]
 
-Decode is teacher-forced over seeded random tokens (a synthetic model's routing is what its weights make of them).
+Settings: `resident` (every expert on the GPU), `cold` (the cache at the budget, starting empty), `warm` (the cache
+warmed by expert counts, as `--expert-profile` warms it; the counts are taken here over --warm-text with a routing
+hook on the resident model, which is what `moeprep profile` records, so the GPU machine needs no profile file), and
+`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import moerun
 from moeprep.units import parse_size
+from moerun.bench import format_result, run_bench
 from moerun.cache.expert_cache import CacheConfig, describe_cache
+
+
+def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -> np.ndarray:
+    """[L, E] how often each layer selected each expert over the text."""
+    counts = np.zeros((model.args.n_layers, model.args.n_experts), np.int64)
+
+    def count(event) -> None:
+        np.add.at(counts[event.layer], event.expert_ids.reshape(-1).cpu().numpy(), 1)
+
+    handle = model.add_routing_hook(count)
+    tokens = model.tokenizer.encode(text)[:max_tokens]
+    for start in range(0, len(tokens) - chunk + 1, chunk):
+        model.forward(torch.tensor(tokens[start : start + chunk]), 0, last_only=True)
+    handle.remove()
+    return counts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--budget", required=True)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--profile")
+    ap.add_argument("-p", "--prompt", type=int, default=512)
+    ap.add_argument("-n", "--gen", type=int, default=128)
+    ap.add_argument("-f", "--text", required=True, help="Text to teacher-force prefill and decode over.")
+    ap.add_argument("--warm-text", help="Text to count expert use over for the warm start (default: none).")
+    ap.add_argument("--threads", type=int)
     ap.add_argument("--json")
     args = ap.parse_args()
-    config = CacheConfig(budgets=[parse_size(args.budget)], profile=args.profile)
-    model = moerun.load_model(args.model, device="cuda", n_ctx=args.prompt + args.gen + 8, cache=config)
-    print(describe_cache(model.expert_cache))
-    tokens = torch.randint(1, model.args.n_vocab, (args.prompt + args.gen,), generator=torch.Generator().manual_seed(0))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.forward(tokens[: args.prompt], 0)
-    torch.cuda.synchronize()
-    prefill_s = time.perf_counter() - start
-    stats = model.expert_cache.stats
-    prefill_hits = stats.hit_rate
-    model.expert_cache.reset_stats()
-    start = time.perf_counter()
-    for i in range(args.gen):
-        model.decode(int(tokens[args.prompt + i]), args.prompt + i)
-    torch.cuda.synchronize()
-    decode_s = time.perf_counter() - start
-    stats = model.expert_cache.stats
-    result = {"prefill_tok_s": args.prompt / prefill_s, "decode_tok_s": args.gen / decode_s,
-              "prefill_hit_rate": prefill_hits, "decode_hit_rate": stats.hit_rate,
-              "uploads_per_token": stats.uploads / args.gen, "share_cached": model.expert_cache.placement.share,
-              "vram_gib": torch.cuda.max_memory_allocated() / 2**30}
-    print(json.dumps(result, indent=2))
+    text = Path(args.text).read_text(encoding="utf-8", errors="replace")
+    n_ctx = args.prompt + args.gen + 8
+    results = {}
+    resident = moerun.load_model(args.model, device="cuda", n_ctx=max(n_ctx, 520))
+    usage = expert_counts(resident, Path(args.warm_text).read_text(errors="replace")) if args.warm_text else None
+    result = run_bench(resident, args.prompt, args.gen, text)
+    print("== resident\n" + format_result(result), flush=True)
+    results["resident"] = result.as_dict()
+    del resident
+    torch.cuda.empty_cache()
+    settings = [("cold", None, args.prompt, args.gen)]
+    if usage is not None:
+        settings += [("warm", usage, args.prompt, args.gen), ("warm-64", usage, 0, 64), ("cold-64", None, 0, 64)]
+    for name, counts, n_prompt, n_gen in settings:
+        config = CacheConfig(budgets=[parse_size(args.budget)], usage=counts, cpu_threads=args.threads)
+        model = moerun.load_model(args.model, device="cuda", n_ctx=n_ctx, cache=config)
+        print(f"== {name}\n{describe_cache(model.expert_cache)}", flush=True)
+        result = run_bench(model, n_prompt, n_gen, text)
+        print(format_result(result), flush=True)
+        results[name] = {**result.as_dict(), "share_cached": model.expert_cache.placement.share}
+        del model
+        torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
     moerun -m MODEL -p PROMPT -n N [-c CTX] [--device cpu|cuda] [--temp T] [--top-p P] [--seed S] [-t THREADS]
     moerun perplexity -m MODEL -f TEXT [-c 512] [-t THREADS]
+    moerun bench -m MODEL [-p 512] [-n 128] [-f TEXT] [--device cuda] [--vram-budget 24G] [--expert-profile P]
     moerun serve -m MODEL [--host 127.0.0.1] [--port 8080] [--api-key KEY] [-c CTX] [-np N] [--device ...]
+
+Every command that loads a model to generate with takes the same model options (`model_options`), the expert
+cache's among them: `--vram-budget 24G[,24G]`, `--cache-slots auto|N`, `--expert-profile P.moeprof`,
+`--cache-policy`.
 
 Generation is the default command (`moerun run ...` names it). MoeprepError becomes one line on stderr and exit
 code 2; set MOEPREP_DEBUG=1 for the traceback.
@@ -13,12 +18,13 @@ from __future__ import annotations
 import codecs
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import click
 
 from moeprep.cli_groups import DefaultCommandGroup, UserErrorGroup
 from moeprep.errors import MoeprepError
+from moeprep.profile.policy import DEFAULT_POLICY, POLICIES
 
 
 class MoerunGroup(DefaultCommandGroup, UserErrorGroup):
@@ -53,6 +59,21 @@ def open_model_file(model_path: str):
     return g
 
 
+vram_budget_option = click.option(
+    "--vram-budget", help="Turn on the expert cache: bytes each GPU may use, e.g. 24G or 24G,24G for two GPUs "
+    "(emulates a smaller card on a big one). Default with --device cuda: the cache turns on by itself when the "
+    "model does not fit, and fills the free VRAM.")
+cache_slots_option = click.option(
+    "--cache-slots", default="auto", show_default=True,
+    help="Expert-cache slots per MoE layer: auto (the budget decides, hot layers get more) or a number for every layer.")
+expert_profile_option = click.option(
+    "--expert-profile", type=click.Path(), help="A profile of this model (moeprep profile): warms the expert cache "
+    "with its hottest experts before the first token and splits the slots by its counts.")
+cache_policy_option = click.option(
+    "--cache-policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, show_default=True,
+    help="Which missed experts the cache uploads, and which residents they evict.")
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """The options of every command that loads a model to generate with, as `model_options` collects them."""
@@ -61,16 +82,63 @@ class ModelOptions:
     ctx_size: int | None
     device: str
     threads: int | None
+    vram_budget: str | None = None
+    cache_slots: str = "auto"
+    expert_profile: str | None = None
+    cache_policy: str = DEFAULT_POLICY
+
+    def cache_config(self, g):
+        """The expert cache's configuration, or None for every expert on the device: the cache is on when a cache
+        option asks for it, or on CUDA when the model does not fit the free VRAM."""
+        from moerun.cache.expert_cache import CacheConfig, fits_device
+
+        slots = None if self.cache_slots == "auto" else _slot_count(self.cache_slots)
+        asked = self.vram_budget is not None or slots is not None or self.expert_profile is not None
+        if not asked and (self.device == "cpu" or fits_device(g, self.device)):
+            return None
+        if self.device == "cpu" and self.vram_budget is None:
+            raise MoeprepError("the expert cache with --device cpu needs --vram-budget (the CPU stands in for the GPU)")
+        budgets = None if self.vram_budget is None else parse_budgets(self.vram_budget)
+        return CacheConfig(budgets=budgets, slots_per_layer=slots, profile=self.expert_profile,
+                           policy=self.cache_policy, cpu_threads=self.threads)
 
     def load(self, n_seq: int = 1):
         import moerun
+        from moerun.cache.expert_cache import describe_cache
 
         g = open_model_file(self.model_path)
         set_threads(self.threads)
-        return moerun.load_model(g, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq)
+        model = moerun.load_model(g, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq,
+                                  cache=self.cache_config(g))
+        if model.expert_cache is not None:
+            click.echo(describe_cache(model.expert_cache), err=True)
+        return model
 
 
-MODEL_OPTIONS = (model_option, ctx_option, device_option, threads_option)
+def _slot_count(text: str) -> int:
+    try:
+        slots = int(text)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise MoeprepError(f"--cache-slots {text!r}: give auto or a number of slots per layer (at least 1)")
+    return slots
+
+
+def parse_budgets(text: str) -> list[int]:
+    from moerun.cache.placement import parse_budgets as parse
+
+    try:
+        budgets = parse(text)
+    except MoeprepError as e:
+        raise MoeprepError(f"--vram-budget: {e}") from e
+    if any(b <= 0 for b in budgets):
+        raise MoeprepError(f"--vram-budget {text!r}: every GPU's budget must be more than 0")
+    return budgets
+
+
+MODEL_OPTIONS = (model_option, ctx_option, device_option, threads_option, vram_budget_option, cache_slots_option,
+                 expert_profile_option, cache_policy_option)
 
 
 def model_options(command):
@@ -78,8 +146,11 @@ def model_options(command):
     `model_opts`, so an option added here reaches every command without touching their signatures."""
 
     @functools.wraps(command)
-    def with_model_options(*args, model_path, ctx_size, device, threads, **kwargs):
-        return command(*args, model_opts=ModelOptions(model_path, ctx_size, device, threads), **kwargs)
+    def with_model_options(*args, model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
+                           cache_policy, **kwargs):
+        options = ModelOptions(model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
+                               cache_policy)
+        return command(*args, model_opts=options, **kwargs)
 
     for option in reversed(MODEL_OPTIONS):
         with_model_options = option(with_model_options)
@@ -88,7 +159,8 @@ def model_options(command):
 
 @click.group(cls=MoerunGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Run a GGUF Mixture-of-Experts model: generate text (default), measure perplexity, or serve the OpenAI API."""
+    """Run a GGUF Mixture-of-Experts model: generate text (default), benchmark it, measure perplexity, or serve the
+    OpenAI API."""
 
 
 @main.command()
@@ -124,6 +196,40 @@ def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_
 
 
 @main.command()
+@model_options
+@click.option("-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(min=0), help="Prefill test: prompt tokens.")
+@click.option("-n", "--n-gen", default=128, show_default=True, type=click.IntRange(min=0), help="Decode test: tokens.")
+@click.option("-f", "--file", "text_file", type=click.Path(),
+              help="Teacher-force prefill and decode over this text's tokens (routing of real text); default: "
+              "seeded random tokens.")
+@click.option("--json", "json_path", type=click.Path(), help="Also write the results as JSON here.")
+def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | None, json_path: str | None) -> None:
+    """llama-bench's prefill (pp) and decode (tg) tests; with the expert cache also its hit rate, uploads per token
+    and where a decode step's time goes."""
+    import json
+
+    from moerun.bench import format_result, run_bench
+
+    if n_prompt + n_gen == 0:
+        raise MoeprepError("-p and -n are both 0: nothing to measure")
+    text = read_text(text_file) if text_file else None
+    model = replace(model_opts, ctx_size=model_opts.ctx_size or n_prompt + n_gen).load()
+    result = run_bench(model, n_prompt, n_gen, text)
+    click.echo(format_result(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result.as_dict(), f, indent=1)
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as e:
+        raise MoeprepError(f"{path}: cannot read ({e.strerror})") from e
+
+
+@main.command()
 @model_option
 @click.option("-f", "--file", "text_file", required=True, type=click.Path(), help="Text file to score.")
 @click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Chunk size in tokens.")
@@ -136,11 +242,7 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, thre
     g = open_model_file(model_path)
     set_threads(threads)
     model = moerun.load_model(g, device=device, n_ctx=ctx_size)
-    try:
-        with open(text_file, encoding="utf-8", errors="replace") as f:
-            tokens = model.tokenizer.encode(f.read())
-    except OSError as e:
-        raise MoeprepError(f"{text_file}: cannot read ({e.strerror})") from e
+    tokens = model.tokenizer.encode(read_text(text_file))
     start = time.perf_counter()
     ppl = moerun.perplexity(model, tokens, ctx_size)
     n_chunks = len(tokens) // ctx_size

@@ -7,10 +7,18 @@ A captured step must have fixed shapes and no host syncs: the token and position
 see step.Step), and the expert work runs on device-resident GGUF bytes. Buckets are powers of two, so a step
 reads at most twice the slots it needs and a context of 4096 needs at most five captures per sequence.
 
+With the expert cache the host must act inside the step: each cached layer's routing goes to the host, which
+looks the experts up, sends the slot table, and computes the misses on the CPU while the GPU runs the hits. So the
+step is captured as a `Program`: graphs with host work between them. A layer asks for the cut where its host work
+goes (`active_capture().cut(work)`); a model without the cache is one graph. The graphs share one memory pool and
+always replay in the order they were captured, so a tensor one graph writes is where the next one reads it.
+
 What a graph cannot capture is listed by `graph_blockers`; the caller then runs the step eagerly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -38,8 +46,6 @@ def graph_blockers(model) -> list[str]:
         reasons.append("hooks are registered (they run Python inside the step)")
     if model.net.layout.spans_devices:
         reasons.append("the model spans several GPUs (a graph is captured on one)")
-    if model.expert_cache is not None:
-        reasons.append("the expert cache reads each layer's routing on the host (the CPU computes the misses)")
     reasons += [f"{name} is dequantized on the host" for name in host_expert_tensors(model.net)]
     return reasons
 
@@ -48,6 +54,54 @@ def host_expert_tensors(net: torch.nn.Module) -> list[str]:
     """Expert tensors whose type has no device dequantizer (their bytes go through the host every step)."""
     return [t.name for m in net.modules() if isinstance(m, GGUFExperts)
             for t in (m.gate, m.up, m.down) if not t.on_device]
+
+
+class Program:
+    """A captured step: CUDA graphs and the host work between them, replayed in order."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.cuda.CUDAGraph | Callable[[], None]] = []
+
+    def replay(self) -> None:
+        for part in self.parts:
+            part.replay() if isinstance(part, torch.cuda.CUDAGraph) else part()
+
+
+class Capture:
+    """Records a Program: the graph being captured ends at each `cut`, the host work is appended, a new graph
+    begins. Use as a context manager on a side stream (CUDA cannot capture the default stream)."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.program, self.graph = pool, Program(), None
+
+    def __enter__(self) -> Capture:
+        global _active
+        _active = self
+        self._begin()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        _active = None
+        self.graph.capture_end()
+        self.program.parts.append(self.graph)
+
+    def cut(self, host_work: Callable[[], None]) -> None:
+        self.graph.capture_end()
+        self.program.parts += [self.graph, host_work]
+        self._begin()
+
+    def _begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+
+_active: Capture | None = None
+
+
+def active_capture() -> Capture | None:
+    """The Capture recording now, if any: a layer with host work inside the step cuts it there."""
+    return _active
 
 
 class DecodeGraphs:
@@ -64,7 +118,7 @@ class DecodeGraphs:
         self.token = torch.zeros(1, dtype=torch.long, device=model.device)
         self.position = torch.zeros(1, dtype=torch.long, device=model.device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[Program, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def __call__(self, token: int, pos: int, seq: int = 0) -> torch.Tensor:
@@ -73,11 +127,11 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b > pos)
         if (seq, bucket) not in self.graphs:
             self.graphs[seq, bucket] = self._capture(seq, bucket)
-        graph, logits = self.graphs[seq, bucket]
-        graph.replay()
+        program, logits = self.graphs[seq, bucket]
+        program.replay()
         return logits[0].clone()  # the static output is overwritten by the next replay
 
-    def _capture(self, seq: int, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, seq: int, bucket: int) -> tuple[Program, torch.Tensor]:
         def step() -> torch.Tensor:
             return self.model.net(self.token, Step(self.position, n_slots=bucket, seq=seq))
 
@@ -86,7 +140,7 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up: lazy allocations and kernel selection happen outside the capture
             step()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side), Capture(self.pool) as capture:
             logits = step()
-        return graph, logits
+        return capture.program, logits

@@ -16,6 +16,10 @@ Layers, the KV cache and the routers stay on the GPU (runtime/models); only the 
 from __future__ import annotations
 
 import contextlib
+import mmap
+import time
+import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -23,12 +27,13 @@ import torch
 from torch import nn
 
 from moeprep.errors import MoeprepError
-from moeprep.gguf.anatomy import describe_model
+from moeprep.gguf.anatomy import DEFAULT_RESERVE, describe_model
 from moeprep.gguf.reader import GGUFModel
 from moeprep.units import format_size
 from moeprep.profile.export import EXPERT_USAGE_KEY
 from moerun.cache.placement import Placement, place
 from moerun.cache.policy import DEFAULT_POLICY, make_policy
+from moerun.graphs import active_capture
 from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import ExpertBytes, moe_rows
 from moerun.layers import ACTIVATIONS
@@ -52,16 +57,20 @@ class CacheConfig:
     policy: str = DEFAULT_POLICY
     uploads_per_layer_step: int = UPLOADS_PER_LAYER_STEP
     cpu_threads: int | None = None
+    pin: bool | None = None  # copy the experts into page-locked RAM (None: on CUDA, when free RAM holds them)
 
 
 @dataclass
 class CacheStats:
-    """Counts since the last reset: lookups and hits per layer, uploads, decode steps."""
+    """Counts since the last reset: lookups and hits per layer, uploads, and where the layers' host time went
+    (`seconds`: router sync, CPU experts, uploads; `gpu_events`: (start, end) CUDA events around the GPU's expert
+    work, read once the device is idle)."""
 
     lookups: np.ndarray
     hits: np.ndarray
     uploads: int = 0
-    steps: int = 0
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
+    gpu_events: list = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -70,16 +79,29 @@ class CacheStats:
     def per_layer(self) -> np.ndarray:
         return np.divide(self.hits, self.lookups, out=np.zeros(len(self.hits)), where=self.lookups > 0)
 
+    def gpu_expert_seconds(self) -> float:
+        """Device time of the GPU's expert kernels (synchronizes)."""
+        if self.gpu_events:
+            self.gpu_events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.gpu_events) / 1000
+
+
+# Host time of the cached layers, by what it waited for or did: the router's result (the GPU's work up to it),
+# the CPU's experts, planning and enqueueing uploads.
+TIMED = ("router sync", "CPU experts", "uploads")
+
 
 @dataclass
 class ExpertCache:
-    """What the cached layers share: the policy (one row per block), the copy stream, the statistics."""
+    """What the cached layers share: the policy (one row per block), the copy stream, the statistics. With
+    `timing`, the GPU's expert work is bracketed by CUDA events (moerun bench)."""
 
     placement: Placement
     n_expert: int
     top_k: int
     devices: tuple[torch.device, ...]  # [G] the device of each budget (CPU stand-ins may repeat "cpu")
     config: CacheConfig
+    timing: bool = False
     stats: CacheStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,11 +120,92 @@ class ExpertCache:
         n = n_layer if n_layer is not None else len(self.stats.hits)
         self.stats = CacheStats(np.zeros(n, np.int64), np.zeros(n, np.int64))
 
+    def host_experts(self, g: GGUFModel, layer: int) -> tuple[ExpertBytes, ExpertBytes, ExpertBytes]:
+        """A layer's expert bytes on the host: page-locked copies when `config.pin` (uploads then run at the bus's
+        speed, asynchronously; from the pageable memory map the driver stages them through a bounce buffer and the
+        host waits), else the memory map."""
+        parts = host_experts(g, layer)
+        return tuple(replace(t, data=page_locked(t.data)) for t in parts) if self.config.pin else parts
+
+
+def page_locked(data: np.ndarray) -> np.ndarray:
+    """A copy of `data` in page-locked memory registered with CUDA (torch's pinned allocator rounds sizes up to a
+    power of two, which would nearly double a layer's experts)."""
+    page = mmap.PAGESIZE
+    raw = np.empty(data.nbytes + page, np.uint8)
+    start = -raw.ctypes.data % page
+    copy = raw[start : start + data.nbytes].reshape(data.shape)
+    torch.from_numpy(copy).copy_(read_only_tensor(data))  # torch's copy is multi-threaded
+    error = torch.cuda.cudart().cudaHostRegister(copy.ctypes.data, copy.nbytes, 0)
+    if int(error) != 0:
+        raise MoeprepError(f"cannot page-lock {format_size(copy.nbytes)} of expert bytes (CUDA error {int(error)}); "
+                           "run without pinning (CacheConfig(pin=False)) or free RAM")
+    weakref.finalize(raw, torch.cuda.cudart().cudaHostUnregister, copy.ctypes.data)
+    return copy
+
+
+def read_only_tensor(data: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only array (the memory map) that is only ever read: without torch's warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(data))
+
+
+def should_pin(g: GGUFModel, device: torch.device) -> bool:
+    """Pin on CUDA when the routed experts fit the RAM that is free now, with 8 GiB to spare."""
+    if device.type != "cuda":
+        return False
+    expert_bytes = sum(t.n_bytes for t in g.tensors if "_exps." in t.name)
+    return expert_bytes + (8 << 30) <= available_ram()
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) << 10
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+@contextlib.contextmanager
+def timed(stats: CacheStats, what: str):
+    start = time.perf_counter()
+    yield
+    stats.seconds[what] += time.perf_counter() - start
+
+
+@dataclass
+class StepBuffers:
+    """A captured decode step's fixed buffers for one layer (see graphs.py): the router's choice and the layer's
+    input come to pinned host memory inside the graph; the slot table and the CPU's result go back between graphs."""
+
+    routing: torch.Tensor  # (T, 2K) float32 pinned: expert ids, then weights
+    x: torch.Tensor  # (T, D) float32 pinned
+    slots_host: torch.Tensor  # (T, K) int32 pinned
+    slots: torch.Tensor  # (T, K) int32 on the device
+    cpu_host: torch.Tensor  # (T, D) float32 pinned
+    cpu: torch.Tensor  # (T, D) float32 on the device
+    routed: tuple = ()  # this step's host ids, weights and miss mask, from the router's copy to the CPU's work
+
+    @classmethod
+    def make(cls, T: int, K: int, D: int, device: torch.device) -> StepBuffers:
+        pinned = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, pin_memory=True)  # noqa: E731
+        return cls(pinned(T, 2 * K), pinned(T, D), pinned(T, K, dtype=torch.int32),
+                   torch.zeros(T, K, dtype=torch.int32, device=device), pinned(T, D),
+                   torch.zeros(T, D, device=device))
+
 
 class CachedExperts(nn.Module):
     """One layer's routed experts through the cache (an ExpertCompute). Slots: `banks` (gate, up, down), each
     (n_slots, rows, row bytes) uint8 on the device; `resident[s]` is the expert in slot s (-1: empty) and
-    `slot_of[e]` its inverse."""
+    `slot_of[e]` its inverse.
+
+    Eagerly, a forward copies the routing to the host (the layer's one sync), launches the hits, computes the misses
+    on the CPU meanwhile, and sums. Inside a captured decode step (graphs.py) the same work is split around two cuts:
+    the graph before copies routing and input to pinned buffers; at the first cut the host looks the experts up and
+    sends the slot table; the hits' kernels are a graph of their own; at the second cut the CPU computes the misses
+    while the GPU runs that graph, and the next graph adds the CPU's result."""
 
     def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
                  activation: str, cache: ExpertCache, hooks: Hooks) -> None:
@@ -116,14 +219,17 @@ class CachedExperts(nn.Module):
         self.banks = tuple(QWeight(torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8, device=device),
                                    t.qtype, t.rows, t.cols) for t in host)
         self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
+        self.host_tensors = tuple(read_only_tensor(t.data) for t in host)
         self.resident = np.full(n_slots, -1, np.int64)
         self.slot_of = np.full(host[0].data.shape[0], -1, np.int32)
         self.uploaded = None  # the copy stream's event after this layer's last uploads
+        # a captured decode step's buffers (one token), made here: pinned memory cannot be allocated during a capture
+        self.step_buffers = StepBuffers.make(1, cache.top_k, host[0].cols, device) if device.type == "cuda" else None
 
     @classmethod
     def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: str) -> CachedExperts:
         """The layer's experts with the slots the placement gave it, warmed with the hottest known experts."""
-        experts = cls(layer, host_experts(g, layer), cache.placement.slots[layer], activation, cache, hooks)
+        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, cache, hooks)
         experts.fill(warm_experts(cache.config.usage, layer, cache.n_expert))
         return experts
 
@@ -138,57 +244,124 @@ class CachedExperts(nn.Module):
         self._uploads_done()
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from moerun.quantized import bank_moe
-
         if self.hooks.activation:
             raise MoeprepError("activation hooks (imatrix collection) need the model loaded without the expert cache")
-        routing = torch.cat([ids.to(weights.dtype), weights], dim=1).cpu().numpy()  # the one sync of the layer
-        k = ids.shape[1]
-        ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
-        slots_h = self.slot_of[ids_h]  # (T, K), -1 = miss
-        missed = slots_h < 0
+        capture = active_capture()
+        if capture is not None:
+            return self._captured(capture, x, ids, weights)
+        stats = self.cache.stats
+        with timed(stats, "router sync"):
+            routing = torch.cat([ids.to(weights.dtype), weights], dim=1).cpu().numpy()  # the one sync of the layer
+        ids_h, weights_h, missed = self._look_up(routing)
         on_gpu = x.device.type == "cuda"
         if missed.any():  # the CPU's input is enqueued before the GPU's expert kernels, so it need not wait for them
-            x_host = x.to("cpu", non_blocking=on_gpu)
+            x_host = x.float().to("cpu", non_blocking=on_gpu)
             x_ready = torch.cuda.Event() if on_gpu else None
             if x_ready is not None:
                 x_ready.record()
         if on_gpu and self.uploaded is not None:
             torch.cuda.current_stream().wait_event(self.uploaded)
-        out = bank_moe(x, torch.from_numpy(slots_h).to(x.device), weights, self.banks, self.act, self.biases, ids)
+        out = self._hits(x, torch.from_numpy(self.slot_of[ids_h]).to(x.device), weights, ids)
         if missed.any():
             if x_ready is not None:
                 x_ready.synchronize()
             cpu_out = np.zeros((x.shape[0], x.shape[1]), np.float32)
-            moe_rows(x_host.float().numpy(), np.where(missed, ids_h, -1), weights_h, *self.host, self.activation,
-                     cpu_out, self.cache.config.cpu_threads)
+            self._misses(x_host.numpy(), ids_h, weights_h, missed, cpu_out)
             out = out + torch.from_numpy(cpu_out).to(x.device, non_blocking=True)
         self._account(ids_h, missed)
         return out
 
+    def _look_up(self, routing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The router's (T, 2K) ids and weights on the host -> ids, weights, and which of them missed."""
+        k = routing.shape[1] // 2
+        ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
+        return ids_h, weights_h, self.slot_of[ids_h] < 0
+
+    def _hits(self, x, slots, weights, ids) -> torch.Tensor:
+        from moerun.quantized import bank_moe
+
+        timing = self.cache.timing and x.device.type == "cuda" and active_capture() is None
+        if timing:
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+        out = bank_moe(x, slots, weights, self.banks, self.act, self.biases, ids)
+        if timing:
+            events[1].record()
+            self.cache.stats.gpu_events.append(events)
+        return out
+
+    def _misses(self, x: np.ndarray, ids_h, weights_h, missed, out: np.ndarray) -> None:
+        with timed(self.cache.stats, "CPU experts"):
+            moe_rows(x, np.where(missed, ids_h, -1), weights_h, *self.host, self.activation, out,
+                     self.cache.config.cpu_threads)
+
+    # ---- inside a captured decode step (graphs.py): the graph's side, then the host's work at each cut
+
+    def _captured(self, capture, x, ids, weights) -> torch.Tensor:
+        buf = self.step_buffers
+        assert buf is not None and ids.shape == buf.slots.shape, "graphs capture the decode step of one token"
+        buf.routing.copy_(torch.cat([ids.to(torch.float32), weights.float()], dim=1), non_blocking=True)
+        buf.x.copy_(x.float(), non_blocking=True)
+        capture.cut(lambda: self._route_step(buf))
+        out = self._hits(x, buf.slots, weights, ids)
+        capture.cut(lambda: self._miss_step(buf))
+        return out + buf.cpu
+
+    def _route_step(self, buf: StepBuffers) -> None:
+        """Host, after the graph that ends with the router: look up, send the slot table, let the hits wait for
+        this layer's uploads."""
+        with timed(self.cache.stats, "router sync"):
+            torch.cuda.current_stream().synchronize()
+        ids_h, weights_h, missed = self._look_up(buf.routing.numpy())
+        buf.slots_host.numpy()[:] = self.slot_of[ids_h]
+        buf.slots.copy_(buf.slots_host, non_blocking=True)
+        if self.uploaded is not None:
+            torch.cuda.current_stream().wait_event(self.uploaded)
+        buf.routed = ids_h, weights_h, missed
+        if self.cache.timing:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.cache.stats.gpu_events.append((event, None))
+
+    def _miss_step(self, buf: StepBuffers) -> None:
+        """Host, while the GPU runs the hits' graph: the misses on the CPU, their sum to the device, the policy."""
+        stats = self.cache.stats
+        if self.cache.timing:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            stats.gpu_events[-1] = (stats.gpu_events[-1][0], end)
+        ids_h, weights_h, missed = buf.routed
+        cpu_out = buf.cpu_host.numpy()
+        cpu_out[:] = 0
+        if missed.any():
+            self._misses(buf.x.numpy(), ids_h, weights_h, missed, cpu_out)
+        buf.cpu.copy_(buf.cpu_host, non_blocking=True)  # the pinned buffer is rewritten after the next layer's sync
+        self._account(ids_h, missed)
+
     def _account(self, ids_h: np.ndarray, missed: np.ndarray) -> None:
         """Count the lookups, tell the policy, start the uploads it plans."""
         stats, policy = self.cache.stats, self.cache.policy
-        stats.lookups[self.layer] += missed.size
-        stats.hits[self.layer] += int((~missed).sum())
-        policy.observe(self.layer, ids_h)
-        plan = policy.plan(self.layer, self.resident, self.cache.config.uploads_per_layer_step)
-        if plan:
-            stream = self.copy_stream
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())  # no kernel still reads a slot being replaced
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for slot, expert in plan:
-                    self._upload(slot, expert)
-            self._uploads_done()
-            stats.uploads += len(plan)
+        with timed(stats, "uploads"):
+            stats.lookups[self.layer] += missed.size
+            stats.hits[self.layer] += int((~missed).sum())
+            policy.observe(self.layer, ids_h)
+            plan = policy.plan(self.layer, self.resident, self.cache.config.uploads_per_layer_step)
+            if plan:
+                stream = self.copy_stream
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream())  # no kernel still reads a slot being replaced
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for slot, expert in plan:
+                        self._upload(slot, expert)
+                self._uploads_done()
+                stats.uploads += len(plan)
 
     def _upload(self, slot: int, expert: int) -> None:
         old = self.resident[slot]
         if old >= 0:
             self.slot_of[old] = -1
-        for bank, t in zip(self.banks, self.host):
-            bank.data[slot].copy_(torch.from_numpy(t.data[expert]), non_blocking=True)
+        for bank, t in zip(self.banks, self.host_tensors):
+            bank.data[slot].copy_(t[expert], non_blocking=True)
         self.resident[slot], self.slot_of[expert] = expert, slot
 
     def _uploads_done(self) -> None:
@@ -239,6 +412,15 @@ def expert_usage(g: GGUFModel, profile_path: str | None, n_layer: int) -> np.nda
 
 
 
+def fits_device(g: GGUFModel, device: str) -> bool:
+    """Do all of the model's weights fit the device's free memory, less the reserve for activations and KV?"""
+    device_ = torch.device(device)
+    if device_.type != "cuda" or not torch.cuda.is_available():
+        return True
+    free = torch.cuda.mem_get_info(device_)[0]
+    return sum(t.n_bytes for t in g.tensors) + DEFAULT_RESERVE <= free
+
+
 def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
                devices: list[torch.device] | torch.device) -> ExpertCache:
     """Resolve the warm-start counts, place the slots in the budgets (one per device; moerun.devices resolves
@@ -247,6 +429,8 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
     device = devices[0]
     if config.usage is None:
         config = replace(config, usage=expert_usage(g, config.profile, n_layer))
+    if config.pin is None:
+        config = replace(config, pin=should_pin(g, device))
     budgets = config.budgets
     if budgets is None:
         if device.type != "cuda":
@@ -265,5 +449,6 @@ def describe_cache(cache: ExpertCache) -> str:
     """What moerun prints at start: slots per layer and the share of all experts they hold."""
     p = cache.placement
     warm = "warmed from the profile's counts" if cache.config.usage is not None else "starting empty"
+    host = "page-locked copies" if cache.config.pin else "the memory map"
     return (f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
-            f"{', '.join(format_size(b) for b in p.budgets)}")
+            f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the expert cache on the Qwen3-30B-A3B-shaped model with routing that follows the text,
+# `moerun bench` all resident / at a VRAM budget cold / warmed by a profile, next to llama-bench (built here from the
+# llama-cpp-python sources) all on the GPU and with --n-cpu-moe for about the same VRAM. Results land in $OUT.
+#
+#   run: bash bench/gpu_cache.sh    (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
+#   env: BUDGET (8G), PEER_CPU_MOE (28), GEN (128), TESTS (the GPU tests to run first; "" for none)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+START=$SECONDS
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/pkgs && ln -sfn "$PWD/runtime" /tmp/pkgs/moerun
+export PYTHONPATH=/tmp/site:/tmp/pkgs:$PWD PYTHONUNBUFFERED=1
+moerun() { python3 -c "from moerun.cli import main; main()" "$@"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+
+if [ -f .peer/llama.cpp-src.tar.xz ]; then
+( mkdir -p /tmp/peer && tar xJf .peer/llama.cpp-src.tar.xz -C /tmp/peer && cd /tmp/peer/llama.cpp &&
+  cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON > /tmp/peer/cmake.log 2>&1 &&
+  cmake --build build --target llama-bench -j 12 > /tmp/peer/build.log 2>&1 && echo built > /tmp/peer/done
+) &
+fi
+
+MODEL=/tmp/bench-30b-text.gguf
+python3 -c "from moeprep.synth import write_synth_model as w; w('$MODEL', 'qwen3moe', preset='qwen3-30b-a3b',
+    expert_type='Q4_K', attn_type='Q8_0', fast_random_blocks=True, routing='text', n_vocab=32000)" > "$OUT/synth.log" 2>&1 &
+SYNTH=$!
+if [ -n "${TESTS-tests/runtime/test_gpu_path.py}" ]; then
+  python3 -m pytest -q -x -p no:cacheprovider --noconftest ${TESTS:-tests/runtime/test_gpu_path.py} 2>&1 | tail -15 | tee "$OUT/gpu-tests.log"
+fi
+wait $SYNTH || { tail -5 "$OUT/synth.log"; exit 1; }
+echo "model written at $((SECONDS - START))s"
+# the held-out text: its first part counts the experts for the warm start, the rest is what decode is
+# teacher-forced over
+head -c 260000 bench/data/heldout.txt > /tmp/warm.txt
+tail -c 270000 bench/data/heldout.txt > /tmp/bench.txt
+python3 bench/bench_cache.py "$MODEL" --budget ${BUDGET:-8G} -p 512 -n ${GEN:-128} -f /tmp/bench.txt --warm-text /tmp/warm.txt \
+    --threads 16 --json "$OUT/cache.json" 2>&1 | tail -60
+echo "== the command line: moerun bench (cold)"
+moerun bench -m "$MODEL" --device cuda -t 16 -p 512 -n 64 -f /tmp/bench.txt --vram-budget ${BUDGET:-8G} 2>&1 | tail -8
+while [ -f .peer/llama.cpp-src.tar.xz ] && [ ! -f /tmp/peer/done ] && [ $((SECONDS - START)) -lt ${BUILD_DEADLINE:-480} ]; do sleep 5; done
+if [ -f /tmp/peer/done ]; then
+  LB=/tmp/peer/llama.cpp/build/bin/llama-bench
+  $LB -m "$MODEL" -p 512 -n 64 -r 2 -t 16 -ngl 99 2>&1 | tail -3 | tee "$OUT/llama-bench.log"
+  $LB -m "$MODEL" -p 512 -n 64 -r 2 -t 16 -ngl 99 --n-cpu-moe ${PEER_CPU_MOE:-28} 2>&1 | tail -3 | tee -a "$OUT/llama-bench.log"
+else
+  echo "llama.cpp build not finished after $((SECONDS - START))s"; tail -3 /tmp/peer/build.log 2>/dev/null
+fi
+echo "total $((SECONDS - START))s"
