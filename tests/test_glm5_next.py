@@ -21,7 +21,7 @@ from gguf import GGUFValueType
 import moerun
 from moeprep.cli import main
 from moeprep.errors import MoeprepError
-from moeprep.gguf.anatomy import describe_model
+from moeprep.gguf.anatomy import describe_model, plan_vram
 from moeprep.gguf.dialect import DIALECTS, rename_architecture
 from moeprep.gguf.reader import GGUFModel, open_gguf
 from moeprep.gguf.roles import QuantLimit, TensorRole, quant_limit, role_table, tensor_role
@@ -30,6 +30,7 @@ from moeprep.quant.plan import plan_requant
 from moeprep.synth import synth_config, write_synth_model
 from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
+from moerun.cache.placement import place
 from moerun.models.glm5_next import KDA_CHUNK, KDA_SUBCHUNK, kda_chunked, kda_recurrent
 from moerun.step import Step
 from moerun.tokenizer import Tokenizer
@@ -375,6 +376,40 @@ def test_inspect_shows_the_attention_pattern(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "attention     KDA x7: 0, 1, 2, 4, 5, 6, 8; DSA x3: 3, 7, 9" in result.output
     assert describe_model(open_gguf(write_synth_model(tmp_path / "q.gguf", "qwen3moe"))).geometry.attention == {}
+
+
+def test_slot_plan_leaves_the_nextn_block_out(tmp_path: Path) -> None:
+    """The NextN block's *_exps are routed experts by role (quantize keeps them byte for byte), but no decoder runs
+    the block: the geometry lists it apart, and the slot plan (inspect --vram, moerun's placement) gives it no slot
+    and puts none of its weights on a GPU. A profile's block table of the decoder's blocks places as the same
+    counts per MoE layer do."""
+    path = write_synth_model(tmp_path / "g.gguf", "glm5-next")
+    model = open_gguf(path)
+    anatomy = describe_model(model)
+    geo = anatomy.geometry
+    assert (geo.nextn_layers, geo.moe_layers, geo.dense_layers) == ([5], [1, 2, 3, 4], [0])
+
+    def block_bytes(block: int, experts: bool) -> int:
+        return sum(t.n_bytes for t in model.tensors
+                   if t.name.startswith(f"blk.{block}.") and ("_exps" in t.name) == experts)
+
+    assert anatomy.roles["expert"].n_bytes == sum(block_bytes(b, True) for b in range(6))
+    non_expert = sum(s.n_bytes for role, s in anatomy.roles.items() if role != "expert")
+    reserve = 1 << 20
+    budget = non_expert + reserve + 3 * sum(block_bytes(b, True) for b in range(6)) // geo.n_expert
+    plan = plan_vram(anatomy, [budget], reserve)
+    assert plan.slot_bytes == sum(block_bytes(b, True) for b in geo.moe_layers) // geo.n_expert
+    assert plan.gpus[0].non_expert == non_expert - block_bytes(5, False)
+    placement = place(anatomy, [budget], reserve)
+    assert len(placement.slots) == len(placement.device) == 5  # the decoder's blocks, as moerun builds them
+    assert min(placement.slots[1:]) > 0 and placement.moe_layers == (1, 2, 3, 4)
+    counts = np.random.default_rng(0).integers(0, 100, (4, geo.n_expert))
+    decoder_blocks = np.vstack([np.zeros((1, geo.n_expert), int), counts])  # blocks 0-4, as moerun's profile gives
+    assert place(anatomy, [budget], reserve, decoder_blocks).slots == place(anatomy, [budget], reserve, counts).slots
+    result = run("inspect", path, "--vram", "1G")
+    assert result.exit_code == 0, result.output
+    assert "layers        6 (4 MoE, 1 dense: 0, 1 NextN: 5)" in result.output
+    assert "an expert in each of 4 MoE layers" in result.output
 
 
 # --- KDA ----------------------------------------------------------------------------------------------------------

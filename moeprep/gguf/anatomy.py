@@ -32,6 +32,9 @@ class ModelGeometry:
     n_ff_exp: int  # hidden size of one routed expert
     expert_bytes: dict[int, int]  # MoE block index -> bytes of one expert (all its *_exps tensors, stored types)
     attention: dict[str, list[int]] = field(default_factory=dict)  # hybrids (glm5-next): blocks by attention kind
+    # the trailing NextN (multi-token prediction) blocks: loaded by no decoder, so in neither list above and given
+    # no cache slots, although their *_exps tensors are routed experts by role
+    nextn_layers: list[int] = field(default_factory=list)
 
     @property
     def is_moe(self) -> bool:
@@ -55,6 +58,7 @@ class Anatomy:
     geometry: ModelGeometry
     roles: dict[str, RoleSummary]
     expert_share: float  # routed-expert bytes / file size
+    nextn_non_expert: int = 0  # bytes of the NextN blocks' tensors other than their experts (no decoder loads them)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,9 +95,14 @@ def _arch_int(model: GGUFModel, key: str) -> int | None:
     return None if value is None else int(value)
 
 
+def nextn_blocks(model: GGUFModel, n_layer: int) -> list[int]:
+    """The last `nextn_predict_layers` blocks: multi-token prediction, skipped by the decoder (llama.cpp, moerun)."""
+    return list(range(n_layer - (_arch_int(model, "nextn_predict_layers") or 0), n_layer))
+
+
 def model_geometry(model: GGUFModel) -> ModelGeometry:
     """Layers, which of them are MoE, expert counts and the bytes of one expert per MoE layer (a dense model: no
-    MoE layers, no experts)."""
+    MoE layers, no experts). NextN blocks are neither MoE nor dense layers: no decoder runs them."""
     roles, _ = classify_tensors(model)
     experts = [t for t, role in roles if role == TensorRole.EXPERT]
     blocks = {parse_tensor_name(t.name).block for t in model.tensors} - {None}
@@ -105,13 +114,14 @@ def model_geometry(model: GGUFModel) -> ModelGeometry:
         per_block[parse_tensor_name(t.name).block] += t.n_bytes
     down = next((t for t in experts if parse_tensor_name(t.name).base == "ffn_down_exps"), None)
     n_ff_exp = _arch_int(model, "expert_feed_forward_length") or (down.shape[-1] if down else 0)
-    moe_layers = sorted(b for b in per_block if b is not None)
+    nextn = nextn_blocks(model, n_layer)
+    moe_layers = sorted(b for b in per_block if b is not None and b not in nextn)
     return ModelGeometry(
         arch=model.arch, n_layer=n_layer, moe_layers=moe_layers,
-        dense_layers=[i for i in range(n_layer) if i not in per_block],
+        dense_layers=[i for i in range(n_layer) if i not in per_block and i not in nextn],
         n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         expert_bytes={b: per_block[b] // n_expert for b in moe_layers},
-        attention=attention_kinds(model.arch, model.kv),
+        attention=attention_kinds(model.arch, model.kv), nextn_layers=nextn,
     )
 
 
@@ -133,9 +143,13 @@ def describe_model(model: GGUFModel) -> Anatomy:
         s.types[t.type_name] = s.types.get(t.type_name, 0) + 1
     file_size = model.file_size
     expert_bytes = summaries.get(TensorRole.EXPERT.value, RoleSummary()).n_bytes
+    geo = model_geometry(model)
+    nextn = set(geo.nextn_layers)
     return Anatomy(
         name=model.name, arch=model.arch, arch_known=known, file_size=file_size, n_shards=len(model.shard_paths),
-        geometry=model_geometry(model), roles=summaries, expert_share=expert_bytes / file_size,
+        geometry=geo, roles=summaries, expert_share=expert_bytes / file_size,
+        nextn_non_expert=sum(t.n_bytes for t, role in roles
+                             if role != TensorRole.EXPERT and parse_tensor_name(t.name).block in nextn),
     )
 
 
@@ -144,12 +158,14 @@ def plan_vram(anatomy: Anatomy, vram: list[int], reserve: int = DEFAULT_RESERVE)
 
     The non-expert weights (attention, norms, embeddings, shared experts...) are spread over the GPUs in proportion
     to their memory, as a layer split would; each GPU keeps `reserve` back; what is left holds cache slots, one
-    slot being one expert in every MoE layer (the cache gives each layer the same number of slots).
+    slot being one expert in every MoE layer (the cache gives each layer the same number of slots). NextN blocks
+    are left out: no decoder loads them, neither their experts nor the rest.
     """
     geo = anatomy.geometry
     if not geo.is_moe:
         return None
-    non_expert = sum(s.n_bytes for role, s in anatomy.roles.items() if role != TensorRole.EXPERT.value)
+    non_expert = sum(s.n_bytes for role, s in anatomy.roles.items()
+                     if role != TensorRole.EXPERT.value) - anatomy.nextn_non_expert
     slot_bytes = sum(geo.expert_bytes.values())
     total_vram = sum(vram)
     gpus = []
@@ -186,7 +202,9 @@ def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
         f"architecture  {a.arch}" + ("" if a.arch_known else "  (unknown: roles guessed from tensor names)"),
         f"file size     {format_size(a.file_size)} ({a.file_size} bytes, {a.n_shards} shard{'s' * (a.n_shards > 1)})",
         f"layers        {geo.n_layer} ({len(geo.moe_layers)} MoE, {len(geo.dense_layers)} dense"
-        + (f": {', '.join(map(str, geo.dense_layers))})" if geo.dense_layers and geo.is_moe else ")"),
+        + (f": {', '.join(map(str, geo.dense_layers))}" if geo.dense_layers and geo.is_moe else "")
+        + (f", {len(geo.nextn_layers)} NextN: {', '.join(map(str, geo.nextn_layers))}" if geo.nextn_layers else "")
+        + ")",
         *(["attention     " + "; ".join(f"{kind} x{len(blocks)}: {', '.join(map(str, blocks))}"
                                         for kind, blocks in geo.attention.items())] if geo.attention else []),
         *_expert_lines(a),

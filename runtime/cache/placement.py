@@ -31,8 +31,8 @@ from moeprep.units import format_size, parse_size
 
 @dataclass(frozen=True)
 class Placement:
-    device: tuple[int, ...]  # [L] GPU of each block (dense blocks sit with their neighbours)
-    slots: tuple[int, ...]  # [L] expert slots of each block, 0 for a dense block
+    device: tuple[int, ...]  # [L] GPU of each decoder block (dense blocks sit with their neighbours; no NextN)
+    slots: tuple[int, ...]  # [L] expert slots of each decoder block, 0 for a dense block
     budgets: tuple[int, ...]  # [G] bytes each GPU may use
     used: tuple[int, ...]  # [G] bytes planned on each GPU: reserve + non-expert share + slots
     cache_bytes: tuple[int, ...]  # [G] of which expert slots
@@ -72,7 +72,8 @@ def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
         raise MoeprepError(f"{anatomy.name}: a dense model has no routed experts to cache")
     layers = list(geo.moe_layers)
     expert_bytes = np.array([geo.expert_bytes[b] for b in layers], np.int64)  # [M]
-    worth = _slot_worth(_usage_rows(usage, geo.n_layer, layers, geo.n_expert), len(layers), geo.n_expert)  # [M, E]
+    usage = _usage_rows(usage, geo.n_layer, layers, geo.n_expert, len(geo.nextn_layers))
+    worth = _slot_worth(usage, len(layers), geo.n_expert)  # [M, E]
     free = np.array([g.free for g in plan.gpus], np.int64)  # [G]
     if free.sum() < expert_bytes.sum():
         raise MoeprepError(f"VRAM budget {', '.join(format_size(b) for b in budgets)}: after the non-expert weights "
@@ -91,8 +92,9 @@ def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
                                f"weights and the reserve cannot hold one slot in each of its {len(mine)} MoE "
                                f"layers; give it a larger --vram-budget or use fewer GPUs")
         slots[mine] = _allot(worth[mine], expert_bytes[mine], int(free[g]))
-    device = _block_devices(geo.n_layer, layers, gpu_of)
-    per_block = np.zeros(geo.n_layer, np.int64)
+    n_blocks = geo.n_layer - len(geo.nextn_layers)  # the decoder's blocks: NextN blocks are not run
+    device = _block_devices(n_blocks, layers, gpu_of)
+    per_block = np.zeros(n_blocks, np.int64)
     per_block[layers] = slots
     cache = np.bincount(gpu_of, weights=slots * expert_bytes, minlength=len(free)).astype(np.int64)
     used = [int(c) + g.non_expert + g.reserve for c, g in zip(cache, plan.gpus)]
@@ -101,14 +103,17 @@ def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
                      moe_layers=tuple(layers))
 
 
-def _usage_rows(usage: np.ndarray | None, n_layer: int, layers: list[int], n_expert: int) -> np.ndarray | None:
+def _usage_rows(usage: np.ndarray | None, n_layer: int, layers: list[int], n_expert: int,
+                n_nextn: int = 0) -> np.ndarray | None:
     if usage is None:
         return None
     usage = np.asarray(usage)
-    if usage.ndim != 2 or usage.shape[1] != n_expert or usage.shape[0] not in (len(layers), n_layer):
+    rows = usage.shape[0] if usage.ndim == 2 else -1
+    # one row per MoE layer, or per block (the decoder's blocks: the trailing NextN blocks may be left out)
+    if usage.ndim != 2 or usage.shape[1] != n_expert or rows not in (len(layers), n_layer, n_layer - n_nextn):
         raise MoeprepError(f"expert usage of shape {usage.shape} does not fit this model ({len(layers)} MoE of "
                            f"{n_layer} layers, {n_expert} experts); use a profile made for this model")
-    return usage[layers] if usage.shape[0] == n_layer and n_layer != len(layers) else usage
+    return usage if rows == len(layers) else usage[layers]
 
 
 def _slot_worth(usage: np.ndarray | None, n_moe: int, n_expert: int) -> np.ndarray:
