@@ -17,9 +17,9 @@ import torch
 
 from moerun.hooks import Hooks
 from moerun.kernels.dequant import supports as device_dequantizes
-from moerun.kernels.fused import moe_combine
-from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, supports
-from moerun.layers import GGUFExperts, Linear
+from moerun.kernels import fused
+from moerun.kernels.gguf_matmul import QWeight, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu, supports
+from moerun.layers import GGUFExperts, Linear, swiglu
 from moerun.weights import ExpertTensor, Weights
 
 __all__ = ["DeviceExperts", "QuantLinear", "QWeight", "supports"]
@@ -64,7 +64,7 @@ class DeviceExperts(GGUFExperts):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:
             return super().forward(x, ids, weights)
-        return bank_moe(x, ids.int(), weights, self.banks, self.act, (self.gate_bias, self.up_bias, self.down_bias),
+        return bank_moe(x, ids, weights, self.banks, self.act, (self.gate_bias, self.up_bias, self.down_bias),
                         ids)
 
 
@@ -73,9 +73,12 @@ def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks:
     """sum_k weights[t, k] * expert(x[t]) over the (t, k) whose slot is not -1; the expert's weights are slot
     slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]. x (T, D) -> (T, D) float32."""
     gate_b, up_b, down_b = (None if b is None else b[ids] for b in biases)  # (T, K, rows) each
-    gate, up = gguf_moe(x, banks[0], slots), gguf_moe(x, banks[1], slots)
-    h = act(gate if gate_b is None else gate + gate_b, up if up_b is None else up + up_b)  # (T, K, I)
+    if act in (swiglu, fused.swiglu) and gate_b is None and up_b is None and glu_supports(banks[0], banks[1]):
+        h = gguf_moe_glu(x, banks[0], banks[1], slots)  # (T, K, I): gate, up and SwiGLU in one decode launch
+    else:
+        gate, up = gguf_moe(x, banks[0], slots), gguf_moe(x, banks[1], slots)
+        h = act(gate if gate_b is None else gate + gate_b, up if up_b is None else up + up_b)  # (T, K, I)
     y = gguf_moe(h, banks[2], slots)  # (T, K, D)
     if down_b is not None:
         y = y + down_b
-    return moe_combine(y, weights, slots)
+    return fused.moe_combine(y, weights, slots)

@@ -41,33 +41,40 @@ def supports(qtype: Q) -> bool:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div, n_tokens,
+def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div,
+                 n_tokens,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
-                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr):
+                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr):
     """Program (g, i): rows i*R .. i*R+R-1 for the TG input rows of group g.
 
     Group g reads input rows (g // x_div) * TG + t and writes output rows g * TG + t, t < n_tokens; with SLOTTED, its
-    weights are matrix slot[g] of the bank (none when -1).
+    weights are matrix slot[g] of the bank (none when -1). With GLU it multiplies the same input by a second matrix
+    of the same shape and type (w2: up, w: gate) and writes silu(x w^T) * (x w2^T).
     """
     g = tl.program_id(0)
     r = tl.program_id(1) * R + tl.arange(0, R)
     w_base = w_ptr
+    w2_base = w2_ptr
     n_steps = n_blocks
     if SLOTTED:
         slot = tl.load(slot_ptr + g)
         w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
+        w2_base = w2_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
         n_steps = tl.where(slot >= 0, n_blocks, 0)
     # Tiles are 4-D [TG, R, B, P] from the start, the weights [1, R, B, P], so that products only broadcast; and the
     # products of a step are summed before they meet the loop-carried accumulator, so that they keep the layout of
     # the weight loads (a 4-D accumulator would take another one, and each decoded part would move to it through
     # shared memory).
-    row_ptr = w_base + tl.minimum(r, n_rows - 1)[None, :, None, None] * row_bytes  # [1, R, 1, 1]
+    row_offset = tl.minimum(r, n_rows - 1)[None, :, None, None] * row_bytes  # [1, R, 1, 1]
+    row_ptr = w_base + row_offset
+    row2_ptr = w2_base + row_offset
     t = tl.arange(0, TG)
     x_row = ((g // x_div) * TG + t)[:, None, None, None] * cols  # [TG, 1, 1, 1]
     t_ok = (t < n_tokens)[:, None, None, None]
     lane = tl.arange(0, P)[None, None, None, :]
     every_row = tl.zeros((1, R, 1, 1), tl.int32)  # x is read per row of the tile too: [TG, R, B, P] like w
     acc = tl.zeros((TG, R), tl.float32)
+    acc2 = tl.zeros((TG, R), tl.float32)
     for kb in range(0, n_steps, B):
         b = kb + tl.arange(0, B)
         b_ok = (b < n_blocks)[None, None, :, None]
@@ -76,11 +83,22 @@ def _gemv_kernel(x_ptr, w_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, s
         for part in tl.static_range(V // P):
             w = DECODE(blk, lane, part)  # [1, R, B, P]
             xv = tl.load(x_ptr + x_row + b * V + part * P + lane + every_row, mask=t_ok & b_ok, other=0.0)
+            xv = xv.to(tl.float32)
             if part == 0:
-                products = w * xv.to(tl.float32)
+                products = w * xv
             else:
-                products += w * xv.to(tl.float32)
+                products += w * xv
+            if GLU:
+                w2 = DECODE(row2_ptr + b * S, lane, part)
+                if part == 0:
+                    products2 = w2 * xv
+                else:
+                    products2 += w2 * xv
         acc += tl.sum(tl.sum(products, axis=3), axis=2)
+        if GLU:
+            acc2 += tl.sum(tl.sum(products2, axis=3), axis=2)
+    if GLU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2
     out_row = (g * TG + t)[:, None] * n_rows
     tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
 
@@ -145,16 +163,18 @@ def _block_type(w: QWeight) -> BlockType:
 
 
 def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
-          slots: torch.Tensor | None) -> None:
+          slots: torch.Tensor | None, up: QWeight | None = None) -> None:
+    """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T)."""
     group = triton.next_power_of_2(tokens)
-    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, bt.part, group)
+    # the GLU keeps two products per value: tiles for twice the tokens keep its accumulators in registers
+    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, bt.part, group * (2 if up is not None else 1))
     row_bytes = w.data.shape[-1]
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](
-        x, w.data, x if slots is None else slots, out, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
-        w.cols, x_div, tokens,
+        x, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
+        w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens,
         DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
-        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, num_warps=tiles.num_warps)
+        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, num_warps=tiles.num_warps)
 
 
 def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: int, x_div: int,
@@ -222,11 +242,12 @@ def group_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[torc
 def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor) -> torch.Tensor:
     """Each token's K experts of a bank in one launch: -> (T, K, N) float32.
 
-    w.data: (E, N, row_bytes); slots (T, K) int32: the bank slot of token t's k-th expert, -1 to skip it (zeros out).
-    x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
+    w.data: (E, N, row_bytes); slots (T, K) int32 or int64: the bank slot of token t's k-th expert, -1 to skip it
+    (zeros out). x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
     """
     bt = _block_type(w)
-    assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype == torch.int32, (tuple(w.data.shape), slots.dtype)
+    assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype in (torch.int32, torch.int64), (
+        tuple(w.data.shape), slots.dtype)
     n_tokens, k = slots.shape
     assert x.shape == (n_tokens, w.cols) or x.shape == (n_tokens, k, w.cols), (tuple(x.shape), tuple(slots.shape))
     x_div = k if x.dim() == 2 else 1  # pair id t*K + k reads input row t, or its own row
@@ -242,3 +263,29 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor) -> torch.Tensor:
         grouped = group_by_slot(slots, w.data.shape[0], tiles.block_m)
         _gemm(x, w, bt, out, n_tokens * k, x_div, grouped, tiles)
     return out.view(n_tokens, k, w.rows)
+
+
+def glu_supports(gate: QWeight, up: QWeight) -> bool:
+    """gguf_moe_glu needs gate and up banks of one type and shape."""
+    return (gate.qtype == up.qtype and gate.data.shape == up.data.shape and gate.rows == up.rows
+            and gate.cols == up.cols)
+
+
+def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tensor) -> torch.Tensor:
+    """silu(gguf_moe(x, gate, slots)) * gguf_moe(x, up, slots): -> (T, K, N) float32, skipped slots zeros.
+
+    Decode-sized steps run both banks in one matrix-vector launch (the input read once, the SwiGLU done on the
+    accumulators); prefill runs the two grouped GEMMs and the product.
+    """
+    assert glu_supports(gate, up), (Q(gate.qtype).name, Q(up.qtype).name, tuple(gate.data.shape))
+    n_tokens, k = slots.shape
+    if n_tokens * k == 0 or n_tokens > tuning.GEMV_MAX_TOKENS:
+        g, u = gguf_moe(x, gate, slots), gguf_moe(x, up, slots)
+        return torch.nn.functional.silu(g) * u
+    bt = _block_type(gate)
+    _block_type(up)
+    assert x.shape == (n_tokens, gate.cols), (tuple(x.shape), tuple(slots.shape))
+    x, slots = x.contiguous(), slots.contiguous()
+    out = torch.empty(n_tokens * k, gate.rows, dtype=torch.float32, device=x.device)
+    _gemv(x, gate, bt, out, groups=n_tokens * k, tokens=1, x_div=k, slots=slots, up=up)
+    return out.view(n_tokens, k, gate.rows)

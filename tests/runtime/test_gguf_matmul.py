@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
-from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, group_by_slot, supports
+from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, supports
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,6 +165,39 @@ def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
                 assert (y[t, j] == 0).all()
             else:
                 assert_close(y[t, j][None], xs[t, j][None], weights[slot], gemm=grouped)
+
+
+@pytest.mark.parametrize("n_tokens", [3, 21])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_moe_glu(wide_tiles, qtype: Q, n_tokens: int) -> None:
+    """gguf_moe_glu = silu(x gate^T) * (x up^T) per (token, expert), on int64 slots with -1 (skipped: zeros):
+    one matrix-vector launch at decode (3 tokens), the grouped GEMMs at prefill (21). Each product is within the
+    bound of assert_close; the SwiGLU carries those errors (|silu'| < 1.1) plus a few roundings of its own."""
+    rng = np.random.default_rng([int(qtype), n_tokens, 5])
+    n_slots, k, rows = 5, 3, 24
+    cols = COLS[BLOCK_TYPES[qtype].values]
+    gate_bank, up_bank = (random_weights(qtype, (n_slots, rows), cols, rng) for _ in range(2))
+    slots = torch.from_numpy(rng.integers(-1, n_slots, (n_tokens, k)))  # int64
+    x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32))
+    y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
+                     QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
+    assert y.shape == (n_tokens, k, rows)
+    gemm = n_tokens > tuning.GEMV_MAX_TOKENS
+    xd = (x.bfloat16() if gemm else x).double()
+    for t in range(n_tokens):
+        for j in range(k):
+            slot = int(slots[t, j])
+            if slot < 0:
+                assert (y[t, j] == 0).all()
+                continue
+            wg, wu = (dequantized(b[slot], qtype, cols) for b in (gate_bank, up_bank))
+            if gemm and DEVICE == "cuda":
+                wg, wu = wg.float().bfloat16().double(), wu.float().bfloat16().double()
+            g, u = xd[t] @ wg.T, xd[t] @ wu.T
+            eg, eu = (2 * (cols + 1) * U * (xd[t].abs() @ w.abs().T) for w in (wg, wu))
+            silu = g * torch.sigmoid(g)
+            bound = 1.1 * eg * (u.abs() + eu) + silu.abs() * eu + 8 * U * (silu * u).abs() + 1e-30
+            assert ((y[t, j] - silu * u).abs() <= bound).all(), float(((y[t, j] - silu * u).abs() / bound).max())
 
 
 def test_no_tokens() -> None:
