@@ -15,6 +15,7 @@ CPU) or, where the weights are on a GPU, as the fused Triton kernels of kernels/
 from __future__ import annotations
 
 import itertools
+import os
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -505,8 +506,9 @@ TORCH_KERNELS = Kernels(rms_norm, add_rms_norm, norm_rope, attend, None, ACTIVAT
 
 
 def kernels_for(device: torch.device) -> Kernels:
-    """Fused Triton kernels on a GPU, torch ops elsewhere."""
-    return fused_kernels() if device.type == "cuda" else TORCH_KERNELS
+    """Fused Triton kernels on a GPU, torch ops elsewhere (and on a GPU with MOERUN_FUSED=0, to measure what the
+    fusion buys)."""
+    return fused_kernels() if device.type == "cuda" and os.environ.get("MOERUN_FUSED") != "0" else TORCH_KERNELS
 
 
 def device_of(module: nn.Module) -> torch.device:

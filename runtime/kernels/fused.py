@@ -129,16 +129,15 @@ def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, c
         sin = tl.load(sin_ptr + pos * rot_half + i, mask=i_ok, other=0.0)
         y1 = x1 * cos - x2 * sin
         y2 = x1 * sin + x2 * cos
+        # (no shared name for the two outputs: Triton cannot merge pointers of two dtypes after a branch)
         if is_q:
-            out = q_out + row * Dh
-            tl.store(out + c1, y1, mask=i_ok)
-            tl.store(out + c2, y2, mask=i_ok)
-            tl.store(out + j, xr, mask=j_ok)
+            tl.store(q_out + row * Dh + c1, y1, mask=i_ok)
+            tl.store(q_out + row * Dh + c2, y2, mask=i_ok)
+            tl.store(q_out + row * Dh + j, xr, mask=j_ok)
         else:
-            out = k_out + row * Dh
-            tl.store(out + c1, y1.to(k_out.dtype.element_ty), mask=i_ok)
-            tl.store(out + c2, y2.to(k_out.dtype.element_ty), mask=i_ok)
-            tl.store(out + j, xr.to(k_out.dtype.element_ty), mask=j_ok)
+            tl.store(k_out + row * Dh + c1, y1.to(k_out.dtype.element_ty), mask=i_ok)
+            tl.store(k_out + row * Dh + c2, y2.to(k_out.dtype.element_ty), mask=i_ok)
+            tl.store(k_out + row * Dh + j, xr.to(k_out.dtype.element_ty), mask=j_ok)
 
 
 def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
