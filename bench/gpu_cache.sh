@@ -26,8 +26,12 @@ MODEL=/tmp/bench-30b-text.gguf
 python3 -c "from moeprep.synth import write_synth_model as w; w('$MODEL', 'qwen3moe', preset='qwen3-30b-a3b',
     expert_type='Q4_K', attn_type='Q8_0', fast_random_blocks=True, routing='text', n_vocab=32000)" > "$OUT/synth.log" 2>&1 &
 SYNTH=$!
+timeout 90 python3 -m pytest -q -p no:cacheprovider --noconftest tests/runtime/test_fused.py -k "not with_fused_kernels" 2>&1 | tail -8 | tee "$OUT/fused-tests.log"
+if ! grep -q " passed" "$OUT/fused-tests.log" || grep -q "failed\|error" "$OUT/fused-tests.log"; then
+  echo "fused kernels fail on this GPU: the benchmarks run with MOERUN_FUSED=0"; export MOERUN_FUSED=0
+fi
 if [ -n "${TESTS-tests/runtime/test_gpu_path.py}" ]; then
-  python3 -m pytest -q -x -p no:cacheprovider --noconftest ${TESTS:-tests/runtime/test_gpu_path.py} 2>&1 | tail -15 | tee "$OUT/gpu-tests.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest ${TESTS:-tests/runtime/test_gpu_path.py} 2>&1 | tail -30 | tee "$OUT/gpu-tests.log"
 fi
 wait $SYNTH || { tail -5 "$OUT/synth.log"; exit 1; }
 echo "model written at $((SECONDS - START))s"
@@ -39,11 +43,12 @@ python3 bench/bench_cache.py "$MODEL" --budget ${BUDGET:-8G} -p 512 -n ${GEN:-12
     --threads 16 --json "$OUT/cache.json" 2>&1 | tail -60
 echo "== the command line: moerun bench (cold)"
 moerun bench -m "$MODEL" --device cuda -t 16 -p 512 -n 64 -f /tmp/bench.txt --vram-budget ${BUDGET:-8G} 2>&1 | tail -8
+[ -n "${FUSED_BENCH-1}" ] && timeout 120 python3 bench/bench_fused.py "$MODEL" --ctx 512 --steps 32 --json "$OUT/fused.json" 2>&1 | tail -25
 while [ -f .peer/llama.cpp-src.tar.xz ] && [ ! -f /tmp/peer/done ] && [ $((SECONDS - START)) -lt ${BUILD_DEADLINE:-480} ]; do sleep 5; done
 if [ -f /tmp/peer/done ]; then
   LB=/tmp/peer/llama.cpp/build/bin/llama-bench
-  $LB -m "$MODEL" -p 512 -n 64 -r 2 -t 16 -ngl 99 2>&1 | tail -3 | tee "$OUT/llama-bench.log"
-  $LB -m "$MODEL" -p 512 -n 64 -r 2 -t 16 -ngl 99 --n-cpu-moe ${PEER_CPU_MOE:-28} 2>&1 | tail -3 | tee -a "$OUT/llama-bench.log"
+  $LB -m "$MODEL" -p 512 -n 64 -r 2 -t 16 -ngl 99 2>&1 | grep -E "pp512|tg64" | tee "$OUT/llama-bench.log"
+  $LB -m "$MODEL" -p 512 -n 64 -r 2 -t 16 -ngl 99 --n-cpu-moe ${PEER_CPU_MOE:-28} 2>&1 | grep -E "pp512|tg64" | tee -a "$OUT/llama-bench.log"
 else
   echo "llama.cpp build not finished after $((SECONDS - START))s"; tail -3 /tmp/peer/build.log 2>/dev/null
 fi
