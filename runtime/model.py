@@ -11,7 +11,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, open_gguf
 from moerun.cache.expert_cache import CacheConfig, ExpertCache, open_cache
 from moerun.config import ModelArgs
-from moerun.devices import DeviceMap, DeviceSpec, resolve_devices, split_by_bytes
+from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
 from moerun.graphs import DecodeGraphs, graph_blockers
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
 from moerun.step import Step
@@ -65,7 +65,8 @@ class Model:
         the step can be captured (see graphs.py), else an eager forward."""
         if self.decode_graphs is not None and not graph_blockers(self):
             self._check_fits(pos + 1, seq)
-            return self.decode_graphs(token, pos, seq)
+            with on_device(self.device):  # captured on the model's GPU, whichever is current (cuda:1 alone, say)
+                return self.decode_graphs(token, pos, seq)
         return self.forward(torch.tensor([token], dtype=torch.long), pos, seq)[0]
 
     def _check_fits(self, n_positions: int, seq: int) -> None:

@@ -129,4 +129,5 @@ class Transformer(nn.Module):
                     x = block(x, on)
         if outputs is not None:
             x = x[outputs.to(x.device)]  # (R, D)
-        return self.output(self.norm(x))
+        with on_device(x.device):  # the head's kernels launch where it lives (the last block's device)
+            return self.output(self.norm(x))
