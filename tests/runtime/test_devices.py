@@ -174,3 +174,21 @@ def test_uneven_budgets_give_the_bigger_one_more_blocks(synth_model) -> None:
     block = model.net.layout.block
     assert block == model.expert_cache.placement.device and block == tuple(sorted(block))
     assert block.count(0) > block.count(1) > 0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_equal_budgets_split_the_blocks_evenly(n, synth_model) -> None:
+    model = moerun.load_model(synth_model("qwen3moe", n_layer=6), cache=CacheConfig(budgets=[8 << 30] * n))
+    assert model.net.layout.devices == (CPU,) * n
+    assert model.net.layout.block == tuple(sorted(model.net.layout.block))
+    assert np.bincount(model.net.layout.block).tolist() == [6 // n] * n
+
+
+def test_cache_over_two_stand_ins_with_a_dense_lead_block(synth_model) -> None:
+    path = synth_model("deepseek2", expert_type="F32", attn_type="F32", n_layer=5)  # block 0 dense, MLA
+    one = moerun.load_model(path, cache=CacheConfig(budgets=BUDGETS[:1], slots_per_layer=2))
+    two = moerun.load_model(path, cache=CacheConfig(budgets=BUDGETS, slots_per_layer=2))
+    layout, placement = two.net.layout, two.expert_cache.placement
+    assert placement.slots[0] == 0 and layout.block[0] == layout.block[1] == 0  # the dense block with its neighbour
+    assert layout.block[-1] == 1
+    torch.testing.assert_close(run_text(two, 2), run_text(one, 2), rtol=1e-5, atol=1e-5)
