@@ -14,7 +14,7 @@ from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
 from moerun.graphs import DecodeGraphs, graph_blockers
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
-from moerun.step import Step
+from moerun.step import Step, group_rows
 from moerun.models import arch_module
 from moerun.models.base import BuildContext, Transformer
 from moerun.tokenizer import Tokenizer
@@ -52,12 +52,14 @@ class Model:
                       outputs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (T,) of several sequences in one pass: token t sits at positions[t] of sequence seqs[t] and
         attends to that sequence's slots up to its own position -> logits (T, V) float32, or (R, V) for the rows
-        `outputs` (R,) only (the last token of each sequence in the batch, say)."""
+        `outputs` (R,) only (the last token of each sequence in the batch, say). A sequence's consecutive tokens (a
+        prompt chunk riding with other sequences' decode tokens) attend as a step of their own (Step.parts)."""
         positions, seqs = positions.long(), seqs.long()
         self._check_fits(int(positions.max()) + 1, int(seqs.max()))
         if int(seqs.min()) < 0:
             raise MoeprepError(f"sequence {int(seqs.min())} does not exist; the model holds {self.n_seq}")
-        step = Step(positions.to(self.device), n_slots=int(positions.max()) + 1, seqs=seqs.to(self.device))
+        step = Step(positions.to(self.device), n_slots=int(positions.max()) + 1, seqs=seqs.to(self.device),
+                    groups=group_rows(positions.tolist(), seqs.tolist()))
         return self.net(tokens.to(self.device), step, None if outputs is None else outputs.to(self.device))
 
     def decode(self, token: int, pos: int, seq: int = 0) -> torch.Tensor:

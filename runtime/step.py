@@ -25,6 +25,7 @@ class Step:
     n_slots: int
     seq: int = 0
     seqs: torch.Tensor | None = None  # (T,) int64, or None: every token is in `seq`
+    groups: tuple[tuple[int, int, int, int], ...] = ()  # a mixed step's row groups, see group_rows and parts
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _copies: dict[torch.device, Step] = field(default_factory=dict)  # shared by the step and all its copies
 
@@ -40,6 +41,13 @@ class Step:
             self._copies[device] = replace(self, **moved, _masks={}, _copies=self._copies)
         return self._copies[device]
 
+    def parts(self) -> list[tuple[slice, Step]]:
+        """A mixed step as the consecutive rows that attention runs together, each with its step: a prompt chunk as a
+        step of its sequence (reading the slots as they lie, not a copy per token), the single tokens of several
+        sequences between chunks as a mixed step."""
+        return [(slice(a, b), Step(self.positions[a:b], n, seq=s) if s >= 0 else
+                 Step(self.positions[a:b], n, seqs=self.seqs[a:b])) for a, b, s, n in self.groups]
+
     def mask(self, window: int = 0) -> torch.Tensor:
         """(T, n_slots) bool: may the query at positions[t] see slot s (slot = position); `window` > 0 limits how
         far back (llama.cpp's standard sliding window: the last `window` positions, itself included)."""
@@ -50,3 +58,24 @@ class Step:
                 allowed &= slots > self.positions[:, None] - window
             self._masks[window] = allowed
         return self._masks[window]
+
+
+def group_rows(positions: list[int], seqs: list[int]) -> tuple[tuple[int, int, int, int], ...]:
+    """(start, stop, sequence or -1 for several, n_slots) of each group of a mixed step's rows: a run of two or more
+    tokens of one sequence, or the single tokens between such runs; () where the rows are single tokens only."""
+    runs: list[list[int]] = []  # [start, stop, seq]
+    for t, s in enumerate(seqs):
+        if runs and runs[-1][2] == s:
+            runs[-1][1] = t + 1
+        else:
+            runs.append([t, t + 1, s])
+    groups: list[list[int]] = []
+    for a, b, s in runs:
+        s = s if b - a > 1 else -1
+        if groups and s == -1 == groups[-1][2]:
+            groups[-1][1] = b
+        else:
+            groups.append([a, b, s])
+    if len(groups) == 1 and groups[0][2] == -1:
+        return ()
+    return tuple((a, b, s, max(positions[a:b]) + 1) for a, b, s in groups)

@@ -100,6 +100,20 @@ class BuildContext:
         return Block(norm("attn_norm"), attn, norm(ffn_norm), ffn)
 
 
+class ByGroups(nn.Module):
+    """A block's attention, run on a mixed step group by group (Step.parts), so that a prompt chunk riding with
+    other sequences' decode tokens reads its sequence's slots as they lie instead of a copy of them per token."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if not step.groups:
+            return self.attn(x, step)
+        return torch.cat([self.attn(x[rows], part) for rows, part in step.parts()])
+
+
 class Transformer(nn.Module):
     """Token embedding -> blocks -> final RMSNorm -> output head (token_embd when output.weight is absent).
 
@@ -112,6 +126,8 @@ class Transformer(nn.Module):
         self.runs = self.layout.runs()  # [(device, slice of blocks)]
         w, args = ctx.on(self.layout.first).weights, ctx.args
         self.embed = nn.Parameter(w.dense("token_embd.weight", torch.float32), requires_grad=False)  # (V, D)
+        for block in blocks:
+            block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
         w = ctx.on(self.layout.last).weights
         self.norm = RMSNorm.load(w, "output_norm.weight", args.norm_eps)

@@ -7,6 +7,7 @@ import torch
 
 import moerun
 from moeprep.errors import MoeprepError
+from moerun.step import group_rows
 
 PROMPTS = ("def bisect(a, x):", "Once upon a time, in a land", "SELECT name FROM users WHERE")
 
@@ -57,20 +58,27 @@ def test_unknown_sequences_are_refused(synth_model):
         model.forward_batch(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, -1]))
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "glm5-next"])
 def test_a_prompt_chunk_rides_with_decode_tokens_and_only_chosen_rows_get_logits(synth_model, arch):
-    """One forward_batch holding a decode token of sequence 0 and a prompt chunk of sequence 1, asking for the
-    logits of two rows only, gives those rows' logits as each sequence alone does (forward with last_only too)."""
+    """One forward_batch holding decode tokens of sequences 0 and 2 around a prompt chunk of sequence 1, asking for
+    the logits of three rows only, gives those rows' logits as each sequence alone does (forward's last_only too)."""
     path = synth_model(arch, expert_type="F32", attn_type="F32")
-    alone, batched = moerun.load_model(path), moerun.load_model(path, n_seq=2)
-    first, second = (alone.tokenizer.encode(p) for p in PROMPTS[:2])
-    expected_first = alone.forward(torch.tensor(first + [17]))[-1]
-    expected_second = alone.forward(torch.tensor(second))[-1]
-    torch.testing.assert_close(alone.forward(torch.tensor(second), 0, last_only=True), expected_second[None])
+    alone, batched = moerun.load_model(path), moerun.load_model(path, n_seq=3)
+    first, second, third = (alone.tokenizer.encode(p) for p in PROMPTS)
+    expected = [alone.forward(torch.tensor(first + [17]))[-1], alone.forward(torch.tensor(second))[-1],
+                alone.forward(torch.tensor(third + [40]))[-1]]
+    torch.testing.assert_close(alone.forward(torch.tensor(second), 0, last_only=True), expected[1][None])
     batched.forward(torch.tensor(first), 0, seq=0)
-    tokens = torch.tensor([17] + second)
-    positions = torch.tensor([len(first)] + list(range(len(second))))
-    seqs = torch.tensor([0] + [1] * len(second))
-    logits = batched.forward_batch(tokens, positions, seqs, outputs=torch.tensor([0, len(second)]))
-    assert logits.shape == (2, alone.args.n_vocab)
-    torch.testing.assert_close(logits, torch.stack([expected_first, expected_second]), rtol=1e-4, atol=1e-4)
+    batched.forward(torch.tensor(third), 0, seq=2)
+    tokens = torch.tensor([17] + second + [40])
+    positions = torch.tensor([len(first)] + list(range(len(second))) + [len(third)])
+    seqs = torch.tensor([0] + [1] * len(second) + [2])
+    logits = batched.forward_batch(tokens, positions, seqs, outputs=torch.tensor([0, len(second), len(second) + 1]))
+    assert logits.shape == (3, alone.args.n_vocab)
+    torch.testing.assert_close(logits, torch.stack(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_group_rows_splits_prompt_chunks_from_single_tokens():
+    assert group_rows([5, 9, 0, 1, 2, 7], [0, 2, 1, 1, 1, 3]) == ((0, 2, -1, 10), (2, 5, 1, 3), (5, 6, -1, 8))
+    assert group_rows([5, 9, 4], [0, 2, 1]) == ()  # decode tokens only: one mixed step, as it is
+    assert group_rows([0, 1, 2], [1, 1, 1]) == ((0, 3, 1, 3),)
