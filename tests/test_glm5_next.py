@@ -204,6 +204,11 @@ def test_to_mainline_refuses_other_architectures(tmp_path: Path) -> None:
 # --- moerun against llama.cpp -----------------------------------------------------------------------------------
 
 
+def attention(block: torch.nn.Module) -> torch.nn.Module:
+    """A block's attention module, unwrapped where the Transformer wraps it (moerun.models.base.ByGroups)."""
+    return getattr(block.attn, "attn", block.attn)
+
+
 @dataclass
 class LlamaRun:
     logits: np.ndarray  # (T, V)
@@ -336,7 +341,7 @@ def test_sparse_indexer_matches_llama_cpp(tmp_path: Path) -> None:
     assert len(tokens) == n
     ref = llama_run(path, tokens)
     block, step = model.net.blocks[3], Step(torch.arange(n), n_slots=n)  # blocks 3 and 5 (NextN) are DSA
-    indexer = block.attn.indexer
+    indexer = attention(block).indexer
     keep = indexer.n_top  # 512 pools
     x, want = torch.from_numpy(ref.streams[2]), ref.streams[3]
     with torch.inference_mode():
@@ -350,6 +355,80 @@ def test_sparse_indexer_matches_llama_cpp(tmp_path: Path) -> None:
     assert judged.sum() >= 0.8 * sparse.sum()
     assert errors[~sparse].max() <= 1e-3 and errors[judged].max() <= 1e-3
     assert dense_errors[judged].max() > 10 * errors[judged].max()
+
+
+SHARED_TOP_K = 32
+
+
+def shared_indexer_model(tmp_path: Path, types: list[int]) -> Path:
+    """A 10-block synthetic model (DSA blocks 3 and 7, NextN block 9) with attention.indexer.types set and the
+    indexer tensors of the blocks that share another's left out, as in a real file; its indexer keeps the top 32
+    positions (8 pools), so that attention is sparse from position 35 on."""
+    src = write_synth_model(tmp_path / "g.gguf", "glm5-next", n_layer=10, expert_type="F32", attn_type="F32")
+    model = open_gguf(src)
+    shared = tuple(f"blk.{il}.indexer" for il, full in enumerate(types) if not full)
+    out = tmp_path / "shared.gguf"
+    write_gguf(out, model, tensors=[copied_tensor(model, t) for t in model.tensors if not t.name.startswith(shared)],
+               kv_set={"glm5-next.attention.indexer.types": KVValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32),
+                       "glm5-next.attention.indexer.top_k": KVValue(SHARED_TOP_K, GGUFValueType.UINT32)})
+    return out
+
+
+def test_shared_indexer_matches_llama_cpp(tmp_path: Path) -> None:
+    """DSA block 7 without an indexer of its own (attention.indexer.types 0) attends to what block 3's indexer
+    selected, as llama.cpp does: fed llama.cpp's 4 streams, block 7 gives llama.cpp's next streams wherever block
+    3's 8th and 9th pool scores are not tied, and attending to every position would not; so do the logits while
+    attention is dense."""
+    n = N_POSITIONS
+    path = shared_indexer_model(tmp_path, [1, 1, 1, 1, 1, 1, 1, 0, 1])
+    assert not any(t.name.startswith("blk.7.indexer") for t in open_gguf(path).tensors)
+    model = moerun.load_model(path, n_ctx=n)
+    source, shared = model.net.blocks[3], model.net.blocks[7]
+    assert attention(shared).indexer is None and attention(shared).selection is attention(source).selection
+    tokens = model.tokenizer.encode(CALIBRATION_PATH.read_text(encoding="utf-8"))[:n]
+    ref = llama_run(path, tokens)
+    dense = slice(0, SHARED_TOP_K + 3)
+    ours = model.forward(torch.tensor(tokens)).numpy()[dense]
+    assert np.abs(ours - ref.logits[dense]).max() / np.abs(ref.logits[dense]).max() <= 1e-3
+    step, keep = Step(torch.arange(n), n_slots=n), attention(source).indexer.n_top
+    want = ref.streams[7]
+    with torch.inference_mode():
+        x3 = torch.from_numpy(ref.streams[2])
+        source(x3, step)  # block 3 selects
+        h, _, _ = source.hc_attn.split(x3)
+        ranked = attention(source).indexer.pool_scores(source.attn_norm(h), step).sort(-1, descending=True).values
+        errors = np.abs(shared(torch.from_numpy(ref.streams[6]), step).numpy() - want).max((1, 2)) / np.abs(want).max()
+        attention(source).selection.record(step, None)  # every position
+        dense_errors = np.abs(shared(torch.from_numpy(ref.streams[6]), step).numpy() - want).max((1, 2)) / np.abs(
+            want).max()
+    sparse = np.arange(n) >= SHARED_TOP_K + 3
+    judged = sparse & (ranked[:, keep - 1] != ranked[:, keep]).numpy()
+    assert judged.sum() >= 0.8 * sparse.sum()
+    assert errors[~sparse].max() <= 1e-3 and errors[judged].max() <= 1e-3
+    assert dense_errors[judged].max() > 10 * errors[judged].max()
+
+
+def test_shared_indexer_in_a_mixed_batch(tmp_path: Path) -> None:
+    """Past the dense range, one step holding a token of one sequence and a chunk of another gives each the logits
+    of its own single pass: the sharing block attends with the selection made for the same rows."""
+    n = 100
+    model = moerun.load_model(shared_indexer_model(tmp_path, [1, 1, 1, 1, 1, 1, 1, 0, 1]), n_ctx=n + 4, n_seq=2)
+    text = model.tokenizer.encode(CALIBRATION_PATH.read_text(encoding="utf-8"))
+    a, b = torch.tensor(text[:n + 1]), torch.tensor(text[500:500 + n + 1])
+    full_a, full_b = model.forward(a, 0, seq=0)[n:], model.forward(b, 0, seq=1)[n - 2:]
+    model.forward(a[:n], 0, seq=0)
+    model.forward(b[:n - 2], 0, seq=1)
+    mixed = model.forward_batch(torch.cat([a[n:], b[n - 2:]]), torch.tensor([n, n - 2, n - 1, n]),
+                                torch.tensor([0, 1, 1, 1]))
+    tol = dict(rtol=1e-4, atol=1e-4 * full_a.abs().max().item())
+    torch.testing.assert_close(mixed[:1], full_a, **tol)
+    torch.testing.assert_close(mixed[1:], full_b, **tol)
+
+
+def test_shared_indexer_needs_an_earlier_one(tmp_path: Path) -> None:
+    path = shared_indexer_model(tmp_path, [1, 1, 1, 0, 1, 1, 1, 1, 1])
+    with pytest.raises(MoeprepError, match="DSA block 3 shares the indexer of an earlier DSA block, and there is none"):
+        moerun.load_model(path)
 
 
 def test_perplexity_matches_llama_cpp(calibration_tokens: list[int], tmp_path: Path) -> None:
@@ -504,7 +583,7 @@ def test_kda_gate_lower_bound(calibration_tokens: list[int], tmp_path: Path) -> 
     unbounded = rewrite(src, tmp_path / "unbounded.gguf", {}, raised)
     g = open_gguf(bounded)
     model = moerun.load_model(bounded)
-    attn = model.net.blocks[0].attn
+    attn = attention(model.net.blocks[0])
     assert attn.lower_bound == LOWER_BOUND
 
     n = 150

@@ -19,7 +19,9 @@ position is 0 starts its sequence's state anew. A step of several tokens runs th
 
 DSA. deepseek2's MLAttention with no roped part, over the positions its lightning indexer selects: the best
 top_k / kpool pools of kpool consecutive positions by the indexer's score, plus the query's unfinished pool. Below
-top_k + kpool - 1 positions (2051 in GLM-5.3-Flash) that is every position, and the scoring is skipped.
+top_k + kpool - 1 positions (2051 in GLM-5.3-Flash) that is every position, and the scoring is skipped. A DSA block
+whose attention.indexer.types entry is 0 has no indexer: it attends to what the last DSA block before it with an
+indexer selected in the same step.
 Letters: H heads, Hd KDA head size, Di = H Hd.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -58,6 +61,7 @@ class Glm5NextArgs:
     """The keys ModelArgs does not hold (read by each block builder: dictionary lookups)."""
 
     dsa_layers: tuple[bool, ...]  # head_count_kv 1 (DSA) or 0 (KDA), per block
+    indexer_source: tuple[int | None, ...]  # per DSA block: the block whose indexer selects for it (itself or earlier)
     n_streams: int
     sinkhorn_iterations: int
     hc_eps: float
@@ -88,13 +92,21 @@ class Glm5NextArgs:
 
         clamp_exp = per_block("swiglu_clamp_exp", 0.0)
         dsa = tuple(bool(n) for n in need("attention.head_count_kv"))
-        full = g.get(key("attention.indexer.types"), [1] * n_blocks)
-        if any(d and not f for d, f in zip(dsa, full)):
-            raise MoeprepError(f"{g.path}: DSA layers that reuse another layer's indexer (attention.indexer.types "
-                               f"= {full}) are not supported yet")
+        # 1: the block has its own indexer; 0: it reuses the selection of the last DSA block before it that has one.
+        # The key lists the trunk blocks; the NextN blocks always have their own.
+        full = list(g.get(key("attention.indexer.types"), [])) + [1] * n_blocks
+        source, last = [], None
+        for il, is_dsa in enumerate(dsa):
+            if is_dsa and full[il]:
+                last = il
+            elif is_dsa and last is None:
+                raise MoeprepError(f"{g.path}: DSA block {il} shares the indexer of an earlier DSA block, and there "
+                                   f"is none (attention.indexer.types = {g.get(key('attention.indexer.types'))})")
+            source.append(last if is_dsa else None)
         lower_bound = g.get(key("kda.gate_lower_bound"))
         return cls(
             dsa_layers=dsa,
+            indexer_source=tuple(source),
             n_streams=int(need("hyper_connection.count")),
             sinkhorn_iterations=int(need("hyper_connection.sinkhorn_iterations")),
             hc_eps=float(need("hyper_connection.epsilon")),
@@ -400,17 +412,51 @@ def _no_hooks(linear: Linear, x: torch.Tensor) -> torch.Tensor:
     return y if linear.bias is None else y + linear.bias
 
 
-class SparseMLA(nn.Module):
-    """DSA: MLA over the positions its indexer selects (all of them while there are few)."""
+class Selection:
+    """What a DSA block's indexer selected in the current step, for the DSA blocks after it that share its indexer
+    (attention.indexer.types 0: they have no indexer tensors and attend to the same positions, as in llama.cpp).
+    Blocks run in order, so a sharing block reads its source's selection of the same step. Selections are kept by
+    where the step's rows start in its positions tensor and how many there are, so that a step run in parts (rows
+    a:b of one positions tensor each) pairs each part with its own; a step starting at row 0 drops the others."""
 
-    def __init__(self, mla: MLAttention, indexer: LightningIndexer) -> None:
+    def __init__(self) -> None:
+        self._by_rows: dict[tuple[int, int], torch.Tensor | None] = {}
+
+    @staticmethod
+    def _rows(step: Step) -> tuple[int, int]:
+        return step.positions.storage_offset(), step.positions.shape[0]
+
+    def record(self, step: Step, selected: torch.Tensor | None) -> None:
+        """selected: (T, n_slots) bool, or None for every position."""
+        rows = self._rows(step)
+        if rows[0] == 0:
+            self._by_rows.clear()
+        self._by_rows[rows] = selected
+
+    def read(self, step: Step) -> torch.Tensor | None:
+        rows = self._rows(step)
+        assert rows in self._by_rows, "a DSA block sharing an indexer ran before the block that owns it"
+        return self._by_rows[rows]
+
+
+# The Selection of each indexer-owning DSA block, per model being built (keyed by its Hooks, one per model).
+_SELECTIONS: weakref.WeakKeyDictionary[Hooks, dict[int, Selection]] = weakref.WeakKeyDictionary()
+
+
+class SparseMLA(nn.Module):
+    """DSA: MLA over the positions an indexer selects (all of them while there are few): its own indexer, which
+    records what it selected in `selection`, or, without one, the selection another block recorded there."""
+
+    def __init__(self, mla: MLAttention, indexer: LightningIndexer | None, selection: Selection) -> None:
         super().__init__()
-        self.mla, self.indexer = mla, indexer
+        self.mla, self.indexer, self.selection = mla, indexer, selection
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        selected = self.indexer(x, step)
+        if self.indexer is not None:
+            self.selection.record(step, self.indexer(x, step))
+        selected = self.selection.read(step)
         if selected is not None:
-            step = dataclasses.replace(step, _masks={0: selected})
+            step = dataclasses.replace(step, _masks={0: selected.to(x.device)})
         return self.mla(x, step)
 
 
@@ -421,8 +467,11 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     if a.dsa_layers[layer]:
         mla = MLAttention(args, w, hooks, layer, ctx.rope(attn_factor=rope_attn_factor(args)),
                           ctx.kv_cache(1, args.kv_lora_rank, args.kv_lora_rank))
-        indexer = LightningIndexer(w, hooks, layer, a, mla.wq_a, mla.q_a_norm, ctx.n_ctx, ctx.n_seq)
-        attn: nn.Module = SparseMLA(mla, indexer)
+        source = a.indexer_source[layer]
+        indexer = LightningIndexer(w, hooks, layer, a, mla.wq_a, mla.q_a_norm, ctx.n_ctx, ctx.n_seq) \
+            if source == layer else None
+        selection = _SELECTIONS.setdefault(hooks, {}).setdefault(source, Selection())
+        attn: nn.Module = SparseMLA(mla, indexer, selection)
     else:
         attn = KimiDeltaAttention(args, a, w, hooks, layer, ctx.n_seq)
     if layer < args.n_dense_lead:
