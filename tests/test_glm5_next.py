@@ -487,7 +487,7 @@ def test_slot_plan_leaves_the_nextn_block_out(tmp_path: Path) -> None:
     assert place(anatomy, [budget], reserve, decoder_blocks).slots == place(anatomy, [budget], reserve, counts).slots
     result = run("inspect", path, "--vram", "1G")
     assert result.exit_code == 0, result.output
-    assert "layers        6 (4 MoE, 1 dense: 0, 1 NextN: 5)" in result.output
+    assert "layers        6 (4 MoE, 1 dense: 0; 1 NextN: 5)" in result.output
     assert "an expert in each of 4 MoE layers" in result.output
 
 

@@ -203,7 +203,7 @@ def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
         f"file size     {format_size(a.file_size)} ({a.file_size} bytes, {a.n_shards} shard{'s' * (a.n_shards > 1)})",
         f"layers        {geo.n_layer} ({len(geo.moe_layers)} MoE, {len(geo.dense_layers)} dense"
         + (f": {', '.join(map(str, geo.dense_layers))}" if geo.dense_layers and geo.is_moe else "")
-        + (f", {len(geo.nextn_layers)} NextN: {', '.join(map(str, geo.nextn_layers))}" if geo.nextn_layers else "")
+        + (f"; {len(geo.nextn_layers)} NextN: {', '.join(map(str, geo.nextn_layers))}" if geo.nextn_layers else "")
         + ")",
         *(["attention     " + "; ".join(f"{kind} x{len(blocks)}: {', '.join(map(str, blocks))}"
                                         for kind, blocks in geo.attention.items())] if geo.attention else []),
