@@ -41,6 +41,30 @@ def supports(qtype: Q) -> bool:
 
 
 @triton.jit
+def _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, n_blocks,
+               DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, B: tl.constexpr,
+               GLU: tl.constexpr, TAIL: tl.constexpr):
+    """Blocks kb .. kb+B-1 of the tile's rows into the [TG, R, B, P] accumulators. TAIL: the last, partial step,
+    whose blocks past the row read the last block again with zero inputs (the full steps need no masks)."""
+    b = kb + tl.arange(0, B)
+    if TAIL:
+        b_ok = (b < n_blocks)[None, None, :, None]
+        b = tl.minimum(b, n_blocks - 1)
+    b = b[None, None, :, None]
+    blk = row_ptr + b * S  # [1, R, B, 1]
+    for part in tl.static_range(V // P):
+        x_at = x_ptr + x_row + b * V + part * P + lane + every_row
+        if TAIL:
+            xv = tl.load(x_at, mask=b_ok, other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(x_at).to(tl.float32)
+        acc += DECODE(blk, lane, part) * xv  # [1, R, B, P] weights times [TG, R, B, P] inputs
+        if GLU:
+            acc2 += DECODE(row2_ptr + b * S, lane, part) * xv
+    return acc, acc2
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div,
                  n_tokens,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
@@ -61,43 +85,30 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_
         w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
         w2_base = w2_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
         n_steps = tl.where(slot >= 0, n_blocks, 0)
-    # Tiles are 4-D [TG, R, B, P] from the start, the weights [1, R, B, P], so that products only broadcast; and the
-    # products of a step are summed before they meet the loop-carried accumulator, so that they keep the layout of
-    # the weight loads (a 4-D accumulator would take another one, and each decoded part would move to it through
-    # shared memory).
+    # Tiles are 4-D [TG, R, B, P] from the start, the weights [1, R, B, P], so that products only broadcast, and the
+    # accumulators keep that shape until the loop ends: each thread sums its own products (one FMA per value and
+    # input), and the sums across threads happen once, after the loop. Rows past the matrix read its last row and
+    # tokens past n_tokens the last token's input (their outputs are not stored), so that only the last partial step
+    # needs masks.
     row_offset = tl.minimum(r, n_rows - 1)[None, :, None, None] * row_bytes  # [1, R, 1, 1]
     row_ptr = w_base + row_offset
     row2_ptr = w2_base + row_offset
     t = tl.arange(0, TG)
-    x_row = ((g // x_div) * TG + t)[:, None, None, None] * cols  # [TG, 1, 1, 1]
-    t_ok = (t < n_tokens)[:, None, None, None]
+    x_row = ((g // x_div) * TG + tl.minimum(t, n_tokens - 1))[:, None, None, None] * cols  # [TG, 1, 1, 1]
     lane = tl.arange(0, P)[None, None, None, :]
     every_row = tl.zeros((1, R, 1, 1), tl.int32)  # x is read per row of the tile too: [TG, R, B, P] like w
-    acc = tl.zeros((TG, R), tl.float32)
-    acc2 = tl.zeros((TG, R), tl.float32)
-    for kb in range(0, n_steps, B):
-        b = kb + tl.arange(0, B)
-        b_ok = (b < n_blocks)[None, None, :, None]
-        b = tl.minimum(b, n_blocks - 1)[None, None, :, None]
-        blk = row_ptr + b * S  # [1, R, B, 1]
-        for part in tl.static_range(V // P):
-            w = DECODE(blk, lane, part)  # [1, R, B, P]
-            xv = tl.load(x_ptr + x_row + b * V + part * P + lane + every_row, mask=t_ok & b_ok, other=0.0)
-            xv = xv.to(tl.float32)
-            if part == 0:
-                products = w * xv
-            else:
-                products += w * xv
-            if GLU:
-                w2 = DECODE(row2_ptr + b * S, lane, part)
-                if part == 0:
-                    products2 = w2 * xv
-                else:
-                    products2 += w2 * xv
-        acc += tl.sum(tl.sum(products, axis=3), axis=2)
-        if GLU:
-            acc2 += tl.sum(tl.sum(products2, axis=3), axis=2)
+    acc = tl.zeros((TG, R, B, P), tl.float32)
+    acc2 = tl.zeros((TG, R, B, P), tl.float32)
+    n_full = n_steps // B * B
+    for kb in range(0, n_full, B):
+        acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, n_blocks,
+                               DECODE, V, S, P, B, GLU, False)
+    if n_full < n_steps:
+        acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, n_full, n_blocks,
+                               DECODE, V, S, P, B, GLU, True)
+    acc = tl.sum(tl.sum(acc, axis=3), axis=2)
     if GLU:
+        acc2 = tl.sum(tl.sum(acc2, axis=3), axis=2)
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     out_row = (g * TG + t)[:, None] * n_rows
     tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])

@@ -40,6 +40,13 @@ def _small_f32(u):
 
 
 @triton.jit
+def _small_f32_less(u, OFFSET: tl.constexpr):
+    """u - OFFSET as float32 for integers 0 <= u, OFFSET < 2**23: _small_f32 with the offset folded into its
+    subtraction (2**23 + OFFSET is exact too), one float op instead of two."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
 def _bytes(p, lane):
     """The bytes at p + lane, as int32: a part's run of quant bytes."""
     return tl.load(p + lane).to(tl.int32)
@@ -48,13 +55,13 @@ def _bytes(p, lane):
 @triton.jit
 def _q8_0(blk, lane, PART: tl.constexpr):
     """d (fp16), 32 int8 quants; one part of 32. (u ^ 0x80) is q + 128 for the byte u of an int8 q."""
-    return (_small_f32(_bytes(blk + 2, lane) ^ 0x80) - 128.0) * _f16(blk)
+    return _small_f32_less(_bytes(blk + 2, lane) ^ 0x80, 128) * _f16(blk)
 
 
 @triton.jit
 def _q4_0(blk, lane, PART: tl.constexpr):
     """d (fp16), 16 bytes: the low nibbles are values 0-15 (part 0), the high ones 16-31 (part 1); d * (q - 8)."""
-    return (_small_f32((_bytes(blk + 2, lane) >> (4 * PART)) & 15) - 8.0) * _f16(blk)
+    return _small_f32_less((_bytes(blk + 2, lane) >> (4 * PART)) & 15, 8) * _f16(blk)
 
 
 @triton.jit
@@ -141,7 +148,7 @@ def _q6_k(blk, lane, PART: tl.constexpr):
     low = (_bytes(blk + n * 64 + (f % 2) * 32 + l0, lane) >> ((f // 2) * 4)) & 15
     high = (_bytes(blk + 128 + n * 32 + l0, lane) >> (2 * f)) & 3
     sc = tl.load(blk + 192 + PART).to(tl.int8, bitcast=True).to(tl.float32)
-    return (_f16(blk + 208) * sc) * (_small_f32(low | (high << 4)) - 32.0)
+    return (_f16(blk + 208) * sc) * _small_f32_less(low | (high << 4), 32)
 
 
 @triton.jit
@@ -168,7 +175,7 @@ def _q3_k(blk, lane, PART: tl.constexpr):
     low = (tl.load(blk + 96 + PART % 8).to(tl.int32) >> (4 * (PART // 8))) & 15
     high = (tl.load(blk + 104 + PART % 4).to(tl.int32) >> (2 * (PART // 4))) & 3
     ds = _f16(blk + 108) * ((low | (high << 4)) - 32).to(tl.float32)
-    return ds * (_small_f32(q + 4 * h) - 4.0)
+    return ds * _small_f32_less(q + 4 * h, 4)
 
 
 @triton.jit
