@@ -26,10 +26,12 @@ from moeprep.gguf.dialect import DIALECTS, rename_architecture
 from moeprep.gguf.reader import GGUFModel, open_gguf
 from moeprep.gguf.roles import QuantLimit, TensorRole, quant_limit, role_table, tensor_role
 from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, write_gguf
+from moeprep.profile.export import EXPERT_USAGE_KEY
 from moeprep.quant.plan import plan_requant
 from moeprep.synth import synth_config, write_synth_model
 from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
+from moerun.cache.expert_cache import CacheConfig
 from moerun.cache.placement import place
 from moerun.models.glm5_next import KDA_CHUNK, KDA_SUBCHUNK, kda_chunked, kda_recurrent
 from moerun.step import Step
@@ -447,6 +449,21 @@ def test_perplexity_matches_llama_cpp(calibration_tokens: list[int], tmp_path: P
     reference = math.exp(nll / count)
     ours = moerun.perplexity(model, tokens, n_ctx)
     assert abs(ours / reference - 1) <= 0.005, f"perplexity {ours:.4f} vs llama.cpp's {reference:.4f}"
+
+
+def test_baked_usage_warms_the_decoder_blocks(tmp_path: Path) -> None:
+    """`profile bake` writes a row per block, the NextN block's too: moerun's cache warms from the decoder's
+    blocks' rows and places slots for them."""
+    src = write_synth_model(tmp_path / "g.gguf", "glm5-next", expert_type="F32", attn_type="F32")
+    n_expert = synth_config("glm5-next").n_expert
+    table = np.random.default_rng(0).integers(1, 100, (6, n_expert)).astype(np.uint32)
+    table[0] = 0  # the dense block
+    baked = tmp_path / "baked.gguf"
+    write_gguf(baked, open_gguf(src),
+               kv_set={EXPERT_USAGE_KEY: KVValue(table.reshape(-1), GGUFValueType.ARRAY, GGUFValueType.UINT32)})
+    model = moerun.load_model(baked, cache=CacheConfig(budgets=[1 << 40]))
+    np.testing.assert_array_equal(model.expert_cache.config.usage, table[:5])
+    assert model.expert_cache.placement.slots == (0,) + (n_expert,) * 4
 
 
 def test_inspect_shows_the_attention_pattern(tmp_path: Path) -> None:
