@@ -285,6 +285,27 @@ def test_the_trained_bench_model_batched_equals_moerun_greedy(servers):
         assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == expected, text
 
 
+def test_serve_takes_the_expert_cache_options(chat_model, alone, tmp_path):
+    """The cache options every model command shares reach `moerun serve`; through the cache (a CPU standing in for
+    the GPU, its kernels in Triton's interpreter, tests/conftest.py) two requests batched together get what they get
+    alone without it."""
+    help_text = CliRunner().invoke(main, ["serve", "--help"]).output
+    assert all(o in help_text for o in ("--vram-budget", "--cache-slots", "--expert-profile", "--cache-policy"))
+    server = Server(chat_model, tmp_path / "cache.log", "-np", "2", "--vram-budget", "8G", "--cache-slots", "4")
+    try:
+        server.wait_ready()
+        assert "expert cache: " in server.log.read_text()
+        client = server.client()
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda p: client.completions.create(model="x", prompt=p, max_tokens=6,
+                                                                        temperature=0), PROMPTS[:2]))
+    finally:
+        server.stop()
+    for prompt, r in zip(PROMPTS[:2], replies):
+        expected = alone(alone.model.tokenizer.encode(prompt), 6)
+        assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == expected, prompt
+
+
 # -------------------------------------------------------------------------------------------- hostile input
 
 
