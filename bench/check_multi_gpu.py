@@ -7,14 +7,18 @@ to a temporary folder), greedy generation over the start of bench/data/heldout.t
 
     plain 1          no expert cache, one GPU (the reference)
     plain 2          no cache, blocks split over cuda:0,cuda:1 by bytes          -> the reference's tokens
+    plain 2 eager    the same without CUDA graphs                                 -> the reference's tokens
     slots 1 / 2      the cache with a fixed number of slots per layer, budgets for 1 and for 2 GPUs: the same slots
                      and policy decisions on one GPU or spread over two           -> equal tokens and hit counts
+    slots 2 eager    slots 2 without CUDA graphs                                  -> slots 1's tokens
     budget 2         the cache at two budgets of (reserve + half the non-expert weights + 25% of the experts), the
                      slots from the placement: about half of all experts cached   -> the reference's tokens
     too many         one budget more than there are GPUs                          -> a one-line MoeprepError
 
 and prints, per configuration, the blocks on each GPU, each GPU's memory (allocated after load, peak while
-generating), decode tok/s and the cache's hit rate per GPU. Exit code 1 when a check fails.
+generating), decode tok/s and the cache's hit rate per GPU. Decode steps replay CUDA graphs (cut at the change of
+GPU and at each cached layer, graphs.py) except in the "eager" rows. A configuration that raises is reported and
+the others still run. Exit code 1 when a check fails.
 --cpu runs the same on CPU stand-ins (a dry run of this script; slow: Triton's interpreter runs the slot kernels).
 """
 
@@ -54,12 +58,15 @@ def memory(n_gpu: int) -> list[dict]:
              "peak_mib": torch.cuda.max_memory_allocated(i) / 2**20} for i in range(n_gpu)]
 
 
-def run(path: Path, device: str, cache: CacheConfig | None, prompt_text: str, n: int, n_gpu: int) -> dict:
+def run(path: Path, device: str, cache: CacheConfig | None, prompt_text: str, n: int, n_gpu: int,
+        eager: bool = False) -> dict:
     """Load, generate greedily, report; the model is freed before returning."""
     if n_gpu:
         for i in range(n_gpu):
             torch.cuda.reset_peak_memory_stats(i)
     model = moerun.load_model(path, device=device, n_ctx=1024, cache=cache)
+    if eager:
+        model.decode_graphs = None
     loaded = memory(n_gpu) if n_gpu else []
     prompt = model.tokenizer.encode(prompt_text)
     start = time.perf_counter()
@@ -99,13 +106,24 @@ def check_model(path: Path, prompt_text: str, n: int, cpu: bool) -> tuple[dict, 
     configs = {
         "plain 1": (one, None),
         "plain 2": (two, None),
+        "plain 2 eager": (two, None),
         "slots 1": (kind, CacheConfig(budgets=[big], slots_per_layer=slots)),
         "slots 2": (kind, CacheConfig(budgets=[big, big], slots_per_layer=slots)),
+        "slots 2 eager": (kind, CacheConfig(budgets=[big, big], slots_per_layer=slots)),
         "budget 2": (kind, CacheConfig(budgets=[quarter, quarter])),
     }
     results, failed = {}, []
     for name, (device, cache) in configs.items():
-        results[name] = run(path, device, cache, prompt_text, n, n_gpu)
+        try:
+            results[name] = run(path, device, cache, prompt_text, n, n_gpu, eager=name.endswith("eager"))
+        except Exception as e:  # noqa: BLE001 - a check script: report it, run the rest
+            print(f"  FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            failed.append(f"{path.name}: {name} raised {type(e).__name__}: {e}")
+            results[name] = {"tokens": [], "hits": [], "blocks_per_device": [0], "error": str(e)}
+            gc.collect()
+            if n_gpu:
+                torch.cuda.empty_cache()
+            continue
         r = results[name]
         mem = " ".join(f"gpu{i} {m['allocated_mib']:.0f}/{m['peak_mib']:.0f} MiB" for i, m in enumerate(r["memory"]))
         hits = "" if "hits" not in r else (f", {r['share_cached']:.0%} cached, hit rate per device "
@@ -122,13 +140,15 @@ def check_model(path: Path, prompt_text: str, n: int, cpu: bool) -> tuple[dict, 
         return "" if a == b else f" (first difference at token {i})"
 
     reference = results["plain 1"]["tokens"]
-    for name in ("plain 2", "budget 2"):
+    for name in ("plain 2", "plain 2 eager", "budget 2"):
         tokens = results[name]["tokens"]
         expect(tokens == reference, f"{name}: the same greedy tokens as plain 1{first_difference(tokens, reference)}")
-    s1, s2 = results["slots 1"], results["slots 2"]
-    expect(s1["tokens"] == s2["tokens"], f"slots 2: the same greedy tokens as slots 1"
-                                         f"{first_difference(s2['tokens'], s1['tokens'])}")
-    expect(s1["hits"] == s2["hits"], "slots 2: the same hits per layer as slots 1")
+    s1 = results["slots 1"]
+    for name in ("slots 2", "slots 2 eager"):
+        s2 = results[name]
+        expect(s1["tokens"] == s2["tokens"], f"{name}: the same greedy tokens as slots 1"
+                                             f"{first_difference(s2['tokens'], s1['tokens'])}")
+        expect(s1["hits"] == s2["hits"], f"{name}: the same hits per layer as slots 1")
     for name in ("plain 2", "slots 2", "budget 2"):
         expect(min(results[name]["blocks_per_device"]) > 0, f"{name}: both devices run blocks")
     if not cpu:

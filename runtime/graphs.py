@@ -12,6 +12,8 @@ looks the experts up, sends the slot table, and computes the misses on the CPU w
 step is captured as a `Program`: graphs with host work between them. A layer asks for the cut where its host work
 goes (`active_capture().cut(work)`); a model without the cache is one graph. The graphs share one memory pool and
 always replay in the order they were captured, so a tensor one graph writes is where the next one reads it.
+A model over several GPUs (devices.py) is cut at each change of GPU too: a graph is captured on one device, and the
+host work between two devices' graphs copies the hidden state and the step's positions to the next one.
 
 What a graph cannot capture is listed by `graph_blockers`; the caller then runs the step eagerly.
 """
@@ -44,8 +46,6 @@ def graph_blockers(model) -> list[str]:
         reasons.append(f"the model runs on {model.device.type}, not CUDA")
     if model.hooks.routing or model.hooks.activation:
         reasons.append("hooks are registered (they run Python inside the step)")
-    if model.net.layout.spans_devices:
-        reasons.append("the model spans several GPUs (a graph is captured on one)")
     reasons += [f"{name} is dequantized on the host" for name in host_expert_tensors(model.net)]
     return reasons
 
@@ -73,6 +73,7 @@ class Capture:
 
     def __init__(self, pool) -> None:
         self.pool, self.program, self.graph = pool, Program(), None
+        self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # (capturing, previous)
 
     def __enter__(self) -> Capture:
         global _active
@@ -83,17 +84,55 @@ class Capture:
     def __exit__(self, *exc) -> None:
         global _active
         _active = None
-        self.graph.capture_end()
-        self.program.parts.append(self.graph)
+        self.program.parts.append(self._end())
+        for device, (_, previous) in self.streams.items():
+            with torch.cuda.device(device):
+                torch.cuda.set_stream(previous)
 
     def cut(self, host_work: Callable[[], None]) -> None:
-        self.graph.capture_end()
-        self.program.parts += [self.graph, host_work]
+        self.program.parts += [self._end(), on_current_device(host_work)]
         self._begin()
 
+    def cross(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """Go on on another GPU: end this GPU's graph, and begin one on `device` (on a capture stream of its own,
+        current there until the capture ends). At replay, between the two, the host copies `tensors` into buffers on
+        `device`, each copy ordered after the first GPU's work and before the second's (as Tensor.to orders them);
+        returns those buffers, for the rest of the step to read."""
+        graph = self._end()
+        buffers = [torch.empty_like(t, device=device) for t in tensors]
+
+        def copy() -> None:
+            for buffer, t in zip(buffers, tensors):
+                buffer.copy_(t, non_blocking=True)
+
+        self.program.parts += [graph, copy]
+        with torch.cuda.device(device):
+            if device not in self.streams:
+                self.streams[device] = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+                torch.cuda.set_stream(self.streams[device][0])
+            self._begin()
+        return buffers
+
     def _begin(self) -> None:
+        self.device = torch.cuda.current_device()  # a graph begins and ends on its GPU's current stream
         self.graph = torch.cuda.CUDAGraph()
         self.graph.capture_begin(pool=self.pool)
+
+    def _end(self) -> torch.cuda.CUDAGraph:
+        with torch.cuda.device(self.device):
+            self.graph.capture_end()
+        return self.graph
+
+
+def on_current_device(work: Callable[[], None]) -> Callable[[], None]:
+    """`work` replayed under the GPU current now (a layer's host work syncs and records on its own GPU's stream)."""
+    device = torch.cuda.current_device()
+
+    def run() -> None:
+        with torch.cuda.device(device):
+            work()
+
+    return run
 
 
 _active: Capture | None = None
@@ -140,7 +179,8 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up: lazy allocations and kernel selection happen outside the capture
             step()
         torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        for device in set(self.model.net.layout.devices):
+            torch.cuda.synchronize(device)
         with torch.cuda.stream(side), Capture(self.pool) as capture:
             logits = step()
         return capture.program, logits

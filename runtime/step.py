@@ -29,15 +29,19 @@ class Step:
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _copies: dict[torch.device, Step] = field(default_factory=dict)  # shared by the step and all its copies
 
-    def on(self, device: torch.device) -> Step:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The step's device tensors by field name (positions, and seqs when given)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def on(self, device: torch.device, moved: dict[str, torch.Tensor] | None = None) -> Step:
         """This step with its tensors on `device`: itself where they are already, else a copy made the first time
-        any of the step's copies is asked for `device` (its masks are then built there, once)."""
+        any of the step's copies is asked for `device` (its masks are then built there, once). `moved`: the
+        tensors already there (a captured step copies them between graphs, see graphs.Capture.cross)."""
         if self.positions.device == device:
             return self
         if device not in self._copies:
             self._copies.setdefault(self.positions.device, self)
-            moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)
-                     if isinstance(getattr(self, f.name), torch.Tensor)}
+            moved = moved or {name: t.to(device, non_blocking=True) for name, t in self.tensors().items()}
             self._copies[device] = replace(self, **moved, _masks={}, _copies=self._copies)
         return self._copies[device]
 

@@ -19,6 +19,7 @@ from moerun.cache.expert_cache import CachedExperts, ExpertCache
 from moerun.cache.kv import KVCache
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, on_device
+from moerun.graphs import active_capture
 from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import CPUExperts
 from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router
@@ -138,8 +139,13 @@ class Transformer(nn.Module):
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the
         final norm and the output head, the largest matmul of a prompt chunk, run only where logits are wanted."""
         x = self.embed[tokens]  # (T, D)
+        capture = active_capture() if self.layout.spans_devices else None
         for device, run in self.runs:
-            x, on = x.to(device, non_blocking=True), step.on(device)  # no copies while the device stays the same
+            if capture is not None and x.device != device:  # a captured step: the copies are host work between graphs
+                x, *moved = capture.cross([x, *step.tensors().values()], device)
+                on = step.on(device, dict(zip(step.tensors(), moved)))
+            else:
+                x, on = x.to(device, non_blocking=True), step.on(device)  # no copies while the device stays
             with on_device(device):
                 for block in self.blocks[run]:
                     x = block(x, on)
