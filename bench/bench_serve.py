@@ -1,20 +1,25 @@
 """Serving throughput and latency: 1, 4 and 8 concurrent streaming clients against `moerun serve`, and the same
-client against llama.cpp's llama-server when one is running (--peer-url).
+client against llama.cpp's llama-server on the same file (--llama-server PATH starts one, --peer-url takes a
+running one).
 
     python bench/bench_serve.py MODEL [--device cpu|cuda] [--streams 1,4,8] [--requests 2] [--prompt 64] [--gen 32]
-                                      [-t THREADS] [--chat] [--peer-url http://127.0.0.1:8081] [--json OUT]
+                                      [-t THREADS] [--chat] [--serve-args "--vram-budget 20G"]
+                                      [--llama-server PATH [--peer-args "..."] | --peer-url URL] [--json OUT]
     python bench/bench_serve.py --url http://127.0.0.1:8080 ...        # a moerun serve already running
 
-Ours: `moerun serve -m MODEL -np <most streams> -c <prompt + gen + 16>` started on a free port. The peer: start
-llama-server on the same file with the same --parallel and context per sequence (llama-server's -c is the total:
-`llama-server -m MODEL -np 8 -c $((8 * 112)) --port 8081`), then pass --peer-url.
+Ours: `moerun serve -m MODEL -np <most streams> -c <prompt + gen + 16> --device DEVICE` started on a free port, with
+--serve-args appended. The peer: with --llama-server, `PATH -m MODEL -np <most streams> -c <streams x the same>
+-ngl 999 (cuda) or 0 (cpu) [-t THREADS]` on a free port, --peer-args appended (llama-server's -c is the total over its
+sequences); or start it yourself the same way and pass --peer-url.
 
 Each level runs N clients at once, each sending --requests streamed /v1/completions requests one after another
 (--chat: /v1/chat/completions, for models with a chat template), greedy, with a prompt of --prompt seeded random
 token ids of its own (token-id prompts: no tokenizer or template differences between servers) and max_tokens
 --gen. Measured on the client: time to first token (request sent -> first text chunk), per-token latency (gaps
 between text chunks; both servers send one token per chunk), and aggregate tok/s (completion tokens of all
-requests, from the servers' usage counts, over the level's wall time, prefills included). One warm-up request first.
+requests, from the servers' usage counts, over the level's wall time, prefills included). Before each level, N
+warm-up requests at once (prompts of the same length, 2 tokens) let either server compile or capture what that
+batch size needs. The client needs aiohttp only (no openai package).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import socket
 import subprocess
 import sys
@@ -71,10 +77,11 @@ async def run_level(url: str, streams: int, requests: int, prompt_len: int, gen:
     async def client(session: aiohttp.ClientSession, i: int) -> list[dict]:
         return [await one_request(session, url, p, gen, chat) for p in prompts[i]]
 
+    warm_up = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(streams)]
     # a new connection per request: llama-server closes idle keep-alive connections the pool would reuse
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
-        await one_request(session, url, prompts[0][0][:8], 4, chat)  # warm-up
+        await asyncio.gather(*(one_request(session, url, p, 2, chat) for p in warm_up))
         start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(client(session, i) for i in range(streams))) for r in rs]
         wall = time.perf_counter() - start
@@ -101,16 +108,45 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) ->
     raise TimeoutError(f"{url} did not become ready")
 
 
-def start_moerun(model: str, parallel: int, n_ctx: int, device: str,
-                 threads: int | None) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "moerun", "serve", "-m", model, "-np", str(parallel), "-c", str(n_ctx),
-           "--device", device, "--port", str(port)] + (["-t", str(threads)] if threads else [])
-    log = tempfile.NamedTemporaryFile("w", prefix="moerun-serve-", suffix=".log", delete=False)
-    print(" ".join(cmd), f"(log: {log.name})", file=sys.stderr)
+        return s.getsockname()[1]
+
+
+def start_server(name: str, cmd: list[str], port: int) -> tuple[subprocess.Popen, str]:
+    log = tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".log", delete=False)
+    print(shlex.join(cmd), f"(log: {log.name})", file=sys.stderr)
     return subprocess.Popen(cmd, stdout=log, stderr=log), f"http://127.0.0.1:{port}"
+
+
+def moerun_command(model: str, parallel: int, n_ctx: int, device: str, threads: int | None, extra: str,
+                   port: int) -> list[str]:
+    return ([sys.executable, "-m", "moerun", "serve", "-m", model, "-np", str(parallel), "-c", str(n_ctx),
+             "--device", device, "--port", str(port)] + (["-t", str(threads)] if threads else []) + shlex.split(extra))
+
+
+def llama_server_command(binary: str, model: str, parallel: int, n_ctx: int, device: str, threads: int | None,
+                         extra: str, port: int) -> list[str]:
+    return ([binary, "-m", model, "-np", str(parallel), "-c", str(parallel * n_ctx), "--port", str(port),
+             "-ngl", "999" if device.startswith("cuda") else "0"] + (["-t", str(threads)] if threads else [])
+            + shlex.split(extra))
+
+
+def report(name: str, row: dict) -> dict:
+    print(f"{name:12s} streams {row['streams']}: {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
+          f"p99 {row['ttft_p99_ms']:.0f} ms, per token p50 {row['tpot_p50_ms']:.1f} ms "
+          f"p99 {row['tpot_p99_ms']:.1f} ms", file=sys.stderr, flush=True)
+    return {"server": name, **row}
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:
@@ -118,6 +154,9 @@ def main() -> None:
     ap.add_argument("model", nargs="?", help="GGUF file to serve with moerun (or --url)")
     ap.add_argument("--url", help="a moerun serve already running")
     ap.add_argument("--peer-url", help="llama.cpp's llama-server, running on the same file")
+    ap.add_argument("--llama-server", help="llama-server binary: start it on the same file as the peer")
+    ap.add_argument("--serve-args", default="", help="more moerun serve options, e.g. '--vram-budget 20G'")
+    ap.add_argument("--peer-args", default="", help="more llama-server options")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("-t", "--threads", type=int)
     ap.add_argument("--streams", default="1,4,8")
@@ -130,30 +169,29 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.model or args.url):
         ap.error("give MODEL or --url")
+    if args.llama_server and (args.peer_url or not args.model):
+        ap.error("--llama-server starts the peer on MODEL: give MODEL, and not --peer-url")
     levels = [int(s) for s in args.streams.split(",")]
-    servers, proc = {}, None
-    if args.url:
-        servers["moerun"] = args.url
-    else:
-        proc, servers["moerun"] = start_moerun(args.model, max(levels), args.prompt + args.gen + 16, args.device,
-                                               args.threads)
-    if args.peer_url:
-        servers["llama-server"] = args.peer_url
+    n_ctx = args.prompt + args.gen + 16
+    ours, peer = free_port(), free_port()
+    # (name, the URL of a running server, or the command that starts one on its port), measured one after the other
+    servers: list[tuple[str, str | tuple[list[str], int]]] = [("moerun", args.url or (moerun_command(
+        args.model, max(levels), n_ctx, args.device, args.threads, args.serve_args, ours), ours))]
+    if args.peer_url or args.llama_server:
+        servers.append(("llama-server", args.peer_url or (llama_server_command(
+            args.llama_server, args.model, max(levels), n_ctx, args.device, args.threads, args.peer_args, peer), peer)))
     rows = []
-    try:
-        for name, url in servers.items():
-            wait_ready(url, proc if name == "moerun" else None)
+    for name, where in servers:
+        proc, url = (None, where) if isinstance(where, str) else start_server(name, *where)
+        try:
+            wait_ready(url, proc)
             for streams in levels:
                 row = asyncio.run(run_level(url, streams, args.requests, args.prompt, args.gen, args.vocab, args.chat,
                                             seed=streams))
-                rows.append({"server": name, **row})
-                print(f"{name:12s} streams {streams}: {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
-                      f"p99 {row['ttft_p99_ms']:.0f} ms, per token p50 {row['tpot_p50_ms']:.1f} ms "
-                      f"p99 {row['tpot_p99_ms']:.1f} ms", file=sys.stderr)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
+                rows.append(report(name, row))
+        finally:
+            if proc is not None:
+                stop(proc)
     print("| server | streams | requests | tokens | aggregate tok/s | TTFT p50 / p99 ms | per token p50 / p99 ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -164,6 +202,10 @@ def main() -> None:
         if r["streams"] == max(levels) and r["server"] in base:
             print(f"{r['server']}: {max(levels)} streams give {r['tok_s'] / base[r['server']]:.2f}x the aggregate "
                   f"tok/s of {min(levels)}")
+    peer = {r["streams"]: r["tok_s"] for r in rows if r["server"] == "llama-server"}
+    for r in rows:
+        if r["server"] == "moerun" and r["streams"] in peer:
+            print(f"moerun / llama-server at {r['streams']} streams: {r['tok_s'] / peer[r['streams']]:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -27,7 +27,7 @@ import torch
 from moerun.generation import Sampler, greedy
 from moerun.model import Model
 
-PREFILL_CHUNK = 512  # prompt tokens one step runs, over all the jobs still prefilling
+PREFILL_CHUNK = 256  # prompt tokens one step runs, over all the jobs still prefilling
 
 
 class QueueFull(Exception):
