@@ -19,7 +19,7 @@ import os
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache
 from typing import Protocol
 
 import torch
@@ -324,10 +324,9 @@ class Router(nn.Module):
         self.scale = args.expert_weights_scale
         self.n_groups, self.n_group_used = args.n_expert_groups, args.n_group_used
         self.register_buffer("selection_bias", selection_bias, persistent=False)
-        route = kernels_for(device_of(gate)).route
-        plain = route is not None and selection_bias is None and self.n_groups <= 1
-        self.choose = (partial(route, k=self.k, gating=self.gating, normalize=self.normalize, scale=self.scale)
-                       if plain else self.choose_general)
+        self.kernels = kernels_for(device_of(gate))
+        plain = self.kernels.route is not None and selection_bias is None and self.n_groups <= 1
+        self.choose = self.choose_plain if plain else self.choose_general
 
     @classmethod
     def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int) -> Router:
@@ -339,6 +338,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32."""
         return self.choose(self.gate(x).float())
+
+    def choose_plain(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """No selection bias, no groups: the fused kernel."""
+        return self.kernels.route(logits, self.k, self.gating, self.normalize, self.scale)
 
     def choose_general(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch reference, for every gating: logits (T, E) -> ids (T, K), weights (T, K)."""

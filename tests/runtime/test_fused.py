@@ -223,7 +223,7 @@ def test_model_with_fused_kernels(synth_model, monkeypatch):
     reference = moerun.load_model(path, device=DEVICE, dtype=torch.float32)
     monkeypatch.setattr(layers, "kernels_for", lambda device: layers.fused_kernels())
     model = moerun.load_model(path, device=DEVICE, dtype=torch.float32)
-    assert model.net.blocks[0].attn.kernels is layers.fused_kernels()
+    assert model.net.blocks[0].attn_norm.kernels is layers.fused_kernels()
     for m in (reference, model):
         m.logits = [m.forward(tokens, 0)[-1]] + [m.forward(torch.tensor([t]), len(tokens) + i)[0]
                                                   for i, t in enumerate([20, 21])]
