@@ -192,3 +192,15 @@ def test_cache_over_two_stand_ins_with_a_dense_lead_block(synth_model) -> None:
     assert placement.slots[0] == 0 and layout.block[0] == layout.block[1] == 0  # the dense block with its neighbour
     assert layout.block[-1] == 1
     torch.testing.assert_close(run_text(two, 2), run_text(one, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_refuses_more_budgets_than_gpus_with_exit_2(gpus, synth_model) -> None:
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+
+    gpus(1)
+    result = CliRunner().invoke(main, ["-m", str(synth_model("qwen3moe")), "--device", "cuda",
+                                       "--vram-budget", "24G,24G", "-p", "hi", "-n", "1"])
+    assert result.exit_code == 2, result.output
+    assert "2 budgets" in result.stderr and result.stderr.count("\n") == 1
