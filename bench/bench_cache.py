@@ -6,13 +6,18 @@
 Settings: `resident` (every expert on the GPU), `cold` (the cache at the budget, starting empty), `warm` (the cache
 warmed by expert counts, as `--expert-profile` warms it; the counts are taken here over --warm-text with a routing
 hook on the resident model, which is what `moeprep profile` records, so the GPU machine needs no profile file), and
-`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain).
+`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain). Each cached setting runs in a
+process of its own (`--setting NAME`), so one setting's pinned memory, threads and compiled kernels do not weigh
+on the next.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +44,22 @@ def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -
     return counts
 
 
+SETTINGS = {"cold": (False, None), "warm": (True, None), "warm-64": (True, 64), "cold-64": (False, 64)}
+
+
+def run_setting(args, name: str, text: str) -> dict:
+    """One cached setting in this process: load at the budget, bench, print, return the results."""
+    warm, gen = SETTINGS[name]
+    usage = np.load(args.usage) if warm else None
+    n_prompt, n_gen = (0, gen) if gen else (args.prompt, args.gen)
+    config = CacheConfig(budgets=[parse_size(args.budget)], usage=usage, cpu_threads=args.threads)
+    model = moerun.load_model(args.model, device="cuda", n_ctx=args.prompt + args.gen + 8, cache=config)
+    print(f"== {name}\n{describe_cache(model.expert_cache)}", flush=True)
+    result = run_bench(model, n_prompt, n_gen, text)
+    print(format_result(result), flush=True)
+    return {**result.as_dict(), "share_cached": model.expert_cache.placement.share}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -49,29 +70,34 @@ def main() -> None:
     ap.add_argument("--warm-text", help="Text to count expert use over for the warm start (default: none).")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json")
+    ap.add_argument("--setting", choices=SETTINGS, help="Run only this cached setting (the driver's child).")
+    ap.add_argument("--usage", help="With --setting: the warm start's counts (.npy).")
     args = ap.parse_args()
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
-    n_ctx = args.prompt + args.gen + 8
+    if args.setting:
+        result = run_setting(args, args.setting, text)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result))
+        return
     results = {}
-    resident = moerun.load_model(args.model, device="cuda", n_ctx=max(n_ctx, 520))
+    resident = moerun.load_model(args.model, device="cuda", n_ctx=max(args.prompt + args.gen + 8, 520))
     usage = expert_counts(resident, Path(args.warm_text).read_text(errors="replace")) if args.warm_text else None
     result = run_bench(resident, args.prompt, args.gen, text)
     print("== resident\n" + format_result(result), flush=True)
     results["resident"] = result.as_dict()
     del resident
     torch.cuda.empty_cache()
-    settings = [("cold", None, args.prompt, args.gen)]
+    folder = Path(tempfile.mkdtemp())
+    child = [sys.executable, __file__, args.model, "--budget", args.budget, "-p", str(args.prompt), "-n",
+             str(args.gen), "-f", args.text] + (["--threads", str(args.threads)] if args.threads else [])
     if usage is not None:
-        settings += [("warm", usage, args.prompt, args.gen), ("warm-64", usage, 0, 64), ("cold-64", None, 0, 64)]
-    for name, counts, n_prompt, n_gen in settings:
-        config = CacheConfig(budgets=[parse_size(args.budget)], usage=counts, cpu_threads=args.threads)
-        model = moerun.load_model(args.model, device="cuda", n_ctx=n_ctx, cache=config)
-        print(f"== {name}\n{describe_cache(model.expert_cache)}", flush=True)
-        result = run_bench(model, n_prompt, n_gen, text)
-        print(format_result(result), flush=True)
-        results[name] = {**result.as_dict(), "share_cached": model.expert_cache.placement.share}
-        del model
-        torch.cuda.empty_cache()
+        np.save(folder / "usage.npy", usage)
+        child += ["--usage", str(folder / "usage.npy")]
+    for name in SETTINGS if usage is not None else ["cold"]:
+        out = folder / f"{name}.json"
+        subprocess.run([*child, "--setting", name, "--json", str(out)], check=False)
+        if out.exists():
+            results[name] = json.loads(out.read_text())
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

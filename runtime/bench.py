@@ -115,6 +115,7 @@ def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | No
     stats = cache.stats
     per_layer = stats.per_layer()[stats.lookups > 0]
     report = {"hit_rate": round(stats.hit_rate, 4), "uploads_per_token": round(stats.uploads / n_tokens, 2),
+              "staged_per_token": round(stats.staged / n_tokens, 2),
               "hit_rate_per_layer": [round(float(h), 3) for h in per_layer]}
     if wall_s is not None:
         ms = {name: 1000 * stats.seconds[name] / n_tokens for name in TIMED}
@@ -140,7 +141,8 @@ def format_result(result: BenchResult) -> str:
         spread = (f" (per layer {layers.min():.1%} to {layers.max():.1%}, median {np.median(layers):.1%})"
                   if len(layers) else "")
         lines.append(f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
-                     f"{report['uploads_per_token']:.2f} uploads per token")
+                     f"{report['uploads_per_token']:.2f} uploads per token"
+                     + (f", {report['staged_per_token']:.2f} experts staged per token" if report["staged_per_token"] else ""))
         if "ms_per_token" in report:
             lines.append("  ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ms_per_token"].items()))
     if result.vram_bytes is not None:

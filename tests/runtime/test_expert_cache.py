@@ -116,3 +116,21 @@ def test_a_profile_of_another_model_is_refused(profiled):
 def test_a_budget_without_room_for_slots_is_refused(synth_model):
     with pytest.raises(MoeprepError, match="vram-budget"):
         moerun.load_model(synth_model("qwen3moe"), cache=CacheConfig(budgets=[1 << 20]))
+
+
+def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch):
+    """A prompt's missed experts chosen by several tokens run from the staging bank (on the GPU there; here the CPU
+    stands in), the rest on the CPU: the sum is the resident model's, within the grouped kernel's float32 rounding
+    (its tiled products may round through TF32)."""
+    import moerun.cache.expert_cache as expert_cache
+
+    monkeypatch.setattr(expert_cache, "STAGING_DEVICES", {"cuda", "cpu"})
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    reference = moerun.load_model(path)
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=1))
+    prompt = torch.tensor(reference.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)\n    while lo < hi:"))
+    ours, ref = cached.forward(prompt), reference.forward(prompt)
+    stats = cached.expert_cache.stats
+    assert stats.staged > 0 and stats.hits.sum() < stats.lookups.sum()
+    assert float((ours - ref).norm() / ref.norm()) < 1e-2
+    check_tables(cached)
