@@ -58,9 +58,11 @@ class OpLog(TorchDispatchMode):
 
 
 def _aliases_input(name: str, args, out) -> bool:
-    if name.endswith("_") or not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    if name.endswith("_") or not args or not isinstance(args[0], torch.Tensor) or not outs:
         return False
-    return out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
+    storage = args[0].untyped_storage().data_ptr()
+    return all(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == storage for o in outs)
 
 
 def log_triton_launches(log: OpLog) -> None:

@@ -229,6 +229,8 @@ class Attention(nn.Module):
         self.scale, self.window = scale, window
         self.register_buffer("sinks", sinks, persistent=False)
         self.kernels = kernels_for(cache.k.device)
+        self.wqkv = self.kernels.stack_rows([wq, wk, wv])  # q, k and v in one product where the kernels can
+        self.qkv_rows = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * v_head_dim)
 
     @classmethod
     def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, rope: Rope, cache: KVCache,
@@ -248,14 +250,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         T = x.shape[0]
-        q = self.wq(x).view(T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(T, self.n_kv_heads, self.v_head_dim)
+        q, k, v = self.project(x)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.v_head_dim)
         q, k, v = self.kernels.norm_rope(q, k, v, self.q_norm, self.k_norm, self.rope, step.positions,
                                          self.cache.k.dtype)
         k_all, v_all = self.cache.update(step, k, v)  # (S, G, Dh), or (T, S, G, Dh) across sequences
         out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
+
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, D) -> q (T, H*Dh), k (T, G*Dh), v (T, G*Dv): one stacked product, or three where the weights
+        differ in type or activation hooks must see each tensor's input under its own name."""
+        if self.wqkv is None or self.wqkv.hooks.activation:
+            return self.wq(x), self.wk(x), self.wv(x)
+        return self.wqkv(x).split(self.qkv_rows, dim=-1)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
@@ -493,7 +504,8 @@ class Kernels:
     """The elementwise and normalization work of the layers, as torch ops or as fused Triton kernels.
 
     `route` chooses experts for the plain gatings (no selection bias, no expert groups; None: the Router's torch
-    code); `activations` are the expert activations by name (ACTIVATIONS' keys).
+    code); `activations` are the expert activations by name (ACTIVATIONS' keys); `stack_rows` makes one Linear of
+    several that share their input (None: they run apart).
     """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -502,10 +514,11 @@ class Kernels:
     attend: Callable[..., torch.Tensor]
     route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     activations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+    stack_rows: Callable[[list[Linear]], Linear | None]
 
 
 # The float32 reference: the CPU path, and what the fused kernels are tested against.
-TORCH_KERNELS = Kernels(rms_norm, add_rms_norm, norm_rope, attend, None, ACTIVATIONS)
+TORCH_KERNELS = Kernels(rms_norm, add_rms_norm, norm_rope, attend, None, ACTIVATIONS, lambda linears: None)
 
 
 def kernels_for(device: torch.device) -> Kernels:
@@ -522,6 +535,7 @@ def device_of(module: nn.Module) -> torch.device:
 @cache
 def fused_kernels() -> Kernels:
     from moerun.kernels import fused  # Triton comes with CUDA builds of torch
+    from moerun.quantized import QuantLinear
 
     def fused_norm_rope(q, k, v, q_norm, k_norm, rope, positions, kv_dtype):
         """One launch where the Q/K norms are per head (or absent), else the torch reference."""
@@ -540,4 +554,4 @@ def fused_kernels() -> Kernels:
         return attend(q, k, v, allowed, scale, sinks)
 
     return Kernels(fused.rms_norm, fused.add_rms_norm, fused_norm_rope, fused_attend, fused.route,
-                   {**ACTIVATIONS, "swiglu": fused.swiglu})
+                   {**ACTIVATIONS, "swiglu": fused.swiglu}, QuantLinear.stack_rows)

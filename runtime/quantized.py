@@ -13,7 +13,10 @@ within the tolerance accepted between moerun's CPU and GPU paths.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from moerun.hooks import Hooks
 from moerun.kernels.dequant import supports as device_dequantizes
@@ -38,6 +41,28 @@ class QuantLinear(Linear):
             self.hooks.fire_activation(self.name, x)
         y = gguf_mm(x, self.qweight)
         return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def stack_rows(cls, parts: list[Linear]) -> QuantLinear | None:
+        """One QuantLinear over the rows of `parts` stacked, for products of one input (q, k and v: one launch instead
+        of three), or None unless all are QuantLinear of one type and width. Each part is re-pointed at its own rows
+        of the stacked bytes, so the weights are held once and the parts still run alone (hooks see each tensor)."""
+        if not all(isinstance(p, QuantLinear) for p in parts) or len({(Q(p.qweight.qtype), p.qweight.cols)
+                                                                          for p in parts}) != 1:
+            return None
+        data = torch.cat([p.qweight.data for p in parts])
+        start = 0
+        for p in parts:
+            rows = p.qweight.rows
+            p.qweight = dataclasses.replace(p.qweight, data=data[start:start + rows])
+            p.blocks = p.qweight.data
+            start += rows
+        bias = None
+        if any(p.bias is not None for p in parts):
+            bias = torch.cat([p.bias if p.bias is not None else data.new_zeros(p.qweight.rows, dtype=torch.float32)
+                              for p in parts])
+        first = parts[0].qweight
+        return cls(QWeight(data, first.qtype, start, first.cols), bias, "+".join(p.name for p in parts), parts[0].hooks)
 
 
 def expert_bank(t: ExpertTensor) -> QWeight:

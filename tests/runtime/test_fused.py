@@ -208,6 +208,41 @@ def test_moe_combine(gen):
     close(fused.moe_combine(y, weights, slots), ref)
 
 
+def test_stacked_qkv(gen):
+    """QuantLinear.stack_rows: one product over q, k and v's rows (one with a bias) equals the three apart, and the
+    parts, re-pointed at the stacked bytes, still give their own products."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from moerun.hooks import Hooks
+    from moerun.kernels.gguf_matmul import QWeight
+    from moerun.quantized import QuantLinear
+
+    rng = np.random.default_rng(3)
+    cols, hooks = 64, Hooks()
+
+    def q8_0(rows: int) -> QWeight:
+        blocks = rng.integers(0, 256, (rows, cols // 32, 34), dtype=np.uint8)
+        blocks[..., :2] = (rng.uniform(0.01, 0.1, (rows, cols // 32)).astype(np.float16).view(np.uint8)
+                           .reshape(rows, cols // 32, 2))
+        return QWeight(torch.from_numpy(blocks.reshape(rows, -1)).to(DEVICE), Q.Q8_0, rows, cols)
+
+    parts = [QuantLinear(q8_0(n), bias, name, hooks)
+             for n, bias, name in ((16, None, "q"), (8, randn(8, gen=gen), "k"), (8, None, "v"))]
+    x = randn(3, cols, gen=gen)
+    apart = [p(x) for p in parts]
+    stacked = QuantLinear.stack_rows(parts)
+    assert stacked is not None and stacked.qweight.rows == 32
+    for got, ref in zip(stacked(x).split([16, 8, 8], dim=-1), apart):
+        close(got, ref)
+    for p, ref in zip(parts, apart):
+        assert p.qweight.data.untyped_storage().data_ptr() == stacked.qweight.data.untyped_storage().data_ptr()
+        close(p(x), ref)
+    other = QuantLinear(QWeight(torch.zeros(4, 36, dtype=torch.uint8, device=DEVICE), Q.Q4_0, 4, cols), None, "o",
+                        hooks)
+    assert QuantLinear.stack_rows([parts[0], other]) is None  # types differ
+
+
 # --------------------------------------------------------------------------------------------------- whole model
 
 
