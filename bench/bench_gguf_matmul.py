@@ -13,7 +13,8 @@ Weights are random bytes (timing does not depend on the values; tests/runtime/te
 Every timed call reads weights that are not in L2: the calls rotate over enough copies (or experts) to pass 200 MB.
 Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
 step), median of --repeat replays after a warm-up. --sweep first times a few GEMV/GEMM tile shapes per type and uses
-the fastest (to copy into runtime/kernels/tuning.py).
+the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles on each expert shape
+(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import triton
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import tuning
-from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe
+from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 ROTATE_BYTES = 200 << 20  # more than the H200's 50 MB L2, several times over
@@ -126,6 +127,16 @@ def moe(qtype: Q, shape: tuple[int, int], per_pair: bool, n_tokens: int, repeat:
             "TFLOP/s": 2 * n_tokens * TOP_K * rows * cols / t / 1e12}
 
 
+def moe_glu(qtype: Q, shape: tuple[int, int], repeat: int) -> dict:
+    """gate and up of the 8 experts of one token with SwiGLU, in one launch (gguf_moe_glu): bytes of both banks."""
+    rows, cols = shape
+    gate, up = (QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols) for _ in range(2))
+    expert_bytes = gate.data[0].numel()
+    x, slots = moe_inputs(1, cols, False, n_calls=16)
+    t = graph_seconds([lambda s=s: gguf_moe_glu(x, gate, up, s) for s in slots], repeat)
+    return {"us": t * 1e6, "GB/s": 2 * TOP_K * expert_bytes / t / 1e9}
+
+
 def moe_peer_decode(shape: tuple[int, int], repeat: int) -> dict:
     """bmm of one token's input with its 8 experts' bfloat16 weights, already stacked (the peer's best case)."""
     rows, cols = shape
@@ -147,6 +158,28 @@ def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
             results.append((guarded(dense_gemv, qtype, 1, repeat)["GB/s"], tiles))
     best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
     tuning.GEMV_OVERRIDES[qtype] = best
+    return best, [(round(gbs), t.__dict__) for gbs, t in results]
+
+
+def sweep_grouped_gemv(name: str, qtype: Q, shape: tuple[int, int], per_pair: bool,
+                       repeat: int) -> tuple[tuning.GemvTiles, list]:
+    """Tiles of the grouped decode on one expert shape (gate/up timed as gguf_moe_glu, the launch decode runs):
+    more rows per program for short rows, 1-4 warps. Sets tuning.GEMV_GROUPED_OVERRIDES for the shape."""
+    rows, cols = shape
+    bt = BLOCK_TYPES[qtype]
+    key = (qtype, cols // bt.values)
+    blocks = (1, 2, 4) if bt.values == 256 else (4, 8, 16)
+    results = []
+    for r in (4, 8, 16, 32):
+        for b in blocks:
+            for warps in (1, 2, 4):
+                tiles = tuning.GemvTiles(r, b, warps)
+                tuning.GEMV_GROUPED_OVERRIDES[key] = tiles
+                measured = guarded(moe, qtype, shape, True, 1, repeat) if per_pair else guarded(moe_glu, qtype,
+                                                                                                   shape, repeat)
+                results.append((measured["GB/s"], tiles))
+    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    tuning.GEMV_GROUPED_OVERRIDES[key] = best
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
 
@@ -189,6 +222,11 @@ def main() -> None:
             best, table = sweep_gemv(qtype, r)
             results[f"sweep gemv {qtype.name}"] = table
             print(f"sweep GEMV {qtype.name}: {table} -> {best}", flush=True)
+        for name, qtype, shape, per_pair in MOE_SHAPES:
+            best, table = sweep_grouped_gemv(name, qtype, shape, per_pair, r)
+            results[f"sweep grouped gemv {name} {qtype.name}"] = table
+            key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
+            print(f"sweep grouped GEMV {name} {qtype.name}: {table} -> {key}: {best}", flush=True)
         for qtype in (Q.Q4_K, Q.Q8_0):
             best, table = sweep_gemm(qtype, r)
             results[f"sweep gemm {qtype.name}"] = table
@@ -207,6 +245,10 @@ def main() -> None:
     for name, qtype, shape, per_pair in MOE_SHAPES:
         report(f"{name} 8/128 T=1", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
                guarded(moe_peer_decode, shape, r))
+        if not per_pair:  # gate and up as decode runs them: one launch with the SwiGLU (peer: two bmm)
+            peer = guarded(moe_peer_decode, shape, r)
+            report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1", qtype.name, guarded(moe_glu, qtype, shape, r),
+                   {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
     peer = guarded(dense_peer, PREFILL_T, r)
     print(f"\n{'prefill T=512':34} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
     for qtype in DENSE_TYPES:
@@ -219,6 +261,8 @@ def main() -> None:
         print(f"{name + ' 8/128':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
         results[f"prefill {name} {qtype.name}"] = {"ours": ours}
     results["tiles"] = {"gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
+                        "grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in
+                                         tuning.GEMV_GROUPED_OVERRIDES.items()},
                         "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()}}
     if args.json:
         with open(args.json, "w") as f:

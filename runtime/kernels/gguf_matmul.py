@@ -178,7 +178,8 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T)."""
     group = triton.next_power_of_2(tokens)
     # the GLU keeps two products per value: tiles for twice the tokens keep its accumulators in registers
-    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, bt.part, group * (2 if up is not None else 1))
+    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, bt.part, group * (2 if up is not None else 1),
+                              grouped_blocks=0 if slots is None else w.cols // bt.values)
     row_bytes = w.data.shape[-1]
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](

@@ -37,6 +37,10 @@ class GemmTiles:
 # fastest of 2-16 rows x 2-16 blocks, 4 or 8 warps. Keyed by values per block; types not swept take their size's.
 GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=4), 32: GemvTiles(rows=8, blocks=16)}
 GEMV_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_0: GemvTiles(rows=8, blocks=16, num_warps=8)}
+# The grouped decode (gguf_moe, gguf_moe_glu: a program per (token, expert) pair and row tile) runs short rows in many
+# small programs; its tiles, keyed by (type, blocks per row), come from bench_gguf_matmul.py --sweep on the expert
+# shapes. Shapes not listed take the dense tiles above.
+GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {}
 # GEMM, T=512: 128x128 tiles with 8 warps ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0; 3 stages,
 # Triton 3.6). Q4_K keeps 2 stages: Triton 3.9 asks 232 KB of shared memory for 3 (the H200 has 227 KB). The grouped
 # kernel, given those tiles with float32 inputs, asked for 303 KB; it keeps 64x64, measured on it. Q6_K and Q4_0 were
@@ -50,9 +54,11 @@ DENSE_GEMM_OVERRIDES: dict[Q, GemmTiles] = {Q.Q4_K: GemmTiles(128, 128, 1, num_w
 GEMV_ACCUMULATORS_PER_THREAD = 64
 
 
-def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int) -> GemvTiles:
-    """The type's tiles, with fewer blocks (then rows) per step when `tokens` accumulators per value would spill."""
-    tiles = GEMV_OVERRIDES.get(qtype) or GEMV_BY_BLOCK_VALUES[block_values]
+def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int, grouped_blocks: int = 0) -> GemvTiles:
+    """The type's tiles (the grouped decode's for rows of `grouped_blocks` blocks, where swept), with fewer blocks
+    (then rows) per step when `tokens` accumulators per value would spill."""
+    tiles = (GEMV_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_OVERRIDES.get(qtype)
+             or GEMV_BY_BLOCK_VALUES[block_values])
     rows, blocks = tiles.rows, tiles.blocks
     budget = GEMV_ACCUMULATORS_PER_THREAD * 32 * tiles.num_warps
     while tokens * rows * blocks * part_values > budget and rows * blocks > 1:

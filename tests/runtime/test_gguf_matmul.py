@@ -167,12 +167,17 @@ def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
                 assert_close(y[t, j][None], xs[t, j][None], weights[slot], gemm=grouped)
 
 
-@pytest.mark.parametrize("n_tokens", [3, 21])
+@pytest.mark.parametrize("n_tokens,grouped_tiles", [(3, None), (21, None), (2, tuning.GemvTiles(16, 1, 1))],
+                         ids=["decode", "prefill", "decode-grouped-tiles"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
-def test_moe_glu(wide_tiles, qtype: Q, n_tokens: int) -> None:
+def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles) -> None:
     """gguf_moe_glu = silu(x gate^T) * (x up^T) per (token, expert), on int64 slots with -1 (skipped: zeros):
-    one matrix-vector launch at decode (3 tokens), the grouped GEMMs at prefill (21). Each product is within the
-    bound of assert_close; the SwiGLU carries those errors (|silu'| < 1.1) plus a few roundings of its own."""
+    one matrix-vector launch at decode (3 tokens), the grouped GEMMs at prefill (21), and the decode on tiles from
+    tuning.GEMV_GROUPED_OVERRIDES (16 rows x 1 block: a partial row tile, no masked step). Each product is within
+    the bound of assert_close; the SwiGLU carries those errors (|silu'| < 1.1) plus a few roundings of its own."""
+    if grouped_tiles is not None:
+        blocks = COLS[BLOCK_TYPES[qtype].values] // BLOCK_TYPES[qtype].values
+        monkeypatch.setitem(tuning.GEMV_GROUPED_OVERRIDES, (qtype, blocks), grouped_tiles)
     rng = np.random.default_rng([int(qtype), n_tokens, 5])
     n_slots, k, rows = 5, 3, 24
     cols = COLS[BLOCK_TYPES[qtype].values]
