@@ -1,11 +1,11 @@
 """Fused elementwise and normalization kernels of the decode step: each replaces a chain of small torch ops.
 
-A captured decode step is bound by its kernel count (about 60 per layer in torch ops), not by arithmetic, so each
+A captured decode step is bound by its kernel count (about 78 per layer in torch ops), not by arithmetic, so each
 entry point here does in one launch what layers.py's torch reference does in several:
 
-- `rms_norm` (+ `add_rms_norm`, the residual add folded in): 1 kernel instead of 5-6;
+- `rms_norm` (+ `add_rms_norm`, the residual add folded in): 1 kernel instead of 6-7;
 - `qkv_rope`: per-head Q/K RMSNorm, RoPE of q and k, and k/v cast to the KV cache's dtype, in one launch for q, k
-  and v (instead of about 30 ops);
+  and v (instead of 34 ops);
 - `attend_decode`: softmax attention of a few query tokens over one sequence's KV slots (split over the slots, then
   one combine launch), reading the cache in its own dtype; masked slots are not read;
 - `route`: router softmax (or sigmoid, or softmax over the chosen logits), top-k and renormalisation in one kernel;
@@ -241,8 +241,8 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_splits, 
 
 def attend_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """attend_decode takes a few tokens of one sequence ((S, G, D) KV) with heads of at most 256 values."""
-    return (k.dim() == 3 and q.shape[0] <= ATTEND_MAX_TOKENS and k.stride(-1) == 1 and v.stride(-1) == 1
-            and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM)
+    return (k.dim() == 3 and q.shape[0] <= ATTEND_MAX_TOKENS and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM
+            and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1))
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
