@@ -128,7 +128,7 @@ def check_model(path: Path, prompt_text: str, n: int, cpu: bool) -> tuple[dict, 
         mem = " ".join(f"gpu{i} {m['allocated_mib']:.0f}/{m['peak_mib']:.0f} MiB" for i, m in enumerate(r["memory"]))
         hits = "" if "hits" not in r else (f", {r['share_cached']:.0%} cached, hit rate per device "
                                            + " ".join(f"{h:.1%}" for h in r["hit_rate_per_device"]))
-        print(f"  {name:9} blocks {r['blocks_per_device']}, {r['tok_s']:.1f} tok/s, {mem}{hits}", flush=True)
+        print(f"  {name:13} blocks {r['blocks_per_device']}, {r['tok_s']:.1f} tok/s, {mem}{hits}", flush=True)
 
     def expect(ok: bool, what: str) -> None:
         print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
