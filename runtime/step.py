@@ -28,6 +28,7 @@ class Step:
     groups: tuple[tuple[int, int, int, int], ...] = ()  # a mixed step's row groups, see group_rows and parts
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _copies: dict[torch.device, Step] = field(default_factory=dict)  # shared by the step and all its copies
+    _parts: list[tuple[slice, Step]] = field(default_factory=list)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The step's device tensors by field name (positions, and seqs when given)."""
@@ -42,15 +43,17 @@ class Step:
         if device not in self._copies:
             self._copies.setdefault(self.positions.device, self)
             moved = moved or {name: t.to(device, non_blocking=True) for name, t in self.tensors().items()}
-            self._copies[device] = replace(self, **moved, _masks={}, _copies=self._copies)
+            self._copies[device] = replace(self, **moved, _masks={}, _copies=self._copies, _parts=[])
         return self._copies[device]
 
     def parts(self) -> list[tuple[slice, Step]]:
         """A mixed step as the consecutive rows that attention runs together, each with its step: a prompt chunk as a
         step of its sequence (reading the slots as they lie, not a copy per token), the single tokens of several
-        sequences between chunks as a mixed step."""
-        return [(slice(a, b), Step(self.positions[a:b], n, seq=s) if s >= 0 else
-                 Step(self.positions[a:b], n, seqs=self.seqs[a:b])) for a, b, s, n in self.groups]
+        sequences between chunks as a mixed step. Made once, so that every layer reuses the parts' masks."""
+        if not self._parts:
+            self._parts = [(slice(a, b), Step(self.positions[a:b], n, seq=s) if s >= 0 else
+                            Step(self.positions[a:b], n, seqs=self.seqs[a:b])) for a, b, s, n in self.groups]
+        return self._parts
 
     def mask(self, window: int = 0) -> torch.Tensor:
         """(T, n_slots) bool: may the query at positions[t] see slot s (slot = position); `window` > 0 limits how
