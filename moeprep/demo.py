@@ -42,6 +42,10 @@ def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
          ["moeprep", "profile", "bake", str(profile), str(quantized), str(baked)]),
         ("Generate with moeprep's own runtime on the requantized model",
          ["moerun", "-m", str(baked), "-p", "The expert cache", "-n", "16", "--seed", "0"]),
+        ("moerun bench with the expert cache warmed by the profile: 6 slots per layer of 16 experts (the CPU stands "
+         "in for the GPU here; on a GPU --vram-budget 24G sizes the slots), hit rate, uploads, where the time goes",
+         ["moerun", "bench", "-m", str(baked), "--device", "cpu", "--vram-budget", "1560M", "--cache-slots", "6",
+          "--expert-profile", str(profile), "-p", "32", "-n", "16", "-f", str(calibration)]),
         ("Write the upload folder: llama.cpp shards under the size limit, model card, profile, imatrix, SHA256SUMS",
          ["moeprep", "publish", str(baked), str(upload), "--base-model", "example/synthetic-qwen3moe",
           "--profile", str(profile), "--imatrix", str(imatrix), "--split-max-size", "16M"]),

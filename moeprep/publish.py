@@ -368,8 +368,12 @@ def _usage_section(repo: str, first: str, profile_name: str | None, baked: bool)
     lines = ["## Use it", "", "```bash",
              "# download (older huggingface_hub releases: huggingface-cli download, same arguments)",
              f"hf download {repo} --local-dir {local}", "",
-             "# moerun, moeprep's runtime",
-             f'moerun -m {model} -p "{PROMPT}" -n 128', "",
+             "# moerun, moeprep's runtime (on a GPU, experts that do not fit VRAM stay in RAM: the expert cache)",
+             f'moerun -m {model} -p "{PROMPT}" -n 128 --device cuda'
+             + (f" --expert-profile {local}/{profile_name}" if profile_name else ""), "",
+             "# a smaller card: cap the VRAM per GPU; moerun bench prints the cache's hit rate and speed",
+             f"moerun bench -m {model} --device cuda --vram-budget 24G"
+             + (f" --expert-profile {local}/{profile_name}" if profile_name else ""), "",
              "# or serve it over the OpenAI API at http://127.0.0.1:8080/v1 (any OpenAI client; 4 requests batched)",
              f"moerun serve -m {model} -c 8192 --parallel 4", "",
              "# stock llama.cpp: give the first shard, it finds the others",
@@ -380,8 +384,9 @@ def _usage_section(repo: str, first: str, profile_name: str | None, baked: bool)
                   f'llama-cli -m {model} -p "{PROMPT}" -n 128', ""]
     lines += ["# check the download", f"cd {local} && sha256sum -c {SUMS_FILE}", "```"]
     if profile_name:
-        lines += ["", f"moerun has no expert cache yet: once it has, `--expert-profile {profile_name}` will start the "
-                  "cache from this profile. Stock llama.cpp ignores the profile and the baked key."]
+        lines += ["", f"`--expert-profile {profile_name}` fills moerun's expert cache with this profile's hottest "
+                  "experts before the first token and splits the slots between layers by its counts; the cache "
+                  "stays adaptive after that. Stock llama.cpp ignores the profile and the baked key."]
     return lines
 
 

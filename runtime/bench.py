@@ -29,7 +29,7 @@ class BenchResult:
     decode_s: float
     cache: dict | None = None  # the expert cache's statistics over the decode test (see cache_report)
     prefill_cache: dict | None = None
-    vram_bytes: int | None = None  # the GPU memory the process holds after the run
+    vram_bytes: int | None = None  # the most GPU memory torch's allocator held over the run (its own, all GPUs)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -82,10 +82,14 @@ def run_bench(model, n_prompt: int, n_gen: int, text: str | None = None, warmup:
         _sync(model)
         result.decode_s = time.perf_counter() - start
         result.cache = cache_report(cache, n_gen, result.decode_s)
-    if model.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(model.device)
-        result.vram_bytes = total - free
+    gpus = _gpus(model)
+    if gpus:
+        result.vram_bytes = sum(torch.cuda.max_memory_reserved(d) for d in gpus)
     return result
+
+
+def _gpus(model) -> list[torch.device]:
+    return [d for d in model.net.layout.devices if d.type == "cuda"]
 
 
 def _warm_up(model, tokens: torch.Tensor, n_prompt: int) -> None:
@@ -103,8 +107,8 @@ def _reset(model) -> None:
 
 
 def _sync(model) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    for d in _gpus(model):
+        torch.cuda.synchronize(d)
 
 
 def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | None:
@@ -146,5 +150,6 @@ def format_result(result: BenchResult) -> str:
         if "ms_per_token" in report:
             lines.append("  ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ms_per_token"].items()))
     if result.vram_bytes is not None:
-        lines.append(f"VRAM held by this process: {result.vram_bytes / 2**30:.2f} GiB")
+        lines.append(f"VRAM at most held by torch's allocator (weights, slots, KV, graphs, activations): "
+                     f"{result.vram_bytes / 2**30:.2f} GiB")
     return "\n".join(lines)

@@ -103,13 +103,13 @@ class ModelOptions:
                            policy=self.cache_policy, cpu_threads=self.threads)
 
     def load(self, n_seq: int = 1):
+        g = open_model_file(self.model_path)
+        set_threads(self.threads)
+        cache = self.cache_config(g)
         import moerun
         from moerun.cache.expert_cache import describe_cache
 
-        g = open_model_file(self.model_path)
-        set_threads(self.threads)
-        model = moerun.load_model(g, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq,
-                                  cache=self.cache_config(g))
+        model = moerun.load_model(g, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq, cache=cache)
         if model.expert_cache is not None:
             click.echo(describe_cache(model.expert_cache), err=True)
         return model
@@ -260,8 +260,12 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, thre
               help="Sequences decoded together, each with its own KV cache of -c positions.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait for a free sequence; past that the server answers 503.")
-def serve(model_opts: ModelOptions, host: str, port: int, api_key: str | None, parallel: int, max_queue: int) -> None:
+@click.option("--prefill-chunk", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Prompt tokens one step runs beside the decoding sequences' tokens (a long prompt takes several "
+              "steps, and the other streams keep going meanwhile).")
+def serve(model_opts: ModelOptions, host: str, port: int, api_key: str | None, parallel: int, max_queue: int,
+          prefill_chunk: int) -> None:
     """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     from moerun.serve import serve as serve_model
 
-    serve_model(model_opts.load(n_seq=parallel), host, port, api_key, max_queue)
+    serve_model(model_opts.load(n_seq=parallel), host, port, api_key, max_queue, prefill_chunk)

@@ -356,7 +356,9 @@ class CachedExperts(nn.Module):
         stage_of[chosen] = np.arange(len(chosen))
         slots = np.where(missed, stage_of[ids_h], -1)
         self.cache.stats.staged += len(chosen)
-        staged = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids, banks)
+        in_bank = np.full(banks[0].data.shape[0], -1, np.int64)
+        in_bank[: len(chosen)] = chosen
+        staged = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids, banks, in_bank)
         return missed & (slots < 0), staged
 
     def _look_up(self, routing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -365,8 +367,14 @@ class CachedExperts(nn.Module):
         ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
         return ids_h, weights_h, self.slot_of[ids_h] < 0
 
-    def _hits(self, x, slots, weights, ids, banks=None) -> torch.Tensor:
+    def _hits(self, x, slots, weights, ids, banks=None, experts=None) -> torch.Tensor:
+        """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
+        experts[s]: the expert in slot s (for its biases; default: `resident`)."""
         from moerun.quantized import bank_moe
+
+        if x.device.type == "cpu":
+            return self._hits_on_cpu(x, slots, weights, banks or self.banks,
+                                     self.resident if experts is None else experts)
 
         timing = self.cache.timing and x.device.type == "cuda" and active_capture() is None
         if timing:
@@ -377,6 +385,17 @@ class CachedExperts(nn.Module):
             events[1].record()
             self.cache.stats.gpu_events.append(events)
         return out
+
+    def _hits_on_cpu(self, x, slots, weights, banks, experts) -> torch.Tensor:
+        """A CPU standing in for the GPU runs its slots through the CPU's own kernel (the misses' arithmetic, so
+        the stand-in's output is the all-CPU model's), as if the slots were the experts."""
+        slot_bytes = tuple(ExpertBytes(b.data.numpy(), b.qtype, b.rows, b.cols,
+                                       None if t.bias is None else t.bias[np.maximum(experts, 0)])
+                           for b, t in zip(banks, self.host))
+        out = np.zeros(tuple(x.shape), np.float32)
+        moe_rows(x.float().numpy(), slots.numpy(), weights.float().numpy(), *slot_bytes, self.activation, out,
+                 self.cache.config.cpu_threads)
+        return torch.from_numpy(out)
 
     def _misses(self, x: np.ndarray, ids_h, weights_h, missed, out: np.ndarray) -> None:
         with timed(self.cache.stats, "CPU experts"):

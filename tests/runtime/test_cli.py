@@ -58,3 +58,41 @@ def test_unsupported_architecture_names_the_supported_ones(synth_model, tmp_path
     write_gguf(foreign, open_gguf(synth_model("qwen3moe")),
                kv_set={"general.architecture": KVValue("mamba", GGUFValueType.STRING)})
     _assert_one_line_error(run("-m", str(foreign), "-p", "x"), "'mamba' is not supported", "qwen3moe", "deepseek2", "gpt-oss")
+
+
+def test_bench_with_the_expert_cache(synth_model, tmp_path, calibration_text):
+    """moerun bench on a CPU standing in for the GPU: llama-bench's rows, the cache's hit rate, uploads and time split,
+    and the same in JSON."""
+    import json
+
+    text = tmp_path / "text.txt"
+    text.write_text(calibration_text[:4000])
+    out = tmp_path / "bench.json"
+    result = run("bench", "-m", str(synth_model("qwen3moe")), "--vram-budget", "1540M", "--cache-slots", "2",
+                 "-p", "16", "-n", "8", "-f", str(text), "--json", str(out), "-t", "1")
+    assert result.exit_code == 0, result.output
+    assert "expert cache: " in result.stderr and "slots per layer 2 2 2" in result.stderr  # printed at start
+    assert "| pp16 | 16 |" in result.stdout and "| tg8 | 8 |" in result.stdout
+    assert "expert cache, decode: hit rate" in result.stdout and "ms per token: router sync" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["gen_tokens"] == 8 and report["decode_tok_s"] > 0
+    decode = report["cache_decode"]
+    assert 0 < decode["hit_rate"] < 1 and len(decode["hit_rate_per_layer"]) == 3
+    # without cache options on the CPU every expert stays where the model is: no cache lines
+    plain = run("bench", "-m", str(synth_model("qwen3moe")), "-p", "8", "-n", "4")
+    assert plain.exit_code == 0, plain.output
+    assert "| tg4 | 4 |" in plain.stdout and "expert cache" not in plain.stdout + plain.stderr
+
+
+def test_cache_options_refuse_bad_input(synth_model, tmp_path, calibration_text):
+    model = str(synth_model("qwen3moe"))
+    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "lots"), "--vram-budget")
+    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "1540M", "--cache-slots", "0"), "--cache-slots")
+    _assert_one_line_error(run("-m", model, "-p", "x", "--cache-slots", "3"), "--vram-budget")  # cpu needs a budget
+    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "64M"), "larger --vram-budget")
+    _assert_one_line_error(run("bench", "-m", model, "-p", "0", "-n", "0"), "nothing to measure")
+    short = tmp_path / "short.txt"
+    short.write_text("two words")
+    _assert_one_line_error(run("bench", "-m", model, "-p", "64", "-n", "8", "-f", str(short)), "longer -f")
+    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "1540M", "--expert-profile",
+                               str(tmp_path / "missing.moeprof")), "missing.moeprof")
