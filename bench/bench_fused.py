@@ -30,11 +30,13 @@ from torch.profiler import ProfilerActivity, profile
 import moerun
 from moeprep.gguf.reader import open_gguf
 from moerun import layers
+from moerun.cache.kv import KVCache
 from moerun.config import GATING_SOFTMAX
 from moerun.kernels import fused
 from moerun.kernels.gguf_matmul import QWeight, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
 from moerun.models import arch_module
+from moerun.step import Step
 
 D, H, G, DH, E, K, I = 2048, 32, 4, 128, 128, 8, 768
 CALLS = 50
@@ -84,6 +86,8 @@ def op_pairs(args, ctx: int, dev: str = "cuda") -> dict[str, tuple[Callable, Cal
     q, k, v = torch.randn(1, H, DH, device=dev), torch.randn(1, G, DH, device=dev), torch.randn(1, G, DH, device=dev)
     qn, kn = layers.RMSNorm(torch.randn(DH, device=dev), 1e-6), layers.RMSNorm(torch.randn(DH, device=dev), 1e-6)
     pos = torch.tensor([ctx - 1], device=dev)
+    step, cache = Step(pos, n_slots=ctx), KVCache(4096, G, DH, DH, torch.bfloat16, torch.device(dev))
+    fused_kernels = layers.fused_kernels()
     cache_k, cache_v = (torch.randn(4096, G, DH, device=dev, dtype=torch.bfloat16) for _ in range(2))
     allowed = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]
     logits = torch.randn(1, E, device=dev)
@@ -101,10 +105,9 @@ def op_pairs(args, ctx: int, dev: str = "cuda") -> dict[str, tuple[Callable, Cal
         "rms_norm": (lambda: t.rms_norm(x, w, 1e-6), lambda: fused.rms_norm(x, w, 1e-6)),
         "residual add + rms_norm": (lambda: t.add_rms_norm(x, delta, w, 1e-6),
                                     lambda: fused.add_rms_norm(x, delta, w, 1e-6)),
-        "q/k norm + rope + kv cast": (
-            lambda: [a.to(torch.bfloat16) for a in t.norm_rope(q, k, v, qn, kn, rope, pos, torch.bfloat16)[1:]],
-            lambda: fused.qkv_rope(q, k, v, qn.weight, kn.weight, 1e-6, rope.cos, rope.sin, pos, True,
-                                   torch.bfloat16)),
+        "q/k norm + rope + kv cache write": (
+            lambda: t.norm_rope_store(q, k, v, qn, kn, rope, step, cache),
+            lambda: fused_kernels.norm_rope_store(q, k, v, qn, kn, rope, step, cache)),
         f"attention, {ctx} slots": (lambda: t.attend(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088),
                                     lambda: fused.attend_decode(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088)),
         "router softmax/top-k/normalize": (lambda: router.choose_general(logits),

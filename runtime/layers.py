@@ -254,9 +254,8 @@ class Attention(nn.Module):
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.v_head_dim)
-        q, k, v = self.kernels.norm_rope(q, k, v, self.q_norm, self.k_norm, self.rope, step.positions,
-                                         self.cache.k.dtype)
-        k_all, v_all = self.cache.update(step, k, v)  # (S, G, Dh), or (T, S, G, Dh) across sequences
+        # k_all, v_all: (S, G, Dh), or (T, S, G, Dh) across sequences
+        q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
         out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
 
@@ -270,16 +269,24 @@ class Attention(nn.Module):
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
-              rope: Rope, positions: torch.Tensor, kv_dtype: torch.dtype,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q/K RMSNorm (per head, or over the whole projection as in olmoe: as long as its weight), then RoPE.
-    q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) -> q, k float32 and v as they came (the KV cache casts k and v)."""
+    q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) -> q, k float32 and v as it came."""
     T = q.shape[0]
     if q_norm is not None:
         q = q_norm(q.reshape(T, -1, q_norm.weight.numel())).view_as(q)
     if k_norm is not None:
         k = k_norm(k.reshape(T, -1, k_norm.weight.numel())).view_as(k)
     return rope(q, positions), rope(k, positions), v
+
+
+def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None,
+                    k_norm: RMSNorm | None, rope: Rope, step: Step, cache: KVCache,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm_rope, then k and v into the KV cache: -> q (T, H, Dh) float32 and the slots attention reads
+    (KVCache.update)."""
+    q, k, v = norm_rope(q, k, v, q_norm, k_norm, rope, step.positions)
+    return q, *cache.update(step, k, v)
 
 
 # ------------------------------------------------------------------------------------------------ feed-forward
@@ -510,7 +517,7 @@ class Kernels:
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-    norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    norm_rope_store: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     attend: Callable[..., torch.Tensor]
     route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     activations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
@@ -518,7 +525,7 @@ class Kernels:
 
 
 # The float32 reference: the CPU path, and what the fused kernels are tested against.
-TORCH_KERNELS = Kernels(rms_norm, add_rms_norm, norm_rope, attend, None, ACTIVATIONS, lambda linears: None)
+TORCH_KERNELS = Kernels(rms_norm, add_rms_norm, norm_rope_store, attend, None, ACTIVATIONS, lambda linears: None)
 
 
 def kernels_for(device: torch.device) -> Kernels:
@@ -537,15 +544,22 @@ def fused_kernels() -> Kernels:
     from moerun.kernels import fused  # Triton comes with CUDA builds of torch
     from moerun.quantized import QuantLinear
 
-    def fused_norm_rope(q, k, v, q_norm, k_norm, rope, positions, kv_dtype):
-        """One launch where the Q/K norms are per head (or absent), else the torch reference."""
+    def fused_norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache):
+        """One launch where the Q/K norms are per head (or absent), else the torch reference. A step of one
+        sequence has k and v written straight into that sequence's cache rows (slot = position, cache/kv.py); a step
+        across sequences hands them to KVCache.update, which gathers each token's slots."""
         per_head = (q_norm is not None and k_norm is not None
                     and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1])
         if not (per_head or (q_norm is None and k_norm is None)):
-            return norm_rope(q, k, v, q_norm, k_norm, rope, positions, kv_dtype)
-        return fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,
-                              q_norm.eps if per_head else 0.0, rope.cos, rope.sin, positions, rope.style == "neox",
-                              kv_dtype)
+            return norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
+        one_seq = step.seqs is None
+        slots = (cache.k[step.seq], cache.v[step.seq]) if one_seq else (None, None)
+        q, k, v = fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,
+                                 q_norm.eps if per_head else 0.0, rope.cos, rope.sin, step.positions,
+                                 rope.style == "neox", cache.k.dtype, *slots)
+        if one_seq:
+            return q, k[:step.n_slots], v[:step.n_slots]
+        return q, *cache.update(step, k, v)
 
     def fused_attend(q, k, v, allowed, scale, sinks=None):
         """Decode-sized steps of one sequence in the split kernel; prefill and mixed batches in torch."""
@@ -553,5 +567,5 @@ def fused_kernels() -> Kernels:
             return fused.attend_decode(q, k, v, allowed, scale, sinks)
         return attend(q, k, v, allowed, scale, sinks)
 
-    return Kernels(fused.rms_norm, fused.add_rms_norm, fused_norm_rope, fused_attend, fused.route,
+    return Kernels(fused.rms_norm, fused.add_rms_norm, fused_norm_rope_store, fused_attend, fused.route,
                    {**ACTIVATIONS, "swiglu": fused.swiglu}, QuantLinear.stack_rows)

@@ -89,19 +89,24 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr,
                      n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps,
                      HAS_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-                     VB: tl.constexpr):
+                     VB: tl.constexpr, TO_SLOTS: tl.constexpr):
     """Program p: q row p (< n_q_rows = T*H), k row p - n_q_rows (< T*G), else v row p - n_q_rows - n_k_rows.
 
     A q or k row (one head of one token): optionally RMSNorm over Dh with its weight, then rotate channel pairs
     (i, i + rot_half) (NEOX) or (2i, 2i + 1) of the first 2*rot_half channels by the token's cos/sin row; channels
-    past them pass through. A v row is only cast to v_out's dtype.
+    past them pass through. A v row is only cast to v_out's dtype. k and v rows (t, g) go to row t*G + g of k_out
+    and v_out, or with TO_SLOTS to row positions[t]*G + g (k_out, v_out: a sequence's KV cache, slot = position).
     """
     p = tl.program_id(0)
     if p >= n_q_rows + n_k_rows:
         c = tl.arange(0, VB)
         row = (p - n_q_rows - n_k_rows).to(tl.int64)
         v = tl.load(v_ptr + row * Dv + c, mask=c < Dv)
-        tl.store(v_out + row * Dv + c, v.to(v_out.dtype.element_ty), mask=c < Dv)
+        if TO_SLOTS:
+            out_row = tl.load(pos_ptr + row // G) * G + row % G
+        else:
+            out_row = row
+        tl.store(v_out + out_row * Dv + c, v.to(v_out.dtype.element_ty), mask=c < Dv)
     else:
         is_q = p < n_q_rows
         row = tl.where(is_q, p, p - n_q_rows).to(tl.int64)
@@ -135,18 +140,25 @@ def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, c
             tl.store(q_out + row * Dh + c2, y2, mask=i_ok)
             tl.store(q_out + row * Dh + j, xr, mask=j_ok)
         else:
-            tl.store(k_out + row * Dh + c1, y1.to(k_out.dtype.element_ty), mask=i_ok)
-            tl.store(k_out + row * Dh + c2, y2.to(k_out.dtype.element_ty), mask=i_ok)
-            tl.store(k_out + row * Dh + j, xr.to(k_out.dtype.element_ty), mask=j_ok)
+            if TO_SLOTS:
+                out_row = pos * G + row % G
+            else:
+                out_row = row
+            tl.store(k_out + out_row * Dh + c1, y1.to(k_out.dtype.element_ty), mask=i_ok)
+            tl.store(k_out + out_row * Dh + c2, y2.to(k_out.dtype.element_ty), mask=i_ok)
+            tl.store(k_out + out_row * Dh + j, xr.to(k_out.dtype.element_ty), mask=j_ok)
 
 
 def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
              k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-             neox: bool, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             neox: bool, kv_dtype: torch.dtype, k_slots: torch.Tensor | None = None,
+             v_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (both weights (Dh,), or neither), RoPE by the (n_ctx, R) cos/sin tables at
     `positions` (T,) over the first 2R channels, in one launch with the cast of k and v to the KV cache's dtype.
 
-    q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) float32 -> q (T, H, Dh) float32, k and v in kv_dtype.
+    q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) float32 -> q (T, H, Dh) float32, k and v in kv_dtype; or, given a
+    sequence's cache buffers k_slots (S, G, Dh) and v_slots (S, G, Dv), k and v written there at row = position
+    (which the call returns in their place).
     """
     assert (q_norm is None) == (k_norm is None), "both per-head norms or neither"
     T, H, Dh = q.shape
@@ -154,7 +166,12 @@ def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Te
     rot_half = cos.shape[1]
     q, k, v = q.float().contiguous(), k.float().contiguous(), v.contiguous()
     q_out = torch.empty_like(q)
-    k_out, v_out = torch.empty_like(k, dtype=kv_dtype), torch.empty_like(v, dtype=kv_dtype)
+    to_slots = k_slots is not None
+    if to_slots:
+        assert k_slots.is_contiguous() and v_slots.is_contiguous() and k_slots.dtype == v_slots.dtype == kv_dtype
+        k_out, v_out = k_slots, v_slots
+    else:
+        k_out, v_out = torch.empty_like(k, dtype=kv_dtype), torch.empty_like(v, dtype=kv_dtype)
     n_q, n_k = T * H, T * G
     if T:
         norm = q_norm if q_norm is not None else q
@@ -162,7 +179,8 @@ def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Te
             q, k, v, norm, k_norm if k_norm is not None else q, q_out, k_out, v_out, cos, sin, positions,
             n_q, n_k, H, G, Dh, Dv, rot_half, eps,
             HAS_NORM=q_norm is not None, NEOX=neox, HALF=triton.next_power_of_2(rot_half),
-            REST=triton.next_power_of_2(max(Dh - 2 * rot_half, 1)), VB=triton.next_power_of_2(Dv))
+            REST=triton.next_power_of_2(max(Dh - 2 * rot_half, 1)), VB=triton.next_power_of_2(Dv),
+            TO_SLOTS=to_slots)
     return q_out, k_out, v_out
 
 
@@ -277,8 +295,8 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, scale,
-                  SOFTMAX: tl.constexpr, SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr, K: tl.constexpr,
-                  KP: tl.constexpr, BE: tl.constexpr):
+                  SOFTMAX: tl.constexpr, SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr,
+                  K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
     """Token t: the K largest logits (equal ones: the lowest expert id first), in descending order, and their
     weights: softmax over all E logits, sigmoid, or softmax over the K chosen; then optionally / their sum and * scale.
 

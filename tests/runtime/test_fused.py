@@ -91,7 +91,7 @@ def test_qkv_rope(qwen3_args, style, rope_dim, norm, gen):
     positions = torch.tensor([5, 17, 63], device=DEVICE)
     got = fused.qkv_rope(q, k, v, q_norm.weight if norm else None, k_norm.weight if norm else None, 1e-6, rope.cos,
                          rope.sin, positions, style == "neox", torch.bfloat16)
-    q_ref, k_ref, v_ref = layers.norm_rope(q, k, v, q_norm, k_norm, rope, positions, torch.bfloat16)
+    q_ref, k_ref, v_ref = layers.norm_rope(q, k, v, q_norm, k_norm, rope, positions)
     close(got[0], q_ref)
     assert got[1].dtype == got[2].dtype == torch.bfloat16
     # k: the same float32 value up to rounding, then rounded to bfloat16: one bfloat16 step apart at most; v is
@@ -101,19 +101,43 @@ def test_qkv_rope(qwen3_args, style, rope_dim, norm, gen):
         assert torch.equal(got[2], v_ref.to(torch.bfloat16))
     else:
         close(got[2], v_ref, rtol=2 ** -8)
+    # the same rows written straight into a sequence's cache buffers at row = position, the other rows kept
+    k_slots, v_slots = randn(64, G, Dh, gen=gen, dtype=torch.bfloat16), randn(64, G, Dv, gen=gen, dtype=torch.bfloat16)
+    before = k_slots.clone(), v_slots.clone()
+    q_s, k_s, v_s = fused.qkv_rope(q, k, v, q_norm.weight if norm else None, k_norm.weight if norm else None, 1e-6,
+                                   rope.cos, rope.sin, positions, style == "neox", torch.bfloat16, k_slots, v_slots)
+    assert k_s is k_slots and v_s is v_slots and torch.equal(q_s, got[0])
+    assert torch.equal(k_slots[positions], got[1]) and torch.equal(v_slots[positions], got[2])
+    others = torch.ones(64, dtype=torch.bool, device=DEVICE)
+    others[positions] = False
+    assert torch.equal(k_slots[others], before[0][others]) and torch.equal(v_slots[others], before[1][others])
 
 
-def test_fused_norm_rope_falls_back_for_whole_projection_norms(qwen3_args, gen):
-    """olmoe's Q/K norms span all heads: the fused dispatch hands those to the torch reference."""
+@pytest.mark.parametrize("norms", ["per-head", "whole-projection", "none"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-seq", "mixed-seqs"])
+def test_norm_rope_store(qwen3_args, norms, mixed, gen):
+    """The layers' entry point: fused (k and v written into the sequence's cache rows by the kernel, or through
+    KVCache.update for a step across sequences; olmoe's whole-projection norms through the torch reference) against
+    the torch one: the same q, the same slots read and the same cache contents."""
+    from moerun.cache.kv import KVCache
+    from moerun.step import Step
+
     rope = layers.Rope(qwen3_args, 16, torch.device(DEVICE))
     T, H, G, Dh = 2, 4, 2, 16
     q, k, v = randn(T, H, Dh, gen=gen), randn(T, G, Dh, gen=gen), randn(T, G, Dh, gen=gen)
-    q_norm, k_norm = layers.RMSNorm(randn(H * Dh, gen=gen), 1e-6), layers.RMSNorm(randn(G * Dh, gen=gen), 1e-6)
-    positions = torch.tensor([1, 2], device=DEVICE)
-    got = layers.fused_kernels().norm_rope(q, k, v, q_norm, k_norm, rope, positions, torch.bfloat16)
-    ref = layers.norm_rope(q, k, v, q_norm, k_norm, rope, positions, torch.bfloat16)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    widths = {"per-head": (Dh, Dh), "whole-projection": (H * Dh, G * Dh), "none": None}[norms]
+    q_norm, k_norm = (None, None) if widths is None else (layers.RMSNorm(randn(widths[0], gen=gen), 1e-6),
+                                                          layers.RMSNorm(randn(widths[1], gen=gen), 1e-6))
+    positions = torch.tensor([3, 4], device=DEVICE)
+    step = (Step(positions, n_slots=8, seqs=torch.tensor([1, 0], device=DEVICE)) if mixed
+            else Step(positions, n_slots=8, seq=1))
+    results = []
+    for kernels in (layers.fused_kernels(), layers.TORCH_KERNELS):
+        cache = KVCache(16, G, Dh, Dh, torch.bfloat16, torch.device(DEVICE), n_seq=2)
+        out = kernels.norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
+        results.append((*out, cache.k, cache.v))
+    for got, ref in zip(*results):
+        close(got, ref, rtol=2 ** -8 if got.dtype == torch.bfloat16 else RTOL)
 
 
 # ------------------------------------------------------------------------------------------------------ attention
@@ -248,9 +272,9 @@ def test_stacked_qkv(gen):
 
 def test_model_with_fused_kernels(synth_model, monkeypatch):
     """A qwen3moe prefill and decode steps with every layer on the fused kernels (as on CUDA) against the torch
-    ops, both in float32 (on the CPU in CI, on the GPU's path where there is one): the logits agree within float32 summation-order noise. F32 weights, whose
-    inputs are not rounded to 8-bit blocks (that rounding would turn a last-bit difference into a quantization
-    step now and then)."""
+    ops, both in float32 (on the CPU in CI, on the GPU's path where there is one): the logits agree within float32
+    summation-order noise. F32 weights, whose inputs are not rounded to 8-bit blocks (that rounding would turn a
+    last-bit difference into a quantization step now and then)."""
     import moerun
 
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
