@@ -259,7 +259,6 @@ class Attention(nn.Module):
         out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
 
-
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, D) -> q (T, H*Dh), k (T, G*Dh), v (T, G*Dv): one stacked product, or three where the weights
         differ in type or activation hooks must see each tensor's input under its own name."""
