@@ -180,7 +180,7 @@ def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Te
             n_q, n_k, H, G, Dh, Dv, rot_half, eps,
             HAS_NORM=q_norm is not None, NEOX=neox, HALF=triton.next_power_of_2(rot_half),
             REST=triton.next_power_of_2(max(Dh - 2 * rot_half, 1)), VB=triton.next_power_of_2(Dv),
-            TO_SLOTS=to_slots)
+            TO_SLOTS=to_slots, num_warps=1 if max(Dh, Dv) <= 256 else 4)  # a program is one head's row
     return q_out, k_out, v_out
 
 
@@ -188,10 +188,27 @@ def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Te
 
 
 @triton.jit
+def _dot_f32(a, b, SPLIT: tl.constexpr):
+    """a [M, K] float32 @ b [K, N] -> float32. SPLIT (b bfloat16): on tensor cores, a as the sum of three bfloat16
+    terms (8 significant bits each: all 24 of a float32), smallest first, each product exact and summed in float32;
+    else float32 products (FMA), as on a float32 cache and in Triton's interpreter, whose tl.dot takes bfloat16
+    as integers."""
+    if SPLIT:
+        a1 = a.to(tl.bfloat16)
+        r = a - a1.to(tl.float32)
+        a2 = r.to(tl.bfloat16)
+        a3 = (r - a2.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(a3, b)
+        acc = tl.dot(a2, b, acc)
+        return tl.dot(a1, b, acc)
+    return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
 def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr,
                          n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, allowed_stride, scale,
                          HG: tl.constexpr, HGP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BS: tl.constexpr):
+                         BS: tl.constexpr, SPLIT: tl.constexpr):
     """Program (t*G + g, split): the HG query heads of KV head g for token t, over slots split*BS .. +BS.
 
     Writes per query head the chunk's max score m, the sum l of exp(score - m) and acc = sum exp(score - m) v;
@@ -212,14 +229,14 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr
     kv_row = s.to(tl.int64)[:, None]
     k = tl.load(k_ptr + kv_row * k_stride + g * Dk + dk[None, :], mask=allowed[:, None] & (dk < Dk)[None, :],
                 other=0.0)
-    scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [HGP, BS]
+    scores = _dot_f32(q, tl.trans(k), SPLIT) * scale  # [HGP, BS]
     scores = tl.where(allowed[None, :], scores, float("-inf"))
     m = tl.max(scores, axis=1)
     p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
     l = tl.sum(p, axis=1)
     v = tl.load(v_ptr + kv_row * v_stride + g * Dv + dv[None, :], mask=allowed[:, None] & (dv < Dv)[None, :],
                 other=0.0)
-    acc = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [HGP, DV]
+    acc = _dot_f32(p, v, SPLIT)  # [HGP, DV]
     part = (t * H + h) * n_splits + split  # [HGP]
     tl.store(m_ptr + part, m, mask=h_ok)
     tl.store(l_ptr + part, l, mask=h_ok)
@@ -257,6 +274,11 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_splits, 
     tl.store(out_ptr + th.to(tl.int64) * Dv + dv, tl.sum(acc, axis=0) / total, mask=dv < Dv)
 
 
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as raw integers in tl.dot: there the
+# attention multiplies in float32.
+_INTERPRETED = not isinstance(_attend_split_kernel, triton.runtime.JITFunction)
+
+
 def attend_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """attend_decode takes a few tokens of one sequence ((S, G, D) KV) with heads of at most 256 values."""
     return (k.dim() == 3 and q.shape[0] <= ATTEND_MAX_TOKENS and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM
@@ -283,7 +305,8 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     _attend_split_kernel[(T * G, n_splits)](
         q, k, v, allowed, m, l, acc, S, n_splits, H, G, Dk, Dv, k.stride(0), v.stride(0), allowed.stride(0), scale,
         HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
-        DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS)
+        DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS,
+        SPLIT=k.dtype == v.dtype == torch.bfloat16 and not _INTERPRETED)
     _attend_combine_kernel[(T * H,)](
         m, l, acc, sinks if sinks is not None else m, out, n_splits, H, Dv,
         HAS_SINKS=sinks is not None, CS=16, DV=triton.next_power_of_2(Dv))
@@ -345,10 +368,11 @@ def route(logits: torch.Tensor, k: int, gating: int, normalize: bool, scale: flo
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:
+        # one warp: the K rounds of max/min/sum over E logits reduce by shuffles, with no barrier
         _route_kernel[(T,)](logits, ids, weights, E, scale, SOFTMAX=gating == GATING_SOFTMAX,
                             SIGMOID=gating == GATING_SIGMOID, NORMALIZE=normalize,
                             SCALE=scale not in (0.0, 1.0), K=k, KP=triton.next_power_of_2(k),
-                            BE=triton.next_power_of_2(E))
+                            BE=triton.next_power_of_2(E), num_warps=1 if E <= 256 else 4)
     return ids, weights
 
 
