@@ -237,6 +237,11 @@ class StepBuffers:
     cpu_host: torch.Tensor  # (T, D) float32 pinned
     cpu: torch.Tensor  # (T, D) float32 on the device
     routed: tuple = ()  # this step's host ids, weights and miss mask, from the router's copy to the CPU's work
+    cpu_dirty: bool = False  # `cpu` holds a nonzero sum (a step without misses must clear it)
+
+    def __post_init__(self) -> None:  # numpy views of the pinned buffers, made once (the host steps are per layer)
+        self.routing_np, self.x_np = self.routing.numpy(), self.x.numpy()
+        self.slots_np, self.cpu_np = self.slots_host.numpy(), self.cpu_host.numpy()
 
     @classmethod
     def make(cls, T: int, K: int, D: int, device: torch.device) -> StepBuffers:
@@ -335,7 +340,13 @@ class CachedExperts(nn.Module):
         if x_ready is not None:
             x_ready.synchronize()
         cpu_out = np.zeros((x.shape[0], x.shape[1]), np.float32)
-        self._misses(x_host.numpy(), ids_h, weights_h, missed, cpu_out)
+        rows = np.flatnonzero(missed.any(axis=1))  # a prompt's tokens with CPU work (the others cost nothing)
+        if len(rows) == len(missed):
+            self._misses(x_host.numpy(), ids_h, weights_h, missed, cpu_out)
+        else:
+            part = np.zeros((len(rows), x.shape[1]), np.float32)
+            self._misses(x_host.numpy()[rows], ids_h[rows], weights_h[rows], missed[rows], part)
+            cpu_out[rows] = part
         return out + torch.from_numpy(cpu_out).to(x.device, non_blocking=True)
 
     def _stage(self, x, ids_h, missed, weights, ids) -> tuple[np.ndarray, torch.Tensor] | None:
@@ -345,13 +356,15 @@ class CachedExperts(nn.Module):
         counts = np.bincount(ids_h[missed], minlength=len(self.slot_of))
         banks = self.cache.staging(self)
         chosen = np.argsort(-counts, kind="stable")[: banks[0].data.shape[0]]
-        chosen = chosen[counts[chosen] >= STAGE_MIN_TOKENS]
+        chosen = np.sort(chosen[counts[chosen] >= STAGE_MIN_TOKENS])
         if not len(chosen):
             return None
-        with timed(self.cache.stats, "uploads"):
-            for i, e in enumerate(chosen.tolist()):
+        with timed(self.cache.stats, "uploads"):  # runs of consecutive experts go in one copy per tensor
+            starts = np.flatnonzero(np.diff(chosen, prepend=-2) != 1)
+            for start, end in zip(starts.tolist(), [*starts[1:].tolist(), len(chosen)]):
+                first = int(chosen[start])
                 for bank, t in zip(banks, self.host_tensors):
-                    bank.data[i].copy_(t[e], non_blocking=True)
+                    bank.data[start:end].copy_(t[first : first + end - start], non_blocking=True)
         stage_of = np.full(len(self.slot_of), -1, np.int32)
         stage_of[chosen] = np.arange(len(chosen))
         slots = np.where(missed, stage_of[ids_h], -1)
@@ -419,8 +432,8 @@ class CachedExperts(nn.Module):
         this layer's uploads."""
         with timed(self.cache.stats, "router sync"):
             torch.cuda.current_stream().synchronize()
-        ids_h, weights_h, missed = self._look_up(buf.routing.numpy())
-        buf.slots_host.numpy()[:] = self.slot_of[ids_h]
+        ids_h, weights_h, missed = self._look_up(buf.routing_np)
+        buf.slots_np[:] = self.slot_of[ids_h]
         buf.slots.copy_(buf.slots_host, non_blocking=True)
         if self.uploaded is not None:
             torch.cuda.current_stream().wait_event(self.uploaded)
@@ -438,11 +451,12 @@ class CachedExperts(nn.Module):
             end.record()
             stats.gpu_events[-1] = (stats.gpu_events[-1][0], end)
         ids_h, weights_h, missed = buf.routed
-        cpu_out = buf.cpu_host.numpy()
-        cpu_out[:] = 0
-        if missed.any():
-            self._misses(buf.x.numpy(), ids_h, weights_h, missed, cpu_out)
-        buf.cpu.copy_(buf.cpu_host, non_blocking=True)  # the pinned buffer is rewritten after the next layer's sync
+        if missed.any() or buf.cpu_dirty:
+            buf.cpu_np[:] = 0
+            if missed.any():
+                self._misses(buf.x_np, ids_h, weights_h, missed, buf.cpu_np)
+            buf.cpu.copy_(buf.cpu_host, non_blocking=True)  # the pinned buffer is rewritten after the next sync
+            buf.cpu_dirty = bool(missed.any())
         self._account(ids_h, missed)
 
     def _account(self, ids_h: np.ndarray, missed: np.ndarray) -> None:

@@ -120,8 +120,8 @@ def test_a_budget_without_room_for_slots_is_refused(synth_model):
 
 def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch):
     """A prompt's missed experts chosen by several tokens run from the staging bank (on the GPU there; here the CPU
-    stands in), the rest on the CPU: the sum is the resident model's, within the grouped kernel's float32 rounding
-    (its tiled products may round through TF32)."""
+    stands in, with the CPU's kernel, so the sum is the resident model's up to summation order), the rest on the
+    CPU for just the tokens that chose them."""
     import moerun.cache.expert_cache as expert_cache
 
     monkeypatch.setattr(expert_cache, "STAGING_DEVICES", {"cuda", "cpu"})
@@ -132,5 +132,5 @@ def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch):
     ours, ref = cached.forward(prompt), reference.forward(prompt)
     stats = cached.expert_cache.stats
     assert stats.staged > 0 and stats.hits.sum() < stats.lookups.sum()
-    assert float((ours - ref).norm() / ref.norm()) < 1e-2
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     check_tables(cached)

@@ -137,7 +137,10 @@ def test_cached_decode_equals_uncached(arch, synth_model, calibration_text):
 @pytest.mark.parametrize("arch", ONE_STREAM_ARCHS)
 def test_matches_llama_cpp(arch, weights, synth_model, calibration_text):
     c = compare(synth_model(arch, expert_type=weights, attn_type=weights), calibration_text)
-    assert max(c.layer_errors) <= 1e-4, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
+    # F16 products round their inputs to F16 (2^-11 relative) in both engines, and llama.cpp's order of those
+    # products depends on the CPU's vector width: 1.13e-4 measured for deepseek2 on an AVX512-BF16 machine
+    bound = 1e-4 if weights == "F32" else 2.5e-4
+    assert max(c.layer_errors) <= bound, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
     assert c.rel_error <= 1e-3, f"logits differ from llama.cpp's: relative error {c.rel_error:.2e}"
     assert c.top1_agreement == 1.0, f"top-1 differs at {np.flatnonzero(c.ours.argmax(-1) != c.ref.argmax(-1))}"
     assert c.expert_agreement >= 0.999, f"experts agree at only {c.expert_agreement:.2%} of (token, layer) pairs"
