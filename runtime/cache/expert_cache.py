@@ -60,7 +60,7 @@ class CacheConfig:
     profile: str | None = None
     usage: np.ndarray | None = None
     policy: str = DEFAULT_POLICY
-    uploads_per_layer_step: int = UPLOADS_PER_LAYER_STEP
+    uploads_per_layer_step: int | None = UPLOADS_PER_LAYER_STEP  # None: every upload the policy wants
     cpu_threads: int | None = None
     pin: bool | None = None  # copy the experts into page-locked RAM (None: on CUDA, when free RAM holds them)
 
