@@ -558,12 +558,30 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
             raise MoeprepError("the expert cache on a CPU device needs an explicit budget (--vram-budget)")
         budgets = [torch.cuda.mem_get_info(d)[0] for d in devices]
     assert len(budgets) == len(devices), (budgets, devices)
-    placement = place(describe_model(g), budgets, usage=config.usage)
+    anatomy = describe_model(g)
+    placement = place(anatomy, budgets, usage=config.usage)
     if config.slots_per_layer is not None:
-        n_expert = placement.n_expert
-        slots = tuple(min(config.slots_per_layer, n_expert) if s else 0 for s in placement.slots)
-        placement = replace(placement, slots=slots)
+        placement = fixed_slots(placement, config.slots_per_layer, anatomy.geometry.expert_bytes)
     return ExpertCache(placement, placement.n_expert, top_k, tuple(devices), config)
+
+
+def fixed_slots(placement: Placement, per_layer: int, expert_bytes) -> Placement:
+    """The placement with `per_layer` slots in every MoE layer (at most its experts), on the same GPUs; refused
+    when a GPU's budget, after its non-expert share and the reserve, cannot hold them."""
+    slots = tuple(min(per_layer, placement.n_expert) if s else 0 for s in placement.slots)
+    cache = [0] * len(placement.budgets)
+    for layer, n in enumerate(slots):
+        if n:
+            cache[placement.device[layer]] += n * expert_bytes[layer]
+    for gpu, (budget, used, before, wanted) in enumerate(zip(placement.budgets, placement.used,
+                                                             placement.cache_bytes, cache)):
+        room = budget - (used - before)
+        if wanted > room:
+            raise MoeprepError(f"--cache-slots {per_layer}: gpu {gpu}'s slots take {format_size(wanted)}, but its "
+                               f"budget of {format_size(budget)} leaves {format_size(room)} for slots; give fewer "
+                               "slots, a larger --vram-budget, or --cache-slots auto")
+    used = tuple(u - b + c for u, b, c in zip(placement.used, placement.cache_bytes, cache))
+    return replace(placement, slots=slots, cache_bytes=tuple(cache), used=used)
 
 
 def describe_cache(cache: ExpertCache) -> str:

@@ -180,3 +180,20 @@ def test_runtime_hit_rate_is_what_the_profile_predicts():
                 cached.forward(torch.tensor([token]), pos)
             measured = cached.expert_cache.stats.hit_rate
             assert abs(measured - predicted[pi, si, 0]) <= 0.03, (policy.name, SIZES[si], measured, predicted[pi, si])
+
+
+def test_fixed_slots_must_fit_the_budget(synth_model):
+    from moeprep.gguf.anatomy import DEFAULT_RESERVE, describe_model
+    from moeprep.gguf.reader import open_gguf
+    from moerun.cache.placement import place
+
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    anatomy = describe_model(open_gguf(path))
+    roomy = place(anatomy, [8 << 30])
+    non_expert = roomy.used[0] - roomy.cache_bytes[0] - DEFAULT_RESERVE
+    per_layer = anatomy.geometry.expert_bytes[0]
+    budget = DEFAULT_RESERVE + non_expert + 4 * per_layer * len(roomy.moe_layers)  # room for 4 slots a layer
+    fits = moerun.load_model(path, cache=CacheConfig(budgets=[budget], slots_per_layer=4))
+    assert fits.expert_cache.placement.slots == (4, 4, 4)
+    with pytest.raises(MoeprepError, match="--cache-slots 5: gpu 0's slots take"):
+        moerun.load_model(path, cache=CacheConfig(budgets=[budget], slots_per_layer=5))
