@@ -27,7 +27,6 @@ python3 -m pytest -q -p no:cacheprovider --noconftest ${TESTS:-tests/runtime/tes
 wait $SYNTH || { tail -5 "$OUT/synth.log"; exit 1; }
 python3 bench/bench_runtime.py "$MODEL" --device cuda --prompt 512 --gen 64 --no-peer --json "$OUT/moerun-cuda.json" \
     2>&1 | tail -6 | tee "$OUT/runtime.log"
-python3 bench/bench_cache.py "$MODEL" --budget ${CACHE_BUDGET:-8G} --prompt 512 --gen 32 --json "$OUT/cache.json" 2>&1 | tail -16
 python3 bench/profile_decode.py "$MODEL" --steps 32 --ctx 512 --json "$OUT/profile-decode.json" 2>&1 | tail -30
 while [ ! -f /tmp/peer/done ] && [ $((SECONDS - START)) -lt ${BUILD_DEADLINE:-420} ]; do sleep 5; done
 if [ -f /tmp/peer/done ]; then
