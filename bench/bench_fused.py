@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from moerun.kernels.gguf_matmul import QWeight, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
 from moerun.models import arch_module
 from moerun.step import Step
+from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
 D, H, G, DH, E, K, I = 2048, 32, 4, 128, 128, 8, 768
 CALLS = 50
@@ -53,17 +53,7 @@ def graph_us(fn: Callable[[], object], repeat: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    return replay_seconds(graph, repeat) * 1e6 / CALLS
 
 
 def kernels_per_call(fn: Callable[[], object]) -> int:

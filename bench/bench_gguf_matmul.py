@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -32,6 +31,7 @@ from gguf import GGMLQuantizationType as Q
 from moerun.kernels import tuning
 from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
+from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
 ROTATE_BYTES = 200 << 20  # more than the H200's 50 MB L2, several times over
 DENSE = (4096, 4096)  # (rows, cols)
@@ -55,17 +55,7 @@ def graph_seconds(calls: list[Callable[[], object]], repeat: int) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    return statistics.median(times)
+    return replay_seconds(graph, repeat) / len(calls)
 
 
 def guarded(measure: Callable[..., dict], *args) -> dict:

@@ -5,14 +5,8 @@
 #
 #   run: bash bench/gpu_cache.sh    (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
 #   env: BUDGET (8G), PEER_CPU_MOE (28), GEN (128), TESTS (the GPU tests to run first; "" for none)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-START=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkgs && ln -sfn "$PWD/runtime" /tmp/pkgs/moerun
-export PYTHONPATH=/tmp/site:/tmp/pkgs:$PWD PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 moerun() { python3 -c "from moerun.cli import main; main()" "$@"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 
 if [ -f .peer/llama.cpp-src.tar.xz ]; then
 ( mkdir -p /tmp/peer && tar xJf .peer/llama.cpp-src.tar.xz -C /tmp/peer && cd /tmp/peer/llama.cpp &&

@@ -3,13 +3,7 @@
 # model next to llama-bench (built here from the llama-cpp-python sources) on the same file. Results land in $OUT.
 #
 #   run: bash bench/gpu_fastpath.sh    (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-START=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkgs && ln -sfn "$PWD/runtime" /tmp/pkgs/moerun
-export PYTHONPATH=/tmp/site:/tmp/pkgs:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+source bench/gpu_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 
 ( mkdir -p /tmp/peer && tar xJf .peer/llama.cpp-src.tar.xz -C /tmp/peer && cd /tmp/peer/llama.cpp &&
