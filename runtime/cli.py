@@ -90,7 +90,8 @@ class ModelOptions:
     def cache_config(self, g):
         """The expert cache's configuration, or None for every expert on the device: the cache is on when a cache
         option asks for it, or on CUDA when the model does not fit the free VRAM."""
-        from moerun.cache.expert_cache import CacheConfig, fits_device
+        from moerun.cache.expert_cache import CacheConfig
+        from moerun.cache.host import fits_device
 
         slots = None if self.cache_slots == "auto" else _slot_count(self.cache_slots)
         asked = self.vram_budget is not None or slots is not None or self.expert_profile is not None

@@ -3,23 +3,23 @@ as GGUF bytes in slots, the GPU computes the cached experts while the CPU comput
 decides between steps which misses earn an upload.
 
 Pieces, each with one job: `CacheConfig` (what the user asked for), `ExpertCache` (the state all layers share: the
-policy, the copy stream, hit and upload counts), `CachedExperts` (one layer's ExpertCompute: its slot banks on the
-device, its experts' bytes on the host). The slot of each expert lives on the host (`slot_of`), because the CPU
-needs the step's routing anyway to compute the misses: one small device-to-host copy per layer and step carries the
-router's choice, the hit/miss split is a numpy lookup, and the GPU gets its slot table with the launch. Nothing in
-the forward writes a slot another kernel may still read: uploads run on a copy stream after the layer's kernels, and
-the layer's next launch waits for them.
+policy, a copy stream per GPU, the statistics, the prompt staging banks), `CachedExperts` (one layer's
+ExpertCompute: its slot banks on the device, its experts' bytes on the host, see cache/host.py). The slot of each
+expert lives on the host (`slot_of`), because the CPU needs the step's routing anyway to compute the misses: one
+small device-to-host copy per layer and step carries the router's choice, the hit/miss split is a numpy lookup,
+and the GPU gets its slot table with the launch. After the last cached layer of a forward the policy sees the whole
+step's routing in one call and plans the uploads. Nothing writes a slot another kernel may still read: uploads run
+on a copy stream after the step's kernels, and a layer's next launch waits for its uploads.
 
-Layers, the KV cache and the routers stay on the GPU (runtime/models); only the routed experts move.
+Eager forwards (prompts, batches) and captured decode steps (graphs.py: the step's graphs are cut around each cached
+layer's host work) run the same lookups, kernels and accounting. Layers, the KV cache and the routers stay on the
+GPU (runtime/models); only the routed experts move.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import time
-import warnings
-import weakref
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from moeprep.errors import MoeprepError
-from moeprep.gguf.anatomy import DEFAULT_RESERVE, describe_model
+from moeprep.gguf.anatomy import describe_model
 from moeprep.gguf.reader import GGUFModel
 from moeprep.units import format_size
 from moeprep.profile.export import EXPERT_USAGE_KEY
+from moerun.cache.host import host_experts, page_locked, read_only_tensor, should_pin
 from moerun.cache.placement import Placement, place
 from moerun.cache.policy import DEFAULT_POLICY, make_policy
 from moerun.graphs import active_capture
@@ -38,7 +39,6 @@ from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import ExpertBytes, moe_rows
 from moerun.layers import ACTIVATIONS
 
-PARTS = ("gate", "up", "down")
 # Uploads one layer may start per step: an upload of a 30B-shaped expert (2.6 MB) takes ~50 us over pinned PCIe,
 # so a handful per layer keeps a step's upload time below its compute while the cache adapts within a few tokens.
 UPLOADS_PER_LAYER_STEP = 2
@@ -176,46 +176,6 @@ class ExpertCache:
         host waits), else the memory map."""
         parts = host_experts(g, layer)
         return tuple(replace(t, data=page_locked(t.data)) for t in parts) if self.config.pin else parts
-
-
-def page_locked(data: np.ndarray) -> np.ndarray:
-    """A copy of `data` in page-locked memory registered with CUDA (torch's pinned allocator rounds sizes up to a
-    power of two, which would nearly double a layer's experts)."""
-    page = mmap.PAGESIZE
-    raw = np.empty(data.nbytes + page, np.uint8)
-    start = -raw.ctypes.data % page
-    copy = raw[start : start + data.nbytes].reshape(data.shape)
-    torch.from_numpy(copy).copy_(read_only_tensor(data))  # torch's copy is multi-threaded
-    error = torch.cuda.cudart().cudaHostRegister(copy.ctypes.data, copy.nbytes, 0)
-    if int(error) != 0:
-        raise MoeprepError(f"cannot page-lock {format_size(copy.nbytes)} of expert bytes (CUDA error {int(error)}); "
-                           "run without pinning (CacheConfig(pin=False)) or free RAM")
-    weakref.finalize(raw, torch.cuda.cudart().cudaHostUnregister, copy.ctypes.data)
-    return copy
-
-
-def read_only_tensor(data: np.ndarray) -> torch.Tensor:
-    """A tensor over a read-only array (the memory map) that is only ever read: without torch's warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.asarray(data))
-
-
-def should_pin(g: GGUFModel, device: torch.device) -> bool:
-    """Pin on CUDA when the routed experts fit the RAM that is free now, with 8 GiB to spare."""
-    if device.type != "cuda":
-        return False
-    expert_bytes = sum(t.n_bytes for t in g.tensors if "_exps." in t.name)
-    return expert_bytes + (8 << 30) <= available_ram()
-
-
-def available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) << 10
-    except (OSError, KeyError, ValueError):
-        return 0
 
 
 @contextlib.contextmanager
@@ -489,21 +449,6 @@ class CachedExperts(nn.Module):
             self.uploaded.record(self.copy_stream)
 
 
-def host_experts(g: GGUFModel, layer: int) -> tuple[ExpertBytes, ExpertBytes, ExpertBytes]:
-    """A layer's gate, up and down expert tensors as host bytes (the memory map) with their biases."""
-    from moerun.weights import dequantize_bytes
-
-    infos = {t.name: t for t in g.tensors}
-    parts = []
-    for part in PARTS:
-        info = infos[f"blk.{layer}.ffn_{part}_exps.weight"]
-        n_expert, rows, cols = info.shape
-        bias = infos.get(f"blk.{layer}.ffn_{part}_exps.bias")
-        bias_values = None if bias is None else dequantize_bytes(g.raw(bias), bias.ggml_type, bias.shape).numpy()
-        parts.append(ExpertBytes(g.raw(info).reshape(n_expert, rows, -1), info.ggml_type, rows, cols, bias_values))
-    return tuple(parts)
-
-
 def warm_experts(usage: np.ndarray | None, layer: int, n_expert: int) -> np.ndarray:
     """A layer's experts hottest first by the warm-start counts (none without counts: the cache starts empty)."""
     if usage is None or usage[layer].sum() == 0:
@@ -531,15 +476,6 @@ def expert_usage(g: GGUFModel, profile_path: str | None, n_layer: int) -> np.nda
                            "blocks")
     return table.reshape(n_blocks, -1)[:n_layer]
 
-
-
-def fits_device(g: GGUFModel, device: str) -> bool:
-    """Do all of the model's weights fit the device's free memory, less the reserve for activations and KV?"""
-    device_ = torch.device(device)
-    if device_.type != "cuda" or not torch.cuda.is_available():
-        return True
-    free = torch.cuda.mem_get_info(device_)[0]
-    return sum(t.n_bytes for t in g.tensors) + DEFAULT_RESERVE <= free
 
 
 def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
