@@ -154,7 +154,7 @@ class ExpertCache:
         bank = layer.banks[0].data
         key = (bank.device, *((b.qtype, b.data.shape[1:]) for b in layer.banks))
         if key not in self.scratch:
-            from moerun.kernels.gguf_matmul import QWeight
+            from moerun.kernels.qweight import QWeight
 
             per_expert = sum(b.data[0].numel() for b in layer.banks)
             n = max(1, min(self.n_expert, STAGE_BYTES // per_expert))
@@ -225,7 +225,7 @@ class CachedExperts(nn.Module):
     def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
                  activation: str, cache: ExpertCache, hooks: Hooks) -> None:
         super().__init__()
-        from moerun.kernels.gguf_matmul import QWeight  # Triton: present where CUDA is (and in the test extra)
+        from moerun.kernels.qweight import QWeight
 
         self.layer, self.host, self.cache, self.hooks = layer, host, cache, hooks
         self.activation, self.act = activation, ACTIVATIONS[activation]
@@ -343,11 +343,10 @@ class CachedExperts(nn.Module):
     def _hits(self, x, slots, weights, ids, banks=None, experts=None) -> torch.Tensor:
         """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
         experts[s]: the expert in slot s (for its biases; default: `resident`)."""
-        from moerun.quantized import bank_moe
-
         if x.device.type == "cpu":
             return self._hits_on_cpu(x, slots, weights, banks or self.banks,
                                      self.resident if experts is None else experts)
+        from moerun.quantized import bank_moe  # Triton, which CUDA builds of torch bring
 
         timing = self.cache.timing and x.device.type == "cuda" and active_capture() is None
         if timing:

@@ -15,8 +15,6 @@ cumsum on the device into buffers of a size known from the shapes alone, so ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -24,16 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import tuning
 from moerun.kernels.qtypes import BLOCK_TYPES, BlockType
-
-
-@dataclass(frozen=True)
-class QWeight:
-    """GGUF bytes of one matrix or of a bank of expert matrices, on the device."""
-
-    data: torch.Tensor  # uint8, (N, row_bytes) or (E, N, row_bytes), contiguous
-    qtype: Q
-    rows: int  # N, output features
-    cols: int  # C, input features (a multiple of the type's block size)
+from moerun.kernels.qweight import QWeight  # noqa: F401 (its home; imported from here too)
 
 
 def supports(qtype: Q) -> bool:
