@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -68,8 +69,9 @@ def ram_read_gbps(threads: int, repeat: int) -> float:
 
 
 def load_impl(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cpu_experts_other", path)
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

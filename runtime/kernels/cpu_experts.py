@@ -26,11 +26,10 @@ size, I expert hidden size; a row has `cols` values in `nb` blocks of `block` va
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -59,13 +58,39 @@ ITEMS_PER_THREAD = 4
 
 @dataclass(frozen=True)
 class ExpertBytes:
-    """One stacked expert tensor as GGUF bytes in host memory (E, rows, row_bytes), and its optional bias (E, rows)."""
+    """One stacked expert tensor as GGUF bytes in host memory (E, rows, row_bytes), and its optional bias (E, rows).
+    What the kernels take is prepared once here: the format's code (-1: no kernel for the type) and C-contiguous
+    read-only views of the bytes and the bias (memory-mapped and in-memory arrays then share one numba type, hence
+    one compiled kernel)."""
 
     data: np.ndarray
     qtype: Q
     rows: int
     cols: int
     bias: np.ndarray | None = None
+    code: int = field(init=False, repr=False, compare=False)
+    kernel_data: np.ndarray = field(init=False, repr=False, compare=False)
+    kernel_bias: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        code = _FORMAT_CODES.get(self.qtype, -1)
+        if code >= 0:
+            block, type_size = GGML_QUANT_SIZES[self.qtype]
+            assert self.cols % block == 0 and self.data.shape[1:] == (self.rows, self.cols // block * type_size), \
+                (self.data.shape, self.qtype)
+        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "kernel_data", _read_only(self.data, np.uint8))
+        object.__setattr__(self, "kernel_bias", _NO_BIAS if self.bias is None else _read_only(self.bias, F32))
+
+
+def _read_only(a: np.ndarray, dtype: type) -> np.ndarray:
+    """A C-contiguous read-only view (a copy only if a is not C-contiguous of dtype)."""
+    view = np.ascontiguousarray(a, dtype).view(np.ndarray)
+    view.flags.writeable = False
+    return view
+
+
+_NO_BIAS = _read_only(np.zeros((0, 0), F32), F32)
 
 
 # ------------------------------------------------------------------------------------------------ block decoders
@@ -515,7 +540,7 @@ def supports(qtype: Q) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- the kernels
-# The parallel kernels take a table index (a format's, a rounding's, an activation's) and pick the function with
+# The kernels take a table index (a format's, a rounding's, an activation's) and pick the function with
 # literal_unroll over the table, rather than taking the function itself: numba's disk cache cannot key a compiled
 # function on a function argument, and would compile these again in every process.
 
@@ -527,6 +552,17 @@ _FORMAT_CODES = {qtype: i for i, qtype in enumerate(FORMATS)}
 _ROWS = tuple(f.rows for f in FORMATS.values())
 _ROUNDING_CODES = {name: i for i, name in enumerate(ROUNDINGS)}
 _ROUNDINGS = tuple(ROUNDINGS.values())
+assert tuple(ROUNDINGS)[:len(INTEGER_ROUNDINGS)] == INTEGER_ROUNDINGS  # an integer rounding's code is the lower
+# Each format's facts by format code, read by the kernels (numba freezes global arrays into the compiled code).
+_BLOCK = np.array([f.block for f in FORMATS.values()], np.int64)
+_N_SUB = np.array([f.n_sub for f in FORMATS.values()], np.int64)
+_FORMAT_ROUNDING = np.array([_ROUNDING_CODES[f.rounding] for f in FORMATS.values()], np.int64)
+_ROUNDING_BLOCK = np.array([next(f.block for f in FORMATS.values() if f.rounding == name) for name in ROUNDINGS],
+                           np.int64)
+
+# Below this many rows (tokens to round, tokens to combine) a step runs on the calling thread: a parallel region
+# costs more than the rows.
+PARALLEL_MIN_ROWS = 8
 
 
 @numba.njit(**JIT)
@@ -538,46 +574,57 @@ def _round_one(code, x, xq, xf, xd, xs):
         i += 1
 
 
+@numba.njit(**JIT)
+def _rounded(code, n, cols):
+    """Empty arrays for n rows of `cols` values rounded by rounding `code` (those it does not fill: no columns)."""
+    integer = code < len(INTEGER_ROUNDINGS)
+    block = _ROUNDING_BLOCK[code]
+    xq = np.empty((n, cols if integer else 0), np.int8)
+    xf = np.empty((n, 0 if integer else cols), F32)
+    xd = np.empty((n, cols // block if integer else 0), F32)
+    xs = np.empty((n, cols // 16 if integer else 0), np.int32)
+    return xq, xf, xd, xs
+
+
 @numba.njit(parallel=True, **JIT)
-def _round_rows(code, x, xq, xf, xd, xs):
-    """Round each row of x into the same row of xq/xf/xd/xs."""
-    for i in numba.prange(x.shape[0]):
-        _round_one(code, x[i], xq[i], xf[i], xd[i], xs[i])
+def _round_rows(code, x, used, xq, xf, xd, xs):
+    """Round the rows i of x with used[i] into the same rows of xq/xf/xd/xs; few rows on the calling thread."""
+    if x.shape[0] < PARALLEL_MIN_ROWS:
+        for t in range(x.shape[0]):
+            if used[t]:
+                _round_one(code, x[t], xq[t], xf[t], xd[t], xs[t])
+    else:
+        for t in numba.prange(x.shape[0]):
+            if used[t]:
+                _round_one(code, x[t], xq[t], xf[t], xd[t], xs[t])
 
 
 @numba.njit(**JIT)
-def _rows_one(code, w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y):
+def _rows_one(code, w, bias, item, order, act_row, xq, xf, xd, xs, y):
     i = 0
     for rows in literal_unroll(_ROWS):
         if i == code:
-            rows(w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y)
+            rows(w, bias, item, order, act_row, xq, xf, xd, xs, _BLOCK[code], _N_SUB[code], y)
         i += 1
 
 
-@numba.njit(parallel=True, **JIT)
-def _expert_rows(code, w, bias, items, order, act_row, xq, xf, xd, xs, block, n_sub, y):
-    """Every work item of `items` (see _rows_kernel), in parallel."""
-    for it in numba.prange(items.shape[0]):
-        _rows_one(code, w, bias, items[it], order, act_row, xq, xf, xd, xs, block, n_sub, y)
-
-
 @numba.njit(**JIT)
-def _plan(ids, n_experts, rows, items_wanted, min_rows):
+def _pairs(ids, n_experts):
     """Pairs (t, k) with ids[t, k] >= 0, numbered in (t, k) order, grouped by expert (a counting sort, stable).
-    Returns the token of each pair (P,), the pairs in expert order (P,), and one item list per entry of `rows`
-    (each (n, 5): expert, first and end index into the ordered pairs, first and end row)."""
+    Returns the token of each pair (P,), the pairs in expert order (P,), each expert's first index into that order
+    (E + 1,), and whether each token has a pair (T,)."""
     T, K = ids.shape
-    count = np.zeros(n_experts + 1, np.int64)
-    P = 0
+    start = np.zeros(n_experts + 1, np.int64)
     for t in range(T):
         for k in range(K):
             if ids[t, k] >= 0:
-                count[ids[t, k] + 1] += 1
-                P += 1
-    token = np.empty(P, np.int64)
-    start = np.cumsum(count)  # start[e]: first slot of expert e
-    fill = start.copy()
-    order = np.empty(P, np.int64)
+                start[ids[t, k] + 1] += 1
+    for e in range(n_experts):
+        start[e + 1] += start[e]
+    P = start[n_experts]
+    token, order = np.empty(P, np.int64), np.empty(P, np.int64)
+    used = np.zeros(T, np.bool_)
+    fill = start[:-1].copy()
     p = 0
     for t in range(T):
         for k in range(K):
@@ -586,23 +633,54 @@ def _plan(ids, n_experts, rows, items_wanted, min_rows):
                 token[p] = t
                 order[fill[e]] = p
                 fill[e] += 1
+                used[t] = True
                 p += 1
+    return token, order, start, used
+
+
+@numba.njit(**JIT)
+def _items(start, n_rows, items_wanted):
+    """Work items (n, 5) over the experts with pairs: expert, first and end index into the ordered pairs, first and
+    end row; each expert's rows split into the same number of ranges, of at least MIN_ROWS_PER_ITEM rows."""
+    n_experts = start.shape[0] - 1
     n_seg = 0
     for e in range(n_experts):
         n_seg += start[e + 1] > start[e]
-    plans = []
-    for n_rows in rows:
-        chunks = max(1, min(-(-items_wanted // max(n_seg, 1)), -(-n_rows // min_rows)))
-        items = np.empty((n_seg * chunks, 5), np.int64)
-        i = 0
-        for e in range(n_experts):
-            if start[e + 1] > start[e]:
-                for c in range(chunks):
-                    items[i, 0], items[i, 1], items[i, 2] = e, start[e], start[e + 1]
-                    items[i, 3], items[i, 4] = n_rows * c // chunks, n_rows * (c + 1) // chunks
-                    i += 1
-        plans.append(items)
-    return token, order, plans
+    chunks = max(1, min(-(-items_wanted // max(n_seg, 1)), -(-n_rows // MIN_ROWS_PER_ITEM)))
+    items = np.empty((n_seg * chunks, 5), np.int64)
+    i = 0
+    for e in range(n_experts):
+        if start[e + 1] > start[e]:
+            for c in range(chunks):
+                items[i, 0], items[i, 1], items[i, 2] = e, start[e], start[e + 1]
+                items[i, 3], items[i, 4] = n_rows * c // chunks, n_rows * (c + 1) // chunks
+                i += 1
+    return items
+
+
+@numba.njit(**JIT)
+def _bad_id(ids, n_experts):
+    """The first expert id past the stack, or -1: the kernels index without bounds checks."""
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            if ids[t, k] >= n_experts:
+                return ids[t, k]
+    return -1
+
+
+@numba.njit(parallel=True, **JIT)
+def _matmul(items_wanted, x, experts, code, w, bias, y):
+    """y[i] = expert experts[i] of w times x[i] (+ its bias); the entry of expert_matmul."""
+    bad = _bad_id(experts, w.shape[0])
+    if bad >= 0:
+        return bad
+    token, order, start, used = _pairs(experts, w.shape[0])
+    items = _items(start, y.shape[1], items_wanted)
+    xq, xf, xd, xs = _rounded(_FORMAT_ROUNDING[code], x.shape[0], x.shape[1])
+    _round_rows(_FORMAT_ROUNDING[code], x, used, xq, xf, xd, xs)
+    for it in numba.prange(items.shape[0]):
+        _rows_one(code, w, bias, items[it], order, token, xq, xf, xd, xs, y)
+    return -1
 
 
 @numba.njit(**JIT)
@@ -625,101 +703,134 @@ _ACTIVATIONS = tuple(ACTIVATIONS.values())
 
 
 @numba.njit(**JIT)
-def _activate_one(code, g, u, h):
+def _activate_item(code, item, order, g, u, h):
+    """h = act(g, u) on the pairs and rows of a work item."""
     i = 0
     for act in literal_unroll(_ACTIVATIONS):
         if i == code:
-            for j in range(g.shape[0]):
-                h[j] = act(g[j], u[j])
+            for j in range(item[1], item[2]):
+                p = order[j]
+                for r in range(item[3], item[4]):
+                    h[p, r] = act(g[p, r], u[p, r])
         i += 1
 
 
+@numba.njit(**JIT)
+def _combine_token(t, first, ids, weights, y, acc, out):
+    """out[t] += sum over k (in order) of weights[t, k] * y[pair of (t, k)], the pairs of t numbered from first;
+    acc (D,) is scratch. (Each value is a running float32 sum from zero, k by k, as in a loop over k per value.)"""
+    acc[:] = F32(0)
+    p = first
+    for k in range(ids.shape[1]):
+        if ids[t, k] >= 0:
+            w = weights[t, k]
+            for i in range(out.shape[1]):
+                acc[i] += w * y[p, i]
+            p += 1
+    for i in range(out.shape[1]):
+        out[t, i] += acc[i]
+
+
 @numba.njit(parallel=True, **JIT)
-def _activate(act_code, round_code, g, u, h, hq, hf, hd, hs):
-    """h = act(g, u) per pair, rounded for the down projection into hq/hf/hd/hs."""
-    for p in numba.prange(g.shape[0]):
-        _activate_one(act_code, g[p], u[p], h[p])
-        _round_one(round_code, h[p], hq[p], hf[p], hd[p], hs[p])
+def _combine(ids, weights, token, y, out):
+    T = ids.shape[0]
+    first = np.zeros(T + 1, np.int64)  # first[t]: token t's first pair (pairs are numbered in (t, k) order)
+    for p in range(token.shape[0]):
+        first[token[p] + 1] += 1
+    for t in range(T):
+        first[t + 1] += first[t]
+    if T < PARALLEL_MIN_ROWS:
+        acc = np.empty(out.shape[1], F32)
+        for t in range(T):
+            _combine_token(t, first[t], ids, weights, y, acc, out)
+    else:
+        for t in numba.prange(T):
+            _combine_token(t, first[t], ids, weights, y, np.empty(out.shape[1], F32), out)
+
+
+# The body of _moe's gate/up loop is a function of its own, as the other loops' bodies are one call each.
 
 
 @numba.njit(**JIT)
-def _combine(ids, weights, y, out):
-    """out[t] += sum over k (in order) of weights[t, k] * y[pair of (t, k)]."""
-    T, K = ids.shape
-    first = 0
-    for t in range(T):
-        n = 0
-        for k in range(K):
-            n += ids[t, k] >= 0
-        for i in range(out.shape[1]):
-            acc = F32(0)
-            p = first
-            for k in range(K):
-                if ids[t, k] >= 0:
-                    acc += weights[t, k] * y[p, i]
-                    p += 1
-            out[t, i] += acc
-        first += n
+def _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, item, order, token, xq, xf, xd, xs,
+                  uq, uf, ud, us, g, u, h):
+    """The gate and up rows of a work item, then h = act(g, u) on its rows and pairs."""
+    _rows_one(gate_code, gate_w, gate_b, item, order, token, xq, xf, xd, xs, g)
+    _rows_one(up_code, up_w, up_b, item, order, token, uq, uf, ud, us, u)
+    _activate_item(act_code, item, order, g, u, h)
 
 
-class _Rounded:
-    """Activation rows rounded for one format: the arrays its rounding fills (unused ones have no columns)."""
+@numba.njit(parallel=True, **JIT)
+def _moe(items_wanted, x, ids, weights, gate_code, gate_w, gate_b, up_code, up_w, up_b, down_code, down_w, down_b,
+         act_code, out):
+    """moe_rows in one call (see there): returns -1, or an expert id past the stack (then out is untouched).
 
-    def __init__(self, fmt: Format, n: int, cols: int) -> None:
-        integer = fmt.rounding in INTEGER_ROUNDINGS
-        self.code = _ROUNDING_CODES[fmt.rounding]
-        self.xq = np.empty((n, cols if integer else 0), np.int8)
-        self.xf = np.empty((n, 0 if integer else cols), F32)
-        self.xd = np.empty((n, cols // fmt.block if integer else 0), F32)
-        self.xs = np.empty((n, cols // 16 if integer else 0), np.int32)
+    1. plan: the pairs grouped by expert, work items of (expert, its pairs, a range of rows) over gate/up's I rows
+       and over down's D rows; round the inputs of the tokens with pairs for gate (and up, where its rounding
+       differs).
+    2. in parallel over the gate/up items: an item's gate rows, its up rows, then h = act(g, u) on those rows and
+       pairs.
+    3. round each pair's h for down, then in parallel over the down items: the down rows.
+    4. out += the weighted sum of each token's pairs.
+    The roundings of 1 and 3 and the sum of 4 run in parallel over rows from PARALLEL_MIN_ROWS rows on, on the
+    calling thread below, so a decode call (a token and its few missed experts) starts two parallel regions."""
+    n_experts = gate_w.shape[0]
+    bad = _bad_id(ids, n_experts)
+    if bad >= 0:
+        return bad
+    token, order, start, used = _pairs(ids, n_experts)
+    P, T, D, I = token.shape[0], x.shape[0], x.shape[1], gate_w.shape[1]
+    if P == 0:
+        return -1
+    gate_items = _items(start, I, items_wanted)
+    down_items = _items(start, out.shape[1], items_wanted)
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.xq, self.xf, self.xd, self.xs
+    gate_rounding, up_rounding = _FORMAT_ROUNDING[gate_code], _FORMAT_ROUNDING[up_code]
+    xq, xf, xd, xs = _rounded(gate_rounding, T, D)
+    _round_rows(gate_rounding, x, used, xq, xf, xd, xs)
+    uq, uf, ud, us = xq, xf, xd, xs
+    if up_rounding != gate_rounding:
+        uq, uf, ud, us = _rounded(up_rounding, T, D)
+        _round_rows(up_rounding, x, used, uq, uf, ud, us)
+
+    g, u, h = np.empty((P, I), F32), np.empty((P, I), F32), np.empty((P, I), F32)
+    for it in numba.prange(gate_items.shape[0]):
+        _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, gate_items[it], order, token,
+                      xq, xf, xd, xs, uq, uf, ud, us, g, u, h)
+
+    down_rounding = _FORMAT_ROUNDING[down_code]
+    hq, hf, hd, hs = _rounded(down_rounding, P, I)
+    _round_rows(down_rounding, h, np.ones(P, np.bool_), hq, hf, hd, hs)
+    y = np.empty((P, out.shape[1]), F32)
+    pair = np.arange(P)
+    for it in numba.prange(down_items.shape[0]):
+        _rows_one(down_code, down_w, down_b, down_items[it], order, pair, hq, hf, hd, hs, y)
+
+    _combine(ids, weights, token, y, out)
+    return -1
 
 
-def _format(t: ExpertBytes) -> Format:
-    if t.qtype not in FORMATS:
+def _code(t: ExpertBytes) -> int:
+    if t.code < 0:
         raise MoeprepError(f"no CPU expert kernel for {Q(t.qtype).name}")
-    block, type_size = GGML_QUANT_SIZES[t.qtype]
-    assert t.cols % block == 0 and t.data.shape[1:] == (t.rows, t.cols // block * type_size), (t.data.shape, t.qtype)
-    return FORMATS[t.qtype]
+    return t.code
 
 
-def _read_only(a: np.ndarray, dtype: type) -> np.ndarray:
-    """A C-contiguous read-only view (a copy only if a is not C-contiguous of dtype): memory-mapped and in-memory
-    arrays then share one numba type, hence one compiled kernel."""
-    view = np.ascontiguousarray(a, dtype).view(np.ndarray)
-    view.flags.writeable = False
-    return view
+def _out_of_range(bad: int, n_experts: int) -> ValueError:
+    return ValueError(f"expert id {bad} out of range: the tensors hold {n_experts} experts")
 
 
-_NO_BIAS = _read_only(np.zeros((0, 0), F32), F32)
-
-
-def _matmul(t: ExpertBytes, fmt: Format, items: np.ndarray, order: np.ndarray, act_row: np.ndarray,
-            x: _Rounded, n_pairs: int) -> np.ndarray:
-    y = np.empty((n_pairs, t.rows), F32)
-    bias = _NO_BIAS if t.bias is None else _read_only(t.bias, F32)
-    _expert_rows(_FORMAT_CODES[t.qtype], _read_only(t.data, np.uint8), bias, items, order, act_row, *x.arrays(),
-                 fmt.block, fmt.n_sub, y)
-    return y
-
-
-def _check_ids(ids: np.ndarray, n_experts: int) -> None:
-    """The kernels index without bounds checks: an expert id past the stack would read (and plan) out of bounds."""
-    if ids.size and ids.max() >= n_experts:
-        raise ValueError(f"expert id {ids.max()} out of range: the tensors hold {n_experts} experts")
-
-
-@contextlib.contextmanager
-def _threads(threads: int | None) -> Iterator[None]:
-    """One launch at a time (_LAUNCH), with `threads` numba threads (None: the calling thread's setting)."""
+def _launch(kernel: Callable, threads: int | None, *args) -> int:
+    """kernel(items wanted, *args), holding _LAUNCH, on `threads` numba threads (None: the calling thread's
+    setting; numba's setting is changed, and put back, only when it differs)."""
     with _LAUNCH:
         previous = numba.get_num_threads()
-        if threads is not None:
-            numba.set_num_threads(threads)
+        n = threads or previous
+        if n == previous:
+            return kernel(ITEMS_PER_THREAD * n, *args)
+        numba.set_num_threads(n)
         try:
-            yield
+            return kernel(ITEMS_PER_THREAD * n, *args)
         finally:
             numba.set_num_threads(previous)
 
@@ -727,52 +838,26 @@ def _threads(threads: int | None) -> Iterator[None]:
 def expert_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: int | None = None) -> np.ndarray:
     """y[i] = expert experts[i] of t times x[i] (+ its bias), rounding x[i] as llama.cpp does for t's type.
     x (n, cols) float32, experts (n,) integers -> y (n, rows) float32."""
-    fmt = _format(t)
-    with _threads(threads):
-        ids = np.ascontiguousarray(experts, np.int64)[:, None]
-        _check_ids(ids, t.data.shape[0])
-        token, order, (items,) = _plan(ids, t.data.shape[0], np.array([t.rows]),
-                                       ITEMS_PER_THREAD * numba.get_num_threads(), MIN_ROWS_PER_ITEM)
-        rounded = _Rounded(fmt, len(x), t.cols)
-        _round_rows(rounded.code, np.ascontiguousarray(x, F32), *rounded.arrays())
-        return _matmul(t, fmt, items, order, token, rounded, len(token))
+    code = _code(t)
+    y = np.empty((len(x), t.rows), F32)
+    bad = _launch(_matmul, threads, np.ascontiguousarray(x, F32), np.ascontiguousarray(experts, np.int64)[:, None],
+                  code, t.kernel_data, t.kernel_bias, y)
+    if bad >= 0:
+        raise _out_of_range(bad, t.data.shape[0])
+    return y
 
 
 def moe_rows(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertBytes, up: ExpertBytes,
              down: ExpertBytes, activation: str, out: np.ndarray, threads: int | None = None) -> None:
     """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
     (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b. `threads`:
-    numba threads for this call (default: numba's setting for the calling thread)."""
-    with _threads(threads):
-        _moe_rows(x, ids, weights, gate, up, down, activation, out)
-
-
-def _moe_rows(x, ids, weights, gate, up, down, activation, out) -> None:
-    f_gate, f_up, f_down = _format(gate), _format(up), _format(down)
-    T, D = x.shape
-    x = np.ascontiguousarray(x, F32)
-    ids = np.ascontiguousarray(ids, np.int64)
-    weights = np.ascontiguousarray(weights, F32)
-    _check_ids(ids, gate.data.shape[0])
-    items_wanted = ITEMS_PER_THREAD * numba.get_num_threads()
-    token, order, (gate_items, down_items) = _plan(ids, gate.data.shape[0], np.array([gate.rows, down.rows]),
-                                                   items_wanted, MIN_ROWS_PER_ITEM)
-    P = len(token)
-    if P == 0:
-        return
-    xg = _Rounded(f_gate, T, D)
-    _round_rows(xg.code, x, *xg.arrays())
-    xu = xg
-    if (f_up.rounding, f_up.block) != (f_gate.rounding, f_gate.block):
-        xu = _Rounded(f_up, T, D)
-        _round_rows(xu.code, x, *xu.arrays())
-    g = _matmul(gate, f_gate, gate_items, order, token, xg, P)
-    u = _matmul(up, f_up, gate_items, order, token, xu, P)
-    h = np.empty_like(g)
-    hx = _Rounded(f_down, P, gate.rows)
-    _activate(_ACTIVATION_CODES[activation], hx.code, g, u, h, *hx.arrays())
-    y = _matmul(down, f_down, down_items, order, np.arange(P), hx, P)
-    _combine(ids, weights, y, out)
+    numba threads for this call (default: numba's setting for the calling thread). One compiled call (_moe)."""
+    bad = _launch(_moe, threads, np.ascontiguousarray(x, F32), np.ascontiguousarray(ids, np.int64),
+                  np.ascontiguousarray(weights, F32), _code(gate), gate.kernel_data, gate.kernel_bias, _code(up),
+                  up.kernel_data, up.kernel_bias, _code(down), down.kernel_data, down.kernel_bias,
+                  _ACTIVATION_CODES[activation], out)
+    if bad >= 0:
+        raise _out_of_range(bad, gate.data.shape[0])
 
 
 # ------------------------------------------------------------------------------------------- the ExpertCompute

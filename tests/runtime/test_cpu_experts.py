@@ -200,6 +200,25 @@ def test_threads_do_not_change_the_bits():
     assert np.array_equal(outs[0], outs[1])
 
 
+def test_a_token_does_not_depend_on_the_others():
+    """A token's bits are the same alone (few pairs: h rounded once before the down loop, one thread rounds and
+    combines) and among 11 others (many pairs: each down item rounds its pairs' h; tokens rounded and combined in
+    parallel), at any thread count."""
+    rng = np.random.default_rng(9)
+    gate, up = (expert_bytes(rng, Q.Q4_K, 6, 512, 256) for _ in range(2))
+    down = expert_bytes(rng, Q.Q8_0, 6, 256, 512)
+    x = rng.standard_normal((12, 256)).astype(np.float32)
+    ids = rng.integers(-1, 6, (12, 4))
+    weights = rng.random((12, 4)).astype(np.float32)
+    for n in (1, numba.config.NUMBA_NUM_THREADS):
+        together = np.zeros((12, 256), np.float32)
+        moe_rows(x, ids, weights, gate, up, down, "swiglu", together, threads=n)
+        for t in range(12):
+            alone = np.zeros((1, 256), np.float32)
+            moe_rows(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], gate, up, down, "swiglu", alone, threads=n)
+            assert np.array_equal(alone[0], together[t])
+
+
 def test_moe_rows_releases_the_gil():
     """A Python thread keeps running while moe_rows computes."""
     rng = np.random.default_rng(7)
