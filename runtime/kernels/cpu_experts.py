@@ -20,6 +20,18 @@ activation rounding. Work is split into items (one expert, the tokens that chose
 `prange`; every output element is computed by one item with the same operations whatever the split, so any thread
 count gives the same bits. A row is decoded once for all the tokens of its item.
 
+A call is one compiled function, `_moe`, because the expert cache makes one call per layer per decode step for a
+token's few missed experts, where a fixed cost weighs as much as the bytes: it plans (the pairs grouped by expert,
+the items), rounds the inputs, runs one parallel loop whose item computes its gate rows, its up rows and then h =
+act(g, u) on them, rounds each pair's h, runs a second parallel loop over the down items, and sums each token's
+pairs into `out`. The roundings and the sum run on the calling thread below PARALLEL_MIN_ROWS rows (tokens, or
+pairs for h), so a call for a token's few missed experts starts two parallel regions. (It was five numba launches
+with Python between them, argument checks, array allocations and copies, and two numba.set_num_threads calls: about
+20 us of Python and three more region starts per call on a 2-core VM, docs/BENCHMARKS.md.) What stays in Python is
+what numba cannot do: ExpertBytes prepares each tensor's read-only views and format code once, and numba's thread
+count is changed only when the call asks for another one. Rounding h inside each down item instead (no region
+between the two loops) measured 5% slower on a 64-token call, so h is rounded in a step of its own.
+
 Shapes: T tokens, K experts per token, P = the (token, k) pairs with an expert (ids >= 0), E experts, D hidden
 size, I expert hidden size; a row has `cols` values in `nb` blocks of `block` values, each of `n_sub` sub-blocks.
 """
