@@ -695,35 +695,47 @@ def _matmul(items_wanted, x, experts, code, w, bias, y):
     return -1
 
 
+# An activation is act(g, u, limit) (float32 each); `limit` is moe_rows' argument, read by those that have one.
+
+
 @numba.njit(**JIT)
-def _swiglu(g: np.float32, u: np.float32) -> np.float32:
+def _swiglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
     return g / (F32(1) + np.exp(-g)) * u
 
 
 @numba.njit(**JIT)
-def _swiglu_oai(g: np.float32, u: np.float32) -> np.float32:
-    """gpt-oss (alpha 1.702, limit 7): the gate capped at the limit, up clamped to +-limit and shifted by 1."""
+def _swiglu_oai(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """gpt-oss (alpha 1.702, its limit 7, not the argument): the gate capped at the limit, up clamped to +-limit and
+    shifted by 1."""
     g = min(g, F32(7))
     u = max(min(u, F32(7)), F32(-7))
     return g / (F32(1) + np.exp(-F32(1.702) * g)) * (u + F32(1))
 
 
-# Expert activations by name, as moerun.layers.ACTIVATIONS.
-ACTIVATIONS: dict[str, Callable] = {"swiglu": _swiglu, "swiglu_oai": _swiglu_oai}
+@numba.njit(**JIT)
+def _swiglu_clamp(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """glm5-next (`swiglu_clamp_exp` in its GGUF): the gate capped at `limit` before SiLU, up clamped to +-limit."""
+    g = min(g, limit)
+    u = max(min(u, limit), -limit)
+    return g / (F32(1) + np.exp(-g)) * u
+
+
+# Expert activations by name: moerun.layers.ACTIVATIONS' and moerun.models.glm5_next.swiglu_clamp.
+ACTIVATIONS: dict[str, Callable] = {"swiglu": _swiglu, "swiglu_oai": _swiglu_oai, "swiglu_clamp": _swiglu_clamp}
 _ACTIVATION_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
 _ACTIVATIONS = tuple(ACTIVATIONS.values())
 
 
 @numba.njit(**JIT)
-def _activate_item(code, item, order, g, u, h):
-    """h = act(g, u) on the pairs and rows of a work item."""
+def _activate_item(code, limit, item, order, g, u, h):
+    """h = act(g, u, limit) on the pairs and rows of a work item."""
     i = 0
     for act in literal_unroll(_ACTIVATIONS):
         if i == code:
             for j in range(item[1], item[2]):
                 p = order[j]
                 for r in range(item[3], item[4]):
-                    h[p, r] = act(g[p, r], u[p, r])
+                    h[p, r] = act(g[p, r], u[p, r], limit)
         i += 1
 
 
@@ -764,17 +776,17 @@ def _combine(ids, weights, token, y, out):
 
 
 @numba.njit(**JIT)
-def _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, item, order, token, xq, xf, xd, xs,
-                  uq, uf, ud, us, g, u, h):
-    """The gate and up rows of a work item, then h = act(g, u) on its rows and pairs."""
+def _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, limit, item, order, token, xq, xf, xd,
+                  xs, uq, uf, ud, us, g, u, h):
+    """The gate and up rows of a work item, then h = act(g, u, limit) on its rows and pairs."""
     _rows_one(gate_code, gate_w, gate_b, item, order, token, xq, xf, xd, xs, g)
     _rows_one(up_code, up_w, up_b, item, order, token, uq, uf, ud, us, u)
-    _activate_item(act_code, item, order, g, u, h)
+    _activate_item(act_code, limit, item, order, g, u, h)
 
 
 @numba.njit(parallel=True, **JIT)
 def _moe(items_wanted, x, ids, weights, gate_code, gate_w, gate_b, up_code, up_w, up_b, down_code, down_w, down_b,
-         act_code, out):
+         act_code, limit, out):
     """moe_rows in one call (see there): returns -1, or an expert id past the stack (then out is untouched).
 
     1. plan: the pairs grouped by expert, work items of (expert, its pairs, a range of rows) over gate/up's I rows
@@ -807,8 +819,8 @@ def _moe(items_wanted, x, ids, weights, gate_code, gate_w, gate_b, up_code, up_w
 
     g, u, h = np.empty((P, I), F32), np.empty((P, I), F32), np.empty((P, I), F32)
     for it in numba.prange(gate_items.shape[0]):
-        _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, gate_items[it], order, token,
-                      xq, xf, xd, xs, uq, uf, ud, us, g, u, h)
+        _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, F32(limit), gate_items[it], order,
+                      token, xq, xf, xd, xs, uq, uf, ud, us, g, u, h)
 
     down_rounding = _FORMAT_ROUNDING[down_code]
     hq, hf, hd, hs = _rounded(down_rounding, P, I)
@@ -860,14 +872,16 @@ def expert_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: i
 
 
 def moe_rows(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertBytes, up: ExpertBytes,
-             down: ExpertBytes, activation: str, out: np.ndarray, threads: int | None = None) -> None:
+             down: ExpertBytes, activation: str, out: np.ndarray, threads: int | None = None,
+             limit: float = 0.0) -> None:
     """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
-    (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b. `threads`:
-    numba threads for this call (default: numba's setting for the calling thread). One compiled call (_moe)."""
+    (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b, `activation` a
+    key of ACTIVATIONS and `limit` its clamp where it takes one (swiglu_clamp). `threads`: numba threads for this
+    call (default: numba's setting for the calling thread). One compiled call (_moe)."""
     bad = _launch(_moe, threads, np.ascontiguousarray(x, F32), np.ascontiguousarray(ids, np.int64),
                   np.ascontiguousarray(weights, F32), _code(gate), gate.kernel_data, gate.kernel_bias, _code(up),
                   up.kernel_data, up.kernel_bias, _code(down), down.kernel_data, down.kernel_bias,
-                  _ACTIVATION_CODES[activation], out)
+                  _ACTIVATION_CODES[activation], float(limit), out)
     if bad >= 0:
         raise _out_of_range(bad, gate.data.shape[0])
 
@@ -878,7 +892,10 @@ def moe_rows(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertBy
 class CPUExperts(GGUFExperts):
     """ExpertCompute on the CPU through moe_rows, straight from the memory-mapped GGUF, with torch's thread count.
     With activation hooks registered (imatrix collection) it runs the reference path, which reports each expert's
-    inputs."""
+    inputs. `activation` names moe_rows' activation and `limit` its clamp (glm5-next sets both, and `act`, the
+    reference path's)."""
+
+    limit: float = 0.0
 
     @classmethod
     def can_run(cls, w: Weights, layer: int) -> bool:
@@ -896,7 +913,8 @@ class CPUExperts(GGUFExperts):
             return super().forward(x, ids, weights)
         out = torch.zeros(x.shape, dtype=torch.float32)
         moe_rows(x.float().contiguous().numpy(), ids.numpy(), weights.float().contiguous().numpy(), *self.host,
-                 self.activation, out.numpy(), threads=min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+                 self.activation, out.numpy(), threads=min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS),
+                 limit=self.limit)
         return out
 
 

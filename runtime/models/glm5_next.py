@@ -41,6 +41,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
 from moerun.hooks import Hooks
+from moerun.kernels.cpu_experts import CPUExperts
 from moerun.layers import FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Router
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import MLAttention, rope_attn_factor
@@ -332,6 +333,15 @@ def clamped_ffn(w: Weights, hooks: Hooks, layer: int, limit: float, suffix: str 
     return ClampedFeedForward(base.gate, base.up, base.down, limit)
 
 
+def clamped(experts: GGUFExperts, limit: float) -> GGUFExperts:
+    """Routed experts (the device's ExpertCompute) with the clamped SwiGLU: `act` for the torch paths (the reference
+    path, the GPU's expert banks) and, for CPUExperts, moe_rows' own swiglu_clamp."""
+    experts.act = partial(swiglu_clamp, limit=limit)
+    if isinstance(experts, CPUExperts):
+        experts.activation, experts.limit = "swiglu_clamp", limit
+    return experts
+
+
 # ---------------------------------------------------------------------------------------------------- blocks
 
 
@@ -477,8 +487,7 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     if layer < args.n_dense_lead:
         ffn: nn.Module = clamped_ffn(w, hooks, layer, a.clamp_shexp[layer])
     else:
-        experts = GGUFExperts.load(w, hooks, layer)
-        experts.act = partial(swiglu_clamp, limit=a.clamp_exp[layer])
+        experts = clamped(ctx.expert_compute(layer).load(w, hooks, layer), a.clamp_exp[layer])
         ffn = MoE(layer, Router.load(args, w, hooks, layer), experts, hooks,
                   shared=clamped_ffn(w, hooks, layer, a.clamp_shexp[layer], "_shexp"))
     hc = lambda site: HyperConnection.load(w, hooks, f"{p}.hc_{site}", a, args.norm_eps)  # noqa: E731

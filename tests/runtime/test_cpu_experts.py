@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import gguf
 import numba
@@ -24,6 +25,7 @@ from moerun import rounding
 from moerun.kernels import cpu_experts
 from moerun.kernels.cpu_experts import ExpertBytes, expert_matmul, moe_rows
 from moerun.kernels.dequant import dequantize, supports
+from moerun.models.glm5_next import swiglu_clamp
 from moeprep.synth.weights import quantize
 
 QTYPES = list(cpu_experts.FORMATS)
@@ -128,11 +130,26 @@ def _moe_reference(x, ids, weights, gate, up, down, act) -> np.ndarray:
     return out
 
 
-ACT = {"swiglu": moerun.layers.swiglu, "swiglu_oai": moerun.layers.swiglu_oai}
+# The torch activation each of moe_rows' is checked against, and the limit moe_rows is given (about the size of g
+# and u below, so that the clamp bites).
+LIMIT = 0.3
+ACT = {"swiglu": moerun.layers.swiglu, "swiglu_oai": moerun.layers.swiglu_oai,
+       "swiglu_clamp": partial(swiglu_clamp, limit=LIMIT)}
 
 
-@pytest.mark.parametrize("qtype,activation", [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai")],
-                         ids=lambda v: getattr(v, "name", v))
+def test_activations_equal_torch():
+    """Each numba activation against its torch version on values across the clamps (the exps may round apart)."""
+    g = torch.linspace(-12, 12, 4001, dtype=torch.float32)
+    u = torch.flip(g, [0]) * 0.7
+    for name, act in cpu_experts.ACTIVATIONS.items():
+        limit = 1.5 if name == "swiglu_clamp" else 0.0
+        torch_act = partial(swiglu_clamp, limit=limit) if name == "swiglu_clamp" else ACT[name]
+        fast = np.array([act(np.float32(a), np.float32(b), np.float32(limit)) for a, b in zip(g.numpy(), u.numpy())])
+        np.testing.assert_allclose(fast, torch_act(g, u).numpy(), rtol=4e-6, atol=1e-30, err_msg=name)
+
+
+@pytest.mark.parametrize("qtype,activation", [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai"),
+                                              (Q.Q4_K, "swiglu_clamp")], ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("T", [1, 5])
 def test_moe_rows_matches_float64(qtype, activation, T):
     """Repeated experts within a token and ids < 0 included; out is added to, not overwritten."""
@@ -148,7 +165,7 @@ def test_moe_rows_matches_float64(qtype, activation, T):
     weights = rng.random((T, K)).astype(np.float32)
     start = rng.standard_normal((T, D)).astype(np.float32)
     out = start.copy()
-    moe_rows(x, ids, weights, gate, up, down, activation, out)
+    moe_rows(x, ids, weights, gate, up, down, activation, out, limit=LIMIT)
     ref = start + _moe_reference(x, ids, weights, gate, up, down, ACT[activation])
     # g and u carry float32 roundings (about 1e-6 relative, test_matmul_matches_float64); h's 8-bit rounding can
     # then land one step (1/127 of its block's peak) the other way on a few of the I values, each moving the
@@ -269,3 +286,25 @@ def test_model_on_cpu_uses_cpu_experts(synth_model):
     model.forward(torch.tensor(model.tokenizer.encode("the experts of a token")))
     handle.remove()
     assert any("ffn_down_exps" in name for name in seen)
+
+
+def test_glm5_next_on_cpu_uses_the_clamped_kernel(synth_model):
+    """glm5-next's routed experts on the CPU are CPUExperts running moe_rows' swiglu_clamp at the GGUF's limit; they
+    agree with the reference path (torch's clamped SwiGLU) on the same routing, on inputs large enough to clamp."""
+    from moerun.kernels.cpu_experts import CPUExperts
+    from moerun.layers import GGUFExperts
+    from moerun.models.glm5_next import Glm5NextArgs
+
+    model = moerun.load_model(synth_model("glm5-next", expert_type="Q8_0", attn_type="Q8_0"))
+    limits = Glm5NextArgs.from_gguf(model.gguf).clamp_exp
+    moe = [(i, b.ffn) for i, b in enumerate(model.net.blocks) if hasattr(b.ffn, "experts")]
+    assert moe and all(isinstance(m.experts, CPUExperts) and m.experts.activation == "swiglu_clamp"
+                       and m.experts.limit == limits[i] for i, m in moe)
+    experts = moe[0][1].experts
+    x = 8 * torch.randn(6, model.args.dim, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ids, weights = moe[0][1].router(x)
+        fast, reference = experts(x, ids, weights), GGUFExperts.forward(experts, x, ids, weights)
+        g = experts._matmul_k(experts.gate, x[:1], ids[0], None)
+    assert g.abs().max() > limits[moe[0][0]]  # the clamp bites on these inputs
+    assert (fast - reference).abs().max() <= 3e-3 * reference.abs().max()
