@@ -572,8 +572,8 @@ _FORMAT_ROUNDING = np.array([_ROUNDING_CODES[f.rounding] for f in FORMATS.values
 _ROUNDING_BLOCK = np.array([next(f.block for f in FORMATS.values() if f.rounding == name) for name in ROUNDINGS],
                            np.int64)
 
-# Below this many rows (tokens or pairs to round, tokens to combine) a step runs on the calling thread: a parallel region
-# costs more than the rows.
+# Below this many rows (tokens or pairs to round, tokens to combine) a step runs on the calling thread: a parallel
+# region costs more than the rows.
 PARALLEL_MIN_ROWS = 8
 
 
