@@ -5,9 +5,10 @@
 Qwen3-30B-A3B's experts (D 2048, expert hidden I 768, 128 experts, Q4_K gate, up and down: 2.65 MB an expert) as
 random valid blocks, and moe_rows on: 1 token with 1, 2 and 8 experts (decode misses), 1 token whose 8 slots are all
 -1 (a layer where every expert was a hit: the call's floor), and 64 tokens with 8 experts each (a prompt), at each
-thread count; and the fixed cost of a call, 1 token and 1 expert of a tiny stack (D = I = 256, 8 experts). Each call takes experts the call before did not (disjoint sets in turn for
-one token, fresh random choices for 64), so their bytes come from RAM. Times are the best of --repeat calls (the
-machine is shared: the best call is the one nothing else interrupted), the median beside it.
+thread count; and the fixed cost of a call, 1 token and 1 expert of a tiny stack (D = I = 256, 8 experts). Each
+call takes experts the call before did not (disjoint sets in turn for one token, fresh random choices for 64), so
+their bytes come from RAM. Times are the best of --repeat calls (the machine is shared: the best call is the one
+nothing else interrupted), the median beside it.
 
 Breakdown: the same calls again with moerun.kernels.cpu_experts' numba entry points wrapped by a timer; "numba" is
 the time inside them (their argument dispatch included), "Python" the rest of the call. "RAM bound" is the expert
@@ -142,7 +143,8 @@ def bench(module: ModuleType, stacks, label: str, T: int, K: int, threads: int, 
         split.append((total, timer.inside))
     total, inside = min(split)
     experts = len({int(e) for e in calls[0].ravel() if e >= 0})
-    return {"case": label, "tokens": T, "k": K, "threads": threads, "us": min(times) * 1e6, "median_us": statistics.median(times) * 1e6,
+    return {"case": label, "tokens": T, "k": K, "threads": threads, "us": min(times) * 1e6,
+            "median_us": statistics.median(times) * 1e6,
             "numba_us": inside * 1e6, "python_us": (total - inside) * 1e6,
             "bytes": experts * sum(s.data[0].nbytes for s in stacks)}
 
@@ -170,7 +172,8 @@ def main() -> None:
           f"{'MB':>7}{'RAM bound us':>14}")
     for r in rows:
         bound = r["bytes"] / (ram[r["threads"]] * 1e9) * 1e6
-        print(f"{r['case']:<11}{r['impl']:<9}{r['threads']:>8}{r['tokens']:>4}{r['k']:>3}{r['us']:>10.0f}{r['median_us']:>9.0f}"
+        print(f"{r['case']:<11}{r['impl']:<9}{r['threads']:>8}{r['tokens']:>4}{r['k']:>3}{r['us']:>10.0f}"
+              f"{r['median_us']:>9.0f}"
               f"{r['numba_us']:>9.0f}{r['python_us']:>8.0f}{r['bytes'] / 1e6:>7.1f}{bound:>14.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"ram_gbps": ram, "rows": rows, **vars(args)}, indent=2))
