@@ -302,6 +302,12 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit
 
 
 # Expert activation functions by name; an arch file picks one.
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """glm5-next's clamped SwiGLU (llama.cpp's swiglu_clamp): the gate capped at `limit` before SiLU, up clamped to
+    +-limit. Not in ACTIVATIONS: its limit is per block (the model binds it with functools.partial)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "swiglu": swiglu,
     "swiglu_oai": swiglu_oai,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from moerun.cache.policy import DEFAULT_POLICY, make_policy
 from moerun.graphs import active_capture
 from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import ExpertBytes, moe_rows
-from moerun.layers import ACTIVATIONS
+from moerun.layers import ACTIVATIONS, swiglu_clamp
 
 # Uploads one layer may start per step: an upload of a 30B-shaped expert (2.6 MB) takes ~50 us over pinned PCIe,
 # so a handful per layer keeps a step's upload time below its compute while the cache adapts within a few tokens.
@@ -223,12 +224,14 @@ class CachedExperts(nn.Module):
     while the GPU runs that graph, and the next graph adds the CPU's result."""
 
     def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
-                 activation: str, cache: ExpertCache, hooks: Hooks) -> None:
+                 activation: str, cache: ExpertCache, hooks: Hooks, limit: float = 0.0) -> None:
         super().__init__()
         from moerun.kernels.qweight import QWeight
 
         self.layer, self.host, self.cache, self.hooks = layer, host, cache, hooks
-        self.activation, self.act = activation, ACTIVATIONS[activation]
+        # swiglu_clamp's limit is per block (glm5-next); moe_rows takes it as an argument
+        self.activation, self.limit = activation, limit
+        self.act = partial(swiglu_clamp, limit=limit) if activation == "swiglu_clamp" else ACTIVATIONS[activation]
         device = cache.device_of(layer)
         self.copy_stream = cache.copy_streams.get(device)  # uploads into this layer's slots
         self.banks = tuple(QWeight(torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8, device=device),
@@ -242,9 +245,11 @@ class CachedExperts(nn.Module):
         self.step_buffers = StepBuffers.make(1, cache.top_k, host[0].cols, device) if device.type == "cuda" else None
 
     @classmethod
-    def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: str) -> CachedExperts:
+    def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: str,
+                  limit: float = 0.0) -> CachedExperts:
         """The layer's experts with the slots the placement gave it, warmed with the hottest known experts."""
-        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, cache, hooks)
+        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, cache, hooks,
+                      limit)
         experts.fill(warm_experts(cache.config.usage, layer, cache.n_expert))
         return experts
 
@@ -366,13 +371,13 @@ class CachedExperts(nn.Module):
                            for b, t in zip(banks, self.host))
         out = np.zeros(tuple(x.shape), np.float32)
         moe_rows(x.float().numpy(), slots.numpy(), weights.float().numpy(), *slot_bytes, self.activation, out,
-                 self.cache.config.cpu_threads)
+                 self.cache.config.cpu_threads, self.limit)
         return torch.from_numpy(out)
 
     def _misses(self, x: np.ndarray, ids_h, weights_h, missed, out: np.ndarray) -> None:
         with timed(self.cache.stats, "CPU experts"):
             moe_rows(x, np.where(missed, ids_h, -1), weights_h, *self.host, self.activation, out,
-                     self.cache.config.cpu_threads)
+                     self.cache.config.cpu_threads, self.limit)
 
     # ---- inside a captured decode step (graphs.py): the graph's side, then the host's work at each cut
 

@@ -39,10 +39,11 @@ from torch import nn
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
+from moerun.cache.expert_cache import CachedExperts
 from moerun.config import GATING_SIGMOID, ModelArgs
 from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import CPUExperts
-from moerun.layers import FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Router
+from moerun.layers import FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Router, swiglu_clamp
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import MLAttention, rope_attn_factor
 from moerun.step import Step
@@ -314,11 +315,6 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 # ------------------------------------------------------------------------------------------------------ FFN
 
 
-def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """llama.cpp's swiglu_clamp: the gate capped at `limit` before SiLU, up clamped to +-limit."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
 class ClampedFeedForward(FeedForward):
     def __init__(self, gate: Linear, up: Linear, down: Linear, limit: float) -> None:
         super().__init__(gate, up, down)
@@ -487,7 +483,10 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     if layer < args.n_dense_lead:
         ffn: nn.Module = clamped_ffn(w, hooks, layer, a.clamp_shexp[layer])
     else:
-        experts = clamped(ctx.expert_compute(layer).load(w, hooks, layer), a.clamp_exp[layer])
+        if ctx.cache is not None:
+            experts = CachedExperts.for_layer(w.gguf, layer, ctx.cache, hooks, "swiglu_clamp", a.clamp_exp[layer])
+        else:
+            experts = clamped(ctx.expert_compute(layer).load(w, hooks, layer), a.clamp_exp[layer])
         ffn = MoE(layer, Router.load(args, w, hooks, layer), experts, hooks,
                   shared=clamped_ffn(w, hooks, layer, a.clamp_shexp[layer], "_shexp"))
     hc = lambda site: HyperConnection.load(w, hooks, f"{p}.hc_{site}", a, args.norm_eps)  # noqa: E731

@@ -25,7 +25,7 @@ from moerun import rounding
 from moerun.kernels import cpu_experts
 from moerun.kernels.cpu_experts import ExpertBytes, expert_matmul, moe_rows
 from moerun.kernels.dequant import dequantize, supports
-from moerun.models.glm5_next import swiglu_clamp
+from moerun.layers import swiglu_clamp
 from moeprep.synth.weights import quantize
 
 QTYPES = list(cpu_experts.FORMATS)

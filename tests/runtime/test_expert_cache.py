@@ -199,3 +199,23 @@ def test_fixed_slots_must_fit_the_budget(synth_model):
     assert fits.expert_cache.placement.slots == (4, 4, 4)
     with pytest.raises(MoeprepError, match="--cache-slots 5: gpu 0's slots take"):
         moerun.load_model(path, cache=CacheConfig(budgets=[budget], slots_per_layer=5))
+
+
+def test_glm5_next_through_the_cache(synth_model):
+    """glm5-next's clamped SwiGLU reaches the cache's slots and the CPU's misses (its limit is per block; the
+    synthetic model's limit is small enough to bite)."""
+    from moeprep.synth.glm5_next import SWIGLU_CLAMP
+
+    path = synth_model("glm5-next", expert_type="F32", attn_type="F32")
+    plain = moerun.load_model(path)
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=2))
+    layers = cached_layers(cached)
+    assert layers and {(layer.activation, layer.limit) for layer in layers} == {("swiglu_clamp", SWIGLU_CLAMP)}
+    prompt = torch.tensor(plain.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)"))
+    torch.testing.assert_close(cached.forward(prompt), plain.forward(prompt), rtol=1e-4, atol=1e-4)
+    for i, token in enumerate([5, 17, 99, 5]):
+        pos = len(prompt) + i
+        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos), plain.forward(torch.tensor([token]), pos),
+                                   rtol=1e-4, atol=1e-4)
+    stats = cached.expert_cache.stats
+    assert 0 < stats.hits.sum() < stats.lookups.sum()
