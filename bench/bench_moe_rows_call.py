@@ -12,7 +12,7 @@ nothing else interrupted), the median beside it.
 
 Breakdown: the same calls again with moerun.kernels.cpu_experts' numba entry points wrapped by a timer; "numba" is
 the time inside them (their argument dispatch included), "Python" the rest of the call. "RAM bound" is the expert
-bytes of the call over the host-RAM read bandwidth measured in the same run (a numba parallel sum over 256 MiB).
+bytes of the call over the host-RAM read bandwidth measured in the same run (bench_cpu_experts.ram_read_gbps: a numba parallel sum over 1 GiB).
 --impl PATH times another copy of cpu_experts.py (say `git show REV:runtime/kernels/cpu_experts.py > old.py`)
 next to the current one, for a before/after under the same load.
 """
@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import numba
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from moeprep.synth.weights import random_blocks
 from moerun.kernels import cpu_experts
+
+from bench_cpu_experts import ram_read_gbps  # bench/bench_cpu_experts.py: the RAM bound's clock
 
 D, I, E = 2048, 768, 128
 QTYPE = Q.Q4_K
@@ -42,31 +43,6 @@ CASES = (("fixed cost", 1, 1, "tiny"), ("all hits", 1, 8, "30b"), ("decode", 1, 
          ("decode", 1, 8, "30b"), ("prompt", 64, 8, "30b"))
 # The module's functions a moe_rows call enters numba through, old and new layouts (those present are timed).
 ENTRIES = ("_plan", "_round_rows", "_expert_rows", "_activate", "_combine", "_moe")
-
-
-@numba.njit(parallel=True, nogil=True, cache=True)
-def _parallel_sum(a: np.ndarray, n_chunks: int) -> int:
-    total = 0
-    step = -(-a.shape[0] // n_chunks)
-    for c in numba.prange(n_chunks):
-        s = 0
-        for i in range(c * step, min((c + 1) * step, a.shape[0])):
-            s += a[i]
-        total += s
-    return total
-
-
-def ram_read_gbps(threads: int, repeat: int) -> float:
-    """Best read bandwidth of a parallel sum over 256 MiB (uint64 words)."""
-    a = np.ones(2**25, np.uint64)
-    numba.set_num_threads(threads)
-    _parallel_sum(a, threads)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        _parallel_sum(a, threads)
-        best = min(best, time.perf_counter() - start)
-    return a.nbytes / best / 1e9
 
 
 def load_impl(path: str) -> ModuleType:
@@ -166,7 +142,7 @@ def main() -> None:
         for label, T, K, shape in CASES:
             for name, module in impls.items():
                 rows.append({"impl": name, **bench(module, stacks[shape], label, T, K, n, args.repeat, rng)})
-    print("host RAM read (parallel sum, 256 MiB): "
+    print("host RAM read (parallel sum, 1 GiB): "
           + ", ".join(f"{ram[n]:.1f} GB/s with {n} threads" for n in threads))
     print(f"{'case':<11}{'impl':<9}{'threads':>8}{'T':>4}{'K':>3}{'us/call':>10}{'median':>9}{'numba':>9}{'Python':>8}"
           f"{'MB':>7}{'RAM bound us':>14}")
