@@ -12,7 +12,8 @@ nothing else interrupted), the median beside it.
 
 Breakdown: the same calls again with moerun.kernels.cpu_experts' numba entry points wrapped by a timer; "numba" is
 the time inside them (their argument dispatch included), "Python" the rest of the call. "RAM bound" is the expert
-bytes of the call over the host-RAM read bandwidth measured in the same run (bench_cpu_experts.ram_read_gbps: a numba parallel sum over 1 GiB).
+bytes of the call over the host-RAM read bandwidth measured in the same run (bench_cpu_experts.ram_read_gbps: a
+numba parallel sum over 1 GiB).
 --impl PATH times another copy of cpu_experts.py (say `git show REV:runtime/kernels/cpu_experts.py > old.py`)
 next to the current one, for a before/after under the same load.
 """
