@@ -144,9 +144,10 @@ def format_result(result: BenchResult) -> str:
         layers = np.array(report["hit_rate_per_layer"])
         spread = (f" (per layer {layers.min():.1%} to {layers.max():.1%}, median {np.median(layers):.1%})"
                   if len(layers) else "")
+        staged = report["staged_per_token"]
         lines.append(f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
                      f"{report['uploads_per_token']:.2f} uploads per token"
-                     + (f", {report['staged_per_token']:.2f} experts staged per token" if report["staged_per_token"] else ""))
+                     + (f", {staged:.2f} experts staged per token" if staged else ""))
         if "ms_per_token" in report:
             lines.append("  ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ms_per_token"].items()))
     if result.vram_bytes is not None:

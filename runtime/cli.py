@@ -65,7 +65,8 @@ vram_budget_option = click.option(
     "model does not fit, and fills the free VRAM.")
 cache_slots_option = click.option(
     "--cache-slots", default="auto", show_default=True,
-    help="Expert-cache slots per MoE layer: auto (the budget decides, hot layers get more) or a number for every layer.")
+    help="Expert-cache slots per MoE layer: auto (the budget decides, hot layers get more) or a number for every "
+    "layer.")
 expert_profile_option = click.option(
     "--expert-profile", type=click.Path(), help="A profile of this model (moeprep profile): warms the expert cache "
     "with its hottest experts before the first token and splits the slots by its counts.")
@@ -198,7 +199,8 @@ def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_
 
 @main.command()
 @model_options
-@click.option("-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(min=0), help="Prefill test: prompt tokens.")
+@click.option("-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(min=0),
+              help="Prefill test: prompt tokens.")
 @click.option("-n", "--n-gen", default=128, show_default=True, type=click.IntRange(min=0), help="Decode test: tokens.")
 @click.option("-f", "--file", "text_file", type=click.Path(),
               help="Teacher-force prefill and decode over this text's tokens (routing of real text); default: "
