@@ -282,37 +282,30 @@ class CachedExperts(nn.Module):
         if on_gpu and self.uploaded is not None:
             torch.cuda.current_stream().wait_event(self.uploaded)
         out = self._hits(x, torch.from_numpy(self.slot_of[ids_h]).to(x.device), weights, ids)
+        on_cpu = missed
         if missed.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in STAGING_DEVICES:
             staged = self._stage(x, ids_h, missed, weights, ids)
             if staged is not None:
                 on_cpu, staged_out = staged
                 out = out + staged_out
-                self._account(ids_h, missed)  # the cache's hits and misses, whoever computed the misses
-                missed = on_cpu
-                if not missed.any():
-                    return out
-                return self._add_misses(out, x_host, x_ready, ids_h, weights_h, missed, x)
-        if missed.any():
+        if on_cpu.any():
             if x_ready is not None:
                 x_ready.synchronize()
-            cpu_out = np.zeros((x.shape[0], x.shape[1]), np.float32)
-            self._misses(x_host.numpy(), ids_h, weights_h, missed, cpu_out)
-            out = out + torch.from_numpy(cpu_out).to(x.device, non_blocking=True)
-        self._account(ids_h, missed)
+            out = self._add_misses(out, x_host.numpy(), ids_h, weights_h, on_cpu)
+        self._account(ids_h, missed)  # the cache's hits and misses, whoever computed the misses
         return out
 
-    def _add_misses(self, out, x_host, x_ready, ids_h, weights_h, missed, x) -> torch.Tensor:
-        if x_ready is not None:
-            x_ready.synchronize()
-        cpu_out = np.zeros((x.shape[0], x.shape[1]), np.float32)
+    def _add_misses(self, out, x_host: np.ndarray, ids_h, weights_h, missed) -> torch.Tensor:
+        """out + the CPU's sum over the missed (token, expert) pairs, computed for just the tokens that have any."""
+        cpu_out = np.zeros(x_host.shape, np.float32)
         rows = np.flatnonzero(missed.any(axis=1))  # a prompt's tokens with CPU work (the others cost nothing)
         if len(rows) == len(missed):
-            self._misses(x_host.numpy(), ids_h, weights_h, missed, cpu_out)
+            self._misses(x_host, ids_h, weights_h, missed, cpu_out)
         else:
-            part = np.zeros((len(rows), x.shape[1]), np.float32)
-            self._misses(x_host.numpy()[rows], ids_h[rows], weights_h[rows], missed[rows], part)
+            part = np.zeros((len(rows), x_host.shape[1]), np.float32)
+            self._misses(x_host[rows], ids_h[rows], weights_h[rows], missed[rows], part)
             cpu_out[rows] = part
-        return out + torch.from_numpy(cpu_out).to(x.device, non_blocking=True)
+        return out + torch.from_numpy(cpu_out).to(out.device, non_blocking=True)
 
     def _stage(self, x, ids_h, missed, weights, ids) -> tuple[np.ndarray, torch.Tensor] | None:
         """Many tokens (a prompt): a missed expert chosen by at least STAGE_MIN_TOKENS of them is copied to a
@@ -353,7 +346,7 @@ class CachedExperts(nn.Module):
                                      self.resident if experts is None else experts)
         from moerun.quantized import bank_moe  # Triton, which CUDA builds of torch bring
 
-        timing = self.cache.timing and x.device.type == "cuda" and active_capture() is None
+        timing = self.cache.timing and active_capture() is None
         if timing:
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
