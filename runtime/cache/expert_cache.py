@@ -30,6 +30,7 @@ from torch import nn
 from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import describe_model
 from moeprep.gguf.reader import GGUFModel
+from moeprep.gguf.roles import TensorRole
 from moeprep.units import format_size
 from moeprep.profile.export import EXPERT_USAGE_KEY
 from moerun.cache.host import host_experts, page_locked, read_only_tensor, should_pin
@@ -483,8 +484,6 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
     device = devices[0]
     if config.usage is None:
         config = replace(config, usage=expert_usage(g, config.profile, n_layer))
-    if config.pin is None:
-        config = replace(config, pin=should_pin(g, device))
     budgets = config.budgets
     if budgets is None:
         if device.type != "cuda":
@@ -492,7 +491,9 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
         budgets = [torch.cuda.mem_get_info(d)[0] for d in devices]
     assert len(budgets) == len(devices), (budgets, devices)
     anatomy = describe_model(g)
-    placement = place(anatomy, budgets, usage=config.usage)
+    placement = place(anatomy, budgets, usage=config.usage)  # refuses a dense model: it has no experts
+    if config.pin is None:
+        config = replace(config, pin=should_pin(anatomy.roles[TensorRole.EXPERT.value].n_bytes, device))
     if config.slots_per_layer is not None:
         placement = fixed_slots(placement, config.slots_per_layer, anatomy.geometry.expert_bytes)
     return ExpertCache(placement, placement.n_expert, top_k, tuple(devices), config)

@@ -62,12 +62,10 @@ def read_only_tensor(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(data))
 
 
-def should_pin(g: GGUFModel, device: torch.device) -> bool:
-    """Pin on CUDA when the routed experts fit the RAM that is free now, with PIN_SPARE to spare."""
-    if device.type != "cuda":
-        return False
-    expert_bytes = sum(t.n_bytes for t in g.tensors if "_exps." in t.name)
-    return expert_bytes + PIN_SPARE <= available_ram()
+def should_pin(expert_bytes: int, device: torch.device) -> bool:
+    """Pin on CUDA when the routed experts (`expert_bytes`, the anatomy's) fit the RAM that is free now, with
+    PIN_SPARE to spare."""
+    return device.type == "cuda" and expert_bytes + PIN_SPARE <= available_ram()
 
 
 def available_ram() -> int:
