@@ -30,18 +30,16 @@ from moerun.cache.expert_cache import CacheConfig, describe_cache
 
 
 def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -> np.ndarray:
-    """[L, E] how often each layer selected each expert over the text."""
-    counts = np.zeros((model.args.n_layers, model.args.n_experts), np.int64)
+    """[L, E] how often each layer selected each expert over the text, as `moeprep profile` counts them."""
+    from moeprep.profile.collect import collect
+    from moeprep.profile.identity import identify_model
 
-    def count(event) -> None:
-        np.add.at(counts[event.layer], event.expert_ids.reshape(-1).cpu().numpy(), 1)
-
-    handle = model.add_routing_hook(count)
     tokens = model.tokenizer.encode(text)[:max_tokens]
-    for start in range(0, len(tokens) - chunk + 1, chunk):
-        model.forward(torch.tensor(tokens[start : start + chunk]), 0, last_only=True)
-    handle.remove()
-    return counts
+    chunks = np.array(tokens[: len(tokens) // chunk * chunk]).reshape(-1, chunk)
+    identity = identify_model(model.gguf)
+    counts, _ = collect(model, chunks, np.zeros(len(chunks), bool), identity.moe_layers, identity.n_expert,
+                        identity.n_expert_used)
+    return counts.block_table(model.args.n_layers)
 
 
 SETTINGS = {"cold": (False, None), "warm": (True, None), "warm-64": (True, 64), "cold-64": (False, 64)}

@@ -146,29 +146,19 @@ def test_runtime_hit_rate_is_what_the_profile_predicts():
     """On the trained bench model (real routing), moerun's cache decoding held-out text token by token hits what
     `moeprep profile`'s held-out table (simulate_caches over the same routing) predicts for the same policy and
     slots, at 10, 25 and 50% of a layer's experts, cold and warm: within 3 points (the issue's bar)."""
-    from moeprep.profile.counts import ExpertCounts
+    from moeprep.profile.collect import collect
     from moeprep.profile.heldout import HELDOUT_POLICIES, SIZES, simulate_caches
-    from moeprep.profile.trace import RoutingTrace
+    from moeprep.profile.identity import identify_model
 
     plain = moerun.load_model(BENCH_MODEL)
     tokens = plain.tokenizer.encode(HELDOUT_TEXT.read_text()[:20000])
-    counted, heldout = tokens[:256], tokens[256:352]
-    layers = [m.layer for m in plain.net.modules() if type(m).__name__ == "MoE"]
-    n_expert, top_k = plain.args.n_experts, plain.args.n_experts_used
-    routed: dict[int, np.ndarray] = {}
-    handle = plain.add_routing_hook(lambda e: routed.__setitem__(e.layer, e.expert_ids.numpy().copy()))
-    chunks = []
-    for chunk in (counted, heldout):
-        plain.forward(torch.tensor(chunk))
-        chunks.append(np.stack([routed[layer] for layer in layers], axis=1))  # [T, M, K]
-    handle.remove()
-    counts = ExpertCounts.zeros(layers, n_expert)
-    for m in range(len(layers)):
-        counts.selections[m] = np.bincount(chunks[0][:, m].reshape(-1), minlength=n_expert)
-    table = simulate_caches(RoutingTrace.from_chunks(chunks, [False, True], n_expert), counts)
+    chunks = np.array(tokens[:288]).reshape(3, 96)  # two chunks counted, the last one held out
+    identity = identify_model(plain.gguf)
+    counts, trace = collect(plain, chunks, np.array([False, False, True]), identity.moe_layers, identity.n_expert,
+                            identity.n_expert_used)  # what `moeprep profile` records
+    table = simulate_caches(trace, counts)
     predicted = table.overall()  # [P, S, W]
-    usage = np.zeros((plain.args.n_layers, n_expert), np.int64)
-    usage[layers] = counts.selections
+    usage, heldout = counts.block_table(plain.args.n_layers), chunks[-1].tolist()
     for pi, policy in enumerate(HELDOUT_POLICIES):
         if policy.rule != "lru":  # the runtime runs every policy; lru cold and warm stand for them here
             continue
