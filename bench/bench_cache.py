@@ -8,7 +8,7 @@ warmed by expert counts, as `--expert-profile` warms it; the counts are taken he
 hook on the resident model, which is what `moeprep profile` records, so the GPU machine needs no profile file), and
 `warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain). Each cached setting runs in a
 process of its own (`--setting NAME`), so one setting's pinned memory, threads and compiled kernels do not weigh
-on the next.
+on the next. `--settings cold` runs just that one (a model near the machine's RAM: no resident load first).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -
 
 
 SETTINGS = {"cold": (False, None), "warm": (True, None), "warm-64": (True, 64), "cold-64": (False, 64)}
+ALL_SETTINGS = ("resident", *SETTINGS)
 
 
 def run_setting(args, name: str, text: str) -> dict:
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--warm-text", help="Text to count expert use over for the warm start (default: none).")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json")
+    ap.add_argument("--settings", help=f"Which of {','.join(ALL_SETTINGS)} to run, in this order (default: all, "
+                    "or resident,cold without --warm-text).")
     ap.add_argument("--setting", choices=SETTINGS, help="Run only this cached setting (the driver's child).")
     ap.add_argument("--usage", help="With --setting: the warm start's counts (.npy).")
     args = ap.parse_args()
@@ -77,27 +80,42 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(result))
         return
-    results = {}
-    resident = moerun.load_model(args.model, device="cuda", n_ctx=max(args.prompt + args.gen + 8, 520))
-    usage = expert_counts(resident, Path(args.warm_text).read_text(errors="replace")) if args.warm_text else None
-    result = run_bench(resident, args.prompt, args.gen, text)
-    print("== resident\n" + format_result(result), flush=True)
-    results["resident"] = result.as_dict()
-    del resident
-    torch.cuda.empty_cache()
+    settings = args.settings.split(",") if args.settings else ALL_SETTINGS if args.warm_text else ("resident", "cold")
+    unknown = sorted(set(settings) - set(ALL_SETTINGS))
+    if unknown:
+        sys.exit(f"error: unknown settings {', '.join(unknown)}; choose from {', '.join(ALL_SETTINGS)}")
+    warm = any(SETTINGS[name][0] for name in settings if name in SETTINGS)
+    if warm and not args.warm_text:
+        sys.exit("error: the warm settings need --warm-text")
+    results, usage = {}, None
+    if "resident" in settings or warm:
+        resident = moerun.load_model(args.model, device="cuda", n_ctx=max(args.prompt + args.gen + 8, 520))
+        usage = expert_counts(resident, Path(args.warm_text).read_text(errors="replace")) if warm else None
+        if "resident" in settings:
+            result = run_bench(resident, args.prompt, args.gen, text)
+            print("== resident\n" + format_result(result), flush=True)
+            results["resident"] = result.as_dict()
+            save(args.json, results)
+        del resident
+        torch.cuda.empty_cache()
     folder = Path(tempfile.mkdtemp())
     child = [sys.executable, __file__, args.model, "--budget", args.budget, "-p", str(args.prompt), "-n",
              str(args.gen), "-f", args.text] + (["--threads", str(args.threads)] if args.threads else [])
     if usage is not None:
         np.save(folder / "usage.npy", usage)
         child += ["--usage", str(folder / "usage.npy")]
-    for name in SETTINGS if usage is not None else ["cold"]:
+    for name in (s for s in settings if s in SETTINGS):
         out = folder / f"{name}.json"
         subprocess.run([*child, "--setting", name, "--json", str(out)], check=False)
         if out.exists():
             results[name] = json.loads(out.read_text())
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+            save(args.json, results)
+
+
+def save(path: str | None, results: dict) -> None:
+    """The results so far (a run cut short by a time limit keeps what it measured)."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

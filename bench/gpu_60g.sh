@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the 60 GB benchmark-shaped model of issues 12 and 13 (`moeprep synth --preset
+# bench-60g`: 46 layers, 128 experts of 9.28 MiB, routing that follows the text), moerun's expert cache at a 24 GiB
+# budget cold and warmed by expert counts, moerun with every weight on the GPU, and llama-bench on the same file with
+# the experts of 29 layers in host RAM (about the same VRAM) and all on the GPU. Results land in $OUT.
+#
+#   run: bash bench/gpu_60g.sh    (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
+#   env: BUDGET (24G), PEER_CPU_MOE (29), GEN (128), THREADS (16), STEPS ("cold peer resident-warm peer-resident")
+#
+# The disk is 64 GiB: where less than the whole model's 60 GB is free, the model keeps as many of its 46 layers as
+# fit (each 1.29 GB) and says so; both runtimes read the same file, so the comparison stays fair. Each step is
+# skipped when its output is there already, so a second call on a still-warm machine goes on where one ran out.
+source bench/gpu_env.sh
+df -h /tmp | tail -1; free -g | head -2
+
+if [ -f .peer/llama.cpp-src.tar.xz ] && [ ! -f /tmp/peer/done ]; then
+( mkdir -p /tmp/peer && { [ -d /tmp/peer/llama.cpp ] || tar xJf .peer/llama.cpp-src.tar.xz -C /tmp/peer; } &&
+  cd /tmp/peer/llama.cpp &&
+  cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON > /tmp/peer/cmake.log 2>&1 &&
+  cmake --build build --target llama-bench -j 12 > /tmp/peer/build.log 2>&1 && echo built > /tmp/peer/done
+) &
+fi
+
+MODEL=/tmp/bench-60g.gguf
+if [ ! -f "$MODEL" ]; then
+  FREE_GB=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9)
+  LAYERS=$(( (FREE_GB - 4) * 100 / 129 )); [ "$LAYERS" -gt 46 ] && LAYERS=46
+  echo "free ${FREE_GB} GB: the model gets $LAYERS of 46 layers"
+  python3 -c "from moeprep.synth import write_synth_model as w; w('$MODEL', 'qwen3moe', preset='bench-60g',
+      fast_random_blocks=True, n_layer=$LAYERS)" > "$OUT/synth.log" 2>&1 || { tail -5 "$OUT/synth.log"; exit 1; }
+fi
+ls -la "$MODEL"; echo "model there at $((SECONDS - START))s"
+head -c 260000 bench/data/heldout.txt > /tmp/warm.txt
+tail -c 270000 bench/data/heldout.txt > /tmp/bench.txt
+wait_build() {  # numba's OpenMP threads stall when the build takes their cores: time nothing while it runs
+  while [ -f .peer/llama.cpp-src.tar.xz ] && [ ! -f /tmp/peer/done ] && [ $((SECONDS - START)) -lt ${BUILD_DEADLINE:-420} ]; do
+    sleep 5; done; }
+cache() {  # $1: settings, $2: json name
+  [ -f "$OUT/$2.json" ] && return
+  wait_build
+  echo "== bench_cache $1 at $((SECONDS - START))s"
+  python3 bench/bench_cache.py "$MODEL" --budget ${BUDGET:-24G} -p 512 -n ${GEN:-128} -f /tmp/bench.txt \
+      --warm-text /tmp/warm.txt --threads ${THREADS:-16} --settings "$1" --json "$OUT/$2.json" 2>&1 | grep -v Warning | tail -40
+}
+peer() {  # $@: llama-bench options
+  wait_build
+  [ -f /tmp/peer/done ] || { echo "llama.cpp build not finished after $((SECONDS - START))s"; tail -3 /tmp/peer/build.log; return; }
+  echo "== llama-bench $* at $((SECONDS - START))s"
+  /tmp/peer/llama.cpp/build/bin/llama-bench -m "$MODEL" -p 512 -n 64 -r 1 -t ${THREADS:-16} "$@" 2>&1 \
+      | grep -E "pp512|tg64|error" | tee -a "$OUT/llama-bench.log"
+}
+for STEP in ${STEPS:-cold peer resident-warm peer-resident}; do
+  case $STEP in
+    cold) cache cold cache-cold ;;
+    peer) peer -ngl 99 --n-cpu-moe ${PEER_CPU_MOE:-29} ;;
+    resident-warm) cache resident,warm cache-warm ;;
+    peer-resident) peer -ngl 99 ;;
+  esac
+done
+echo "total $((SECONDS - START))s"
