@@ -18,8 +18,8 @@ token ids of its own (token-id prompts: no tokenizer or template differences bet
 --gen. Measured on the client: time to first token (request sent -> first text chunk), per-token latency (gaps
 between text chunks; both servers send one token per chunk), and aggregate tok/s (completion tokens of all
 requests, from the servers' usage counts, over the level's wall time, prefills included). Before each level, N
-warm-up requests at once (prompts of the same length, 2 tokens) let either server compile or capture what that
-batch size needs. The client needs aiohttp only (no openai package).
+warm-up requests at once (prompts and max_tokens as measured, so the batch sizes met while requests finish come
+too) let either server compile or capture what those batch sizes need (moerun: a CUDA graph per batch size). The client needs aiohttp only (no openai package).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ async def run_level(url: str, streams: int, requests: int, prompt_len: int, gen:
     # a new connection per request: llama-server closes idle keep-alive connections the pool would reuse
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
-        await asyncio.gather(*(one_request(session, url, p, 2, chat) for p in warm_up))
+        await asyncio.gather(*(one_request(session, url, p, gen, chat) for p in warm_up))
         start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(client(session, i) for i in range(streams))) for r in rs]
         wall = time.perf_counter() - start

@@ -5,9 +5,10 @@
 #
 #   run: bash bench/gpu_serve.sh      (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
 #
-# The llama.cpp build (llama-server only, about 5 minutes on 16 cores) runs while the synthetic model is written, before
-# anything is measured. Each step is skipped when its output is already there, so a second call on the same warm
-# machine goes on where a first one ran out of time (the build resumes). Without .peer, moerun alone is measured.
+# The llama.cpp build (llama-server only, about 5 minutes on 16 cores) runs while the synthetic model is written and
+# the GPU tests run (TESTS, "" for none), before anything is measured. Each step is skipped when its output is
+# already there, so a second call on the same warm machine goes on where a first one ran out of time (the build
+# resumes). Without .peer, moerun alone is measured.
 # MODELS overrides the models, DEVICE the device (a dry run: SKIP_WHEELS=1 DEVICE=cpu MODELS=bench/models/...gguf).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,16 +27,20 @@ if [[ " $MODELS " == *" $BIG "* ]] && [ ! -f "$BIG" ]; then
       > "$OUT/synth.log" 2>&1 &  # written atomically: the file is there whole or not at all
 fi
 if [ ! -x "$PEER" ] && [ -f .peer/llama.cpp-src.tar.xz ]; then
-  if [ ! -d /tmp/peer/llama.cpp ]; then
-    mkdir -p /tmp/peer && tar xJf .peer/llama.cpp-src.tar.xz -C /tmp/peer || exit 1
-    (cd /tmp/peer/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
-        -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON \
-        > /tmp/peer/cmake.log 2>&1) || { tail -5 /tmp/peer/cmake.log; exit 1; }
-  fi
-  (cd /tmp/peer/llama.cpp && cmake --build build --target llama-server -j 16 >> /tmp/peer/build.log 2>&1) \
-      || { tail -5 /tmp/peer/build.log; echo "llama-server did not build: moerun alone"; }
+  ( if [ ! -d /tmp/peer/llama.cpp/build ]; then
+      mkdir -p /tmp/peer && tar xJf .peer/llama.cpp-src.tar.xz -C /tmp/peer &&
+      (cd /tmp/peer/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
+          -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF \
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DGGML_NATIVE=ON \
+          > /tmp/peer/cmake.log 2>&1) || { tail -5 /tmp/peer/cmake.log; exit 1; }
+    fi
+    cd /tmp/peer/llama.cpp && cmake --build build --target llama-server -j 16 >> /tmp/peer/build.log 2>&1 \
+        || { tail -5 /tmp/peer/build.log; echo "llama-server did not build: moerun alone"; } ) &
 fi
-wait  # the synthetic model
+# while llama.cpp builds: the GPU tests of the decode graphs (one sequence and batches, with and without the cache)
+[ -n "${TESTS-tests/runtime/test_gpu_path.py}" ] && timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
+    --noconftest ${TESTS:-tests/runtime/test_gpu_path.py} 2>&1 | tail -15 | tee "$OUT/gpu-tests.log"
+wait  # the synthetic model and the build
 
 for MODEL in $MODELS; do
   [ -f "$MODEL" ] || { echo "$MODEL is missing (see $OUT/synth.log)"; continue; }

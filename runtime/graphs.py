@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode step: one token of one sequence, captured once per KV-length bucket, then replayed.
+"""CUDA graphs of the decode step: one token of each of B sequences, captured once per batch size and KV-length
+bucket, then replayed.
 
 Eager PyTorch spends about 0.47 ms of host time per layer enqueueing a decode step's small kernels, so a 46-layer
 step cannot beat about 21 ms however fast the GPU is. A graph replays the whole step's kernels in one launch.
@@ -6,6 +7,9 @@ A captured step must have fixed shapes and no host syncs: the token and position
 (written before each replay), attention reads a fixed bucket of KV slots (the mask hides the ones past the position,
 see step.Step), and the expert work runs on device-resident GGUF bytes. Buckets are powers of two, so a step
 reads at most twice the slots it needs and a context of 4096 needs at most five captures per sequence.
+A step of one sequence reads that sequence's slots where they lie (its graph is captured per sequence); a batch of
+several sequences' tokens (`moerun serve --parallel`) reads each token's own sequence through static sequence ids,
+so one graph per batch size serves any set of sequences.
 
 With the expert cache the host must act inside the step: each cached layer's routing goes to the host, which
 looks the experts up, sends the slot table, and computes the misses on the CPU while the GPU runs the hits. So the
@@ -144,36 +148,47 @@ def active_capture() -> Capture | None:
 
 
 class DecodeGraphs:
-    """Captured decode steps of `model`, keyed by (sequence, KV bucket), sharing one memory pool.
+    """Captured decode steps of `model`, sharing one memory pool: a step of one sequence keyed by (sequence, 1, KV
+    bucket), a batch of B > 1 sequences by (-1, B, KV bucket).
 
-    Calling it runs one token at a position of a sequence and returns the logits (V,) for the next token. Graphs
-    are captured lazily, the first time a (sequence, bucket) is needed; they read the KV cache and weights where
-    they lie, so eager forward calls (prefill) between replays are fine.
+    Calling it runs one token of each of B distinct sequences at their positions and returns the logits (B, V) for
+    their next tokens. Graphs are captured lazily, the first time a key is needed; they read the KV cache and
+    weights where they lie, so eager forward calls (prefill) between replays are fine. Layers with host work inside
+    the step get `prepare_capture(B)` first (pinned buffers cannot be allocated during a capture).
     """
 
     def __init__(self, model) -> None:
         self.model = model
         self.buckets = kv_buckets(model.n_ctx)
-        self.token = torch.zeros(1, dtype=torch.long, device=model.device)
-        self.position = torch.zeros(1, dtype=torch.long, device=model.device)
+        self.inputs: dict[int, torch.Tensor] = {}  # batch size -> (3, B) int64 on the device: tokens, positions, seqs
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[Program, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[Program, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def __call__(self, token: int, pos: int, seq: int = 0) -> torch.Tensor:
-        self.token.fill_(token)
-        self.position.fill_(pos)
-        bucket = next(b for b in self.buckets if b > pos)
-        if (seq, bucket) not in self.graphs:
-            self.graphs[seq, bucket] = self._capture(seq, bucket)
-        program, logits = self.graphs[seq, bucket]
+    def __call__(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
+        B = len(tokens)
+        if B not in self.inputs:
+            self.inputs[B] = torch.zeros(3, B, dtype=torch.long, device=self.model.device)
+        self.inputs[B].copy_(torch.tensor([tokens, positions, seqs]))  # from pageable memory: read before it returns
+        bucket = next(b for b in self.buckets if b > max(positions))
+        key = (seqs[0] if B == 1 else -1, B, bucket)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        program, logits = self.graphs[key]
         program.replay()
-        return logits[0].clone()  # the static output is overwritten by the next replay
+        return logits.clone()  # the static output is overwritten by the next replay
 
-    def _capture(self, seq: int, bucket: int) -> tuple[Program, torch.Tensor]:
+    def _capture(self, seq: int, B: int, bucket: int) -> tuple[Program, torch.Tensor]:
+        tokens, positions, seqs = self.inputs[B]
+
         def step() -> torch.Tensor:
-            return self.model.net(self.token, Step(self.position, n_slots=bucket, seq=seq))
+            if B == 1:
+                return self.model.net(tokens, Step(positions, n_slots=bucket, seq=seq))
+            return self.model.net(tokens, Step(positions, n_slots=bucket, seqs=seqs))
 
+        for module in self.model.net.modules():
+            if hasattr(module, "prepare_capture"):
+                module.prepare_capture(B)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy allocations and kernel selection happen outside the capture

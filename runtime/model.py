@@ -63,13 +63,23 @@ class Model:
         return self.net(tokens.to(self.device), step, None if outputs is None else outputs.to(self.device))
 
     def decode(self, token: int, pos: int, seq: int = 0) -> torch.Tensor:
-        """One token at position `pos` of sequence `seq` -> the logits (V,) for the next: a CUDA graph replay where
-        the step can be captured (see graphs.py), else an eager forward."""
-        if self.decode_graphs is not None and not graph_blockers(self):
+        """One token at position `pos` of sequence `seq` -> the logits (V,) for the next (see decode_batch)."""
+        return self.decode_batch([token], [pos], [seq])[0]
+
+    def decode_batch(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
+        """One token of each of several distinct sequences, token i at positions[i] of sequence seqs[i] -> the logits
+        (B, V) for their next tokens: a CUDA graph replay where the step can be captured (see graphs.py), else an
+        eager forward."""
+        if len(set(seqs)) != len(seqs):
+            raise MoeprepError(f"a decode batch takes one token per sequence, got sequences {seqs}")
+        for pos, seq in zip(positions, seqs):
             self._check_fits(pos + 1, seq)
+        if self.decode_graphs is not None and not graph_blockers(self):
             with on_device(self.device):  # captured on the model's GPU, whichever is current (cuda:1 alone, say)
-                return self.decode_graphs(token, pos, seq)
-        return self.forward(torch.tensor([token], dtype=torch.long), pos, seq)[0]
+                return self.decode_graphs(tokens, positions, seqs)
+        if len(tokens) == 1:
+            return self.forward(torch.tensor(tokens, dtype=torch.long), positions[0], seqs[0])
+        return self.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs))
 
     def _check_fits(self, n_positions: int, seq: int) -> None:
         if n_positions > self.n_ctx:

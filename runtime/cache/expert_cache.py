@@ -189,8 +189,9 @@ def timed(stats: CacheStats, what: str):
 
 @dataclass
 class StepBuffers:
-    """A captured decode step's fixed buffers for one layer (see graphs.py): the router's choice and the layer's
-    input come to pinned host memory inside the graph; the slot table and the CPU's result go back between graphs."""
+    """A captured decode step's fixed buffers for one layer and T tokens (see graphs.py): the router's choice and
+    the layer's input come to pinned host memory inside the graph; the slot table and the CPU's result go back
+    between graphs."""
 
     routing: torch.Tensor  # (T, 2K) float32 pinned: expert ids, then weights
     x: torch.Tensor  # (T, D) float32 pinned
@@ -242,8 +243,14 @@ class CachedExperts(nn.Module):
         self.resident = np.full(n_slots, -1, np.int64)
         self.slot_of = np.full(host[0].data.shape[0], -1, np.int32)
         self.uploaded = None  # the copy stream's event after this layer's last uploads
-        # a captured decode step's buffers (one token), made here: pinned memory cannot be allocated during a capture
-        self.step_buffers = StepBuffers.make(1, cache.top_k, host[0].cols, device) if device.type == "cuda" else None
+        self.step_buffers: dict[int, StepBuffers] = {}  # a captured decode step's, by its number of tokens
+
+    def prepare_capture(self, n_tokens: int) -> None:
+        """Make the buffers of a captured decode step of `n_tokens` (graphs.DecodeGraphs calls this before a
+        capture: pinned memory cannot be allocated during one)."""
+        device = self.banks[0].data.device
+        if device.type == "cuda" and n_tokens not in self.step_buffers:
+            self.step_buffers[n_tokens] = StepBuffers.make(n_tokens, self.cache.top_k, self.host[0].cols, device)
 
     @classmethod
     def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: str,
@@ -376,8 +383,7 @@ class CachedExperts(nn.Module):
     # ---- inside a captured decode step (graphs.py): the graph's side, then the host's work at each cut
 
     def _captured(self, capture, x, ids, weights) -> torch.Tensor:
-        buf = self.step_buffers
-        assert buf is not None and ids.shape == buf.slots.shape, "graphs capture the decode step of one token"
+        buf = self.step_buffers[ids.shape[0]]  # made by prepare_capture
         buf.routing.copy_(torch.cat([ids.to(torch.float32), weights.float()], dim=1), non_blocking=True)
         buf.x.copy_(x.float(), non_blocking=True)
         capture.cut(lambda: self._route_step(buf))

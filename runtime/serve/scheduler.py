@@ -171,11 +171,11 @@ class Scheduler:
         return [self._emit(self.sequences[s], token) for (_, s), token in zip(ready, picked)]
 
     def _forward(self, tokens: list[int], positions: list[int], seqs: list[int], rows: list[int]) -> torch.Tensor:
-        """One pass -> the logits (R, V) of `rows`: a decode step (a CUDA graph where it can) or a prompt chunk
-        when the step holds one sequence, forward_batch when it mixes several."""
+        """One pass -> the logits (R, V) of `rows`: a decode step when each sequence has one token (CUDA graphs
+        where they can run), a prompt chunk when the step holds one sequence, forward_batch when it mixes both."""
+        if len(set(seqs)) == len(seqs):
+            return self.model.decode_batch(tokens, positions, seqs)[rows]
         if len(set(seqs)) == 1:
-            if len(tokens) == 1:
-                return self.model.decode(tokens[0], positions[0], seqs[0])[None]
             return self.model.forward(torch.tensor(tokens), positions[0], seqs[0], last_only=True)[:len(rows)]
         outputs = torch.tensor(rows or [len(tokens) - 1])  # no row gives a token: one cheap row, unread
         return self.model.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs),

@@ -26,16 +26,20 @@ def test_batched_decode_equals_each_sequence_alone(synth_model, arch):
         rows += [alone.forward(torch.tensor([t]), len(prompt) + i)[0] for i, t in enumerate(extra)]
         expected.append(torch.stack(rows))
     # batched: the prompts prefilled into their own sequences (in another order, to catch a mix-up), then every
-    # decode step runs all three sequences' tokens in one forward_batch
+    # decode step runs all three sequences' tokens in one pass (forward_batch, and decode_batch, which moerun serve
+    # calls: a CUDA graph where it can run, forward_batch here), the sequences in another order each step
     got = [[] for _ in prompts]
     for s in reversed(range(len(prompts))):
         got[s].append(batched.forward(torch.tensor(prompts[s]), 0, seq=s)[-1])
-    for i in range(3):
-        tokens = torch.tensor([extra[i] for extra in continuation])
-        positions = torch.tensor([len(p) + i for p in prompts])
-        logits = batched.forward_batch(tokens, positions, torch.arange(len(prompts)))
-        for s in range(len(prompts)):
-            got[s].append(logits[s])
+    for i, seqs in enumerate([[0, 1, 2], [2, 0, 1], [1, 2, 0]]):
+        tokens = [continuation[s][i] for s in seqs]
+        positions = [len(prompts[s]) + i for s in seqs]
+        if i == 0:
+            logits = batched.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs))
+        else:
+            logits = batched.decode_batch(tokens, positions, seqs)
+        for row, s in enumerate(seqs):
+            got[s].append(logits[row])
     for s in range(len(prompts)):
         torch.testing.assert_close(torch.stack(got[s]), expected[s], rtol=1e-4, atol=1e-4)
 
@@ -56,6 +60,8 @@ def test_unknown_sequences_are_refused(synth_model):
         model.forward(torch.tensor([1, 2]), 0, seq=2)
     with pytest.raises(MoeprepError, match="does not exist"):
         model.forward_batch(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, -1]))
+    with pytest.raises(MoeprepError, match="one token per sequence"):
+        model.decode_batch([1, 2], [0, 1], [1, 1])
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "glm5-next"])

@@ -76,6 +76,33 @@ def test_graph_decode_replays_the_eager_step(synth_model):
     assert len(graphed.decode_graphs.graphs) == 2
 
 
+BATCH_PROMPTS = ("def bisect(a, x):", "Once upon a time, in a land", "SELECT name FROM users WHERE")
+
+
+def batched_decode_matches_the_eager_batch(graphed, eager) -> None:
+    """Three prompts in their own sequences, then decode batches of 3 and of 2 sequences (a graph per batch size
+    serves any set of sequences): each replay equals the eager forward_batch of the same tokens."""
+    prompts = [graphed.tokenizer.encode(p) for p in BATCH_PROMPTS]
+    for model in (graphed, eager):
+        for s, prompt in enumerate(prompts):
+            model.forward(torch.tensor(prompt), 0, seq=s)
+    next_pos = [len(p) for p in prompts]
+    for i, seqs in enumerate([[0, 1, 2], [2, 0], [1, 2, 0], [1, 0], [2, 1]]):
+        tokens, positions = [7 + 31 * i + s for s in seqs], [next_pos[s] for s in seqs]
+        g = graphed.decode_batch(tokens, positions, seqs).float().cpu()
+        e = eager.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs)).float().cpu()
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        for s in seqs:
+            next_pos[s] += 1
+    assert {(B, bucket) for _, B, bucket in graphed.decode_graphs.graphs} == {(2, 256), (3, 256)}
+
+
+def test_batched_graph_decode_matches_the_eager_batch(synth_model):
+    path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
+    graphed, eager = (moerun.load_model(path, device="cuda", n_ctx=600, n_seq=3) for _ in range(2))
+    batched_decode_matches_the_eager_batch(graphed, eager)
+
+
 def test_hooks_turn_graphs_off(synth_model):
     model = moerun.load_model(synth_model("qwen3moe", preset="small"), device="cuda")
     seen = []
@@ -88,10 +115,11 @@ def test_hooks_turn_graphs_off(synth_model):
     assert graph_blockers(model) == []
 
 
-def cached_model(path, **config):
+def cached_model(path, n_seq: int = 1, **config):
     from moerun.cache.expert_cache import CacheConfig
 
-    return moerun.load_model(path, device="cuda", n_ctx=600, cache=CacheConfig(budgets=[8 << 30], **config))
+    return moerun.load_model(path, device="cuda", n_ctx=600, n_seq=n_seq,
+                             cache=CacheConfig(budgets=[8 << 30], **config))
 
 
 def test_cached_graph_decode_replays_the_eager_step(synth_model):
@@ -114,6 +142,18 @@ def test_cached_graph_decode_replays_the_eager_step(synth_model):
     stats = graphed.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
     assert graphed.expert_cache.config.pin  # page-locked host copies on a machine with the RAM for them
+
+
+def test_cached_batched_graph_decode_matches_the_eager_batch(synth_model):
+    """The cache's host work (lookups, the CPU's misses) for several sequences' tokens inside a batch's graphs."""
+    import numpy as np
+
+    path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
+    usage = np.tile(np.arange(16)[::-1], (4, 1))
+    graphed, eager = (cached_model(path, n_seq=3, slots_per_layer=5, usage=usage, policy="static") for _ in range(2))
+    batched_decode_matches_the_eager_batch(graphed, eager)
+    stats = graphed.expert_cache.stats
+    assert 0 < stats.hits.sum() < stats.lookups.sum()
 
 
 def test_cached_graph_decode_adapts_and_matches_the_resident_model(synth_model):
