@@ -11,6 +11,12 @@ and the GPU gets its slot table with the launch. After the last cached layer of 
 step's routing in one call and plans the uploads. Nothing writes a slot another kernel may still read: uploads run
 on a copy stream after the step's kernels, and a layer's next launch waits for its uploads.
 
+A decode step's misses are not all left to the CPU: the last FETCH_SLOTS slots of each layer's bank are fetch slots,
+outside the policy, into which the host copies up to that many of the step's missed experts just before the hits'
+kernels, which then compute them too. Over pinned PCIe an expert of the 60 GB model (9.7 MB) arrives in ~0.18 ms,
+where the CPU's kernels, at the 7 GB/s of expert bytes they reach in a decode step, take ~1.3 ms; the CPU keeps
+only what the fetch slots do not hold, and runs it at the same time.
+
 Eager forwards (prompts, batches) and captured decode steps (graphs.py: the step's graphs are cut around each cached
 layer's host work) run the same lookups, kernels and accounting. Layers, the KV cache and the routers stay on the
 GPU (runtime/models); only the routed experts move.
@@ -49,6 +55,10 @@ UPLOADS_PER_LAYER_STEP = 2
 STAGE_MIN_TOKENS = 4
 STAGE_BYTES = 512 << 20  # the staging bank's size per device (part of the VRAM reserve)
 STAGING_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from staging (tests turn it on)
+# Decode: fetch slots per layer (module docstring). Two hold a layer's usual misses (0.4-0.8 per token at a 90-95% hit
+# rate, 8 experts chosen) and cost the policy 4% of a 48-slot layer.
+FETCH_SLOTS = 2
+FETCH_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from fetching (tests turn it on)
 
 
 @dataclass
@@ -76,7 +86,8 @@ class CacheStats:
     lookups: np.ndarray
     hits: np.ndarray
     uploads: int = 0
-    staged: int = 0  # experts copied to the staging bank for one prefill step (not kept)
+    staged: int = 0  # experts copied to the GPU for one step, not kept: a prompt's to the staging bank, a decode
+    # step's to its layer's fetch slots
     seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
     gpu_events: list = field(default_factory=list)
 
@@ -114,7 +125,11 @@ class ExpertCache:
 
     def __post_init__(self) -> None:
         n_layer = len(self.placement.slots)
-        self.policy = make_policy(self.config.policy, list(self.placement.slots), self.n_expert, self.top_k)
+        # [L] of each block's slots, the fetch slots (decode's misses for one step; the policy keeps the others)
+        self.fetch_slots = [fetch_slots(n, self.devices[d], self.config.pin)
+                            for n, d in zip(self.placement.slots, self.placement.device)]
+        policy_slots = [n - f for n, f in zip(self.placement.slots, self.fetch_slots)]
+        self.policy = make_policy(self.config.policy, policy_slots, self.n_expert, self.top_k)
         if self.config.usage is not None:
             self.policy.seed(self.config.usage)
         self.copy_streams = {d: torch.cuda.Stream(d) for d in self.devices if d.type == "cuda"}  # one per GPU
@@ -180,6 +195,15 @@ class ExpertCache:
         return tuple(replace(t, data=page_locked(t.data)) for t in parts) if self.config.pin else parts
 
 
+def fetch_slots(n_slots: int, device: torch.device, pinned: bool | None) -> int:
+    """How many of a layer's n_slots are fetch slots: FETCH_SLOTS where the layer keeps at least as many for the
+    policy, on a GPU whose host copies are page-locked (from the pageable memory map a copy runs at a seventh of the
+    speed, slower than the CPU computing the expert); else none."""
+    if device.type not in FETCH_DEVICES or n_slots < 2 * FETCH_SLOTS or (device.type == "cuda" and not pinned):
+        return 0
+    return FETCH_SLOTS
+
+
 @contextlib.contextmanager
 def timed(stats: CacheStats, what: str):
     start = time.perf_counter()
@@ -216,17 +240,18 @@ class StepBuffers:
 
 class CachedExperts(nn.Module):
     """One layer's routed experts through the cache (an ExpertCompute). Slots: `banks` (gate, up, down), each
-    (n_slots, rows, row bytes) uint8 on the device; `resident[s]` is the expert in slot s (-1: empty) and
-    `slot_of[e]` its inverse.
+    (n_slots + n_fetch, rows, row bytes) uint8 on the device; `resident[s]` is the expert in policy slot s (-1:
+    empty) and `slot_of[e]` its inverse; `fetched[j]` the expert in fetch slot n_slots + j for this step.
 
     Eagerly, a forward copies the routing to the host (the layer's one sync), launches the hits, computes the misses
     on the CPU meanwhile, and sums. Inside a captured decode step (graphs.py) the same work is split around two cuts:
     the graph before copies routing and input to pinned buffers; at the first cut the host looks the experts up and
     sends the slot table; the hits' kernels are a graph of their own; at the second cut the CPU computes the misses
-    while the GPU runs that graph, and the next graph adds the CPU's result."""
+    while the GPU runs that graph, and the next graph adds the CPU's result. A decode step (fewer than
+    STAGE_MIN_TOKENS tokens) first copies up to n_fetch misses into the fetch slots (`_fetch`)."""
 
     def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
-                 activation: str, cache: ExpertCache, hooks: Hooks, limit: float = 0.0) -> None:
+                 activation: str, cache: ExpertCache, hooks: Hooks, limit: float = 0.0, n_fetch: int = 0) -> None:
         super().__init__()
         from moerun.kernels.qweight import QWeight
 
@@ -236,11 +261,12 @@ class CachedExperts(nn.Module):
         self.act = partial(swiglu_clamp, limit=limit) if activation == "swiglu_clamp" else ACTIVATIONS[activation]
         device = cache.device_of(layer)
         self.copy_stream = cache.copy_streams.get(device)  # uploads into this layer's slots
-        self.banks = tuple(QWeight(torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8, device=device),
-                                   t.qtype, t.rows, t.cols) for t in host)
+        self.banks = tuple(QWeight(torch.empty(n_slots + n_fetch, t.rows, t.data.shape[-1], dtype=torch.uint8,
+                                               device=device), t.qtype, t.rows, t.cols) for t in host)
         self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
         self.host_tensors = tuple(read_only_tensor(t.data) for t in host)
         self.resident = np.full(n_slots, -1, np.int64)
+        self.fetched = np.full(n_fetch, -1, np.int64)
         self.slot_of = np.full(host[0].data.shape[0], -1, np.int32)
         self.uploaded = None  # the copy stream's event after this layer's last uploads
         self.step_buffers: dict[int, StepBuffers] = {}  # a captured decode step's, by its number of tokens
@@ -256,8 +282,9 @@ class CachedExperts(nn.Module):
     def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: str,
                   limit: float = 0.0) -> CachedExperts:
         """The layer's experts with the slots the placement gave it, warmed with the hottest known experts."""
-        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, cache, hooks,
-                      limit)
+        n_fetch = cache.fetch_slots[layer]
+        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer] - n_fetch, activation, cache,
+                      hooks, limit, n_fetch)
         experts.fill(warm_experts(cache.config.usage, layer, cache.n_expert))
         return experts
 
@@ -281,18 +308,19 @@ class CachedExperts(nn.Module):
         with timed(stats, "router sync"):
             routing = torch.cat([ids.to(weights.dtype), weights], dim=1).cpu().numpy()  # the one sync of the layer
         ids_h, weights_h, missed = self._look_up(routing)
+        fetch, slots, on_cpu = self._fetch_plan(ids_h, missed)
         on_gpu = x.device.type == "cuda"
-        if missed.any():  # the CPU's input is enqueued before the GPU's expert kernels, so it need not wait for them
+        if on_cpu.any():  # the CPU's input is enqueued before the GPU's expert kernels, so it need not wait for them
             x_host = x.float().to("cpu", non_blocking=on_gpu)
             x_ready = torch.cuda.Event() if on_gpu else None
             if x_ready is not None:
                 x_ready.record()
+        self._fetch(fetch)
         if on_gpu and self.uploaded is not None:
             torch.cuda.current_stream().wait_event(self.uploaded)
-        out = self._hits(x, torch.from_numpy(self.slot_of[ids_h]).to(x.device), weights, ids)
-        on_cpu = missed
-        if missed.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in STAGING_DEVICES:
-            staged = self._stage(x, ids_h, missed, weights, ids)
+        out = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids)
+        if on_cpu.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in STAGING_DEVICES:
+            staged = self._stage(x, ids_h, on_cpu, weights, ids)
             if staged is not None:
                 on_cpu, staged_out = staged
                 out = out + staged_out
@@ -340,6 +368,31 @@ class CachedExperts(nn.Module):
         staged = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids, banks, in_bank)
         return missed & (slots < 0), staged
 
+    def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A decode step's misses -> (the experts to fetch, at most n_fetch, those chosen by most tokens first; the
+        slot table (T, K) with the fetched ones in the fetch slots; the misses left to the CPU). A prompt's
+        misses are the staging bank's (_stage): nothing is fetched for one."""
+        slots = self.slot_of[ids_h]
+        if not len(self.fetched) or not missed.any() or ids_h.shape[0] >= STAGE_MIN_TOKENS:
+            return ids_h[:0, 0], slots, missed
+        experts, counts = np.unique(ids_h[missed], return_counts=True)
+        fetch = np.sort(experts[np.argsort(-counts, kind="stable")[: len(self.fetched)]])
+        fetched = missed & np.isin(ids_h, fetch)
+        slots[fetched] = self.n_slots + np.searchsorted(fetch, ids_h[fetched])
+        return fetch, slots, missed & ~fetched
+
+    def _fetch(self, experts: np.ndarray) -> None:
+        """Copy `experts` into the fetch slots, in order, on the current stream: after the kernels of the step
+        before that read those slots, before this step's hits' kernels."""
+        if not len(experts):
+            return
+        with timed(self.cache.stats, "uploads"):
+            for j, e in enumerate(experts.tolist()):
+                for bank, t in zip(self.banks, self.host_tensors):
+                    bank.data[self.n_slots + j].copy_(t[e], non_blocking=True)
+                self.fetched[j] = e
+        self.cache.stats.staged += len(experts)
+
     def _look_up(self, routing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The router's (T, 2K) ids and weights on the host -> ids, weights, and which of them missed."""
         k = routing.shape[1] // 2
@@ -348,10 +401,10 @@ class CachedExperts(nn.Module):
 
     def _hits(self, x, slots, weights, ids, banks=None, experts=None) -> torch.Tensor:
         """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
-        experts[s]: the expert in slot s (for its biases; default: `resident`)."""
+        experts[s]: the expert in slot s (for its biases; default: the policy's slots, then the fetch slots)."""
         if x.device.type == "cpu":
             return self._hits_on_cpu(x, slots, weights, banks or self.banks,
-                                     self.resident if experts is None else experts)
+                                     np.concatenate([self.resident, self.fetched]) if experts is None else experts)
         from moerun.quantized import bank_moe  # Triton, which CUDA builds of torch bring
 
         timing = self.cache.timing and active_capture() is None
@@ -397,11 +450,12 @@ class CachedExperts(nn.Module):
         with timed(self.cache.stats, "router sync"):
             torch.cuda.current_stream().synchronize()
         ids_h, weights_h, missed = self._look_up(buf.routing_np)
-        buf.slots_np[:] = self.slot_of[ids_h]
+        fetch, buf.slots_np[:], on_cpu = self._fetch_plan(ids_h, missed)
         buf.slots.copy_(buf.slots_host, non_blocking=True)
+        self._fetch(fetch)
         if self.uploaded is not None:
             torch.cuda.current_stream().wait_event(self.uploaded)
-        buf.routed = ids_h, weights_h, missed
+        buf.routed = ids_h, weights_h, missed, on_cpu
         if self.cache.timing:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -414,13 +468,13 @@ class CachedExperts(nn.Module):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             stats.gpu_events[-1] = (stats.gpu_events[-1][0], end)
-        ids_h, weights_h, missed = buf.routed
-        if missed.any() or buf.cpu_dirty:
+        ids_h, weights_h, missed, on_cpu = buf.routed
+        if on_cpu.any() or buf.cpu_dirty:
             buf.cpu_np[:] = 0
-            if missed.any():
-                self._misses(buf.x_np, ids_h, weights_h, missed, buf.cpu_np)
+            if on_cpu.any():
+                self._misses(buf.x_np, ids_h, weights_h, on_cpu, buf.cpu_np)
             buf.cpu.copy_(buf.cpu_host, non_blocking=True)  # the pinned buffer is rewritten after the next sync
-            buf.cpu_dirty = bool(missed.any())
+            buf.cpu_dirty = bool(on_cpu.any())
         self._account(ids_h, missed)
 
     def _account(self, ids_h: np.ndarray, missed: np.ndarray) -> None:
@@ -528,6 +582,8 @@ def describe_cache(cache: ExpertCache) -> str:
     """What moerun prints at start: slots per layer and the share of all experts they hold."""
     p = cache.placement
     warm = "warmed from the profile's counts" if cache.config.usage is not None else "starting empty"
+    fetch = max(cache.fetch_slots)
+    fetching = f"; {fetch} slots of each layer fetch a decode step's misses, the policy keeps the rest" if fetch else ""
     host = "page-locked copies" if cache.config.pin else "the memory map"
     return (f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
-            f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}")
+            f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}{fetching}")

@@ -135,12 +135,14 @@ def test_cached_graph_decode_replays_the_eager_step(synth_model):
     prompt = graphed.tokenizer.encode(PROMPT)
     for model in (graphed, eager):
         model.forward(torch.tensor(prompt))
+    graphed.expert_cache.reset_stats()
     for i, t in enumerate([7, 300, 12, 5, 99] * 3):
         g = graphed.decode(t, len(prompt) + i).cpu()
         e = eager.forward(torch.tensor([t]), len(prompt) + i)[0].cpu()
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     stats = graphed.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
+    assert stats.staged > 0  # misses fetched into the fetch slots inside the replayed step
     assert graphed.expert_cache.config.pin  # page-locked host copies on a machine with the RAM for them
 
 
