@@ -14,8 +14,9 @@ on a copy stream after the step's kernels, and a layer's next launch waits for i
 A decode step's misses are not all left to the CPU: the last FETCH_SLOTS slots of each layer's bank are fetch slots,
 outside the policy, into which the host copies up to that many of the step's missed experts just before the hits'
 kernels, which then compute them too. Over pinned PCIe an expert of the 60 GB model (9.7 MB) arrives in ~0.18 ms,
-where the CPU's kernels, at the 7 GB/s of expert bytes they reach in a decode step, take ~1.3 ms; the CPU keeps
-only what the fetch slots do not hold, and runs it at the same time.
+where the CPU's kernels, at the 7 GB/s of expert bytes they reach in a decode step, take ~1.4 ms; the CPU keeps
+only what the fetch slots do not hold, and runs it at the same time. An upload the policy then plans for a fetched
+expert copies it from its fetch slot (device to device) instead of over PCIe again.
 
 Eager forwards (prompts, batches) and captured decode steps (graphs.py: the step's graphs are cut around each cached
 layer's host work) run the same lookups, kernels and accounting. Layers, the KV cache and the routers stay on the
@@ -55,9 +56,11 @@ UPLOADS_PER_LAYER_STEP = 2
 STAGE_MIN_TOKENS = 4
 STAGE_BYTES = 512 << 20  # the staging bank's size per device (part of the VRAM reserve)
 STAGING_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from staging (tests turn it on)
-# Decode: fetch slots per layer (module docstring). Two hold a layer's usual misses (0.4-0.8 per token at a 90-95% hit
-# rate, 8 experts chosen) and cost the policy 4% of a 48-slot layer.
-FETCH_SLOTS = 2
+# Decode: fetch slots per layer (module docstring). A fetched expert costs the step ~0.18 ms of copy against ~1.4 ms
+# on the CPU (60 GB model, H200 machine), so nearly every miss should be fetched: four hold all of a layer's misses
+# in most steps (0.4-0.8 per token on average at a 90-95% hit rate, 8 experts chosen), for 8% of a 48-slot layer.
+# (Two measured: 21 of 34 misses per token fetched, the other 13 still took the CPU 22 ms.)
+FETCH_SLOTS = 4
 FETCH_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from fetching (tests turn it on)
 
 
@@ -315,9 +318,9 @@ class CachedExperts(nn.Module):
             x_ready = torch.cuda.Event() if on_gpu else None
             if x_ready is not None:
                 x_ready.record()
-        self._fetch(fetch)
-        if on_gpu and self.uploaded is not None:
+        if on_gpu and self.uploaded is not None:  # before the fetch: the last uploads may read the fetch slots
             torch.cuda.current_stream().wait_event(self.uploaded)
+        self._fetch(fetch)
         out = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids)
         if on_cpu.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in STAGING_DEVICES:
             staged = self._stage(x, ids_h, on_cpu, weights, ids)
@@ -452,9 +455,9 @@ class CachedExperts(nn.Module):
         ids_h, weights_h, missed = self._look_up(buf.routing_np)
         fetch, buf.slots_np[:], on_cpu = self._fetch_plan(ids_h, missed)
         buf.slots.copy_(buf.slots_host, non_blocking=True)
-        self._fetch(fetch)
-        if self.uploaded is not None:
+        if self.uploaded is not None:  # before the fetch: the last uploads may read the fetch slots
             torch.cuda.current_stream().wait_event(self.uploaded)
+        self._fetch(fetch)
         buf.routed = ids_h, weights_h, missed, on_cpu
         if self.cache.timing:
             event = torch.cuda.Event(enable_timing=True)
@@ -494,11 +497,15 @@ class CachedExperts(nn.Module):
         self._uploads_done()
 
     def _upload(self, slot: int, expert: int) -> None:
+        """Copy `expert` into policy slot `slot`: from its fetch slot when this step fetched it (device to device,
+        ordered after the fetch by the copy stream's wait), else from the host."""
         old = self.resident[slot]
         if old >= 0:
             self.slot_of[old] = -1
+        fetched = np.flatnonzero(self.fetched == expert)
         for bank, t in zip(self.banks, self.host_tensors):
-            bank.data[slot].copy_(t[expert], non_blocking=True)
+            source = bank.data[self.n_slots + fetched[0]] if len(fetched) else t[expert]
+            bank.data[slot].copy_(source, non_blocking=True)
         self.resident[slot], self.slot_of[expert] = expert, slot
 
     def _uploads_done(self) -> None:

@@ -138,37 +138,38 @@ def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch):
     check_tables(cached)
 
 
-def test_decode_fetches_misses_into_the_fetch_slots(synth_model, monkeypatch):
+@pytest.mark.parametrize("policy", ["static", "lru"])
+def test_decode_fetches_misses_into_the_fetch_slots(synth_model, monkeypatch, policy):
     """A decode step copies up to FETCH_SLOTS of its missed experts into the layer's fetch slots and computes them
-    with the hits (the CPU stands in for the GPU here); the policy's slots and table are untouched by it, the
-    stats still count the fetched experts as misses, and the output is the resident model's."""
+    with the hits (the CPU stands in for the GPU here); the stats still count them as misses, and the output is the
+    resident model's. The fetch slots stay outside the policy (a static warm set never changes), and an upload the
+    policy plans for a fetched expert copies it from its fetch slot (lru: the slot tables stay right)."""
     import moerun.cache.expert_cache as expert_cache
 
     monkeypatch.setattr(expert_cache, "FETCH_DEVICES", {"cuda", "cpu"})
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     reference = moerun.load_model(path)
-    n_expert = reference.args.n_experts
+    n_expert, fetch = reference.args.n_experts, expert_cache.FETCH_SLOTS
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, 2, ... hottest first
-    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=6, usage=usage,
-                                                       policy="static"))
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4 + fetch, usage=usage,
+                                                       policy=policy))
     layers = cached_layers(cached)
-    assert cached.expert_cache.fetch_slots[layers[0].layer] == expert_cache.FETCH_SLOTS
-    assert [(layer.n_slots, layer.banks[0].data.shape[0]) for layer in layers] == [(4, 6)] * len(layers)
+    assert cached.expert_cache.fetch_slots[layers[0].layer] == fetch
+    assert [(layer.n_slots, layer.banks[0].data.shape[0]) for layer in layers] == [(4, 4 + fetch)] * len(layers)
     assert "fetch a decode step's misses" in expert_cache.describe_cache(cached.expert_cache)
     prompt = torch.tensor(reference.tokenizer.encode("def bisect(a, x):"))
     cached.forward(prompt), reference.forward(prompt)
     cached.expert_cache.reset_stats()
-    for i, token in enumerate([5, 17, 99, 3, 250]):
+    for i, token in enumerate([5, 17, 99, 3, 250, 5, 17]):
         pos = len(prompt) + i
         torch.testing.assert_close(cached.forward(torch.tensor([token]), pos),
                                    reference.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4)
         check_tables(cached)
-        for layer in layers:
-            assert layer.resident.tolist() == [0, 1, 2, 3]  # the static warm set: fetching never enters the policy
-            assert not set(layer.fetched.tolist()) & {0, 1, 2, 3}
+        if policy == "static":
+            assert all(layer.resident.tolist() == [0, 1, 2, 3] for layer in layers)
     stats = cached.expert_cache.stats
     assert stats.staged > 0 and stats.hits.sum() < stats.lookups.sum()
-    assert stats.uploads == 0
+    assert (stats.uploads > 0) == (policy == "lru")
 
 
 BENCH_MODEL = Path(__file__).resolve().parents[2] / "bench" / "models" / "bench-qwen3moe-q4k.gguf"  # trained, Q4_K

@@ -130,7 +130,7 @@ def test_cached_graph_decode_replays_the_eager_step(synth_model):
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     n_layer, n_expert = 4, 16
     usage = np.tile(np.arange(n_expert)[::-1], (n_layer, 1))  # experts 0, 1, ... hottest first
-    graphed, eager = (cached_model(path, slots_per_layer=5, usage=usage, policy="static") for _ in range(2))
+    graphed, eager = (cached_model(path, slots_per_layer=8, usage=usage, policy="static") for _ in range(2))
     assert graph_blockers(graphed) == []
     prompt = graphed.tokenizer.encode(PROMPT)
     for model in (graphed, eager):
@@ -152,15 +152,16 @@ def test_cached_batched_graph_decode_matches_the_eager_batch(synth_model):
 
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     usage = np.tile(np.arange(16)[::-1], (4, 1))
-    graphed, eager = (cached_model(path, n_seq=3, slots_per_layer=5, usage=usage, policy="static") for _ in range(2))
+    graphed, eager = (cached_model(path, n_seq=3, slots_per_layer=8, usage=usage, policy="static") for _ in range(2))
     batched_decode_matches_the_eager_batch(graphed, eager)
     stats = graphed.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
 
 
-def test_cached_graph_decode_adapts_and_matches_the_resident_model(synth_model):
+@pytest.mark.parametrize("slots", [4, 8])  # 8: half of them fetch slots, and uploads copy fetched experts on the GPU
+def test_cached_graph_decode_adapts_and_matches_the_resident_model(synth_model, slots):
     path = synth_model("qwen3moe", preset="small", expert_type="F16", attn_type="F16")
-    cached, resident = cached_model(path, slots_per_layer=4), moerun.load_model(path, device="cuda", n_ctx=600)
+    cached, resident = cached_model(path, slots_per_layer=slots), moerun.load_model(path, device="cuda", n_ctx=600)
     prompt = resident.tokenizer.encode(PROMPT)
     c, r = (model.forward(torch.tensor(prompt)).float().cpu() for model in (cached, resident))
     assert cached.expert_cache.stats.staged > 0  # the prompt's busy misses ran from the staging bank
