@@ -81,6 +81,22 @@ class Model:
             return self.forward(torch.tensor(tokens, dtype=torch.long), positions[0], seqs[0])
         return self.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs))
 
+    def capture_decode_steps(self) -> int:
+        """Capture now the decode steps a server meets first: one token of each sequence alone, and batches of 2 to
+        n_seq sequences, at the first KV bucket, so that no request waits for a capture (one takes a warm-up step
+        and the capture, ~0.1-1 s on large models). Writes the KV slot of position 0 of every sequence, which a
+        prompt overwrites; the expert cache's statistics restart. -> graphs captured (0 where graphs cannot run)."""
+        if self.decode_graphs is None or graph_blockers(self):
+            return 0
+        before = len(self.decode_graphs.graphs)
+        for seq in range(self.n_seq):
+            self.decode_batch([0], [0], [seq])
+        for n in range(2, self.n_seq + 1):
+            self.decode_batch([0] * n, [0] * n, list(range(n)))
+        if self.expert_cache is not None:
+            self.expert_cache.reset_stats()
+        return len(self.decode_graphs.graphs) - before
+
     def _check_fits(self, n_positions: int, seq: int) -> None:
         if n_positions > self.n_ctx:
             raise MoeprepError(f"{n_positions} positions do not fit the context of {self.n_ctx}; load with a larger n_ctx")

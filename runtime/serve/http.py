@@ -186,6 +186,11 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str 
     """Serve the model until interrupted; the engine thread runs batches of up to model.n_seq sequences, each step
     with at most `prefill_chunk` prompt tokens beside the decoding sequences' tokens."""
     logging.basicConfig(format="moerun: %(message)s", level=logging.WARNING)
+    start = time.perf_counter()
+    captured = model.capture_decode_steps()
+    if captured:
+        print(f"moerun: captured {captured} decode steps as CUDA graphs (1 to {model.n_seq} sequences) in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     engine = Engine(Scheduler(model, max_queue=max_queue, prefill_chunk=prefill_chunk))
     server = Server(model, engine, api_key)
     engine.start()
