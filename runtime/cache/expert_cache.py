@@ -347,29 +347,39 @@ class CachedExperts(nn.Module):
         return out + torch.from_numpy(cpu_out).to(out.device, non_blocking=True)
 
     def _stage(self, x, ids_h, missed, weights, ids) -> tuple[np.ndarray, torch.Tensor] | None:
-        """Many tokens (a prompt): a missed expert chosen by at least STAGE_MIN_TOKENS of them is copied to a
+        """Many tokens (a prompt): every missed expert chosen by at least STAGE_MIN_TOKENS of them is copied to a
         staging bank on the GPU and computed there (its upload costs less than the CPU's work for that many
-        tokens); the rest stay with the CPU. -> (the misses left to the CPU, the staged experts' sum), or None."""
+        tokens), in rounds of as many as the bank holds; the rest stay with the CPU, which computes them while the
+        rounds run. -> (the misses left to the CPU, the staged experts' sum), or None."""
         counts = np.bincount(ids_h[missed], minlength=len(self.slot_of))
-        banks = self.cache.staging(self)
-        chosen = np.argsort(-counts, kind="stable")[: banks[0].data.shape[0]]
-        chosen = np.sort(chosen[counts[chosen] >= STAGE_MIN_TOKENS])
+        chosen = np.flatnonzero(counts >= STAGE_MIN_TOKENS)
         if not len(chosen):
             return None
-        with timed(self.cache.stats, "uploads"):  # runs of consecutive experts go in one copy per tensor
-            starts = np.flatnonzero(np.diff(chosen, prepend=-2) != 1)
-            for start, end in zip(starts.tolist(), [*starts[1:].tolist(), len(chosen)]):
-                first = int(chosen[start])
+        banks = self.cache.staging(self)
+        capacity = banks[0].data.shape[0]
+        out = None
+        for first in range(0, len(chosen), capacity):  # a round's copies wait, in stream order, for the last round
+            part = chosen[first : first + capacity]
+            self._copy_runs(part, banks)
+            stage_of = np.full(len(self.slot_of), -1, np.int32)
+            stage_of[part] = np.arange(len(part))
+            slots = np.where(missed, stage_of[ids_h], -1)
+            in_bank = np.full(capacity, -1, np.int64)
+            in_bank[: len(part)] = part
+            staged = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids, banks, in_bank)
+            out = staged if out is None else out + staged
+        self.cache.stats.staged += len(chosen)
+        return missed & (counts[ids_h] < STAGE_MIN_TOKENS), out
+
+    def _copy_runs(self, experts: np.ndarray, banks: tuple) -> None:
+        """Copy the sorted `experts` into the first slots of `banks`, a run of consecutive experts in one copy per
+        tensor."""
+        with timed(self.cache.stats, "uploads"):
+            starts = np.flatnonzero(np.diff(experts, prepend=-2) != 1)
+            for start, end in zip(starts.tolist(), [*starts[1:].tolist(), len(experts)]):
+                first = int(experts[start])
                 for bank, t in zip(banks, self.host_tensors):
                     bank.data[start:end].copy_(t[first : first + end - start], non_blocking=True)
-        stage_of = np.full(len(self.slot_of), -1, np.int32)
-        stage_of[chosen] = np.arange(len(chosen))
-        slots = np.where(missed, stage_of[ids_h], -1)
-        self.cache.stats.staged += len(chosen)
-        in_bank = np.full(banks[0].data.shape[0], -1, np.int64)
-        in_bank[: len(chosen)] = chosen
-        staged = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids, banks, in_bank)
-        return missed & (slots < 0), staged
 
     def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A decode step's misses -> (the experts to fetch, at most n_fetch, those chosen by most tokens first; the

@@ -120,13 +120,15 @@ def test_a_budget_without_room_for_slots_is_refused(synth_model):
         moerun.load_model(synth_model("qwen3moe"), cache=CacheConfig(budgets=[1 << 20]))
 
 
-def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch):
-    """A prompt's missed experts chosen by several tokens run from the staging bank (on the GPU there; here the CPU
-    stands in, with the CPU's kernel, so the sum is the resident model's up to summation order), the rest on the
-    CPU for just the tokens that chose them."""
+@pytest.mark.parametrize("bank_bytes", [512 << 20, 1])  # 1 byte: a bank of one expert, one round per expert
+def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch, bank_bytes):
+    """A prompt's missed experts chosen by several tokens run from the staging bank, in rounds of what it holds (on
+    the GPU there; here the CPU stands in, with the CPU's kernel, so the sum is the resident model's up to summation
+    order), the rest on the CPU for just the tokens that chose them."""
     import moerun.cache.expert_cache as expert_cache
 
     monkeypatch.setattr(expert_cache, "STAGING_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(expert_cache, "STAGE_BYTES", bank_bytes)
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     reference = moerun.load_model(path)
     cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=1))
