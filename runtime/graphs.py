@@ -129,7 +129,10 @@ class Capture:
 
 
 def on_current_device(work: Callable[[], None]) -> Callable[[], None]:
-    """`work` replayed under the GPU current now (a layer's host work syncs and records on its own GPU's stream)."""
+    """`work` replayed under the GPU current now (a layer's host work syncs and records on its own GPU's stream);
+    as it is where one GPU is visible (the switch costs a few microseconds, twice per cached layer and step)."""
+    if torch.cuda.device_count() == 1:
+        return work
     device = torch.cuda.current_device()
 
     def run() -> None:
