@@ -382,16 +382,23 @@ class CachedExperts(nn.Module):
                     bank.data[start:end].copy_(t[first : first + end - start], non_blocking=True)
 
     def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A decode step's misses -> (the experts to fetch, at most n_fetch, those chosen by most tokens first; the
-        slot table (T, K) with the fetched ones in the fetch slots; the misses left to the CPU). A prompt's
-        misses are the staging bank's (_stage): nothing is fetched for one."""
+        """A decode step's misses -> (the experts to fetch, at most n_fetch, sorted: one token's first ones in the
+        router's order, else those chosen by most tokens; the slot table (T, K) with the fetched ones in the fetch
+        slots; the misses left to the CPU). A prompt's misses are the staging bank's (_stage): none is fetched for
+        one. Runs once per layer and step on the host, so tables, not np.unique/np.isin (5x slower at this size)."""
         slots = self.slot_of[ids_h]
         if not len(self.fetched) or not missed.any() or ids_h.shape[0] >= STAGE_MIN_TOKENS:
             return ids_h[:0, 0], slots, missed
-        experts, counts = np.unique(ids_h[missed], return_counts=True)
-        fetch = np.sort(experts[np.argsort(-counts, kind="stable")[: len(self.fetched)]])
-        fetched = missed & np.isin(ids_h, fetch)
-        slots[fetched] = self.n_slots + np.searchsorted(fetch, ids_h[fetched])
+        if ids_h.shape[0] == 1:  # a token's experts are distinct
+            fetch = np.sort(ids_h[missed][: len(self.fetched)])
+        else:
+            experts, counts = np.unique(ids_h[missed], return_counts=True)
+            fetch = np.sort(experts[np.argsort(-counts, kind="stable")[: len(self.fetched)]])
+        fetch_slot = np.full(len(self.slot_of), -1, np.int32)
+        fetch_slot[fetch] = self.n_slots + np.arange(len(fetch))
+        in_fetch = fetch_slot[ids_h]
+        fetched = in_fetch >= 0  # only missed experts are fetched
+        slots[fetched] = in_fetch[fetched]
         return fetch, slots, missed & ~fetched
 
     def _fetch(self, experts: np.ndarray) -> None:
