@@ -311,7 +311,8 @@ class CachedExperts(nn.Module):
         with timed(stats, "router sync"):
             routing = torch.cat([ids.to(weights.dtype), weights], dim=1).cpu().numpy()  # the one sync of the layer
         ids_h, weights_h, missed = self._look_up(routing)
-        fetch, slots, on_cpu = self._fetch_plan(ids_h, missed)
+        # eagerly, STAGE_MIN_TOKENS or more tokens stage (a prompt, mostly); a captured decode step always fetches
+        fetch, slots, on_cpu = self._fetch_plan(ids_h, missed, prompt=x.shape[0] >= STAGE_MIN_TOKENS)
         on_gpu = x.device.type == "cuda"
         if on_cpu.any():  # the CPU's input is enqueued before the GPU's expert kernels, so it need not wait for them
             x_host = x.float().to("cpu", non_blocking=on_gpu)
@@ -381,13 +382,14 @@ class CachedExperts(nn.Module):
                 for bank, t in zip(banks, self.host_tensors):
                     bank.data[start:end].copy_(t[first : first + end - start], non_blocking=True)
 
-    def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray, prompt: bool = False,
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A decode step's misses -> (the experts to fetch, at most n_fetch, sorted: one token's first ones in the
         router's order, else those chosen by most tokens; the slot table (T, K) with the fetched ones in the fetch
         slots; the misses left to the CPU). A prompt's misses are the staging bank's (_stage): none is fetched for
         one. Runs once per layer and step on the host, so tables, not np.unique/np.isin (5x slower at this size)."""
         slots = self.slot_of[ids_h]
-        if not len(self.fetched) or not missed.any() or ids_h.shape[0] >= STAGE_MIN_TOKENS:
+        if not len(self.fetched) or not missed.any() or prompt:
             return ids_h[:0, 0], slots, missed
         if ids_h.shape[0] == 1:  # a token's experts are distinct
             fetch = np.sort(ids_h[missed][: len(self.fetched)])
