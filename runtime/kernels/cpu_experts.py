@@ -16,7 +16,9 @@ a float32 dot product on the input rounded to their type instead.
 Each type is a `Format`: its `unpack` decodes one weight row into int16 values `wq` that already carry their
 sub-block's integer scale (so a block is one integer sum: `vpmaddwd` work), integer mins `mn` and per-block float
 scales `dd` (d, dmin) (float types: float32 values `wf`), and its `dot` is the product above; `rounding` names the
-activation rounding. Work is split into items (one expert, the tokens that chose it, a range of rows), run by numba's
+activation rounding. The types of the common expert GGUFs (Q4_K, Q5_K, Q6_K, Q4_0, Q8_0) also have a `fused` dot that
+decodes and multiplies a row in one pass, with the same integer sums and float steps (so the same bits): what an item
+of one token (a decode step) takes, where a decoded row would be used once (2-3x faster per core than unpack + dot). Work is split into items (one expert, the tokens that chose it, a range of rows), run by numba's
 `prange`; every output element is computed by one item with the same operations whatever the split, so any thread
 count gives the same bits. A row is decoded once for all the tokens of its item.
 
@@ -419,6 +421,156 @@ def _int_dot(block: int, n_sub: int, has_min: bool) -> Callable:
     return dot
 
 
+# ------------------------------------------------------------------------------------- fused decode-and-dot
+# fused(row, sc, mn, xq, xd, xs) -> float32: one weight row's bytes times one rounded activation row, decoding and
+# multiplying in one pass (sc, mn: the unpack's scratch). An item of one token (a decode step's experts) uses each
+# row once, so writing the decoded row to wq and reading it back is most of the work there: fused is 2-3x faster.
+# Each block's integer sum is the one unpack + _int_dot compute (integers: exact in any order) and its float steps
+# are theirs, in their order, so both paths give the same bits.
+#
+# Written for LLVM's vectorizer, beyond what the decoders above do: one loop over a block's positions l whose body
+# takes position l of every sub-block, so a block is one int32 vector sum (one horizontal sum per block, not one
+# per sub-block); products kept within 16 bits where LLVM can see it (4-6 bit values times a scale read as an 8-bit
+# value, times the int16 activation), so they compile to vpmullw + vpmaddwd/vpdpwssd on 16-bit lanes rather than
+# vpmulld on 32-bit ones (an int32 scale read as is measured 1.5x slower); bits are cut from the uint8 bytes and
+# widened after (widening each byte first measured 15% slower).
+
+
+@numba.njit(inline="always")
+def _u8(a: np.ndarray, i: int) -> np.int32:
+    """a[i], known to the compiler to fit 8 bits unsigned (a sub-block scale or min, 6 bits)."""
+    return np.int32(np.uint8(a[i]))
+
+
+@numba.njit(inline="always")
+def _with_mins(t, d, dmin, mn, xs, v):
+    """d * t - dmin * (sum of each sub-block's min times its activation sum), as _int_dot's has_min step, for the
+    8-sub-block K-quants (Q4_K, Q5_K) whose block starts at value v."""
+    msum = 0
+    for s in range(8):
+        for j in range(2):
+            msum += mn[s] * xs[(v + s * 32) // 16 + j]
+    val = d * F32(t)
+    val -= dmin * F32(msum)
+    return val
+
+
+@numba.njit(**JIT)
+def _fused_q4_k(row, sc, mn, xq, xd, xs):
+    """_unpack_q4_k's layout: byte l of chunk c holds value l of sub-block 2c (low nibble) and of 2c + 1 (high)."""
+    n = _opaque(32, row)
+    acc = F32(0)
+    for b in range(xd.shape[0]):
+        o, v = b * 144, b * 256
+        d, dmin = _f16(row, o), _f16(row, o + 2)
+        _kquant_scales_mins(row, o + 4, sc[b], mn[b])
+        s, q = sc[b], o + 16
+        s0, s1, s2, s3, s4, s5, s6, s7 = _u8(s, 0), _u8(s, 1), _u8(s, 2), _u8(s, 3), _u8(s, 4), _u8(s, 5), \
+            _u8(s, 6), _u8(s, 7)
+        t = np.int32(0)
+        for l in range(n):
+            c0, c1, c2, c3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+            t = np.int32(t + np.int32(c0 & 15) * s0 * np.int32(xq[v + l])
+                         + np.int32(c0 >> 4) * s1 * np.int32(xq[v + 32 + l])
+                         + np.int32(c1 & 15) * s2 * np.int32(xq[v + 64 + l])
+                         + np.int32(c1 >> 4) * s3 * np.int32(xq[v + 96 + l])
+                         + np.int32(c2 & 15) * s4 * np.int32(xq[v + 128 + l])
+                         + np.int32(c2 >> 4) * s5 * np.int32(xq[v + 160 + l])
+                         + np.int32(c3 & 15) * s6 * np.int32(xq[v + 192 + l])
+                         + np.int32(c3 >> 4) * s7 * np.int32(xq[v + 224 + l]))
+        acc += xd[b] * _with_mins(t, d, dmin, mn[b], xs, v)
+    return acc
+
+
+@numba.njit(**JIT)
+def _fused_q5_k(row, sc, mn, xq, xd, xs):
+    """_unpack_q5_k's layout: Q4_K's nibbles, with the fifth bit of sub-block j's value l in bit j of qh[l]."""
+    n = _opaque(32, row)
+    acc = F32(0)
+    for b in range(xd.shape[0]):
+        o, v = b * 176, b * 256
+        d, dmin = _f16(row, o), _f16(row, o + 2)
+        _kquant_scales_mins(row, o + 4, sc[b], mn[b])
+        s, q = sc[b], o + 48
+        s0, s1, s2, s3, s4, s5, s6, s7 = _u8(s, 0), _u8(s, 1), _u8(s, 2), _u8(s, 3), _u8(s, 4), _u8(s, 5), \
+            _u8(s, 6), _u8(s, 7)
+        t = np.int32(0)
+        for l in range(n):
+            h, c0, c1, c2, c3 = row[o + 16 + l], row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
+            t = np.int32(t + np.int32((c0 & 15) | ((h & 1) << 4)) * s0 * np.int32(xq[v + l])
+                         + np.int32((c0 >> 4) | ((h & 2) << 3)) * s1 * np.int32(xq[v + 32 + l])
+                         + np.int32((c1 & 15) | ((h & 4) << 2)) * s2 * np.int32(xq[v + 64 + l])
+                         + np.int32((c1 >> 4) | ((h & 8) << 1)) * s3 * np.int32(xq[v + 96 + l])
+                         + np.int32((c2 & 15) | (h & 16)) * s4 * np.int32(xq[v + 128 + l])
+                         + np.int32((c2 >> 4) | ((h & 32) >> 1)) * s5 * np.int32(xq[v + 160 + l])
+                         + np.int32((c3 & 15) | ((h & 64) >> 2)) * s6 * np.int32(xq[v + 192 + l])
+                         + np.int32((c3 >> 4) | ((h & 128) >> 3)) * s7 * np.int32(xq[v + 224 + l]))
+        acc += xd[b] * _with_mins(t, d, dmin, mn[b], xs, v)
+    return acc
+
+
+@numba.njit(inline="always")
+def _q6_k_four(row, a, c, z, s, xq, x):
+    """Value l of Q6_K sub-blocks k, k + 2, k + 4, k + 6 of a half (_unpack_q6_k's layout) times its activations:
+    a, c the low-nibble bytes, z the 2-bit planes, s the first one's scale byte, x its value's index."""
+    s0, s1 = np.int32(np.int8(row[s])), np.int32(np.int8(row[s + 2]))
+    s2, s3 = np.int32(np.int8(row[s + 4])), np.int32(np.int8(row[s + 6]))
+    return ((np.int32((a & 15) | ((z & 3) << 4)) - 32) * s0 * np.int32(xq[x])
+            + (np.int32((c & 15) | (((z >> 2) & 3) << 4)) - 32) * s1 * np.int32(xq[x + 32])
+            + (np.int32((a >> 4) | (((z >> 4) & 3) << 4)) - 32) * s2 * np.int32(xq[x + 64])
+            + (np.int32((c >> 4) | ((z >> 6) << 4)) - 32) * s3 * np.int32(xq[x + 96]))
+
+
+@numba.njit(**JIT)
+def _fused_q6_k(row, sc, mn, xq, xd, xs):
+    n = _opaque(16, row)
+    acc = F32(0)
+    for b in range(xd.shape[0]):
+        o, v = b * 210, b * 256
+        d = _f16(row, o + 208)
+        t = np.int32(0)
+        for l in range(n):  # (half, g) = (0, 0), (0, 1), (1, 0), (1, 1): value 128 half + 16 g + l and the 3 above
+            t = np.int32(t + _q6_k_four(row, row[o + l], row[o + 32 + l], row[o + 128 + l], o + 192, xq, v + l)
+                         + _q6_k_four(row, row[o + 16 + l], row[o + 48 + l], row[o + 144 + l], o + 193, xq,
+                                      v + 16 + l)
+                         + _q6_k_four(row, row[o + 64 + l], row[o + 96 + l], row[o + 160 + l], o + 200, xq,
+                                      v + 128 + l)
+                         + _q6_k_four(row, row[o + 80 + l], row[o + 112 + l], row[o + 176 + l], o + 201, xq,
+                                      v + 144 + l))
+        acc += xd[b] * (d * F32(t))
+    return acc
+
+
+@numba.njit(**JIT)
+def _fused_q4_0(row, sc, mn, xq, xd, xs):
+    n = _opaque(16, row)
+    acc = F32(0)
+    for b in range(xd.shape[0]):
+        o, v = b * 18, b * 32
+        d = _f16(row, o)
+        t = np.int32(0)
+        for l in range(n):
+            c = row[o + 2 + l]
+            t = np.int32(t + np.int32(np.int16(c & 15) - 8) * np.int32(xq[v + l])
+                         + np.int32(np.int16(c >> 4) - 8) * np.int32(xq[v + 16 + l]))
+        acc += xd[b] * (d * F32(t))
+    return acc
+
+
+@numba.njit(**JIT)
+def _fused_q8_0(row, sc, mn, xq, xd, xs):
+    n = _opaque(32, row)
+    acc = F32(0)
+    for b in range(xd.shape[0]):
+        o, v = b * 34, b * 32
+        d = _f16(row, o)
+        t = np.int32(0)
+        for l in range(n):
+            t = np.int32(t + np.int32(np.int8(row[o + 2 + l])) * np.int32(xq[v + l]))
+        acc += xd[b] * (d * F32(t))
+    return acc
+
+
 @numba.njit(**JIT)
 def _float_dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
     """float32 dot product in eight running sums (independent, so they run side by side without the
@@ -440,8 +592,9 @@ def _float_dot(wq, wf, sc, mn, dd, xq, xf, xd, xs, prod):
 
 
 # ------------------------------------------------------------------------------------------ activation rounding
-# rounding(x, xq, xf, xd, xs): one activation row x (cols,) float32 -> xq (cols,) int8, xd (nb,) float32 block
-# scales and xs (cols/16,) int32 sums of 16 xq values (the integer types); xf (cols,) float32 (the float types).
+# rounding(x, xq, xf, xd, xs): one activation row x (cols,) float32 -> xq (cols,) int8 values (held as int16), xd
+# (nb,) float32 block scales and xs (cols/16,) int32 sums of 16 xq values (the integer types); xf (cols,) float32
+# (the float types).
 
 
 def _int_rounding(blocks: Callable) -> Callable:
@@ -487,9 +640,10 @@ ROUNDINGS: dict[str, Callable] = {
 INTEGER_ROUNDINGS = ("q8_k", "q8_0")
 
 
-def _rows_kernel(unpack: Callable, dot: Callable) -> Callable:
+def _rows_kernel(unpack: Callable, dot: Callable, fused: Callable | None, fused_pairs: int) -> Callable:
     """The work item of one format: y[p, r] = row r of expert e . activation row act_row[p] (+ bias[e, r]) for the
-    pairs p = order[j0:j1] and rows r0..r1-1 of item (e, j0, j1, r0, r1); each row is decoded once."""
+    pairs p = order[j0:j1] and rows r0..r1-1 of item (e, j0, j1, r0, r1). Items of at most `fused_pairs` pairs take
+    the fused decode-and-dot per pair; the others decode each row once, into wq, for all their pairs."""
     @numba.njit(**JIT)
     def rows(w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y):
         e, j0, j1, r0, r1 = item[0], item[1], item[2], item[3], item[4]
@@ -500,6 +654,14 @@ def _rows_kernel(unpack: Callable, dot: Callable) -> Callable:
         sc = np.zeros((nb, n_sub), np.int32)
         mn = np.zeros((nb, n_sub), np.int32)
         dd = np.zeros((nb, 2), F32)
+        if fused is not None and j1 - j0 <= fused_pairs:
+            for r in range(r0, r1):
+                for j in range(j0, j1):
+                    p = order[j]
+                    a = act_row[p]
+                    v = fused(w[e, r], sc, mn, xq[a], xd[a], xs[a])
+                    y[p, r] = v + bias[e, r] if bias.shape[0] else v
+            return
         for r in range(r0, r1):
             unpack(w[e, r], wq, wf, sc, mn, dd)
             for j in range(j0, j1):
@@ -519,24 +681,29 @@ class Format:
     n_sub: int  # sub-blocks per block with their own integer scale
 
 
-def _int_format(unpack: Callable, rounding: str, block: int, n_sub: int, has_min: bool) -> Format:
-    return Format(_rows_kernel(unpack, _int_dot(block, n_sub, has_min)), rounding, block, n_sub)
+def _int_format(unpack: Callable, rounding: str, block: int, n_sub: int, has_min: bool,
+                fused: Callable | None = None) -> Format:
+    """A K-quant's fused dot takes items of one pair (from 2 pairs on, decoding a row once for them measured faster);
+    a 32-value type's takes every item (its unpack + _int_dot, with a horizontal sum per 32 values over a scratch
+    array, is slower even at 8 pairs)."""
+    fused_pairs = 0 if fused is None else 1 if block == 256 else np.iinfo(np.int64).max
+    return Format(_rows_kernel(unpack, _int_dot(block, n_sub, has_min), fused, fused_pairs), rounding, block, n_sub)
 
 
 def _float_format(unpack: Callable, rounding: str) -> Format:
-    return Format(_rows_kernel(unpack, _float_dot), rounding, 1, 1)
+    return Format(_rows_kernel(unpack, _float_dot, None, 0), rounding, 1, 1)
 
 
 # The expert types of common MoE GGUFs, the K-quants and the 32-value types, and the float ones.
 FORMATS: dict[Q, Format] = {
-    Q.Q4_K: _int_format(_unpack_q4_k, "q8_k", 256, 8, True),
-    Q.Q5_K: _int_format(_unpack_q5_k, "q8_k", 256, 8, True),
-    Q.Q6_K: _int_format(_unpack_q6_k, "q8_k", 256, 16, False),
+    Q.Q4_K: _int_format(_unpack_q4_k, "q8_k", 256, 8, True, _fused_q4_k),
+    Q.Q5_K: _int_format(_unpack_q5_k, "q8_k", 256, 8, True, _fused_q5_k),
+    Q.Q6_K: _int_format(_unpack_q6_k, "q8_k", 256, 16, False, _fused_q6_k),
     Q.Q3_K: _int_format(_unpack_q3_k, "q8_k", 256, 16, False),
     Q.Q2_K: _int_format(_unpack_q2_k, "q8_k", 256, 16, True),
     Q.IQ4_XS: _int_format(_unpack_iq4_xs, "q8_k", 256, 8, False),
-    Q.Q8_0: _int_format(_unpack_q8_0, "q8_0", 32, 1, False),
-    Q.Q4_0: _int_format(_unpack_q4_0, "q8_0", 32, 1, False),
+    Q.Q8_0: _int_format(_unpack_q8_0, "q8_0", 32, 1, False, _fused_q8_0),
+    Q.Q4_0: _int_format(_unpack_q4_0, "q8_0", 32, 1, False, _fused_q4_0),
     Q.Q5_0: _int_format(_unpack_q5_0, "q8_0", 32, 1, False),
     Q.Q4_1: _int_format(_unpack_q4_1, "q8_0", 32, 1, True),
     Q.Q5_1: _int_format(_unpack_q5_1, "q8_0", 32, 1, True),
@@ -591,7 +758,8 @@ def _rounded(code, n, cols):
     """Empty arrays for n rows of `cols` values rounded by rounding `code` (those it does not fill: no columns)."""
     integer = code < len(INTEGER_ROUNDINGS)
     block = _ROUNDING_BLOCK[code]
-    xq = np.empty((n, cols if integer else 0), np.int8)
+    # int8 values held as int16: the dots then multiply them as they load them, no sign extension per weight row.
+    xq = np.empty((n, cols if integer else 0), np.int16)
     xf = np.empty((n, 0 if integer else cols), F32)
     xd = np.empty((n, cols // block if integer else 0), F32)
     xs = np.empty((n, cols // 16 if integer else 0), np.int32)
