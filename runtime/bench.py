@@ -93,8 +93,10 @@ def _gpus(model) -> list[torch.device]:
 
 
 def _warm_up(model, tokens: torch.Tensor, n_prompt: int) -> None:
-    """A short prefill and two decode steps in the decode test's KV bucket (overwritten by the tests)."""
-    model.forward(tokens[:WARMUP_TOKENS], 0, last_only=True)
+    """A prefill as long as the test's (Triton compiles a kernel per shape: a 512-token prompt's first run spends
+    seconds compiling) over the prompt reversed, so its routing is not the test's own, and two decode steps in the
+    decode test's KV bucket; the tests overwrite what they write to the KV cache."""
+    model.forward(tokens[:max(n_prompt, WARMUP_TOKENS)].flip(0), 0, last_only=True)
     for i in range(2):
         model.decode(int(tokens[i]), n_prompt + i)
     _sync(model)
