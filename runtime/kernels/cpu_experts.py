@@ -433,23 +433,56 @@ def _int_dot(block: int, n_sub: int, has_min: bool) -> Callable:
 # per sub-block); products kept within 16 bits where LLVM can see it (4-6 bit values times a scale read as an 8-bit
 # value, times the int16 activation), so they compile to vpmullw + vpmaddwd/vpdpwssd on 16-bit lanes rather than
 # vpmulld on 32-bit ones (an int32 scale read as is measured 1.5x slower); bits are cut from the uint8 bytes and
-# widened after (widening each byte first measured 15% slower).
+# widened after (widening each byte first measured 15% slower). Q4_K and Q6_K keep four running sums per block:
+# in one, each product waited on the one before (a chain of 16 vpdpwssd), 1.2x slower; Q5_K keeps one (with four,
+# LLVM falls back to 64-bit lanes).
+
+
+@numba.njit(inline="always")
+def _kquant_scale_words(row, o):
+    """_kquant_scales_mins on whole words: the 12 bytes at o as (scales 0-3, mins 0-3, scales 4-7, mins 4-7), each
+    a word of four 6-bit values, one per byte (value i in byte i). Four at a time: the byte-wise decode, with its
+    stores and loads, took as long as a block's products."""
+    w0, w1, w2 = _u32(row, o), _u32(row, o + 4), _u32(row, o + 8)
+    low6, low4, top2 = 0x3F3F3F3F, 0x0F0F0F0F, 0x30303030
+    return (w0 & low6, w1 & low6, (w2 & low4) | ((w0 >> 2) & top2), ((w2 >> 4) & low4) | ((w1 >> 2) & top2))
+
+
+@numba.njit(inline="always")
+def _six(w, i):
+    """Value i of a word of _kquant_scale_words, as an int32 the compiler knows fits 6 bits."""
+    return np.int32((w >> (8 * i)) & 63)
+
+
+@numba.njit(inline="always")
+def _kquant_scales(row, o, scratch):
+    """The 8 scales of a Q4_K/Q5_K block (12 bytes at o) as int32s the compiler knows fit 6 bits, and the words of
+    its mins. (Read back from `scratch`: taken straight from the words, they kept LLVM from vectorizing the block's
+    loop.)"""
+    s_lo, m_lo, s_hi, m_hi = _kquant_scale_words(row, o)
+    for i in range(4):
+        scratch[i] = _six(s_lo, i)
+        scratch[4 + i] = _six(s_hi, i)
+    s0, s1, s2, s3 = _u8(scratch, 0), _u8(scratch, 1), _u8(scratch, 2), _u8(scratch, 3)
+    s4, s5, s6, s7 = _u8(scratch, 4), _u8(scratch, 5), _u8(scratch, 6), _u8(scratch, 7)
+    return s0, s1, s2, s3, s4, s5, s6, s7, m_lo, m_hi
 
 
 @numba.njit(inline="always")
 def _u8(a: np.ndarray, i: int) -> np.int32:
-    """a[i], known to the compiler to fit 8 bits unsigned (a sub-block scale or min, 6 bits)."""
+    """a[i], known to the compiler to fit 8 bits unsigned."""
     return np.int32(np.uint8(a[i]))
 
 
 @numba.njit(inline="always")
-def _with_mins(t, d, dmin, mn, xs, v):
-    """d * t - dmin * (sum of each sub-block's min times its activation sum), as _int_dot's has_min step, for the
-    8-sub-block K-quants (Q4_K, Q5_K) whose block starts at value v."""
-    msum = 0
-    for s in range(8):
-        for j in range(2):
-            msum += mn[s] * xs[(v + s * 32) // 16 + j]
+def _with_mins(t, d, dmin, m_lo, m_hi, xs, v):
+    """d * t - dmin * (sum of each sub-block's min times the sum of its 32 activations), _int_dot's has_min step,
+    for a Q4_K/Q5_K block at value v with its mins in words m_lo, m_hi (_kquant_scale_words)."""
+    k = v // 16
+    msum = (_six(m_lo, 0) * (xs[k] + xs[k + 1]) + _six(m_lo, 1) * (xs[k + 2] + xs[k + 3])
+            + _six(m_lo, 2) * (xs[k + 4] + xs[k + 5]) + _six(m_lo, 3) * (xs[k + 6] + xs[k + 7])
+            + _six(m_hi, 0) * (xs[k + 8] + xs[k + 9]) + _six(m_hi, 1) * (xs[k + 10] + xs[k + 11])
+            + _six(m_hi, 2) * (xs[k + 12] + xs[k + 13]) + _six(m_hi, 3) * (xs[k + 14] + xs[k + 15]))
     val = d * F32(t)
     val -= dmin * F32(msum)
     return val
@@ -463,22 +496,21 @@ def _fused_q4_k(row, sc, mn, xq, xd, xs):
     for b in range(xd.shape[0]):
         o, v = b * 144, b * 256
         d, dmin = _f16(row, o), _f16(row, o + 2)
-        _kquant_scales_mins(row, o + 4, sc[b], mn[b])
-        s, q = sc[b], o + 16
-        s0, s1, s2, s3, s4, s5, s6, s7 = _u8(s, 0), _u8(s, 1), _u8(s, 2), _u8(s, 3), _u8(s, 4), _u8(s, 5), \
-            _u8(s, 6), _u8(s, 7)
-        t = np.int32(0)
+        s0, s1, s2, s3, s4, s5, s6, s7, m_lo, m_hi = _kquant_scales(row, o + 4, sc[b])
+        q = o + 16
+        t0 = t1 = t2 = t3 = np.int32(0)
         for l in range(n):
             c0, c1, c2, c3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
-            t = np.int32(t + np.int32(c0 & 15) * s0 * np.int32(xq[v + l])
-                         + np.int32(c0 >> 4) * s1 * np.int32(xq[v + 32 + l])
-                         + np.int32(c1 & 15) * s2 * np.int32(xq[v + 64 + l])
-                         + np.int32(c1 >> 4) * s3 * np.int32(xq[v + 96 + l])
-                         + np.int32(c2 & 15) * s4 * np.int32(xq[v + 128 + l])
-                         + np.int32(c2 >> 4) * s5 * np.int32(xq[v + 160 + l])
-                         + np.int32(c3 & 15) * s6 * np.int32(xq[v + 192 + l])
-                         + np.int32(c3 >> 4) * s7 * np.int32(xq[v + 224 + l]))
-        acc += xd[b] * _with_mins(t, d, dmin, mn[b], xs, v)
+            t0 = np.int32(t0 + np.int32(c0 & 15) * s0 * np.int32(xq[v + l])
+                          + np.int32(c0 >> 4) * s1 * np.int32(xq[v + 32 + l]))
+            t1 = np.int32(t1 + np.int32(c1 & 15) * s2 * np.int32(xq[v + 64 + l])
+                          + np.int32(c1 >> 4) * s3 * np.int32(xq[v + 96 + l]))
+            t2 = np.int32(t2 + np.int32(c2 & 15) * s4 * np.int32(xq[v + 128 + l])
+                          + np.int32(c2 >> 4) * s5 * np.int32(xq[v + 160 + l]))
+            t3 = np.int32(t3 + np.int32(c3 & 15) * s6 * np.int32(xq[v + 192 + l])
+                          + np.int32(c3 >> 4) * s7 * np.int32(xq[v + 224 + l]))
+        t = np.int32(np.int32(t0 + t1) + np.int32(t2 + t3))
+        acc += xd[b] * _with_mins(t, d, dmin, m_lo, m_hi, xs, v)
     return acc
 
 
@@ -490,10 +522,8 @@ def _fused_q5_k(row, sc, mn, xq, xd, xs):
     for b in range(xd.shape[0]):
         o, v = b * 176, b * 256
         d, dmin = _f16(row, o), _f16(row, o + 2)
-        _kquant_scales_mins(row, o + 4, sc[b], mn[b])
-        s, q = sc[b], o + 48
-        s0, s1, s2, s3, s4, s5, s6, s7 = _u8(s, 0), _u8(s, 1), _u8(s, 2), _u8(s, 3), _u8(s, 4), _u8(s, 5), \
-            _u8(s, 6), _u8(s, 7)
+        s0, s1, s2, s3, s4, s5, s6, s7, m_lo, m_hi = _kquant_scales(row, o + 4, sc[b])
+        q = o + 48
         t = np.int32(0)
         for l in range(n):
             h, c0, c1, c2, c3 = row[o + 16 + l], row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
@@ -505,7 +535,7 @@ def _fused_q5_k(row, sc, mn, xq, xd, xs):
                          + np.int32((c2 >> 4) | ((h & 32) >> 1)) * s5 * np.int32(xq[v + 160 + l])
                          + np.int32((c3 & 15) | ((h & 64) >> 2)) * s6 * np.int32(xq[v + 192 + l])
                          + np.int32((c3 >> 4) | ((h & 128) >> 3)) * s7 * np.int32(xq[v + 224 + l]))
-        acc += xd[b] * _with_mins(t, d, dmin, mn[b], xs, v)
+        acc += xd[b] * _with_mins(t, d, dmin, m_lo, m_hi, xs, v)
     return acc
 
 
@@ -528,15 +558,16 @@ def _fused_q6_k(row, sc, mn, xq, xd, xs):
     for b in range(xd.shape[0]):
         o, v = b * 210, b * 256
         d = _f16(row, o + 208)
-        t = np.int32(0)
+        t0 = t1 = t2 = t3 = np.int32(0)
         for l in range(n):  # (half, g) = (0, 0), (0, 1), (1, 0), (1, 1): value 128 half + 16 g + l and the 3 above
-            t = np.int32(t + _q6_k_four(row, row[o + l], row[o + 32 + l], row[o + 128 + l], o + 192, xq, v + l)
-                         + _q6_k_four(row, row[o + 16 + l], row[o + 48 + l], row[o + 144 + l], o + 193, xq,
-                                      v + 16 + l)
-                         + _q6_k_four(row, row[o + 64 + l], row[o + 96 + l], row[o + 160 + l], o + 200, xq,
-                                      v + 128 + l)
-                         + _q6_k_four(row, row[o + 80 + l], row[o + 112 + l], row[o + 176 + l], o + 201, xq,
-                                      v + 144 + l))
+            t0 = np.int32(t0 + _q6_k_four(row, row[o + l], row[o + 32 + l], row[o + 128 + l], o + 192, xq, v + l))
+            t1 = np.int32(t1 + _q6_k_four(row, row[o + 16 + l], row[o + 48 + l], row[o + 144 + l], o + 193, xq,
+                                          v + 16 + l))
+            t2 = np.int32(t2 + _q6_k_four(row, row[o + 64 + l], row[o + 96 + l], row[o + 160 + l], o + 200, xq,
+                                          v + 128 + l))
+            t3 = np.int32(t3 + _q6_k_four(row, row[o + 80 + l], row[o + 112 + l], row[o + 176 + l], o + 201, xq,
+                                          v + 144 + l))
+        t = np.int32(np.int32(t0 + t1) + np.int32(t2 + t3))
         acc += xd[b] * (d * F32(t))
     return acc
 
