@@ -714,9 +714,9 @@ class Format:
 
 def _int_format(unpack: Callable, rounding: str, block: int, n_sub: int, has_min: bool,
                 fused: Callable | None = None) -> Format:
-    """A K-quant's fused dot takes items of one pair (from 2 pairs on, decoding a row once for them measured faster);
-    a 32-value type's takes every item (its unpack + _int_dot, with a horizontal sum per 32 values over a scratch
-    array, is slower even at 8 pairs)."""
+    """A K-quant's fused dot takes items of one pair (from 2 pairs on for Q4_K, 4 for Q6_K, decoding a row once for
+    them measured faster); a 32-value type's takes every item (its unpack + _int_dot, with a horizontal sum per 32
+    values over a scratch array, is slower even at 8 pairs)."""
     fused_pairs = 0 if fused is None else 1 if block == 256 else np.iinfo(np.int64).max
     return Format(_rows_kernel(unpack, _int_dot(block, n_sub, has_min), fused, fused_pairs), rounding, block, n_sub)
 
