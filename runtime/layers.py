@@ -62,8 +62,14 @@ class Linear(nn.Module):
 
             return QuantLinear(blocks, bias, name, hooks)
         weight = w.dense(name, dtype)
-        return cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
-                   input_rounding(w.info(name).ggml_type))
+        linear = cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
+                     input_rounding(w.info(name).ggml_type))
+        if w.device.type == "cpu" and dtype is None and shape is None and len(w.info(name).shape) == 2:
+            from moerun.kernels.cpu_experts import CPUQuantLinear  # imports this module
+
+            if CPUQuantLinear.can_run(w.info(name).ggml_type):  # decode steps multiply the GGUF blocks
+                return CPUQuantLinear.wrap(linear, w, name)
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:

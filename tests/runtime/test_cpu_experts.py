@@ -308,3 +308,20 @@ def test_glm5_next_on_cpu_uses_the_clamped_kernel(synth_model):
         g = experts._matmul_k(experts.gate, x[:1], ids[0], None)
     assert g.abs().max() > limits[moe[0][0]]  # the clamp bites on these inputs
     assert (fast - reference).abs().max() <= 3e-3 * reference.abs().max()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K"])
+def test_cpu_linear_multiplies_the_gguf_blocks_for_a_few_tokens(synth_model, qtype):
+    """A quantized Linear on the CPU runs a decode step's tokens through the integer kernels on the GGUF bytes and a
+    prompt's through its float32 copy: the same products (the same rounded input times the same weight values) up
+    to float32 summation order, whichever path a row takes."""
+    from moerun.kernels.cpu_experts import QUANT_MAX_TOKENS, CPUQuantLinear
+
+    model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type=qtype, attn_type=qtype))
+    attn = model.net.blocks[0].attn.attn
+    assert all(isinstance(linear, CPUQuantLinear) for linear in (attn.wq, attn.wk, attn.wv, attn.wo))
+    x = torch.randn(QUANT_MAX_TOKENS + 1, attn.wq.host.cols, generator=torch.Generator().manual_seed(0))
+    few = torch.cat([attn.wq(x[i : i + 1]) for i in range(len(x))])  # the integer kernels, a token at a time
+    many = attn.wq(x)  # past QUANT_MAX_TOKENS: the float32 copy
+    assert many.abs().max() > 0.1
+    torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-4 * float(many.abs().max()))
