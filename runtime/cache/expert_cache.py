@@ -250,8 +250,9 @@ class CachedExperts(nn.Module):
     on the CPU meanwhile, and sums. Inside a captured decode step (graphs.py) the same work is split around two cuts:
     the graph before copies routing and input to pinned buffers; at the first cut the host looks the experts up and
     sends the slot table; the hits' kernels are a graph of their own; at the second cut the CPU computes the misses
-    while the GPU runs that graph, and the next graph adds the CPU's result. A decode step (fewer than
-    STAGE_MIN_TOKENS tokens) first copies up to n_fetch misses into the fetch slots (`_fetch`)."""
+    while the GPU runs that graph, and the next graph adds the CPU's result. A decode step (any captured one; an
+    eager one of fewer than STAGE_MIN_TOKENS tokens) first copies up to n_fetch misses into the fetch slots
+    (`_fetch`); an eager step of more tokens stages its busy misses instead (`_stage`)."""
 
     def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
                  activation: str, cache: ExpertCache, hooks: Hooks, limit: float = 0.0, n_fetch: int = 0) -> None:
