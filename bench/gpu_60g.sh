@@ -4,7 +4,7 @@
 # budget cold and warmed by expert counts, moerun with every weight on the GPU, and llama-bench on the same file with
 # the experts of 29 layers in host RAM (about the same VRAM) and all on the GPU. Results land in $OUT.
 #
-#   run: bash bench/gpu_60g.sh    (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
+#   run: bash bench/gpu_60g.sh    (carry: .whl, the gguf wheel; .peer, from bench/make_peer_tarball.sh)
 #   env: BUDGET (24G), PEER_CPU_MOE (29), GEN (128), THREADS (16), STEPS ("cold peer resident-warm peer-resident")
 #
 # The disk is 64 GiB: where less than the whole model's 60 GB is free, the model keeps as many of its 46 layers as

@@ -3,7 +3,7 @@
 # `moerun bench` all resident / at a VRAM budget cold / warmed by a profile, next to llama-bench (built here from the
 # llama-cpp-python sources) all on the GPU and with --n-cpu-moe for about the same VRAM. Results land in $OUT.
 #
-#   run: bash bench/gpu_cache.sh    (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
+#   run: bash bench/gpu_cache.sh    (carry: .whl, the gguf wheel; .peer, from bench/make_peer_tarball.sh)
 #   env: BUDGET (8G), PEER_CPU_MOE (28), GEN (128), TESTS (the GPU tests to run first; "" for none)
 source bench/gpu_env.sh
 moerun() { python3 -c "from moerun.cli import main; main()" "$@"; }

@@ -2,7 +2,7 @@
 # One call on the GPU machine: the fast path's GPU tests, then moerun's decode/prefill on the Qwen3-30B-A3B-shaped
 # model next to llama-bench (built here from the llama-cpp-python sources) on the same file. Results land in $OUT.
 #
-#   run: bash bench/gpu_fastpath.sh    (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
+#   run: bash bench/gpu_fastpath.sh    (carry: .whl, the gguf wheel; .peer, from bench/make_peer_tarball.sh)
 source bench/gpu_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 

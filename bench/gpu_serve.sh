@@ -3,7 +3,7 @@
 # and 8 streams, on the trained bench model and on the Qwen3-30B-A3B-shaped synthetic model (bench/bench_serve.py:
 # aggregate tok/s, time to first token, per-token latency). Results land in $OUT.
 #
-#   run: bash bench/gpu_serve.sh      (carry: .whl with the gguf wheel, .peer with llama.cpp-src.tar.xz)
+#   run: bash bench/gpu_serve.sh      (carry: .whl, the gguf wheel; .peer, from bench/make_peer_tarball.sh)
 #
 # The llama.cpp build (llama-server only, about 5 minutes on 16 cores) runs while the synthetic model is written and
 # the GPU tests run (TESTS, "" for none), before anything is measured. Each step is skipped when its output is
