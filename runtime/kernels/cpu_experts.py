@@ -50,7 +50,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from llvmlite import ir
 from numba import literal_unroll
+from numba.core import types
+from numba.extending import intrinsic
 
 from moeprep.errors import MoeprepError
 from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
@@ -125,19 +128,25 @@ def _opaque(n: int, a: np.ndarray) -> int:
     return n + (a.shape[0] < 0)
 
 
-_TWO_POW_112 = F32(2.0 ** 112)
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """The fp16 with these bits (uint16) as a float32: LLVM's half -> float extension, one vcvtph2ps (F16C) on x86.
+    numba has no float16 type on the CPU, hence the intrinsic."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
 
 
 @numba.njit(inline="always")
 def _f16(blk: np.ndarray, o: int) -> np.float32:
-    """The fp16 at blk[o:o + 2], exactly and without a branch on the sign: its exponent and mantissa bits moved into
-    a float32 (rebias 15 -> 127 is the product by 2**112, which also turns fp16 subnormals into the right normals),
-    then its sign bit; inf and NaN the slow way."""
+    """The fp16 at blk[o:o + 2], exactly, by the hardware's conversion (the bit arithmetic it replaces, a dozen
+    instructions, was a tenth of a Q8_0 block's work); inf and NaN the slow way, so that a signaling NaN keeps its
+    bits as in GGML's table (the hardware would quiet it)."""
     h = np.uint32(blk[o]) | (np.uint32(blk[o + 1]) << np.uint32(8))
     if h & np.uint32(0x7C00) == np.uint32(0x7C00):
         return fp16_value(h)
-    magnitude = F32(np.uint32((h & np.uint32(0x7FFF)) << np.uint32(13)).view(np.float32) * _TWO_POW_112)
-    return np.uint32(magnitude.view(np.uint32) | ((h & np.uint32(0x8000)) << np.uint32(16))).view(np.float32)
+    return _half_bits_to_f32(np.uint16(h))
 
 
 @numba.njit(inline="always")
