@@ -40,6 +40,7 @@ size, I expert hidden size; a row has `cols` values in `nb` blocks of `block` va
 
 from __future__ import annotations
 
+import platform
 import threading
 import warnings
 from collections.abc import Callable
@@ -51,6 +52,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from llvmlite import ir
+from llvmlite import binding as llvm
 from numba import literal_unroll
 from numba.core import types
 from numba.extending import intrinsic
@@ -138,13 +140,18 @@ def _half_bits_to_f32(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
+# The conversion is one instruction where the CPU has one (F16C on x86-64, in every CPU since 2012; every ARM64);
+# without it LLVM would call a runtime helper the JIT may not link, so such CPUs keep the bit arithmetic.
+_HARDWARE_HALF = platform.machine() not in ("x86_64", "AMD64") or bool(llvm.get_host_cpu_features().get("f16c"))
+
+
 @numba.njit(inline="always")
 def _f16(blk: np.ndarray, o: int) -> np.float32:
     """The fp16 at blk[o:o + 2], exactly, by the hardware's conversion (the bit arithmetic it replaces, a dozen
     instructions, was a tenth of a Q8_0 block's work); inf and NaN the slow way, so that a signaling NaN keeps its
     bits as in GGML's table (the hardware would quiet it)."""
     h = np.uint32(blk[o]) | (np.uint32(blk[o + 1]) << np.uint32(8))
-    if h & np.uint32(0x7C00) == np.uint32(0x7C00):
+    if not _HARDWARE_HALF or h & np.uint32(0x7C00) == np.uint32(0x7C00):
         return fp16_value(h)
     return _half_bits_to_f32(np.uint16(h))
 
