@@ -61,14 +61,14 @@ class Linear(nn.Module):
             from moerun.quantized import QuantLinear  # needs Triton, which CUDA builds of torch bring
 
             return QuantLinear(blocks, bias, name, hooks)
-        weight = w.dense(name, dtype)
+        info, weight = w.info(name), w.dense(name, dtype)
         linear = cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
-                     input_rounding(w.info(name).ggml_type))
-        if w.device.type == "cpu" and dtype is None and shape is None and len(w.info(name).shape) == 2:
+                     input_rounding(info.ggml_type))
+        if w.device.type == "cpu" and dtype is None and shape is None and len(info.shape) == 2:
             from moerun.kernels.cpu_experts import CPUQuantLinear  # imports this module
 
-            if CPUQuantLinear.can_run(w.info(name).ggml_type):  # decode steps multiply the GGUF blocks
-                return CPUQuantLinear.wrap(linear, w, name)
+            if CPUQuantLinear.can_run(info.ggml_type):  # decode steps multiply the GGUF blocks
+                return CPUQuantLinear.wrap(linear, w, prefix)
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

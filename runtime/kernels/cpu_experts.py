@@ -1128,7 +1128,7 @@ class CPUExperts(GGUFExperts):
             return super().forward(x, ids, weights)
         out = torch.zeros(x.shape, dtype=torch.float32)
         moe_rows(x.float().contiguous().numpy(), ids.numpy(), weights.float().contiguous().numpy(), *self.host,
-                 self.activation, out.numpy(), threads=min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS),
+                 self.activation, out.numpy(), threads=_torch_threads(),
                  limit=self.limit)
         return out
 
@@ -1155,14 +1155,11 @@ class CPUQuantLinear(Linear):
         return code >= 0 and _FORMAT_ROUNDING[code] < len(INTEGER_ROUNDINGS)
 
     @classmethod
-    def wrap(cls, linear: Linear, w: Weights, name: str) -> CPUQuantLinear:
-        """`linear` (the float32 Linear of GGUF tensor `name`) with the tensor's bytes beside its float32 copy."""
-        info = w.info(name)
-        rows, cols = info.shape
-        bias = None if linear.bias is None else linear.bias.numpy()
-        quant = cls(linear.weight.data, linear.bias, name, linear.hooks, linear.round_input)
-        quant.host = ExpertBytes(w.gguf.raw(info).reshape(1, rows, -1), info.ggml_type, rows, cols,
-                                 None if bias is None else bias[None])
+    def wrap(cls, linear: Linear, w: Weights, prefix: str) -> CPUQuantLinear:
+        """`linear` (the float32 Linear of GGUF tensor `prefix`.weight) with the tensor's bytes beside its float32
+        copy."""
+        quant = cls(linear.weight.data, linear.bias, linear.name, linear.hooks, linear.round_input)
+        quant.host = _host_bytes(w, prefix)
         return quant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1170,15 +1167,20 @@ class CPUQuantLinear(Linear):
             return super().forward(x)
         if self.hooks.activation:
             self.hooks.fire_activation(self.name, x)
-        y = expert_matmul(x.float().contiguous().numpy(), self.host, np.zeros(x.shape[0], np.int64),
-                          threads=min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        y = expert_matmul(x.float().contiguous().numpy(), self.host, np.zeros(x.shape[0], np.int64), _torch_threads())
         return torch.from_numpy(y)
 
 
+def _torch_threads() -> int:
+    """The kernels' threads for a layer's call: torch's count (moerun's -t), within numba's pool."""
+    return min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+
+
 def _host_bytes(w: Weights, prefix: str) -> ExpertBytes:
-    """`prefix.weight` as (E, rows, row_bytes) in the memory map, and `prefix.bias` if the file has one."""
+    """`prefix.weight` as (E, rows, row_bytes) in the memory map (a 2-D weight as one expert), and `prefix.bias` if
+    the file has one."""
     info = w.info(f"{prefix}.weight")
-    n_experts, rows, cols = info.shape
+    n_experts, rows, cols = info.shape if len(info.shape) == 3 else (1, *info.shape)
     bias = w.optional(f"{prefix}.bias", torch.float32)
     return ExpertBytes(w.gguf.raw(info).reshape(n_experts, rows, -1), info.ggml_type, rows, cols,
-                       None if bias is None else bias.cpu().numpy())
+                       None if bias is None else bias.cpu().numpy().reshape(n_experts, rows))
