@@ -50,7 +50,9 @@ def graph_blockers(model) -> list[str]:
         reasons.append(f"the model runs on {model.device.type}, not CUDA")
     if model.hooks.routing or model.hooks.activation:
         reasons.append("hooks are registered (they run Python inside the step)")
-    reasons += [f"{name} is dequantized on the host" for name in host_expert_tensors(model.net)]
+    graphs = model.decode_graphs  # holds the tensors found at load: this runs before every decode step
+    host = graphs.host_experts if graphs is not None else host_expert_tensors(model.net)
+    reasons += [f"{name} is dequantized on the host" for name in host]
     return reasons
 
 
@@ -162,6 +164,7 @@ class DecodeGraphs:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.host_experts = host_expert_tensors(model.net)  # fixed at load; a walk of every module costs ~1 ms
         self.buckets = kv_buckets(model.n_ctx)
         self.inputs: dict[int, torch.Tensor] = {}  # batch size -> (3, B) int64 on the device: tokens, positions, seqs
         self.pool = torch.cuda.graph_pool_handle()
