@@ -19,6 +19,7 @@ import codecs
 import functools
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import click
 
@@ -213,15 +214,19 @@ def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | 
 
     from moerun.bench import format_result, run_bench
 
+    from moeprep.atomic import atomic_output
+
     if n_prompt + n_gen == 0:
         raise MoeprepError("-p and -n are both 0: nothing to measure")
+    if json_path and not Path(json_path).resolve().parent.is_dir():  # before the benchmark, not after it
+        raise MoeprepError(f"{Path(json_path).parent}: output folder does not exist")
     text = read_text(text_file) if text_file else None
     model = replace(model_opts, ctx_size=model_opts.ctx_size or n_prompt + n_gen).load()
     result = run_bench(model, n_prompt, n_gen, text)
     click.echo(format_result(result))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result.as_dict(), f, indent=1)
+        with atomic_output(json_path) as tmp:
+            tmp.write_text(json.dumps(result.as_dict(), indent=1))
 
 
 def read_text(path: str) -> str:

@@ -91,6 +91,7 @@ def test_cache_options_refuse_bad_input(synth_model, tmp_path, calibration_text)
     _assert_one_line_error(run("-m", model, "-p", "x", "--cache-slots", "3"), "--vram-budget")  # cpu needs a budget
     _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "64M"), "larger --vram-budget")
     _assert_one_line_error(run("bench", "-m", model, "-p", "0", "-n", "0"), "nothing to measure")
+    _assert_one_line_error(run("bench", "-m", model, "--json", str(tmp_path / "no" / "b.json")), "does not exist")
     short = tmp_path / "short.txt"
     short.write_text("two words")
     _assert_one_line_error(run("bench", "-m", model, "-p", "64", "-n", "8", "-f", str(short)), "longer -f")
