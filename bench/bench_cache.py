@@ -6,7 +6,8 @@
 Settings: `resident` (every expert on the GPU), `cold` (the cache at the budget, starting empty), `warm` (the cache
 warmed by expert counts, as `--expert-profile` warms it; the counts are taken here over --warm-text with a routing
 hook on the resident model, which is what `moeprep profile` records, so the GPU machine needs no profile file), and
-`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain). Each cached setting runs in a
+`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain), and `cold-no-ahead` (cold, without
+fetching a layer's guessed misses ahead: that feature's gain). Each cached setting runs in a
 process of its own (`--setting NAME`), so one setting's pinned memory, threads and compiled kernels do not weigh
 on the next. `--settings cold` runs just that one (a model near the machine's RAM: no resident load first).
 """
@@ -42,16 +43,17 @@ def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -
     return counts.block_table(model.args.n_layers)
 
 
-SETTINGS = {"cold": (False, None), "warm": (True, None), "warm-64": (True, 64), "cold-64": (False, 64)}
+SETTINGS = {"cold": (False, None, True), "warm": (True, None, True), "warm-64": (True, 64, True),
+            "cold-64": (False, 64, True), "cold-no-ahead": (False, None, False)}  # warm, tokens, fetch ahead
 ALL_SETTINGS = ("resident", *SETTINGS)
 
 
 def run_setting(args, name: str, text: str) -> dict:
     """One cached setting in this process: load at the budget, bench, print, return the results."""
-    warm, gen = SETTINGS[name]
+    warm, gen, ahead = SETTINGS[name]
     usage = np.load(args.usage) if warm else None
     n_prompt, n_gen = (0, gen) if gen else (args.prompt, args.gen)
-    config = CacheConfig(budgets=[parse_size(args.budget)], usage=usage, cpu_threads=args.threads)
+    config = CacheConfig(budgets=[parse_size(args.budget)], usage=usage, cpu_threads=args.threads, fetch_ahead=ahead)
     model = moerun.load_model(args.model, device="cuda", n_ctx=args.prompt + args.gen + 8, cache=config)
     print(f"== {name}\n{describe_cache(model.expert_cache)}", flush=True)
     result = run_bench(model, n_prompt, n_gen, text)

@@ -122,6 +122,8 @@ def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | No
     per_layer = stats.per_layer()[stats.lookups > 0]
     report = {"hit_rate": round(stats.hit_rate, 4), "uploads_per_token": round(stats.uploads / n_tokens, 2),
               "staged_per_token": round(stats.staged / n_tokens, 2),
+              "fetched_ahead_per_token": round(stats.ahead / n_tokens, 2),
+              "found_in_fetch_slots_per_token": round(stats.found / n_tokens, 2),
               "hit_rate_per_layer": [round(float(h), 3) for h in per_layer]}
     if wall_s is not None:
         ms = {name: 1000 * stats.seconds[name] / n_tokens for name in TIMED}
@@ -149,7 +151,11 @@ def format_result(result: BenchResult) -> str:
         staged = report["staged_per_token"]
         lines.append(f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
                      f"{report['uploads_per_token']:.2f} uploads per token"
-                     + (f", {staged:.2f} experts staged per token" if staged else ""))
+                     + (f", {staged:.2f} experts staged per token" if staged else "")
+                     + (f", {report['fetched_ahead_per_token']:.2f} fetched ahead (on the layer before's guess), "
+                        f"{report['found_in_fetch_slots_per_token']:.2f} misses found in fetch slots"
+                        if report.get("fetched_ahead_per_token") or report.get("found_in_fetch_slots_per_token")
+                        else ""))
         if "ms_per_token" in report:
             lines.append("  ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ms_per_token"].items()))
     if result.vram_bytes is not None:

@@ -18,6 +18,14 @@ where the CPU's kernels, at the 7 GB/s of expert bytes they reach in a decode st
 only what the fetch slots do not hold, and runs it at the same time. An upload the policy then plans for a fetched
 expert copies it from its fetch slot (device to device) instead of over PCIe again.
 
+Fetching ahead: those copies sit between a layer's router and its hits, on the step's critical path (30 experts of
+the 60 GB model per token: 5.4 ms of its 28). So each layer also applies the next layer's router to its own input
+(one small matrix-vector product inside the step; the residual stream changes little from one layer to the next)
+and, with its own routing, hands the next layer that guess: the next layer copies the guessed misses into its fetch
+slots on the copy stream at once, while this layer's hits, the CPU's misses and the next attention run. A guess
+that was right is a miss found in a fetch slot with nothing left to copy; a wrong one costs only copy-engine time.
+An expert stays in its fetch slot until another takes the slot, so a miss repeated soon after is found there too.
+
 Eager forwards (prompts, batches) and captured decode steps (graphs.py: the step's graphs are cut around each cached
 layer's host work) run the same lookups, kernels and accounting. Layers, the KV cache and the routers stay on the
 GPU (runtime/models); only the routed experts move.
@@ -78,6 +86,7 @@ class CacheConfig:
     uploads_per_layer_step: int | None = UPLOADS_PER_LAYER_STEP  # None: every upload the policy wants
     cpu_threads: int | None = None
     pin: bool | None = None  # copy the experts into page-locked RAM (None: on CUDA, when free RAM holds them)
+    fetch_ahead: bool = True  # guess the next layer's experts and fetch its misses early (module docstring)
 
 
 @dataclass
@@ -91,6 +100,8 @@ class CacheStats:
     uploads: int = 0
     staged: int = 0  # experts copied to the GPU for one step, not kept: a prompt's to the staging bank, a decode
     # step's to its layer's fetch slots
+    ahead: int = 0  # experts copied into a layer's fetch slots before its router ran, on the layer before's guess
+    found: int = 0  # misses found in a fetch slot (fetched ahead, or by a recent step): nothing to copy for them
     seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
     gpu_events: list = field(default_factory=list)
 
@@ -220,7 +231,7 @@ class StepBuffers:
     the layer's input come to pinned host memory inside the graph; the slot table and the CPU's result go back
     between graphs."""
 
-    routing: torch.Tensor  # (T, 2K) float32 pinned: expert ids, then weights
+    routing: torch.Tensor  # (T, 2K or 3K) float32 pinned: expert ids, weights, the guess of the next layer's ids
     x: torch.Tensor  # (T, D) float32 pinned
     slots_host: torch.Tensor  # (T, K) int32 pinned
     slots: torch.Tensor  # (T, K) int32 on the device
@@ -234,9 +245,9 @@ class StepBuffers:
         self.slots_np, self.cpu_np = self.slots_host.numpy(), self.cpu_host.numpy()
 
     @classmethod
-    def make(cls, T: int, K: int, D: int, device: torch.device) -> StepBuffers:
+    def make(cls, T: int, K: int, D: int, device: torch.device, guess: bool) -> StepBuffers:
         pinned = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, pin_memory=True)  # noqa: E731
-        return cls(pinned(T, 2 * K), pinned(T, D), pinned(T, K, dtype=torch.int32),
+        return cls(pinned(T, (3 if guess else 2) * K), pinned(T, D), pinned(T, K, dtype=torch.int32),
                    torch.zeros(T, K, dtype=torch.int32, device=device), pinned(T, D),
                    torch.zeros(T, D, device=device))
 
@@ -244,15 +255,18 @@ class StepBuffers:
 class CachedExperts(nn.Module):
     """One layer's routed experts through the cache (an ExpertCompute). Slots: `banks` (gate, up, down), each
     (n_slots + n_fetch, rows, row bytes) uint8 on the device; `resident[s]` is the expert in policy slot s (-1:
-    empty) and `slot_of[e]` its inverse; `fetched[j]` the expert in fetch slot n_slots + j for this step.
+    empty) and `slot_of[e]` its inverse; `fetched[j]` the expert in fetch slot n_slots + j and `fetch_slot_of[e]`
+    its inverse (the bank index). `ahead`: the next cached layer and its router, whose experts this layer guesses
+    (link_layers).
 
     Eagerly, a forward copies the routing to the host (the layer's one sync), launches the hits, computes the misses
     on the CPU meanwhile, and sums. Inside a captured decode step (graphs.py) the same work is split around two cuts:
     the graph before copies routing and input to pinned buffers; at the first cut the host looks the experts up and
     sends the slot table; the hits' kernels are a graph of their own; at the second cut the CPU computes the misses
     while the GPU runs that graph, and the next graph adds the CPU's result. A decode step (any captured one; an
-    eager one of fewer than STAGE_MIN_TOKENS tokens) first copies up to n_fetch misses into the fetch slots
-    (`_fetch`); an eager step of more tokens stages its busy misses instead (`_stage`)."""
+    eager one of fewer than STAGE_MIN_TOKENS tokens) computes the misses it finds in the fetch slots there, copies
+    as many others as the remaining fetch slots take (`_fetch`), and hands the next layer its guess (`fetch_ahead`);
+    an eager step of more tokens stages its busy misses instead (`_stage`)."""
 
     def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
                  activation: str, cache: ExpertCache, hooks: Hooks, limit: float = 0.0, n_fetch: int = 0) -> None:
@@ -272,7 +286,10 @@ class CachedExperts(nn.Module):
         self.resident = np.full(n_slots, -1, np.int64)
         self.fetched = np.full(n_fetch, -1, np.int64)
         self.slot_of = np.full(host[0].data.shape[0], -1, np.int32)
+        self.fetch_slot_of = np.full(host[0].data.shape[0], -1, np.int32)
+        self.ahead: tuple[CachedExperts, nn.Module] | None = None  # a tuple: not registered as submodules
         self.uploaded = None  # the copy stream's event after this layer's last uploads
+        self.fetched_ahead = None  # the copy stream's event after the last copies into the fetch slots
         self.step_buffers: dict[int, StepBuffers] = {}  # a captured decode step's, by its number of tokens
 
     def prepare_capture(self, n_tokens: int) -> None:
@@ -280,7 +297,8 @@ class CachedExperts(nn.Module):
         capture: pinned memory cannot be allocated during one)."""
         device = self.banks[0].data.device
         if device.type == "cuda" and n_tokens not in self.step_buffers:
-            self.step_buffers[n_tokens] = StepBuffers.make(n_tokens, self.cache.top_k, self.host[0].cols, device)
+            self.step_buffers[n_tokens] = StepBuffers.make(n_tokens, self.cache.top_k, self.host[0].cols, device,
+                                                           guess=self.ahead is not None)
 
     @classmethod
     def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: str,
@@ -309,20 +327,19 @@ class CachedExperts(nn.Module):
         if capture is not None:
             return self._captured(capture, x, ids, weights)
         stats = self.cache.stats
+        prompt = x.shape[0] >= STAGE_MIN_TOKENS  # eagerly, a prompt stages; a captured decode step always fetches
         with timed(stats, "router sync"):
-            routing = torch.cat([ids.to(weights.dtype), weights], dim=1).cpu().numpy()  # the one sync of the layer
-        ids_h, weights_h, missed = self._look_up(routing)
-        # eagerly, STAGE_MIN_TOKENS or more tokens stage (a prompt, mostly); a captured decode step always fetches
-        fetch, slots, on_cpu = self._fetch_plan(ids_h, missed, prompt=x.shape[0] >= STAGE_MIN_TOKENS)
+            routing = self._routing(x, ids, weights, guess=not prompt).cpu().numpy()  # the one sync of the layer
+        ids_h, weights_h, missed, guess = self._look_up(routing)
+        fetch, targets, slots, on_cpu = self._fetch_plan(ids_h, missed, prompt)
         on_gpu = x.device.type == "cuda"
         if on_cpu.any():  # the CPU's input is enqueued before the GPU's expert kernels, so it need not wait for them
             x_host = x.float().to("cpu", non_blocking=on_gpu)
             x_ready = torch.cuda.Event() if on_gpu else None
             if x_ready is not None:
                 x_ready.record()
-        if on_gpu and self.uploaded is not None:  # before the fetch: the last uploads may read the fetch slots
-            torch.cuda.current_stream().wait_event(self.uploaded)
-        self._fetch(fetch)
+        self._wait_for_copies()
+        self._fetch(fetch, targets, guess)
         out = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids)
         if on_cpu.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in STAGING_DEVICES:
             staged = self._stage(x, ids_h, on_cpu, weights, ids)
@@ -384,43 +401,107 @@ class CachedExperts(nn.Module):
                     bank.data[start:end].copy_(t[first : first + end - start], non_blocking=True)
 
     def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray, prompt: bool = False,
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A decode step's misses -> (the experts to fetch, at most n_fetch, sorted: one token's first ones in the
-        router's order, else those chosen by most tokens; the slot table (T, K) with the fetched ones in the fetch
-        slots; the misses left to the CPU). A prompt's misses are the staging bank's (_stage): none is fetched for
-        one. Runs once per layer and step on the host, so tables, not np.unique/np.isin (5x slower at this size)."""
-        slots = self.slot_of[ids_h]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A decode step's misses -> (the experts to copy into fetch slots now, their slots; the slot table (T, K),
+        with the misses found in or copied to a fetch slot pointing there; the misses left to the CPU). Misses
+        already in a fetch slot need no copy; the others take the fetch slots this step does not read: one token's
+        first ones in the router's order, else those chosen by most tokens. A prompt's misses are the staging
+        bank's (_stage): none is fetched for one. Runs once per layer and step on the host, so tables, not
+        np.isin (5x slower at this size)."""
+        slots, none = self.slot_of[ids_h], ids_h[:0, 0]
         if not len(self.fetched) or not missed.any() or prompt:
-            return ids_h[:0, 0], slots, missed
-        if ids_h.shape[0] == 1:  # a token's experts are distinct
-            fetch = np.sort(ids_h[missed][: len(self.fetched)])
-        else:
-            experts, counts = np.unique(ids_h[missed], return_counts=True)
-            fetch = np.sort(experts[np.argsort(-counts, kind="stable")[: len(self.fetched)]])
-        fetch_slot = np.full(len(self.slot_of), -1, np.int32)
-        fetch_slot[fetch] = self.n_slots + np.arange(len(fetch))
-        in_fetch = fetch_slot[ids_h]
-        fetched = in_fetch >= 0  # only missed experts are fetched
-        slots[fetched] = in_fetch[fetched]
-        return fetch, slots, missed & ~fetched
+            return none, none, slots, missed
+        in_fetch = self.fetch_slot_of[ids_h]
+        found = missed & (in_fetch >= 0)
+        self.cache.stats.found += int(found.sum())
+        rest = missed & ~found
+        fetch, targets = none, none
+        if rest.any():
+            free = self._free_fetch_slots(in_fetch[found])
+            fetch = self._busiest(ids_h[rest], ids_h.shape[0])[: len(free)]
+            targets = free[: len(fetch)]
+            self._assign(fetch, targets)
+            in_fetch = self.fetch_slot_of[ids_h]
+        in_fetch = np.where(missed, in_fetch, -1)
+        slots[in_fetch >= 0] = in_fetch[in_fetch >= 0]
+        return fetch, targets, slots, missed & (in_fetch < 0)
 
-    def _fetch(self, experts: np.ndarray) -> None:
-        """Copy `experts` into the fetch slots, in order, on the current stream: after the kernels of the step
-        before that read those slots, before this step's hits' kernels."""
-        if not len(experts):
+    def fetch_ahead(self, guess: np.ndarray) -> None:
+        """The layer before guessed this layer's experts (T, K): copy the guessed misses that are in no slot yet into
+        the fetch slots the guess does not name, on the copy stream, now (module docstring)."""
+        want = self._busiest(guess[self.slot_of[guess] < 0], guess.shape[0])[: len(self.fetched)]
+        new = want[self.fetch_slot_of[want] < 0]
+        if not len(new):
             return
-        with timed(self.cache.stats, "uploads"):
-            for j, e in enumerate(experts.tolist()):
-                for bank, t in zip(self.banks, self.host_tensors):
-                    bank.data[self.n_slots + j].copy_(t[e], non_blocking=True)
-                self.fetched[j] = e
-        self.cache.stats.staged += len(experts)
+        targets = self._free_fetch_slots(self.fetch_slot_of[want])[: len(new)]
+        stream = self.copy_stream
+        if stream is not None:  # after every kernel enqueued so far: the last step's hits read these slots
+            stream.wait_stream(torch.cuda.current_stream(self.banks[0].data.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._assign(new, targets)
+            self._copy_in(new, targets)
+        if stream is not None:
+            self.fetched_ahead = torch.cuda.Event()
+            self.fetched_ahead.record(stream)
+        self.cache.stats.ahead += len(new)
 
-    def _look_up(self, routing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The router's (T, 2K) ids and weights on the host -> ids, weights, and which of them missed."""
-        k = routing.shape[1] // 2
-        ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
-        return ids_h, weights_h, self.slot_of[ids_h] < 0
+    @staticmethod
+    def _busiest(experts: np.ndarray, n_tokens: int) -> np.ndarray:
+        """Distinct `experts` (a step's chosen ones, in the router's order), one token's as they come, several
+        tokens' those chosen most first."""
+        if n_tokens == 1:  # a token's experts are distinct
+            return experts
+        distinct, counts = np.unique(experts, return_counts=True)
+        return distinct[np.argsort(-counts, kind="stable")]
+
+    def _free_fetch_slots(self, taken: np.ndarray) -> np.ndarray:
+        """The fetch slots (bank indices) not among `taken` (-1 entries ignored)."""
+        busy = np.zeros(len(self.fetched), bool)
+        busy[taken[taken >= 0] - self.n_slots] = True
+        return self.n_slots + np.flatnonzero(~busy)
+
+    def _assign(self, experts: np.ndarray, targets: np.ndarray) -> None:
+        """Record `experts` in the fetch slots `targets` (their copies are enqueued by the caller)."""
+        for e, slot in zip(experts.tolist(), targets.tolist()):
+            old = self.fetched[slot - self.n_slots]
+            if old >= 0:
+                self.fetch_slot_of[old] = -1
+            self.fetched[slot - self.n_slots], self.fetch_slot_of[e] = e, slot
+
+    def _copy_in(self, experts: np.ndarray, targets: np.ndarray) -> None:
+        for e, slot in zip(experts.tolist(), targets.tolist()):
+            for bank, t in zip(self.banks, self.host_tensors):
+                bank.data[slot].copy_(t[e], non_blocking=True)
+
+    def _fetch(self, experts: np.ndarray, targets: np.ndarray, guess: np.ndarray) -> None:
+        """Copy `experts` into the fetch slots `targets` on the current stream (after the copies _wait_for_copies
+        waited for, before this step's hits' kernels), then hand the next layer its guess."""
+        with timed(self.cache.stats, "uploads"):
+            self._copy_in(experts, targets)
+            self.cache.stats.staged += len(experts)
+            if self.ahead is not None and guess.size:
+                self.ahead[0].fetch_ahead(guess)
+
+    def _wait_for_copies(self) -> None:
+        """The current stream waits for the copy stream's writes into this layer's slots (uploads, fetches ahead)
+        and its reads of the fetch slots (an upload from one) before it writes a fetch slot or runs the hits."""
+        for event in (self.uploaded, self.fetched_ahead):
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+
+    def _routing(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, guess: bool) -> torch.Tensor:
+        """What the host reads of a step, in one tensor: (T, 2K) ids and weights, and with `guess` (and a next
+        layer) the next layer's router's choice for this layer's input (T, K)."""
+        parts = [ids.to(torch.float32), weights.float()]
+        if guess and self.ahead is not None:
+            parts.append(self.ahead[1](x)[0].to(torch.float32))
+        return torch.cat(parts, dim=1)
+
+    def _look_up(self, routing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The (T, 2K or 3K) routing on the host -> ids, weights, which of them missed, the next layer's guess."""
+        k = self.cache.top_k
+        ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k : 2 * k], np.float32)
+        return ids_h, weights_h, self.slot_of[ids_h] < 0, routing[:, 2 * k :].astype(np.int64)
 
     def _hits(self, x, slots, weights, ids, banks=None, experts=None) -> torch.Tensor:
         """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
@@ -460,7 +541,7 @@ class CachedExperts(nn.Module):
 
     def _captured(self, capture, x, ids, weights) -> torch.Tensor:
         buf = self.step_buffers[ids.shape[0]]  # made by prepare_capture
-        buf.routing.copy_(torch.cat([ids.to(torch.float32), weights.float()], dim=1), non_blocking=True)
+        buf.routing.copy_(self._routing(x, ids, weights, guess=True), non_blocking=True)
         buf.x.copy_(x.float(), non_blocking=True)
         capture.cut(lambda: self._route_step(buf))
         out = self._hits(x, buf.slots, weights, ids)
@@ -472,12 +553,11 @@ class CachedExperts(nn.Module):
         this layer's uploads."""
         with timed(self.cache.stats, "router sync"):
             torch.cuda.current_stream().synchronize()
-        ids_h, weights_h, missed = self._look_up(buf.routing_np)
-        fetch, buf.slots_np[:], on_cpu = self._fetch_plan(ids_h, missed)
+        ids_h, weights_h, missed, guess = self._look_up(buf.routing_np)
+        fetch, targets, buf.slots_np[:], on_cpu = self._fetch_plan(ids_h, missed)
         buf.slots.copy_(buf.slots_host, non_blocking=True)
-        if self.uploaded is not None:  # before the fetch: the last uploads may read the fetch slots
-            torch.cuda.current_stream().wait_event(self.uploaded)
-        self._fetch(fetch)
+        self._wait_for_copies()
+        self._fetch(fetch, targets, guess)
         buf.routed = ids_h, weights_h, missed, on_cpu
         if self.cache.timing:
             event = torch.cuda.Event(enable_timing=True)
@@ -517,14 +597,15 @@ class CachedExperts(nn.Module):
         self._uploads_done()
 
     def _upload(self, slot: int, expert: int) -> None:
-        """Copy `expert` into policy slot `slot`: from its fetch slot when this step fetched it (device to device,
-        ordered after the fetch by the copy stream's wait), else from the host."""
+        """Copy `expert` into policy slot `slot`: from its fetch slot when it is in one (device to device, ordered
+        after the fetch by the copy stream's wait, or by the copy stream itself for a fetch ahead), else from the
+        host."""
         old = self.resident[slot]
         if old >= 0:
             self.slot_of[old] = -1
-        fetched = np.flatnonzero(self.fetched == expert)
+        fetched = self.fetch_slot_of[expert]
         for bank, t in zip(self.banks, self.host_tensors):
-            source = bank.data[self.n_slots + fetched[0]] if len(fetched) else t[expert]
+            source = bank.data[fetched] if fetched >= 0 else t[expert]
             bank.data[slot].copy_(source, non_blocking=True)
         self.resident[slot], self.slot_of[expert] = expert, slot
 
@@ -532,6 +613,18 @@ class CachedExperts(nn.Module):
         if self.copy_stream is not None:
             self.uploaded = torch.cuda.Event()
             self.uploaded.record(self.copy_stream)
+
+
+def link_layers(net: nn.Module) -> None:
+    """Give each cached layer the next one and its router, for fetching ahead (module docstring): consecutive MoE
+    blocks on one device, the next with fetch slots, when the config asks for it."""
+    from moerun.layers import MoE
+
+    blocks = [m for m in net.modules() if isinstance(m, MoE) and isinstance(m.experts, CachedExperts)]
+    for this, following in zip(blocks, blocks[1:]):
+        a, b = this.experts, following.experts
+        if a.cache.config.fetch_ahead and len(b.fetched) and a.banks[0].data.device == b.banks[0].data.device:
+            a.ahead = (b, following.router)
 
 
 def warm_experts(usage: np.ndarray | None, layer: int, n_expert: int) -> np.ndarray:

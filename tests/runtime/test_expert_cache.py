@@ -172,6 +172,39 @@ def test_decode_fetches_misses_into_the_fetch_slots(synth_model, monkeypatch, po
     stats = cached.expert_cache.stats
     assert stats.staged > 0 and stats.hits.sum() < stats.lookups.sum()
     assert (stats.uploads > 0) == (policy == "lru")
+    assert stats.ahead > 0 and stats.found > 0  # each layer guessed the next one's experts, and some guesses held
+
+
+def test_fetch_ahead_copies_the_next_layers_guessed_misses(synth_model, monkeypatch):
+    """A layer hands the next its router's guess for the layer's input; the next layer copies the guessed misses
+    into the fetch slots the guess does not name, and finds them there (no copy in its own step) when the guess
+    held. Without fetching ahead the outputs are the same, and every miss a fetch slot takes is copied in its step."""
+    import moerun.cache.expert_cache as expert_cache
+
+    monkeypatch.setattr(expert_cache, "FETCH_DEVICES", {"cuda", "cpu"})
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    runs = {}
+    for ahead in (True, False):
+        model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=2 * expert_cache.FETCH_SLOTS,
+                                                          fetch_ahead=ahead))
+        layers = cached_layers(model)
+        assert [layer.ahead is not None for layer in layers] == [ahead] * (len(layers) - 1) + [False]
+        if ahead:
+            assert layers[0].ahead[0] is layers[1]
+        prompt = torch.tensor(model.tokenizer.encode("def bisect(a, x):"))
+        model.forward(prompt)
+        model.expert_cache.reset_stats()
+        logits = [model.forward(torch.tensor([t]), len(prompt) + i) for i, t in enumerate([5, 17, 99, 3, 250])]
+        for layer in layers:  # the fetch slots' table and its inverse agree
+            held = layer.fetched[layer.fetched >= 0]
+            assert (layer.fetch_slot_of[held] == layer.n_slots + np.flatnonzero(layer.fetched >= 0)).all()
+            assert (layer.fetch_slot_of >= 0).sum() == len(held)
+        runs[ahead] = torch.stack(logits), model.expert_cache.stats
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
+    guessed, plain = runs[True][1], runs[False][1]
+    assert guessed.ahead > 0 and plain.ahead == 0
+    assert guessed.found > plain.found and guessed.staged < plain.staged
+    assert guessed.hits.sum() == plain.hits.sum()  # the policy's slots, hits and uploads do not depend on it
 
 
 BENCH_MODEL = Path(__file__).resolve().parents[2] / "bench" / "models" / "bench-qwen3moe-q4k.gguf"  # trained, Q4_K

@@ -145,6 +145,7 @@ def test_cached_graph_decode_replays_the_eager_step(synth_model):
     stats = graphed.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
     assert stats.staged > 0  # misses fetched into the fetch slots inside the replayed step
+    assert stats.ahead > 0 and stats.found > 0  # guessed by the layer before, copied on the copy stream, found
     assert graphed.expert_cache.config.pin  # page-locked host copies on a machine with the RAM for them
 
 
