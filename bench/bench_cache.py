@@ -6,8 +6,8 @@
 Settings: `resident` (every expert on the GPU), `cold` (the cache at the budget, starting empty), `warm` (the cache
 warmed by expert counts, as `--expert-profile` warms it; the counts are taken here over --warm-text with a routing
 hook on the resident model, which is what `moeprep profile` records, so the GPU machine needs no profile file), and
-`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain), and `cold-no-ahead` (cold, without
-fetching a layer's guessed misses ahead: that feature's gain). Each cached setting runs in a
+`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain), and `cold-ahead` / `warm-ahead` (with
+each layer's guessed misses fetched ahead, CacheConfig.fetch_ahead). Each cached setting runs in a
 process of its own (`--setting NAME`), so one setting's pinned memory, threads and compiled kernels do not weigh
 on the next. `--settings cold` runs just that one (a model near the machine's RAM: no resident load first).
 """
@@ -43,8 +43,9 @@ def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -
     return counts.block_table(model.args.n_layers)
 
 
-SETTINGS = {"cold": (False, None, True), "warm": (True, None, True), "warm-64": (True, 64, True),
-            "cold-64": (False, 64, True), "cold-no-ahead": (False, None, False)}  # warm, tokens, fetch ahead
+SETTINGS = {"cold": (False, None, False), "warm": (True, None, False), "warm-64": (True, 64, False),
+            "cold-64": (False, 64, False), "cold-ahead": (False, None, True), "warm-ahead": (True, None, True)}
+# (warm, decode tokens, fetch ahead)
 ALL_SETTINGS = ("resident", *SETTINGS)
 
 

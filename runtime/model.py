@@ -13,6 +13,7 @@ from moerun.cache.expert_cache import CacheConfig, ExpertCache, link_layers, ope
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
 from moerun.graphs import DecodeGraphs, graph_blockers
+from moerun.kernels import tuning
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
 from moerun.step import Step, group_rows
 from moerun.models import arch_module
@@ -96,6 +97,20 @@ class Model:
         if self.expert_cache is not None:
             self.expert_cache.reset_stats()
         return len(self.decode_graphs.graphs) - before
+
+    def compile_prompt_kernels(self) -> None:
+        """Run a prompt chunk, and a step mixing it with another sequence's token, once: Triton compiles a kernel on
+        its first use (1-3 s each on the H200 machine), which a server's first prompt would otherwise wait for.
+        Writes KV slots that later prompts overwrite; the expert cache's statistics restart. No-op off CUDA."""
+        if self.device.type != "cuda":
+            return
+        n = min(2 * tuning.GEMV_MAX_TOKENS, self.n_ctx - 1)  # past the matrix-vector kernels: the prompts' GEMMs
+        self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
+        if self.n_seq > 1:
+            self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
+                               torch.tensor([0] * n + [1]), torch.tensor([n]))
+        if self.expert_cache is not None:
+            self.expert_cache.reset_stats()
 
     def _check_fits(self, n_positions: int, seq: int) -> None:
         if n_positions > self.n_ctx:

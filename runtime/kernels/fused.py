@@ -85,7 +85,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 # ------------------------------------------------------------------------------------------ Q/K norm, RoPE, cast
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q_rows", "n_k_rows"])  # sizes of the step: see gguf_matmul._gemv_kernel
 def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr,
                      n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps,
                      HAS_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
@@ -204,7 +204,7 @@ def _dot_f32(a, b, SPLIT: tl.constexpr):
     return tl.dot(a, b.to(tl.float32), input_precision="ieee")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots", "n_splits", "allowed_stride"])
 def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr,
                          n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, allowed_stride, scale,
                          HG: tl.constexpr, HGP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -243,7 +243,7 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr
     tl.store(acc_ptr + part[:, None] * Dv + dv[None, :], acc, mask=h_ok[:, None] & (dv < Dv)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_splits, H, Dv,
                            HAS_SINKS: tl.constexpr, CS: tl.constexpr, DV: tl.constexpr):
     """Program t*H + h: out = sum_i exp(m_i - M) acc_i / (sum_i exp(m_i - M) l_i [+ exp(sink - M)]), M the max."""
@@ -379,7 +379,7 @@ def route(logits: torch.Tensor, k: int, gating: int, normalize: bool, scale: flo
 # ------------------------------------------------------------------------------------------------- feed-forward
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n

@@ -53,7 +53,10 @@ def _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, 
     return acc, acc2
 
 
-@triton.jit
+# Integer arguments that change with a step's size (tokens, pairs; in fused.py rows and KV slots) are not specialized:
+# Triton compiles a kernel again for each new pattern of "divisible by 16" among its integer arguments, 1-3 s each on
+# the H200 machine, which `moerun serve` met as multi-second stalls on its first prompts of new lengths.
+@triton.jit(do_not_specialize=["n_tokens"])
 def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div,
                  n_tokens,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
@@ -103,7 +106,7 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_
     tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_ids"])
 def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, n_blocks, row_bytes, slot_bytes,
                  cols, x_div,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr,

@@ -105,6 +105,31 @@ def test_batched_graph_decode_matches_the_eager_batch(synth_model):
     assert len(graphed.decode_graphs.graphs) == 5  # the batches found their graphs captured
 
 
+def compiled_kernels() -> int:
+    """Kernels Triton has compiled so far, over moerun's top-level Triton kernels."""
+    import triton
+
+    from moerun.kernels import fused, gguf_matmul
+
+    jitted = [f for m in (fused, gguf_matmul) for f in vars(m).values() if isinstance(f, triton.runtime.JITFunction)]
+    return sum(len(cache[0]) for f in jitted for cache in f.device_caches.values())
+
+
+def test_prompts_of_any_length_compile_nothing_after_the_servers_warm_up(synth_model):
+    """moerun serve compiles the prompt kernels at start (compile_prompt_kernels); prompts and mixed steps of other
+    lengths then reuse them (the step-sized arguments are not specialized), so no request waits for a compile."""
+    model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"),
+                              device="cuda", n_ctx=600, n_seq=2)
+    model.capture_decode_steps()
+    model.compile_prompt_kernels()
+    before = compiled_kernels()
+    for n in (37, 64, 129, 300):
+        model.forward(torch.arange(1, n + 1), 0, 0, last_only=True)
+        model.forward_batch(torch.arange(1, n + 2), torch.tensor([*range(n), 5]), torch.tensor([1] * n + [0]),
+                            torch.tensor([n - 1, n]))
+    assert compiled_kernels() == before
+
+
 def test_hooks_turn_graphs_off(synth_model):
     model = moerun.load_model(synth_model("qwen3moe", preset="small"), device="cuda")
     seen = []
@@ -132,7 +157,8 @@ def test_cached_graph_decode_replays_the_eager_step(synth_model):
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     n_layer, n_expert = 4, 16
     usage = np.tile(np.arange(n_expert)[::-1], (n_layer, 1))  # experts 0, 1, ... hottest first
-    graphed, eager = (cached_model(path, slots_per_layer=8, usage=usage, policy="static") for _ in range(2))
+    graphed, eager = (cached_model(path, slots_per_layer=8, usage=usage, policy="static", fetch_ahead=True)
+                      for _ in range(2))
     assert graph_blockers(graphed) == []
     prompt = graphed.tokenizer.encode(PROMPT)
     for model in (graphed, eager):
