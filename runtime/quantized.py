@@ -98,12 +98,13 @@ def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks:
     """sum_k weights[t, k] * expert(x[t]) over the (t, k) whose slot is not -1; the expert's weights are slot
     slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]. x (T, D) -> (T, D) float32."""
     gate_b, up_b, down_b = (None if b is None else b[ids] for b in biases)  # (T, K, rows) each
+    groups: dict = {}  # a prompt's grouping of the pairs by slot, made once for the three banks
     if act in (swiglu, fused.swiglu) and gate_b is None and up_b is None and glu_supports(banks[0], banks[1]):
-        h = gguf_moe_glu(x, banks[0], banks[1], slots)  # (T, K, I): gate, up and SwiGLU in one decode launch
+        h = gguf_moe_glu(x, banks[0], banks[1], slots, groups)  # (T, K, I): gate, up, SwiGLU: one decode launch
     else:
-        gate, up = gguf_moe(x, banks[0], slots), gguf_moe(x, banks[1], slots)
+        gate, up = gguf_moe(x, banks[0], slots, groups), gguf_moe(x, banks[1], slots, groups)
         h = act(gate if gate_b is None else gate + gate_b, up if up_b is None else up + up_b)  # (T, K, I)
-    y = gguf_moe(h, banks[2], slots)  # (T, K, D)
+    y = gguf_moe(h, banks[2], slots, groups)  # (T, K, D)
     if down_b is not None:
         y = y + down_b
     return fused.moe_combine(y, weights, slots)

@@ -243,11 +243,13 @@ def group_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[torc
     return ids[:-1], block_slot
 
 
-def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor) -> torch.Tensor:
+def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | None = None) -> torch.Tensor:
     """Each token's K experts of a bank in one launch: -> (T, K, N) float32.
 
     w.data: (E, N, row_bytes); slots (T, K) int32 or int64: the bank slot of token t's k-th expert, -1 to skip it
     (zeros out). x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
+    `groups`: where the prefill path keeps its group_by_slot of these slots for the other banks of the same layer
+    (about 20 small kernels each: a third of a prefill layer's launches when run for gate, up and down).
     """
     bt = _block_type(w)
     assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype in (torch.int32, torch.int64), (
@@ -264,7 +266,12 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor) -> torch.Tensor:
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
         tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True)
-        grouped = group_by_slot(slots, w.data.shape[0], tiles.block_m)
+        key = (w.data.shape[0], tiles.block_m)
+        grouped = None if groups is None else groups.get(key)
+        if grouped is None:
+            grouped = group_by_slot(slots, *key)
+            if groups is not None:
+                groups[key] = grouped
         _gemm(x, w, bt, out, n_tokens * k, x_div, grouped, tiles)
     return out.view(n_tokens, k, w.rows)
 
@@ -275,7 +282,8 @@ def glu_supports(gate: QWeight, up: QWeight) -> bool:
             and gate.cols == up.cols)
 
 
-def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tensor) -> torch.Tensor:
+def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tensor,
+                 groups: dict | None = None) -> torch.Tensor:
     """silu(gguf_moe(x, gate, slots)) * gguf_moe(x, up, slots): -> (T, K, N) float32, skipped slots zeros.
 
     Decode-sized steps run both banks in one matrix-vector launch (the input read once, the SwiGLU done on the
@@ -284,7 +292,8 @@ def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tenso
     assert glu_supports(gate, up), (Q(gate.qtype).name, Q(up.qtype).name, tuple(gate.data.shape))
     n_tokens, k = slots.shape
     if n_tokens * k == 0 or n_tokens > tuning.GEMV_MAX_TOKENS:
-        g, u = gguf_moe(x, gate, slots), gguf_moe(x, up, slots)
+        groups = {} if groups is None else groups
+        g, u = gguf_moe(x, gate, slots, groups), gguf_moe(x, up, slots, groups)
         return torch.nn.functional.silu(g) * u
     bt = _block_type(gate)
     _block_type(up)

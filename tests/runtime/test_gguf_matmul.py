@@ -205,6 +205,31 @@ def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles
             assert ((y[t, j] - silu * u).abs() <= bound).all(), float(((y[t, j] - silu * u).abs() / bound).max())
 
 
+def test_prefill_groups_the_pairs_once_for_a_layers_banks(wide_tiles, monkeypatch) -> None:
+    """Gate, up and down of a prompt's layer share one group_by_slot (the same slots, bank size and block_m), and give
+    what each bank grouped alone gives."""
+    import moerun.kernels.gguf_matmul as gm
+
+    calls = []
+    monkeypatch.setattr(gm, "group_by_slot", lambda *a: calls.append(a) or group_by_slot(*a))
+    rng = np.random.default_rng(11)
+    n_tokens, n_slots, k, rows, qtype = 21, 5, 3, 24, Q.Q4_K
+    cols = COLS[BLOCK_TYPES[qtype].values]
+    gate, up = (QWeight(random_weights(qtype, (n_slots, rows), cols, rng).to(DEVICE), qtype, rows, cols)
+                for _ in range(2))
+    down = QWeight(random_weights(qtype, (n_slots, cols), cols, rng).to(DEVICE), qtype, cols, cols)
+    slots = torch.from_numpy(rng.integers(-1, n_slots, (n_tokens, k))).to(DEVICE)
+    x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32)).to(DEVICE)
+    groups: dict = {}
+    h = gguf_moe_glu(x, gate, up, slots, groups)
+    shared = gguf_moe(x[:, None, :].expand(n_tokens, k, cols).contiguous(), down, slots, groups)
+    assert len(calls) == 1
+    torch.testing.assert_close(h, gguf_moe_glu(x, gate, up, slots), rtol=0, atol=0)
+    torch.testing.assert_close(shared, gguf_moe(x[:, None, :].expand(n_tokens, k, cols).contiguous(), down, slots),
+                               rtol=0, atol=0)
+    assert len(calls) == 1 + 1 + 1  # without `groups`: gguf_moe_glu groups once for gate and up, down once more
+
+
 def test_no_tokens() -> None:
     data = random_weights(Q.Q4_K, (2, 8), 256, np.random.default_rng(9)).to(DEVICE)
     assert gguf_mm(torch.zeros(0, 256, device=DEVICE), QWeight(data[0], Q.Q4_K, 8, 256)).shape == (0, 8)
