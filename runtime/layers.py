@@ -201,23 +201,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     """
     T, H, Dk = q.shape
     G, Dv = v.shape[-2:]
+    # The H/G query heads of a KV head are rows of one product with that head's keys: a broadcast matmul would copy
+    # the keys and values out for every query head (on the CPU, a third of a small model's decode step).
     per_token = k.dim() == 4
     if per_token:  # each token reads its own sequence: scores (T, G, H/G, S)
-        qg = q.float().reshape(T, G, H // G, Dk)[:, :, :, None, :]  # (T, G, H/G, 1, Dk)
-        kt, vt = k.float().permute(0, 2, 3, 1)[:, :, None], v.float().permute(0, 2, 1, 3)[:, :, None]
-        mask = ~allowed[:, None, None, None, :]
-    else:  # one sequence: the T queries of a KV head share its slots, scores (G, H/G, T, S)
-        qg = q.float().reshape(T, G, H // G, Dk).permute(1, 2, 0, 3)  # (G, H/G, T, Dk)
-        kt, vt, mask = k.float().permute(1, 2, 0)[:, None], v.float().permute(1, 0, 2)[:, None], ~allowed
+        qg = q.float().reshape(T, G, H // G, Dk)
+        kt, vt = k.float().permute(0, 2, 3, 1), v.float().permute(0, 2, 1, 3)  # (T, G, Dk, S), (T, G, S, Dv)
+        mask = ~allowed[:, None, None, :]
+    else:  # one sequence: the T queries of a KV head share its slots, scores (G, H/G * T, S)
+        qg = q.float().reshape(T, G, H // G, Dk).permute(1, 2, 0, 3).reshape(G, H // G * T, Dk)
+        kt, vt = k.float().permute(1, 2, 0), v.float().permute(1, 0, 2)  # (G, Dk, S), (G, S, Dv)
+        mask = ~allowed.repeat(H // G, 1)  # (H/G * T, S): row h*T + t is token t's
     scores = (torch.matmul(qg, kt) * scale).masked_fill(mask, float("-inf"))
     if sinks is not None:
         sink = sinks.float().reshape(G, H // G)
-        sink = (sink[None, :, :, None, None] if per_token else sink[:, :, None, None]).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        sink = sink[None, :, :, None] if per_token else sink[:, :, None].expand(G, H // G, T).reshape(G, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vt)  # (T, G, H/G, 1, Dv) or (G, H/G, T, Dv)
-    return (out if per_token else out.permute(2, 0, 1, 3)).reshape(T, H, Dv)
+    out = torch.matmul(probs, vt)  # (T, G, H/G, Dv) or (G, H/G * T, Dv)
+    return (out if per_token else out.reshape(G, H // G, T, Dv).permute(2, 0, 1, 3)).reshape(T, H, Dv)
 
 
 class Attention(nn.Module):
