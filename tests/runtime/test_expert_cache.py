@@ -175,6 +175,29 @@ def test_decode_fetches_misses_into_the_fetch_slots(synth_model, monkeypatch, po
     assert stats.ahead == 0  # fetching ahead is opt-in (the next test)
 
 
+def test_fetch_ahead_in_a_batch_of_sequences(synth_model, monkeypatch):
+    """A batch of several sequences' tokens guesses for all of them: the next layer fetches the guessed misses most
+    tokens share first; the batch's outputs are those without fetching ahead."""
+    import moerun.cache.expert_cache as expert_cache
+
+    monkeypatch.setattr(expert_cache, "FETCH_DEVICES", {"cuda", "cpu"})
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    outputs, stats = {}, {}
+    for ahead in (True, False):
+        model = moerun.load_model(path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=8,
+                                                                   fetch_ahead=ahead))
+        prompts = [model.tokenizer.encode(text) for text in ("def f(x):", "import os", "class A:")]
+        for seq, prompt in enumerate(prompts):
+            model.forward(torch.tensor(prompt), 0, seq)
+        model.expert_cache.reset_stats()
+        lengths = torch.tensor([len(p) for p in prompts])
+        steps = [model.forward_batch(torch.tensor([t, t + 1, t + 2]), lengths + i, torch.arange(3))
+                 for i, t in enumerate([5, 17, 99, 3])]
+        outputs[ahead], stats[ahead] = torch.stack(steps), model.expert_cache.stats
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-4, atol=1e-4)
+    assert stats[True].ahead > 0 and stats[False].ahead == 0
+
+
 def test_fetch_ahead_is_a_model_option(synth_model):
     from moeprep.gguf.reader import open_gguf
     from moerun.cli import ModelOptions
