@@ -1,0 +1,97 @@
+"""Where `moerun serve`'s time goes, without HTTP: the scheduler's steps timed one by one, and eager prompts of
+several lengths.
+
+    python bench/profile_serve_steps.py MODEL [--device cuda] [--profile]
+
+Loads MODEL with 8 sequences, captures the decode steps as the server does at start (and compiles its prompt
+kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time of a length shows a
+compile, if any) and, with --profile, prints torch.profiler's tables for a 512-token forward. Then it drives the
+scheduler (serve/scheduler.py) with waves of 64-token prompts and 32-token answers at 1, 4 and 8 streams, a second
+wave joining after ten steps as bench_serve.py's clients do, and prints each level's slowest steps: (kind, tokens,
+sequences, ms), kind being a decode batch, a prompt of one sequence, or a mixed step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+import moerun
+from moerun.serve.scheduler import Job, Scheduler
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's tables for a 512-token forward")
+    args = ap.parse_args()
+    model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8)
+    start = time.perf_counter()
+    captured = model.capture_decode_steps()
+    model.compile_prompt_kernels()
+    print(f"captured {captured} decode steps and compiled the prompt kernels in {time.perf_counter() - start:.2f} s")
+    rng = random.Random(0)
+    vocab = model.net.embed.shape[0]
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    def forward_ms(n: int) -> float:
+        tokens = torch.tensor(prompt(n))
+        sync()
+        start = time.perf_counter()
+        model.forward(tokens, 0, 0, last_only=True)
+        sync()
+        return (time.perf_counter() - start) * 1000
+
+    for n in (16, 64, 65, 256, 512):
+        print(f"forward of {n} tokens: " + " ".join(f"{forward_ms(n):.1f}" for _ in range(3)) + " ms")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            forward_ms(512)
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+    scheduler = Scheduler(model)
+    forward, steps = scheduler._forward, []
+
+    def timed(tokens, positions, seqs, rows):
+        sync()
+        start = time.perf_counter()
+        out = forward(tokens, positions, seqs, rows)
+        sync()
+        kind = "decode" if len(set(seqs)) == len(seqs) else "prompt" if len(set(seqs)) == 1 else "mixed"
+        steps.append((kind, len(tokens), len(set(seqs)), round((time.perf_counter() - start) * 1000, 1)))
+        return out
+
+    scheduler._forward = timed
+    for streams in (1, 4, 8):
+        steps.clear()
+        for wave in range(2):
+            for _ in range(streams):
+                scheduler.add(Job(prompt(64), 32))
+            n = 0
+            while scheduler.busy and (wave == 1 or n < 10):
+                scheduler.step()
+                n += 1
+        while scheduler.busy:
+            scheduler.step()
+        total = sum(s[3] for s in steps)
+        print(f"{streams} streams: {len(steps)} steps, {total:.0f} ms; slowest {sorted(steps, key=lambda s: -s[3])[:6]}")
+
+
+if __name__ == "__main__":
+    main()
