@@ -406,7 +406,7 @@ class CachedExperts(nn.Module):
                     bank.data[start:end].copy_(t[first : first + end - start], non_blocking=True)
 
     def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray, prompt: bool = False,
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    ) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
         """A decode step's misses -> (the experts to copy into fetch slots now, their slots; the slot table (T, K),
         with the misses found in or copied to a fetch slot pointing there; the misses left to the CPU). Misses
         already in a fetch slot need no copy; the others take the fetch slots this step does not read: one token's
@@ -414,21 +414,20 @@ class CachedExperts(nn.Module):
         bank's (_stage): none is fetched for one. Runs once per layer and step on the host, so tables, not
         np.isin (5x slower at this size)."""
         slots, none = self.slot_of[ids_h], ids_h[:0, 0]
-        if not len(self.fetched) or not missed.any() or prompt:
-            return none, none, slots, missed
-        in_fetch = self.fetch_slot_of[ids_h]
-        found = missed & (in_fetch >= 0)
-        self.cache.stats.found += int(found.sum())
-        rest = missed & ~found
-        fetch, targets = none, none
-        if rest.any():
+        if not len(self.fetched) or prompt or not missed.any():
+            return none, [], slots, missed
+        in_fetch = np.where(missed, self.fetch_slot_of[ids_h], -1)  # each miss's fetch slot, if it is in one
+        found = in_fetch >= 0
+        n_found = np.count_nonzero(found)
+        self.cache.stats.found += n_found
+        fetch, targets = none, []
+        if n_found < np.count_nonzero(missed):
             free = self._free_fetch_slots(in_fetch[found])
-            fetch = self._busiest(ids_h[rest], ids_h.shape[0])[: len(free)]
+            fetch = self._busiest(ids_h[missed & ~found], ids_h.shape[0])[: len(free)]
             targets = free[: len(fetch)]
             self._assign(fetch, targets)
-            in_fetch = self.fetch_slot_of[ids_h]
-        in_fetch = np.where(missed, in_fetch, -1)
-        slots[in_fetch >= 0] = in_fetch[in_fetch >= 0]
+            in_fetch = np.where(missed, self.fetch_slot_of[ids_h], -1)
+        np.copyto(slots, in_fetch, where=in_fetch >= 0)
         return fetch, targets, slots, missed & (in_fetch < 0)
 
     def fetch_ahead(self, guess: np.ndarray) -> None:
@@ -459,26 +458,25 @@ class CachedExperts(nn.Module):
         distinct, counts = np.unique(experts, return_counts=True)
         return distinct[np.argsort(-counts, kind="stable")]
 
-    def _free_fetch_slots(self, taken: np.ndarray) -> np.ndarray:
-        """The fetch slots (bank indices) not among `taken` (-1 entries ignored)."""
-        busy = np.zeros(len(self.fetched), bool)
-        busy[taken[taken >= 0] - self.n_slots] = True
-        return self.n_slots + np.flatnonzero(~busy)
+    def _free_fetch_slots(self, taken: np.ndarray) -> list[int]:
+        """The fetch slots (bank indices) not among `taken` (a handful: Python, 3x faster than numpy here)."""
+        busy = set(taken.tolist())
+        return [s for s in range(self.n_slots, self.n_slots + len(self.fetched)) if s not in busy]
 
-    def _assign(self, experts: np.ndarray, targets: np.ndarray) -> None:
+    def _assign(self, experts: np.ndarray, targets: list[int]) -> None:
         """Record `experts` in the fetch slots `targets` (their copies are enqueued by the caller)."""
-        for e, slot in zip(experts.tolist(), targets.tolist()):
+        for e, slot in zip(experts.tolist(), targets):
             old = self.fetched[slot - self.n_slots]
             if old >= 0:
                 self.fetch_slot_of[old] = -1
             self.fetched[slot - self.n_slots], self.fetch_slot_of[e] = e, slot
 
-    def _copy_in(self, experts: np.ndarray, targets: np.ndarray) -> None:
-        for e, slot in zip(experts.tolist(), targets.tolist()):
+    def _copy_in(self, experts: np.ndarray, targets: list[int]) -> None:
+        for e, slot in zip(experts.tolist(), targets):
             for bank, t in zip(self.banks, self.host_tensors):
                 bank.data[slot].copy_(t[e], non_blocking=True)
 
-    def _fetch(self, experts: np.ndarray, targets: np.ndarray, guess: np.ndarray) -> None:
+    def _fetch(self, experts: np.ndarray, targets: list[int], guess: np.ndarray) -> None:
         """Copy `experts` into the fetch slots `targets` on the current stream (after the copies _wait_for_copies
         waited for, before this step's hits' kernels), then hand the next layer its guess."""
         with timed(self.cache.stats, "uploads"):
