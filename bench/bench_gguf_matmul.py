@@ -14,7 +14,8 @@ Every timed call reads weights that are not in L2: the calls rotate over enough 
 Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
 step), median of --repeat replays after a warm-up. --sweep first times a few GEMV/GEMM tile shapes per type and uses
 the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles on each expert shape
-(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES.
+(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, and the grouped prefill GEMM's at
+T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
 """
 
 from __future__ import annotations
@@ -188,6 +189,24 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
+def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat: int) -> tuple[tuning.GemmTiles, list]:
+    """Tiles of the grouped prefill GEMM on one expert shape at T = 512 (about 32 pairs per expert): fewer rows per
+    tile than the dense kernel's, wider weight tiles. Sets tuning.GROUPED_GEMM_OVERRIDES for the shape."""
+    rows, cols = shape
+    bt = BLOCK_TYPES[qtype]
+    key = (qtype, cols // bt.values)
+    b = 1 if bt.values == 256 else 4
+    candidates = [tuning.GemmTiles(bm, bn, b, warps, stages) for bm in (16, 32, 64) for bn in (64, 128)
+                  for warps, stages in ((4, 2), (4, 3), (8, 3))] + [tuning.GemmTiles(32, 64, 2 * b, 4, 3)]
+    results = []
+    for tiles in candidates:
+        tuning.GROUPED_GEMM_OVERRIDES[key] = tiles
+        results.append((guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["TFLOP/s"], tiles))
+    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    tuning.GROUPED_GEMM_OVERRIDES[key] = best
+    return best, [(round(tf, 1), t.__dict__) for tf, t in results]
+
+
 def gemm(qtype: Q, repeat: int) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
@@ -221,6 +240,11 @@ def main() -> None:
             best, table = sweep_gemm(qtype, r)
             results[f"sweep gemm {qtype.name}"] = table
             print(f"sweep GEMM {qtype.name}: {table} -> {best}", flush=True)
+        for name, qtype, shape, per_pair in MOE_SHAPES:
+            best, table = sweep_grouped_gemm(qtype, shape, per_pair, r)
+            results[f"sweep grouped gemm {name} {qtype.name}"] = table
+            key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
+            print(f"sweep grouped GEMM {name} {qtype.name}: {table} -> {key}: {best}", flush=True)
     print(f"\n{'shape':34} {'type':6} {'us':>8} {'GB/s':>7} {'% copy':>7}   {'bf16 peer us':>12} {'GB/s':>7}")
 
     def report(shape: str, qname: str, ours: dict, peer: dict) -> None:
@@ -253,7 +277,9 @@ def main() -> None:
     results["tiles"] = {"gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
                         "grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in
                                          tuning.GEMV_GROUPED_OVERRIDES.items()},
-                        "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()}}
+                        "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
+                        "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
+                                         tuning.GROUPED_GEMM_OVERRIDES.items()}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

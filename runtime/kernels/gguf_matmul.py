@@ -265,7 +265,7 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
         _gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
-        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True)
+        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values)
         key = (w.data.shape[0], tiles.block_m)
         grouped = None if groups is None else groups.get(key)
         if grouped is None:

@@ -48,6 +48,9 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {}
 GEMM_BY_BLOCK_VALUES = {256: GemmTiles(64, 64, 1), 32: GemmTiles(64, 64, 2)}
 DENSE_GEMM_OVERRIDES: dict[Q, GemmTiles] = {Q.Q4_K: GemmTiles(128, 128, 1, num_warps=8, num_stages=2),
                                             Q.Q8_0: GemmTiles(128, 128, 4, num_warps=8, num_stages=3)}
+# The grouped prefill GEMM's tiles by (type, blocks per row), from bench_gguf_matmul.py --sweep on the expert shapes
+# at T = 512 (8 of 128 experts: about 32 pairs per expert, half a 64-row tile); shapes not listed take the above.
+GROUPED_GEMM_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {}
 
 
 # The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
@@ -66,5 +69,8 @@ def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int, group
     return GemvTiles(rows, blocks, tiles.num_warps)
 
 
-def gemm_tiles(qtype: Q, block_values: int, grouped: bool) -> GemmTiles:
-    return (None if grouped else DENSE_GEMM_OVERRIDES.get(qtype)) or GEMM_BY_BLOCK_VALUES[block_values]
+def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0) -> GemmTiles:
+    """The GEMM's tiles: the grouped kernel's for rows of `grouped_blocks` blocks where swept, the dense ones'
+    where swept, else the block size's."""
+    swept = GROUPED_GEMM_OVERRIDES.get((qtype, grouped_blocks)) if grouped else DENSE_GEMM_OVERRIDES.get(qtype)
+    return swept or GEMM_BY_BLOCK_VALUES[block_values]

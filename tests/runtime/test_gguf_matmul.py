@@ -144,6 +144,20 @@ def test_production_tiles(qtype: Q, n_tokens: int) -> None:
 def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
     """Decode (3 tokens: a program per (t, k)) and prefill (21 tokens: grouped by slot) on a bank of 6 slots, with
     experts repeated across tokens, -1 (skipped) slots, and a slot no token uses."""
+    check_moe(qtype, n_tokens, shared_input)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0], ids=lambda q: q.name)
+def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, monkeypatch, qtype: Q) -> None:
+    """The grouped GEMM on tiles from tuning.GROUPED_GEMM_OVERRIDES (16-row tiles, as a sweep may pick for ~32
+    pairs per expert): several tiles per slot's run, a weight tile past the last row, two blocks per step."""
+    bt = BLOCK_TYPES[qtype]
+    monkeypatch.setitem(tuning.GROUPED_GEMM_OVERRIDES, (qtype, COLS[bt.values] // bt.values),
+                        tuning.GemmTiles(16, 16, 2))
+    check_moe(qtype, 21, shared_input=True)
+
+
+def check_moe(qtype: Q, n_tokens: int, shared_input: bool) -> None:
     rng = np.random.default_rng([int(qtype), n_tokens, shared_input])
     n_slots, k, rows = 6, 4, 24
     cols = COLS[BLOCK_TYPES[qtype].values]
