@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,31 +87,34 @@ class Model:
         """Capture now the decode steps a server meets first: one token of each sequence alone, and batches of 2 to
         n_seq sequences, at the first KV bucket, so that no request waits for a capture (one takes a warm-up step
         and the capture, ~0.1-1 s on large models). Writes the KV slot of position 0 of every sequence, which a
-        prompt overwrites; the expert cache's statistics restart. -> graphs captured (0 where graphs cannot run)."""
+        prompt overwrites; the expert cache's policy does not see these steps (ExpertCache.pause). -> graphs
+        captured (0 where graphs cannot run)."""
         if self.decode_graphs is None or graph_blockers(self):
             return 0
         before = len(self.decode_graphs.graphs)
-        for seq in range(self.n_seq):
-            self.decode_batch([0], [0], [seq])
-        for n in range(2, self.n_seq + 1):
-            self.decode_batch([0] * n, [0] * n, list(range(n)))
-        if self.expert_cache is not None:
-            self.expert_cache.reset_stats()
+        with self._cache_paused():
+            for seq in range(self.n_seq):
+                self.decode_batch([0], [0], [seq])
+            for n in range(2, self.n_seq + 1):
+                self.decode_batch([0] * n, [0] * n, list(range(n)))
         return len(self.decode_graphs.graphs) - before
 
     def compile_prompt_kernels(self) -> None:
         """Run a prompt chunk, and a step mixing it with another sequence's token, once: Triton compiles a kernel on
         its first use (1-3 s each on the H200 machine), which a server's first prompt would otherwise wait for.
-        Writes KV slots that later prompts overwrite; the expert cache's statistics restart. No-op off CUDA."""
+        Writes KV slots that later prompts overwrite; the expert cache's policy does not see these steps. No-op
+        off CUDA."""
         if self.device.type != "cuda":
             return
         n = min(2 * tuning.GEMV_MAX_TOKENS, self.n_ctx - 1)  # past the matrix-vector kernels: the prompts' GEMMs
-        self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
-        if self.n_seq > 1:
-            self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
-                               torch.tensor([0] * n + [1]), torch.tensor([n]))
-        if self.expert_cache is not None:
-            self.expert_cache.reset_stats()
+        with self._cache_paused():
+            self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
+            if self.n_seq > 1:
+                self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
+                                   torch.tensor([0] * n + [1]), torch.tensor([n]))
+
+    def _cache_paused(self):
+        return self.expert_cache.pause() if self.expert_cache is not None else contextlib.nullcontext()
 
     def _check_fits(self, n_positions: int, seq: int) -> None:
         if n_positions > self.n_ctx:

@@ -156,12 +156,28 @@ class ExpertCache:
         self.first_layer, self.last_layer = cached[0], cached[-1]
         self._routed: list[tuple[CachedExperts, np.ndarray]] = []  # this forward's layers so far
         self.scratch: dict[tuple, tuple] = {}  # staging banks for prefill, by device and expert layout
+        self.paused = False  # see pause()
         self.reset_stats(n_layer)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Steps run inside neither teach the policy nor upload anything, and the statistics restart after: a
+        server's warm-up steps on made-up tokens (graph captures, kernel compiles) must not evict the experts a
+        profile warmed the cache with."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+            self._routed = []
+            self.reset_stats()
 
     def layer_done(self, layer: CachedExperts, ids: np.ndarray) -> None:
         """Collect a layer's routing; after the last cached layer of a forward, tell the policy the step's routing
         of every layer and start the uploads it plans, in one batched call (one call per layer cost ~0.25 ms each,
         a quarter of a 48-layer decode step)."""
+        if self.paused:
+            return
         if layer.layer == self.first_layer:
             self._routed = []
         self._routed.append((layer, ids))

@@ -198,6 +198,25 @@ def test_fetch_ahead_in_a_batch_of_sequences(synth_model, monkeypatch):
     assert stats[True].ahead > 0 and stats[False].ahead == 0
 
 
+def test_paused_steps_leave_the_warm_cache_alone(synth_model):
+    """Steps run under ExpertCache.pause (a server's warm-up on made-up tokens) neither upload nor count; the policy
+    acts again afterwards."""
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    n_expert = moerun.load_model(path).args.n_experts
+    usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, ... hottest first
+    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage, policy="lru"))
+    warm = [layer.resident.copy() for layer in cached_layers(model)]
+    with model.expert_cache.pause():
+        for i in range(6):
+            model.forward(torch.tensor([0]), i)
+    assert all((layer.resident == w).all() for layer, w in zip(cached_layers(model), warm))
+    stats = model.expert_cache.stats
+    assert stats.lookups.sum() == 0 and stats.uploads == 0
+    for i in range(6):
+        model.forward(torch.tensor([0]), i)
+    assert model.expert_cache.stats.uploads > 0  # token 0's experts are not all among the warm ones
+
+
 def test_fetch_ahead_is_a_model_option(synth_model):
     from moeprep.gguf.reader import open_gguf
     from moerun.cli import ModelOptions
