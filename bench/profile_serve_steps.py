@@ -5,7 +5,8 @@ several lengths.
 
 Loads MODEL with 8 sequences, captures the decode steps as the server does at start (and compiles its prompt
 kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time of a length shows a
-compile, if any) and, with --profile, prints torch.profiler's tables for a 512-token forward. Then it drives the
+compile, if any) and a decode step of 1, 2, 4 and 8 sequences (`decode_batch`: CUDA graphs where they run); with
+--profile it prints torch.profiler's tables for a 512-token forward and for a decode step of 8. Then it drives the
 scheduler (serve/scheduler.py) with waves of 64-token prompts and 32-token answers at 1, 4 and 8 streams, a second
 wave joining after ten steps as bench_serve.py's clients do, and prints each level's slowest steps: (kind, tokens,
 sequences, ms), kind being a decode batch, a prompt of one sequence, or a mixed step.
@@ -53,17 +54,29 @@ def main() -> None:
         sync()
         return (time.perf_counter() - start) * 1000
 
+    def decode_ms(n: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for i in range(10):
+            model.decode_batch(prompt(n), [100 + i] * n, list(range(n)))
+        sync()
+        return (time.perf_counter() - start) * 100
+
     for n in (16, 64, 65, 256, 512):
         print(f"forward of {n} tokens: " + " ".join(f"{forward_ms(n):.1f}" for _ in range(3)) + " ms")
+    for n in (1, 2, 4, 8):
+        print(f"decode step of {n} sequences: {decode_ms(n):.2f} ms")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=activities) as prof:
-            forward_ms(512)
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=25))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        for what, run in (("a 512-token forward", lambda: forward_ms(512)), ("a decode step of 8", lambda: decode_ms(8))):
+            with profile(activities=activities) as prof:
+                run()
+            print(f"== {what}")
+            print(prof.key_averages().table(sort_by=sort, row_limit=25))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
     scheduler = Scheduler(model)
     forward, steps = scheduler._forward, []
