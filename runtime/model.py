@@ -104,9 +104,9 @@ class Model:
         its first use (1-3 s each on the H200 machine), which a server's first prompt would otherwise wait for.
         Writes KV slots that later prompts overwrite; the expert cache's policy does not see these steps. No-op
         off CUDA."""
-        if self.device.type != "cuda":
-            return
         n = min(2 * tuning.GEMV_MAX_TOKENS, self.n_ctx - 1)  # past the matrix-vector kernels: the prompts' GEMMs
+        if self.device.type != "cuda" or n < 1:
+            return
         with self._cache_paused():
             self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
             if self.n_seq > 1:
