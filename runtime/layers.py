@@ -576,7 +576,8 @@ def fused_kernels() -> Kernels:
         return q, *cache.update(step, k, v)
 
     def fused_attend(q, k, v, allowed, scale, sinks=None):
-        """Decode-sized steps of one sequence in the split kernel; prefill and mixed batches in torch."""
+        """Decode-sized steps (of one sequence, or one token of each of several) in the split kernel; prefill and
+        prompts mixed with decode tokens in torch."""
         if fused.attend_supports(q, k, v):
             return fused.attend_decode(q, k, v, allowed, scale, sinks)
         return attend(q, k, v, allowed, scale, sinks)

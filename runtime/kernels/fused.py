@@ -204,12 +204,14 @@ def _dot_f32(a, b, SPLIT: tl.constexpr):
     return tl.dot(a, b.to(tl.float32), input_precision="ieee")
 
 
-@triton.jit(do_not_specialize=["n_slots", "n_splits", "allowed_stride"])
+@triton.jit(do_not_specialize=["n_slots", "n_splits", "allowed_stride", "k_token_stride", "v_token_stride"])
 def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr,
-                         n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, allowed_stride, scale,
+                         n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, k_token_stride, v_token_stride,
+                         allowed_stride, scale,
                          HG: tl.constexpr, HGP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BS: tl.constexpr, SPLIT: tl.constexpr):
-    """Program (t*G + g, split): the HG query heads of KV head g for token t, over slots split*BS .. +BS.
+    """Program (t*G + g, split): the HG query heads of KV head g for token t, over slots split*BS .. +BS of token
+    t's keys and values (k_ptr + t * k_token_stride: 0 where the tokens share one sequence's slots).
 
     Writes per query head the chunk's max score m, the sum l of exp(score - m) and acc = sum exp(score - m) v;
     disallowed slots are not read, a chunk with none allowed writes m = -inf, l = 0, acc = 0.
@@ -227,14 +229,16 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr
     allowed = (tl.load(allowed_ptr + t * allowed_stride + s, mask=s_ok, other=0) != 0) & s_ok
     q = tl.load(q_ptr + (t * H + h)[:, None] * Dk + dk[None, :], mask=h_ok[:, None] & (dk < Dk)[None, :], other=0.0)
     kv_row = s.to(tl.int64)[:, None]
-    k = tl.load(k_ptr + kv_row * k_stride + g * Dk + dk[None, :], mask=allowed[:, None] & (dk < Dk)[None, :],
+    k_base = k_ptr + t.to(tl.int64) * k_token_stride
+    v_base = v_ptr + t.to(tl.int64) * v_token_stride
+    k = tl.load(k_base + kv_row * k_stride + g * Dk + dk[None, :], mask=allowed[:, None] & (dk < Dk)[None, :],
                 other=0.0)
     scores = _dot_f32(q, tl.trans(k), SPLIT) * scale  # [HGP, BS]
     scores = tl.where(allowed[None, :], scores, float("-inf"))
     m = tl.max(scores, axis=1)
     p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
     l = tl.sum(p, axis=1)
-    v = tl.load(v_ptr + kv_row * v_stride + g * Dv + dv[None, :], mask=allowed[:, None] & (dv < Dv)[None, :],
+    v = tl.load(v_base + kv_row * v_stride + g * Dv + dv[None, :], mask=allowed[:, None] & (dv < Dv)[None, :],
                 other=0.0)
     acc = _dot_f32(p, v, SPLIT)  # [HGP, DV]
     part = (t * H + h) * n_splits + split  # [HGP]
@@ -280,18 +284,23 @@ _INTERPRETED = not isinstance(_attend_split_kernel, triton.runtime.JITFunction)
 
 
 def attend_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """attend_decode takes a few tokens of one sequence ((S, G, D) KV) with heads of at most 256 values."""
-    return (k.dim() == 3 and q.shape[0] <= ATTEND_MAX_TOKENS and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM
-            and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1))
+    """attend_decode takes a few tokens, of one sequence ((S, G, D) KV) or each of its own ((T, S, G, D): a decode
+    batch of several sequences), with heads of at most 256 values."""
+    return (k.dim() in (3, 4) and q.shape[0] <= ATTEND_MAX_TOKENS and (k.dim() == 3 or k.shape[0] == q.shape[0])
+            and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM
+            and k.stride()[-2:] == (k.shape[-1], 1) and v.stride()[-2:] == (v.shape[-1], 1))
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """layers.attend for one sequence: q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv) (any float dtype, rows of
-    S may be strided: a prefix of the cache), allowed (T, S) bool, sinks (H,) or None -> (T, H, Dv) float32."""
+    """layers.attend for a few tokens: q (T, H, Dk) over one sequence's k (S, G, Dk), v (S, G, Dv), or over each
+    token's own k (T, S, G, Dk), v (T, S, G, Dv) (any float dtype; rows of S may be strided: a prefix of the cache),
+    allowed (T, S) bool, sinks (H,) or None -> (T, H, Dv) float32. (In a decode batch torch's attention ran a dozen
+    small kernels per layer where these run two.)"""
     assert attend_supports(q, k, v), (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     T, H, Dk = q.shape
-    S, G, Dv = v.shape
+    S, G, Dv = v.shape[-3:]
+    per_token = k.dim() == 4
     q = q.float().contiguous()
     allowed = allowed.contiguous().view(torch.uint8)
     n_splits = triton.cdiv(S, ATTEND_SLOTS)
@@ -303,7 +312,8 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
         return out
     hg = H // G
     _attend_split_kernel[(T * G, n_splits)](
-        q, k, v, allowed, m, l, acc, S, n_splits, H, G, Dk, Dv, k.stride(0), v.stride(0), allowed.stride(0), scale,
+        q, k, v, allowed, m, l, acc, S, n_splits, H, G, Dk, Dv, k.stride(-3), v.stride(-3),
+        k.stride(0) if per_token else 0, v.stride(0) if per_token else 0, allowed.stride(0), scale,
         HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
         DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS,
         SPLIT=k.dtype == v.dtype == torch.bfloat16 and not _INTERPRETED)

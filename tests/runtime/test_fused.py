@@ -163,10 +163,24 @@ def test_attend_decode(T, H, G, D, S, window, sinks, gen):
     close(got, layers.attend(q, k, v, allowed, 0.3, sink))
 
 
-def test_attend_hands_prefill_and_batches_to_torch(gen):
+@pytest.mark.parametrize("sinks", [False, True])
+def test_attend_decode_batch_of_sequences(sinks, gen):
+    """One token of each of 3 sequences over its own slots ((T, S, G, D) KV, as KVCache.update gathers them for a
+    decode batch), each at its own position: the split kernel against torch's per-token attention."""
+    T, H, G, D, S = 3, 8, 2, 32, 130
+    k, v = (randn(T, S, G, D, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    q = randn(T, H, D, gen=gen)
+    positions = torch.tensor([5, 129, 70], device=DEVICE)
+    allowed = torch.arange(S, device=DEVICE)[None, :] <= positions[:, None]
+    sink = randn(H, gen=gen) if sinks else None
+    assert fused.attend_supports(q, k, v)
+    close(fused.attend_decode(q, k, v, allowed, 0.3, sink), layers.attend(q, k, v, allowed, 0.3, sink))
+
+
+def test_attend_hands_prefill_and_prompts_to_torch(gen):
     q, k = randn(9, 4, 16, gen=gen), randn(20, 2, 16, gen=gen)
-    assert not fused.attend_supports(q, k, k)
-    assert not fused.attend_supports(q[:2], k[None].expand(2, -1, -1, -1), k[None].expand(2, -1, -1, -1))
+    assert not fused.attend_supports(q, k, k)  # more tokens than a decode step's
+    assert not fused.attend_supports(q[:2], k[None].expand(3, -1, -1, -1), k[None].expand(3, -1, -1, -1))
 
 
 # --------------------------------------------------------------------------------------------------------- router
