@@ -148,14 +148,13 @@ def format_result(result: BenchResult) -> str:
         layers = np.array(report["hit_rate_per_layer"])
         spread = (f" (per layer {layers.min():.1%} to {layers.max():.1%}, median {np.median(layers):.1%})"
                   if len(layers) else "")
-        staged = report["staged_per_token"]
+        staged, ahead, found = (report[f"{key}_per_token"] for key in ("staged", "fetched_ahead",
+                                                                        "found_in_fetch_slots"))
         lines.append(f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
                      f"{report['uploads_per_token']:.2f} uploads per token"
                      + (f", {staged:.2f} experts staged per token" if staged else "")
-                     + (f", {report['fetched_ahead_per_token']:.2f} fetched ahead (on the layer before's guess), "
-                        f"{report['found_in_fetch_slots_per_token']:.2f} misses found in fetch slots"
-                        if report.get("fetched_ahead_per_token") or report.get("found_in_fetch_slots_per_token")
-                        else ""))
+                     + (f", {ahead:.2f} fetched ahead (on the layer before's guess), {found:.2f} misses found in "
+                        "fetch slots" if ahead or found else ""))
         if "ms_per_token" in report:
             lines.append("  ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ms_per_token"].items()))
     if result.vram_bytes is not None:

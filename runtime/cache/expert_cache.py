@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -337,9 +338,8 @@ class CachedExperts(nn.Module):
 
     def fill(self, experts: np.ndarray) -> None:
         """Load `experts` into the first slots (warm start, before the first token)."""
-        for slot, e in enumerate(experts[: self.n_slots].tolist()):
-            self._upload(slot, e)
-        self._uploads_done()
+        self.uploaded = self._on_copy_stream(lambda: [self._upload(slot, e)
+                                                      for slot, e in enumerate(experts[: self.n_slots].tolist())])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:
@@ -362,7 +362,7 @@ class CachedExperts(nn.Module):
         self._wait_for_copies()
         self._fetch(fetch, targets, guess)
         out = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids)
-        if on_cpu.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in STAGING_DEVICES:
+        if on_cpu.any() and prompt and x.device.type in STAGING_DEVICES:
             staged = self._stage(x, ids_h, on_cpu, weights, ids)
             if staged is not None:
                 on_cpu, staged_out = staged
@@ -454,15 +454,8 @@ class CachedExperts(nn.Module):
         if not len(new):
             return
         targets = self._free_fetch_slots(self.fetch_slot_of[want])[: len(new)]
-        stream = self.copy_stream
-        if stream is not None:  # after every kernel enqueued so far: the last step's hits read these slots
-            stream.wait_stream(torch.cuda.current_stream(self.banks[0].data.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._assign(new, targets)
-            self._copy_in(new, targets)
-        if stream is not None:
-            self.fetched_ahead = torch.cuda.Event()
-            self.fetched_ahead.record(stream)
+        self._assign(new, targets)
+        self.fetched_ahead = self._on_copy_stream(lambda: self._copy_in(new, targets))
         self.cache.stats.ahead += len(new)
 
     @staticmethod
@@ -607,13 +600,22 @@ class CachedExperts(nn.Module):
 
     def upload(self, plan: list[tuple[int, int]]) -> None:
         """Copy the planned (slot, expert) pairs in on the copy stream, once no kernel still reads those slots."""
+        self.uploaded = self._on_copy_stream(lambda: [self._upload(slot, expert) for slot, expert in plan])
+
+    def _on_copy_stream(self, copies: Callable[[], object]) -> torch.cuda.Event | None:
+        """Run `copies` on the layer's copy stream, after every kernel enqueued so far (the last steps' kernels read
+        the slots they overwrite) -> the copy stream's event after them, for the kernels that read the slots next;
+        None without a copy stream (a CPU standing in for the GPU: the copies ran in order)."""
         stream = self.copy_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.banks[0].data.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for slot, expert in plan:
-                self._upload(slot, expert)
-        self._uploads_done()
+        if stream is None:
+            copies()
+            return None
+        stream.wait_stream(torch.cuda.current_stream(self.banks[0].data.device))
+        with torch.cuda.stream(stream):
+            copies()
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def _upload(self, slot: int, expert: int) -> None:
         """Copy `expert` into policy slot `slot`: from its fetch slot when it is in one (device to device, ordered
@@ -627,11 +629,6 @@ class CachedExperts(nn.Module):
             source = bank.data[fetched] if fetched >= 0 else t[expert]
             bank.data[slot].copy_(source, non_blocking=True)
         self.resident[slot], self.slot_of[expert] = expert, slot
-
-    def _uploads_done(self) -> None:
-        if self.copy_stream is not None:
-            self.uploaded = torch.cuda.Event()
-            self.uploaded.record(self.copy_stream)
 
 
 def link_layers(net: nn.Module) -> None:

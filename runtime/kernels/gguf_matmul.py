@@ -266,13 +266,10 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
         tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values)
-        key = (w.data.shape[0], tiles.block_m)
-        grouped = None if groups is None else groups.get(key)
-        if grouped is None:
-            grouped = group_by_slot(slots, *key)
-            if groups is not None:
-                groups[key] = grouped
-        _gemm(x, w, bt, out, n_tokens * k, x_div, grouped, tiles)
+        key, groups = (w.data.shape[0], tiles.block_m), {} if groups is None else groups
+        if key not in groups:
+            groups[key] = group_by_slot(slots, *key)
+        _gemm(x, w, bt, out, n_tokens * k, x_div, groups[key], tiles)
     return out.view(n_tokens, k, w.rows)
 
 
