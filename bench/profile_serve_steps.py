@@ -1,15 +1,16 @@
-"""Where `moerun serve`'s time goes, without HTTP: the scheduler's steps timed one by one, and eager prompts of
-several lengths.
+"""Where `moerun serve`'s time goes, without HTTP: the scheduler's steps timed one by one, and prompts of several
+lengths.
 
     python bench/profile_serve_steps.py MODEL [--device cuda] [--profile]
 
-Loads MODEL with 8 sequences, captures the decode steps as the server does at start (and compiles its prompt
-kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time of a length shows a
-compile, if any) and a decode step of 1, 2, 4 and 8 sequences (`decode_batch`: CUDA graphs where they run); with
---profile it prints torch.profiler's tables for a 512-token forward and for a decode step of 8. Then it drives the
-scheduler (serve/scheduler.py) with waves of 64-token prompts and 32-token answers at 1, 4 and 8 streams, a second
-wave joining after ten steps as bench_serve.py's clients do, and prints each level's slowest steps: (kind, tokens,
-sequences, ms), kind being a decode batch, a prompt of one sequence, or a mixed step.
+Loads MODEL with 8 sequences, captures the decode and prompt steps as the server does at start (and compiles its
+prompt kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time of a length shows a
+compile or capture, if any), with the prompt graphs and eagerly, and a decode step of 1, 2, 4 and 8 sequences
+(`decode_batch`: CUDA graphs where they run); with --profile it prints torch.profiler's tables for a 512-token
+forward and for a decode step of 8. Then it drives the scheduler (serve/scheduler.py) with waves of 64-token prompts
+and 32-token answers at 1, 4 and 8 streams, a second wave joining after ten steps as bench_serve.py's clients do, and
+prints each level's slowest steps: (kind, tokens, sequences, ms), kind being a decode batch, a prompt of one
+sequence, or a mixed step.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ def main() -> None:
     model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8)
     start = time.perf_counter()
     captured = model.capture_decode_steps()
+    print(f"captured {captured} decode steps in {time.perf_counter() - start:.2f} s")
+    start = time.perf_counter()
+    captured = model.capture_prompt_steps(256)
     model.compile_prompt_kernels()
-    print(f"captured {captured} decode steps and compiled the prompt kernels in {time.perf_counter() - start:.2f} s")
+    print(f"captured {captured} prompt steps and compiled the prompt kernels in {time.perf_counter() - start:.2f} s")
+    prompt_graphs = model.prompt_graphs
     rng = random.Random(0)
     vocab = model.net.embed.shape[0]
 
@@ -62,8 +67,12 @@ def main() -> None:
         sync()
         return (time.perf_counter() - start) * 100
 
-    for n in (16, 64, 65, 256, 512):
-        print(f"forward of {n} tokens: " + " ".join(f"{forward_ms(n):.1f}" for _ in range(3)) + " ms")
+    for graphs in (prompt_graphs, None):
+        model.prompt_graphs = graphs
+        for n in (16, 64, 65, 256, 512):
+            print(f"forward of {n} tokens{' (graphs up to 256)' if graphs else ' eager'}: "
+                  + " ".join(f"{forward_ms(n):.1f}" for _ in range(3)) + " ms")
+    model.prompt_graphs = prompt_graphs
     for n in (1, 2, 4, 8):
         print(f"decode step of {n} sequences: {decode_ms(n):.2f} ms")
     if args.profile:

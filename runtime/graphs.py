@@ -56,6 +56,18 @@ def graph_blockers(model) -> list[str]:
     return reasons
 
 
+def prompt_graph_blockers(model) -> list[str]:
+    """Why prompt chunks of `model` cannot run as CUDA graphs (empty: they can): what blocks decode graphs, and the
+    expert cache (its layers act on the host between graphs, sized by a step's experts) and layers that index state
+    of their own by the sequence's number (a captured prompt step gives the sequence as a device value)."""
+    reasons = graph_blockers(model)
+    if model.expert_cache is not None:
+        reasons.append("the expert cache runs prompt steps eagerly")
+    reasons += sorted({f"{type(m).__name__} reads the sequence on the host" for m in model.net.modules()
+                       if getattr(m, "seq_on_host", False)})
+    return reasons
+
+
 def host_expert_tensors(net: torch.nn.Module) -> list[str]:
     """Expert tensors whose type has no device dequantizer (their bytes go through the host every step)."""
     return [t.name for m in net.modules() if isinstance(m, GGUFExperts)
@@ -195,13 +207,79 @@ class DecodeGraphs:
         for module in self.model.net.modules():
             if hasattr(module, "prepare_capture"):
                 module.prepare_capture(B)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy allocations and kernel selection happen outside the capture
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        for device in set(self.model.net.layout.devices):
-            torch.cuda.synchronize(device)
-        with torch.cuda.stream(side), Capture(self.pool) as capture:
-            logits = step()
-        return capture.program, logits
+        return capture_program(self.model, step, self.pool)
+
+
+def capture_program(model, step: Callable[[], torch.Tensor], pool) -> tuple[Program, torch.Tensor]:
+    """Run `step` once (lazy allocations, kernel selection and compiles happen outside the capture), then capture it
+    on a side stream: -> the Program and its static output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for device in set(model.net.layout.devices):
+        torch.cuda.synchronize(device)
+    with torch.cuda.stream(side), Capture(pool) as capture:
+        out = step()
+    return capture.program, out
+
+
+class PromptGraphs:
+    """Captured prompt chunks: a chunk of 2 to `max_tokens` tokens of one sequence, padded to a bucket of tokens (16,
+    32, ... max_tokens), replays the graph of (token bucket, KV bucket), which returns the logits (1, V) of the
+    chunk's last token. Eager PyTorch spends ~85 ms of host time on a prompt chunk of the 48-layer 30B shape, of any
+    length up to a few hundred tokens (`moerun serve`'s prompts waited on it); the GPU needs a fraction of that.
+
+    The sequence is a device value (Step.seq as a tensor), so one graph serves every sequence. Padding tokens sit at
+    the positions after the chunk's: they write KV slots that the sequence's next tokens overwrite before anything
+    reads them, and no real token attends to them (they come later). So a chunk fits when its position plus its
+    bucket stays within the context; `fits` says so, and the caller runs the others eagerly.
+    """
+
+    SMALLEST = 16  # tokens: the prompt GEMMs' size; fewer would take the decode kernels
+
+    def __init__(self, model, max_tokens: int, pool) -> None:
+        self.model, self.pool = model, pool
+        self.token_buckets = [self.SMALLEST]
+        while self.token_buckets[-1] < max_tokens:
+            self.token_buckets.append(self.token_buckets[-1] * 2)
+        self.kv_buckets = kv_buckets(model.n_ctx)
+        self.inputs: dict[int, torch.Tensor] = {}  # token bucket -> (2, Tb) int64: tokens, positions
+        self.seq_last = torch.zeros(2, 1, dtype=torch.long, device=model.device)  # the sequence, the last real row
+        self.graphs: dict[tuple[int, int], tuple[Program, torch.Tensor]] = {}
+
+    def buckets(self, n_tokens: int, start_pos: int) -> tuple[int, int] | None:
+        """(token bucket, KV bucket) of a chunk, or None when it does not fit one."""
+        tb = next((b for b in self.token_buckets if b >= n_tokens), None)
+        if n_tokens < 2 or tb is None or start_pos + tb > self.model.n_ctx:
+            return None
+        return tb, next(b for b in self.kv_buckets if b >= start_pos + tb)
+
+    def fits(self, n_tokens: int, start_pos: int) -> bool:
+        return self.buckets(n_tokens, start_pos) is not None
+
+    @torch.inference_mode()
+    def __call__(self, tokens: list[int], start_pos: int, seq: int) -> torch.Tensor:
+        tb, kvb = self.buckets(len(tokens), start_pos)
+        if tb not in self.inputs:
+            self.inputs[tb] = torch.zeros(2, tb, dtype=torch.long, device=self.model.device)
+        padded = tokens + [tokens[-1]] * (tb - len(tokens))
+        self.inputs[tb].copy_(torch.tensor([padded, list(range(start_pos, start_pos + tb))]))
+        self.seq_last.copy_(torch.tensor([[seq], [len(tokens) - 1]]))
+        if (tb, kvb) not in self.graphs:
+            self.graphs[tb, kvb] = self.capture(tb, kvb)
+        program, logits = self.graphs[tb, kvb]
+        program.replay()
+        return logits.clone()
+
+    def capture(self, tb: int, kvb: int) -> tuple[Program, torch.Tensor]:
+        if tb not in self.inputs:
+            self.inputs[tb] = torch.arange(tb, device=self.model.device).repeat(2, 1)  # token ids 0.., positions 0..
+        tokens, positions = self.inputs[tb]
+        seq, last = self.seq_last
+
+        def step() -> torch.Tensor:
+            return self.model.net(tokens, Step(positions, n_slots=kvb, seq=seq), outputs=last)
+
+        return capture_program(self.model, step, self.pool)

@@ -561,12 +561,12 @@ def fused_kernels() -> Kernels:
     def fused_norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache):
         """One launch where the Q/K norms are per head (or absent), else the torch reference. A step of one
         sequence has k and v written straight into that sequence's cache rows (slot = position, cache/kv.py); a step
-        across sequences hands them to KVCache.update, which gathers each token's slots."""
+        across sequences, or of one sequence given as a device value, hands them to KVCache.update."""
         per_head = (q_norm is not None and k_norm is not None
                     and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1])
         if not (per_head or (q_norm is None and k_norm is None)):
             return norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
-        one_seq = step.seqs is None
+        one_seq = step.seqs is None and not isinstance(step.seq, torch.Tensor)
         slots = (cache.k[step.seq], cache.v[step.seq]) if one_seq else (None, None)
         q, k, v = fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,
                                  q_norm.eps if per_head else 0.0, rope.cos, rope.sin, step.positions,

@@ -13,7 +13,7 @@ from moeprep.gguf.reader import GGUFModel, open_gguf
 from moerun.cache.expert_cache import CacheConfig, ExpertCache, link_layers, open_cache
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
-from moerun.graphs import DecodeGraphs, graph_blockers
+from moerun.graphs import DecodeGraphs, PromptGraphs, graph_blockers, prompt_graph_blockers
 from moerun.kernels import tuning
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
 from moerun.step import Step, group_rows
@@ -37,6 +37,7 @@ class Model:
         self.hooks, self.n_ctx, self.device, self.n_seq = hooks, n_ctx, device, n_seq
         self.expert_cache = expert_cache
         self.decode_graphs = DecodeGraphs(self) if device.type == "cuda" else None
+        self.prompt_graphs: PromptGraphs | None = None  # made by capture_prompt_steps (a server's choice)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, seq: int = 0, last_only: bool = False) -> torch.Tensor:
@@ -45,6 +46,10 @@ class Model:
         overwritten, so start_pos 0 starts it anew and a shared prefix can be kept."""
         T = tokens.shape[0]
         self._check_fits(start_pos + T, seq)
+        if last_only and self.prompt_graphs is not None and self.prompt_graphs.fits(T, start_pos) \
+                and not graph_blockers(self):
+            with on_device(self.device):
+                return self.prompt_graphs(tokens.tolist(), start_pos, seq)
         positions = torch.arange(start_pos, start_pos + T, device=self.device)
         outputs = torch.tensor([T - 1], device=self.device) if last_only else None
         return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T, seq=seq), outputs)
@@ -98,6 +103,21 @@ class Model:
             for n in range(2, self.n_seq + 1):
                 self.decode_batch([0] * n, [0] * n, list(range(n)))
         return len(self.decode_graphs.graphs) - before
+
+    def capture_prompt_steps(self, max_tokens: int) -> int:
+        """From now on run prompt chunks of 2 to max_tokens tokens (`forward` with last_only) as CUDA graphs, padded
+        to buckets of tokens (graphs.PromptGraphs), and capture now each bucket at the first KV bucket; later
+        positions capture their bucket the first time they come. Writes KV slots of sequence 0 that a prompt
+        overwrites. -> graphs captured (0 where prompt graphs cannot run)."""
+        if self.device.type != "cuda" or prompt_graph_blockers(self):
+            return 0
+        self.prompt_graphs = PromptGraphs(self, max_tokens, self.decode_graphs.pool)
+        kv_bucket = self.prompt_graphs.kv_buckets[0]
+        with on_device(self.device):
+            for tb in self.prompt_graphs.token_buckets:
+                if tb <= kv_bucket:
+                    self.prompt_graphs.graphs[tb, kv_bucket] = self.prompt_graphs.capture(tb, kv_bucket)
+        return len(self.prompt_graphs.graphs)
 
     def compile_prompt_kernels(self) -> None:
         """Run a prompt chunk, and a step mixing it with another sequence's token, once: Triton compiles a kernel on

@@ -28,11 +28,14 @@ class KVCache(nn.Module):
         attention reads: (n_slots, Hkv, D*) of the step's one sequence, or (T, n_slots, Hkv, D*), each token's own
         sequence, when the step mixes sequences."""
         n = step.n_slots
-        if step.seqs is None:
+        if step.seqs is None and not isinstance(step.seq, torch.Tensor):
             k_seq, v_seq = self.k[step.seq], self.v[step.seq]
             k_seq.index_copy_(0, step.positions, k.to(k_seq.dtype))
             v_seq.index_copy_(0, step.positions, v.to(v_seq.dtype))
             return k_seq[:n], v_seq[:n]
-        self.k.index_put_((step.seqs, step.positions), k.to(self.k.dtype))
-        self.v.index_put_((step.seqs, step.positions), v.to(self.v.dtype))
+        seqs = step.seq.expand(len(step.positions)) if step.seqs is None else step.seqs
+        self.k.index_put_((seqs, step.positions), k.to(self.k.dtype))
+        self.v.index_put_((seqs, step.positions), v.to(self.v.dtype))
+        if step.seqs is None:  # one sequence given as a device value: a copy of its first n slots
+            return self.k[step.seq, :n][0], self.v[step.seq, :n][0]
         return self.k[step.seqs, :n], self.v[step.seqs, :n]

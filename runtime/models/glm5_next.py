@@ -193,6 +193,8 @@ class HyperBlock(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    seq_on_host = True  # its recurrent state is indexed by step.seq as a number: no captured prompt steps
+
     def __init__(self, args: ModelArgs, a: Glm5NextArgs, w: Weights, hooks: Hooks, layer: int, n_seq: int) -> None:
         super().__init__()
         p = f"blk.{layer}"
@@ -350,6 +352,8 @@ class LightningIndexer(nn.Module):
     that ends at or before it as sum_h relu(q_h . pooled) w_h, q = indexer.attn_q_b(its q_a latent), w =
     indexer.proj(x) / sqrt(Hi di), and attends to the positions of its top_k / KPOOL best pools plus those of its
     own unfinished pool. Letters: Hi heads, di key size, P pools."""
+
+    seq_on_host = True  # its key cache is indexed by step.seq as a number: no captured prompt steps
 
     def __init__(self, w: Weights, hooks: Hooks, layer: int, a: Glm5NextArgs, q_a: Linear, q_a_norm: RMSNorm,
                  n_ctx: int, n_seq: int) -> None:

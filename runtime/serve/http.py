@@ -191,6 +191,11 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str 
     if captured:
         print(f"moerun: captured {captured} decode steps as CUDA graphs (1 to {model.n_seq} sequences) in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    captured = model.capture_prompt_steps(prefill_chunk)
+    if captured:
+        print(f"moerun: captured {captured} prompt steps as CUDA graphs (up to {prefill_chunk} tokens) in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     model.compile_prompt_kernels()
     engine = Engine(Scheduler(model, max_queue=max_queue, prefill_chunk=prefill_chunk))
     server = Server(model, engine, api_key)

@@ -1,10 +1,12 @@
 """Continuous batching as a plain object: `add` jobs, call `step` until it has nothing to do, `cancel` at any time.
 
 The model's KV cache holds n_seq sequences. A job waits in a bounded queue until a sequence is free, then runs its
-prompt through that sequence in chunks, and from its first token on decodes one token per step. Every step is one
-pass through the model (`forward_batch`): one token of each decoding job, plus up to `prefill_chunk` prompt tokens
-of the jobs still prefilling (the oldest first), so a long prompt rides along with the others' decode steps instead
-of stalling them, and the output head runs only on the rows that give a token. A job leaves the moment it finishes
+prompt through that sequence in chunks, and from its first token on decodes one token per step. Every step runs one
+token of each decoding job, plus up to `prefill_chunk` prompt tokens of the jobs still prefilling (the oldest
+first), so a long prompt rides along with the others' decode steps instead of stalling them, and the output head
+runs only on the rows that give a token. Eagerly that is one pass through the model (`forward_batch`); where the
+model replays prompt chunks as CUDA graphs (`moerun serve` on a GPU), the decode tokens are one graph and each chunk
+another. A job leaves the moment it finishes
 (an end-of-generation token, a stop string, its token limit or the end of the context) or is cancelled, and its
 sequence takes the next job at the next step.
 
@@ -139,33 +141,44 @@ class Scheduler:
         return dropped
 
     def step(self) -> list[Output]:
-        """Admit waiting jobs to free sequences, then run one pass: a token of every decoding job and the next
-        prompt chunks of the prefilling ones, within prefill_chunk prompt tokens."""
+        """Admit waiting jobs to free sequences, then run a token of every decoding job and the next prompt chunks
+        of the prefilling ones, within prefill_chunk prompt tokens: in one pass, or where the model runs prompt
+        chunks as CUDA graphs (Model.capture_prompt_steps), the decode tokens in one pass and each chunk in its own
+        (two or three graph replays cost less than one eager pass)."""
         self._admit()
         runs = sorted((seq.job.id, s) for s, seq in enumerate(self.sequences) if seq.job)
         budget = self.prefill_chunk
-        tokens: list[int] = []
-        positions: list[int] = []
-        seqs: list[int] = []
-        ready: list[tuple[int, int]] = []  # (row, sequence) of the rows whose logits give a token
+        chunks: list[tuple[int, list[int]]] = []  # (sequence, the tokens it runs now)
         for _, s in runs:
-            seq = self.sequences[s]
-            r = seq.job
+            r = self.sequences[s].job
             if r.generated:
                 chunk = r.feed
             else:
                 chunk, budget = r.feed[:budget], budget - min(budget, len(r.feed))
-            if not chunk:
-                continue
+            if chunk:
+                chunks.append((s, chunk))
+        if self.model.prompt_graphs is None:
+            passes = [chunks] if chunks else []
+        else:
+            single = [c for c in chunks if len(c[1]) == 1]
+            passes = ([single] if single else []) + [[c] for c in chunks if len(c[1]) > 1]
+        return [out for part in passes for out in self._pass(part)]
+
+    def _pass(self, chunks: list[tuple[int, list[int]]]) -> list[Output]:
+        """One pass through the model of these sequences' tokens; a token for each that finished its feed."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        ready: list[tuple[int, int]] = []  # (row, sequence) of the rows whose logits give a token
+        for s, chunk in chunks:
+            seq = self.sequences[s]
             tokens += chunk
             positions += range(len(seq.tokens), len(seq.tokens) + len(chunk))
             seqs += [s] * len(chunk)
             seq.tokens += chunk
-            r.feed = r.feed[len(chunk):]
-            if not r.feed:
+            seq.job.feed = seq.job.feed[len(chunk):]
+            if not seq.job.feed:
                 ready.append((len(tokens) - 1, s))
-        if not tokens:
-            return []
         logits = self._forward(tokens, positions, seqs, [row for row, _ in ready])
         picked = self._sample([self.sequences[s].job for _, s in ready], logits)
         return [self._emit(self.sequences[s], token) for (_, s), token in zip(ready, picked)]

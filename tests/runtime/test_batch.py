@@ -7,7 +7,7 @@ import torch
 
 import moerun
 from moeprep.errors import MoeprepError
-from moerun.step import group_rows
+from moerun.step import Step, group_rows
 
 PROMPTS = ("def bisect(a, x):", "Once upon a time, in a land", "SELECT name FROM users WHERE")
 
@@ -88,3 +88,21 @@ def test_group_rows_splits_prompt_chunks_from_single_tokens():
     assert group_rows([5, 9, 0, 1, 2, 7], [0, 2, 1, 1, 1, 3]) == ((0, 2, -1, 10), (2, 5, 1, 3), (5, 6, -1, 8))
     assert group_rows([5, 9, 4], [0, 2, 1]) == ()  # decode tokens only: one mixed step, as it is
     assert group_rows([0, 1, 2], [1, 1, 1]) == ((0, 3, 1, 3),)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_a_step_given_its_sequence_as_a_device_value_equals_the_plain_step(synth_model, arch):
+    """A captured prompt step (graphs.PromptGraphs) names its sequence with a (1,) tensor, so that one graph serves
+    every sequence: the same chunk gives the same logits and writes the same KV slots as with the number."""
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
+    plain, valued = (moerun.load_model(path, n_seq=3) for _ in range(2))
+    prompt = plain.tokenizer.encode(PROMPTS[0])
+    for model in (plain, valued):
+        model.forward(torch.tensor(prompt[:3]), 0, seq=2)  # a kept prefix the chunk attends to
+    positions = torch.arange(3, len(prompt))
+    chunk = torch.tensor(prompt[3:])
+    expected = plain.net(chunk, Step(positions, n_slots=len(prompt) + 5, seq=2))
+    got = valued.net(chunk, Step(positions, n_slots=len(prompt) + 5, seq=torch.tensor([2])))
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(plain.net.buffers(), valued.net.buffers()):
+        torch.testing.assert_close(a, b)  # the KV caches: sequence 2's slots written alike, the others untouched

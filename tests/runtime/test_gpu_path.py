@@ -14,7 +14,7 @@ import torch
 
 import moerun
 from moeprep.synth import write_synth_model
-from moerun.graphs import graph_blockers
+from moerun.graphs import graph_blockers, prompt_graph_blockers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
@@ -103,6 +103,61 @@ def test_batched_graph_decode_matches_the_eager_batch(synth_model):
     assert graphed.capture_decode_steps() == 3 + 2  # what moerun serve captures at start: each sequence, 2 and 3
     batched_decode_matches_the_eager_batch(graphed, eager)
     assert len(graphed.decode_graphs.graphs) == 5  # the batches found their graphs captured
+
+
+def test_prompt_graphs_replay_the_eager_prompt_for_any_sequence_length_and_position(synth_model):
+    """moerun serve runs prompt chunks as graphs (capture_prompt_steps): a chunk of 2 to 64 tokens, of any sequence,
+    padded to its bucket, gives the eager forward's last-token logits and leaves the same KV; a position past the
+    first KV bucket captures its bucket then; decode steps after it go on alike."""
+    path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
+    graphed, eager = (moerun.load_model(path, device="cuda", n_ctx=600, n_seq=3) for _ in range(2))
+    assert prompt_graph_blockers(graphed) == []
+    assert graphed.capture_prompt_steps(64) == 3  # 16, 32 and 64 tokens at the first KV bucket (256)
+    ids = torch.randint(10, 1000, (400,), generator=torch.Generator().manual_seed(1))
+    # (sequence, start, tokens): fresh prompts, a chat going on after a kept prefix, a chunk at 300 (KV bucket 512)
+    for seq, start, n in [(0, 0, 60), (2, 0, 17), (1, 0, 2), (1, 2, 40), (2, 17, 64), (0, 60, 33), (1, 300, 20)]:
+        chunk = ids[start:start + n]
+        if seq == 1 and start == 300:
+            for model in (graphed, eager):
+                model.forward(ids[42:300], 42, seq)  # fills 42..299 eagerly (longer than the largest bucket)
+        g = graphed.forward(chunk, start, seq, last_only=True).float().cpu()
+        e = eager.forward(chunk, start, seq, last_only=True).float().cpu()
+        # padding to the bucket changes the kernels of short chunks (GEMM and torch attention instead of the
+        # decode kernels): bfloat16-sized differences, not errors near 1
+        assert float((g - e).norm() / e.norm()) < 2e-2, (seq, start, n)
+    assert set(graphed.prompt_graphs.graphs) == {(16, 256), (32, 256), (64, 256), (32, 512)}
+    for block_g, block_e in zip(graphed.net.blocks, eager.net.blocks):
+        for name in ("k", "v"):
+            kv_g, kv_e = getattr(block_g.attn.attn.cache, name).float(), getattr(block_e.attn.attn.cache, name).float()
+            for seq, end in ((0, 93), (1, 320), (2, 81)):  # the slots real tokens wrote
+                diff = (kv_g[seq, :end] - kv_e[seq, :end]).norm() / kv_e[seq, :end].norm()
+                assert float(diff) < 2e-2, (name, seq)
+    for i in range(3):
+        g = graphed.decode(5 + i, 320 + i, 1).float().cpu()
+        e = eager.forward(torch.tensor([5 + i]), 320 + i, 1)[0].float().cpu()
+        assert float((g - e).norm() / e.norm()) < 2e-2
+
+
+def test_the_scheduler_with_prompt_graphs_answers_as_the_eager_one(synth_model):
+    """Three jobs through the serve scheduler with prompt graphs and decode graphs (as moerun serve runs them) give
+    the greedy tokens of the same jobs through an eager model; F16 weights keep near-ties out of the way."""
+    from moerun.serve.scheduler import Job, Scheduler
+
+    path = synth_model("qwen3moe", preset="small", expert_type="F16", attn_type="F16")
+    graphed, eager = (moerun.load_model(path, device="cuda", n_ctx=600, n_seq=3) for _ in range(2))
+    graphed.capture_decode_steps()
+    graphed.capture_prompt_steps(32)
+    answers = []
+    for model in (graphed, eager):
+        sched = Scheduler(model, prefill_chunk=32)
+        prompts = [model.tokenizer.encode(p) for p in BATCH_PROMPTS] + [list(range(50, 120))]
+        jobs = [sched.add(Job(p, 12)) for p in prompts]
+        got = {j: [] for j in jobs}
+        while sched.busy:
+            for o in sched.step():
+                got[o.job].append(o.text)
+        answers.append(["".join(got[j]) for j in jobs])
+    assert answers[0] == answers[1]
 
 
 def compiled_kernels() -> int:

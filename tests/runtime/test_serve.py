@@ -505,3 +505,48 @@ def test_a_long_prompt_prefills_in_chunks_while_a_stream_keeps_decoding(chat_mod
     for name, job in jobs.items():
         outs = got[job]
         assert ("".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_tokens) == expected[name]
+
+
+class NoPromptFits:
+    """A stand-in for graphs.PromptGraphs on the CPU: the scheduler splits its passes as with prompt graphs, and
+    Model.forward, finding that no chunk fits a graph, runs each pass eagerly."""
+
+    def fits(self, n_tokens: int, start_pos: int) -> bool:
+        return False
+
+
+def test_with_prompt_graphs_decode_tokens_and_each_prompt_chunk_run_in_passes_of_their_own(chat_model, alone):
+    """Where prompt chunks run as CUDA graphs (moerun serve on a GPU), a step runs the decoding sequences' tokens in
+    one pass and each prompt chunk in one of its own: two streams decoding while two new prompts prefill in chunks
+    get every answer as alone."""
+    model = moerun.load_model(chat_model, n_ctx=N_CTX, n_seq=4)
+    model.prompt_graphs = NoPromptFits()
+    passes: list[tuple[str, list[int]]] = []
+    for name in ("forward", "forward_batch"):
+        def record(*args, _name=name, _method=getattr(model, name), **kwargs):
+            seqs = args[2].tolist() if _name == "forward_batch" else [args[2] if len(args) > 2 else 0] * len(args[0])
+            passes.append((_name, seqs))
+            return _method(*args, **kwargs)
+        setattr(model, name, record)
+    sched = Scheduler(model, prefill_chunk=16)
+    prompts = [alone.model.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[2], " ".join(PROMPTS[3:7]),
+                                                          " ".join(PROMPTS[4:9]))]
+    expected = [alone(ids, 10) for ids in prompts]
+    jobs = [sched.add(Job(ids, 10)) for ids in prompts[:2]]
+    got: dict[int, list] = {}
+
+    def step() -> None:
+        for o in sched.step():
+            got.setdefault(o.job, []).append(o)
+
+    step()
+    step()
+    jobs += [sched.add(Job(ids, 10)) for ids in prompts[2:]]
+    passes.clear()
+    step()  # both streams' tokens in one pass; the first new prompt's 16 tokens in another
+    assert [(m, sorted(set(s)), len(s)) for m, s in passes] == [("forward_batch", [0, 1], 2), ("forward", [2], 16)]
+    while sched.busy:
+        step()
+    for job, want in zip(jobs, expected):
+        outs = got[job]
+        assert ("".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_tokens) == want
