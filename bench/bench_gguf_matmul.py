@@ -4,9 +4,14 @@
 
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
-- matrix-vector products (T = 1 and 8 tokens) of a 4096x4096 weight in Q4_K, Q8_0, Q6_K, Q4_0: GB/s of weight bytes;
+- decode products (T = 1, 2, 4, 8 tokens, a decode step of as many sequences) of a 4096x4096 weight in Q4_K, Q8_0,
+  Q6_K, Q4_0: GB/s of weight bytes, on the matrix-vector kernel and, from T = 2, on the GEMM's 16-token tiles
+  ("small GEMM"), whichever tuning.DENSE_GEMV_MAX_TOKENS picks;
 - grouped MoE decode, 8 of 128 experts (distinct), one token: 2048x768 and 768x2048 in Q4_K (Qwen3-30B-A3B shape),
-  4096x1408 in Q4_K and 1408x4096 in Q4_0 (the 60 GB benchmark shape); shapes are GGUF's (columns x rows);
+  4096x1408 in Q4_K and 1408x4096 in Q4_0 (the 60 GB benchmark shape); shapes are GGUF's (columns x rows); then 8
+  tokens (8 random experts each) as decode runs them (gate+up in one gguf_moe_glu), a matrix-vector program group per
+  (token, expert) pair and grouped by expert through the small GEMM (tuning.GROUPED_DECODE_MIN_PAIRS; the grouping
+  counted in its time): GB/s of the distinct experts' bytes, what a step must read at least;
 - prefill GEMM at T = 512: TFLOP/s for the 4096x4096 weight and the grouped experts (8 of 128 per token);
 - the peer on every shape: torch bfloat16 F.linear (dense) or bmm over the 8 experts' pre-stacked bfloat16 weights.
 Weights are random bytes (timing does not depend on the values; tests/runtime/test_gguf_matmul.py checks results).
@@ -14,15 +19,17 @@ Every timed call reads weights that are not in L2: the calls rotate over enough 
 Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
 step), median of --repeat replays after a warm-up. --sweep first times a few GEMV/GEMM tile shapes per type and uses
 the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles on each expert shape
-(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, and the grouped prefill GEMM's at
-T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
+(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, the grouped prefill GEMM's at
+T = 512, for tuning.GROUPED_GEMM_OVERRIDES, and the small GEMM's at T = 8 (Q4_K, Q8_0), for
+tuning.SMALL_GEMM_OVERRIDES.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +51,15 @@ MOE_SHAPES = (
     ("60GB gate/up 4096x1408", Q.Q4_K, (1408, 4096), False),
     ("60GB down 1408x4096", Q.Q4_0, (4096, 1408), True),
 )
-N_EXPERTS, TOP_K, PREFILL_T = 128, 8, 512
+N_EXPERTS, TOP_K, PREFILL_T, DECODE_T = 128, 8, 512, 8
+# The small GEMM's sweep, (rows per tile, blocks per step (x4 for 32-value blocks), warps, stages), 16 tokens each:
+# narrow tiles give a 4096-row matrix more programs than the H200's 132 SMs, wider ones fewer, longer K steps.
+# Compiled for sm_90 on the CPU (Triton 3.9), Q4_K spills registers with 2 or more blocks per step, Q8_0 does not:
+# the candidates of several blocks are there for the 32-value types.
+SMALL_GEMM_SWEEP = ((16, 1, 2, 2), (16, 1, 4, 3), (16, 2, 4, 3),
+                    (32, 1, 4, 2), (32, 1, 4, 3), (32, 1, 8, 3), (32, 2, 4, 3), (32, 2, 8, 4), (32, 4, 8, 4),
+                    (64, 1, 4, 2), (64, 1, 4, 3), (64, 1, 8, 4), (64, 2, 8, 3),
+                    (128, 1, 8, 2), (128, 1, 8, 3))
 
 
 def graph_seconds(calls: list[Callable[[], object]], repeat: int) -> float:
@@ -57,6 +72,24 @@ def graph_seconds(calls: list[Callable[[], object]], repeat: int) -> float:
         for call in calls:
             call()
     return replay_seconds(graph, repeat) / len(calls)
+
+
+@contextmanager
+def tuned(**values) -> Iterator[None]:
+    """tuning.py's constants set to `values` inside the block: the routes that rows next to each other compare."""
+    saved = {name: getattr(tuning, name) for name in values}
+    for name, value in values.items():
+        setattr(tuning, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tuning, name, value)
+
+
+def fastest(results: list) -> object:
+    """The configuration of the best (measure, configuration) pair; failed measurements (nan) lose."""
+    return max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
 
 
 def guarded(measure: Callable[..., dict], *args) -> dict:
@@ -84,7 +117,7 @@ def copies_for(nbytes: int) -> int:
     return max(2, -(-ROTATE_BYTES // nbytes))
 
 
-def dense_gemv(qtype: Q, n_tokens: int, repeat: int) -> dict:
+def dense_decode(qtype: Q, n_tokens: int, repeat: int) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
     weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
@@ -108,24 +141,30 @@ def moe_inputs(n_tokens: int, cols: int, per_pair: bool, n_calls: int) -> tuple[
     return x, slots
 
 
+def distinct_experts(slots: list[torch.Tensor]) -> float:
+    """Experts a call reads at least (each once), averaged over the calls' slot tables."""
+    return sum(s.unique().numel() for s in slots) / len(slots)
+
+
 def moe(qtype: Q, shape: tuple[int, int], per_pair: bool, n_tokens: int, repeat: int) -> dict:
     rows, cols = shape
     w = QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols)
     expert_bytes = w.data[0].numel()
     x, slots = moe_inputs(n_tokens, cols, per_pair, n_calls=16)
     t = graph_seconds([lambda s=s: gguf_moe(x, w, s) for s in slots], repeat)
-    return {"us": t * 1e6, "GB/s": TOP_K * expert_bytes / t / 1e9,
+    return {"us": t * 1e6, "GB/s": distinct_experts(slots) * expert_bytes / t / 1e9,
             "TFLOP/s": 2 * n_tokens * TOP_K * rows * cols / t / 1e12}
 
 
-def moe_glu(qtype: Q, shape: tuple[int, int], repeat: int) -> dict:
-    """gate and up of the 8 experts of one token with SwiGLU, in one launch (gguf_moe_glu): bytes of both banks."""
+def moe_glu(qtype: Q, shape: tuple[int, int], n_tokens: int, repeat: int) -> dict:
+    """gate and up of the 8 experts of each token with SwiGLU (gguf_moe_glu, one launch on the matrix-vector path):
+    bytes of both banks."""
     rows, cols = shape
     gate, up = (QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols) for _ in range(2))
     expert_bytes = gate.data[0].numel()
-    x, slots = moe_inputs(1, cols, False, n_calls=16)
+    x, slots = moe_inputs(n_tokens, cols, False, n_calls=16)
     t = graph_seconds([lambda s=s: gguf_moe_glu(x, gate, up, s) for s in slots], repeat)
-    return {"us": t * 1e6, "GB/s": 2 * TOP_K * expert_bytes / t / 1e9}
+    return {"us": t * 1e6, "GB/s": 2 * distinct_experts(slots) * expert_bytes / t / 1e9}
 
 
 def moe_peer_decode(shape: tuple[int, int], repeat: int) -> dict:
@@ -146,8 +185,8 @@ def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
         for warps in (1, 2, 4):
             tiles = tuning.GemvTiles(rows, blocks, warps)
             tuning.GEMV_OVERRIDES[qtype] = tiles
-            results.append((guarded(dense_gemv, qtype, 1, repeat)["GB/s"], tiles))
-    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+            results.append((guarded(dense_decode, qtype, 1, repeat)["GB/s"], tiles))
+    best = fastest(results)
     tuning.GEMV_OVERRIDES[qtype] = best
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
@@ -167,9 +206,9 @@ def sweep_grouped_gemv(name: str, qtype: Q, shape: tuple[int, int], per_pair: bo
                 tiles = tuning.GemvTiles(r, b, warps)
                 tuning.GEMV_GROUPED_OVERRIDES[key] = tiles
                 measured = guarded(moe, qtype, shape, True, 1, repeat) if per_pair else guarded(moe_glu, qtype,
-                                                                                                   shape, repeat)
+                                                                                                   shape, 1, repeat)
                 results.append((measured["GB/s"], tiles))
-    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    best = fastest(results)
     tuning.GEMV_GROUPED_OVERRIDES[key] = best
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
@@ -184,7 +223,7 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     for tiles in candidates:
         tuning.DENSE_GEMM_OVERRIDES[qtype] = tiles
         results.append((guarded(gemm, qtype, repeat)["TFLOP/s"], tiles))
-    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    best = fastest(results)
     tuning.DENSE_GEMM_OVERRIDES[qtype] = best
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
@@ -202,9 +241,24 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
     for tiles in candidates:
         tuning.GROUPED_GEMM_OVERRIDES[key] = tiles
         results.append((guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["TFLOP/s"], tiles))
-    best = max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    best = fastest(results)
     tuning.GROUPED_GEMM_OVERRIDES[key] = best
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
+
+
+def sweep_small_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
+    """Tiles of the small GEMM on a dense 4096x4096 product of 8 tokens (a decode step of 8 sequences). Sets
+    tuning.SMALL_GEMM_OVERRIDES for the type (the grouped decode takes them too)."""
+    unit = 1 if BLOCK_TYPES[qtype].values == 256 else 4
+    results = []
+    with tuned(DENSE_GEMV_MAX_TOKENS=1):
+        for block_n, blocks, warps, stages in SMALL_GEMM_SWEEP:
+            tiles = tuning.GemmTiles(16, block_n, blocks * unit, warps, stages)
+            tuning.SMALL_GEMM_OVERRIDES[qtype] = tiles
+            results.append((guarded(dense_decode, qtype, DECODE_T, repeat)["GB/s"], tiles))
+    best = fastest(results)
+    tuning.SMALL_GEMM_OVERRIDES[qtype] = best
+    return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
 
 def gemm(qtype: Q, repeat: int) -> dict:
@@ -245,41 +299,60 @@ def main() -> None:
             results[f"sweep grouped gemm {name} {qtype.name}"] = table
             key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
             print(f"sweep grouped GEMM {name} {qtype.name}: {table} -> {key}: {best}", flush=True)
-    print(f"\n{'shape':34} {'type':6} {'us':>8} {'GB/s':>7} {'% copy':>7}   {'bf16 peer us':>12} {'GB/s':>7}")
+        for qtype in (Q.Q4_K, Q.Q8_0):
+            best, table = sweep_small_gemm(qtype, r)
+            results[f"sweep small gemm {qtype.name}"] = table
+            print(f"sweep small GEMM {qtype.name} T={DECODE_T}: {table} -> Q.{qtype.name}: {best}", flush=True)
+    print(f"\n{'shape':48} {'type':6} {'us':>8} {'GB/s':>7} {'% copy':>7}   {'bf16 peer us':>12} {'GB/s':>7}")
 
-    def report(shape: str, qname: str, ours: dict, peer: dict) -> None:
-        print(f"{shape:34} {qname:6} {ours['us']:8.1f} {ours['GB/s']:7.0f} {100 * ours['GB/s'] / copy:6.0f}%   "
-              f"{peer['us']:12.1f} {peer['GB/s']:7.0f}", flush=True)
+    def report(shape: str, qname: str, ours: dict, peer: dict | None) -> None:
+        theirs = f"{peer['us']:12.1f} {peer['GB/s']:7.0f}" if peer is not None else ""
+        print(f"{shape:48} {qname:6} {ours['us']:8.1f} {ours['GB/s']:7.0f} {100 * ours['GB/s'] / copy:6.0f}%   "
+              f"{theirs}", flush=True)
         results[f"{shape} {qname}"] = {"ours": ours, "peer": peer}
 
-    for n_tokens in (1, 8):
+    for n_tokens in (1, 2, 4, 8):  # a decode step of as many sequences: the matrix-vector kernel, then the GEMM's
         peer = guarded(dense_peer, n_tokens, r)
         for qtype in DENSE_TYPES:
-            report(f"4096x4096 T={n_tokens}", qtype.name, guarded(dense_gemv, qtype, n_tokens, r), peer)
+            with tuned(DENSE_GEMV_MAX_TOKENS=tuning.GEMV_MAX_TOKENS):
+                report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1), qtype.name,
+                       guarded(dense_decode, qtype, n_tokens, r), peer)
+            if n_tokens > 1:
+                with tuned(DENSE_GEMV_MAX_TOKENS=1):
+                    report(f"4096x4096 T={n_tokens} small GEMM", qtype.name, guarded(dense_decode, qtype, n_tokens, r),
+                           peer)
     for name, qtype, shape, per_pair in MOE_SHAPES:
         report(f"{name} 8/128 T=1", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
                guarded(moe_peer_decode, shape, r))
         if not per_pair:  # gate and up as decode runs them: one launch with the SwiGLU (peer: two bmm)
             peer = guarded(moe_peer_decode, shape, r)
-            report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1", qtype.name, guarded(moe_glu, qtype, shape, r),
-                   {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
+            report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1", qtype.name,
+                   guarded(moe_glu, qtype, shape, 1, r), {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
+    for name, qtype, shape, per_pair in MOE_SHAPES:  # a decode step of 8 sequences, per pair and grouped by expert
+        for route, min_pairs in (("GEMV", None), ("small GEMM", 1)):
+            with tuned(GROUPED_DECODE_MIN_PAIRS=min_pairs):
+                ours = (guarded(moe, qtype, shape, True, DECODE_T, r) if per_pair
+                        else guarded(moe_glu, qtype, shape, DECODE_T, r))
+            label = name if per_pair else f"{name.replace('gate/up', 'gate+up')} GLU"
+            report(f"{label} 8/128 T={DECODE_T} {route}", qtype.name, ours, None)
     peer = guarded(dense_peer, PREFILL_T, r)
-    print(f"\n{'prefill T=512':34} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
+    print(f"\n{'prefill T=512':48} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
     for qtype in DENSE_TYPES:
         ours = guarded(gemm, qtype, r)
-        print(f"{'4096x4096':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
+        print(f"{'4096x4096':48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
               f"{peer['TFLOP/s']:8.1f}", flush=True)
         results[f"prefill 4096x4096 {qtype.name}"] = {"ours": ours, "peer": peer}
     for name, qtype, shape, per_pair in MOE_SHAPES:
         ours = guarded(moe, qtype, shape, per_pair, PREFILL_T, r)
-        print(f"{name + ' 8/128':34} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
+        print(f"{name + ' 8/128':48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
         results[f"prefill {name} {qtype.name}"] = {"ours": ours}
     results["tiles"] = {"gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
                         "grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in
                                          tuning.GEMV_GROUPED_OVERRIDES.items()},
                         "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
                         "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                         tuning.GROUPED_GEMM_OVERRIDES.items()}}
+                                         tuning.GROUPED_GEMM_OVERRIDES.items()},
+                        "small gemm": {q.name: t.__dict__ for q, t in tuning.SMALL_GEMM_OVERRIDES.items()}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -12,9 +12,23 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
-# Up to this many tokens (or (token, expert) pairs per expert slot on the decode path) the weights are streamed by
-# the matrix-vector kernel; more go through the tiled GEMM.
+# Up to this many tokens a step is decode-sized: the routed experts run the matrix-vector kernel, one program group per
+# (token, expert) pair, and dense products the matrix-vector kernel or the small-batch GEMM (below); more tokens go
+# through the prefill GEMM. (model.compile_prompt_kernels runs twice as many to compile the prefill kernels.)
 GEMV_MAX_TOKENS = 8
+# Dense products (gguf_mm) of up to this many tokens run the matrix-vector kernel; from there to GEMV_MAX_TOKENS, the
+# GEMM on SMALL_GEMM tiles (16 token rows: the weights read once for all tokens, the products on tensor cores). The
+# matrix-vector kernel multiplies each decoded value with every token's input in float32 FMAs, and shrinks its tiles
+# to keep the accumulators in registers: on an H200 (2026-12-01, commit a09edcf) 4096x4096 took 10.2 us at T=1 and
+# 38.2 us at T=8 in Q4_K (68.8 in Q8_0), 12.7 ms of a 15.4 ms decode step of 8 sequences on the 30B shape. 1 puts
+# T = 2..8 on the GEMM before the two were timed side by side (bench_gguf_matmul.py's "small GEMM" rows): set it to
+# GEMV_MAX_TOKENS if they say the matrix-vector kernel is faster.
+DENSE_GEMV_MAX_TOKENS = 1
+# Decode steps of at least this many (token, expert) pairs group the pairs by bank slot (group_by_slot, on the device)
+# and run the grouped GEMM on SMALL_GEMM tiles, so that an expert chosen by several tokens is read once; None: every
+# decode step runs a matrix-vector program group per pair. Off: 8 tokens choosing 8 of 128 experts share only about
+# a fifth of their pairs, and the grouping adds about 20 small kernels per layer; not measured yet.
+GROUPED_DECODE_MIN_PAIRS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -35,22 +49,50 @@ class GemmTiles:
 
 # Measured on an H200 (Triton 3.6; bench/bench_gguf_matmul.py --sweep, docs/BENCHMARKS.md), 4096x4096, T=1: the
 # fastest of 2-16 rows x 2-16 blocks, 4 or 8 warps. Keyed by values per block; types not swept take their size's.
+# The types swept again 2026-12-01 evening (commit a09edcf, 1-4 warps) have their own tiles where they beat these by
+# more than 5%, GB/s of weight bytes against the block size's tiles: Q4_K 4 x 8 blocks 915 (4 x 4: 766), Q8_0 4 x 16
+# 1368 (8 x 16: 1008), Q4_0 4 x 16 on 2 warps 958 (its former 8 x 16 on 8 warps was not in the sweep; the best 8-row
+# tile made 803). Q6_K keeps 4 x 4 on 4 warps: 1130, within 4% of the sweep's best (4 x 8 on 2 warps, 1167).
 GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=4), 32: GemvTiles(rows=8, blocks=16)}
-GEMV_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_0: GemvTiles(rows=8, blocks=16, num_warps=8)}
+GEMV_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=4, blocks=8), Q.Q8_0: GemvTiles(rows=4, blocks=16),
+                                      Q.Q4_0: GemvTiles(rows=4, blocks=16, num_warps=2)}
 # The grouped decode (gguf_moe, gguf_moe_glu: a program per (token, expert) pair and row tile) runs short rows in many
 # small programs; its tiles, keyed by (type, blocks per row), come from bench_gguf_matmul.py --sweep on the expert
-# shapes. Shapes not listed take the dense tiles above.
-GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {}
+# shapes (4-32 rows x 1-4 blocks (4-16 of 32 values), 1-4 warps; gate/up timed as gguf_moe_glu). Shapes not listed
+# take the dense tiles above. 2026-12-01 evening, GB/s against the dense tiles those shapes ran before (Q4_K 4 x 4 on
+# 4 warps; Q4_0 8 x 16 on 8 warps, not in the sweep: its 4-warp form): 30B gate+up 1018 (864), 30B down 756 (580),
+# 60 GB gate+up 1234 (1073), 60 GB down 1075 (866).
+GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
+    (Q.Q4_K, 8): GemvTiles(rows=4, blocks=4, num_warps=1),  # Qwen3-30B-A3B gate/up, 2048 columns
+    (Q.Q4_K, 3): GemvTiles(rows=4, blocks=1, num_warps=1),  # its down, 768 columns
+    (Q.Q4_K, 16): GemvTiles(rows=4, blocks=4, num_warps=2),  # the 60 GB bench model's gate/up, 4096 columns
+    (Q.Q4_0, 44): GemvTiles(rows=4, blocks=4, num_warps=2),  # its down, 1408 columns
+}
 # GEMM, T=512: 128x128 tiles with 8 warps ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0; 3 stages,
 # Triton 3.6). Q4_K keeps 2 stages: Triton 3.9 asks 232 KB of shared memory for 3 (the H200 has 227 KB). The grouped
-# kernel, given those tiles with float32 inputs, asked for 303 KB; it keeps 64x64, measured on it. Q6_K and Q4_0 were
+# kernel, given those tiles with float32 inputs, asked for 303 KB; it keeps 64x64 where not swept. Q6_K and Q4_0 were
 # not swept.
 GEMM_BY_BLOCK_VALUES = {256: GemmTiles(64, 64, 1), 32: GemmTiles(64, 64, 2)}
 DENSE_GEMM_OVERRIDES: dict[Q, GemmTiles] = {Q.Q4_K: GemmTiles(128, 128, 1, num_warps=8, num_stages=2),
                                             Q.Q8_0: GemmTiles(128, 128, 4, num_warps=8, num_stages=3)}
 # The grouped prefill GEMM's tiles by (type, blocks per row), from bench_gguf_matmul.py --sweep on the expert shapes
 # at T = 512 (8 of 128 experts: about 32 pairs per expert, half a 64-row tile); shapes not listed take the above.
-GROUPED_GEMM_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {}
+# 2026-12-01 evening, TFLOP/s against the 64x64 tiles they ran before: 30B gate/up 24.0 (16.6), 30B down 25.9 (17.5),
+# 60 GB gate/up 28.8 (18.7): 16 pairs per tile waste least on the experts' short runs (and 16-row tiles fit 3 stages
+# in shared memory); 60 GB down (Q4_0) 31.0 (64x64 on 4 blocks per step: 19.8; the default's 2 were not in the sweep).
+GROUPED_GEMM_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
+    (Q.Q4_K, 8): GemmTiles(16, 128, 1, num_warps=8, num_stages=3),
+    (Q.Q4_K, 3): GemmTiles(16, 128, 1, num_warps=8, num_stages=3),
+    (Q.Q4_K, 16): GemmTiles(16, 128, 1, num_warps=8, num_stages=3),
+    (Q.Q4_0, 44): GemmTiles(64, 128, 4, num_warps=4, num_stages=2),
+}
+# The small-batch GEMM (dense products of DENSE_GEMV_MAX_TOKENS + 1 .. GEMV_MAX_TOKENS tokens, and the grouped decode
+# when GROUPED_DECODE_MIN_PAIRS allows): 16 token rows, the smallest tl.dot tile, and narrow weight tiles, so that a
+# 4096-row matrix still gives each SM a program (32 rows: 128 programs). Not swept yet: bench_gguf_matmul.py --sweep
+# times 16-128 rows x 1-4 blocks (4-16 of 32 values), 2-8 warps, 2-4 stages at T=8 and prints the entries for
+# SMALL_GEMM_OVERRIDES.
+SMALL_GEMM_BY_BLOCK_VALUES = {256: GemmTiles(16, 32, 1), 32: GemmTiles(16, 32, 4)}
+SMALL_GEMM_OVERRIDES: dict[Q, GemmTiles] = {}
 
 
 # The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
@@ -67,6 +109,11 @@ def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int, group
     while tokens * rows * blocks * part_values > budget and rows * blocks > 1:
         rows, blocks = (rows, blocks // 2) if blocks > 1 else (rows // 2, blocks)
     return GemvTiles(rows, blocks, tiles.num_warps)
+
+
+def small_gemm_tiles(qtype: Q, block_values: int) -> GemmTiles:
+    """The small-batch GEMM's tiles: the type's where swept, else the block size's."""
+    return SMALL_GEMM_OVERRIDES.get(qtype) or SMALL_GEMM_BY_BLOCK_VALUES[block_values]
 
 
 def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0) -> GemmTiles:
