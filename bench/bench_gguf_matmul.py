@@ -12,7 +12,9 @@ Prints, from one run:
   tokens (8 random experts each) as decode runs them (gate+up in one gguf_moe_glu), a matrix-vector program group per
   (token, expert) pair and grouped by expert through the small GEMM (tuning.GROUPED_DECODE_MIN_PAIRS; the grouping
   counted in its time): GB/s of the distinct experts' bytes, what a step must read at least;
-- prefill GEMM at T = 512: TFLOP/s for the 4096x4096 weight and the grouped experts (8 of 128 per token);
+- prefill at T = 64, 128, 512: TFLOP/s for the 4096x4096 weight, through the GEMM on the blocks and through the
+  weight decoded to bfloat16 once and cuBLAS (tuning.DECODED_GEMM_MIN_TOKENS), and at T = 512 for the grouped
+  experts (8 of 128 per token);
 - the peer on every shape: torch bfloat16 F.linear (dense) or bmm over the 8 experts' pre-stacked bfloat16 weights.
 Weights are random bytes (timing does not depend on the values; tests/runtime/test_gguf_matmul.py checks results).
 Every timed call reads weights that are not in L2: the calls rotate over enough copies (or experts) to pass 200 MB.
@@ -222,7 +224,8 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     results = []
     for tiles in candidates:
         tuning.DENSE_GEMM_OVERRIDES[qtype] = tiles
-        results.append((guarded(gemm, qtype, repeat)["TFLOP/s"], tiles))
+        with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
+            results.append((guarded(gemm, qtype, repeat)["TFLOP/s"], tiles))
     best = fastest(results)
     tuning.DENSE_GEMM_OVERRIDES[qtype] = best
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
@@ -261,13 +264,16 @@ def sweep_small_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
 
-def gemm(qtype: Q, repeat: int) -> dict:
+def gemm(qtype: Q, repeat: int, n_tokens: int = PREFILL_T) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
     weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
-    x = torch.randn(PREFILL_T, cols, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(n_tokens, cols, device="cuda", dtype=torch.bfloat16)
     t = graph_seconds([lambda w=w: gguf_mm(x, w) for w in weights], repeat)
-    return {"us": t * 1e6, "TFLOP/s": 2 * PREFILL_T * rows * cols / t / 1e12}
+    return {"us": t * 1e6, "TFLOP/s": 2 * n_tokens * rows * cols / t / 1e12}
+
+
+BLOCKS_ONLY = 1 << 30  # DECODED_GEMM_MIN_TOKENS that keeps every product on the GEMM over the blocks
 
 
 def main() -> None:
@@ -335,13 +341,17 @@ def main() -> None:
                         else guarded(moe_glu, qtype, shape, DECODE_T, r))
             label = name if per_pair else f"{name.replace('gate/up', 'gate+up')} GLU"
             report(f"{label} 8/128 T={DECODE_T} {route}", qtype.name, ours, None)
-    peer = guarded(dense_peer, PREFILL_T, r)
-    print(f"\n{'prefill T=512':48} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
-    for qtype in DENSE_TYPES:
-        ours = guarded(gemm, qtype, r)
-        print(f"{'4096x4096':48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
-              f"{peer['TFLOP/s']:8.1f}", flush=True)
-        results[f"prefill 4096x4096 {qtype.name}"] = {"ours": ours, "peer": peer}
+    print(f"\n{'prefill':48} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
+    for n_tokens in (64, 128, PREFILL_T):  # the GEMM on the blocks, and the weight decoded to bfloat16 + cuBLAS
+        peer = guarded(dense_peer, n_tokens, r)
+        for qtype in DENSE_TYPES:
+            for route, min_tokens in (("blocks GEMM", BLOCKS_ONLY), ("decoded + cuBLAS", 1)):
+                with tuned(DECODED_GEMM_MIN_TOKENS=min_tokens):
+                    ours = guarded(gemm, qtype, r, n_tokens)
+                label = f"4096x4096 T={n_tokens} {route}"
+                print(f"{label:48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
+                      f"{peer['TFLOP/s']:8.1f}", flush=True)
+                results[f"prefill {label} {qtype.name}"] = {"ours": ours, "peer": peer}
     for name, qtype, shape, per_pair in MOE_SHAPES:
         ours = guarded(moe, qtype, shape, per_pair, PREFILL_T, r)
         print(f"{name + ' 8/128':48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)

@@ -29,6 +29,12 @@ DENSE_GEMV_MAX_TOKENS = 1
 # decode step runs a matrix-vector program group per pair. Off: 8 tokens choosing 8 of 128 experts share only about
 # a fifth of their pairs, and the grouping adds about 20 small kernels per layer; not measured yet.
 GROUPED_DECODE_MIN_PAIRS: int | None = None
+# From this many tokens a dense product (a prompt's attention and output weights) decodes its weight to bfloat16 once
+# and multiplies on cuBLAS (gguf_matmul.decode_bf16): at T = 512 the GEMM on the blocks took 403 us (4096x4096 Q4_K)
+# where a bfloat16 product takes 25 and the decode writes 32 MB. 64 until bench_gguf_matmul.py's prefill rows time
+# both routes at T = 64 and 128. (Expert banks stay on the grouped GEMM: ~32 tokens per expert do not repay a decode.)
+DECODED_GEMM_MIN_TOKENS = 64
+DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
 
 
 @dataclass(frozen=True)

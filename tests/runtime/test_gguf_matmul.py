@@ -12,7 +12,8 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   classic bound for a sum of C rounded products in any order), tested with a factor 2 to spare;
 - the GEMM rounds x to bfloat16 (to nearest, as torch's .bfloat16() does), and w too on the GPU, and accumulates in
   float32, so it is compared with the float64 product of the same operands, within the same bound (the interpreter
-  multiplies bfloat16 x with float32 w: gguf_matmul._INTERPRETED says why).
+  multiplies bfloat16 x with float32 w: gguf_matmul._INTERPRETED says why); on the GPU a dense product of
+  tuning.DECODED_GEMM_MIN_TOKENS tokens or more multiplies the same bfloat16 operands on cuBLAS (decode_bf16).
 Random data are never zeros; a wrong nibble, scale or row order misses these bounds by orders of magnitude.
 """
 
@@ -305,3 +306,19 @@ def test_group_by_slot_shapes_and_contents() -> None:
             members = members[members >= 0]
             assert (flat[members] == slot).all() and (slot >= 0 or len(members) == 0)
     assert len(shapes) == 1
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.IQ4_XS, Q.F16], ids=lambda q: q.name)
+def test_decode_bf16(qtype: Q) -> None:
+    """The prompt's dense path decodes a weight to bfloat16 once (decode_bf16, then cuBLAS where CUDA is: the
+    T >= tuning.DECODED_GEMM_MIN_TOKENS rows of test_every_type and test_token_counts run it there): every value is
+    the reference's within one bfloat16 step (the GPU rounds to nearest, Triton's interpreter truncates)."""
+    from moerun.kernels.gguf_matmul import decode_bf16
+
+    rng = np.random.default_rng([int(qtype), 7])
+    rows, cols = 37, COLS[BLOCK_TYPES[qtype].values]
+    data = random_weights(qtype, (rows,), cols, rng)
+    got = decode_bf16(QWeight(data.to(DEVICE), qtype, rows, cols)).cpu()
+    ref = dequantized(data, qtype, cols)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, cols)
+    assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -7).all()
