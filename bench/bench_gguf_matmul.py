@@ -5,13 +5,12 @@
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
 - decode products (T = 1, 2, 4, 8 tokens, a decode step of as many sequences) of a 4096x4096 weight in Q4_K, Q8_0,
-  Q6_K, Q4_0: GB/s of weight bytes, on the matrix-vector kernel and, from T = 2, on the GEMM's 16-token tiles
-  ("small GEMM"), whichever tuning.DENSE_GEMV_MAX_TOKENS picks;
+  Q6_K, Q4_0: GB/s of weight bytes, on the matrix-vector kernel and, from T = 2, through the weight decoded to
+  bfloat16 and cuBLAS ("decoded"), whichever tuning.DECODED_GEMM_MIN_TOKENS picks;
 - grouped MoE decode, 8 of 128 experts (distinct), one token: 2048x768 and 768x2048 in Q4_K (Qwen3-30B-A3B shape),
   4096x1408 in Q4_K and 1408x4096 in Q4_0 (the 60 GB benchmark shape); shapes are GGUF's (columns x rows); then 8
-  tokens (8 random experts each) as decode runs them (gate+up in one gguf_moe_glu), a matrix-vector program group per
-  (token, expert) pair and grouped by expert through the small GEMM (tuning.GROUPED_DECODE_MIN_PAIRS; the grouping
-  counted in its time): GB/s of the distinct experts' bytes, what a step must read at least;
+  tokens (8 random experts each) as decode runs them (gate+up in one gguf_moe_glu, a matrix-vector program group per
+  (token, expert) pair): GB/s of the distinct experts' bytes, what a step must read at least;
 - prefill at T = 64, 128, 512: TFLOP/s for the 4096x4096 weight, through the GEMM on the blocks and through the
   weight decoded to bfloat16 once and cuBLAS (tuning.DECODED_GEMM_MIN_TOKENS), and at T = 512 for the grouped
   experts (8 of 128 per token);
@@ -21,9 +20,8 @@ Every timed call reads weights that are not in L2: the calls rotate over enough 
 Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
 step), median of --repeat replays after a warm-up. --sweep first times a few GEMV/GEMM tile shapes per type and uses
 the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles on each expert shape
-(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, the grouped prefill GEMM's at
-T = 512, for tuning.GROUPED_GEMM_OVERRIDES, and the small GEMM's at T = 8 (Q4_K, Q8_0), for
-tuning.SMALL_GEMM_OVERRIDES.
+(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, and the grouped prefill GEMM's at
+T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
 """
 
 from __future__ import annotations
@@ -54,14 +52,6 @@ MOE_SHAPES = (
     ("60GB down 1408x4096", Q.Q4_0, (4096, 1408), True),
 )
 N_EXPERTS, TOP_K, PREFILL_T, DECODE_T = 128, 8, 512, 8
-# The small GEMM's sweep, (rows per tile, blocks per step (x4 for 32-value blocks), warps, stages), 16 tokens each:
-# narrow tiles give a 4096-row matrix more programs than the H200's 132 SMs, wider ones fewer, longer K steps.
-# Compiled for sm_90 on the CPU (Triton 3.9), Q4_K spills registers with 2 or more blocks per step, Q8_0 does not:
-# the candidates of several blocks are there for the 32-value types.
-SMALL_GEMM_SWEEP = ((16, 1, 2, 2), (16, 1, 4, 3), (16, 2, 4, 3),
-                    (32, 1, 4, 2), (32, 1, 4, 3), (32, 1, 8, 3), (32, 2, 4, 3), (32, 2, 8, 4), (32, 4, 8, 4),
-                    (64, 1, 4, 2), (64, 1, 4, 3), (64, 1, 8, 4), (64, 2, 8, 3),
-                    (128, 1, 8, 2), (128, 1, 8, 3))
 
 
 def graph_seconds(calls: list[Callable[[], object]], repeat: int) -> float:
@@ -249,21 +239,6 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
-def sweep_small_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
-    """Tiles of the small GEMM on a dense 4096x4096 product of 8 tokens (a decode step of 8 sequences). Sets
-    tuning.SMALL_GEMM_OVERRIDES for the type (the grouped decode takes them too)."""
-    unit = 1 if BLOCK_TYPES[qtype].values == 256 else 4
-    results = []
-    with tuned(DENSE_GEMV_MAX_TOKENS=1):
-        for block_n, blocks, warps, stages in SMALL_GEMM_SWEEP:
-            tiles = tuning.GemmTiles(16, block_n, blocks * unit, warps, stages)
-            tuning.SMALL_GEMM_OVERRIDES[qtype] = tiles
-            results.append((guarded(dense_decode, qtype, DECODE_T, repeat)["GB/s"], tiles))
-    best = fastest(results)
-    tuning.SMALL_GEMM_OVERRIDES[qtype] = best
-    return best, [(round(gbs), t.__dict__) for gbs, t in results]
-
-
 def gemm(qtype: Q, repeat: int, n_tokens: int = PREFILL_T) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
@@ -305,10 +280,6 @@ def main() -> None:
             results[f"sweep grouped gemm {name} {qtype.name}"] = table
             key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
             print(f"sweep grouped GEMM {name} {qtype.name}: {table} -> {key}: {best}", flush=True)
-        for qtype in (Q.Q4_K, Q.Q8_0):
-            best, table = sweep_small_gemm(qtype, r)
-            results[f"sweep small gemm {qtype.name}"] = table
-            print(f"sweep small GEMM {qtype.name} T={DECODE_T}: {table} -> Q.{qtype.name}: {best}", flush=True)
     print(f"\n{'shape':48} {'type':6} {'us':>8} {'GB/s':>7} {'% copy':>7}   {'bf16 peer us':>12} {'GB/s':>7}")
 
     def report(shape: str, qname: str, ours: dict, peer: dict | None) -> None:
@@ -317,15 +288,15 @@ def main() -> None:
               f"{theirs}", flush=True)
         results[f"{shape} {qname}"] = {"ours": ours, "peer": peer}
 
-    for n_tokens in (1, 2, 4, 8):  # a decode step of as many sequences: the matrix-vector kernel, then the GEMM's
+    for n_tokens in (1, 2, 4, 8):  # a decode step of as many sequences: the matrix-vector kernel, then the decoded
         peer = guarded(dense_peer, n_tokens, r)
         for qtype in DENSE_TYPES:
-            with tuned(DENSE_GEMV_MAX_TOKENS=tuning.GEMV_MAX_TOKENS):
+            with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
                 report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1), qtype.name,
                        guarded(dense_decode, qtype, n_tokens, r), peer)
             if n_tokens > 1:
-                with tuned(DENSE_GEMV_MAX_TOKENS=1):
-                    report(f"4096x4096 T={n_tokens} small GEMM", qtype.name, guarded(dense_decode, qtype, n_tokens, r),
+                with tuned(DECODED_GEMM_MIN_TOKENS=1):
+                    report(f"4096x4096 T={n_tokens} decoded", qtype.name, guarded(dense_decode, qtype, n_tokens, r),
                            peer)
     for name, qtype, shape, per_pair in MOE_SHAPES:
         report(f"{name} 8/128 T=1", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
@@ -334,13 +305,11 @@ def main() -> None:
             peer = guarded(moe_peer_decode, shape, r)
             report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1", qtype.name,
                    guarded(moe_glu, qtype, shape, 1, r), {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
-    for name, qtype, shape, per_pair in MOE_SHAPES:  # a decode step of 8 sequences, per pair and grouped by expert
-        for route, min_pairs in (("GEMV", None), ("small GEMM", 1)):
-            with tuned(GROUPED_DECODE_MIN_PAIRS=min_pairs):
-                ours = (guarded(moe, qtype, shape, True, DECODE_T, r) if per_pair
-                        else guarded(moe_glu, qtype, shape, DECODE_T, r))
-            label = name if per_pair else f"{name.replace('gate/up', 'gate+up')} GLU"
-            report(f"{label} 8/128 T={DECODE_T} {route}", qtype.name, ours, None)
+    for name, qtype, shape, per_pair in MOE_SHAPES:  # a decode step of 8 sequences: a program group per pair
+        ours = (guarded(moe, qtype, shape, True, DECODE_T, r) if per_pair
+                else guarded(moe_glu, qtype, shape, DECODE_T, r))
+        label = name if per_pair else f"{name.replace('gate/up', 'gate+up')} GLU"
+        report(f"{label} 8/128 T={DECODE_T}", qtype.name, ours, None)
     print(f"\n{'prefill':48} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
     for n_tokens in (64, 128, PREFILL_T):  # the GEMM on the blocks, and the weight decoded to bfloat16 + cuBLAS
         peer = guarded(dense_peer, n_tokens, r)
@@ -361,8 +330,7 @@ def main() -> None:
                                          tuning.GEMV_GROUPED_OVERRIDES.items()},
                         "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
                         "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                         tuning.GROUPED_GEMM_OVERRIDES.items()},
-                        "small gemm": {q.name: t.__dict__ for q, t in tuning.SMALL_GEMM_OVERRIDES.items()}}
+                                         tuning.GROUPED_GEMM_OVERRIDES.items()}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

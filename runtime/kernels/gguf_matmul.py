@@ -1,12 +1,12 @@
 """Products of activations with weights stored as GGUF blocks, decoded in registers: no dequantized copy is written.
 
 Two kernels, both generic over the block type through qtypes.BLOCK_TYPES (the decoder is a compile-time argument):
-- `_gemv_kernel` (decode: dense products of up to tuning.DENSE_GEMV_MAX_TOKENS tokens, and each (token, expert) pair
-  of a decode step's experts) streams a tile of R weight rows x B blocks per step and multiplies each decoded value
-  with every token's input in float32, so the weight bytes are read once for all tokens.
-- `_gemm_kernel` (prefill; dense decode steps of several tokens on 16-token tiles) decodes a [BN rows, B blocks] tile
-  per K step to bfloat16 and multiplies it with a [BM tokens, K] input tile through tl.dot, accumulating in float32.
-Which one runs, for how many tokens, and on which tiles: tuning.py.
+- `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens) streams a tile of R weight rows x B blocks per step and
+  multiplies each decoded value with every token's input in float32, so the weight bytes are read once for all tokens.
+- `_gemm_kernel` (prefill) decodes a [BN rows, B blocks] tile per K step to bfloat16 and multiplies it with a
+  [BM tokens, K] input tile through tl.dot, accumulating in float32.
+A dense product of several tokens on a GPU decodes its weight to bfloat16 once instead (`_decode_kernel`) and
+multiplies on cuBLAS. Which one runs, for how many tokens, and on which tiles: tuning.py.
 Both take an optional slot per program (a row of a bank of expert matrices): the MoE entry points use it, -1 meaning
 "skip": the program reads no weight bytes and its outputs are zeros.
 
@@ -16,6 +16,8 @@ cumsum on the device into buffers of a size known from the shapes alone, so ever
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -222,17 +224,29 @@ def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] == w.cols and w.data.dim() == 2, (tuple(x.shape), tuple(w.data.shape))
     x = x.contiguous()
     n_tokens = x.shape[0]
+    if n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not _INTERPRETED:
+        return _decoded_mm(x, w)
     out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
     if n_tokens == 0:
         return out
-    if n_tokens <= tuning.DENSE_GEMV_MAX_TOKENS:
+    if n_tokens <= tuning.GEMV_MAX_TOKENS:
         _gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None)
-    elif n_tokens <= tuning.GEMV_MAX_TOKENS:  # a decode step of several sequences: 16-token tiles
-        _gemm(x, w, bt, out, n_tokens, 1, None, tuning.small_gemm_tiles(Q(w.qtype), bt.values))
-    elif n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not _INTERPRETED:
-        out = torch.mm(x.to(torch.bfloat16), decode_bf16(w).t(), out_dtype=torch.float32)
     else:
         _gemm(x, w, bt, out, n_tokens, 1, None, tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=False))
+    return out
+
+
+def _decoded_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x @ w.T through the weight decoded to bfloat16 and cuBLAS, in row chunks of at most
+    tuning.DECODED_CHUNK_BYTES of bfloat16 (one scratch at a time) -> (T, N) float32."""
+    x = x.to(torch.bfloat16)
+    chunk = max(1, tuning.DECODED_CHUNK_BYTES // (2 * w.cols))
+    if chunk >= w.rows:
+        return torch.mm(x, decode_bf16(w).t(), out_dtype=torch.float32)
+    out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
+    for start in range(0, w.rows, chunk):
+        part = dataclasses.replace(w, data=w.data[start:start + chunk], rows=min(chunk, w.rows - start))
+        out[:, start:start + part.rows] = torch.mm(x, decode_bf16(part).t(), out_dtype=torch.float32)
     return out
 
 
@@ -281,26 +295,13 @@ def group_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[torc
     return ids[:-1], block_slot
 
 
-def _grouped_tiles(w: QWeight, bt: BlockType, n_tokens: int, k: int) -> tuning.GemmTiles | None:
-    """The grouped GEMM's tiles for T tokens of K experts each, or None where a matrix-vector program group runs per
-    (token, expert) pair: the prefill tiles past tuning.GEMV_MAX_TOKENS tokens, the small-batch ones for a decode step
-    of at least tuning.GROUPED_DECODE_MIN_PAIRS pairs."""
-    if n_tokens > tuning.GEMV_MAX_TOKENS:
-        return tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values)
-    min_pairs = tuning.GROUPED_DECODE_MIN_PAIRS
-    if min_pairs is not None and n_tokens * k >= min_pairs:
-        return tuning.small_gemm_tiles(Q(w.qtype), bt.values)
-    return None
-
-
 def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | None = None) -> torch.Tensor:
     """Each token's K experts of a bank in one launch: -> (T, K, N) float32.
 
     w.data: (E, N, row_bytes); slots (T, K) int32 or int64: the bank slot of token t's k-th expert, -1 to skip it
     (zeros out). x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
-    `groups`: where the grouped path (prefill; decode where tuning.GROUPED_DECODE_MIN_PAIRS says) keeps its
-    group_by_slot of these slots for the other banks of the same layer (about 20 small kernels each: a third of a
-    prefill layer's launches when run for gate, up and down).
+    `groups`: where the prefill path keeps its group_by_slot of these slots for the other banks of the same layer
+    (about 20 small kernels each: a third of a prefill layer's launches when run for gate, up and down).
     """
     bt = _block_type(w)
     assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype in (torch.int32, torch.int64), (
@@ -311,12 +312,12 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
     x, slots = x.contiguous(), slots.contiguous()
     if n_tokens * k == 0:
         return torch.zeros(n_tokens, k, w.rows, dtype=torch.float32, device=x.device)
-    tiles = _grouped_tiles(w, bt, n_tokens, k)
-    if tiles is None:
+    if n_tokens <= tuning.GEMV_MAX_TOKENS:
         out = torch.empty(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)
         _gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
+        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values)
         key, groups = (w.data.shape[0], tiles.block_m), {} if groups is None else groups
         if key not in groups:
             groups[key] = group_by_slot(slots, *key)
@@ -335,16 +336,15 @@ def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tenso
     """silu(gguf_moe(x, gate, slots)) * gguf_moe(x, up, slots): -> (T, K, N) float32, skipped slots zeros.
 
     Decode-sized steps run both banks in one matrix-vector launch (the input read once, the SwiGLU done on the
-    accumulators); prefill (and decode where tuning.GROUPED_DECODE_MIN_PAIRS says) runs the two grouped GEMMs on one
-    grouping, and the product.
+    accumulators); prefill runs the two grouped GEMMs on one grouping, and the product.
     """
     assert glu_supports(gate, up), (Q(gate.qtype).name, Q(up.qtype).name, tuple(gate.data.shape))
     n_tokens, k = slots.shape
-    bt = _block_type(gate)
-    if n_tokens * k == 0 or _grouped_tiles(gate, bt, n_tokens, k) is not None:
+    if n_tokens * k == 0 or n_tokens > tuning.GEMV_MAX_TOKENS:
         groups = {} if groups is None else groups
         g, u = gguf_moe(x, gate, slots, groups), gguf_moe(x, up, slots, groups)
         return torch.nn.functional.silu(g) * u
+    bt = _block_type(gate)
     _block_type(up)
     assert x.shape == (n_tokens, gate.cols), (tuple(x.shape), tuple(slots.shape))
     x, slots = x.contiguous(), slots.contiguous()

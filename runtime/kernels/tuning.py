@@ -13,28 +13,21 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as Q
 
 # Up to this many tokens a step is decode-sized: the routed experts run the matrix-vector kernel, one program group per
-# (token, expert) pair, and dense products the matrix-vector kernel or the small-batch GEMM (below); more tokens go
-# through the prefill GEMM. (model.compile_prompt_kernels runs twice as many to compile the prefill kernels.)
+# (token, expert) pair, and so do dense products below DECODED_GEMM_MIN_TOKENS; more tokens go through the prefill
+# GEMM. (model.compile_prompt_kernels runs twice as many to compile the prefill kernels.)
 GEMV_MAX_TOKENS = 8
-# Dense products (gguf_mm) of up to this many tokens run the matrix-vector kernel; from there to GEMV_MAX_TOKENS, the
-# GEMM on SMALL_GEMM tiles (16 token rows: the weights read once for all tokens, the products on tensor cores). The
-# matrix-vector kernel multiplies each decoded value with every token's input in float32 FMAs, and shrinks its tiles
-# to keep the accumulators in registers: on an H200 (2026-12-01, commit a09edcf) 4096x4096 took 10.2 us at T=1 and
-# 38.2 us at T=8 in Q4_K (68.8 in Q8_0), 12.7 ms of a 15.4 ms decode step of 8 sequences on the 30B shape. 1 puts
-# T = 2..8 on the GEMM before the two were timed side by side (bench_gguf_matmul.py's "small GEMM" rows): set it to
-# GEMV_MAX_TOKENS if they say the matrix-vector kernel is faster.
-DENSE_GEMV_MAX_TOKENS = 1
-# Decode steps of at least this many (token, expert) pairs group the pairs by bank slot (group_by_slot, on the device)
-# and run the grouped GEMM on SMALL_GEMM tiles, so that an expert chosen by several tokens is read once; None: every
-# decode step runs a matrix-vector program group per pair. Off: 8 tokens choosing 8 of 128 experts share only about
-# a fifth of their pairs, and the grouping adds about 20 small kernels per layer; not measured yet.
-GROUPED_DECODE_MIN_PAIRS: int | None = None
-# From this many tokens a dense product (a prompt's attention and output weights) decodes its weight to bfloat16 once
-# and multiplies on cuBLAS (gguf_matmul.decode_bf16): at T = 512 the GEMM on the blocks took 403 us (4096x4096 Q4_K)
-# where a bfloat16 product takes 25 and the decode writes 32 MB. 64 until bench_gguf_matmul.py's prefill rows time
-# both routes at T = 64 and 128. (Expert banks stay on the grouped GEMM: ~32 tokens per expert do not repay a decode.)
-DECODED_GEMM_MIN_TOKENS = 64
+# From this many tokens a dense product on a GPU decodes its weight to bfloat16 once and multiplies on cuBLAS
+# (gguf_matmul.decode_bf16). H200, 2026-12-01 evening (bench_gguf_matmul.py, docs/BENCHMARKS.md): 4096x4096 Q4_K at
+# T = 512 took 410 us on the GEMM over the blocks and 43 decoded (25 for the bfloat16 product alone), at T = 64 265
+# against 28; the matrix-vector kernel multiplies each value with every token in float32 and slows with tokens
+# (Q4_K 9.9 us at T=1, 18-24 at T=2 for the four types, 29-48 at T=4, 38-69 at T=8), where the decoded product
+# costs about the same ~25-30 us at any T. A GEMM over the blocks on 16-token tiles lost at T = 2-8 too (47-138 us).
+# (Expert banks stay on the grouped GEMM: ~32 tokens per expert in a prompt do not repay a decoded copy.)
+DECODED_GEMM_MIN_TOKENS = 4
 DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
+# A weight larger than this decodes in row chunks of this size, one scratch buffer reused: the output head of a
+# 152k-token vocabulary would otherwise take 620 MB of scratch in a decode step of several sequences.
+DECODED_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -92,15 +85,6 @@ GROUPED_GEMM_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
     (Q.Q4_K, 16): GemmTiles(16, 128, 1, num_warps=8, num_stages=3),
     (Q.Q4_0, 44): GemmTiles(64, 128, 4, num_warps=4, num_stages=2),
 }
-# The small-batch GEMM (dense products of DENSE_GEMV_MAX_TOKENS + 1 .. GEMV_MAX_TOKENS tokens, and the grouped decode
-# when GROUPED_DECODE_MIN_PAIRS allows): 16 token rows, the smallest tl.dot tile, and narrow weight tiles, so that a
-# 4096-row matrix still gives each SM a program (32 rows: 128 programs). Not swept yet: bench_gguf_matmul.py --sweep
-# times 16-128 rows x 1-4 blocks (4-16 of 32 values), 2-8 warps, 2-4 stages at T=8 and prints the entries for
-# SMALL_GEMM_OVERRIDES.
-SMALL_GEMM_BY_BLOCK_VALUES = {256: GemmTiles(16, 32, 1), 32: GemmTiles(16, 32, 4)}
-SMALL_GEMM_OVERRIDES: dict[Q, GemmTiles] = {}
-
-
 # The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
 GEMV_ACCUMULATORS_PER_THREAD = 64
 
@@ -115,11 +99,6 @@ def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int, group
     while tokens * rows * blocks * part_values > budget and rows * blocks > 1:
         rows, blocks = (rows, blocks // 2) if blocks > 1 else (rows // 2, blocks)
     return GemvTiles(rows, blocks, tiles.num_warps)
-
-
-def small_gemm_tiles(qtype: Q, block_values: int) -> GemmTiles:
-    """The small-batch GEMM's tiles: the type's where swept, else the block size's."""
-    return SMALL_GEMM_OVERRIDES.get(qtype) or SMALL_GEMM_BY_BLOCK_VALUES[block_values]
 
 
 def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0) -> GemmTiles:

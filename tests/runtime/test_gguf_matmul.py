@@ -53,10 +53,7 @@ def wide_tiles(monkeypatch):
                                                          32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32)})
     monkeypatch.setattr(tuning, "GEMM_BY_BLOCK_VALUES",
                         {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)})
-    monkeypatch.setattr(tuning, "SMALL_GEMM_BY_BLOCK_VALUES",
-                        {256: tuning.GemmTiles(16, 64, 4), 32: tuning.GemmTiles(16, 64, 32)})
-    for swept in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES",
-                  "SMALL_GEMM_OVERRIDES"):
+    for swept in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES"):
         monkeypatch.setattr(tuning, swept, {})
 
 
@@ -106,7 +103,13 @@ def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype
     w = QWeight(data.to(DEVICE), qtype, rows, cols)
     y = gguf_mm(x.to(DEVICE), w)
     assert y.dtype == torch.float32 and y.shape == (n_tokens, rows)
-    assert_close(y, x, dequantized(data, qtype, cols), gemm=n_tokens > tuning.DENSE_GEMV_MAX_TOKENS)
+    assert_close(y, x, dequantized(data, qtype, cols), gemm=on_bfloat16_operands(n_tokens))
+
+
+def on_bfloat16_operands(n_tokens: int) -> bool:
+    """Does gguf_mm multiply bfloat16 operands for this many tokens (the GEMM, or on the GPU the decoded weight and
+    cuBLAS), rather than the float32 matrix-vector kernel?"""
+    return n_tokens > tuning.GEMV_MAX_TOKENS or (DEVICE == "cuda" and n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS)
 
 
 def test_supported_types() -> None:
@@ -118,18 +121,15 @@ def test_supported_types() -> None:
 @pytest.mark.parametrize("n_tokens", [1, 2, 3, 8, 64])
 @pytest.mark.parametrize("qtype", list(FP16_FIELDS) + list(PLAIN_FLOATS), ids=lambda q: q.name)
 def test_every_type(wide_tiles, qtype: Q, n_tokens: int) -> None:
-    """On 40 rows: matrix-vector (T=1), the GEMM on 16-token tiles (a decode step of 2, 3, 8 sequences) and on the
-    prefill tiles (T=64)."""
+    """On 40 rows: matrix-vector (T=1, and a decode step of 2, 3, 8 sequences; on the GPU 8 decodes the weight to
+    bfloat16 for cuBLAS) and the prefill GEMM (T=64; on the GPU the decoded weight again)."""
     run_mm(qtype, n_tokens, rows=40, rng=np.random.default_rng([int(qtype), n_tokens]))
 
 
 @pytest.mark.parametrize("n_tokens", [3, 8, 300])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
-def test_token_counts(wide_tiles, monkeypatch, qtype: Q, n_tokens: int) -> None:
-    """Padded token groups in the matrix-vector kernel (3, 8: tuning.DENSE_GEMV_MAX_TOKENS raised to the decode
-    limit, as it would be if the GPU preferred the matrix-vector kernel there) and several token blocks in the GEMM
-    (300)."""
-    monkeypatch.setattr(tuning, "DENSE_GEMV_MAX_TOKENS", tuning.GEMV_MAX_TOKENS)
+def test_token_counts(wide_tiles, qtype: Q, n_tokens: int) -> None:
+    """Padded token groups in the matrix-vector kernel (3, 8) and several token blocks in the GEMM (300)."""
     run_mm(qtype, n_tokens, rows=24, rng=np.random.default_rng([int(qtype), n_tokens, 1]))
 
 
@@ -142,12 +142,9 @@ def test_bfloat16_input(wide_tiles, n_tokens: int) -> None:
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
 def test_production_tiles(qtype: Q, n_tokens: int) -> None:
     """tuning.py's own tiles: several programs per matrix, a partial last row tile and a partial last K step, for the
-    matrix-vector kernel (1) and the small-batch GEMM (2, 8); the prefill GEMM (20) on a part of one row tile."""
+    matrix-vector kernel (1, 2, 8) and the prefill GEMM (20) on a part of one row tile."""
     bt = BLOCK_TYPES[qtype]
-    if n_tokens <= tuning.DENSE_GEMV_MAX_TOKENS or n_tokens > tuning.GEMV_MAX_TOKENS:
-        tile_rows = tuning.gemv_tiles(qtype, bt.values, bt.part, n_tokens).rows
-    else:
-        tile_rows = tuning.small_gemm_tiles(qtype, bt.values).block_n
+    tile_rows = tuning.gemv_tiles(qtype, bt.values, bt.part, min(n_tokens, tuning.GEMV_MAX_TOKENS)).rows
     run_mm(qtype, n_tokens, rows=tile_rows * 2 + 3, rng=np.random.default_rng([int(qtype), n_tokens, 2]))
 
 
@@ -160,17 +157,6 @@ def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
     check_moe(qtype, n_tokens, shared_input, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
 
 
-@pytest.mark.parametrize("min_pairs", [1, 13], ids=["grouped", "below-threshold"])
-@pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0], ids=lambda q: q.name)
-def test_moe_decode_grouped(wide_tiles, monkeypatch, qtype: Q, shared_input: bool, min_pairs: int) -> None:
-    """tuning.GROUPED_DECODE_MIN_PAIRS: a decode step of 3 tokens x 4 experts (12 pairs) groups its pairs by slot
-    and runs the grouped GEMM on the small-batch tiles from 1 pair up, and stays on the per-pair matrix-vector kernel
-    when 13 are asked for (the bounds tell the two apart: the GEMM multiplies x rounded to bfloat16)."""
-    monkeypatch.setattr(tuning, "GROUPED_DECODE_MIN_PAIRS", min_pairs)
-    check_moe(qtype, 3, shared_input, gemm=3 * 4 >= min_pairs)
-
-
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0], ids=lambda q: q.name)
 def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, monkeypatch, qtype: Q) -> None:
     """The grouped GEMM on tiles from tuning.GROUPED_GEMM_OVERRIDES (16-row tiles, as a sweep may pick for ~32
@@ -181,14 +167,12 @@ def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, monkeypatch, qtype: Q) -
     check_moe(qtype, 21, shared_input=True, gemm=True)
 
 
-@pytest.mark.parametrize("n_tokens,min_pairs", [(3, None), (3, 1), (21, None)],
-                         ids=["decode", "decode-grouped-gemm", "prefill"])
-def test_moe_on_shipped_tiles(monkeypatch, n_tokens: int, min_pairs: int | None) -> None:
+@pytest.mark.parametrize("n_tokens", [3, 21], ids=["decode", "prefill"])
+def test_moe_on_shipped_tiles(n_tokens: int) -> None:
     """tuning.py's own grouped tiles where the test's rows of 3 Q4_K blocks have them (the 30B down projection's
-    GEMV_GROUPED_OVERRIDES and GROUPED_GEMM_OVERRIDES entries), and the small-batch GEMM's."""
+    GEMV_GROUPED_OVERRIDES and GROUPED_GEMM_OVERRIDES entries)."""
     assert (Q.Q4_K, 3) in tuning.GEMV_GROUPED_OVERRIDES and (Q.Q4_K, 3) in tuning.GROUPED_GEMM_OVERRIDES
-    monkeypatch.setattr(tuning, "GROUPED_DECODE_MIN_PAIRS", min_pairs)
-    check_moe(Q.Q4_K, n_tokens, shared_input=False, gemm=n_tokens > tuning.GEMV_MAX_TOKENS or min_pairs is not None)
+    check_moe(Q.Q4_K, n_tokens, shared_input=False, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
 
 
 def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
@@ -216,20 +200,17 @@ def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
                 assert_close(y[t, j][None], xs[t, j][None], weights[slot], gemm=gemm)
 
 
-@pytest.mark.parametrize("n_tokens,grouped_tiles,min_pairs", [(3, None, None), (21, None, None),
-                                                               (2, tuning.GemvTiles(16, 1, 1), None), (3, None, 1)],
-                         ids=["decode", "prefill", "decode-grouped-tiles", "decode-grouped-gemm"])
+@pytest.mark.parametrize("n_tokens,grouped_tiles", [(3, None), (21, None), (2, tuning.GemvTiles(16, 1, 1))],
+                         ids=["decode", "prefill", "decode-grouped-tiles"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
-def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles, min_pairs) -> None:
+def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles) -> None:
     """gguf_moe_glu = silu(x gate^T) * (x up^T) per (token, expert), on int64 slots with -1 (skipped: zeros):
     one matrix-vector launch at decode (3 tokens), the grouped GEMMs at prefill (21), the decode on tiles from
-    tuning.GEMV_GROUPED_OVERRIDES (16 rows x 1 block: a partial row tile, no masked step), and the decode through the
-    grouped small-batch GEMM (tuning.GROUPED_DECODE_MIN_PAIRS). Each product is within the bound of assert_close;
+    tuning.GEMV_GROUPED_OVERRIDES (16 rows x 1 block: a partial row tile, no masked step). Each product is within the bound of assert_close;
     the SwiGLU carries those errors (|silu'| < 1.1) plus a few roundings of its own."""
     if grouped_tiles is not None:
         blocks = COLS[BLOCK_TYPES[qtype].values] // BLOCK_TYPES[qtype].values
         monkeypatch.setitem(tuning.GEMV_GROUPED_OVERRIDES, (qtype, blocks), grouped_tiles)
-    monkeypatch.setattr(tuning, "GROUPED_DECODE_MIN_PAIRS", min_pairs)
     rng = np.random.default_rng([int(qtype), n_tokens, 5])
     n_slots, k, rows = 5, 3, 24
     cols = COLS[BLOCK_TYPES[qtype].values]
@@ -239,7 +220,7 @@ def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles
     y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
                      QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
     assert y.shape == (n_tokens, k, rows)
-    gemm = n_tokens > tuning.GEMV_MAX_TOKENS or min_pairs is not None
+    gemm = n_tokens > tuning.GEMV_MAX_TOKENS
     xd = (x.bfloat16() if gemm else x).double()
     for t in range(n_tokens):
         for j in range(k):
