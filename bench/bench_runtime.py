@@ -3,10 +3,10 @@
     python bench/bench_runtime.py MODEL [--device cpu|cuda] [--prompt 512] [--gen 64] [--threads N]
                                         [--llama-bench PATH] [--peer-gpu-layers 99] [--json OUT]
 
-Ours: moerun.load_model, one prefill of --prompt seeded random tokens, then --gen greedy decode steps (tokens/s of
-each, after one warm-up prefill of 16 tokens). Peer: llama.cpp's own `llama-bench` binary when --llama-bench is
-given (-p/-n the same sizes, -r 3, median), otherwise llama-cpp-python on the CPU (one prefill, then decode steps
-through its low-level decode, the same counts). Prints one table; --json writes the numbers.
+Ours: moerun.load_model, one prefill of --prompt seeded random tokens (logits of the last only, after one warm-up
+prefill of the same tokens), then --gen greedy decode steps (tokens/s of each). Peer: llama.cpp's own `llama-bench`
+binary when --llama-bench is given (-p/-n the same sizes, -r 3, median), otherwise llama-cpp-python on the CPU (one
+prefill, then decode steps through its low-level decode, the same counts). Prints one table; --json writes the numbers.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def bench_moerun(path: str, device: str, n_prompt: int, n_gen: int) -> dict[str,
     load_s = time.perf_counter() - start
     vocab = model.args.n_vocab
     tokens = torch.randint(1, vocab, (n_prompt,), generator=torch.Generator().manual_seed(0))
-    model.forward(tokens[:16], 0)  # warm-up: allocator, kernels, lazy dequantization
+    # warm-up: the same prefill once (allocator, kernel compiles, cuBLAS's first call at these shapes), as
+    # llama-bench warms up; like its pp test, the prefill wants the last token's logits only
+    model.forward(tokens, 0, last_only=True)
     sync(device)
     start = time.perf_counter()
-    logits = model.forward(tokens, 0)
+    logits = model.forward(tokens, 0, last_only=True)
     sync(device)
     prefill_s = time.perf_counter() - start
     token = int(logits[-1].argmax())
