@@ -9,8 +9,8 @@ compile or capture, if any), with the prompt graphs and eagerly, and a decode st
 (`decode_batch`: CUDA graphs where they run); with --profile it prints torch.profiler's tables for a 512-token
 forward and for a decode step of 8. Then it drives the scheduler (serve/scheduler.py) with waves of 64-token prompts
 and 32-token answers at 1, 4 and 8 streams, a second wave joining after ten steps as bench_serve.py's clients do, and
-prints each level's slowest steps: (kind, tokens, sequences, ms), kind being a decode batch, a prompt of one
-sequence, or a mixed step.
+prints each level's slowest passes: (kind, tokens, sequences, ms), kind being a decode batch, prompt chunks (of one
+or several sequences), or a pass mixing both.
 """
 
 from __future__ import annotations
@@ -90,13 +90,14 @@ def main() -> None:
     scheduler = Scheduler(model)
     forward, steps = scheduler._forward, []
 
-    def timed(tokens, positions, seqs, rows):
+    def timed(chunks, starts, rows):
         sync()
         start = time.perf_counter()
-        out = forward(tokens, positions, seqs, rows)
+        out = forward(chunks, starts, rows)
         sync()
-        kind = "decode" if len(set(seqs)) == len(seqs) else "prompt" if len(set(seqs)) == 1 else "mixed"
-        steps.append((kind, len(tokens), len(set(seqs)), round((time.perf_counter() - start) * 1000, 1)))
+        sizes = [len(chunk) for _, chunk in chunks]
+        kind = "decode" if max(sizes) == 1 else "prompt" if min(sizes) > 1 else "mixed"
+        steps.append((kind, sum(sizes), len(chunks), round((time.perf_counter() - start) * 1000, 1)))
         return out
 
     scheduler._forward = timed

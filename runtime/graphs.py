@@ -225,16 +225,24 @@ def capture_program(model, step: Callable[[], torch.Tensor], pool) -> tuple[Prog
     return capture.program, out
 
 
-class PromptGraphs:
-    """Captured prompt chunks: a chunk of 2 to `max_tokens` tokens of one sequence, padded to a bucket of tokens (16,
-    32, ... max_tokens), replays the graph of (token bucket, KV bucket), which returns the logits (1, V) of the
-    chunk's last token. Eager PyTorch spends ~85 ms of host time on a prompt chunk of the 48-layer 30B shape, of any
-    length up to a few hundred tokens (`moerun serve`'s prompts waited on it); the GPU needs a fraction of that.
+Chunk = tuple[list[int], int, int]  # a prompt chunk: its tokens, its first position, its sequence
 
-    The sequence is a device value (Step.seq as a tensor), so one graph serves every sequence. Padding tokens sit at
-    the positions after the chunk's: they write KV slots that the sequence's next tokens overwrite before anything
-    reads them, and no real token attends to them (they come later). So a chunk fits when its position plus its
-    bucket stays within the context; `fits` says so, and the caller runs the others eagerly.
+
+class PromptGraphs:
+    """Captured prompt steps: up to n_seq prompt chunks of distinct sequences, each of 2 to `max_tokens` tokens, run
+    together as B blocks of Tb rows (B the next power of two at or above the number of chunks, Tb the next bucket
+    of 16, 32, ... max_tokens at or above the longest chunk); the graph of (B, Tb, KV bucket) returns the logits
+    (B, V) of each block's last real token. Eager PyTorch spends ~85 ms of host time on a prompt chunk of the
+    48-layer 30B shape, of any length up to a few hundred tokens (`moerun serve`'s prompts waited on it); and the
+    routed experts of several chunks cost little more than those of one (a 64-token chunk already touches most of
+    the 30B shape's 128 experts per layer), so chunks that arrive together run as one step.
+
+    The sequences are a device value (Step.seq as a (B,) tensor), so one graph serves every set of sequences.
+    Padding rows sit at the positions after their chunk's: they write KV slots that the sequence's next tokens
+    overwrite before anything reads them, and no real token attends to them (they come later). Padding blocks repeat
+    the first chunk exactly, writing the same values to the same slots. So chunks fit when each one's position plus
+    Tb stays within the context and B x Tb within `max_rows`; `fits` says so, and the caller runs the others
+    eagerly.
     """
 
     SMALLEST = 16  # tokens: the prompt GEMMs' size; fewer would take the decode kernels
@@ -244,42 +252,64 @@ class PromptGraphs:
         self.token_buckets = [self.SMALLEST]
         while self.token_buckets[-1] < max_tokens:
             self.token_buckets.append(self.token_buckets[-1] * 2)
+        self.block_buckets = [1]
+        while self.block_buckets[-1] < model.n_seq:
+            self.block_buckets.append(self.block_buckets[-1] * 2)
+        self.max_rows = 2 * self.token_buckets[-1]  # a step of several chunks pads them to one length
         self.kv_buckets = kv_buckets(model.n_ctx)
-        self.inputs: dict[int, torch.Tensor] = {}  # token bucket -> (2, Tb) int64: tokens, positions
-        self.seq_last = torch.zeros(2, 1, dtype=torch.long, device=model.device)  # the sequence, the last real row
-        self.graphs: dict[tuple[int, int], tuple[Program, torch.Tensor]] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (B, Tb) -> (2, B * Tb): tokens, positions
+        self.blocks: dict[tuple[int, int], torch.Tensor] = {}  # (B, Tb) -> (2, B): each block's sequence, last row
+        self.graphs: dict[tuple[int, int, int], tuple[Program, torch.Tensor]] = {}
 
-    def buckets(self, n_tokens: int, start_pos: int) -> tuple[int, int] | None:
-        """(token bucket, KV bucket) of a chunk, or None when it does not fit one."""
-        tb = next((b for b in self.token_buckets if b >= n_tokens), None)
-        if n_tokens < 2 or tb is None or start_pos + tb > self.model.n_ctx:
+    def buckets(self, chunks: list[Chunk]) -> tuple[int, int, int] | None:
+        """(B, Tb, KV bucket) of a step of these chunks, or None when they do not fit one."""
+        longest = max(len(tokens) for tokens, _, _ in chunks)
+        B = next((b for b in self.block_buckets if b >= len(chunks)), None)
+        tb = next((b for b in self.token_buckets if b >= longest), None)
+        if B is None or tb is None or B * tb > self.max_rows or min(len(t) for t, _, _ in chunks) < 2:
             return None
-        return tb, next(b for b in self.kv_buckets if b >= start_pos + tb)
+        end = max(start for _, start, _ in chunks) + tb
+        if end > self.model.n_ctx or len({seq for _, _, seq in chunks}) < len(chunks):
+            return None
+        return B, tb, next(b for b in self.kv_buckets if b >= end)
 
-    def fits(self, n_tokens: int, start_pos: int) -> bool:
-        return self.buckets(n_tokens, start_pos) is not None
+    def fits(self, chunks: list[Chunk]) -> bool:
+        return self.buckets(chunks) is not None
 
     @torch.inference_mode()
-    def __call__(self, tokens: list[int], start_pos: int, seq: int) -> torch.Tensor:
-        tb, kvb = self.buckets(len(tokens), start_pos)
-        if tb not in self.inputs:
-            self.inputs[tb] = torch.zeros(2, tb, dtype=torch.long, device=self.model.device)
-        padded = tokens + [tokens[-1]] * (tb - len(tokens))
-        self.inputs[tb].copy_(torch.tensor([padded, list(range(start_pos, start_pos + tb))]))
-        self.seq_last.copy_(torch.tensor([[seq], [len(tokens) - 1]]))
-        if (tb, kvb) not in self.graphs:
-            self.graphs[tb, kvb] = self.capture(tb, kvb)
-        program, logits = self.graphs[tb, kvb]
+    def __call__(self, chunks: list[Chunk]) -> torch.Tensor:
+        """-> the logits (len(chunks), V) of each chunk's last token."""
+        B, tb, kvb = self.buckets(chunks)
+        tokens, positions, seqs, last = [], [], [], []
+        for i, (chunk, start, seq) in enumerate(chunks + chunks[:1] * (B - len(chunks))):
+            tokens += chunk + [chunk[-1]] * (tb - len(chunk))
+            positions += range(start, start + tb)
+            seqs.append(seq)
+            last.append(i * tb + len(chunk) - 1)
+        self._buffers(B, tb)
+        self.inputs[B, tb].copy_(torch.tensor([tokens, positions]))  # from pageable memory: read before it returns
+        self.blocks[B, tb].copy_(torch.tensor([seqs, last]))
+        if (B, tb, kvb) not in self.graphs:
+            self.graphs[B, tb, kvb] = self.capture(B, tb, kvb)
+        program, logits = self.graphs[B, tb, kvb]
         program.replay()
-        return logits.clone()
+        return logits[:len(chunks)].clone()  # the static output is overwritten by the next replay
 
-    def capture(self, tb: int, kvb: int) -> tuple[Program, torch.Tensor]:
-        if tb not in self.inputs:
-            self.inputs[tb] = torch.arange(tb, device=self.model.device).repeat(2, 1)  # token ids 0.., positions 0..
-        tokens, positions = self.inputs[tb]
-        seq, last = self.seq_last
+    def _buffers(self, B: int, tb: int) -> None:
+        """The static inputs of (B, Tb) steps, made on first use: each block token ids 0.. at positions 0.. of
+        sequences 0.. (a capture at start-up runs them), until a step writes its own."""
+        if (B, tb) not in self.inputs:
+            device, rows = self.model.device, torch.arange(tb).repeat(B)
+            self.inputs[B, tb] = torch.stack([rows, rows]).to(device)  # identical blocks write identical KV
+            seqs, last = torch.arange(B) % self.model.n_seq, torch.arange(B) * tb + tb - 1
+            self.blocks[B, tb] = torch.stack([seqs, last]).to(device)
+
+    def capture(self, B: int, tb: int, kvb: int) -> tuple[Program, torch.Tensor]:
+        self._buffers(B, tb)
+        tokens, positions = self.inputs[B, tb]
+        seqs, last = self.blocks[B, tb]
 
         def step() -> torch.Tensor:
-            return self.model.net(tokens, Step(positions, n_slots=kvb, seq=seq), outputs=last)
+            return self.model.net(tokens, Step(positions, n_slots=kvb, seq=seqs), outputs=last)
 
         return capture_program(self.model, step, self.pool)

@@ -193,34 +193,34 @@ def _yarn_corr_dims(dim: int, orig_ctx: int, base: float, beta_fast: float, beta
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv), or over k (T, S, G, Dk), v (T, S, G, Dv)
-    when each token reads its own sequence (KVCache.update says which); query head h reads KV head h // (H/G).
+    """Softmax attention of q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv), or over k (B, S, G, Dk), v (B, S, G, Dv)
+    when the tokens are B blocks of T/B consecutive rows, each reading its own sequence (KVCache.update says which:
+    B = T in a decode batch, one token per sequence; B prompt chunks in a captured prompt step); query head h reads KV
+    head h // (H/G). `allowed` (T, S) masks each token's slots.
 
     `sinks` (H,) are per-head logits that join each softmax's denominator without a value (gpt-oss).
     Returns (T, H, Dv) float32.
     """
     T, H, Dk = q.shape
     G, Dv = v.shape[-2:]
+    if k.dim() == 3:  # one sequence: one block
+        k, v = k[None], v[None]
+    B, S = k.shape[:2]
+    Tb, HG = T // B, H // G
     # The H/G query heads of a KV head are rows of one product with that head's keys: a broadcast matmul would copy
-    # the keys and values out for every query head (on the CPU, a third of a small model's decode step).
-    per_token = k.dim() == 4
-    if per_token:  # each token reads its own sequence: scores (T, G, H/G, S)
-        qg = q.float().reshape(T, G, H // G, Dk)
-        kt, vt = k.float().permute(0, 2, 3, 1), v.float().permute(0, 2, 1, 3)  # (T, G, Dk, S), (T, G, S, Dv)
-        mask = ~allowed[:, None, None, :]
-    else:  # one sequence: the T queries of a KV head share its slots, scores (G, H/G * T, S)
-        qg = q.float().reshape(T, G, H // G, Dk).permute(1, 2, 0, 3).reshape(G, H // G * T, Dk)
-        kt, vt = k.float().permute(1, 2, 0), v.float().permute(1, 0, 2)  # (G, Dk, S), (G, S, Dv)
-        mask = ~allowed.repeat(H // G, 1)  # (H/G * T, S): row h*T + t is token t's
-    scores = (torch.matmul(qg, kt) * scale).masked_fill(mask, float("-inf"))
+    # the keys and values out for every query head (on the CPU, a third of a small model's decode step). Row
+    # h * Tb + t of a block's (KV head) product is its token t's query head h.
+    qg = q.float().reshape(B, Tb, G, HG, Dk).permute(0, 2, 3, 1, 4).reshape(B, G, HG * Tb, Dk)
+    kt, vt = k.float().permute(0, 2, 3, 1), v.float().permute(0, 2, 1, 3)  # (B, G, Dk, S), (B, G, S, Dv)
+    mask = ~allowed.reshape(B, 1, 1, Tb, S).expand(B, 1, HG, Tb, S).reshape(B, 1, HG * Tb, S)
+    scores = (torch.matmul(qg, kt) * scale).masked_fill(mask, float("-inf"))  # (B, G, HG * Tb, S)
     if sinks is not None:
-        sink = sinks.float().reshape(G, H // G)
-        sink = sink[None, :, :, None] if per_token else sink[:, :, None].expand(G, H // G, T).reshape(G, -1, 1)
+        sink = sinks.float().reshape(1, G, HG, 1, 1).expand(1, G, HG, Tb, 1).reshape(1, G, HG * Tb, 1)
         probs = torch.softmax(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vt)  # (T, G, H/G, Dv) or (G, H/G * T, Dv)
-    return (out if per_token else out.reshape(G, H // G, T, Dv).permute(2, 0, 1, 3)).reshape(T, H, Dv)
+    out = torch.matmul(probs, vt)  # (B, G, HG * Tb, Dv)
+    return out.reshape(B, G, HG, Tb, Dv).permute(0, 3, 1, 2, 4).reshape(T, H, Dv)
 
 
 class Attention(nn.Module):

@@ -13,7 +13,7 @@ from moeprep.gguf.reader import GGUFModel, open_gguf
 from moerun.cache.expert_cache import CacheConfig, ExpertCache, link_layers, open_cache
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
-from moerun.graphs import DecodeGraphs, PromptGraphs, graph_blockers, prompt_graph_blockers
+from moerun.graphs import Chunk, DecodeGraphs, PromptGraphs, graph_blockers, prompt_graph_blockers
 from moerun.kernels import tuning
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
 from moerun.step import Step, group_rows
@@ -46,10 +46,9 @@ class Model:
         overwritten, so start_pos 0 starts it anew and a shared prefix can be kept."""
         T = tokens.shape[0]
         self._check_fits(start_pos + T, seq)
-        if last_only and self.prompt_graphs is not None and self.prompt_graphs.fits(T, start_pos) \
-                and not graph_blockers(self):
+        if last_only and self._prompt_graphs_fit([(tokens.tolist(), start_pos, seq)]):
             with on_device(self.device):
-                return self.prompt_graphs(tokens.tolist(), start_pos, seq)
+                return self.prompt_graphs([(tokens.tolist(), start_pos, seq)])
         positions = torch.arange(start_pos, start_pos + T, device=self.device)
         outputs = torch.tensor([T - 1], device=self.device) if last_only else None
         return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T, seq=seq), outputs)
@@ -68,6 +67,29 @@ class Model:
         step = Step(positions.to(self.device), n_slots=int(positions.max()) + 1, seqs=seqs.to(self.device),
                     groups=group_rows(positions.tolist(), seqs.tolist()))
         return self.net(tokens.to(self.device), step, None if outputs is None else outputs.to(self.device))
+
+    def prefill_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Prompt chunks of distinct sequences, each (tokens, start position, sequence) -> the logits (n, V) of each
+        chunk's last token: runs of consecutive chunks that fit one captured prompt step together (graphs.PromptGraphs,
+        after capture_prompt_steps), the others one eager forward each."""
+        for tokens, start, seq in chunks:
+            self._check_fits(start + len(tokens), seq)
+        rows, i = [], 0
+        while i < len(chunks):
+            j = i + 1
+            if self._prompt_graphs_fit(chunks[i:j]):
+                while j < len(chunks) and self.prompt_graphs.fits(chunks[i:j + 1]):
+                    j += 1
+                with on_device(self.device):
+                    rows.append(self.prompt_graphs(chunks[i:j]))
+            else:
+                tokens, start, seq = chunks[i]
+                rows.append(self.forward(torch.tensor(tokens), start, seq, last_only=True))
+            i = j
+        return torch.cat(rows)
+
+    def _prompt_graphs_fit(self, chunks: list[Chunk]) -> bool:
+        return self.prompt_graphs is not None and self.prompt_graphs.fits(chunks) and not graph_blockers(self)
 
     def decode(self, token: int, pos: int, seq: int = 0) -> torch.Tensor:
         """One token at position `pos` of sequence `seq` -> the logits (V,) for the next (see decode_batch)."""
@@ -105,19 +127,20 @@ class Model:
         return len(self.decode_graphs.graphs) - before
 
     def capture_prompt_steps(self, max_tokens: int) -> int:
-        """From now on run prompt chunks of 2 to max_tokens tokens (`forward` with last_only) as CUDA graphs, padded
-        to buckets of tokens (graphs.PromptGraphs), and capture now each bucket at the first KV bucket; later
-        positions capture their bucket the first time they come. Writes KV slots of sequence 0 that a prompt
-        overwrites. -> graphs captured (0 where prompt graphs cannot run)."""
+        """From now on run prompt chunks of 2 to max_tokens tokens (`forward` with last_only, `prefill_chunks`) as
+        CUDA graphs, padded to buckets of tokens and of chunks (graphs.PromptGraphs), and capture now those of at
+        most max_tokens rows at the first KV bucket; others are captured the first time they come. Writes KV slots
+        that prompts overwrite. -> graphs captured (0 where prompt graphs cannot run)."""
         if self.device.type != "cuda" or prompt_graph_blockers(self):
             return 0
-        self.prompt_graphs = PromptGraphs(self, max_tokens, self.decode_graphs.pool)
-        kv_bucket = self.prompt_graphs.kv_buckets[0]
+        graphs = self.prompt_graphs = PromptGraphs(self, max_tokens, self.decode_graphs.pool)
+        kv_bucket = graphs.kv_buckets[0]
         with on_device(self.device):
-            for tb in self.prompt_graphs.token_buckets:
-                if tb <= kv_bucket:
-                    self.prompt_graphs.graphs[tb, kv_bucket] = self.prompt_graphs.capture(tb, kv_bucket)
-        return len(self.prompt_graphs.graphs)
+            for B in graphs.block_buckets:
+                for tb in graphs.token_buckets:
+                    if tb <= kv_bucket and B * tb <= max(max_tokens, graphs.SMALLEST):
+                        graphs.graphs[B, tb, kv_bucket] = graphs.capture(B, tb, kv_bucket)
+        return len(graphs.graphs)
 
     def compile_prompt_kernels(self) -> None:
         """Run a prompt chunk, and a step mixing it with another sequence's token, once: Triton compiles a kernel on

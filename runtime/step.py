@@ -13,8 +13,9 @@ class Step:
     attention reads.
 
     A step of one sequence (`seq`, the common case: a prompt chunk or a decode step) reads that sequence's slots as
-    they lie; a captured prompt step (graphs.PromptGraphs) gives its sequence as a (1,) device tensor instead, so that
-    one graph serves every sequence, and reads a gathered copy of its slots; a step that mixes sequences (`seqs`, one per token: a batch of decode steps) makes each token read its
+    they lie; a captured prompt step (graphs.PromptGraphs) gives its sequences as a (B,) device tensor instead, its
+    tokens being B blocks of equal length, one prompt chunk each, so that one graph serves every set of sequences (each
+    block reads a gathered copy of its sequence's slots); a step that mixes sequences (`seqs`, one per token: a batch of decode steps) makes each token read its
     own sequence's slots. Slots past the last position are masked anyway, so n_slots = last position + 1 is the
     cheapest choice; a CUDA-graph decode step passes a fixed bucket instead, so that its shapes never change.
 
@@ -24,7 +25,7 @@ class Step:
 
     positions: torch.Tensor  # (T,) int64
     n_slots: int
-    seq: int | torch.Tensor = 0  # a (1,) int64 device tensor in a captured prompt step
+    seq: int | torch.Tensor = 0  # a (B,) int64 device tensor in a captured prompt step: B blocks of tokens
     seqs: torch.Tensor | None = None  # (T,) int64, or None: every token is in `seq`
     groups: tuple[tuple[int, int, int, int], ...] = ()  # a mixed step's row groups, see group_rows and parts
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -159,38 +159,39 @@ class Scheduler:
                 chunks.append((s, chunk))
         if self.model.prompt_graphs is None:
             passes = [chunks] if chunks else []
-        else:
-            single = [c for c in chunks if len(c[1]) == 1]
-            passes = ([single] if single else []) + [[c] for c in chunks if len(c[1]) > 1]
+        else:  # the decode tokens, then the prompt chunks (Model.prefill_chunks runs them together where they fit)
+            single, prompts = [c for c in chunks if len(c[1]) == 1], [c for c in chunks if len(c[1]) > 1]
+            passes = [p for p in (single, prompts) if p]
         return [out for part in passes for out in self._pass(part)]
 
     def _pass(self, chunks: list[tuple[int, list[int]]]) -> list[Output]:
         """One pass through the model of these sequences' tokens; a token for each that finished its feed."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        seqs: list[int] = []
-        ready: list[tuple[int, int]] = []  # (row, sequence) of the rows whose logits give a token
-        for s, chunk in chunks:
+        starts: list[int] = []
+        ready: list[tuple[int, int]] = []  # (chunk, sequence) of the chunks whose last logits give a token
+        for i, (s, chunk) in enumerate(chunks):
             seq = self.sequences[s]
-            tokens += chunk
-            positions += range(len(seq.tokens), len(seq.tokens) + len(chunk))
-            seqs += [s] * len(chunk)
+            starts.append(len(seq.tokens))
             seq.tokens += chunk
             seq.job.feed = seq.job.feed[len(chunk):]
             if not seq.job.feed:
-                ready.append((len(tokens) - 1, s))
-        logits = self._forward(tokens, positions, seqs, [row for row, _ in ready])
+                ready.append((i, s))
+        logits = self._forward(chunks, starts, [i for i, _ in ready])
         picked = self._sample([self.sequences[s].job for _, s in ready], logits)
         return [self._emit(self.sequences[s], token) for (_, s), token in zip(ready, picked)]
 
-    def _forward(self, tokens: list[int], positions: list[int], seqs: list[int], rows: list[int]) -> torch.Tensor:
-        """One pass -> the logits (R, V) of `rows`: a decode step when each sequence has one token (CUDA graphs
-        where they can run), a prompt chunk when the step holds one sequence, forward_batch when it mixes both."""
-        if len(set(seqs)) == len(seqs):
-            return self.model.decode_batch(tokens, positions, seqs)[rows]
-        if len(set(seqs)) == 1:
-            return self.model.forward(torch.tensor(tokens), positions[0], seqs[0], last_only=True)[:len(rows)]
-        outputs = torch.tensor(rows or [len(tokens) - 1])  # no row gives a token: one cheap row, unread
+    def _forward(self, chunks: list[tuple[int, list[int]]], starts: list[int], rows: list[int]) -> torch.Tensor:
+        """One pass -> the logits (R, V) of the last tokens of the chunks `rows`: a decode step when each chunk is
+        one token (CUDA graphs where they run); one prompt chunk, or the prompt chunks of a model running prompt
+        graphs, through Model.prefill_chunks; otherwise one forward_batch of them all."""
+        if all(len(chunk) == 1 for _, chunk in chunks):
+            return self.model.decode_batch([c[0] for _, c in chunks], starts, [s for s, _ in chunks])[rows]
+        if len(chunks) == 1 or self.model.prompt_graphs is not None:  # (step() gave this pass prompt chunks only)
+            return self.model.prefill_chunks([(c, p, s) for (s, c), p in zip(chunks, starts)])[rows]
+        tokens = [t for _, chunk in chunks for t in chunk]
+        positions = [p for (_, chunk), start in zip(chunks, starts) for p in range(start, start + len(chunk))]
+        seqs = [s for s, chunk in chunks for _ in chunk]
+        ends = list(itertools.accumulate(len(chunk) for _, chunk in chunks))
+        outputs = torch.tensor([ends[i] - 1 for i in rows] or [len(tokens) - 1])  # none: one cheap row, unread
         return self.model.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs),
                                         outputs)[:len(rows)]
 

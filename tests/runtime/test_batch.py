@@ -90,6 +90,30 @@ def test_group_rows_splits_prompt_chunks_from_single_tokens():
     assert group_rows([0, 1, 2], [1, 1, 1]) == ((0, 3, 1, 3),)
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "gpt-oss"])
+def test_prompt_chunks_as_blocks_of_a_step_equal_each_chunk_alone(synth_model, arch):
+    """A captured prompt step (graphs.PromptGraphs) runs B chunks of distinct sequences as B blocks of one length,
+    naming the sequences with a (B,) tensor, each chunk padded with repeats of its last token at the positions after
+    it: each chunk's last-token logits and the KV slots it writes equal the chunk run alone (a kept prefix too)."""
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
+    alone, blocked = (moerun.load_model(path, n_seq=3) for _ in range(2))
+    first, second = (alone.tokenizer.encode(p) for p in PROMPTS[:2])
+    for model in (alone, blocked):
+        model.forward(torch.tensor(first[:3]), 0, seq=2)  # a kept prefix the chunk of sequence 2 attends to
+    chunks = [(first[3:], 3, 2), (second, 0, 0)]  # (tokens, start, sequence)
+    expected = torch.cat([alone.forward(torch.tensor(t), p, seq=s, last_only=True) for t, p, s in chunks])
+    tb = max(len(t) for t, _, _ in chunks) + 2
+    tokens = torch.tensor([x for t, _, _ in chunks for x in t + [t[-1]] * (tb - len(t))])
+    positions = torch.tensor([q for _, p, _ in chunks for q in range(p, p + tb)])
+    last = torch.tensor([i * tb + len(t) - 1 for i, (t, _, _) in enumerate(chunks)])
+    got = blocked.net(tokens, Step(positions, n_slots=3 + tb + 4, seq=torch.tensor([2, 0])), outputs=last)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for block_a, block_b in zip(alone.net.blocks, blocked.net.blocks):
+        for a, b in zip(block_a.attn.attn.cache.buffers(), block_b.attn.attn.cache.buffers()):
+            for seq, end in ((2, len(first)), (0, len(second))):  # the slots the real tokens wrote
+                torch.testing.assert_close(a[seq, :end], b[seq, :end], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
 def test_a_step_given_its_sequence_as_a_device_value_equals_the_plain_step(synth_model, arch):
     """A captured prompt step (graphs.PromptGraphs) names its sequence with a (1,) tensor, so that one graph serves

@@ -511,7 +511,7 @@ class NoPromptFits:
     """A stand-in for graphs.PromptGraphs on the CPU: the scheduler splits its passes as with prompt graphs, and
     Model.forward, finding that no chunk fits a graph, runs each pass eagerly."""
 
-    def fits(self, n_tokens: int, start_pos: int) -> bool:
+    def fits(self, chunks) -> bool:
         return False
 
 
