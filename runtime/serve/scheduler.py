@@ -143,8 +143,8 @@ class Scheduler:
     def step(self) -> list[Output]:
         """Admit waiting jobs to free sequences, then run a token of every decoding job and the next prompt chunks
         of the prefilling ones, within prefill_chunk prompt tokens: in one pass, or where the model runs prompt
-        chunks as CUDA graphs (Model.capture_prompt_steps), the decode tokens in one pass and each chunk in its own
-        (two or three graph replays cost less than one eager pass)."""
+        chunks as CUDA graphs (Model.capture_prompt_steps), the decode tokens in one pass and the prompt chunks in
+        another (two graph replays cost less than one eager pass)."""
         self._admit()
         runs = sorted((seq.job.id, s) for s, seq in enumerate(self.sequences) if seq.job)
         budget = self.prefill_chunk
