@@ -303,3 +303,12 @@ def test_decode_bf16(qtype: Q) -> None:
     ref = dequantized(data, qtype, cols)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, cols)
     assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -7).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the decoded route runs on CUDA (cuBLAS)")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_decoded_route_in_row_chunks(monkeypatch, qtype: Q) -> None:
+    """A weight larger than tuning.DECODED_CHUNK_BYTES (a large vocabulary's output head) decodes and multiplies in
+    row chunks, the last one partial: the same bound as the whole weight at once."""
+    monkeypatch.setattr(tuning, "DECODED_CHUNK_BYTES", 2 * COLS[BLOCK_TYPES[qtype].values] * 7)  # 7 rows a chunk
+    run_mm(qtype, 8, rows=40, rng=np.random.default_rng([int(qtype), 9]))
