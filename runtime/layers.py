@@ -566,12 +566,11 @@ def fused_kernels() -> Kernels:
                     and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1])
         if not (per_head or (q_norm is None and k_norm is None)):
             return norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
-        one_seq = step.seqs is None and not isinstance(step.seq, torch.Tensor)
-        slots = (cache.k[step.seq], cache.v[step.seq]) if one_seq else (None, None)
+        slots = (cache.k[step.seq], cache.v[step.seq]) if step.in_place else (None, None)
         q, k, v = fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,
                                  q_norm.eps if per_head else 0.0, rope.cos, rope.sin, step.positions,
                                  rope.style == "neox", cache.k.dtype, *slots)
-        if one_seq:
+        if step.in_place:
             return q, k[:step.n_slots], v[:step.n_slots]
         return q, *cache.update(step, k, v)
 

@@ -46,9 +46,10 @@ class Model:
         overwritten, so start_pos 0 starts it anew and a shared prefix can be kept."""
         T = tokens.shape[0]
         self._check_fits(start_pos + T, seq)
-        if last_only and self._prompt_graphs_fit([(tokens.tolist(), start_pos, seq)]):
+        chunk = [(tokens.tolist(), start_pos, seq)] if last_only and self.prompt_graphs is not None else []
+        if chunk and self._prompt_graphs_fit(chunk):
             with on_device(self.device):
-                return self.prompt_graphs([(tokens.tolist(), start_pos, seq)])
+                return self.prompt_graphs(chunk)
         positions = torch.arange(start_pos, start_pos + T, device=self.device)
         outputs = torch.tensor([T - 1], device=self.device) if last_only else None
         return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T, seq=seq), outputs)

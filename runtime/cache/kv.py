@@ -29,7 +29,7 @@ class KVCache(nn.Module):
         sequence, when the step mixes sequences (B = T: a token each) or gives them as a device tensor (B blocks of
         T/B tokens: a captured prompt step)."""
         n = step.n_slots
-        if step.seqs is None and not isinstance(step.seq, torch.Tensor):
+        if step.in_place:
             k_seq, v_seq = self.k[step.seq], self.v[step.seq]
             k_seq.index_copy_(0, step.positions, k.to(k_seq.dtype))
             v_seq.index_copy_(0, step.positions, v.to(v_seq.dtype))

@@ -251,10 +251,10 @@ def _decoded_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 
 def decode_bf16(w: QWeight) -> torch.Tensor:
-    """The weight (N, C) decoded to bfloat16, in a new tensor. A prompt's dense products read each weight value
-    hundreds of times: decoding it once (2 bytes a value written and read back) and multiplying on cuBLAS beats
-    decoding it in every GEMM program (the 4096x4096 Q4_K at T = 512: 403 us in _gemm_kernel, 25 us for the
-    bfloat16 product)."""
+    """The weight (N, C) decoded to bfloat16, in a new tensor. A product of several tokens (a prompt, or a decode
+    batch of 4 or more sequences) reads each weight value once per token: decoding it once (2 bytes a value written
+    and read back) and multiplying on cuBLAS beats decoding it in every GEMM program (the 4096x4096 Q4_K at T = 512:
+    410 us in _gemm_kernel, 43 decoded) and the matrix-vector kernel's float32 products (tuning.py has the numbers)."""
     bt = _block_type(w)
     n_blocks = w.cols // bt.values
     out = torch.empty(w.rows, w.cols, dtype=torch.bfloat16, device=w.data.device)
