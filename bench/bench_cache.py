@@ -6,8 +6,9 @@
 Settings: `resident` (every expert on the GPU), `cold` (the cache at the budget, starting empty), `warm` (the cache
 warmed by expert counts, as `--expert-profile` warms it; the counts are taken here over --warm-text with a routing
 hook on the resident model, which is what `moeprep profile` records, so the GPU machine needs no profile file), and
-`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain), and `cold-ahead` / `warm-ahead` (with
-each layer's guessed misses fetched ahead, CacheConfig.fetch_ahead). Each cached setting runs in a
+`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain), `cold-fetch` / `warm-fetch` (decode's
+misses not streamed from host RAM but fetched to slots and computed on the CPU: CacheConfig.stream off), and
+`cold-ahead` / `warm-ahead` (that, with each layer's guessed misses fetched ahead). Each cached setting runs in a
 process of its own (`--setting NAME`), so one setting's pinned memory, threads and compiled kernels do not weigh
 on the next. `--settings cold` runs just that one (a model near the machine's RAM: no resident load first).
 """
@@ -43,18 +44,20 @@ def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -
     return counts.block_table(model.args.n_layers)
 
 
-SETTINGS = {"cold": (False, None, False), "warm": (True, None, False), "warm-64": (True, 64, False),
-            "cold-64": (False, 64, False), "cold-ahead": (False, None, True), "warm-ahead": (True, None, True)}
-# (warm, decode tokens, fetch ahead)
+SETTINGS = {"cold": (False, None, {}), "warm": (True, None, {}), "warm-64": (True, 64, {}), "cold-64": (False, 64, {}),
+            "cold-fetch": (False, None, {"stream": False}), "warm-fetch": (True, None, {"stream": False}),
+            "cold-ahead": (False, None, {"stream": False, "fetch_ahead": True}),
+            "warm-ahead": (True, None, {"stream": False, "fetch_ahead": True})}
+# (warm, decode tokens, CacheConfig fields)
 ALL_SETTINGS = ("resident", *SETTINGS)
 
 
 def run_setting(args, name: str, text: str) -> dict:
     """One cached setting in this process: load at the budget, bench, print, return the results."""
-    warm, gen, ahead = SETTINGS[name]
+    warm, gen, fields = SETTINGS[name]
     usage = np.load(args.usage) if warm else None
     n_prompt, n_gen = (0, gen) if gen else (args.prompt, args.gen)
-    config = CacheConfig(budgets=[parse_size(args.budget)], usage=usage, cpu_threads=args.threads, fetch_ahead=ahead)
+    config = CacheConfig(budgets=[parse_size(args.budget)], usage=usage, cpu_threads=args.threads, **fields)
     model = moerun.load_model(args.model, device="cuda", n_ctx=args.prompt + args.gen + 8, cache=config)
     print(f"== {name}\n{describe_cache(model.expert_cache)}", flush=True)
     result = run_bench(model, n_prompt, n_gen, text)

@@ -124,6 +124,7 @@ def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | No
               "staged_per_token": round(stats.staged / n_tokens, 2),
               "fetched_ahead_per_token": round(stats.ahead / n_tokens, 2),
               "found_in_fetch_slots_per_token": round(stats.found / n_tokens, 2),
+              "streamed_per_token": round(stats.streamed / n_tokens, 2),
               "hit_rate_per_layer": [round(float(h), 3) for h in per_layer]}
     if wall_s is not None:
         ms = {name: 1000 * stats.seconds[name] / n_tokens for name in TIMED}
@@ -153,6 +154,8 @@ def format_result(result: BenchResult) -> str:
         lines.append(f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
                      f"{report['uploads_per_token']:.2f} uploads per token"
                      + (f", {staged:.2f} experts staged per token" if staged else "")
+                     + (f", {report['streamed_per_token']:.2f} read from host RAM per token (streamed)"
+                        if report["streamed_per_token"] else "")
                      + (f", {ahead:.2f} fetched ahead (on the layer before's guess), {found:.2f} misses found in "
                         "fetch slots" if ahead or found else ""))
         if "ms_per_token" in report:

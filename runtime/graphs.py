@@ -11,9 +11,11 @@ A step of one sequence reads that sequence's slots where they lie (its graph is 
 several sequences' tokens (`moerun serve --parallel`) reads each token's own sequence through static sequence ids,
 so one graph per batch size serves any set of sequences.
 
-With the expert cache the host must act inside the step: each cached layer's routing goes to the host, which
-looks the experts up, sends the slot table, and computes the misses on the CPU while the GPU runs the hits. So the
-step is captured as a `Program`: graphs with host work between them. A layer asks for the cut where its host work
+With the expert cache streaming its misses (cache/expert_cache.py) the step is one graph too, and the host reads the
+step's routing after it (`Capture.after`). Where the misses are the CPU's instead, the host must act inside the
+step: each cached layer's routing goes to the host, which looks the experts up, sends the slot table, and computes
+the misses on the CPU while the GPU runs the hits. So the step is captured as a `Program`: graphs with host work
+between them. A layer asks for the cut where its host work
 goes (`active_capture().cut(work)`); a model without the cache is one graph. The graphs share one memory pool and
 always replay in the order they were captured, so a tensor one graph writes is where the next one reads it.
 A model over several GPUs (devices.py) is cut at each change of GPU too: a graph is captured on one device, and the
@@ -75,14 +77,18 @@ def host_expert_tensors(net: torch.nn.Module) -> list[str]:
 
 
 class Program:
-    """A captured step: CUDA graphs and the host work between them, replayed in order."""
+    """A captured step: CUDA graphs and the host work between them, replayed in order, then the host work that
+    follows the whole step (`after`)."""
 
     def __init__(self) -> None:
         self.parts: list[torch.cuda.CUDAGraph | Callable[[], None]] = []
+        self.after: list[Callable[[], None]] = []
 
     def replay(self) -> None:
         for part in self.parts:
             part.replay() if isinstance(part, torch.cuda.CUDAGraph) else part()
+        for work in self.after:
+            work()
 
 
 class Capture:
@@ -106,6 +112,11 @@ class Capture:
         for device, (_, previous) in self.streams.items():
             with torch.cuda.device(device):
                 torch.cuda.set_stream(previous)
+
+    def after(self, host_work: Callable[[], None]) -> None:
+        """Host work once the whole step is launched (the expert cache's streamed steps: read the step's routing,
+        plan uploads)."""
+        self.program.after.append(host_work)
 
     def cut(self, host_work: Callable[[], None]) -> None:
         self.program.parts += [self._end(), on_current_device(host_work)]

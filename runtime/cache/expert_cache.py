@@ -30,6 +30,18 @@ the 60 GB model: the extra copies and events cost the host more than the overlap
 another takes the slot, so a miss repeated soon after is found there and not copied again (4.5 of 34 misses per
 token on that model).
 
+Streaming (the default where the experts are page-locked on a GPU): a decode-sized step (up to
+tuning.GEMV_MAX_TOKENS tokens, eager or captured) does not stop at the host at all. Each layer's bank also names its
+experts in host RAM (QWeight.host), and a device table per layer maps every expert to its slot or, for a miss, to
+"read expert e from host RAM" (-2 - e): the matrix-vector kernel reads a missed expert's bytes over the bus in the
+same launch as the cached ones (pinned PCIe: ~55 GB/s, where the CPU's kernels reach 7-16 GB/s of expert bytes in a
+decode step and each host stop costs ~0.1 ms). The step is then one CUDA graph; each layer records its routing on
+the device, and after the step the host reads all layers' routing in one copy (`ExpertCache.step_done`), counts
+hits, lets the policy plan and starts the uploads. The device tables change only between steps: an evicted expert
+is marked "on the host" before the next step, an uploaded one becomes a slot once its copy is complete
+(`CachedExperts.publish`), so a step never reads a slot that a copy is writing. Fetch slots and the CPU's share of
+misses remain for GPUs whose experts are not page-locked (the memory map: a copy at a seventh of the speed).
+
 Eager forwards (prompts, batches) and captured decode steps (graphs.py: the step's graphs are cut around each cached
 layer's host work) run the same lookups, kernels and accounting. Layers, the KV cache and the routers stay on the
 GPU (runtime/models); only the routed experts move.
@@ -59,6 +71,7 @@ from moerun.cache.policy import DEFAULT_POLICY, make_policy
 from moerun.graphs import active_capture
 from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import ExpertBytes, moe_rows
+from moerun.kernels.tuning import GEMV_MAX_TOKENS
 from moerun.layers import ACTIVATIONS, swiglu_clamp
 
 # Uploads one layer may start per step: an upload of a 30B-shaped expert (2.6 MB) takes ~50 us over pinned PCIe,
@@ -75,6 +88,9 @@ STAGING_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from s
 # (Two measured: 21 of 34 misses per token fetched, the other 13 still took the CPU 22 ms.)
 FETCH_SLOTS = 4
 FETCH_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from fetching (tests turn it on)
+# Streaming (module docstring): where decode-sized steps read their misses from host RAM in the experts' kernels. A
+# CPU standing in for the GPU computes them with the CPU's kernel as its "bus" (tests turn it on).
+STREAM_DEVICES = {"cuda"}
 
 
 @dataclass
@@ -93,6 +109,7 @@ class CacheConfig:
     pin: bool | None = None  # copy the experts into page-locked RAM (None: on CUDA, when free RAM holds them)
     fetch_ahead: bool = False  # guess the next layer's experts and fetch its misses early (module docstring; measured
     # slower on the H200 machine, so opt-in: --fetch-ahead)
+    stream: bool = True  # decode steps read their misses from page-locked host RAM (module docstring)
 
 
 @dataclass
@@ -108,6 +125,7 @@ class CacheStats:
     # step's to its layer's fetch slots
     ahead: int = 0  # experts copied into a layer's fetch slots before its router ran, on the layer before's guess
     found: int = 0  # misses found in a fetch slot (fetched ahead, or by a recent step): nothing to copy for them
+    streamed: int = 0  # misses a decode step's kernels read from host RAM over the bus
     seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
     gpu_events: list = field(default_factory=list)
 
@@ -145,8 +163,9 @@ class ExpertCache:
 
     def __post_init__(self) -> None:
         n_layer = len(self.placement.slots)
+        self.streamed = self.config.stream and all(streams(d, self.config.pin) for d in self.devices)
         # [L] of each block's slots, the fetch slots (decode's misses for one step; the policy keeps the others)
-        self.fetch_slots = [fetch_slots(n, self.devices[d], self.config.pin)
+        self.fetch_slots = [0 if self.streamed else fetch_slots(n, self.devices[d], self.config.pin)
                             for n, d in zip(self.placement.slots, self.placement.device)]
         policy_slots = [n - f for n, f in zip(self.placement.slots, self.fetch_slots)]
         self.policy = make_policy(self.config.policy, policy_slots, self.n_expert, self.top_k)
@@ -158,7 +177,90 @@ class ExpertCache:
         self._routed: list[tuple[CachedExperts, np.ndarray]] = []  # this forward's layers so far
         self.scratch: dict[tuple, tuple] = {}  # staging banks for prefill, by device and expert layout
         self.paused = False  # see pause()
+        self.layers: list[CachedExperts] = []  # in order, as they are built
+        self.row_of: dict[int, int] = {}  # streaming: a cached layer's row in its device's tables
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # device index -> slot tables (host, device)
+        self.routing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (device, T) -> ids (dev, host)
+        if self.streamed:
+            self._make_tables()
         self.reset_stats(n_layer)
+
+    def _make_tables(self) -> None:
+        """Streaming's slot tables, one row per cached layer of a device: every expert "on the host" (-2 - e) until
+        a slot holds it. The device's copy is what kernels read; the host's (page-locked) is where the host edits."""
+        for d, device in enumerate(self.devices):
+            layers = [layer for layer, (n, on) in enumerate(zip(self.placement.slots, self.placement.device))
+                      if n and on == d]
+            if not layers:
+                continue
+            host = (-2 - torch.arange(self.n_expert, dtype=torch.int32)).repeat(len(layers), 1)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self.tables[d] = host, host.to(device) if device.type == "cuda" else host
+            self.row_of.update((layer, row) for row, layer in enumerate(layers))
+
+    def table_rows(self, layer: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Streaming: `layer`'s slot table (E,) on the host (numpy, edited there) and on its device."""
+        host, dev = self.tables[self.placement.device[layer]]
+        return host[self.row_of[layer]].numpy(), dev[self.row_of[layer]]
+
+    def publish(self) -> None:
+        """Streaming: every layer's completed uploads into its table, then the tables to their devices, on the
+        current stream (before the next step's kernels)."""
+        for layer in self.layers:
+            layer.publish()
+        for host, dev in self.tables.values():
+            if dev is not host:
+                dev.copy_(host, non_blocking=True)
+
+    def routing_buffers(self, d: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streaming: where a step of n_tokens records its routing, (rows, T, K) int64 on device d and page-locked
+        on the host (made before a capture, graphs.DecodeGraphs: pinned memory cannot be allocated during one)."""
+        key = d, n_tokens
+        if key not in self.routing:
+            host, _ = self.tables[d]
+            shape = (host.shape[0], n_tokens, self.top_k)
+            device = self.devices[d]
+            pinned = device.type == "cuda"
+            buf = torch.zeros(shape, dtype=torch.int64, pin_memory=pinned)
+            self.routing[key] = (buf.to(device) if pinned else buf), buf
+        return self.routing[key]
+
+    def record(self, layer: CachedExperts, ids: torch.Tensor) -> None:
+        """Streaming: a decode step's layer records its routing on its device; the device's last layer sends the
+        step's to the host, and after the last layer of all `step_done` reads it (inside a captured step: once the
+        graphs are launched)."""
+        d, n_tokens = self.placement.device[layer.layer], ids.shape[0]
+        dev, host = self.routing_buffers(d, n_tokens)
+        dev[self.row_of[layer.layer]].copy_(ids)
+        if self.row_of[layer.layer] == dev.shape[0] - 1 and dev is not host:
+            host.copy_(dev, non_blocking=True)
+        if layer.layer == self.last_layer:
+            capture = active_capture()
+            if capture is None:
+                self.step_done(n_tokens)
+            else:
+                capture.after(partial(self.step_done, n_tokens))
+
+    def step_done(self, n_tokens: int) -> None:
+        """Streaming, after a decode step: wait for it, count each layer's hits and misses, let the policy see the
+        step's routing and plan the uploads (one batched call), and publish the tables."""
+        with timed(self.stats, "router sync"):
+            for d in self.tables:
+                if self.devices[d].type == "cuda":
+                    torch.cuda.current_stream(self.devices[d]).synchronize()
+        routed = []
+        for layer in self.layers:
+            ids_h = self.routing_buffers(self.placement.device[layer.layer], n_tokens)[1][self.row_of[layer.layer]]
+            ids_h = ids_h.numpy()
+            missed = layer.table_host[ids_h] < 0
+            self.stats.lookups[layer.layer] += missed.size
+            self.stats.hits[layer.layer] += missed.size - int(np.count_nonzero(missed))
+            self.stats.streamed += int(np.count_nonzero(missed))
+            routed.append((layer, ids_h))
+        if not self.paused:
+            with timed(self.stats, "uploads"):
+                self._plan(routed)
 
     @contextlib.contextmanager
     def pause(self):
@@ -200,6 +302,8 @@ class ExpertCache:
             if plan:
                 layer.upload(plan)
                 self.stats.uploads += len(plan)
+        if self.streamed:
+            self.publish()
 
     def staging(self, layer: CachedExperts) -> tuple:
         """The staging banks for `layer`'s expert layout on its device, made on first use and shared by all layers
@@ -229,6 +333,12 @@ class ExpertCache:
         host waits), else the memory map."""
         parts = host_experts(g, layer)
         return tuple(replace(t, data=page_locked(t.data)) for t in parts) if self.config.pin else parts
+
+
+def streams(device: torch.device, pinned: bool | None) -> bool:
+    """Do decode steps on `device` read their misses from host RAM (a GPU: when the experts are page-locked, which
+    the kernels can read over the bus)?"""
+    return device.type in STREAM_DEVICES and (device.type != "cuda" or bool(pinned))
 
 
 def fetch_slots(n_slots: int, device: torch.device, pinned: bool | None) -> int:
@@ -301,10 +411,14 @@ class CachedExperts(nn.Module):
         self.act = partial(swiglu_clamp, limit=limit) if activation == "swiglu_clamp" else ACTIVATIONS[activation]
         device = cache.device_of(layer)
         self.copy_stream = cache.copy_streams.get(device)  # uploads into this layer's slots
-        self.banks = tuple(QWeight(torch.empty(n_slots + n_fetch, t.rows, t.data.shape[-1], dtype=torch.uint8,
-                                               device=device), t.qtype, t.rows, t.cols) for t in host)
-        self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
         self.host_tensors = tuple(read_only_tensor(t.data) for t in host)
+        self.banks = tuple(QWeight(torch.empty(n_slots + n_fetch, t.rows, t.data.shape[-1], dtype=torch.uint8,
+                                               device=device), t.qtype, t.rows, t.cols,
+                                   host=h if cache.streamed else None) for t, h in zip(host, self.host_tensors))
+        self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
+        # streaming: the slot tables (ExpertCache.table_rows) and the uploads not yet in them, with their copies' event
+        self.table_host, self.table = cache.table_rows(layer) if cache.streamed else (None, None)
+        self.pending: list[tuple[list[tuple[int, int]], torch.cuda.Event | None]] = []
         self.resident = np.full(n_slots, -1, np.int64)
         self.fetched = np.full(n_fetch, -1, np.int64)
         self.slot_of = np.full(host[0].data.shape[0], -1, np.int32)
@@ -313,12 +427,19 @@ class CachedExperts(nn.Module):
         self.uploaded = None  # the copy stream's event after this layer's last uploads
         self.fetched_ahead = None  # the copy stream's event after the last copies into the fetch slots
         self.step_buffers: dict[int, StepBuffers] = {}  # a captured decode step's, by its number of tokens
+        cache.layers.append(self)
+
+    def streams(self, n_tokens: int) -> bool:
+        """Does a step of n_tokens read this layer's misses from host RAM (decode-sized, with streaming on)?"""
+        return self.table is not None and n_tokens <= GEMV_MAX_TOKENS
 
     def prepare_capture(self, n_tokens: int) -> None:
         """Make the buffers of a captured decode step of `n_tokens` (graphs.DecodeGraphs calls this before a
         capture: pinned memory cannot be allocated during one)."""
         device = self.banks[0].data.device
-        if device.type == "cuda" and n_tokens not in self.step_buffers:
+        if self.streams(n_tokens):
+            self.cache.routing_buffers(self.cache.placement.device[self.layer], n_tokens)
+        elif device.type == "cuda" and n_tokens not in self.step_buffers:
             self.step_buffers[n_tokens] = StepBuffers.make(n_tokens, self.cache.top_k, self.host[0].cols, device,
                                                            guess=self.ahead is not None)
 
@@ -340,10 +461,19 @@ class CachedExperts(nn.Module):
         """Load `experts` into the first slots (warm start, before the first token)."""
         self.uploaded = self._on_copy_stream(lambda: [self._upload(slot, e)
                                                       for slot, e in enumerate(experts[: self.n_slots].tolist())])
+        if self.table is not None:
+            self.pending.append((list(enumerate(experts[: self.n_slots].tolist())), self.uploaded))
+            if self.uploaded is not None:
+                self.uploaded.synchronize()  # at load: the first step finds them in place
+            self.cache.publish()
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:
             raise MoeprepError("activation hooks (imatrix collection) need the model loaded without the expert cache")
+        if self.streams(ids.shape[0]):
+            out = self._hits(x, self.table[ids], weights, ids)
+            self.cache.record(self, ids)
+            return out
         capture = active_capture()
         if capture is not None:
             return self._captured(capture, x, ids, weights)
@@ -535,7 +665,13 @@ class CachedExperts(nn.Module):
 
     def _hits_on_cpu(self, x, slots, weights, banks, experts) -> torch.Tensor:
         """A CPU standing in for the GPU runs its slots through the CPU's own kernel (the misses' arithmetic, so
-        the stand-in's output is the all-CPU model's), as if the slots were the experts."""
+        the stand-in's output is the all-CPU model's), as if the slots were the experts; streamed misses (-2 - e)
+        as slots after the bank's."""
+        if (slots < -1).any():
+            n = banks[0].data.shape[0]
+            banks = tuple(replace(b, data=torch.cat([b.data, b.host])) for b in banks)
+            experts = np.concatenate([experts, np.arange(len(self.slot_of))])
+            slots = torch.where(slots < -1, n - 2 - slots, slots)
         slot_bytes = tuple(ExpertBytes(b.data.numpy(), b.qtype, b.rows, b.cols,
                                        None if t.bias is None else t.bias[np.maximum(experts, 0)])
                            for b, t in zip(banks, self.host))
@@ -601,6 +737,21 @@ class CachedExperts(nn.Module):
     def upload(self, plan: list[tuple[int, int]]) -> None:
         """Copy the planned (slot, expert) pairs in on the copy stream, once no kernel still reads those slots."""
         self.uploaded = self._on_copy_stream(lambda: [self._upload(slot, expert) for slot, expert in plan])
+        if self.table is not None:
+            self.pending.append((plan, self.uploaded))
+
+    def publish(self) -> None:
+        """Streaming: the uploads whose copies are complete go into the host's slot table (ExpertCache.publish
+        sends it), unless a later plan took their slot again."""
+        waiting = []
+        for plan, copied in self.pending:
+            if copied is not None and not copied.query():
+                waiting.append((plan, copied))
+                continue
+            for slot, expert in plan:
+                if self.resident[slot] == expert:
+                    self.table_host[expert] = slot
+        self.pending = waiting
 
     def _on_copy_stream(self, copies: Callable[[], object]) -> torch.cuda.Event | None:
         """Run `copies` on the layer's copy stream, after every kernel enqueued so far (the last steps' kernels read
@@ -624,6 +775,8 @@ class CachedExperts(nn.Module):
         old = self.resident[slot]
         if old >= 0:
             self.slot_of[old] = -1
+            if self.table_host is not None:
+                self.table_host[old] = -2 - old  # streamed from the host until the next step reads the table
         fetched = self.fetch_slot_of[expert]
         for bank, t in zip(self.banks, self.host_tensors):
             source = bank.data[fetched] if fetched >= 0 else t[expert]

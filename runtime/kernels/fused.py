@@ -417,13 +417,14 @@ def _moe_combine_kernel(y_ptr, w_ptr, slot_ptr, out_ptr, D, K: tl.constexpr, BD:
     acc = tl.zeros((BD,), tl.float32)
     for k in tl.static_range(K):
         w = tl.load(w_ptr + t * K + k)
-        w = tl.where(tl.load(slot_ptr + t * K + k) >= 0, w, 0.0)
+        w = tl.where(tl.load(slot_ptr + t * K + k) != -1, w, 0.0)
         acc += w * tl.load(y_ptr + (t * K + k) * D + d, mask=ok, other=0.0)
     tl.store(out_ptr + t * D + d, acc, mask=ok)
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """y (T, K, D) float32, weights (T, K), slots (T, K) (-1: skipped) -> (T, D) float32: sum_k weights * y."""
+    """y (T, K, D) float32, weights (T, K), slots (T, K) (-1: skipped; other negative slots name experts read from
+    host memory, gguf_matmul._gemv_kernel) -> (T, D) float32: sum_k weights * y."""
     T, K, D = y.shape
     y, weights, slots = y.contiguous(), weights.float().contiguous(), slots.contiguous()
     out = torch.empty(T, D, dtype=torch.float32, device=y.device)

@@ -17,7 +17,9 @@ cumsum on the device into buffers of a size known from the shapes alone, so ever
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -60,16 +62,18 @@ def _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, 
 # Integer arguments that change with a step's size (tokens, pairs; in fused.py rows and KV slots) are not specialized:
 # Triton compiles a kernel again for each new pattern of "divisible by 16" among its integer arguments, 1-3 s each on
 # the H200 machine, which `moerun serve` met as multi-second stalls on its first prompts of new lengths.
-@triton.jit(do_not_specialize=["n_tokens"])
+@triton.jit(do_not_specialize=["n_tokens", "host_delta", "host2_delta"])
 def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div,
-                 n_tokens,
+                 n_tokens, host_delta, host2_delta,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
                  R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr):
     """Program (g, i): rows i*R .. i*R+R-1 for the TG input rows of group g.
 
     Group g reads input rows (g // x_div) * TG + t and writes output rows g * TG + t, t < n_tokens; with SLOTTED, its
-    weights are matrix slot[g] of the bank (none when -1). With GLU it multiplies the same input by a second matrix
-    of the same shape and type (w2: up, w: gate) and writes silu(x w^T) * (x w2^T).
+    weights are matrix slot[g] of the bank (none when -1), or, for slot[g] = -2 - e, matrix e of the bank's host
+    copy at byte offset host_delta from w_ptr (QWeight.host: read over the bus). With GLU it multiplies the same
+    input by a second matrix of the same shape and type (w2: up, w: gate; its host copy at host2_delta) and writes
+    silu(x w^T) * (x w2^T).
     """
     g = tl.program_id(0)
     r = tl.program_id(1) * R + tl.arange(0, R)
@@ -77,10 +81,12 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_
     w2_base = w2_ptr
     n_steps = n_blocks
     if SLOTTED:
-        slot = tl.load(slot_ptr + g)
-        w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
-        w2_base = w2_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
-        n_steps = tl.where(slot >= 0, n_blocks, 0)
+        slot = tl.load(slot_ptr + g).to(tl.int64)
+        streamed = slot < -1
+        at = tl.where(streamed, -2 - slot, tl.maximum(slot, 0)) * slot_bytes
+        w_base = w_ptr + (at + tl.where(streamed, host_delta, 0))
+        w2_base = w2_ptr + (at + tl.where(streamed, host2_delta, 0))
+        n_steps = tl.where(slot != -1, n_blocks, 0)
     # Tiles are 4-D [TG, R, B, P] from the start, the weights [1, R, B, P], so that products only broadcast, and the
     # accumulators keep that shape until the loop ends: each thread sums its own products (one FMA per value and
     # input), and the sums across threads happen once, after the loop. Rows past the matrix read its last row and
@@ -197,9 +203,37 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](
         x, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
-        w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens,
+        w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, _host_delta(w),
+        _host_delta(w if up is None else up),
         DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
         R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, num_warps=tiles.num_warps)
+
+
+def _host_delta(w: QWeight) -> int:
+    """Where the bank's host copy lies for the kernel, as a byte offset from its device bytes (0: it has none)."""
+    if w.host is None:
+        return 0
+    assert w.host.shape[1:] == w.data.shape[1:] and w.host.data_ptr() % 4 == 0, (tuple(w.host.shape),
+                                                                                    tuple(w.data.shape))
+    return _bus_address(w.host.data_ptr(), w.data.is_cuda) - w.data.data_ptr()
+
+
+@functools.cache
+def _bus_address(host_address: int, cuda: bool) -> int:
+    """The address a GPU reads page-locked host memory at (the driver's mapping; on x86-64 Linux the host's own
+    address); a CPU reads it where it is."""
+    if not cuda:
+        return host_address
+    address = ctypes.c_uint64()
+    error = _libcuda().cuMemHostGetDevicePointer_v2(ctypes.byref(address), ctypes.c_void_p(host_address), 0)
+    if error:
+        raise RuntimeError(f"host memory at {host_address:#x} is not page-locked for CUDA (driver error {error})")
+    return address.value
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: int, x_div: int,
@@ -238,9 +272,10 @@ def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 def _decoded_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """x @ w.T through the weight decoded to bfloat16 and cuBLAS, in row chunks of at most
-    tuning.DECODED_CHUNK_BYTES of bfloat16 (one scratch at a time) -> (T, N) float32."""
+    tuning.DECODED_CHUNK_BYTES of bfloat16 (one scratch at a time) -> (T, N) float32. A chunk is a multiple of 4
+    rows, so that each starts 4-byte aligned whatever a row's bytes (Q8_0's 34-byte blocks)."""
     x = x.to(torch.bfloat16)
-    chunk = max(1, tuning.DECODED_CHUNK_BYTES // (2 * w.cols))
+    chunk = max(4, tuning.DECODED_CHUNK_BYTES // (2 * w.cols) // 4 * 4)
     if chunk >= w.rows:
         return torch.mm(x, decode_bf16(w).t(), out_dtype=torch.float32)
     out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)

@@ -175,6 +175,107 @@ def test_decode_fetches_misses_into_the_fetch_slots(synth_model, monkeypatch, po
     assert stats.ahead == 0  # fetching ahead is opt-in (the next test)
 
 
+def check_streaming_tables(model) -> None:
+    """Between steps each layer's streaming table names the slot of every expert whose upload is complete (all
+    of them: the CPU's copies are done at once) and "on the host" (-2 - e) for every other."""
+    for layer in cached_layers(model):
+        e = np.arange(len(layer.slot_of))
+        assert (layer.table_host == np.where(layer.slot_of >= 0, layer.slot_of, -2 - e)).all()
+        assert (layer.table.numpy() == layer.table_host).all() and not layer.pending
+
+
+@pytest.mark.parametrize("policy", ["lru", "static"])
+def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy):
+    """Streaming (a GPU whose experts are page-locked; the CPU stands in here, reading the host bytes with its own
+    kernel): a decode-sized step, one token or a batch of sequences, runs every expert in the experts' launch, the
+    missed ones read from host memory, and stops at the host only after the last layer, where the step's routing
+    is counted and the policy plans its uploads in one call. Outputs are the resident model's; the tables follow
+    the uploads; a prompt (more than GEMV_MAX_TOKENS tokens) still computes its misses on the CPU."""
+    import moerun.cache.expert_cache as expert_cache
+
+    monkeypatch.setattr(expert_cache, "STREAM_DEVICES", {"cuda", "cpu"})
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    reference = moerun.load_model(path, n_seq=3)
+    n_expert, k = reference.args.n_experts, reference.args.n_experts_used
+    usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, 2, ... hottest first
+    cached = moerun.load_model(path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage,
+                                                               policy=policy))
+    cache, layers = cached.expert_cache, cached_layers(cached)
+    assert cache.streamed and all(b.host is not None for b in layers[0].banks) and not any(cache.fetch_slots)
+    check_streaming_tables(cached)
+    prompts = [reference.tokenizer.encode(text) for text in ("def bisect(a, x):\n    lo, hi = 0, len(a)", "import os", "class A:")]
+    assert len(prompts[0]) > expert_cache.GEMV_MAX_TOKENS
+    for seq, prompt in enumerate(prompts):
+        torch.testing.assert_close(cached.forward(torch.tensor(prompt), 0, seq),
+                                   reference.forward(torch.tensor(prompt), 0, seq), rtol=1e-4, atol=1e-4)
+        if seq == 0:  # the long prompt's misses went to the CPU, the short ones' are streamed
+            assert cache.stats.streamed == 0 and cache.stats.hits.sum() < cache.stats.lookups.sum()
+    assert cache.stats.streamed > 0
+    cache.reset_stats()
+    calls = []
+    monkeypatch.setattr(cache, "_plan", lambda routed, plan=cache._plan: calls.append(len(routed)) or plan(routed))
+    pos = len(prompts[0])
+    for i, token in enumerate([5, 17, 99, 3, 250, 5]):
+        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos + i),
+                                   reference.forward(torch.tensor([token]), pos + i), rtol=1e-4, atol=1e-4)
+        check_tables(cached)
+        check_streaming_tables(cached)
+    lengths = torch.tensor([len(p) for p in prompts])
+    lengths[0] += 6
+    for i, t in enumerate([7, 40, 7]):
+        tokens, seqs = torch.tensor([t, t + 1, t + 2]), torch.arange(3)
+        torch.testing.assert_close(cached.forward_batch(tokens, lengths + i, seqs),
+                                   reference.forward_batch(tokens, lengths + i, seqs), rtol=1e-4, atol=1e-4)
+        check_streaming_tables(cached)
+    stats = cache.stats
+    assert calls == [len(layers)] * 9  # one plan per step, with every layer's routing
+    assert stats.lookups.sum() == (6 + 3 * 3) * k * len(layers)
+    assert stats.streamed == stats.lookups.sum() - stats.hits.sum() > 0
+    assert (stats.uploads > 0) == (policy == "lru")
+    if policy == "static":
+        assert all(layer.resident.tolist() == [0, 1, 2, 3] for layer in layers)
+
+
+def test_streamed_uploads_reach_the_table_once_copied(synth_model, monkeypatch):
+    """On a GPU an upload's copy runs on the copy stream while the next step may already run: the evicted expert
+    leaves the table at once (no step reads a slot being written), the new one enters it only once its copy is
+    complete, and not if a later plan took the slot again."""
+    import moerun.cache.expert_cache as expert_cache
+
+    monkeypatch.setattr(expert_cache, "STREAM_DEVICES", {"cuda", "cpu"})
+    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    n_expert = moerun.load_model(path).args.n_experts
+    usage = np.tile(np.arange(n_expert)[::-1], (3, 1))
+    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage))
+    layer = cached_layers(model)[0]
+
+    class Copy:  # a copy stream's event, complete when the test says
+        done = False
+
+        def query(self):
+            return self.done
+
+    first, second = Copy(), Copy()
+    monkeypatch.setattr(layer, "_on_copy_stream", lambda copies: (copies(), first)[1])
+    layer.upload([(0, 9)])  # expert 0 leaves slot 0 for expert 9
+    model.expert_cache.publish()
+    assert layer.table_host[0] == -2 and layer.table_host[9] == -11 and layer.slot_of[9] == 0
+    first.done = True
+    model.expert_cache.publish()
+    assert layer.table_host[9] == 0 and (layer.table.numpy() == layer.table_host).all()
+    first.done = False
+    monkeypatch.setattr(layer, "_on_copy_stream", lambda copies: (copies(), first)[1])
+    layer.upload([(1, 10)])
+    monkeypatch.setattr(layer, "_on_copy_stream", lambda copies: (copies(), second)[1])
+    layer.upload([(1, 11)])  # slot 1 taken again before expert 10's copy completed
+    first.done = True
+    model.expert_cache.publish()
+    assert layer.table_host[10] == -12 and layer.table_host[11] == -13 and layer.table_host[1] == -3
+    second.done = True
+    model.expert_cache.publish()
+    assert layer.table_host[11] == 1 and not layer.pending
+
+
 def test_fetch_ahead_in_a_batch_of_sequences(synth_model, monkeypatch):
     """A batch of several sequences' tokens guesses for all of them: the next layer fetches the guessed misses most
     tokens share first; the batch's outputs are those without fetching ahead."""

@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
+from moerun.kernels.fused import moe_combine
 from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, supports
 from moerun.kernels.qtypes import BLOCK_TYPES
 
@@ -220,7 +221,52 @@ def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles
     y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
                      QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
     assert y.shape == (n_tokens, k, rows)
-    gemm = n_tokens > tuning.GEMV_MAX_TOKENS
+    assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
+    """A bank with a host copy (QWeight.host, page-locked on CUDA: the GPU reads it over the bus): slot -2 - e runs
+    expert e of the host copy, in the same decode launch as the bank's slots (the expert cache's decode step), for
+    the GLU, the down projection and the weighted sum, which counts those pairs as it counts the bank's."""
+    rng = np.random.default_rng([int(qtype), 11])
+    n_tokens, k, rows, n_expert, resident = 3, 3, 24, 6, [4, 0, 2]  # experts 4, 0, 2 sit in slots 0, 1, 2
+    cols = COLS[BLOCK_TYPES[qtype].values]
+    gate_all, up_all = (random_weights(qtype, (n_expert, rows), cols, rng) for _ in range(2))
+    host = (lambda b: b.pin_memory()) if DEVICE == "cuda" else (lambda b: b.clone())
+    gate, up = (QWeight(b[resident].to(DEVICE), qtype, rows, cols, host=host(b)) for b in (gate_all, up_all))
+    experts = np.stack([rng.permutation(n_expert)[:k] for _ in range(n_tokens)])
+    slot_of = np.full(n_expert, -1)
+    slot_of[resident] = range(len(resident))
+    slots = np.where(slot_of[experts] >= 0, slot_of[experts], -2 - experts)
+    slots[1, 2] = -1  # skipped
+    experts[1, 2] = -1
+    assert (slots >= 0).any() and (slots < -1).any()
+    x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32))
+    y = gguf_moe_glu(x.to(DEVICE), gate, up, torch.from_numpy(slots).to(DEVICE)).cpu().double()
+    assert_glu_close(y, x, torch.from_numpy(experts), gate_all, up_all, qtype, gemm=False)
+    # the down projection from the host copy too, each pair its own input; then the weighted sum of the pairs
+    down_all = random_weights(qtype, (n_expert, cols), cols, rng)
+    down = QWeight(down_all[resident].to(DEVICE), qtype, cols, cols, host=host(down_all))
+    h = torch.from_numpy(rng.standard_normal((n_tokens, k, cols), dtype=np.float32))
+    yd = gguf_moe(h.to(DEVICE), down, torch.from_numpy(slots).to(DEVICE)).cpu()
+    weights = dequantized(down_all, qtype, cols)
+    for t in range(n_tokens):
+        for j in range(k):
+            if experts[t, j] < 0:
+                assert (yd[t, j] == 0).all()
+            else:
+                assert_close(yd[t, j][None], h[t, j][None], weights[experts[t, j]], gemm=False)
+    mix = torch.from_numpy(rng.random((n_tokens, k), dtype=np.float32))
+    summed = moe_combine(yd.to(DEVICE), mix.to(DEVICE), torch.from_numpy(slots).to(DEVICE)).cpu()
+    torch.testing.assert_close(summed, (yd * torch.where(torch.from_numpy(experts) >= 0, mix, 0)[..., None]).sum(1))
+
+
+def assert_glu_close(y, x, slots, gate_bank, up_bank, qtype: Q, gemm: bool) -> None:
+    """y (T, K, N) = silu(x gate^T) * (x up^T) for expert slots[t, k] of the banks (host copies), zeros where it is
+    -1, within the bound test_moe_glu explains."""
+    n_tokens, k = slots.shape
+    cols = x.shape[1]
     xd = (x.bfloat16() if gemm else x).double()
     for t in range(n_tokens):
         for j in range(k):
@@ -310,5 +356,6 @@ def test_decode_bf16(qtype: Q) -> None:
 def test_decoded_route_in_row_chunks(monkeypatch, qtype: Q) -> None:
     """A weight larger than tuning.DECODED_CHUNK_BYTES (a large vocabulary's output head) decodes and multiplies in
     row chunks, the last one partial: the same bound as the whole weight at once."""
-    monkeypatch.setattr(tuning, "DECODED_CHUNK_BYTES", 2 * COLS[BLOCK_TYPES[qtype].values] * 7)  # 7 rows a chunk
+    # room for 13 rows: chunks of 12 (a multiple of 4, aligned for any row size), 40 rows = 3 x 12 + 4
+    monkeypatch.setattr(tuning, "DECODED_CHUNK_BYTES", 2 * COLS[BLOCK_TYPES[qtype].values] * 13)
     run_mm(qtype, 8, rows=40, rng=np.random.default_rng([int(qtype), 9]))

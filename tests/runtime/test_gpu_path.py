@@ -225,16 +225,19 @@ def cached_model(path, n_seq: int = 1, **config):
                              cache=CacheConfig(budgets=[8 << 30], **config))
 
 
-def test_cached_graph_decode_replays_the_eager_step(synth_model):
-    """With a frozen warm set both models hit and miss the same experts, so a replayed step (graphs cut at every
-    cached layer for the host's lookup and the CPU's misses) equals the eager one."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "fetch-and-cpu"])
+def test_cached_graph_decode_replays_the_eager_step(synth_model, stream):
+    """With a frozen warm set both models hit and miss the same experts, so a replayed step equals the eager one:
+    streamed (one graph, the misses read from page-locked host RAM by the experts' kernels, the host after the
+    step), or with graphs cut at every cached layer for the host's lookup, the fetch slots and the CPU's misses."""
     import numpy as np
 
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     n_layer, n_expert = 4, 16
     usage = np.tile(np.arange(n_expert)[::-1], (n_layer, 1))  # experts 0, 1, ... hottest first
-    graphed, eager = (cached_model(path, slots_per_layer=8, usage=usage, policy="static", fetch_ahead=True)
-                      for _ in range(2))
+    graphed, eager = (cached_model(path, slots_per_layer=8, usage=usage, policy="static", fetch_ahead=not stream,
+                                   stream=stream) for _ in range(2))
+    assert graphed.expert_cache.streamed == stream
     assert graph_blockers(graphed) == []
     prompt = graphed.tokenizer.encode(PROMPT)
     for model in (graphed, eager):
@@ -246,27 +249,38 @@ def test_cached_graph_decode_replays_the_eager_step(synth_model):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     stats = graphed.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
-    assert stats.staged > 0  # misses fetched into the fetch slots inside the replayed step
-    assert stats.ahead > 0 and stats.found > 0  # guessed by the layer before, copied on the copy stream, found
+    if stream:
+        assert stats.streamed == stats.lookups.sum() - stats.hits.sum()
+        assert [len(program.parts) for program, _ in graphed.decode_graphs.graphs.values()] == [1]
+    else:
+        assert stats.staged > 0  # misses fetched into the fetch slots inside the replayed step
+        assert stats.ahead > 0 and stats.found > 0  # guessed by the layer before, copied on the copy stream, found
     assert graphed.expert_cache.config.pin  # page-locked host copies on a machine with the RAM for them
 
 
-def test_cached_batched_graph_decode_matches_the_eager_batch(synth_model):
-    """The cache's host work (lookups, the CPU's misses) for several sequences' tokens inside a batch's graphs."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "fetch-and-cpu"])
+def test_cached_batched_graph_decode_matches_the_eager_batch(synth_model, stream):
+    """Several sequences' tokens in a batch's graphs: streamed, or the cache's host work (lookups, the CPU's
+    misses) inside them."""
     import numpy as np
 
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     usage = np.tile(np.arange(16)[::-1], (4, 1))
-    graphed, eager = (cached_model(path, n_seq=3, slots_per_layer=8, usage=usage, policy="static") for _ in range(2))
+    graphed, eager = (cached_model(path, n_seq=3, slots_per_layer=8, usage=usage, policy="static", stream=stream)
+                      for _ in range(2))
     batched_decode_matches_the_eager_batch(graphed, eager)
     stats = graphed.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
 
 
-@pytest.mark.parametrize("slots", [4, 8])  # 8: half of them fetch slots, and uploads copy fetched experts on the GPU
-def test_cached_graph_decode_adapts_and_matches_the_resident_model(synth_model, slots):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "fetch-and-cpu"])
+@pytest.mark.parametrize("slots", [4, 8])  # 8, not streamed: half of them fetch slots, and uploads copy fetched experts
+def test_cached_graph_decode_adapts_and_matches_the_resident_model(synth_model, slots, stream):
+    """The policy uploads while the graphs replay (streamed: its copies overlap the next step, the tables change
+    between steps); every step stays within the GPU path's tolerance of the resident model."""
     path = synth_model("qwen3moe", preset="small", expert_type="F16", attn_type="F16")
-    cached, resident = cached_model(path, slots_per_layer=slots), moerun.load_model(path, device="cuda", n_ctx=600)
+    cached = cached_model(path, slots_per_layer=slots, stream=stream)
+    resident = moerun.load_model(path, device="cuda", n_ctx=600)
     prompt = resident.tokenizer.encode(PROMPT)
     c, r = (model.forward(torch.tensor(prompt)).float().cpu() for model in (cached, resident))
     assert cached.expert_cache.stats.staged > 0  # the prompt's busy misses ran from the staging bank
@@ -282,13 +296,16 @@ def test_cached_graph_decode_adapts_and_matches_the_resident_model(synth_model, 
     assert sorted(errors)[len(errors) // 2] < 2e-2, errors
 
 
-def test_moerun_bench_reports_the_cache(synth_model):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "fetch-and-cpu"])
+def test_moerun_bench_reports_the_cache(synth_model, stream):
     from moerun.bench import format_result, run_bench
 
     model = cached_model(synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"),
-                         slots_per_layer=4)
+                         slots_per_layer=4, stream=stream)
     result = run_bench(model, 64, 16)
     assert result.decode_tok_s > 0 and result.prefill_tok_s > 0
     ms = result.cache["ms_per_token"]
-    assert ms["router sync"] > 0 and ms["GPU experts (device)"] > 0
+    assert ms["router sync"] > 0  # streamed: waiting for the step; else for each layer's router
+    assert (ms["GPU experts (device)"] > 0) != stream  # a streamed step is one graph: its experts are not timed apart
+    assert (result.cache["streamed_per_token"] > 0) == stream
     assert "hit rate" in format_result(result)
