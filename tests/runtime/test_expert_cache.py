@@ -189,7 +189,7 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     """Streaming (a GPU whose experts are page-locked; the CPU stands in here, reading the host bytes with its own
     kernel): a decode-sized step, one token or a batch of sequences, runs every expert in the experts' launch, the
     missed ones read from host memory, and stops at the host only after the last layer, where the step's routing
-    is counted and the policy plans its uploads in one call. Outputs are the resident model's; the tables follow
+    is counted and the policy plans its uploads in one call while the next step runs. Outputs are the resident model's; the tables follow
     the uploads; a prompt (more than GEMV_MAX_TOKENS tokens) still computes its misses on the CPU."""
     import moerun.cache.expert_cache as expert_cache
 
@@ -211,6 +211,7 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
         if seq == 0:  # the long prompt's misses went to the CPU, the short ones' are streamed
             assert cache.stats.streamed == 0 and cache.stats.hits.sum() < cache.stats.lookups.sum()
     assert cache.stats.streamed > 0
+    cache.plan_pending()  # the last short prompt's
     cache.reset_stats()
     calls = []
     monkeypatch.setattr(cache, "_plan", lambda routed, plan=cache._plan: calls.append(len(routed)) or plan(routed))
@@ -228,12 +229,14 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
                                    reference.forward_batch(tokens, lengths + i, seqs), rtol=1e-4, atol=1e-4)
         check_streaming_tables(cached)
     stats = cache.stats
-    assert calls == [len(layers)] * 9  # one plan per step, with every layer's routing
+    assert calls == [len(layers)] * 8  # one plan per step, with every layer's routing, during the next step
     assert stats.lookups.sum() == (6 + 3 * 3) * k * len(layers)
     assert stats.streamed == stats.lookups.sum() - stats.hits.sum() > 0
     assert (stats.uploads > 0) == (policy == "lru")
     if policy == "static":
         assert all(layer.resident.tolist() == [0, 1, 2, 3] for layer in layers)
+    cached.forward(torch.tensor(prompts[0]), 0, 0)  # a prompt plans the last streamed step's uploads first
+    assert calls == [len(layers)] * 10 and not cache.unplanned
 
 
 def test_streamed_uploads_reach_the_table_once_copied(synth_model, monkeypatch):
