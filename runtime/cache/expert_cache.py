@@ -32,7 +32,7 @@ token on that model).
 
 Streaming (the default where the experts are page-locked on a GPU): a decode-sized step (up to
 tuning.GEMV_MAX_TOKENS tokens, eager or captured) does not stop at the host at all. Each layer's bank also names its
-experts in host RAM (QWeight.host), and a device table per layer maps every expert to its slot or, for a miss, to
+experts in host RAM (QWeight.second), and a device table per layer maps every expert to its slot or, for a miss, to
 "read expert e from host RAM" (-2 - e): the matrix-vector kernel reads a missed expert's bytes over the bus in the
 same launch as the cached ones (pinned PCIe: ~55 GB/s, where the CPU's kernels reach 7-16 GB/s of expert bytes in a
 decode step and each host stop costs ~0.1 ms). The step is then one CUDA graph; each layer records its routing on
@@ -426,7 +426,7 @@ class CachedExperts(nn.Module):
         self.host_tensors = tuple(read_only_tensor(t.data) for t in host)
         self.banks = tuple(QWeight(torch.empty(n_slots + n_fetch, t.rows, t.data.shape[-1], dtype=torch.uint8,
                                                device=device), t.qtype, t.rows, t.cols,
-                                   host=h if cache.streamed else None) for t, h in zip(host, self.host_tensors))
+                                   second=h if cache.streamed else None) for t, h in zip(host, self.host_tensors))
         self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
         # streaming: the slot tables (ExpertCache.table_rows) and the uploads not yet in them, with their copies' event
         self.table_host, self.table = cache.table_rows(layer) if cache.streamed else (None, None)
@@ -483,7 +483,7 @@ class CachedExperts(nn.Module):
         if self.hooks.activation:
             raise MoeprepError("activation hooks (imatrix collection) need the model loaded without the expert cache")
         if self.streams(ids.shape[0]):
-            out = self._hits(x, self.table[ids], weights, ids)
+            out = self._streamed(x, ids, weights)
             self.cache.record(self, ids)
             return out
         capture = active_capture()
@@ -515,6 +515,20 @@ class CachedExperts(nn.Module):
             out = self._add_misses(out, x_host.numpy(), ids_h, weights_h, on_cpu)
         self._account(ids_h, missed)  # the cache's hits and misses, whoever computed the misses
         return out
+
+    def _streamed(self, x, ids, weights) -> torch.Tensor:
+        """A decode-sized step: every expert in one launch, the misses from the host copies. On a GPU the misses
+        are first copied to the staging bank by a copy kernel (twice the bus speed of the matrix-vector kernel's
+        own loads; stage_second), where it holds all of the step's pairs (else they are read in place)."""
+        slots, banks, second = self.table[ids], self.banks, None
+        if x.device.type in STAGING_DEVICES:
+            stage = self.cache.staging(self)
+            if stage[0].data.shape[0] >= slots.numel():
+                from moerun.kernels.gguf_matmul import stage_second
+
+                banks, slots = stage_second(slots, self.banks, tuple(b.data for b in stage))
+                second = ids.reshape(-1)  # staging matrix p holds pair p's expert
+        return self._hits(x, slots, weights, ids, banks, second=second)
 
     def _add_misses(self, out, x_host: np.ndarray, ids_h, weights_h, missed) -> torch.Tensor:
         """out + the CPU's sum over the missed (token, expert) pairs, computed for just the tokens that have any."""
@@ -657,12 +671,14 @@ class CachedExperts(nn.Module):
         ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k : 2 * k], np.float32)
         return ids_h, weights_h, self.slot_of[ids_h] < 0, routing[:, 2 * k :].astype(np.int64)
 
-    def _hits(self, x, slots, weights, ids, banks=None, experts=None) -> torch.Tensor:
+    def _hits(self, x, slots, weights, ids, banks=None, experts=None, second=None) -> torch.Tensor:
         """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
-        experts[s]: the expert in slot s (for its biases; default: the policy's slots, then the fetch slots)."""
+        experts[s]: the expert in slot s (for its biases; default: the policy's slots, then the fetch slots), and
+        second[j] the expert of the second bank's matrix j (slot -2 - j; default: expert j, the host copies)."""
         if x.device.type == "cpu":
             return self._hits_on_cpu(x, slots, weights, banks or self.banks,
-                                     np.concatenate([self.resident, self.fetched]) if experts is None else experts)
+                                     np.concatenate([self.resident, self.fetched]) if experts is None else experts,
+                                     np.arange(len(self.slot_of)) if second is None else second.numpy())
         from moerun.quantized import bank_moe  # Triton, which CUDA builds of torch bring
 
         timing = self.cache.timing and active_capture() is None
@@ -675,14 +691,14 @@ class CachedExperts(nn.Module):
             self.cache.stats.gpu_events.append(events)
         return out
 
-    def _hits_on_cpu(self, x, slots, weights, banks, experts) -> torch.Tensor:
+    def _hits_on_cpu(self, x, slots, weights, banks, experts, second) -> torch.Tensor:
         """A CPU standing in for the GPU runs its slots through the CPU's own kernel (the misses' arithmetic, so
-        the stand-in's output is the all-CPU model's), as if the slots were the experts; streamed misses (-2 - e)
-        as slots after the bank's."""
+        the stand-in's output is the all-CPU model's), as if the slots were the experts; the second bank's
+        (-2 - j, streamed misses) as slots after the bank's."""
         if (slots < -1).any():
             n = banks[0].data.shape[0]
-            banks = tuple(replace(b, data=torch.cat([b.data, b.host])) for b in banks)
-            experts = np.concatenate([experts, np.arange(len(self.slot_of))])
+            banks = tuple(replace(b, data=torch.cat([b.data, b.second])) for b in banks)
+            experts = np.concatenate([experts, second])
             slots = torch.where(slots < -1, n - 2 - slots, slots)
         slot_bytes = tuple(ExpertBytes(b.data.numpy(), b.qtype, b.rows, b.cols,
                                        None if t.bias is None else t.bias[np.maximum(experts, 0)])

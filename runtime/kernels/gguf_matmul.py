@@ -62,18 +62,18 @@ def _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, 
 # Integer arguments that change with a step's size (tokens, pairs; in fused.py rows and KV slots) are not specialized:
 # Triton compiles a kernel again for each new pattern of "divisible by 16" among its integer arguments, 1-3 s each on
 # the H200 machine, which `moerun serve` met as multi-second stalls on its first prompts of new lengths.
-@triton.jit(do_not_specialize=["n_tokens", "host_delta", "host2_delta"])
+@triton.jit(do_not_specialize=["n_tokens", "second_delta", "second2_delta"])
 def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div,
-                 n_tokens, host_delta, host2_delta,
+                 n_tokens, second_delta, second2_delta,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
                  R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr):
     """Program (g, i): rows i*R .. i*R+R-1 for the TG input rows of group g.
 
     Group g reads input rows (g // x_div) * TG + t and writes output rows g * TG + t, t < n_tokens; with SLOTTED, its
-    weights are matrix slot[g] of the bank (none when -1), or, for slot[g] = -2 - e, matrix e of the bank's host
-    copy at byte offset host_delta from w_ptr (QWeight.host: read over the bus). With GLU it multiplies the same
-    input by a second matrix of the same shape and type (w2: up, w: gate; its host copy at host2_delta) and writes
-    silu(x w^T) * (x w2^T).
+    weights are matrix slot[g] of the bank (none when -1), or, for slot[g] = -2 - e, matrix e of its second bank at
+    byte offset second_delta from w_ptr (QWeight.second: host memory read over the bus, or a staging bank). With GLU
+    it multiplies the same input by a second matrix of the same shape and type (w2: up, w: gate; its second bank at
+    second2_delta) and writes silu(x w^T) * (x w2^T).
     """
     g = tl.program_id(0)
     r = tl.program_id(1) * R + tl.arange(0, R)
@@ -84,8 +84,8 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_
         slot = tl.load(slot_ptr + g).to(tl.int64)
         streamed = slot < -1
         at = tl.where(streamed, -2 - slot, tl.maximum(slot, 0)) * slot_bytes
-        w_base = w_ptr + (at + tl.where(streamed, host_delta, 0))
-        w2_base = w2_ptr + (at + tl.where(streamed, host2_delta, 0))
+        w_base = w_ptr + (at + tl.where(streamed, second_delta, 0))
+        w2_base = w2_ptr + (at + tl.where(streamed, second2_delta, 0))
         n_steps = tl.where(slot != -1, n_blocks, 0)
     # Tiles are 4-D [TG, R, B, P] from the start, the weights [1, R, B, P], so that products only broadcast, and the
     # accumulators keep that shape until the loop ends: each thread sums its own products (one FMA per value and
@@ -203,27 +203,63 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](
         x, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
-        w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, _host_delta(w),
-        _host_delta(w if up is None else up),
+        w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, _second_delta(w),
+        _second_delta(w if up is None else up),
         DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
         R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, num_warps=tiles.num_warps)
 
 
-def _host_delta(w: QWeight) -> int:
-    """Where the bank's host copy lies for the kernel, as a byte offset from its device bytes (0: it has none)."""
-    if w.host is None:
+@triton.jit
+def _stage_kernel(slot_ptr, dst_ptr, src_delta, words, BLOCK: tl.constexpr):
+    """Program (p, c): words c*BLOCK .. c*BLOCK+BLOCK-1 of the matrix that pair p names in the second bank (slot
+    -2 - e; the bank at src_delta words from dst_ptr), copied to matrix p of the staging bank at dst_ptr. Pairs
+    with other slots copy nothing."""
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    if slot < -1:
+        i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < words
+        tl.store(dst_ptr + p * words + i, tl.load(dst_ptr + src_delta + (-2 - slot) * words + i, mask=ok), mask=ok)
+
+
+def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[torch.Tensor, ...],
+                 ) -> tuple[tuple[QWeight, ...], torch.Tensor]:
+    """Copy the second-bank matrices that `slots` (T, K) name (-2 - e) into matrix p = t*K + k of the device
+    staging banks `stages` ((>= T*K, N, row_bytes) uint8 each, one per bank), in wide coalesced loads: from
+    page-locked host memory such a copy reads 44-50 GB/s on the H200 machine, where the matrix-vector kernel's own
+    loads over the bus reach 24 (docs/BENCHMARKS.md). -> the banks with the staging banks as their second, and the
+    slots of the staged pairs pointing there (-2 - p)."""
+    n_pairs = slots.numel()
+    staged = []
+    for w, stage in zip(banks, stages):
+        matrix = w.data[0].numel()
+        size = next(n for n in (8, 4, 1) if matrix % n == 0)
+        delta = _bus_address(w.second.data_ptr(), stage.is_cuda and not w.second.is_cuda) - stage.data_ptr()
+        assert stage.shape[0] >= n_pairs and stage.shape[1:] == w.data.shape[1:] and delta % size == 0
+        words = stage.view(-1).view({8: torch.int64, 4: torch.int32, 1: torch.uint8}[size])
+        _stage_kernel[(n_pairs, triton.cdiv(matrix // size, tuning.STAGE_WORDS))](
+            slots, words, delta // size, matrix // size, BLOCK=tuning.STAGE_WORDS, num_warps=tuning.STAGE_WARPS)
+        staged.append(dataclasses.replace(w, second=stage))
+    pairs = torch.arange(n_pairs, device=slots.device, dtype=slots.dtype).view(slots.shape)
+    return tuple(staged), torch.where(slots < -1, -2 - pairs, slots)
+
+
+def _second_delta(w: QWeight) -> int:
+    """Where the bank's second bank lies for the kernel, as a byte offset from its bytes (0: it has none)."""
+    if w.second is None:
         return 0
-    assert w.host.shape[1:] == w.data.shape[1:] and w.host.data_ptr() % 4 == 0, (tuple(w.host.shape),
-                                                                                    tuple(w.data.shape))
-    return _bus_address(w.host.data_ptr(), w.data.is_cuda) - w.data.data_ptr()
+    assert w.second.shape[1:] == w.data.shape[1:] and w.second.data_ptr() % 4 == 0, (tuple(w.second.shape),
+                                                                                      tuple(w.data.shape))
+    on_host = w.data.is_cuda and not w.second.is_cuda
+    return _bus_address(w.second.data_ptr(), on_host) - w.data.data_ptr()
 
 
 @functools.cache
-def _bus_address(host_address: int, cuda: bool) -> int:
-    """The address a GPU reads page-locked host memory at (the driver's mapping; on x86-64 Linux the host's own
-    address); a CPU reads it where it is."""
-    if not cuda:
-        return host_address
+def _bus_address(address: int, on_host: bool) -> int:
+    """The address a GPU reads page-locked host memory at (`on_host`: the driver's mapping; on x86-64 Linux the
+    host's own address); memory on the kernel's own device is where it is."""
+    if not on_host:
+        return address
     address = ctypes.c_uint64()
     error = _libcuda().cuMemHostGetDevicePointer_v2(ctypes.byref(address), ctypes.c_void_p(host_address), 0)
     if error:

@@ -15,11 +15,12 @@ from gguf import GGMLQuantizationType as Q
 @dataclass(frozen=True)
 class QWeight:
     """GGUF bytes of one matrix or of a bank of expert matrices, on the device. A bank of the expert cache also
-    names its layer's experts in host memory (`host`, (E_all, N, row_bytes) page-locked, which the GPU reads over
-    the bus), so that a decode step's missed experts run in the same launch as its cached ones."""
+    names a second bank (`second`), whose matrix e the matrix-vector kernel's slot -2 - e runs, so that a decode
+    step's missed experts run in the same launch as its cached ones: the layer's experts in page-locked host memory
+    (the GPU reads them over the bus), or a staging bank on the device they were copied to for the step."""
 
     data: torch.Tensor  # uint8, (N, row_bytes) or (E, N, row_bytes), contiguous
     qtype: Q
     rows: int  # N, output features
     cols: int  # C, input features (a multiple of the type's block size)
-    host: torch.Tensor | None = None  # uint8 (E_all, N, row_bytes): slot -2 - e of the matrix-vector kernel
+    second: torch.Tensor | None = None  # uint8 (E2, N, row_bytes): slot -2 - e of the matrix-vector kernel

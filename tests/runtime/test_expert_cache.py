@@ -184,16 +184,25 @@ def check_streaming_tables(model) -> None:
         assert (layer.table.numpy() == layer.table_host).all() and not layer.pending
 
 
-@pytest.mark.parametrize("policy", ["lru", "static"])
-def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy):
+@pytest.mark.parametrize("policy,stage", [("lru", False), ("static", False), ("lru", True)],
+                         ids=["lru", "static", "lru-staged"])
+def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy, stage):
     """Streaming (a GPU whose experts are page-locked; the CPU stands in here, reading the host bytes with its own
     kernel): a decode-sized step, one token or a batch of sequences, runs every expert in the experts' launch, the
     missed ones read from host memory, and stops at the host only after the last layer, where the step's routing
     is counted and the policy plans its uploads in one call while the next step runs. Outputs are the resident model's; the tables follow
-    the uploads; a prompt (more than GEMV_MAX_TOKENS tokens) still computes its misses on the CPU."""
+    the uploads; a prompt (more than GEMV_MAX_TOKENS tokens) still computes its misses on the CPU. `stage`: as on a
+    GPU, the step's misses are first copied to the staging bank (gguf_matmul.stage_second, in the interpreter here)
+    and run from there."""
     import moerun.cache.expert_cache as expert_cache
+    from moerun.kernels import gguf_matmul
 
     monkeypatch.setattr(expert_cache, "STREAM_DEVICES", {"cuda", "cpu"})
+    if stage:
+        monkeypatch.setattr(expert_cache, "STAGING_DEVICES", {"cuda", "cpu"})
+    copies = []
+    monkeypatch.setattr(gguf_matmul, "stage_second",
+                        lambda *a, stage=gguf_matmul.stage_second: copies.append(a[0].numel()) or stage(*a))
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     reference = moerun.load_model(path, n_seq=3)
     n_expert, k = reference.args.n_experts, reference.args.n_experts_used
@@ -201,7 +210,7 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     cached = moerun.load_model(path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage,
                                                                policy=policy))
     cache, layers = cached.expert_cache, cached_layers(cached)
-    assert cache.streamed and all(b.host is not None for b in layers[0].banks) and not any(cache.fetch_slots)
+    assert cache.streamed and all(b.second is not None for b in layers[0].banks) and not any(cache.fetch_slots)
     check_streaming_tables(cached)
     prompts = [reference.tokenizer.encode(text) for text in ("def bisect(a, x):\n    lo, hi = 0, len(a)", "import os", "class A:")]
     assert len(prompts[0]) > expert_cache.GEMV_MAX_TOKENS
@@ -214,6 +223,7 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     cache.plan_pending()  # the last short prompt's
     cache.reset_stats()
     calls = []
+    copies.clear()
     monkeypatch.setattr(cache, "_plan", lambda routed, plan=cache._plan: calls.append(len(routed)) or plan(routed))
     pos = len(prompts[0])
     for i, token in enumerate([5, 17, 99, 3, 250, 5]):
@@ -230,6 +240,7 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
         check_streaming_tables(cached)
     stats = cache.stats
     assert calls == [len(layers)] * 8  # one plan per step, with every layer's routing, during the next step
+    assert (sorted(set(copies)) == [k, 3 * k]) if stage else not copies  # a token's pairs, a batch's
     assert stats.lookups.sum() == (6 + 3 * 3) * k * len(layers)
     assert stats.streamed == stats.lookups.sum() - stats.hits.sum() > 0
     assert (stats.uploads > 0) == (policy == "lru")

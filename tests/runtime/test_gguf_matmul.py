@@ -28,7 +28,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
-from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, supports
+from moerun.kernels.gguf_matmul import (QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, stage_second,
+                                        supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -226,15 +227,16 @@ def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
 def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
-    """A bank with a host copy (QWeight.host, page-locked on CUDA: the GPU reads it over the bus): slot -2 - e runs
-    expert e of the host copy, in the same decode launch as the bank's slots (the expert cache's decode step), for
-    the GLU, the down projection and the weighted sum, which counts those pairs as it counts the bank's."""
+    """A bank with a host copy as its second bank (QWeight.second, page-locked on CUDA: the GPU reads it over the
+    bus): slot -2 - e runs expert e of the host copy, in the same decode launch as the bank's slots (the expert
+    cache's decode step), for the GLU, read in place or staged first, the down projection and the weighted sum,
+    which counts those pairs as it counts the bank's."""
     rng = np.random.default_rng([int(qtype), 11])
     n_tokens, k, rows, n_expert, resident = 3, 3, 24, 6, [4, 0, 2]  # experts 4, 0, 2 sit in slots 0, 1, 2
     cols = COLS[BLOCK_TYPES[qtype].values]
     gate_all, up_all = (random_weights(qtype, (n_expert, rows), cols, rng) for _ in range(2))
     host = (lambda b: b.pin_memory()) if DEVICE == "cuda" else (lambda b: b.clone())
-    gate, up = (QWeight(b[resident].to(DEVICE), qtype, rows, cols, host=host(b)) for b in (gate_all, up_all))
+    gate, up = (QWeight(b[resident].to(DEVICE), qtype, rows, cols, second=host(b)) for b in (gate_all, up_all))
     experts = np.stack([rng.permutation(n_expert)[:k] for _ in range(n_tokens)])
     slot_of = np.full(n_expert, -1)
     slot_of[resident] = range(len(resident))
@@ -245,9 +247,19 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
     x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32))
     y = gguf_moe_glu(x.to(DEVICE), gate, up, torch.from_numpy(slots).to(DEVICE)).cpu().double()
     assert_glu_close(y, x, torch.from_numpy(experts), gate_all, up_all, qtype, gemm=False)
+    # staged first (stage_second copies each streamed pair's matrix to a device bank): the same bytes, the same sums
+    stages = tuple(torch.zeros(n_tokens * k + 1, *b.data.shape[1:], dtype=torch.uint8, device=DEVICE)
+                   for b in (gate, up))
+    (gate_s, up_s), staged = stage_second(torch.from_numpy(slots).to(DEVICE), (gate, up), stages)
+    assert staged.cpu().tolist() == np.where(slots < -1, -2 - np.arange(n_tokens * k).reshape(slots.shape),
+                                             slots).tolist()
+    for stage, full in zip(stages, (gate_all, up_all)):  # matrix p holds pair p's expert; other matrices untouched
+        for p, e in enumerate(slots.reshape(-1).tolist()):
+            assert torch.equal(stage[p].cpu(), full[-2 - e] if e < -1 else torch.zeros_like(full[0]))
+    torch.testing.assert_close(gguf_moe_glu(x.to(DEVICE), gate_s, up_s, staged).cpu().double(), y, rtol=0, atol=0)
     # the down projection from the host copy too, each pair its own input; then the weighted sum of the pairs
     down_all = random_weights(qtype, (n_expert, cols), cols, rng)
-    down = QWeight(down_all[resident].to(DEVICE), qtype, cols, cols, host=host(down_all))
+    down = QWeight(down_all[resident].to(DEVICE), qtype, cols, cols, second=host(down_all))
     h = torch.from_numpy(rng.standard_normal((n_tokens, k, cols), dtype=np.float32))
     yd = gguf_moe(h.to(DEVICE), down, torch.from_numpy(slots).to(DEVICE)).cpu()
     weights = dequantized(down_all, qtype, cols)
