@@ -260,11 +260,11 @@ def _bus_address(address: int, on_host: bool) -> int:
     host's own address); memory on the kernel's own device is where it is."""
     if not on_host:
         return address
-    address = ctypes.c_uint64()
-    error = _libcuda().cuMemHostGetDevicePointer_v2(ctypes.byref(address), ctypes.c_void_p(host_address), 0)
+    mapped = ctypes.c_uint64()
+    error = _libcuda().cuMemHostGetDevicePointer_v2(ctypes.byref(mapped), ctypes.c_void_p(address), 0)
     if error:
-        raise RuntimeError(f"host memory at {host_address:#x} is not page-locked for CUDA (driver error {error})")
-    return address.value
+        raise RuntimeError(f"host memory at {address:#x} is not page-locked for CUDA (driver error {error})")
+    return mapped.value
 
 
 @functools.cache
