@@ -6,9 +6,8 @@
 Settings: `resident` (every expert on the GPU), `cold` (the cache at the budget, starting empty), `warm` (the cache
 warmed by expert counts, as `--expert-profile` warms it; the counts are taken here over --warm-text with a routing
 hook on the resident model, which is what `moeprep profile` records, so the GPU machine needs no profile file), and
-`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain), `cold-fetch` / `warm-fetch` (decode's
-misses not streamed from host RAM but fetched to slots and computed on the CPU: CacheConfig.stream off), and
-`cold-ahead` / `warm-ahead` (that, with each layer's guessed misses fetched ahead). Each cached setting runs in a
+`warm-64` / `cold-64` (the first 64 decode tokens only: the warm start's gain), and `cold-cpu` / `warm-cpu` (decode's
+misses not streamed from host RAM but computed on the CPU: CacheConfig.stream off). Each cached setting runs in a
 process of its own (`--setting NAME`), so one setting's pinned memory, threads and compiled kernels do not weigh
 on the next. `--settings cold` runs just that one (a model near the machine's RAM: no resident load first).
 """
@@ -45,9 +44,7 @@ def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -
 
 
 SETTINGS = {"cold": (False, None, {}), "warm": (True, None, {}), "warm-64": (True, 64, {}), "cold-64": (False, 64, {}),
-            "cold-fetch": (False, None, {"stream": False}), "warm-fetch": (True, None, {"stream": False}),
-            "cold-ahead": (False, None, {"stream": False, "fetch_ahead": True}),
-            "warm-ahead": (True, None, {"stream": False, "fetch_ahead": True})}
+            "cold-cpu": (False, None, {"stream": False}), "warm-cpu": (True, None, {"stream": False})}
 # (warm, decode tokens, CacheConfig fields)
 ALL_SETTINGS = ("resident", *SETTINGS)
 

@@ -5,7 +5,7 @@
 # the experts of 29 layers in host RAM (about the same VRAM) and all on the GPU. Results land in $OUT.
 #
 #   run: bash bench/gpu_60g.sh    (carry: .whl, the gguf wheel; .peer, from bench/make_peer_tarball.sh)
-#   env: BUDGET (24G), PEER_CPU_MOE (29), GEN (128), THREADS (16), STEPS ("cold peer resident-warm peer-resident"; also ahead, warm-64, gpu-tests)
+#   env: BUDGET (24G), PEER_CPU_MOE (29), GEN (128), THREADS (16), STEPS ("cold peer resident-warm peer-resident"; also cpu, warm-64, gpu-tests)
 #
 # The disk is 64 GiB: where less than the whole model's 60 GB is free, the model keeps as many of its 46 layers as
 # fit (each 1.29 GB) and says so; both runtimes read the same file, so the comparison stays fair. Each step is
@@ -53,7 +53,7 @@ peer() {  # $@: llama-bench options
 for STEP in ${STEPS:-cold peer resident-warm peer-resident}; do
   case $STEP in
     cold) cache cold cache-cold ;;
-    ahead) cache cold-ahead,warm-ahead cache-ahead ;;
+    cpu) cache cold-cpu,warm-cpu cache-cpu ;;
     warm-64) cache warm-64,cold-64 cache-64 ;;
     gpu-tests) [ -f "$OUT/gpu-tests.log" ] || python3 -m pytest -q --noconftest -p no:cacheprovider tests/runtime/test_gpu_path.py \
         > "$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log" ;;

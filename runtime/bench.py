@@ -122,8 +122,6 @@ def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | No
     per_layer = stats.per_layer()[stats.lookups > 0]
     report = {"hit_rate": round(stats.hit_rate, 4), "uploads_per_token": round(stats.uploads / n_tokens, 2),
               "staged_per_token": round(stats.staged / n_tokens, 2),
-              "fetched_ahead_per_token": round(stats.ahead / n_tokens, 2),
-              "found_in_fetch_slots_per_token": round(stats.found / n_tokens, 2),
               "streamed_per_token": round(stats.streamed / n_tokens, 2),
               "hit_rate_per_layer": [round(float(h), 3) for h in per_layer]}
     if wall_s is not None:
@@ -149,15 +147,12 @@ def format_result(result: BenchResult) -> str:
         layers = np.array(report["hit_rate_per_layer"])
         spread = (f" (per layer {layers.min():.1%} to {layers.max():.1%}, median {np.median(layers):.1%})"
                   if len(layers) else "")
-        staged, ahead, found = (report[f"{key}_per_token"] for key in ("staged", "fetched_ahead",
-                                                                        "found_in_fetch_slots"))
+        staged = report["staged_per_token"]
         lines.append(f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
                      f"{report['uploads_per_token']:.2f} uploads per token"
                      + (f", {staged:.2f} experts staged per token" if staged else "")
                      + (f", {report['streamed_per_token']:.2f} read from host RAM per token (streamed)"
-                        if report["streamed_per_token"] else "")
-                     + (f", {ahead:.2f} fetched ahead (on the layer before's guess), {found:.2f} misses found in "
-                        "fetch slots" if ahead or found else ""))
+                        if report["streamed_per_token"] else ""))
         if "ms_per_token" in report:
             lines.append("  ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ms_per_token"].items()))
     if result.vram_bytes is not None:

@@ -7,7 +7,7 @@
 
 Every command that loads a model to generate with takes the same model options (`model_options`), the expert
 cache's among them: `--vram-budget 24G[,24G]`, `--cache-slots auto|N`, `--expert-profile P.moeprof`,
-`--cache-policy`, `--fetch-ahead`.
+`--cache-policy`.
 
 Generation is the default command (`moerun run ...` names it). MoeprepError becomes one line on stderr and exit
 code 2; set MOEPREP_DEBUG=1 for the traceback.
@@ -74,11 +74,6 @@ expert_profile_option = click.option(
 cache_policy_option = click.option(
     "--cache-policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, show_default=True,
     help="Which missed experts the cache uploads, and which residents they evict.")
-fetch_ahead_option = click.option(
-    "--fetch-ahead/--no-fetch-ahead", default=False, show_default=True,
-    help="Each cached layer guesses the next layer's experts with that layer's router and copies the guessed misses "
-    "to the GPU early, beside the step's work. Off by default: on the H200 machine (55 GB/s PCIe) the guesses were "
-    "88% right, yet decode ran 14% slower (docs/expert-cache.md); a slower bus may gain from it.")
 
 
 @dataclass(frozen=True)
@@ -93,7 +88,6 @@ class ModelOptions:
     cache_slots: str = "auto"
     expert_profile: str | None = None
     cache_policy: str = DEFAULT_POLICY
-    fetch_ahead: bool = False
 
     def cache_config(self, g):
         """The expert cache's configuration, or None for every expert on the device: the cache is on when a cache
@@ -109,7 +103,7 @@ class ModelOptions:
             raise MoeprepError("the expert cache with --device cpu needs --vram-budget (the CPU stands in for the GPU)")
         budgets = None if self.vram_budget is None else parse_budgets(self.vram_budget)
         return CacheConfig(budgets=budgets, slots_per_layer=slots, profile=self.expert_profile,
-                           policy=self.cache_policy, cpu_threads=self.threads, fetch_ahead=self.fetch_ahead)
+                           policy=self.cache_policy, cpu_threads=self.threads)
 
     def load(self, n_seq: int = 1):
         g = open_model_file(self.model_path)
@@ -147,7 +141,7 @@ def parse_budgets(text: str) -> list[int]:
 
 
 MODEL_OPTIONS = (model_option, ctx_option, device_option, threads_option, vram_budget_option, cache_slots_option,
-                 expert_profile_option, cache_policy_option, fetch_ahead_option)
+                 expert_profile_option, cache_policy_option)
 
 
 def model_options(command):
@@ -156,9 +150,9 @@ def model_options(command):
 
     @functools.wraps(command)
     def with_model_options(*args, model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
-                           cache_policy, fetch_ahead, **kwargs):
+                           cache_policy, **kwargs):
         options = ModelOptions(model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
-                               cache_policy, fetch_ahead)
+                               cache_policy)
         return command(*args, model_opts=options, **kwargs)
 
     for option in reversed(MODEL_OPTIONS):

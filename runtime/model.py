@@ -10,7 +10,7 @@ import torch
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, open_gguf
-from moerun.cache.expert_cache import CacheConfig, ExpertCache, link_layers, open_cache
+from moerun.cache.expert_cache import CacheConfig, ExpertCache, open_cache
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
 from moerun.graphs import Chunk, DecodeGraphs, PromptGraphs, graph_blockers, prompt_graph_blockers
@@ -198,6 +198,4 @@ def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: 
     ctx = BuildContext(args, Weights(g, dtype, layout.first), hooks, n_ctx, n_seq, expert_cache)
     blocks = [arch.build_block(ctx.on(layout.device_of(layer)), layer) for layer in range(args.n_layers)]
     net = Transformer(ctx, blocks, layout)
-    if expert_cache is not None:
-        link_layers(net)
     return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, layout.first, n_seq, expert_cache)

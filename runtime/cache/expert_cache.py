@@ -1,46 +1,32 @@
 """The VRAM-filling expert cache: routed experts stay in host RAM, each layer's share of free VRAM holds some of them
-as GGUF bytes in slots, the GPU computes the cached experts while the CPU computes the missed ones, and a policy
-decides between steps which misses earn an upload.
+as GGUF bytes in slots, the GPU computes the cached experts, the missed ones are read from host RAM over the bus (a
+decode step) or computed by the CPU at the same time (a prompt), and a policy decides between steps which misses
+earn an upload.
 
 Pieces, each with one job: `CacheConfig` (what the user asked for), `ExpertCache` (the state all layers share: the
-policy, a copy stream per GPU, the statistics, the prompt staging banks), `CachedExperts` (one layer's
-ExpertCompute: its slot banks on the device, its experts' bytes on the host, see cache/host.py). The slot of each
-expert lives on the host (`slot_of`), because the CPU needs the step's routing anyway to compute the misses: one
-small device-to-host copy per layer and step carries the router's choice, the hit/miss split is a numpy lookup,
-and the GPU gets its slot table with the launch. After the last cached layer of a forward the policy sees the whole
-step's routing in one call and plans the uploads. Nothing writes a slot another kernel may still read: uploads run
-on a copy stream after the step's kernels, and a layer's next launch waits for its uploads.
+policy, a copy stream per GPU, the slot tables and routing buffers of streamed steps, the statistics, the staging
+banks), `CachedExperts` (one layer's ExpertCompute: its slot banks on the device, its experts' bytes on the host,
+see cache/host.py). Nothing writes a slot another kernel may still read: uploads run on a copy stream after the
+step's kernels, and a slot enters the tables the kernels read only once its copy is complete.
 
-A decode step's misses are not all left to the CPU: the last FETCH_SLOTS slots of each layer's bank are fetch slots,
-outside the policy, into which the host copies up to that many of the step's missed experts just before the hits'
-kernels, which then compute them too. Over pinned PCIe an expert of the 60 GB model (9.7 MB) arrives in ~0.18 ms,
-where the CPU's kernels, at the 7 GB/s of expert bytes they reach in a decode step, take ~1.4 ms; the CPU keeps
-only what the fetch slots do not hold, and runs it at the same time. An upload the policy then plans for a fetched
-expert copies it from its fetch slot (device to device) instead of over PCIe again.
-
-Fetching ahead: those copies sit between a layer's router and its hits, on the step's critical path (30 experts of
-the 60 GB model per token: 5.4 ms of its 28). So each layer also applies the next layer's router to its own input
-(one small matrix-vector product inside the step; the residual stream changes little from one layer to the next)
-and, with its own routing, hands the next layer that guess: the next layer copies the guessed misses into its fetch
-slots on the copy stream at once, while this layer's hits, the CPU's misses and the next attention run. A guess
-that was right is a miss found in a fetch slot with nothing left to copy; a wrong one costs only copy-engine time.
-On the H200 machine the guesses were 88% right and still the step got slower (37.9 against 44.0 tok/s cold on
-the 60 GB model: the extra copies and events cost the host more than the overlap saved), so it is opt-in
-(CacheConfig.fetch_ahead, --fetch-ahead). Whether it fetched ahead or not, an expert stays in its fetch slot until
-another takes the slot, so a miss repeated soon after is found there and not copied again (4.5 of 34 misses per
-token on that model).
-
-Streaming (the default where the experts are page-locked on a GPU): a decode-sized step (up to
-tuning.GEMV_MAX_TOKENS tokens, eager or captured) does not stop at the host at all. Each layer's bank also names its
-experts in host RAM (QWeight.second), and a device table per layer maps every expert to its slot or, for a miss, to
-"read expert e from host RAM" (-2 - e): the matrix-vector kernel reads a missed expert's bytes over the bus in the
-same launch as the cached ones (pinned PCIe: ~55 GB/s, where the CPU's kernels reach 7-16 GB/s of expert bytes in a
-decode step and each host stop costs ~0.1 ms). The step is then one CUDA graph; each layer records its routing on
-the device, and after the step the host reads all layers' routing in one copy (`ExpertCache.step_done`), counts
-hits, lets the policy plan and starts the uploads. The device tables change only between steps: an evicted expert
+Streaming (where the experts are page-locked on a GPU): a decode-sized step (up to tuning.GEMV_MAX_TOKENS tokens,
+eager or captured) does not stop at the host. Each layer's bank names its experts in host RAM as its second bank
+(QWeight.second), and a device table per layer maps every expert to its slot or, for a miss, to "expert e of the
+second bank" (-2 - e). A copy kernel moves the step's missed experts from page-locked RAM into the staging bank
+(44-50 GB/s on the H200 machine; gguf_matmul.stage_second) and the matrix-vector kernel runs them in the same
+launch as the cached ones. The step is then one CUDA graph; each layer records its routing on the device, and
+after the step the host reads all layers' routing in one copy (`ExpertCache.step_done`) and counts hits, and while
+the next step runs, the policy plans the uploads. The device tables change only between steps: an evicted expert
 is marked "on the host" before the next step, an uploaded one becomes a slot once its copy is complete
-(`CachedExperts.publish`), so a step never reads a slot that a copy is writing. Fetch slots and the CPU's share of
-misses remain for GPUs whose experts are not page-locked (the memory map: a copy at a seventh of the speed).
+(`CachedExperts.publish`). Measured against the CPU computing the misses (the design before, with the host
+stopping at every layer): 60 GB model at 24 GiB, 46.5 -> 77.4 tok/s warm (docs/BENCHMARKS.md).
+
+The misses of a prompt (more tokens) and of any step where the experts are not page-locked (the memory map, whose
+copies run at a seventh of the speed) go to the CPU instead: the slot of each expert lives on the host too
+(`slot_of`), one small device-to-host copy per layer carries the router's choice, the hit/miss split is a numpy
+lookup, the GPU gets its slot table with the launch and the CPU computes the misses meanwhile; a prompt's misses
+chosen by several tokens are staged on the GPU instead (`_stage`). After the last cached layer the policy sees the
+whole step's routing in one call.
 
 Eager forwards (prompts, batches) and captured decode steps (graphs.py: the step's graphs are cut around each cached
 layer's host work) run the same lookups, kernels and accounting. Layers, the KV cache and the routers stay on the
@@ -82,12 +68,6 @@ UPLOADS_PER_LAYER_STEP = 2
 STAGE_MIN_TOKENS = 4
 STAGE_BYTES = 512 << 20  # the staging bank's size per device (part of the VRAM reserve)
 STAGING_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from staging (tests turn it on)
-# Decode: fetch slots per layer (module docstring). A fetched expert costs the step ~0.18 ms of copy against ~1.4 ms
-# on the CPU (60 GB model, H200 machine), so nearly every miss should be fetched: four hold all of a layer's misses
-# in most steps (0.4-0.8 per token on average at a 90-95% hit rate, 8 experts chosen), for 8% of a 48-slot layer.
-# (Two measured: 21 of 34 misses per token fetched, the other 13 still took the CPU 22 ms.)
-FETCH_SLOTS = 4
-FETCH_DEVICES = {"cuda"}  # a CPU standing in for the GPU gains nothing from fetching (tests turn it on)
 # Streaming (module docstring): where decode-sized steps read their misses from host RAM in the experts' kernels. A
 # CPU standing in for the GPU computes them with the CPU's kernel as its "bus" (tests turn it on).
 STREAM_DEVICES = {"cuda"}
@@ -107,9 +87,8 @@ class CacheConfig:
     uploads_per_layer_step: int | None = UPLOADS_PER_LAYER_STEP  # None: every upload the policy wants
     cpu_threads: int | None = None
     pin: bool | None = None  # copy the experts into page-locked RAM (None: on CUDA, when free RAM holds them)
-    fetch_ahead: bool = False  # guess the next layer's experts and fetch its misses early (module docstring; measured
-    # slower on the H200 machine, so opt-in: --fetch-ahead)
-    stream: bool = True  # decode steps read their misses from page-locked host RAM (module docstring)
+    stream: bool = True  # decode steps read their misses from page-locked host RAM (module docstring); off: the CPU
+    # computes them, as where the experts are not page-locked
 
 
 @dataclass
@@ -121,10 +100,7 @@ class CacheStats:
     lookups: np.ndarray
     hits: np.ndarray
     uploads: int = 0
-    staged: int = 0  # experts copied to the GPU for one step, not kept: a prompt's to the staging bank, a decode
-    # step's to its layer's fetch slots
-    ahead: int = 0  # experts copied into a layer's fetch slots before its router ran, on the layer before's guess
-    found: int = 0  # misses found in a fetch slot (fetched ahead, or by a recent step): nothing to copy for them
+    staged: int = 0  # a prompt's experts copied to the staging bank for one step, not kept
     streamed: int = 0  # misses a decode step's kernels read from host RAM over the bus
     seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMED, 0.0))
     gpu_events: list = field(default_factory=list)
@@ -164,11 +140,7 @@ class ExpertCache:
     def __post_init__(self) -> None:
         n_layer = len(self.placement.slots)
         self.streamed = self.config.stream and all(streams(d, self.config.pin) for d in self.devices)
-        # [L] of each block's slots, the fetch slots (decode's misses for one step; the policy keeps the others)
-        self.fetch_slots = [0 if self.streamed else fetch_slots(n, self.devices[d], self.config.pin)
-                            for n, d in zip(self.placement.slots, self.placement.device)]
-        policy_slots = [n - f for n, f in zip(self.placement.slots, self.fetch_slots)]
-        self.policy = make_policy(self.config.policy, policy_slots, self.n_expert, self.top_k)
+        self.policy = make_policy(self.config.policy, list(self.placement.slots), self.n_expert, self.top_k)
         if self.config.usage is not None:
             self.policy.seed(self.config.usage)
         self.copy_streams = {d: torch.cuda.Stream(d) for d in self.devices if d.type == "cuda"}  # one per GPU
@@ -353,15 +325,6 @@ def streams(device: torch.device, pinned: bool | None) -> bool:
     return device.type in STREAM_DEVICES and (device.type != "cuda" or bool(pinned))
 
 
-def fetch_slots(n_slots: int, device: torch.device, pinned: bool | None) -> int:
-    """How many of a layer's n_slots are fetch slots: FETCH_SLOTS where the layer keeps at least as many for the
-    policy, on a GPU whose host copies are page-locked (from the pageable memory map a copy runs at a seventh of the
-    speed, slower than the CPU computing the expert); else none."""
-    if device.type not in FETCH_DEVICES or n_slots < 2 * FETCH_SLOTS or (device.type == "cuda" and not pinned):
-        return 0
-    return FETCH_SLOTS
-
-
 @contextlib.contextmanager
 def timed(stats: CacheStats, what: str):
     start = time.perf_counter()
@@ -375,7 +338,7 @@ class StepBuffers:
     the layer's input come to pinned host memory inside the graph; the slot table and the CPU's result go back
     between graphs."""
 
-    routing: torch.Tensor  # (T, 2K or 3K) float32 pinned: expert ids, weights, the guess of the next layer's ids
+    routing: torch.Tensor  # (T, 2K) float32 pinned: expert ids, weights
     x: torch.Tensor  # (T, D) float32 pinned
     slots_host: torch.Tensor  # (T, K) int32 pinned
     slots: torch.Tensor  # (T, K) int32 on the device
@@ -389,31 +352,29 @@ class StepBuffers:
         self.slots_np, self.cpu_np = self.slots_host.numpy(), self.cpu_host.numpy()
 
     @classmethod
-    def make(cls, T: int, K: int, D: int, device: torch.device, guess: bool) -> StepBuffers:
+    def make(cls, T: int, K: int, D: int, device: torch.device) -> StepBuffers:
         pinned = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, pin_memory=True)  # noqa: E731
-        return cls(pinned(T, (3 if guess else 2) * K), pinned(T, D), pinned(T, K, dtype=torch.int32),
+        return cls(pinned(T, 2 * K), pinned(T, D), pinned(T, K, dtype=torch.int32),
                    torch.zeros(T, K, dtype=torch.int32, device=device), pinned(T, D),
                    torch.zeros(T, D, device=device))
 
 
 class CachedExperts(nn.Module):
     """One layer's routed experts through the cache (an ExpertCompute). Slots: `banks` (gate, up, down), each
-    (n_slots + n_fetch, rows, row bytes) uint8 on the device; `resident[s]` is the expert in policy slot s (-1:
-    empty) and `slot_of[e]` its inverse; `fetched[j]` the expert in fetch slot n_slots + j and `fetch_slot_of[e]`
-    its inverse (the bank index). `ahead`: the next cached layer and its router, whose experts this layer guesses
-    (link_layers).
+    (n_slots, rows, row bytes) uint8 on the device, with the host copies as their second bank where streaming;
+    `resident[s]` is the expert in slot s (-1: empty) and `slot_of[e]` its inverse, the policy's view; `table_host`
+    and `table` the streamed steps' view (module docstring).
 
-    Eagerly, a forward copies the routing to the host (the layer's one sync), launches the hits, computes the misses
-    on the CPU meanwhile, and sums. Inside a captured decode step (graphs.py) the same work is split around two cuts:
-    the graph before copies routing and input to pinned buffers; at the first cut the host looks the experts up and
-    sends the slot table; the hits' kernels are a graph of their own; at the second cut the CPU computes the misses
-    while the GPU runs that graph, and the next graph adds the CPU's result. A decode step (any captured one; an
-    eager one of fewer than STAGE_MIN_TOKENS tokens) computes the misses it finds in the fetch slots there, copies
-    as many others as the remaining fetch slots take (`_fetch`), and hands the next layer its guess (`fetch_ahead`);
-    an eager step of more tokens stages its busy misses instead (`_stage`)."""
+    A streamed step (`_streamed`) runs every expert on the GPU and records its routing. Otherwise, eagerly, a
+    forward copies the routing to the host (the layer's one sync), launches the hits, computes the misses on the CPU
+    meanwhile (a prompt's busy ones staged on the GPU, `_stage`), and sums. Inside a captured step that does not
+    stream (graphs.py) the same work is split around two cuts: the graph before copies routing and input to pinned
+    buffers; at the first cut the host looks the experts up and sends the slot table; the hits' kernels are a graph
+    of their own; at the second cut the CPU computes the misses while the GPU runs that graph, and the next graph adds
+    the CPU's result."""
 
     def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
-                 activation: str, cache: ExpertCache, hooks: Hooks, limit: float = 0.0, n_fetch: int = 0) -> None:
+                 activation: str, cache: ExpertCache, hooks: Hooks, limit: float = 0.0) -> None:
         super().__init__()
         from moerun.kernels.qweight import QWeight
 
@@ -424,7 +385,7 @@ class CachedExperts(nn.Module):
         device = cache.device_of(layer)
         self.copy_stream = cache.copy_streams.get(device)  # uploads into this layer's slots
         self.host_tensors = tuple(read_only_tensor(t.data) for t in host)
-        self.banks = tuple(QWeight(torch.empty(n_slots + n_fetch, t.rows, t.data.shape[-1], dtype=torch.uint8,
+        self.banks = tuple(QWeight(torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8,
                                                device=device), t.qtype, t.rows, t.cols,
                                    second=h if cache.streamed else None) for t, h in zip(host, self.host_tensors))
         self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
@@ -432,12 +393,8 @@ class CachedExperts(nn.Module):
         self.table_host, self.table = cache.table_rows(layer) if cache.streamed else (None, None)
         self.pending: list[tuple[list[tuple[int, int]], torch.cuda.Event | None]] = []
         self.resident = np.full(n_slots, -1, np.int64)
-        self.fetched = np.full(n_fetch, -1, np.int64)
         self.slot_of = np.full(host[0].data.shape[0], -1, np.int32)
-        self.fetch_slot_of = np.full(host[0].data.shape[0], -1, np.int32)
-        self.ahead: tuple[CachedExperts, nn.Module] | None = None  # a tuple: not registered as submodules
         self.uploaded = None  # the copy stream's event after this layer's last uploads
-        self.fetched_ahead = None  # the copy stream's event after the last copies into the fetch slots
         self.step_buffers: dict[int, StepBuffers] = {}  # a captured decode step's, by its number of tokens
         cache.layers.append(self)
 
@@ -452,16 +409,14 @@ class CachedExperts(nn.Module):
         if self.streams(n_tokens):
             self.cache.routing_buffers(self.cache.placement.device[self.layer], n_tokens)
         elif device.type == "cuda" and n_tokens not in self.step_buffers:
-            self.step_buffers[n_tokens] = StepBuffers.make(n_tokens, self.cache.top_k, self.host[0].cols, device,
-                                                           guess=self.ahead is not None)
+            self.step_buffers[n_tokens] = StepBuffers.make(n_tokens, self.cache.top_k, self.host[0].cols, device)
 
     @classmethod
     def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: str,
                   limit: float = 0.0) -> CachedExperts:
         """The layer's experts with the slots the placement gave it, warmed with the hottest known experts."""
-        n_fetch = cache.fetch_slots[layer]
-        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer] - n_fetch, activation, cache,
-                      hooks, limit, n_fetch)
+        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, cache, hooks,
+                      limit)
         experts.fill(warm_experts(cache.config.usage, layer, cache.n_expert))
         return experts
 
@@ -489,22 +444,18 @@ class CachedExperts(nn.Module):
         capture = active_capture()
         if capture is not None:
             return self._captured(capture, x, ids, weights)
-        stats = self.cache.stats
-        prompt = x.shape[0] >= STAGE_MIN_TOKENS  # eagerly, a prompt stages; a captured decode step always fetches
-        with timed(stats, "router sync"):
-            routing = self._routing(x, ids, weights, guess=not prompt).cpu().numpy()  # the one sync of the layer
-        ids_h, weights_h, missed, guess = self._look_up(routing)
-        fetch, targets, slots, on_cpu = self._fetch_plan(ids_h, missed, prompt)
-        on_gpu = x.device.type == "cuda"
+        with timed(self.cache.stats, "router sync"):
+            routing = self._routing(ids, weights).cpu().numpy()  # the one sync of the layer
+        ids_h, weights_h, missed = self._look_up(routing)
+        on_cpu, on_gpu = missed, x.device.type == "cuda"
         if on_cpu.any():  # the CPU's input is enqueued before the GPU's expert kernels, so it need not wait for them
             x_host = x.float().to("cpu", non_blocking=on_gpu)
             x_ready = torch.cuda.Event() if on_gpu else None
             if x_ready is not None:
                 x_ready.record()
         self._wait_for_copies()
-        self._fetch(fetch, targets, guess)
-        out = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids)
-        if on_cpu.any() and prompt and x.device.type in STAGING_DEVICES:
+        out = self._hits(x, torch.from_numpy(self.slot_of[ids_h]).to(x.device), weights, ids)
+        if on_cpu.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in STAGING_DEVICES:
             staged = self._stage(x, ids_h, on_cpu, weights, ids)
             if staged is not None:
                 on_cpu, staged_out = staged
@@ -577,107 +528,29 @@ class CachedExperts(nn.Module):
                 for bank, t in zip(banks, self.host_tensors):
                     bank.data[start:end].copy_(t[first : first + end - start], non_blocking=True)
 
-    def _fetch_plan(self, ids_h: np.ndarray, missed: np.ndarray, prompt: bool = False,
-                    ) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
-        """A decode step's misses -> (the experts to copy into fetch slots now, their slots; the slot table (T, K),
-        with the misses found in or copied to a fetch slot pointing there; the misses left to the CPU). Misses
-        already in a fetch slot need no copy; the others take the fetch slots this step does not read: one token's
-        first ones in the router's order, else those chosen by most tokens. A prompt's misses are the staging
-        bank's (_stage): none is fetched for one. Runs once per layer and step on the host, so tables, not
-        np.isin (5x slower at this size)."""
-        slots, none = self.slot_of[ids_h], ids_h[:0, 0]
-        if not len(self.fetched) or prompt or not missed.any():
-            return none, [], slots, missed
-        in_fetch = np.where(missed, self.fetch_slot_of[ids_h], -1)  # each miss's fetch slot, if it is in one
-        found = in_fetch >= 0
-        n_found = np.count_nonzero(found)
-        self.cache.stats.found += n_found
-        fetch, targets = none, []
-        if n_found < np.count_nonzero(missed):
-            free = self._free_fetch_slots(in_fetch[found])
-            fetch = self._busiest(ids_h[missed & ~found], ids_h.shape[0])[: len(free)]
-            targets = free[: len(fetch)]
-            self._assign(fetch, targets)
-            in_fetch = np.where(missed, self.fetch_slot_of[ids_h], -1)
-        np.copyto(slots, in_fetch, where=in_fetch >= 0)
-        return fetch, targets, slots, missed & (in_fetch < 0)
-
-    def fetch_ahead(self, guess: np.ndarray) -> None:
-        """The layer before guessed this layer's experts (T, K): copy the guessed misses that are in no slot yet into
-        the fetch slots the guess does not name, on the copy stream, now (module docstring)."""
-        want = self._busiest(guess[self.slot_of[guess] < 0], guess.shape[0])[: len(self.fetched)]
-        new = want[self.fetch_slot_of[want] < 0]
-        if not len(new):
-            return
-        targets = self._free_fetch_slots(self.fetch_slot_of[want])[: len(new)]
-        self._assign(new, targets)
-        self.fetched_ahead = self._on_copy_stream(lambda: self._copy_in(new, targets))
-        self.cache.stats.ahead += len(new)
+    def _wait_for_copies(self) -> None:
+        """The current stream waits for the copy stream's writes into this layer's slots before it runs the hits."""
+        if self.uploaded is not None:
+            torch.cuda.current_stream().wait_event(self.uploaded)
 
     @staticmethod
-    def _busiest(experts: np.ndarray, n_tokens: int) -> np.ndarray:
-        """Distinct `experts` (a step's chosen ones, in the router's order), one token's as they come, several
-        tokens' those chosen most first."""
-        if n_tokens == 1:  # a token's experts are distinct
-            return experts
-        distinct, counts = np.unique(experts, return_counts=True)
-        return distinct[np.argsort(-counts, kind="stable")]
+    def _routing(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """What the host reads of a step, in one tensor: (T, 2K) ids and weights."""
+        return torch.cat([ids.to(torch.float32), weights.float()], dim=1)
 
-    def _free_fetch_slots(self, taken: np.ndarray) -> list[int]:
-        """The fetch slots (bank indices) not among `taken` (a handful: Python, 3x faster than numpy here)."""
-        busy = set(taken.tolist())
-        return [s for s in range(self.n_slots, self.n_slots + len(self.fetched)) if s not in busy]
-
-    def _assign(self, experts: np.ndarray, targets: list[int]) -> None:
-        """Record `experts` in the fetch slots `targets` (their copies are enqueued by the caller)."""
-        for e, slot in zip(experts.tolist(), targets):
-            old = self.fetched[slot - self.n_slots]
-            if old >= 0:
-                self.fetch_slot_of[old] = -1
-            self.fetched[slot - self.n_slots], self.fetch_slot_of[e] = e, slot
-
-    def _copy_in(self, experts: np.ndarray, targets: list[int]) -> None:
-        for e, slot in zip(experts.tolist(), targets):
-            for bank, t in zip(self.banks, self.host_tensors):
-                bank.data[slot].copy_(t[e], non_blocking=True)
-
-    def _fetch(self, experts: np.ndarray, targets: list[int], guess: np.ndarray) -> None:
-        """Copy `experts` into the fetch slots `targets` on the current stream (after the copies _wait_for_copies
-        waited for, before this step's hits' kernels), then hand the next layer its guess."""
-        with timed(self.cache.stats, "uploads"):
-            self._copy_in(experts, targets)
-            self.cache.stats.staged += len(experts)
-            if self.ahead is not None and guess.size:
-                self.ahead[0].fetch_ahead(guess)
-
-    def _wait_for_copies(self) -> None:
-        """The current stream waits for the copy stream's writes into this layer's slots (uploads, fetches ahead)
-        and its reads of the fetch slots (an upload from one) before it writes a fetch slot or runs the hits."""
-        for event in (self.uploaded, self.fetched_ahead):
-            if event is not None:
-                torch.cuda.current_stream().wait_event(event)
-
-    def _routing(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, guess: bool) -> torch.Tensor:
-        """What the host reads of a step, in one tensor: (T, 2K) ids and weights, and with `guess` (and a next
-        layer) the next layer's router's choice for this layer's input (T, K)."""
-        parts = [ids.to(torch.float32), weights.float()]
-        if guess and self.ahead is not None:
-            parts.append(self.ahead[1](x)[0].to(torch.float32))
-        return torch.cat(parts, dim=1)
-
-    def _look_up(self, routing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The (T, 2K or 3K) routing on the host -> ids, weights, which of them missed, the next layer's guess."""
+    def _look_up(self, routing: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (T, 2K) routing on the host -> ids, weights, which of them missed."""
         k = self.cache.top_k
-        ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k : 2 * k], np.float32)
-        return ids_h, weights_h, self.slot_of[ids_h] < 0, routing[:, 2 * k :].astype(np.int64)
+        ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
+        return ids_h, weights_h, self.slot_of[ids_h] < 0
 
     def _hits(self, x, slots, weights, ids, banks=None, experts=None, second=None) -> torch.Tensor:
         """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
-        experts[s]: the expert in slot s (for its biases; default: the policy's slots, then the fetch slots), and
+        experts[s]: the expert in slot s (for its biases; default: the policy's slots), and
         second[j] the expert of the second bank's matrix j (slot -2 - j; default: expert j, the host copies)."""
         if x.device.type == "cpu":
             return self._hits_on_cpu(x, slots, weights, banks or self.banks,
-                                     np.concatenate([self.resident, self.fetched]) if experts is None else experts,
+                                     self.resident if experts is None else experts,
                                      np.arange(len(self.slot_of)) if second is None else second.numpy())
         from moerun.quantized import bank_moe  # Triton, which CUDA builds of torch bring
 
@@ -717,7 +590,7 @@ class CachedExperts(nn.Module):
 
     def _captured(self, capture, x, ids, weights) -> torch.Tensor:
         buf = self.step_buffers[ids.shape[0]]  # made by prepare_capture
-        buf.routing.copy_(self._routing(x, ids, weights, guess=True), non_blocking=True)
+        buf.routing.copy_(self._routing(ids, weights), non_blocking=True)
         buf.x.copy_(x.float(), non_blocking=True)
         capture.cut(lambda: self._route_step(buf))
         out = self._hits(x, buf.slots, weights, ids)
@@ -729,12 +602,11 @@ class CachedExperts(nn.Module):
         this layer's uploads."""
         with timed(self.cache.stats, "router sync"):
             torch.cuda.current_stream().synchronize()
-        ids_h, weights_h, missed, guess = self._look_up(buf.routing_np)
-        fetch, targets, buf.slots_np[:], on_cpu = self._fetch_plan(ids_h, missed)
+        ids_h, weights_h, missed = self._look_up(buf.routing_np)
+        buf.slots_np[:] = self.slot_of[ids_h]
         buf.slots.copy_(buf.slots_host, non_blocking=True)
         self._wait_for_copies()
-        self._fetch(fetch, targets, guess)
-        buf.routed = ids_h, weights_h, missed, on_cpu
+        buf.routed = ids_h, weights_h, missed
         if self.cache.timing:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -747,13 +619,13 @@ class CachedExperts(nn.Module):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             stats.gpu_events[-1] = (stats.gpu_events[-1][0], end)
-        ids_h, weights_h, missed, on_cpu = buf.routed
-        if on_cpu.any() or buf.cpu_dirty:
+        ids_h, weights_h, missed = buf.routed
+        if missed.any() or buf.cpu_dirty:
             buf.cpu_np[:] = 0
-            if on_cpu.any():
-                self._misses(buf.x_np, ids_h, weights_h, on_cpu, buf.cpu_np)
+            if missed.any():
+                self._misses(buf.x_np, ids_h, weights_h, missed, buf.cpu_np)
             buf.cpu.copy_(buf.cpu_host, non_blocking=True)  # the pinned buffer is rewritten after the next sync
-            buf.cpu_dirty = bool(on_cpu.any())
+            buf.cpu_dirty = bool(missed.any())
         self._account(ids_h, missed)
 
     def _account(self, ids_h: np.ndarray, missed: np.ndarray) -> None:
@@ -797,31 +669,15 @@ class CachedExperts(nn.Module):
         return event
 
     def _upload(self, slot: int, expert: int) -> None:
-        """Copy `expert` into policy slot `slot`: from its fetch slot when it is in one (device to device, ordered
-        after the fetch by the copy stream's wait, or by the copy stream itself for a fetch ahead), else from the
-        host."""
+        """Copy `expert` into slot `slot` from the host."""
         old = self.resident[slot]
         if old >= 0:
             self.slot_of[old] = -1
             if self.table_host is not None:
                 self.table_host[old] = -2 - old  # streamed from the host until the next step reads the table
-        fetched = self.fetch_slot_of[expert]
         for bank, t in zip(self.banks, self.host_tensors):
-            source = bank.data[fetched] if fetched >= 0 else t[expert]
-            bank.data[slot].copy_(source, non_blocking=True)
+            bank.data[slot].copy_(t[expert], non_blocking=True)
         self.resident[slot], self.slot_of[expert] = expert, slot
-
-
-def link_layers(net: nn.Module) -> None:
-    """Give each cached layer the next one and its router, for fetching ahead (module docstring): consecutive MoE
-    blocks on one device, the next with fetch slots, when the config asks for it."""
-    from moerun.layers import MoE
-
-    blocks = [m for m in net.modules() if isinstance(m, MoE) and isinstance(m.experts, CachedExperts)]
-    for this, following in zip(blocks, blocks[1:]):
-        a, b = this.experts, following.experts
-        if a.cache.config.fetch_ahead and len(b.fetched) and a.banks[0].data.device == b.banks[0].data.device:
-            a.ahead = (b, following.router)
 
 
 def warm_experts(usage: np.ndarray | None, layer: int, n_expert: int) -> np.ndarray:
@@ -899,8 +755,8 @@ def describe_cache(cache: ExpertCache) -> str:
     """What moerun prints at start: slots per layer and the share of all experts they hold."""
     p = cache.placement
     warm = "warmed from the profile's counts" if cache.config.usage is not None else "starting empty"
-    fetch = max(cache.fetch_slots)
-    fetching = f"; {fetch} slots of each layer fetch a decode step's misses, the policy keeps the rest" if fetch else ""
+    misses = ("decode steps read their misses from page-locked RAM (streamed)" if cache.streamed
+              else "the CPU computes the misses")
     host = "page-locked copies" if cache.config.pin else "the memory map"
     return (f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
-            f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}{fetching}")
+            f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}; {misses}")

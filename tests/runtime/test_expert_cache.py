@@ -140,41 +140,6 @@ def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch, bank
     check_tables(cached)
 
 
-@pytest.mark.parametrize("policy", ["static", "lru"])
-def test_decode_fetches_misses_into_the_fetch_slots(synth_model, monkeypatch, policy):
-    """A decode step copies up to FETCH_SLOTS of its missed experts into the layer's fetch slots and computes them
-    with the hits (the CPU stands in for the GPU here); the stats still count them as misses, and the output is the
-    resident model's. The fetch slots stay outside the policy (a static warm set never changes), and an upload the
-    policy plans for a fetched expert copies it from its fetch slot (lru: the slot tables stay right)."""
-    import moerun.cache.expert_cache as expert_cache
-
-    monkeypatch.setattr(expert_cache, "FETCH_DEVICES", {"cuda", "cpu"})
-    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
-    reference = moerun.load_model(path)
-    n_expert, fetch = reference.args.n_experts, expert_cache.FETCH_SLOTS
-    usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, 2, ... hottest first
-    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4 + fetch, usage=usage,
-                                                       policy=policy))
-    layers = cached_layers(cached)
-    assert cached.expert_cache.fetch_slots[layers[0].layer] == fetch
-    assert [(layer.n_slots, layer.banks[0].data.shape[0]) for layer in layers] == [(4, 4 + fetch)] * len(layers)
-    assert "fetch a decode step's misses" in expert_cache.describe_cache(cached.expert_cache)
-    prompt = torch.tensor(reference.tokenizer.encode("def bisect(a, x):"))
-    cached.forward(prompt), reference.forward(prompt)
-    cached.expert_cache.reset_stats()
-    for i, token in enumerate([5, 17, 99, 3, 250, 5, 17]):
-        pos = len(prompt) + i
-        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos),
-                                   reference.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4)
-        check_tables(cached)
-        if policy == "static":
-            assert all(layer.resident.tolist() == [0, 1, 2, 3] for layer in layers)
-    stats = cached.expert_cache.stats
-    assert stats.staged > 0 and stats.hits.sum() < stats.lookups.sum()
-    assert (stats.uploads > 0) == (policy == "lru")
-    assert stats.ahead == 0  # fetching ahead is opt-in (the next test)
-
-
 def check_streaming_tables(model) -> None:
     """Between steps each layer's streaming table names the slot of every expert whose upload is complete (all
     of them: the CPU's copies are done at once) and "on the host" (-2 - e) for every other."""
@@ -210,7 +175,7 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     cached = moerun.load_model(path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage,
                                                                policy=policy))
     cache, layers = cached.expert_cache, cached_layers(cached)
-    assert cache.streamed and all(b.second is not None for b in layers[0].banks) and not any(cache.fetch_slots)
+    assert cache.streamed and all(b.second is not None for b in layers[0].banks)
     check_streaming_tables(cached)
     prompts = [reference.tokenizer.encode(text) for text in ("def bisect(a, x):\n    lo, hi = 0, len(a)", "import os", "class A:")]
     assert len(prompts[0]) > expert_cache.GEMV_MAX_TOKENS
@@ -290,32 +255,14 @@ def test_streamed_uploads_reach_the_table_once_copied(synth_model, monkeypatch):
     assert layer.table_host[11] == 1 and not layer.pending
 
 
-def test_fetch_ahead_in_a_batch_of_sequences(synth_model, monkeypatch):
-    """A batch of several sequences' tokens guesses for all of them: the next layer fetches the guessed misses most
-    tokens share first; the batch's outputs are those without fetching ahead."""
-    import moerun.cache.expert_cache as expert_cache
-
-    monkeypatch.setattr(expert_cache, "FETCH_DEVICES", {"cuda", "cpu"})
-    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
-    outputs, stats = {}, {}
-    for ahead in (True, False):
-        model = moerun.load_model(path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=8,
-                                                                   fetch_ahead=ahead))
-        prompts = [model.tokenizer.encode(text) for text in ("def f(x):", "import os", "class A:")]
-        for seq, prompt in enumerate(prompts):
-            model.forward(torch.tensor(prompt), 0, seq)
-        model.expert_cache.reset_stats()
-        lengths = torch.tensor([len(p) for p in prompts])
-        steps = [model.forward_batch(torch.tensor([t, t + 1, t + 2]), lengths + i, torch.arange(3))
-                 for i, t in enumerate([5, 17, 99, 3])]
-        outputs[ahead], stats[ahead] = torch.stack(steps), model.expert_cache.stats
-    torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-4, atol=1e-4)
-    assert stats[True].ahead > 0 and stats[False].ahead == 0
-
-
-def test_paused_steps_leave_the_warm_cache_alone(synth_model):
+@pytest.mark.parametrize("stream", [False, True], ids=["cpu-misses", "streamed"])
+def test_paused_steps_leave_the_warm_cache_alone(synth_model, monkeypatch, stream):
     """Steps run under ExpertCache.pause (a server's warm-up on made-up tokens) neither upload nor count; the policy
     acts again afterwards."""
+    import moerun.cache.expert_cache as expert_cache
+
+    if stream:
+        monkeypatch.setattr(expert_cache, "STREAM_DEVICES", {"cuda", "cpu"})
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     n_expert = moerun.load_model(path).args.n_experts
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, ... hottest first
@@ -330,48 +277,6 @@ def test_paused_steps_leave_the_warm_cache_alone(synth_model):
     for i in range(6):
         model.forward(torch.tensor([0]), i)
     assert model.expert_cache.stats.uploads > 0  # token 0's experts are not all among the warm ones
-
-
-def test_fetch_ahead_is_a_model_option(synth_model):
-    from moeprep.gguf.reader import open_gguf
-    from moerun.cli import ModelOptions
-
-    g = open_gguf(synth_model("qwen3moe"))
-    for flag in (True, False):
-        options = ModelOptions(str(g.path), None, "cpu", None, vram_budget="8G", fetch_ahead=flag)
-        assert options.cache_config(g).fetch_ahead is flag
-
-
-def test_fetch_ahead_copies_the_next_layers_guessed_misses(synth_model, monkeypatch):
-    """A layer hands the next its router's guess for the layer's input; the next layer copies the guessed misses
-    into the fetch slots the guess does not name, and finds them there (no copy in its own step) when the guess
-    held. Without fetching ahead the outputs are the same, and every miss a fetch slot takes is copied in its step."""
-    import moerun.cache.expert_cache as expert_cache
-
-    monkeypatch.setattr(expert_cache, "FETCH_DEVICES", {"cuda", "cpu"})
-    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
-    runs = {}
-    for ahead in (True, False):
-        model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=2 * expert_cache.FETCH_SLOTS,
-                                                          fetch_ahead=ahead))
-        layers = cached_layers(model)
-        assert [layer.ahead is not None for layer in layers] == [ahead] * (len(layers) - 1) + [False]
-        if ahead:
-            assert layers[0].ahead[0] is layers[1]
-        prompt = torch.tensor(model.tokenizer.encode("def bisect(a, x):"))
-        model.forward(prompt)
-        model.expert_cache.reset_stats()
-        logits = [model.forward(torch.tensor([t]), len(prompt) + i) for i, t in enumerate([5, 17, 99, 3, 250])]
-        for layer in layers:  # the fetch slots' table and its inverse agree
-            held = layer.fetched[layer.fetched >= 0]
-            assert (layer.fetch_slot_of[held] == layer.n_slots + np.flatnonzero(layer.fetched >= 0)).all()
-            assert (layer.fetch_slot_of >= 0).sum() == len(held)
-        runs[ahead] = torch.stack(logits), model.expert_cache.stats
-    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
-    guessed, plain = runs[True][1], runs[False][1]
-    assert guessed.ahead > 0 and plain.ahead == 0
-    assert guessed.found > plain.found and guessed.staged < plain.staged
-    assert guessed.hits.sum() == plain.hits.sum()  # the policy's slots, hits and uploads do not depend on it
 
 
 BENCH_MODEL = Path(__file__).resolve().parents[2] / "bench" / "models" / "bench-qwen3moe-q4k.gguf"  # trained, Q4_K
