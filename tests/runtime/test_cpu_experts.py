@@ -4,6 +4,9 @@ Reference: the weight dequantized by moerun.kernels.dequant (bit-identical to gg
 the input rounded as moerun.rounding does for the weight type, the product in float64. The kernels compute the same
 rounded input times the same weights, with exact integer block sums; only their float32 scaling and accumulation
 differ, so the bars below are float32 rounding bars, not quantization-error bars.
+
+Every test runs twice: on ggml's row dots (kernels/ggml_cpu.py: llama-cpp-python is in the test extra) where they
+cover the type, and on moerun's numba kernels alone.
 """
 
 from __future__ import annotations
@@ -29,6 +32,20 @@ from moerun.layers import swiglu_clamp
 from moeprep.synth.weights import quantize
 
 QTYPES = list(cpu_experts.FORMATS)
+
+
+@pytest.fixture(autouse=True, params=["ggml", "numba"])
+def row_dots(request, monkeypatch):
+    """The kernels under test: ggml's row dots where ggml_cpu covers the type (their numba entry points), or
+    moerun's numba kernels for every type."""
+    if request.param == "ggml":
+        from moerun.kernels import ggml_cpu
+
+        if ggml_cpu.row_dot(Q.Q4_K) is None:
+            pytest.skip("libggml-cpu (llama-cpp-python) is not installed")
+    else:
+        monkeypatch.setattr(cpu_experts, "_ggml_kernel", lambda t: None)
+    return request.param
 # Types no moeprep or gguf-py quantizer writes: random bytes with their scale fields (fp16 d, dmin) set to sane
 # values; every byte pattern of the rest is a valid block.
 RANDOM_BYTES_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.IQ4_XS: (0,)}
@@ -325,3 +342,4 @@ def test_cpu_linear_multiplies_the_gguf_blocks_for_a_few_tokens(synth_model, qty
     many = attn.wq(x)  # past QUANT_MAX_TOKENS: the float32 copy
     assert many.abs().max() > 0.1
     torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-4 * float(many.abs().max()))
+
