@@ -224,6 +224,10 @@ def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | 
     model = replace(model_opts, ctx_size=model_opts.ctx_size or n_prompt + n_gen).load()
     result = run_bench(model, n_prompt, n_gen, text)
     click.echo(format_result(result))
+    if model.device.type == "cpu" or model.expert_cache is not None:  # whose dot products the CPU's experts ran
+        from moerun.kernels.ggml_cpu import describe
+
+        click.echo(describe())
     if json_path:
         with atomic_output(json_path) as tmp:
             tmp.write_text(json.dumps(result.as_dict(), indent=1))

@@ -60,7 +60,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         import llama_cpp  # noqa: PLC0415 (optional: only its shared libraries are used)
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):  # not installed, or its libraries do not load
         return None
     path = Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"
     try:
@@ -88,6 +88,15 @@ def row_dot(qtype: Q) -> RowDot | None:
         return None
     block_values, block_bytes = GGML_QUANT_SIZES[act]
     return RowDot(traits.vec_dot, quantize, block_values, block_bytes)
+
+
+def describe() -> str:
+    """What `moerun bench` prints where the CPU computed experts: whose dot products it ran."""
+    if row_dot(Q.Q4_K) is not None:
+        return "CPU kernels: ggml's row dots (libggml-cpu from llama-cpp-python)"
+    if os.environ.get("MOERUN_GGML_CPU", "1") == "0":
+        return "CPU kernels: moerun's numba kernels (MOERUN_GGML_CPU=0)"
+    return "CPU kernels: moerun's numba kernels (pip install 'moeprep[ggml]' for ggml's, ~2.7x on the experts)"
 
 
 def _as_int(builder, value, bits: int):

@@ -50,3 +50,14 @@ def test_ggml_is_off_with_the_environment_switch(monkeypatch):
         ggml_cpu._library.cache_clear()
         ggml_cpu.row_dot.cache_clear()
     assert ggml_cpu.row_dot(Q.Q4_K) is not None
+
+
+def test_moerun_bench_says_whose_cpu_kernels_run(synth_model):
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "-m", str(synth_model("qwen3moe")), "-p", "8", "-n", "2",
+                                       "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "CPU kernels: ggml's row dots" in result.output
