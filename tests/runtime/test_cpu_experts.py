@@ -332,14 +332,15 @@ def test_cpu_linear_multiplies_the_gguf_blocks_for_a_few_tokens(synth_model, qty
     """A quantized Linear on the CPU runs a decode step's tokens through the integer kernels on the GGUF bytes and a
     prompt's through its float32 copy: the same products (the same rounded input times the same weight values) up
     to float32 summation order, whichever path a row takes."""
-    from moerun.kernels.cpu_experts import QUANT_MAX_TOKENS, CPUQuantLinear
+    from moerun.kernels.cpu_experts import GGML_QUANT_MAX_TOKENS, QUANT_MAX_TOKENS, CPUQuantLinear
 
     model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type=qtype, attn_type=qtype))
     attn = model.net.blocks[0].attn.attn
     assert all(isinstance(linear, CPUQuantLinear) for linear in (attn.wq, attn.wk, attn.wv, attn.wo))
-    x = torch.randn(QUANT_MAX_TOKENS + 1, attn.wq.host.cols, generator=torch.Generator().manual_seed(0))
+    most = QUANT_MAX_TOKENS if cpu_experts._ggml_kernel(attn.wq.host) is None else GGML_QUANT_MAX_TOKENS
+    x = torch.randn(most + 1, attn.wq.host.cols, generator=torch.Generator().manual_seed(0))
     few = torch.cat([attn.wq(x[i : i + 1]) for i in range(len(x))])  # the integer kernels, a token at a time
-    many = attn.wq(x)  # past QUANT_MAX_TOKENS: the float32 copy
+    many = attn.wq(x)  # past the most tokens the integer kernels take: the float32 copy
     assert many.abs().max() > 0.1
     torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-4 * float(many.abs().max()))
 
