@@ -61,19 +61,24 @@ class Linear(nn.Module):
             from moerun.quantized import QuantLinear  # needs Triton, which CUDA builds of torch bring
 
             return QuantLinear(blocks, bias, name, hooks)
-        info, weight = w.info(name), w.dense(name, dtype)
-        linear = cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
-                     input_rounding(info.ggml_type))
+        info = w.info(name)
         if w.device.type == "cpu" and dtype is None and shape is None and len(info.shape) == 2:
             from moerun.kernels.cpu_experts import CPUQuantLinear  # imports this module
 
             if CPUQuantLinear.can_run(info.ggml_type):  # decode steps multiply the GGUF blocks
-                return CPUQuantLinear.wrap(linear, w, prefix)
-        return linear
+                return CPUQuantLinear.load(w, prefix, hooks, bias)
+        weight = w.dense(name, dtype)
+        return cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
+                   input_rounding(info.ggml_type))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:
             self.hooks.fire_activation(self.name, x)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b), the input rounded as llama.cpp rounds it, without reporting x to the hooks (a second use
+        of a matrix already reported)."""
         if self.round_input is not None:
             x = self.round_input(x)
         y = F.linear(x.to(self.weight.dtype), self.weight).float()
@@ -549,8 +554,10 @@ def kernels_for(device: torch.device) -> Kernels:
 
 
 def device_of(module: nn.Module) -> torch.device:
-    """Where a module's weights are: its parameters, or its buffers (QuantLinear's GGUF blocks)."""
-    return next(itertools.chain(module.parameters(), module.buffers())).device
+    """Where a module's weights are: its parameters, or its buffers (QuantLinear's GGUF blocks); the CPU for a module
+    with neither (CPUQuantLinear on the memory-mapped bytes alone)."""
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 @cache

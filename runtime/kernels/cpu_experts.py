@@ -62,7 +62,7 @@ from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
 from moerun.hooks import Hooks
 from moerun.kernels import ggml_cpu
 from moerun.layers import GGUFExperts, Linear
-from moerun.rounding import q8_0_blocks, q8_k_blocks
+from moerun.rounding import input_rounding, q8_0_blocks, q8_k_blocks
 from moerun.weights import Weights
 
 # numba's workqueue threading layer (its fallback where neither TBB nor OpenMP is there) aborts the process on two
@@ -1253,20 +1253,27 @@ class CPUExperts(GGUFExperts):
 # Up to this many tokens a CPU Linear runs the integer kernels on the GGUF bytes; more take the float32 copy's GEMM.
 # Measured on this project's 2-core VM, 4096x2048, 2 threads (expert_matmul against F.linear): Q4_K 0.43 against 1.73
 # ms for 1 token, 1.51 against 3.98 for 4, 9.0 against 5.8 for 32 (Q8_0 alike; Q6_K 0.88 against 1.74 for 1).
+# Through ggml's row dots (ggml_cpu.py), same VM and shape: 0.18 against 1.57 ms for 1 token, 3.7 against 5.1 for
+# 32, 15.0 against 17.4 for 128, 60.8 against 52.1 for 512: no float32 copy then (CPUQuantLinear).
 QUANT_MAX_TOKENS = 8
-# The same through ggml's row dots (ggml_cpu.py), same VM and shape: 0.18 against 1.57 ms for 1 token, 3.7 against 5.1
-# for 32, 15.0 against 17.4 for 128, 60.8 against 52.1 for 512.
-GGML_QUANT_MAX_TOKENS = 128
 
 
 class CPUQuantLinear(Linear):
-    """A Linear on the CPU whose weight has an integer kernel (the block-quantized types): a decode step's few tokens
-    (up to 128 on ggml's row dots, 8 on the numba kernels) go through the experts' integer dot products on the
+    """A Linear on the CPU whose weight has an integer kernel (the block-quantized types), multiplying the
     memory-mapped GGUF bytes (a Q4_K matrix is a seventh of its float32 copy's bytes; one "expert" of
-    expert_matmul), a prompt's many through the float32 copy's GEMM, which computes them faster. Both round the input
-    as llama.cpp does for the weight's type."""
+    expert_matmul). On ggml's row dots it takes any number of tokens and keeps no float32 copy (a 30B model's
+    attention alone would take 3.6 GB more); on the numba kernels a step of more than QUANT_MAX_TOKENS tokens (a
+    prompt) goes through a float32 copy's GEMM, which computes it faster. Both round the input as llama.cpp does for
+    the weight's type."""
 
     host: ExpertBytes
+
+    def __init__(self, host: ExpertBytes, weight: torch.Tensor | None, bias: torch.Tensor | None, name: str,
+                 hooks: Hooks, round_input) -> None:
+        torch.nn.Module.__init__(self)  # not Linear.__init__: the weight may be absent
+        self.weight = None if weight is None else torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.name, self.hooks, self.round_input, self.host = name, hooks, round_input, host
 
     @classmethod
     def can_run(cls, qtype: Q) -> bool:
@@ -1274,21 +1281,19 @@ class CPUQuantLinear(Linear):
         return code >= 0 and _FORMAT_ROUNDING[code] < len(INTEGER_ROUNDINGS)
 
     @classmethod
-    def wrap(cls, linear: Linear, w: Weights, prefix: str) -> CPUQuantLinear:
-        """`linear` (the float32 Linear of GGUF tensor `prefix`.weight) with the tensor's bytes beside its float32
-        copy."""
-        quant = cls(linear.weight.data, linear.bias, linear.name, linear.hooks, linear.round_input)
-        quant.host = _host_bytes(w, prefix)
-        return quant
+    def load(cls, w: Weights, prefix: str, hooks: Hooks, bias: torch.Tensor | None) -> CPUQuantLinear:
+        """GGUF tensor `prefix`.weight's bytes, and its float32 copy where the numba kernels would need it."""
+        host = _host_bytes(w, prefix)
+        name = f"{prefix}.weight"
+        weight = None if _ggml_kernel(host) is not None else w.dense(name, torch.float32)
+        return cls(host, weight, bias, name, hooks, input_rounding(host.qtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        most = GGML_QUANT_MAX_TOKENS if _ggml_kernel(self.host) is not None else QUANT_MAX_TOKENS
-        if x.dim() != 2 or x.shape[0] > most:
-            return super().forward(x)
-        if self.hooks.activation:
-            self.hooks.fire_activation(self.name, x)
-        y = expert_matmul(x.float().contiguous().numpy(), self.host, np.zeros(x.shape[0], np.int64), _torch_threads())
-        return torch.from_numpy(y)
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and (x.dim() != 2 or x.shape[0] > QUANT_MAX_TOKENS):
+            return super().product(x)
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous().numpy()
+        y = expert_matmul(rows, self.host, np.zeros(len(rows), np.int64), _torch_threads())
+        return torch.from_numpy(y).reshape(*x.shape[:-1], self.host.rows)
 
 
 def _torch_threads() -> int:

@@ -395,7 +395,7 @@ class LightningIndexer(nn.Module):
         weights = torch.softmax(pools[..., 1, :] + self.ape, dim=-2)
         pooled = (weights * pools[..., 0, :]).sum(-2)  # (P, di) or (T, P, di)
         T = x.shape[0]
-        q = self.q(self.q_a_norm(_no_hooks(self.q_a, x))).view(T, self.n_heads, -1)  # (T, Hi, di)
+        q = self.q(self.q_a_norm(self.q_a.product(x))).view(T, self.n_heads, -1)  # (T, Hi, di): reported once
         w_heads = self.proj(x) / math.sqrt(q.shape[1] * q.shape[2])  # (T, Hi)
         scores = (torch.einsum("thd,tpd->thp", q, pooled.expand(T, -1, -1)).relu() * w_heads[..., None]).sum(1)
         pool_end = torch.arange(P, device=x.device) * self.kpool + self.kpool - 1
@@ -412,14 +412,6 @@ class LightningIndexer(nn.Module):
         selected = slots[None, :] > positions - (positions + 1) % self.kpool
         selected[:, : P * self.kpool] |= chosen.repeat_interleave(self.kpool, dim=1)
         return selected & (slots[None, :] <= positions)
-
-
-def _no_hooks(linear: Linear, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)` without firing activation hooks: a second use of a matrix the attention already reported."""
-    if linear.round_input is not None:
-        x = linear.round_input(x)
-    y = F.linear(x.to(linear.weight.dtype), linear.weight).float()
-    return y if linear.bias is None else y + linear.bias
 
 
 class Selection:

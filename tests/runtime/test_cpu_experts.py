@@ -328,19 +328,23 @@ def test_glm5_next_on_cpu_uses_the_clamped_kernel(synth_model):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K"])
-def test_cpu_linear_multiplies_the_gguf_blocks_for_a_few_tokens(synth_model, qtype):
-    """A quantized Linear on the CPU runs a decode step's tokens through the integer kernels on the GGUF bytes and a
-    prompt's through its float32 copy: the same products (the same rounded input times the same weight values) up
-    to float32 summation order, whichever path a row takes."""
-    from moerun.kernels.cpu_experts import GGML_QUANT_MAX_TOKENS, QUANT_MAX_TOKENS, CPUQuantLinear
+def test_cpu_linear_multiplies_the_gguf_blocks(synth_model, row_dots, qtype):
+    """A quantized Linear on the CPU multiplies the GGUF bytes: on ggml's row dots for any number of tokens, with no
+    float32 copy held; on the numba kernels for a decode step's few tokens, a prompt's many through its float32
+    copy. Either way the product of the rounded input and the weight values, up to float32 summation order, a token
+    at a time or many at once."""
+    from moerun.kernels.cpu_experts import QUANT_MAX_TOKENS, CPUQuantLinear
 
     model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type=qtype, attn_type=qtype))
     attn = model.net.blocks[0].attn.attn
     assert all(isinstance(linear, CPUQuantLinear) for linear in (attn.wq, attn.wk, attn.wv, attn.wo))
-    most = QUANT_MAX_TOKENS if cpu_experts._ggml_kernel(attn.wq.host) is None else GGML_QUANT_MAX_TOKENS
-    x = torch.randn(most + 1, attn.wq.host.cols, generator=torch.Generator().manual_seed(0))
-    few = torch.cat([attn.wq(x[i : i + 1]) for i in range(len(x))])  # the integer kernels, a token at a time
-    many = attn.wq(x)  # past the most tokens the integer kernels take: the float32 copy
+    assert (attn.wq.weight is None) == (row_dots == "ggml")
+    x = torch.randn(QUANT_MAX_TOKENS + 1, attn.wq.host.cols, generator=torch.Generator().manual_seed(0))
+    few = torch.cat([attn.wq(x[i : i + 1]) for i in range(len(x))])  # a token at a time: the integer kernels
+    many = attn.wq(x)  # numba: past QUANT_MAX_TOKENS, the float32 copy
+    weight = torch.from_numpy(dequantized(attn.wq.host, 0)).double()
+    reference = (attn.wq.round_input(x).double() @ weight.T).float()
     assert many.abs().max() > 0.1
-    torch.testing.assert_close(few, many, rtol=1e-4, atol=1e-4 * float(many.abs().max()))
+    for y in (few, many):
+        torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
 
