@@ -426,10 +426,8 @@ class CachedExperts(nn.Module):
 
     def fill(self, experts: np.ndarray) -> None:
         """Load `experts` into the first slots (warm start, before the first token)."""
-        self.uploaded = self._on_copy_stream(lambda: [self._upload(slot, e)
-                                                      for slot, e in enumerate(experts[: self.n_slots].tolist())])
+        self.upload(list(enumerate(experts[: self.n_slots].tolist())))
         if self.table is not None:
-            self.pending.append((list(enumerate(experts[: self.n_slots].tolist())), self.uploaded))
             if self.uploaded is not None:
                 self.uploaded.synchronize()  # at load: the first step finds them in place
             self.cache.publish()

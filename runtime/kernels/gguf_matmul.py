@@ -234,7 +234,7 @@ def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[
     for w, stage in zip(banks, stages):
         matrix = w.data[0].numel()
         size = next(n for n in (8, 4, 1) if matrix % n == 0)
-        delta = _bus_address(w.second.data_ptr(), stage.is_cuda and not w.second.is_cuda) - stage.data_ptr()
+        delta = _second_address(w) - stage.data_ptr()
         assert stage.shape[0] >= n_pairs and stage.shape[1:] == w.data.shape[1:] and delta % size == 0
         words = stage.view(-1).view({8: torch.int64, 4: torch.int32, 1: torch.uint8}[size])
         _stage_kernel[(n_pairs, triton.cdiv(matrix // size, tuning.STAGE_WORDS))](
@@ -246,12 +246,14 @@ def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[
 
 def _second_delta(w: QWeight) -> int:
     """Where the bank's second bank lies for the kernel, as a byte offset from its bytes (0: it has none)."""
-    if w.second is None:
-        return 0
+    return 0 if w.second is None else _second_address(w) - w.data.data_ptr()
+
+
+def _second_address(w: QWeight) -> int:
+    """The address the bank's device reads its second bank at (host memory through the driver's mapping)."""
     assert w.second.shape[1:] == w.data.shape[1:] and w.second.data_ptr() % 4 == 0, (tuple(w.second.shape),
                                                                                       tuple(w.data.shape))
-    on_host = w.data.is_cuda and not w.second.is_cuda
-    return _bus_address(w.second.data_ptr(), on_host) - w.data.data_ptr()
+    return _bus_address(w.second.data_ptr(), w.data.is_cuda and not w.second.is_cuda)
 
 
 @functools.cache
