@@ -169,17 +169,39 @@ def moe_peer_decode(shape: tuple[int, int], repeat: int) -> dict:
     return {"us": t * 1e6, "GB/s": nbytes / t / 1e9}
 
 
+def i8_route(qtype: Q) -> bool:
+    return tuning.GEMV_INT8 and BLOCK_TYPES[qtype].dot8 is not None
+
+
+def i8_candidates(n_blocks: int) -> list[tuning.GemvTiles]:
+    """Tiles for the 8-bit route: a thread holds a quad's four words of R*B / (32 * warps) (row, block) pairs, one or
+    two (fewer leave threads idle, more than two spill), B up to the row's blocks."""
+    widest = min(32, triton.next_power_of_2(n_blocks))
+    tiles = []
+    for warps in (1, 2, 4):
+        for pairs in (1, 2):
+            for blocks in (1, 2, 4, 8, 16, 32):
+                rows = 32 * warps * pairs // blocks
+                if blocks <= widest and 1 <= rows <= 64 and (blocks >= widest // 8 or rows == 64):
+                    tiles.append(tuning.GemvTiles(rows, blocks, warps))
+    return tiles
+
+
 def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
-    v = BLOCK_TYPES[qtype].values
-    shapes = [(2, 4), (4, 4), (8, 4), (4, 8)] if v == 256 else [(4, 16), (8, 8), (8, 16), (16, 16)]
+    """The dense matrix-vector kernel's tiles at T=1 (the 8-bit route's where the type takes it)."""
+    bt = BLOCK_TYPES[qtype]
+    table = tuning.GEMV_I8_OVERRIDES if i8_route(qtype) else tuning.GEMV_OVERRIDES
+    if i8_route(qtype):
+        candidates = i8_candidates(DENSE[1] // bt.values)
+    else:
+        shapes = [(2, 4), (4, 4), (8, 4), (4, 8)] if bt.values == 256 else [(4, 16), (8, 8), (8, 16), (16, 16)]
+        candidates = [tuning.GemvTiles(rows, blocks, warps) for rows, blocks in shapes for warps in (1, 2, 4)]
     results = []
-    for rows, blocks in shapes:
-        for warps in (1, 2, 4):
-            tiles = tuning.GemvTiles(rows, blocks, warps)
-            tuning.GEMV_OVERRIDES[qtype] = tiles
-            results.append((guarded(dense_decode, qtype, 1, repeat)["GB/s"], tiles))
+    for tiles in candidates:
+        table[qtype] = tiles
+        results.append((guarded(dense_decode, qtype, 1, repeat)["GB/s"], tiles))
     best = fastest(results)
-    tuning.GEMV_OVERRIDES[qtype] = best
+    table[qtype] = best
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
 
@@ -190,18 +212,20 @@ def sweep_grouped_gemv(name: str, qtype: Q, shape: tuple[int, int], per_pair: bo
     rows, cols = shape
     bt = BLOCK_TYPES[qtype]
     key = (qtype, cols // bt.values)
-    blocks = (1, 2, 4) if bt.values == 256 else (4, 8, 16)
+    table = tuning.GEMV_I8_GROUPED_OVERRIDES if i8_route(qtype) else tuning.GEMV_GROUPED_OVERRIDES
+    if i8_route(qtype):
+        candidates = i8_candidates(cols // bt.values)
+    else:
+        blocks = (1, 2, 4) if bt.values == 256 else (4, 8, 16)
+        candidates = [tuning.GemvTiles(r, b, warps) for r in (4, 8, 16, 32) for b in blocks for warps in (1, 2, 4)]
     results = []
-    for r in (4, 8, 16, 32):
-        for b in blocks:
-            for warps in (1, 2, 4):
-                tiles = tuning.GemvTiles(r, b, warps)
-                tuning.GEMV_GROUPED_OVERRIDES[key] = tiles
-                measured = guarded(moe, qtype, shape, True, 1, repeat) if per_pair else guarded(moe_glu, qtype,
-                                                                                                   shape, 1, repeat)
-                results.append((measured["GB/s"], tiles))
+    for tiles in candidates:
+        table[key] = tiles
+        measured = guarded(moe, qtype, shape, True, 1, repeat) if per_pair else guarded(moe_glu, qtype, shape, 1,
+                                                                                           repeat)
+        results.append((measured["GB/s"], tiles))
     best = fastest(results)
-    tuning.GEMV_GROUPED_OVERRIDES[key] = best
+    table[key] = best
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
 
@@ -256,6 +280,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
+    parser.add_argument("--decode-only", action="store_true", help="sweep and time the decode kernels only")
     args = parser.parse_args()
     r = args.repeat
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
@@ -271,11 +296,11 @@ def main() -> None:
             results[f"sweep grouped gemv {name} {qtype.name}"] = table
             key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
             print(f"sweep grouped GEMV {name} {qtype.name}: {table} -> {key}: {best}", flush=True)
-        for qtype in (Q.Q4_K, Q.Q8_0):
+        for qtype in () if args.decode_only else (Q.Q4_K, Q.Q8_0):
             best, table = sweep_gemm(qtype, r)
             results[f"sweep gemm {qtype.name}"] = table
             print(f"sweep GEMM {qtype.name}: {table} -> {best}", flush=True)
-        for name, qtype, shape, per_pair in MOE_SHAPES:
+        for name, qtype, shape, per_pair in () if args.decode_only else MOE_SHAPES:
             best, table = sweep_grouped_gemm(qtype, shape, per_pair, r)
             results[f"sweep grouped gemm {name} {qtype.name}"] = table
             key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
@@ -294,22 +319,36 @@ def main() -> None:
             with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
                 report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1), qtype.name,
                        guarded(dense_decode, qtype, n_tokens, r), peer)
+            if i8_route(qtype):  # the same on float32 activations
+                with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY, GEMV_INT8=False):
+                    report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1) + " float", qtype.name,
+                           guarded(dense_decode, qtype, n_tokens, r), peer)
             if n_tokens > 1:
                 with tuned(DECODED_GEMM_MIN_TOKENS=1):
                     report(f"4096x4096 T={n_tokens} decoded", qtype.name, guarded(dense_decode, qtype, n_tokens, r),
                            peer)
-    for name, qtype, shape, per_pair in MOE_SHAPES:
-        report(f"{name} 8/128 T=1", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
-               guarded(moe_peer_decode, shape, r))
-        if not per_pair:  # gate and up as decode runs them: one launch with the SwiGLU (peer: two bmm)
-            peer = guarded(moe_peer_decode, shape, r)
-            report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1", qtype.name,
-                   guarded(moe_glu, qtype, shape, 1, r), {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
-    for name, qtype, shape, per_pair in MOE_SHAPES:  # a decode step of 8 sequences: a program group per pair
-        ours = (guarded(moe, qtype, shape, True, DECODE_T, r) if per_pair
-                else guarded(moe_glu, qtype, shape, DECODE_T, r))
-        label = name if per_pair else f"{name.replace('gate/up', 'gate+up')} GLU"
-        report(f"{label} 8/128 T={DECODE_T}", qtype.name, ours, None)
+    for float_route in (False, True):  # the second time on float32 activations (the types with an 8-bit route)
+        label = " float" if float_route else ""
+        with tuned(GEMV_INT8=tuning.GEMV_INT8 and not float_route):
+            for name, qtype, shape, per_pair in MOE_SHAPES:
+                if float_route and BLOCK_TYPES[qtype].dot8 is None:
+                    continue
+                report(f"{name} 8/128 T=1{label}", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
+                       guarded(moe_peer_decode, shape, r))
+                if not per_pair:  # gate and up as decode runs them: one launch with the SwiGLU (peer: two bmm)
+                    peer = guarded(moe_peer_decode, shape, r)
+                    report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1{label}", qtype.name,
+                           guarded(moe_glu, qtype, shape, 1, r), {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
+            for name, qtype, shape, per_pair in MOE_SHAPES:  # a decode step of 8 sequences: a program group per pair
+                if float_route and BLOCK_TYPES[qtype].dot8 is None:
+                    continue
+                ours = (guarded(moe, qtype, shape, True, DECODE_T, r) if per_pair
+                        else guarded(moe_glu, qtype, shape, DECODE_T, r))
+                name = name if per_pair else f"{name.replace('gate/up', 'gate+up')} GLU"
+                report(f"{name} 8/128 T={DECODE_T}{label}", qtype.name, ours, None)
+    if args.decode_only:
+        dump(results, args.json)
+        return
     print(f"\n{'prefill':48} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
     for n_tokens in (64, 128, PREFILL_T):  # the GEMM on the blocks, and the weight decoded to bfloat16 + cuBLAS
         peer = guarded(dense_peer, n_tokens, r)
@@ -325,14 +364,23 @@ def main() -> None:
         ours = guarded(moe, qtype, shape, per_pair, PREFILL_T, r)
         print(f"{name + ' 8/128':48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
         results[f"prefill {name} {qtype.name}"] = {"ours": ours}
+    dump(results, args.json)
+
+
+def dump(results: dict, path: str | None) -> None:
+    """The tiles the run used, printed; all results into `path` as JSON."""
     results["tiles"] = {"gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
                         "grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in
                                          tuning.GEMV_GROUPED_OVERRIDES.items()},
+                        "8-bit gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_I8_OVERRIDES.items()},
+                        "8-bit grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in
+                                               tuning.GEMV_I8_GROUPED_OVERRIDES.items()},
                         "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
                         "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
                                          tuning.GROUPED_GEMM_OVERRIDES.items()}}
-    if args.json:
-        with open(args.json, "w") as f:
+    print("tiles:", json.dumps(results["tiles"]))
+    if path:
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
 

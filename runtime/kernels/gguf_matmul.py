@@ -59,15 +59,71 @@ def _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, 
     return acc, acc2
 
 
+@triton.jit
+def _dp4a(a, b, EMULATE: tl.constexpr):
+    """The sum of the products of a's and b's four signed bytes, per int32 (PTX dp4a; the interpreter, which runs no
+    PTX, adds the four products up)."""
+    a, b = tl.broadcast(a, b)
+    if EMULATE:
+        total = ((a << 24) >> 24) * ((b << 24) >> 24)
+        for i in tl.static_range(1, 4):
+            total += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+    else:
+        total = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    return total
+
+
+@triton.jit
+def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, word, every_row, kb, n_blocks,
+                  DOT8: tl.constexpr, V: tl.constexpr, S: tl.constexpr, B: tl.constexpr, GLU: tl.constexpr,
+                  TAIL: tl.constexpr, EMULATE: tl.constexpr):
+    """_gemv_step on the 8-bit route, a quad of 16 values at a time: x_ptr holds the int8 activations as int32 words,
+    xd_ptr their scale d per 32 values, xs_ptr d * (sum of quants) per 16; x_row is the token's first value. A quad
+    adds scale * d * (q_w . q_x) (one dp4a per word) + offset * d * sum(q_x), the latter at word 0 only. Everything
+    is in the [TG, R, B, 4] shape of the accumulators: a thread's repeated loads of one scale are one load."""
+    b = kb + tl.arange(0, B)
+    if TAIL:
+        b_ok = (b < n_blocks)[None, None, :, None]
+        b = tl.minimum(b, n_blocks - 1)
+    b = b[None, None, :, None]
+    blk = row_ptr + b * S + 0 * word  # [1, R, B, 4]
+    at_word0 = word == 0
+    x_at = x_ptr + (x_row // 4 + b * (V // 4) + every_row + word)  # the block's first words: [TG, R, B, 4]
+    xd_at = xd_ptr + (x_row // 32 + b * (V // 32) + every_row + 0 * word)
+    xs_at = xs_ptr + (x_row // 16 + b * (V // 16) + every_row + 0 * word)
+    for quad in tl.static_range(V // 16):
+        if TAIL:
+            xw = tl.load(x_at + quad * 4, mask=b_ok, other=0)
+            xd = tl.load(xd_at + quad // 2, mask=b_ok, other=0.0)
+            xs = tl.load(xs_at + quad, mask=b_ok, other=0.0)
+        else:
+            xw = tl.load(x_at + quad * 4)
+            xd = tl.load(xd_at + quad // 2)
+            xs = tl.load(xs_at + quad)
+        q, scale, offset = DOT8(blk, word, quad)
+        acc += _dp4a(q, xw, EMULATE).to(tl.float32) * (scale * xd)
+        acc = tl.where(at_word0, acc + offset * xs, acc)
+        if GLU:
+            q, scale, offset = DOT8(row2_ptr + b * S + 0 * word, word, quad)
+            acc2 += _dp4a(q, xw, EMULATE).to(tl.float32) * (scale * xd)
+            acc2 = tl.where(at_word0, acc2 + offset * xs, acc2)
+    return acc, acc2
+
+
 # Integer arguments that change with a step's size (tokens, pairs; in fused.py rows and KV slots) are not specialized:
 # Triton compiles a kernel again for each new pattern of "divisible by 16" among its integer arguments, 1-3 s each on
 # the H200 machine, which `moerun serve` met as multi-second stalls on its first prompts of new lengths.
 @triton.jit(do_not_specialize=["n_tokens", "second_delta", "second2_delta"])
-def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div,
-                 n_tokens, second_delta, second2_delta,
+def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes,
+                 cols, x_div, n_tokens, second_delta, second2_delta,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
-                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr):
+                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr, I8: tl.constexpr,
+                 EMULATE: tl.constexpr):
     """Program (g, i): rows i*R .. i*R+R-1 for the TG input rows of group g.
+
+    I8: the 8-bit route (quantize_i8's activations at x_ptr, xd_ptr, xs_ptr; DECODE a qtypes dot8 decoder, P unused);
+    otherwise x_ptr holds float32 or bfloat16 activations and xd_ptr, xs_ptr are unused.
 
     Group g reads input rows (g // x_div) * TG + t and writes output rows g * TG + t, t < n_tokens; with SLOTTED, its
     weights are matrix slot[g] of the bank (none when -1), or, for slot[g] = -2 - e, matrix e of its second bank at
@@ -97,20 +153,32 @@ def _gemv_kernel(x_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_
     row2_ptr = w2_base + row_offset
     t = tl.arange(0, TG)
     x_row = ((g // x_div) * TG + tl.minimum(t, n_tokens - 1))[:, None, None, None] * cols  # [TG, 1, 1, 1]
-    lane = tl.arange(0, P)[None, None, None, :]
     every_row = tl.zeros((1, R, 1, 1), tl.int32)  # x is read per row of the tile too: [TG, R, B, P] like w
-    acc = tl.zeros((TG, R, B, P), tl.float32)
-    acc2 = tl.zeros((TG, R, B, P), tl.float32)
     n_full = n_steps // B * B
-    for kb in range(0, n_full, B):
-        acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, n_blocks,
-                               DECODE, V, S, P, B, GLU, False)
-    if n_full < n_steps:
-        acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, n_full, n_blocks,
-                               DECODE, V, S, P, B, GLU, True)
+    if I8:  # a lane is a word of four values
+        lane = tl.arange(0, 4)[None, None, None, :]
+        acc = tl.zeros((TG, R, B, 4), tl.float32)
+        acc2 = tl.zeros((TG, R, B, 4), tl.float32)
+        for kb in range(0, n_full, B):
+            acc, acc2 = _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, lane, every_row,
+                                      kb, n_blocks, DECODE, V, S, B, GLU, False, EMULATE)
+        if n_full < n_steps:
+            acc, acc2 = _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, lane, every_row,
+                                      n_full, n_blocks, DECODE, V, S, B, GLU, True, EMULATE)
+    else:
+        lane = tl.arange(0, P)[None, None, None, :]
+        acc = tl.zeros((TG, R, B, P), tl.float32)
+        acc2 = tl.zeros((TG, R, B, P), tl.float32)
+        for kb in range(0, n_full, B):
+            acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, n_blocks,
+                                   DECODE, V, S, P, B, GLU, False)
+        if n_full < n_steps:
+            acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, n_full, n_blocks,
+                                   DECODE, V, S, P, B, GLU, True)
     acc = tl.sum(tl.sum(acc, axis=3), axis=2)
     if GLU:
         acc2 = tl.sum(tl.sum(acc2, axis=3), axis=2)
+    if GLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     out_row = (g * TG + t)[:, None] * n_rows
     tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
@@ -194,19 +262,65 @@ def _block_type(w: QWeight) -> BlockType:
 
 def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
           slots: torch.Tensor | None, up: QWeight | None = None) -> None:
-    """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T)."""
+    """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T). On the 8-bit route where the type
+    has one (tuning.GEMV_INT8): the activations are rounded to int8 first (quantize_i8)."""
     group = triton.next_power_of_2(tokens)
+    i8 = tuning.GEMV_INT8 and bt.dot8 is not None
+    # accumulators per (token, row, block): a part's values (float), or a quad's four words (8-bit)
+    per_block = 4 if i8 else bt.part
     # the GLU keeps two products per value: tiles for twice the tokens keep its accumulators in registers
-    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, bt.part, group * (2 if up is not None else 1),
-                              grouped_blocks=0 if slots is None else w.cols // bt.values)
+    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, per_block, group * (2 if up is not None else 1),
+                              grouped_blocks=0 if slots is None else w.cols // bt.values, i8=i8)
+    if i8:
+        xq, xd, xs = quantize_i8(x.view(-1, w.cols))
+        x, xd_xs = xq.view(torch.int32), (xd, xs)
+    else:
+        xd_xs = (x, x)
     row_bytes = w.data.shape[-1]
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](
-        x, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
+        x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
         w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, _second_delta(w),
         _second_delta(w if up is None else up),
-        DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
-        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, num_warps=tiles.num_warps)
+        DECODE=bt.dot8 if i8 else bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
+        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=i8, EMULATE=_INTERPRETED,
+        num_warps=tiles.num_warps)
+
+
+@triton.jit
+def _quantize_i8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, cols, NB: tl.constexpr):
+    """Program (i, j): blocks j*NB .. j*NB+NB-1 of 32 values of row i: d = max |x| / 127, q = round(x / d) (half
+    up; 0 where the block is all zeros), d into d_ptr per 32 values and d * sum(q) into s_ptr per 16."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    ok = blk < cols // 32
+    col = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    v = tl.load(x_ptr + row * cols + col, mask=ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+    q = tl.floor(v * inv[:, None] + 0.5)
+    d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    tl.store(q_ptr + row * cols + col, q.to(tl.int8), mask=ok[:, None])
+    tl.store(d_ptr + row * (cols // 32) + blk, d, mask=ok)
+    halves = tl.sum(tl.reshape(q, (NB, 2, 16)), axis=2) * d[:, None]  # [NB, 2]
+    tl.store(s_ptr + row * (cols // 16) + blk[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=ok[:, None])
+
+
+def quantize_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations (rows, C) float32 or bfloat16, C a multiple of 32 -> the 8-bit route's inputs: quants (rows, C)
+    int8, their scale d per 32 values (rows, C / 32) float32 and d * (sum of the quants) per 16 (rows, C / 16)
+    float32. Each block of 32 is rounded on its own scale max |x| / 127, as llama.cpp's GPU matrix-vector products
+    round theirs; values are d * q."""
+    rows, cols = x.shape
+    assert cols % 32 == 0 and x.is_contiguous(), (tuple(x.shape), x.stride())
+    q = torch.empty(rows, cols, dtype=torch.int8, device=x.device)
+    d = torch.empty(rows, cols // 32, dtype=torch.float32, device=x.device)
+    s = torch.empty(rows, cols // 16, dtype=torch.float32, device=x.device)
+    if rows:
+        # no fused multiply-add: x * (127 / max) is rounded before the + 0.5, as the torch reference in the tests does
+        _quantize_i8_kernel[(rows, triton.cdiv(cols // 32, tuning.QUANTIZE_BLOCKS))](
+            x, q, d, s, cols, NB=tuning.QUANTIZE_BLOCKS, enable_fp_fusion=False)
+    return q, d, s
 
 
 @triton.jit

@@ -108,8 +108,8 @@ def _mxfp4(blk, lane, PART: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_q5_k(blk, q, PART: tl.constexpr):
-    """Q4_K/Q5_K value d*sc * q - dmin*m of sub-block PART, from d, dmin (fp16) and 12 bytes of 6-bit fields at 4.
+def _k_scale_min(blk, PART: tl.constexpr):
+    """Q4_K/Q5_K sub-block PART's scale d*sc and min dmin*m, from d, dmin (fp16) and 12 bytes of 6-bit fields at 4.
 
     Bytes 4-7 hold scales 0-3, bytes 8-11 mins 0-3 (low 6 bits); sub-blocks 4-7 take their low 4 bits from a nibble
     of bytes 12-15 (scale low, min high) and their top 2 bits from the spare top bits of bytes 4-11.
@@ -121,7 +121,14 @@ def _q4_k_q5_k(blk, q, PART: tl.constexpr):
         packed = tl.load(blk + 8 + PART).to(tl.int32)
         sc = (packed & 15) | ((tl.load(blk + PART).to(tl.int32) >> 6) << 4)
         m = (packed >> 4) | ((tl.load(blk + 4 + PART).to(tl.int32) >> 6) << 4)
-    return (_f16(blk) * sc.to(tl.float32)) * _small_f32(q) - _f16(blk + 2) * m.to(tl.float32)
+    return _f16(blk) * sc.to(tl.float32), _f16(blk + 2) * m.to(tl.float32)
+
+
+@triton.jit
+def _q4_k_q5_k(blk, q, PART: tl.constexpr):
+    """Q4_K/Q5_K value d*sc * q - dmin*m of sub-block PART."""
+    scale, low = _k_scale_min(blk, PART)
+    return scale * _small_f32(q) - low
 
 
 @triton.jit
@@ -199,6 +206,73 @@ def _iq4_xs(blk, lane, PART: tl.constexpr):
     return (_f16(blk) * (ls - 32).to(tl.float32)) * value
 
 
+# Integer forms for the matrix-vector kernel's 8-bit route (gguf_matmul: activations rounded to int8 per 32 values,
+# dot products of four 8-bit pairs per instruction). A dot8 decoder returns quad PART (16 values, four int32 words)
+# of a block as packed quants and the affine map that turns them into values:
+#
+#     dot8(blk, word, PART) -> (q, scale, offset): q [..., 4] int32, each four signed 8-bit quants (values
+#     16*PART + 4*word .. +3 of the block, lowest byte first); scale, offset float32: value = scale * q + offset.
+#
+# blk comes broadcast over the words ([..., 4], one pointer repeated), so that scales and offsets come out in the
+# words' shape too: the kernel then needs no layout conversions, and a thread's repeated loads of one scale are one.
+# The quants stay packed: nibbles come out four at a time with a shift and a mask, never one value per instruction.
+
+
+@triton.jit
+def _words(p, word):
+    """The little-endian int32 words p[word] of a 16-byte aligned p (blocks of 144 or 176 bytes): one wide load."""
+    return tl.load(p.to(tl.pointer_type(tl.int32)) + word)
+
+
+@triton.jit
+def _words2(p, word):
+    """The same from a 2-byte aligned p, as two 16-bit loads (blocks of 18, 34 or 210 bytes start at even bytes)."""
+    half = p.to(tl.pointer_type(tl.uint16)) + 2 * word
+    return tl.load(half).to(tl.int32) | (tl.load(half + 1).to(tl.int32) << 16)
+
+
+@triton.jit
+def _q4_k_i8(blk, word, PART: tl.constexpr):
+    """Half PART % 2 of sub-block PART // 2 (the Q4_K decoder's): q = nibbles, value = d*sc * q - dmin*m."""
+    j = PART // 2
+    scale, low = _k_scale_min(blk, j)
+    return (_words(blk + 16 + (j // 2) * 32 + (PART % 2) * 16, word) >> (4 * (j % 2))) & 0x0F0F0F0F, scale, -low
+
+
+@triton.jit
+def _q5_k_i8(blk, word, PART: tl.constexpr):
+    """Q4_K's with the fifth bits: bit j of each qh byte, moved to bit 4."""
+    j = PART // 2
+    scale, low = _k_scale_min(blk, j)
+    nibbles = (_words(blk + 48 + (j // 2) * 32 + (PART % 2) * 16, word) >> (4 * (j % 2))) & 0x0F0F0F0F
+    return nibbles | (((_words(blk + 16 + (PART % 2) * 16, word) >> j) & 0x01010101) << 4), scale, -low
+
+
+@triton.jit
+def _q6_k_i8(blk, word, PART: tl.constexpr):
+    """Part PART of 16 (the Q6_K decoder's): q = low nibble | high 2 bits << 4 in 0..63, value = d*sc * (q - 32)."""
+    n, f, l0 = PART // 8, (PART % 8) // 2, (PART % 2) * 16
+    low = (_words2(blk + n * 64 + (f % 2) * 32 + l0, word) >> ((f // 2) * 4)) & 0x0F0F0F0F
+    high = (_words2(blk + 128 + n * 32 + l0, word) >> (2 * f)) & 0x03030303
+    scale = _f16(blk + 208) * tl.load(blk + 192 + PART).to(tl.int8, bitcast=True).to(tl.float32)
+    return low | (high << 4), scale, -32.0 * scale
+
+
+@triton.jit
+def _q8_0_i8(blk, word, PART: tl.constexpr):
+    """Half PART of the block: q = the int8 quants, value = d * q."""
+    d = _f16(blk)
+    return _words2(blk + 2 + 16 * PART, word), d, 0.0 * d
+
+
+@triton.jit
+def _q4_0_i8(blk, word, PART: tl.constexpr):
+    """Half PART of the block: the low nibbles of the 16 bytes are values 0-15, the high ones 16-31;
+    value = d * (q - 8)."""
+    d = _f16(blk)
+    return (_words2(blk + 2, word) >> (4 * PART)) & 0x0F0F0F0F, d, -8.0 * d
+
+
 @triton.jit
 def _f16_values(blk, lane, PART: tl.constexpr):
     return tl.load(blk.to(tl.pointer_type(tl.float16)) + lane).to(tl.float32)
@@ -220,15 +294,16 @@ class BlockType:
     values: int  # V: values per block
     nbytes: int  # S: bytes per block
     part: int  # P: values per part (a power of two, at least 16 for tl.dot)
+    dot8: triton.JITFunction | None = None  # the 8-bit route's decoder (quads of 16 values), where the type has one
 
 
 # The common expert and attention types of MoE GGUFs first.
 BLOCK_TYPES: dict[Q, BlockType] = {
-    Q.Q4_K: BlockType(_q4_k, 256, 144, 32),
-    Q.Q5_K: BlockType(_q5_k, 256, 176, 32),
-    Q.Q6_K: BlockType(_q6_k, 256, 210, 16),
-    Q.Q8_0: BlockType(_q8_0, 32, 34, 32),
-    Q.Q4_0: BlockType(_q4_0, 32, 18, 16),
+    Q.Q4_K: BlockType(_q4_k, 256, 144, 32, _q4_k_i8),
+    Q.Q5_K: BlockType(_q5_k, 256, 176, 32, _q5_k_i8),
+    Q.Q6_K: BlockType(_q6_k, 256, 210, 16, _q6_k_i8),
+    Q.Q8_0: BlockType(_q8_0, 32, 34, 32, _q8_0_i8),
+    Q.Q4_0: BlockType(_q4_0, 32, 18, 16, _q4_0_i8),
     Q.MXFP4: BlockType(_mxfp4, 32, 17, 16),  # gpt-oss experts
     Q.IQ4_XS: BlockType(_iq4_xs, 256, 136, 16),
     Q.Q2_K: BlockType(_q2_k, 256, 84, 16),

@@ -67,6 +67,12 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
     (Q.Q4_K, 16): GemvTiles(rows=4, blocks=4, num_warps=2),  # the 60 GB bench model's gate/up, 4096 columns
     (Q.Q4_0, 44): GemvTiles(rows=4, blocks=4, num_warps=2),  # its down, 1408 columns
 }
+# The 8-bit route of the matrix-vector kernel (gguf_matmul.quantize_i8 and qtypes' dot8 decoders: activations rounded
+# to int8 per 32 values, four products per dp4a) for the types that have it; its tiles where swept, else the above.
+GEMV_INT8 = True
+GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {}
+GEMV_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {}
+QUANTIZE_BLOCKS = 32  # blocks of 32 activations per program of quantize_i8
 # GEMM, T=512: 128x128 tiles with 8 warps ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0; 3 stages,
 # Triton 3.6). Q4_K keeps 2 stages: Triton 3.9 asks 232 KB of shared memory for 3 (the H200 has 227 KB). The grouped
 # kernel, given those tiles with float32 inputs, asked for 303 KB; it keeps 64x64 where not swept. Q6_K and Q4_0 were
@@ -89,14 +95,17 @@ GROUPED_GEMM_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
 GEMV_ACCUMULATORS_PER_THREAD = 64
 
 
-def gemv_tiles(qtype: Q, block_values: int, part_values: int, tokens: int, grouped_blocks: int = 0) -> GemvTiles:
-    """The type's tiles (the grouped decode's for rows of `grouped_blocks` blocks, where swept), with fewer blocks
-    (then rows) per step when `tokens` accumulators per value would spill."""
-    tiles = (GEMV_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_OVERRIDES.get(qtype)
+def gemv_tiles(qtype: Q, block_values: int, per_block: int, tokens: int, grouped_blocks: int = 0,
+               i8: bool = False) -> GemvTiles:
+    """The type's tiles (the grouped decode's for rows of `grouped_blocks` blocks, where swept; the 8-bit route's
+    where swept), with fewer blocks (then rows) per step when `tokens` x `per_block` accumulators per (row, block)
+    would spill."""
+    tiles = ((i8 and (GEMV_I8_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_I8_OVERRIDES.get(qtype)))
+             or GEMV_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_OVERRIDES.get(qtype)
              or GEMV_BY_BLOCK_VALUES[block_values])
     rows, blocks = tiles.rows, tiles.blocks
     budget = GEMV_ACCUMULATORS_PER_THREAD * 32 * tiles.num_warps
-    while tokens * rows * blocks * part_values > budget and rows * blocks > 1:
+    while tokens * rows * blocks * per_block > budget and rows * blocks > 1:
         rows, blocks = (rows, blocks // 2) if blocks > 1 else (rows // 2, blocks)
     return GemvTiles(rows, blocks, tiles.num_warps)
 

@@ -14,6 +14,11 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   float32, so it is compared with the float64 product of the same operands, within the same bound (the interpreter
   multiplies bfloat16 x with float32 w: gguf_matmul._INTERPRETED says why); on the GPU a dense product of
   tuning.DECODED_GEMM_MIN_TOKENS tokens or more multiplies the same bfloat16 operands on cuBLAS (decode_bf16).
+- the matrix-vector kernel's 8-bit route (tuning.GEMV_INT8, the types with a dot8 decoder) rounds x to int8 per 32
+  values (quantize_i8, reproduced here bit for bit by `rounded_i8`) and multiplies exactly in integers, then in
+  float32 per 16 values as scale * d * (q . q_x) + offset * d * sum(q_x): it is compared with the float64 product of
+  the rounded x, and S counts the two terms apart, |x| (|w - offset| + |offset|) (the offsets are the weights
+  decoded with every quant zeroed).
 Random data are never zeros; a wrong nibble, scale or row order misses these bounds by orders of magnitude.
 """
 
@@ -28,8 +33,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
-from moerun.kernels.gguf_matmul import (QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, stage_second,
-                                        supports)
+from moerun.kernels.gguf_matmul import (QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, quantize_i8,
+                                        stage_second, supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,15 +87,49 @@ def dequantized(data: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
     return torch.from_numpy(gguf_dequantize(data.numpy(), qtype).astype(np.float64))
 
 
-def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gemm: bool) -> None:
-    """y (T, N) against x (T, C) @ w (N, C).T in float64 within (C + 1) u S, doubled (module docstring); for the GEMM
-    with the operands it multiplies: x in bfloat16, and w too on the GPU."""
+# Byte ranges of each block's quants (ggml-common.h): zeroed, a block decodes to its offsets (Q4_K: -dmin*m).
+QUANT_BYTES: dict[Q, tuple[int, int]] = {Q.Q4_K: (16, 144), Q.Q5_K: (16, 176), Q.Q6_K: (0, 192), Q.Q8_0: (2, 34),
+                                         Q.Q4_0: (2, 18)}
+
+
+def on_i8(qtype: Q) -> bool:
+    """Does the matrix-vector kernel take its 8-bit route for this type?"""
+    return tuning.GEMV_INT8 and BLOCK_TYPES[qtype].dot8 is not None
+
+
+def rounded_i8(x: torch.Tensor) -> torch.Tensor:
+    """x (..., C) as quantize_i8 rounds it, float64: per 32 values q = floor(x * (127 / max|x|) + 0.5) in float32,
+    times d = max|x| / 127."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)  # (127 / amax is 127 * (1 / amax) in torch)
+    q = torch.floor(blocks * inv + 0.5)
+    return (q.double() * (amax / 127).double()).reshape(x.shape)
+
+
+def operands(x: torch.Tensor, data: torch.Tensor, qtype: Q, cols: int, gemm: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the kernels multiply, float64: (x, w, |w| as the bound counts it) for GGUF bytes `data` (..., row_bytes):
+    for the GEMM x in bfloat16, and w too on the GPU; on the 8-bit route x rounded to int8 and |w - offset| +
+    |offset| (module docstring)."""
+    w = dequantized(data, qtype, cols)
     if gemm:
-        x = x.bfloat16()
-        w = w.float().bfloat16() if DEVICE == "cuda" else w
-    x, w = x.double(), w.double()
+        w = w.float().bfloat16().double() if DEVICE == "cuda" else w
+        return x.bfloat16().double(), w, w.abs()
+    if on_i8(qtype):
+        start, end = QUANT_BYTES[qtype]
+        blocks = data.reshape(*data.shape[:-1], -1, GGML_QUANT_SIZES[qtype][1]).clone()
+        blocks[..., start:end] = 0
+        offsets = dequantized(blocks.reshape(data.shape), qtype, cols)
+        return rounded_i8(x), w, (w - offsets).abs() + offsets.abs()
+    return x.double(), w, w.abs()
+
+
+def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w_abs: torch.Tensor) -> None:
+    """y (T, N) against x (T, C) @ w (N, C).T in float64 within (C + 1) u S, doubled (module docstring); x, w, w_abs:
+    `operands`."""
     ref = x @ w.T
-    bound = 2 * (x.shape[1] + 1) * U * (x.abs() @ w.abs().T)
+    bound = 2 * (x.shape[1] + 1) * U * (x.abs() @ w_abs.T)
     y = y.cpu().double()
     assert y.shape == ref.shape and torch.isfinite(y).all()
     excess = (y - ref).abs() / bound
@@ -105,7 +144,7 @@ def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype
     w = QWeight(data.to(DEVICE), qtype, rows, cols)
     y = gguf_mm(x.to(DEVICE), w)
     assert y.dtype == torch.float32 and y.shape == (n_tokens, rows)
-    assert_close(y, x, dequantized(data, qtype, cols), gemm=on_bfloat16_operands(n_tokens))
+    assert_close(y, *operands(x, data, qtype, cols, gemm=on_bfloat16_operands(n_tokens)))
 
 
 def on_bfloat16_operands(n_tokens: int) -> bool:
@@ -128,6 +167,32 @@ def test_every_type(wide_tiles, qtype: Q, n_tokens: int) -> None:
     run_mm(qtype, n_tokens, rows=40, rng=np.random.default_rng([int(qtype), n_tokens]))
 
 
+@pytest.mark.parametrize("n_tokens", [1, 3])
+@pytest.mark.parametrize("qtype", [q for q in FP16_FIELDS if BLOCK_TYPES[q].dot8 is not None], ids=lambda q: q.name)
+def test_float_route_of_the_8bit_types(wide_tiles, monkeypatch, qtype: Q, n_tokens: int) -> None:
+    """With tuning.GEMV_INT8 off, the types that have an 8-bit route multiply float32 activations again."""
+    monkeypatch.setattr(tuning, "GEMV_INT8", False)
+    assert not on_i8(qtype)
+    run_mm(qtype, n_tokens, rows=40, rng=np.random.default_rng([int(qtype), n_tokens, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_quantize_i8(dtype) -> None:
+    """quantize_i8 against its torch reference, bit for bit: quants, scales, the sums per 16; blocks of zeros give
+    zero quants and scale; halves (x = max/2, common in bfloat16) round as the reference rounds them."""
+    rng = np.random.default_rng(7)
+    x = torch.from_numpy(rng.standard_normal((5, 1056), dtype=np.float32)).to(dtype)
+    x[1, 64:96] = 0
+    x[2, 0:32] = torch.linspace(-1, 1, 32).to(dtype)  # max 1: values near +-0.5 sit on halves
+    q, d, s = quantize_i8(x.to(DEVICE))
+    q, d, s = q.cpu(), d.cpu(), s.cpu()
+    assert q.dtype == torch.int8 and d.shape == (5, 33) and s.shape == (5, 66)
+    assert torch.equal(q.double() * d.double().repeat_interleave(32, 1), rounded_i8(x))
+    assert q.abs().max() == 127 and (q[1, 64:96] == 0).all() and d[1, 2] == 0
+    torch.testing.assert_close(s.double(), q.double().reshape(5, -1, 16).sum(-1) * d.double().repeat_interleave(2, 1),
+                               rtol=2 ** -23, atol=0)
+
+
 @pytest.mark.parametrize("n_tokens", [3, 8, 300])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
 def test_token_counts(wide_tiles, qtype: Q, n_tokens: int) -> None:
@@ -146,7 +211,8 @@ def test_production_tiles(qtype: Q, n_tokens: int) -> None:
     """tuning.py's own tiles: several programs per matrix, a partial last row tile and a partial last K step, for the
     matrix-vector kernel (1, 2, 8) and the prefill GEMM (20) on a part of one row tile."""
     bt = BLOCK_TYPES[qtype]
-    tile_rows = tuning.gemv_tiles(qtype, bt.values, bt.part, min(n_tokens, tuning.GEMV_MAX_TOKENS)).rows
+    tile_rows = tuning.gemv_tiles(qtype, bt.values, 4 if on_i8(qtype) else bt.part,
+                                 min(n_tokens, tuning.GEMV_MAX_TOKENS), i8=on_i8(qtype)).rows
     run_mm(qtype, n_tokens, rows=tile_rows * 2 + 3, rng=np.random.default_rng([int(qtype), n_tokens, 2]))
 
 
@@ -191,7 +257,6 @@ def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
     w = QWeight(bank.to(DEVICE), qtype, rows, cols)
     y = gguf_moe(x.to(DEVICE), w, slots.to(DEVICE)).cpu()
     assert y.shape == (n_tokens, k, rows) and y.dtype == torch.float32
-    weights = dequantized(bank, qtype, cols)  # [E, N, C]
     xs = x[:, None, :].expand(n_tokens, k, cols) if shared_input else x
     for t in range(n_tokens):
         for j in range(k):
@@ -199,7 +264,7 @@ def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
             if slot < 0:
                 assert (y[t, j] == 0).all()
             else:
-                assert_close(y[t, j][None], xs[t, j][None], weights[slot], gemm=gemm)
+                assert_close(y[t, j][None], *operands(xs[t, j][None], bank[slot], qtype, cols, gemm))
 
 
 @pytest.mark.parametrize("n_tokens,grouped_tiles", [(3, None), (21, None), (2, tuning.GemvTiles(16, 1, 1))],
@@ -262,13 +327,12 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
     down = QWeight(down_all[resident].to(DEVICE), qtype, cols, cols, second=host(down_all))
     h = torch.from_numpy(rng.standard_normal((n_tokens, k, cols), dtype=np.float32))
     yd = gguf_moe(h.to(DEVICE), down, torch.from_numpy(slots).to(DEVICE)).cpu()
-    weights = dequantized(down_all, qtype, cols)
     for t in range(n_tokens):
         for j in range(k):
             if experts[t, j] < 0:
                 assert (yd[t, j] == 0).all()
             else:
-                assert_close(yd[t, j][None], h[t, j][None], weights[experts[t, j]], gemm=False)
+                assert_close(yd[t, j][None], *operands(h[t, j][None], down_all[experts[t, j]], qtype, cols, False))
     mix = torch.from_numpy(rng.random((n_tokens, k), dtype=np.float32))
     summed = moe_combine(yd.to(DEVICE), mix.to(DEVICE), torch.from_numpy(slots).to(DEVICE)).cpu()
     torch.testing.assert_close(summed, (yd * torch.where(torch.from_numpy(experts) >= 0, mix, 0)[..., None]).sum(1))
@@ -279,18 +343,15 @@ def assert_glu_close(y, x, slots, gate_bank, up_bank, qtype: Q, gemm: bool) -> N
     -1, within the bound test_moe_glu explains."""
     n_tokens, k = slots.shape
     cols = x.shape[1]
-    xd = (x.bfloat16() if gemm else x).double()
     for t in range(n_tokens):
         for j in range(k):
             slot = int(slots[t, j])
             if slot < 0:
                 assert (y[t, j] == 0).all()
                 continue
-            wg, wu = (dequantized(b[slot], qtype, cols) for b in (gate_bank, up_bank))
-            if gemm and DEVICE == "cuda":
-                wg, wu = wg.float().bfloat16().double(), wu.float().bfloat16().double()
-            g, u = xd[t] @ wg.T, xd[t] @ wu.T
-            eg, eu = (2 * (cols + 1) * U * (xd[t].abs() @ w.abs().T) for w in (wg, wu))
+            (xt, wg, ag), (_, wu, au) = (operands(x[t], b[slot], qtype, cols, gemm) for b in (gate_bank, up_bank))
+            g, u = xt @ wg.T, xt @ wu.T
+            eg, eu = (2 * (cols + 1) * U * (xt.abs() @ a.T) for a in (ag, au))
             silu = g * torch.sigmoid(g)
             bound = 1.1 * eg * (u.abs() + eu) + silu.abs() * eu + 8 * U * (silu * u).abs() + 1e-30
             assert ((y[t, j] - silu * u).abs() <= bound).all(), float(((y[t, j] - silu * u).abs() / bound).max())
