@@ -178,11 +178,11 @@ def i8_candidates(n_blocks: int) -> list[tuning.GemvTiles]:
     two (fewer leave threads idle, more than two spill), B up to the row's blocks."""
     widest = min(32, triton.next_power_of_2(n_blocks))
     tiles = []
-    for warps in (1, 2, 4):
+    for warps in (1, 2):  # 4 warps and B below a quarter of the row never won the first sweep (2026-12-01 night)
         for pairs in (1, 2):
-            for blocks in (1, 2, 4, 8, 16, 32):
-                rows = 32 * warps * pairs // blocks
-                if blocks <= widest and 1 <= rows <= 64 and (blocks >= widest // 8 or rows == 64):
+            for blocks in (widest // 4, widest // 2, widest):
+                rows = 32 * warps * pairs // max(blocks, 1)
+                if blocks >= 1 and 1 <= rows <= 64:
                     tiles.append(tuning.GemvTiles(rows, blocks, warps))
     return tiles
 
@@ -277,7 +277,8 @@ BLOCKS_ONLY = 1 << 30  # DECODED_GEMM_MIN_TOKENS that keeps every product on the
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped"],
+                        help="time tile candidates first (grouped: the grouped decode's only)")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
     parser.add_argument("--decode-only", action="store_true", help="sweep and time the decode kernels only")
@@ -287,7 +288,7 @@ def main() -> None:
     results["copy GB/s"] = copy = copy_bandwidth(r)
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
     if args.sweep:
-        for qtype in DENSE_TYPES:
+        for qtype in DENSE_TYPES if args.sweep == "all" else ():
             best, table = sweep_gemv(qtype, r)
             results[f"sweep gemv {qtype.name}"] = table
             print(f"sweep GEMV {qtype.name}: {table} -> {best}", flush=True)

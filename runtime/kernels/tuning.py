@@ -8,6 +8,7 @@ on an H200 (docs/BENCHMARKS.md).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
@@ -68,9 +69,14 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
     (Q.Q4_0, 44): GemvTiles(rows=4, blocks=4, num_warps=2),  # its down, 1408 columns
 }
 # The 8-bit route of the matrix-vector kernel (gguf_matmul.quantize_i8 and qtypes' dot8 decoders: activations rounded
-# to int8 per 32 values, four products per dp4a) for the types that have it; its tiles where swept, else the above.
-GEMV_INT8 = True
-GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {}
+# to int8 per 32 values, four products per dp4a) for the types that have it; MOERUN_GEMV_INT8=0 turns it off (float32
+# activations, as before). Its tiles where swept, else the above. H200, 2026-12-01 night (bench_gguf_matmul.py
+# --sweep, docs/BENCHMARKS.md), 4096x4096 at T=1 with the activations' rounding in the time, GB/s against the float
+# route's: Q4_K 1059 (926), Q8_0 1663 (1400), Q4_0 1244 (957); Q6_K's 8-bit form made 872 against 1156 and was dropped.
+GEMV_INT8 = os.environ.get("MOERUN_GEMV_INT8", "1") != "0"
+GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=16, num_warps=2),
+                                         Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
+                                         Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1)}
 GEMV_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {}
 QUANTIZE_BLOCKS = 32  # blocks of 32 activations per program of quantize_i8
 # GEMM, T=512: 128x128 tiles with 8 warps ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0; 3 stages,

@@ -88,8 +88,7 @@ def dequantized(data: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
 
 
 # Byte ranges of each block's quants (ggml-common.h): zeroed, a block decodes to its offsets (Q4_K: -dmin*m).
-QUANT_BYTES: dict[Q, tuple[int, int]] = {Q.Q4_K: (16, 144), Q.Q5_K: (16, 176), Q.Q6_K: (0, 192), Q.Q8_0: (2, 34),
-                                         Q.Q4_0: (2, 18)}
+QUANT_BYTES: dict[Q, tuple[int, int]] = {Q.Q4_K: (16, 144), Q.Q5_K: (16, 176), Q.Q8_0: (2, 34), Q.Q4_0: (2, 18)}
 
 
 def on_i8(qtype: Q) -> bool:
@@ -334,8 +333,9 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
             else:
                 assert_close(yd[t, j][None], *operands(h[t, j][None], down_all[experts[t, j]], qtype, cols, False))
     mix = torch.from_numpy(rng.random((n_tokens, k), dtype=np.float32))
-    summed = moe_combine(yd.to(DEVICE), mix.to(DEVICE), torch.from_numpy(slots).to(DEVICE)).cpu()
-    torch.testing.assert_close(summed, (yd * torch.where(torch.from_numpy(experts) >= 0, mix, 0)[..., None]).sum(1))
+    summed = moe_combine(yd.to(DEVICE), mix.to(DEVICE), torch.from_numpy(slots).to(DEVICE)).cpu().double()
+    terms = yd.double() * torch.where(torch.from_numpy(experts) >= 0, mix, 0).double()[..., None]
+    assert ((summed - terms.sum(1)).abs() <= 4 * k * U * terms.abs().sum(1)).all()  # float32 sums of k products
 
 
 def assert_glu_close(y, x, slots, gate_bank, up_bank, qtype: Q, gemm: bool) -> None:
