@@ -60,7 +60,8 @@ def wide_tiles(monkeypatch):
                                                          32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32)})
     monkeypatch.setattr(tuning, "GEMM_BY_BLOCK_VALUES",
                         {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)})
-    for swept in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES"):
+    for swept in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "GEMV_I8_OVERRIDES", "GEMV_I8_GROUPED_OVERRIDES",
+                  "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES"):
         monkeypatch.setattr(tuning, swept, {})
 
 
