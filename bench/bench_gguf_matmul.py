@@ -279,6 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped"],
                         help="time tile candidates first (grouped: the grouped decode's only)")
+    parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
     parser.add_argument("--decode-only", action="store_true", help="sweep and time the decode kernels only")
@@ -293,10 +294,13 @@ def main() -> None:
             results[f"sweep gemv {qtype.name}"] = table
             print(f"sweep GEMV {qtype.name}: {table} -> {best}", flush=True)
         for name, qtype, shape, per_pair in MOE_SHAPES:
+            if args.shapes not in name:
+                continue
             best, table = sweep_grouped_gemv(name, qtype, shape, per_pair, r)
             results[f"sweep grouped gemv {name} {qtype.name}"] = table
             key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
             print(f"sweep grouped GEMV {name} {qtype.name}: {table} -> {key}: {best}", flush=True)
+            dump(results, args.json)  # a sweep cut short by a time limit keeps the shapes it finished
         for qtype in () if args.decode_only else (Q.Q4_K, Q.Q8_0):
             best, table = sweep_gemm(qtype, r)
             results[f"sweep gemm {qtype.name}"] = table
@@ -349,6 +353,7 @@ def main() -> None:
                 report(f"{name} 8/128 T={DECODE_T}{label}", qtype.name, ours, None)
     if args.decode_only:
         dump(results, args.json)
+        print("tiles:", json.dumps(results["tiles"]))
         return
     print(f"\n{'prefill':48} {'type':6} {'us':>8} {'TFLOP/s':>8}   {'bf16 peer us':>12} {'TFLOP/s':>8}")
     for n_tokens in (64, 128, PREFILL_T):  # the GEMM on the blocks, and the weight decoded to bfloat16 + cuBLAS
@@ -366,6 +371,7 @@ def main() -> None:
         print(f"{name + ' 8/128':48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
         results[f"prefill {name} {qtype.name}"] = {"ours": ours}
     dump(results, args.json)
+    print("tiles:", json.dumps(results["tiles"]))
 
 
 def dump(results: dict, path: str | None) -> None:
@@ -379,7 +385,6 @@ def dump(results: dict, path: str | None) -> None:
                         "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
                         "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
                                          tuning.GROUPED_GEMM_OVERRIDES.items()}}
-    print("tiles:", json.dumps(results["tiles"]))
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
