@@ -266,8 +266,9 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     has one (tuning.GEMV_INT8): the activations are rounded to int8 first (quantize_i8)."""
     group = triton.next_power_of_2(tokens)
     i8 = tuning.GEMV_INT8 and bt.dot8 is not None
-    # accumulators per (token, row, block): a part's values (float), or a quad's four words (8-bit)
-    per_block = 4 if i8 else bt.part
+    # registers per (token, row, block) that grow with the tokens: a part's float accumulators, or a quad's four
+    # accumulators and four activation words (8-bit; counting the accumulators alone, T=8 spilled: 741 us for 4096^2)
+    per_block = 8 if i8 else bt.part
     # the GLU keeps two products per value: tiles for twice the tokens keep its accumulators in registers
     tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, per_block, group * (2 if up is not None else 1),
                               grouped_blocks=0 if slots is None else w.cols // bt.values, i8=i8)

@@ -78,10 +78,12 @@ GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=16, nu
                                          Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
                                          Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1)}
 # The grouped decode's 8-bit tiles (same sweep, gate+up timed as one GLU launch), GB/s against the float route's:
-# 30B gate+up 1162 (1018), 30B down 860 (756).
+# 30B gate+up 1162 (1018), 30B down 860 (756), 60 GB gate+up 1515 (1226), 60 GB down 1678 (1061).
 GEMV_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
     (Q.Q4_K, 8): GemvTiles(rows=4, blocks=8, num_warps=1),
     (Q.Q4_K, 3): GemvTiles(rows=8, blocks=4, num_warps=1),
+    (Q.Q4_K, 16): GemvTiles(rows=2, blocks=16, num_warps=1),
+    (Q.Q4_0, 44): GemvTiles(rows=2, blocks=16, num_warps=1),
 }
 QUANTIZE_BLOCKS = 32  # blocks of 32 activations per program of quantize_i8
 # GEMM, T=512: 128x128 tiles with 8 warps ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0; 3 stages,

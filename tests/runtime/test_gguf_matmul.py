@@ -211,7 +211,7 @@ def test_production_tiles(qtype: Q, n_tokens: int) -> None:
     """tuning.py's own tiles: several programs per matrix, a partial last row tile and a partial last K step, for the
     matrix-vector kernel (1, 2, 8) and the prefill GEMM (20) on a part of one row tile."""
     bt = BLOCK_TYPES[qtype]
-    tile_rows = tuning.gemv_tiles(qtype, bt.values, 4 if on_i8(qtype) else bt.part,
+    tile_rows = tuning.gemv_tiles(qtype, bt.values, 8 if on_i8(qtype) else bt.part,
                                  min(n_tokens, tuning.GEMV_MAX_TOKENS), i8=on_i8(qtype)).rows
     run_mm(qtype, n_tokens, rows=tile_rows * 2 + 3, rng=np.random.default_rng([int(qtype), n_tokens, 2]))
 
