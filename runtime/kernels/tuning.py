@@ -71,12 +71,14 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
 # The 8-bit route of the matrix-vector kernel (gguf_matmul.quantize_i8 and qtypes' dot8 decoders: activations rounded
 # to int8 per 32 values, four products per dp4a) for the types that have it; MOERUN_GEMV_INT8=0 turns it off (float32
 # activations, as before). Its tiles where swept, else the above. H200, 2026-12-01 night (bench_gguf_matmul.py
-# --sweep, docs/BENCHMARKS.md), 4096x4096 at T=1 with the activations' rounding in the time, GB/s against the float
-# route's: Q4_K 1059 (926), Q8_0 1663 (1400), Q4_0 1244 (957); Q6_K's 8-bit form made 872 against 1156 and was dropped.
+# --sweep, then the table on these tiles; docs/BENCHMARKS.md), 4096x4096 at T=1 with the activations' rounding in the
+# time, GB/s against the float route's in the same run: Q4_K 1061 (912), Q8_0 1585 (1356), Q4_0 1216 (938); Q6_K's
+# 8-bit form made 872 in the sweep against its float route's 1156 and was dropped.
 GEMV_INT8 = os.environ.get("MOERUN_GEMV_INT8", "1") != "0"
 GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=16, num_warps=2),
                                          Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
-                                         Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1)}
+                                         Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1),
+                                         Q.Q5_K: GemvTiles(rows=8, blocks=16, num_warps=2)}  # Q4_K's: not swept
 # The grouped decode's 8-bit tiles (same sweep, gate+up timed as one GLU launch), GB/s against the float route's:
 # 30B gate+up 1162 (1018), 30B down 860 (756), 60 GB gate+up 1515 (1226), 60 GB down 1678 (1061).
 GEMV_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
