@@ -180,7 +180,6 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows
     acc = tl.sum(tl.sum(acc, axis=3), axis=2)
     if GLU:
         acc2 = tl.sum(tl.sum(acc2, axis=3), axis=2)
-    if GLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     out_row = (g * TG + t)[:, None] * n_rows
     tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
