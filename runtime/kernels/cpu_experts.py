@@ -839,9 +839,15 @@ def _rows_one(code, w, bias, item, order, act_row, xq, xf, xd, xs, y):
 @numba.njit(**JIT)
 def _pairs(ids, n_experts):
     """Pairs (t, k) with ids[t, k] >= 0, numbered in (t, k) order, grouped by expert (a counting sort, stable).
-    Returns the token of each pair (P,), the pairs in expert order (P,), each expert's first index into that order
-    (E + 1,), and whether each token has a pair (T,)."""
+    Returns the first expert id past the stack or -1 (the kernels index without bounds checks: the callers return
+    it, and the other results are then empty), the token of each pair (P,), the pairs in expert order (P,), each
+    expert's first index into that order (E + 1,), and whether each token has a pair (T,)."""
     T, K = ids.shape
+    for t in range(T):
+        for k in range(K):
+            if ids[t, k] >= n_experts:
+                empty = np.empty(0, np.int64)
+                return ids[t, k], empty, empty, empty, np.zeros(0, np.bool_)
     start = np.zeros(n_experts + 1, np.int64)
     for t in range(T):
         for k in range(K):
@@ -863,7 +869,7 @@ def _pairs(ids, n_experts):
                 fill[e] += 1
                 used[t] = True
                 p += 1
-    return token, order, start, used
+    return np.int64(-1), token, order, start, used
 
 
 @numba.njit(**JIT)
@@ -886,23 +892,12 @@ def _items(start, n_rows, items_wanted):
     return items
 
 
-@numba.njit(**JIT)
-def _bad_id(ids, n_experts):
-    """The first expert id past the stack, or -1: the kernels index without bounds checks."""
-    for t in range(ids.shape[0]):
-        for k in range(ids.shape[1]):
-            if ids[t, k] >= n_experts:
-                return ids[t, k]
-    return -1
-
-
 @numba.njit(parallel=True, **JIT)
 def _matmul(items_wanted, x, experts, code, w, bias, y):
     """y[i] = expert experts[i] of w times x[i] (+ its bias); the entry of expert_matmul."""
-    bad = _bad_id(experts, w.shape[0])
+    bad, token, order, start, used = _pairs(experts, w.shape[0])
     if bad >= 0:
         return bad
-    token, order, start, used = _pairs(experts, w.shape[0])
     items = _items(start, y.shape[1], items_wanted)
     xq, xf, xd, xs = _rounded(_FORMAT_ROUNDING[code], x.shape[0], x.shape[1])
     _round_rows(_FORMAT_ROUNDING[code], x, used, xq, xf, xd, xs)
@@ -1015,10 +1010,9 @@ def _moe(items_wanted, x, ids, weights, gate_code, gate_w, gate_b, up_code, up_w
     The roundings of 1 and 3 and the sum of 4 run in parallel over rows from PARALLEL_MIN_ROWS rows on, on the
     calling thread below, so a decode call (a token and its few missed experts) starts two parallel regions."""
     n_experts = gate_w.shape[0]
-    bad = _bad_id(ids, n_experts)
+    bad, token, order, start, used = _pairs(ids, n_experts)
     if bad >= 0:
         return bad
-    token, order, start, used = _pairs(ids, n_experts)
     P, T, D, I = token.shape[0], x.shape[0], x.shape[1], gate_w.shape[1]
     if P == 0:
         return -1
@@ -1103,10 +1097,9 @@ def _moe_ggml(items_wanted, x, ids, weights, gate_k, gate_w, gate_b, up_k, up_w,
               act_code, limit, out):
     """_moe with ggml's row dots (gate_k, up_k, down_k: the tensors' ggml kernels) and its roundings of the inputs."""
     n_experts = gate_w.shape[0]
-    bad = _bad_id(ids, n_experts)
+    bad, token, order, start, used = _pairs(ids, n_experts)
     if bad >= 0:
         return bad
-    token, order, start, used = _pairs(ids, n_experts)
     P, T, D, I = token.shape[0], x.shape[0], x.shape[1], gate_w.shape[1]
     if P == 0:
         return -1
@@ -1135,10 +1128,9 @@ def _moe_ggml(items_wanted, x, ids, weights, gate_k, gate_w, gate_b, up_k, up_w,
 @numba.njit(parallel=True, **JIT)
 def _matmul_ggml(items_wanted, x, experts, k, w, bias, y):
     """_matmul with ggml's row dot (k: the tensor's ggml kernel)."""
-    bad = _bad_id(experts, w.shape[0])
+    bad, token, order, start, used = _pairs(experts, w.shape[0])
     if bad >= 0:
         return bad
-    token, order, start, used = _pairs(experts, w.shape[0])
     items = _items(start, y.shape[1], items_wanted)
     q = np.empty((x.shape[0], k[2]), np.uint8)
     _quantize_rows(k[1], x, used, q)
@@ -1235,7 +1227,8 @@ class CPUExperts(GGUFExperts):
     def load(cls, w: Weights, hooks: Hooks, layer: int, activation: str = "swiglu") -> CPUExperts:
         experts = super().load(w, hooks, layer, activation)
         experts.activation = activation
-        experts.host = tuple(_host_bytes(w, f"blk.{layer}.ffn_{part}_exps") for part in ("gate", "up", "down"))
+        experts.host = tuple(_host_bytes(w, f"blk.{layer}.ffn_{part}_exps", bias) for part, bias in
+                             zip(("gate", "up", "down"), (experts.gate_bias, experts.up_bias, experts.down_bias)))
         return experts
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -1283,7 +1276,7 @@ class CPUQuantLinear(Linear):
     @classmethod
     def load(cls, w: Weights, prefix: str, hooks: Hooks, bias: torch.Tensor | None) -> CPUQuantLinear:
         """GGUF tensor `prefix`.weight's bytes, and its float32 copy where the numba kernels would need it."""
-        host = _host_bytes(w, prefix)
+        host = _host_bytes(w, prefix, bias)
         name = f"{prefix}.weight"
         weight = None if _ggml_kernel(host) is not None else w.dense(name, torch.float32)
         return cls(host, weight, bias, name, hooks, input_rounding(host.qtype))
@@ -1301,11 +1294,10 @@ def _torch_threads() -> int:
     return min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
 
 
-def _host_bytes(w: Weights, prefix: str) -> ExpertBytes:
-    """`prefix.weight` as (E, rows, row_bytes) in the memory map (a 2-D weight as one expert), and `prefix.bias` if
-    the file has one."""
+def _host_bytes(w: Weights, prefix: str, bias: torch.Tensor | None) -> ExpertBytes:
+    """`prefix.weight` as (E, rows, row_bytes) in the memory map (a 2-D weight as one expert), with `prefix.bias` as
+    the caller read it (None: the file has none)."""
     info = w.info(f"{prefix}.weight")
     n_experts, rows, cols = info.shape if len(info.shape) == 3 else (1, *info.shape)
-    bias = w.optional(f"{prefix}.bias", torch.float32)
     return ExpertBytes(w.gguf.raw(info).reshape(n_experts, rows, -1), info.ggml_type, rows, cols,
                        None if bias is None else bias.cpu().numpy().reshape(n_experts, rows))
