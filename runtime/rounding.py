@@ -73,39 +73,39 @@ def q8_k_blocks(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> None:
         d[b] = -safe_peak / F32(127) if peak != F32(0) else F32(0)
 
 
-def _rows_kernel(blocks: Callable) -> Callable:
-    """A kernel rounding every row of x (R, n) into out (R, n) with `blocks`, one row's scratch reused."""
-    @numba.njit(**JIT)
-    def round_rows(x: np.ndarray, out: np.ndarray, block: int) -> None:
-        n = x.shape[1]
-        q = np.empty(n, F32)
-        d = np.empty(n // block, F32)
-        for r in range(x.shape[0]):
-            blocks(x[r], q, d)
-            for i in range(n):
-                out[r, i] = q[i] * d[i // block]
-    return round_rows
+# One kernel for both roundings, not one closure per rounding: numba keys a closure's cache entry on a pickle of the
+# kernels it closes over, which carries an id fresh in every process, so each process compiled the closure again
+# (0.6 s) and left one more file in the cache.
+@numba.njit(**JIT)
+def _round_rows(x: np.ndarray, out: np.ndarray, block: int) -> None:
+    """Every row of x (R, n) rounded into out (R, n): Q8_0 blocks where block is 32, else Q8_K (256)."""
+    n = x.shape[1]
+    q = np.empty(n, F32)
+    d = np.empty(n // block, F32)
+    for r in range(x.shape[0]):
+        if block == 32:
+            q8_0_blocks(x[r], q, d)
+        else:
+            q8_k_blocks(x[r], q, d)
+        for i in range(n):
+            out[r, i] = q[i] * d[i // block]
 
 
-_round_q8_0_rows = _rows_kernel(q8_0_blocks)
-_round_q8_k_rows = _rows_kernel(q8_k_blocks)
-
-
-def _on_cpu(torch_version: Rounding, kernel: Callable, block: int) -> Rounding:
-    """The rounding: `kernel` for CPU tensors (one pass), `torch_version` elsewhere."""
+def _on_cpu(torch_version: Rounding, block: int) -> Rounding:
+    """The rounding: _round_rows for CPU tensors (one pass), `torch_version` elsewhere."""
     def rounding(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return torch_version(x)
         rows = x.float().reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty_like(rows)
-        kernel(rows.numpy(), out.numpy(), block)
+        _round_rows(rows.numpy(), out.numpy(), block)
         return out.view(x.shape)
     return rounding
 
 
-round_q8_0 = _on_cpu(_round_q8_0_torch, _round_q8_0_rows, 32)
+round_q8_0 = _on_cpu(_round_q8_0_torch, 32)
 round_q8_0.__doc__ = "Blocks of 32 as int8 times an F16 scale amax / 127 (Q8_0, and Q8_1's values)."
-round_q8_k = _on_cpu(_round_q8_k_torch, _round_q8_k_rows, 256)
+round_q8_k = _on_cpu(_round_q8_k_torch, 256)
 round_q8_k.__doc__ = "Blocks of 256 scaled so that the value of largest magnitude maps to -127, clipped at 127 (Q8_K)."
 
 

@@ -97,3 +97,28 @@ def test_cache_options_refuse_bad_input(synth_model, tmp_path, calibration_text)
     _assert_one_line_error(run("bench", "-m", model, "-p", "64", "-n", "8", "-f", str(short)), "longer -f")
     _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "1540M", "--expert-profile",
                                str(tmp_path / "missing.moeprof")), "missing.moeprof")
+
+
+def test_a_second_run_compiles_no_kernel_again(synth_model, tmp_path):
+    """numba's on-disk cache serves every CPU kernel a run compiled to the next process: a kernel that misses it is
+    compiled again on every start (0.6 s for the input roundings' closure this caught) and adds a file each time."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+from moerun import rounding
+from moerun.cli import main
+for rounding_of_type in set(rounding.INPUT_ROUNDING.values()):
+    rounding_of_type(torch.randn(2, 512))
+main(["-m", {str(synth_model("qwen3moe", expert_type="Q4_K", attn_type="Q8_0"))!r}, "-p", "def main():", "-n", "4",
+      "--device", "cpu", "-t", "1"], standalone_mode=False)
+"""
+    cache = tmp_path / "numba-cache"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    files = []
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
+        files.append(sorted(p.name for p in cache.rglob("*.nbc")))
+    assert files[0] and files[1] == files[0], sorted(set(files[1]) - set(files[0]))
