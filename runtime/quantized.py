@@ -5,10 +5,12 @@ the selected experts' blocks are decoded in registers, so VRAM holds the weights
 takes a quarter of its bfloat16 copy) and each decode step reads every weight byte once. Imported only where the
 device is CUDA (Triton comes with CUDA builds of torch).
 
-Unlike the CPU path, inputs are not rounded to llama.cpp's 8-bit activation blocks first: the kernels multiply the
-float activations by the exact weight values, which is closer to the model, and the rounding would cost about ten
-small kernels per product. Agreement with llama.cpp is checked on the CPU path; GPU runs are checked against it
-within the tolerance accepted between moerun's CPU and GPU paths.
+Inputs are rounded as llama.cpp's GPU products round theirs, not as its CPU does: on the matrix-vector kernel's
+8-bit route (decode steps, the types with an 8-bit decoder) to int8 per 32 values with a scale each
+(gguf_matmul.quantize_i8, or in the norm or attention kernel that wrote them); its float route multiplies the float32
+activations, the prefill GEMM bfloat16 ones. Agreement with llama.cpp is checked closely on the CPU path, which rounds
+as its CPU does; on the GPU path within the tolerance accepted between moerun's CPU and GPU paths, and by
+bench/bench_route_agreement.py (perplexity and top-1 on the trained bench model).
 """
 
 from __future__ import annotations

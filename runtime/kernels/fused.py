@@ -11,6 +11,9 @@ entry point here does in one launch what layers.py's torch reference does in sev
 - `route`: router softmax (or sigmoid, or softmax over the chosen logits), top-k and renormalisation in one kernel;
 - `swiglu`: silu(gate) * up; `moe_combine`: the weighted sum of each token's expert outputs.
 
+The norms and attention's output also round what they write to int8 blocks for the products that read it on the
+8-bit route (gguf_matmul.carry_i8), which then skip a launch of their own.
+
 Every function is tested against the torch reference in layers.py (tests/runtime/test_fused.py, on the CPU in
 Triton's interpreter). Shapes: T tokens, H query heads, G KV heads, Dh head size, S KV slots, E experts, K experts
 per token, D hidden size.
@@ -23,6 +26,8 @@ import triton
 import triton.language as tl
 
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
+from moerun.kernels import tuning
+from moerun.kernels.gguf_matmul import carry_i8, i8_buffers, store_i8
 
 # KV slots per program of attend_decode; query tokens it takes (more go to the torch reference, which is a batched
 # matmul over all of them); largest head size its tiles hold.
@@ -35,9 +40,10 @@ ATTEND_MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, D, x_stride, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    """Row i: h = x[i] (+ delta[i]); out[i] = h * rsqrt(mean(h^2) + eps) * w (and sum[i] = h with a delta)."""
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, d_ptr, s_ptr, D, x_stride, eps,
+                     HAS_DELTA: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr):
+    """Row i: h = x[i] (+ delta[i]); out[i] = h * rsqrt(mean(h^2) + eps) * w (and sum[i] = h with a delta); with
+    I8, out[i] rounded for the 8-bit route into q, d, s (gguf_matmul.store_i8)."""
     i = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < D
@@ -47,7 +53,11 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, D, x_stride, eps
         tl.store(sum_ptr + i * D + c, h, mask=ok)
     r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
     w = tl.load(w_ptr + c, mask=ok, other=0.0)
-    tl.store(out_ptr + i * D + c, h * r * w, mask=ok)
+    y = h * r * w
+    tl.store(out_ptr + i * D + c, y, mask=ok)
+    if I8:
+        blk = tl.arange(0, BLOCK // 32)
+        store_i8(tl.reshape(y, (BLOCK // 32, 32)), blk, blk < D // 32, i, D, q_ptr, d_ptr, s_ptr)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -58,15 +68,36 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x2, x2.stride(0)
 
 
+def _rounds_i8(rows: int, cols: int) -> bool:
+    """Whether a kernel writing (rows, cols) activations rounds them for the 8-bit route as well (gguf_matmul.
+    carry_i8): where the products that read them can take that route (a decode step's few tokens)."""
+    return tuning.GEMV_INT8 and 0 < rows <= tuning.GEMV_MAX_TOKENS and cols % 32 == 0
+
+
+def _norm(x: torch.Tensor, x_stride: int, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+          h: torch.Tensor | None, out: torch.Tensor, result: torch.Tensor) -> None:
+    """_rms_norm_kernel over the rows of x into out (and h = x + delta with h); where its readers can use it, out
+    rounded for the 8-bit route too, handed along with `result` (out as the caller returns it: a view of out is
+    another tensor, and in inference mode one that does not keep out alive)."""
+    rows, D = out.shape
+    i8 = _rounds_i8(rows, D)
+    q, d, s = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)
+    # no FMA: store_i8 rounds as quantize_i8 does
+    _rms_norm_kernel[(rows,)](x, delta, weight, out if h is None else h, out, q, d, s, D, x_stride, eps,
+                              HAS_DELTA=h is not None, I8=i8, BLOCK=triton.next_power_of_2(D),
+                              enable_fp_fusion=False)
+    if i8:
+        carry_i8(result, q, d, s)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (..., D) float32/bfloat16, weight (D,) float32 -> (..., D) float32."""
     x2, stride = _rows(x)
     out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    result = out.view(x.shape)
     if x2.shape[0]:
-        D = x2.shape[1]
-        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, D, stride, eps,
-                                         HAS_DELTA=False, BLOCK=triton.next_power_of_2(D))
-    return out.view(x.shape)
+        _norm(x2, stride, x2, weight, eps, None, out, result)
+    return result
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -76,9 +107,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     x, delta = x.contiguous(), delta.contiguous()
     h, out = torch.empty_like(x, dtype=torch.float32), torch.empty_like(x, dtype=torch.float32)
     if x.shape[0]:
-        D = x.shape[1]
-        _rms_norm_kernel[(x.shape[0],)](x, delta, weight, h, out, D, D, eps,
-                                        HAS_DELTA=True, BLOCK=triton.next_power_of_2(D))
+        _norm(x, x.shape[1], delta, weight, eps, h, out, out)
     return h, out
 
 
@@ -248,9 +277,10 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr
 
 
 @triton.jit(do_not_specialize=["n_splits"])
-def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_splits, H, Dv,
-                           HAS_SINKS: tl.constexpr, CS: tl.constexpr, DV: tl.constexpr):
-    """Program t*H + h: out = sum_i exp(m_i - M) acc_i / (sum_i exp(m_i - M) l_i [+ exp(sink - M)]), M the max."""
+def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_ptr, s_ptr, n_splits, H, Dv,
+                           HAS_SINKS: tl.constexpr, I8: tl.constexpr, CS: tl.constexpr, DV: tl.constexpr):
+    """Program t*H + h: out = sum_i exp(m_i - M) acc_i / (sum_i exp(m_i - M) l_i [+ exp(sink - M)]), M the max;
+    with I8 also rounded for the 8-bit route into q, d, s (gguf_matmul.store_i8; Dv a multiple of 32)."""
     th = tl.program_id(0)
     base = th.to(tl.int64) * n_splits
     c = tl.arange(0, CS)
@@ -275,7 +305,11 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_splits, 
     total = tl.sum(denom, axis=0)
     if HAS_SINKS:
         total += tl.exp(sink - top)
-    tl.store(out_ptr + th.to(tl.int64) * Dv + dv, tl.sum(acc, axis=0) / total, mask=dv < Dv)
+    y = tl.sum(acc, axis=0) / total
+    tl.store(out_ptr + th.to(tl.int64) * Dv + dv, y, mask=dv < Dv)
+    if I8:  # the output as rows of Dv: the same bytes, in order, as (T, H * Dv)
+        blk = tl.arange(0, DV // 32)
+        store_i8(tl.reshape(y, (DV // 32, 32)), blk, blk < Dv // 32, th, Dv, q_ptr, d_ptr, s_ptr)
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as raw integers in tl.dot: there the
@@ -317,9 +351,14 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
         HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
         DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS,
         SPLIT=k.dtype == v.dtype == torch.bfloat16 and not _INTERPRETED)
+    i8 = _rounds_i8(T, H * Dv) and Dv % 32 == 0
+    q8, d8, s8 = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)
     _attend_combine_kernel[(T * H,)](
-        m, l, acc, sinks if sinks is not None else m, out, n_splits, H, Dv,
-        HAS_SINKS=sinks is not None, CS=16, DV=triton.next_power_of_2(Dv))
+        m, l, acc, sinks if sinks is not None else m, out, q8, d8, s8, n_splits, H, Dv,
+        HAS_SINKS=sinks is not None, I8=i8, CS=16, DV=triton.next_power_of_2(Dv),
+        enable_fp_fusion=False)  # no FMA: store_i8 rounds as quantize_i8 does
+    if i8:
+        carry_i8(out, q8, d8, s8)
     return out
 
 

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from moeprep.gguf.reader import open_gguf
 from moerun import layers
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
-from moerun.kernels import fused
+from moerun.hooks import Hooks
+from moerun.kernels import fused, gguf_matmul, tuning
+from moerun.kernels.gguf_matmul import QWeight, carried_i8, gguf_mm, gguf_moe_glu, quantize_i8
+from moerun.quantized import QuantLinear
 from moerun.models import arch_module
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,6 +69,39 @@ def test_add_rms_norm(gen):
     h_ref, normed_ref = layers.add_rms_norm(x, delta, w, 1e-6)
     assert torch.equal(h, h_ref)
     close(normed, normed_ref)
+
+
+def assert_carries_its_rounding(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """out hands along the 8-bit route's rounding of its values, equal bit for bit to quantize_i8's of `rows` (out's
+    values as the (T, C) input of a product)."""
+    carried = carried_i8(rows)
+    assert carried is not None
+    for got, want in zip(carried, quantize_i8(rows.clone())):
+        assert torch.equal(got, want.view(-1))
+
+
+@pytest.mark.parametrize("i8", [True, False], ids=["i8", "route-off"])
+def test_norms_round_their_output_for_the_8bit_route(i8, gen, monkeypatch):
+    """A decode step's norms write their output's int8 blocks in the same pass (with the 8-bit route on, a multiple
+    of 32 values, at most GEMV_MAX_TOKENS rows): the products reading it skip their own rounding."""
+    monkeypatch.setattr(tuning, "GEMV_INT8", i8)
+    w = randn(4096, gen=gen) + 2
+    x = randn(3, 4096, gen=gen) * 3
+    x[1, 64:96] = 0  # a block of zeros, after a norm too
+    normed = fused.rms_norm(x, w, 1e-6)
+    h, added = fused.add_rms_norm(x, randn(3, 4096, gen=gen), w, 1e-6)
+    if not i8:
+        assert carried_i8(normed) is None and carried_i8(added) is None
+        return
+    assert_carries_its_rounding(normed, normed)
+    assert_carries_its_rounding(added, added)
+    assert carried_i8(h) is None
+    assert carried_i8(fused.rms_norm(x[:, :40], w[:40], 1e-6)) is None  # 40 values: no blocks of 32
+    assert carried_i8(fused.rms_norm(randn(tuning.GEMV_MAX_TOKENS + 1, 64, gen=gen), w[:64], 1e-6)) is None
+    # the rounding is of the values as written: not of a part of them, nor after they change
+    assert carried_i8(normed[:2]) is None and carried_i8(normed[:, :2048]) is None
+    added.mul_(2)
+    assert carried_i8(added) is None
 
 
 # ---------------------------------------------------------------------------------------------------- norm + rope
@@ -161,6 +199,10 @@ def test_attend_decode(T, H, G, D, S, window, sinks, gen):
     assert fused.attend_supports(q, k, v)
     got = fused.attend_decode(q, k, v, allowed, 0.3, sink)
     close(got, layers.attend(q, k, v, allowed, 0.3, sink))
+    if D % 32 == 0:  # its output, read as (T, H * D) by the output projection, comes rounded for the 8-bit route
+        assert_carries_its_rounding(got, got.reshape(T, H * D))
+    else:
+        assert carried_i8(got.reshape(T, H * D)) is None
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -246,26 +288,20 @@ def test_moe_combine(gen):
     close(fused.moe_combine(y, weights, slots), ref)
 
 
+def random_q8_0(rng: np.random.Generator, banks: int, rows: int, cols: int) -> QWeight:
+    """Random Q8_0 weights (rows, cols), or a bank of `banks` such matrices where banks > 1, scales 0.01 to 0.1."""
+    blocks = rng.integers(0, 256, (banks, rows, cols // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = rng.uniform(0.01, 0.1, (banks, rows, cols // 32, 1)).astype(np.float16).view(np.uint8)
+    data = torch.from_numpy(blocks.reshape(banks, rows, -1) if banks > 1 else blocks.reshape(rows, -1))
+    return QWeight(data.to(DEVICE), Q.Q8_0, rows, cols)
+
+
 def test_stacked_qkv(gen):
     """QuantLinear.stack_rows: one product over q, k and v's rows (one with a bias) equals the three apart, and the
     parts, re-pointed at the stacked bytes, still give their own products."""
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-
-    from moerun.hooks import Hooks
-    from moerun.kernels.gguf_matmul import QWeight
-    from moerun.quantized import QuantLinear
-
     rng = np.random.default_rng(3)
     cols, hooks = 64, Hooks()
-
-    def q8_0(rows: int) -> QWeight:
-        blocks = rng.integers(0, 256, (rows, cols // 32, 34), dtype=np.uint8)
-        blocks[..., :2] = (rng.uniform(0.01, 0.1, (rows, cols // 32)).astype(np.float16).view(np.uint8)
-                           .reshape(rows, cols // 32, 2))
-        return QWeight(torch.from_numpy(blocks.reshape(rows, -1)).to(DEVICE), Q.Q8_0, rows, cols)
-
-    parts = [QuantLinear(q8_0(n), bias, name, hooks)
+    parts = [QuantLinear(random_q8_0(rng, 1, n, cols), bias, name, hooks)
              for n, bias, name in ((16, None, "q"), (8, randn(8, gen=gen), "k"), (8, None, "v"))]
     x = randn(3, cols, gen=gen)
     apart = [p(x) for p in parts]
@@ -279,6 +315,32 @@ def test_stacked_qkv(gen):
     other = QuantLinear(QWeight(torch.zeros(4, 36, dtype=torch.uint8, device=DEVICE), Q.Q4_0, 4, cols), None, "o",
                         hooks)
     assert QuantLinear.stack_rows([parts[0], other]) is None  # types differ
+
+
+@pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "autograd-mode"])
+def test_products_take_the_rounding_their_input_carries(inference, gen, monkeypatch):
+    """The products a decode step runs on a norm's or attention's output (q/k/v, the experts' gate and up, the
+    output projection on a reshaped view) read the 8-bit rounding handed along with it instead of rounding again:
+    one launch fewer each, the same result to the bit. Inference mode (the runtime's) keeps no version counters and
+    gives views no base."""
+    rng = np.random.default_rng(5)
+    cols = 256
+    w, bank = random_q8_0(rng, 1, 8, cols), random_q8_0(rng, 4, 8, cols)
+    slots = torch.tensor([[0, 3], [2, 0]], dtype=torch.int32, device=DEVICE)
+    q = randn(2, 2, 128, gen=gen)
+    kv = randn(40, 1, 128, gen=gen, dtype=torch.bfloat16) * 0.05
+    x, norm_weight = randn(2, cols, gen=gen), randn(cols, gen=gen) * 0.05  # silu's exp in range
+    rounded = []
+    quantize = gguf_matmul.quantize_i8
+    monkeypatch.setattr(gguf_matmul, "quantize_i8", lambda x: rounded.append(x) or quantize(x))
+    with torch.inference_mode(inference):
+        attended = fused.attend_decode(q, kv, kv, torch.ones(2, 40, dtype=torch.bool, device=DEVICE), 0.1)
+        for carrier in (fused.rms_norm(x, norm_weight, 1e-6), attended.view(2, cols)):
+            assert carried_i8(carrier) is not None
+            plain = carrier.clone()
+            assert torch.equal(gguf_mm(carrier, w), gguf_mm(plain, w))
+            assert torch.equal(gguf_moe_glu(carrier, bank, bank, slots), gguf_moe_glu(plain, bank, bank, slots))
+    assert len(rounded) == 4  # the plain copies' products only
 
 
 # --------------------------------------------------------------------------------------------------- whole model
