@@ -55,7 +55,8 @@ for STEP in ${STEPS:-cold peer resident-warm peer-resident}; do
     cold) cache cold cache-cold ;;
     cpu) cache cold-cpu,warm-cpu cache-cpu ;;
     warm-64) cache warm-64,cold-64 cache-64 ;;
-    gpu-tests) [ -f "$OUT/gpu-tests.log" ] || python3 -m pytest -q --noconftest -p no:cacheprovider tests/runtime/test_gpu_path.py \
+    gpu-tests) wait_build  # the cache tests time uploads against steps: not beside a 12-job compile
+        [ -f "$OUT/gpu-tests.log" ] || python3 -m pytest -q --noconftest -p no:cacheprovider tests/runtime/test_gpu_path.py \
         > "$OUT/gpu-tests.log" 2>&1; tail -3 "$OUT/gpu-tests.log" ;;
     peer) peer -ngl 99 --n-cpu-moe ${PEER_CPU_MOE:-29} ;;
     resident-warm) cache resident,warm cache-warm ;;

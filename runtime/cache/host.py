@@ -47,6 +47,8 @@ def page_locked(data: np.ndarray) -> np.ndarray:
     start = -raw.ctypes.data % page
     copy = raw[start : start + data.nbytes].reshape(data.shape)
     torch.from_numpy(copy).copy_(read_only_tensor(data))  # torch's copy is multi-threaded
+    # flags 0 (cudaHostRegisterDefault): with unified addressing (every 64-bit process) the range is mapped and
+    # portable, so every GPU's context reads it in place, at the host address (decode steps stream misses from it)
     error = torch.cuda.cudart().cudaHostRegister(copy.ctypes.data, copy.nbytes, 0)
     if int(error) != 0:
         raise MoeprepError(f"cannot page-lock {format_size(copy.nbytes)} of expert bytes (CUDA error {int(error)}); "
