@@ -42,7 +42,7 @@ def main() -> None:
     print(f"captured {captured} decode steps in {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
     captured = model.capture_prompt_steps(256)
-    model.compile_prompt_kernels()
+    model.warm_up()
     print(f"captured {captured} prompt steps and compiled the prompt kernels in {time.perf_counter() - start:.2f} s")
     prompt_graphs = model.prompt_graphs
     rng = random.Random(0)

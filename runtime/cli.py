@@ -166,6 +166,10 @@ def main() -> None:
     OpenAI API."""
 
 
+# A warm-up longer than this compiled kernels (a cached run loads them in well under a second): `run` says so.
+COMPILE_NOTICE_S = 3.0
+
+
 @main.command()
 @model_options
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
@@ -181,6 +185,10 @@ def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_
     prompt_ids = model.tokenizer.encode(prompt)
     if len(prompt_ids) + n_predict > model.n_ctx:
         raise MoeprepError(f"prompt ({len(prompt_ids)} tokens) plus -n {n_predict} exceed the context of {model.n_ctx}; raise -c or lower -n")
+    compiling = model.warm_up()  # so that the speeds below are the model's, not the kernels' compilation
+    if compiling > COMPILE_NOTICE_S:
+        click.echo(f"moerun: {compiling:.1f} s compiling kernels (once: they are cached on disk for the next runs)",
+                   err=True)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     click.echo(prompt, nl=False)
     start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,19 +144,26 @@ class Model:
                         graphs.graphs[B, tb, kv_bucket] = graphs.capture(B, tb, kv_bucket)
         return len(graphs.graphs)
 
-    def compile_prompt_kernels(self) -> None:
-        """Run a prompt chunk, and a step mixing it with another sequence's token, once: Triton compiles a kernel on
-        its first use (1-3 s each on the H200 machine), which a server's first prompt would otherwise wait for.
-        Writes KV slots that later prompts overwrite; the expert cache's policy does not see these steps. No-op
-        off CUDA."""
-        n = min(2 * tuning.GEMV_MAX_TOKENS, self.n_ctx - 1)  # past the matrix-vector kernels: the prompts' GEMMs
-        if self.device.type != "cuda" or n < 1:
-            return
+    def warm_up(self) -> float:
+        """Run each kind of step once so that no request waits for a kernel's compilation: a token, and on a GPU a
+        prompt chunk past the matrix-vector kernels' size (the prompts' GEMMs) and a step mixing it with another
+        sequence's token. Triton compiles a kernel on its first use (1-3 s each on the H200 machine), numba the CPU
+        kernels on the first run after an install (about 10 s with ggml's row dots, 90 without; its kernels take
+        any number of tokens); both then load them from their disk caches. Writes KV slots that later prompts
+        overwrite; the expert cache's policy does not see these steps. -> the seconds it took."""
+        start = time.perf_counter()
         with self._cache_paused():
-            self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
-            if self.n_seq > 1:
-                self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
-                                   torch.tensor([0] * n + [1]), torch.tensor([n]))
+            self.forward(torch.zeros(1, dtype=torch.long), 0, 0, last_only=True)
+            n = min(2 * tuning.GEMV_MAX_TOKENS, self.n_ctx - 1)
+            if self.device.type == "cuda" and n > 1:
+                self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
+                if self.n_seq > 1:
+                    self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
+                                       torch.tensor([0] * n + [1]), torch.tensor([n]))
+        for device in self.net.layout.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return time.perf_counter() - start
 
     def _cache_paused(self):
         return self.expert_cache.pause() if self.expert_cache is not None else contextlib.nullcontext()

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 # Up to this many tokens a step is decode-sized: the routed experts run the matrix-vector kernel, one program group per
 # (token, expert) pair, and so do dense products below DECODED_GEMM_MIN_TOKENS; more tokens go through the prefill
-# GEMM. (model.compile_prompt_kernels runs twice as many to compile the prefill kernels.)
+# GEMM. (Model.warm_up runs twice as many to compile the prefill kernels.)
 GEMV_MAX_TOKENS = 8
 # From this many tokens a dense product on a GPU decodes its weight to bfloat16 once and multiplies on cuBLAS
 # (gguf_matmul.decode_bf16). H200, 2026-12-01 evening (bench_gguf_matmul.py, docs/BENCHMARKS.md): 4096x4096 Q4_K at

@@ -196,7 +196,7 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str 
     if captured:
         print(f"moerun: captured {captured} prompt steps as CUDA graphs (up to {prefill_chunk} tokens) in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    model.compile_prompt_kernels()
+    model.warm_up()
     engine = Engine(Scheduler(model, max_queue=max_queue, prefill_chunk=prefill_chunk))
     server = Server(model, engine, api_key)
     engine.start()

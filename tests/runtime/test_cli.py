@@ -101,7 +101,8 @@ def test_cache_options_refuse_bad_input(synth_model, tmp_path, calibration_text)
 
 def test_a_second_run_compiles_no_kernel_again(synth_model, tmp_path):
     """numba's on-disk cache serves every CPU kernel a run compiled to the next process: a kernel that misses it is
-    compiled again on every start (0.6 s for the input roundings' closure this caught) and adds a file each time."""
+    compiled again on every start (0.6 s for the input roundings' closure this caught) and adds a file each time.
+    The first run compiles before it times anything, and says so."""
     import os
     import subprocess
     import sys
@@ -117,8 +118,10 @@ main(["-m", {str(synth_model("qwen3moe", expert_type="Q4_K", attn_type="Q8_0"))!
 """
     cache = tmp_path / "numba-cache"
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
-    files = []
+    files, notices = [], []
     for _ in range(2):
-        subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
+        run = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True)
         files.append(sorted(p.name for p in cache.rglob("*.nbc")))
+        notices.append("s compiling kernels (once" in run.stderr)
     assert files[0] and files[1] == files[0], sorted(set(files[1]) - set(files[0]))
+    assert notices == [True, False]

@@ -192,12 +192,12 @@ def compiled_kernels() -> int:
 
 
 def test_prompts_of_any_length_compile_nothing_after_the_servers_warm_up(synth_model):
-    """moerun serve compiles the prompt kernels at start (compile_prompt_kernels); prompts and mixed steps of other
+    """moerun serve compiles the prompt kernels at start (Model.warm_up); prompts and mixed steps of other
     lengths then reuse them (the step-sized arguments are not specialized), so no request waits for a compile."""
     model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"),
                               device="cuda", n_ctx=600, n_seq=2)
     model.capture_decode_steps()
-    model.compile_prompt_kernels()
+    model.warm_up()
     before = compiled_kernels()
     for n in (37, 64, 129, 300):
         model.forward(torch.arange(1, n + 1), 0, 0, last_only=True)
