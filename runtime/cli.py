@@ -183,6 +183,8 @@ def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_
 
     model = model_opts.load()
     prompt_ids = model.tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise MoeprepError("the prompt has no tokens (an empty -p, and the model adds no BOS): give it some text")
     if len(prompt_ids) + n_predict > model.n_ctx:
         raise MoeprepError(f"prompt ({len(prompt_ids)} tokens) plus -n {n_predict} exceed the context of {model.n_ctx}; raise -c or lower -n")
     compiling = model.warm_up()  # so that the speeds below are the model's, not the kernels' compilation

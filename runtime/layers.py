@@ -196,6 +196,12 @@ def _yarn_corr_dims(dim: int, orig_ctx: int, base: float, beta_fast: float, beta
 # ----------------------------------------------------------------------------------------------------- attention
 
 
+# Float32 attention scores (all query heads) `attend` holds at once: a long prompt attends in blocks of query tokens,
+# as its rows are independent. At once, a 4096-token prompt of 32 heads held 2 GiB of scores and twice that again in
+# their masked and softmaxed copies; a 32k-token one, 128 GiB.
+ATTEND_SCORE_BYTES = 256 << 20
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv), or over k (B, S, G, Dk), v (B, S, G, Dv)
@@ -208,6 +214,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     """
     T, H, Dk = q.shape
     G, Dv = v.shape[-2:]
+    rows = max(1, ATTEND_SCORE_BYTES // (4 * H * k.shape[-3]))
+    if k.dim() == 3 and T > rows:  # one sequence's long prompt: blocks of query tokens
+        return torch.cat([attend(q[i : i + rows], k, v, allowed[i : i + rows], scale, sinks)
+                          for i in range(0, T, rows)])
     if k.dim() == 3:  # one sequence: one block
         k, v = k[None], v[None]
     B, S = k.shape[:2]

@@ -51,6 +51,7 @@ def test_bad_inputs_exit_2_with_one_line(synth_model, tmp_path):
     _assert_one_line_error(run("perplexity", "-m", str(synth_model("qwen3moe")), "-f", str(tmp_path / "none.txt")),
                            "cannot read")
     _assert_one_line_error(run("-m", str(synth_model("qwen3moe")), "-p", "x", "-n", "100", "-c", "32"), "raise -c")
+    _assert_one_line_error(run("-m", str(synth_model("qwen3moe")), "-p", ""), "the prompt has no tokens")
 
 
 def test_unsupported_architecture_names_the_supported_ones(synth_model, tmp_path):

@@ -219,6 +219,27 @@ def test_attend_decode_batch_of_sequences(sinks, gen):
     close(fused.attend_decode(q, k, v, allowed, 0.3, sink), layers.attend(q, k, v, allowed, 0.3, sink))
 
 
+@pytest.mark.parametrize("window,sinks", [(0, False), (24, True)])
+def test_long_prompts_attend_in_blocks_of_queries(window, sinks, gen, monkeypatch):
+    """A prompt whose scores would pass ATTEND_SCORE_BYTES attends in blocks of query tokens (the last one partial)
+    with the result of attending at once."""
+    T, H, G, D = 40, 4, 2, 16
+    q, k, v = randn(T, H, D, gen=gen), randn(T, G, D, gen=gen), randn(T, G, D, gen=gen)
+    positions = torch.arange(T, device=DEVICE)
+    slots = torch.arange(T, device=DEVICE)[None, :]
+    allowed = slots <= positions[:, None]
+    if window:
+        allowed &= slots > positions[:, None] - window
+    sink = randn(H, gen=gen) if sinks else None
+    at_once = layers.attend(q, k, v, allowed, 0.3, sink)
+    monkeypatch.setattr(layers, "ATTEND_SCORE_BYTES", 7 * 4 * H * T)  # blocks of 7 query tokens
+    calls = []
+    attend = layers.attend
+    monkeypatch.setattr(layers, "attend", lambda *args: calls.append(args[0].shape[0]) or attend(*args))
+    close(layers.attend(q, k, v, allowed, 0.3, sink), at_once)
+    assert calls == [T, 7, 7, 7, 7, 7, 5]
+
+
 def test_attend_hands_prefill_and_prompts_to_torch(gen):
     q, k = randn(9, 4, 16, gen=gen), randn(20, 2, 16, gen=gen)
     assert not fused.attend_supports(q, k, k)  # more tokens than a decode step's
