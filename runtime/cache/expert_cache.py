@@ -316,7 +316,10 @@ class ExpertCache:
         speed, asynchronously; from the pageable memory map the driver stages them through a bounce buffer and the
         host waits), else the memory map."""
         parts = host_experts(g, layer)
-        return tuple(replace(t, data=page_locked(t.data)) for t in parts) if self.config.pin else parts
+        if not self.config.pin:
+            return parts
+        readers = tuple(d for d in self.devices if d.type == "cuda")
+        return tuple(replace(t, data=page_locked(t.data, readers)) for t in parts)
 
 
 def streams(device: torch.device, pinned: bool | None) -> bool:
@@ -388,6 +391,9 @@ class CachedExperts(nn.Module):
         self.banks = tuple(QWeight(torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8,
                                                device=device), t.qtype, t.rows, t.cols,
                                    second=h if cache.streamed else None) for t, h in zip(host, self.host_tensors))
+        if self.copy_stream is not None:  # freed while uploads still write them (a model dropped mid-step), the
+            for bank in self.banks:  # banks' memory goes to no other tensor before those copies are done
+                bank.data.record_stream(self.copy_stream)
         self.biases = tuple(None if t.bias is None else torch.from_numpy(t.bias).to(device) for t in host)
         # streaming: the slot tables (ExpertCache.table_rows) and the uploads not yet in them, with their copies' event
         self.table_host, self.table = cache.table_rows(layer) if cache.streamed else (None, None)

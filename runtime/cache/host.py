@@ -39,9 +39,9 @@ def host_experts(g: GGUFModel, layer: int) -> tuple[ExpertBytes, ExpertBytes, Ex
     return tuple(parts)
 
 
-def page_locked(data: np.ndarray) -> np.ndarray:
+def page_locked(data: np.ndarray, readers: tuple[torch.device, ...]) -> np.ndarray:
     """A copy of `data` in page-locked memory registered with CUDA (torch's pinned allocator rounds sizes up to a
-    power of two, which would nearly double a layer's experts)."""
+    power of two, which would nearly double a layer's experts), which the GPUs `readers` copy from."""
     page = mmap.PAGESIZE
     raw = np.empty(data.nbytes + page, np.uint8)
     start = -raw.ctypes.data % page
@@ -53,8 +53,16 @@ def page_locked(data: np.ndarray) -> np.ndarray:
     if int(error) != 0:
         raise MoeprepError(f"cannot page-lock {format_size(copy.nbytes)} of expert bytes (CUDA error {int(error)}); "
                            "run without pinning (CacheConfig(pin=False)) or free RAM")
-    weakref.finalize(raw, torch.cuda.cudart().cudaHostUnregister, copy.ctypes.data)
+    weakref.finalize(raw, _unregister, copy.ctypes.data, readers)
     return copy
+
+
+def _unregister(address: int, readers: tuple[torch.device, ...]) -> None:
+    """Unregister page-locked expert bytes once no GPU reads them any more: uploads run asynchronously on copy
+    streams, so a model dropped while its last step's uploads are under way must not free their source first."""
+    for device in readers:
+        torch.cuda.synchronize(device)
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def read_only_tensor(data: np.ndarray) -> torch.Tensor:

@@ -295,6 +295,27 @@ def test_cached_graph_decode_adapts_and_matches_the_resident_model(synth_model, 
     assert sorted(errors)[len(errors) // 2] < 2e-2, errors
 
 
+def test_a_model_dropped_while_it_uploads_leaves_the_device_healthy(synth_model):
+    """Uploads run on the copy stream after each step: a model dropped with its last ones under way keeps their
+    slot banks from other tensors and their page-locked source registered until the copies are done, so the
+    device stays healthy and new tensors keep their values."""
+    import gc
+
+    path = synth_model("qwen3moe", preset="small", expert_type="F16", attn_type="F16")
+    for _ in range(3):
+        model = cached_model(path, slots_per_layer=4, stream=True)
+        prompt = model.tokenizer.encode(PROMPT)
+        model.forward(torch.tensor(prompt))
+        for i, t in enumerate([7, 300, 12, 5, 99, 7]):
+            model.decode(t, len(prompt) + i)
+        assert model.expert_cache.stats.uploads > 0
+        del model
+        gc.collect()
+        probe = torch.full((1 << 24,), 7, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        assert bool((probe == 7).all())
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "cpu-misses"])
 def test_moerun_bench_reports_the_cache(synth_model, stream):
     from moerun.bench import format_result, run_bench
