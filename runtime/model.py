@@ -145,15 +145,16 @@ class Model:
         return len(graphs.graphs)
 
     def warm_up(self) -> float:
-        """Run each kind of step once so that no request waits for a kernel's compilation: a token, and on a GPU a
-        prompt chunk past the matrix-vector kernels' size (the prompts' GEMMs) and a step mixing it with another
-        sequence's token. Triton compiles a kernel on its first use (1-3 s each on the H200 machine), numba the CPU
-        kernels on the first run after an install (about 10 s with ggml's row dots, 90 without; its kernels take
-        any number of tokens); both then load them from their disk caches. Writes KV slots that later prompts
-        overwrite; the expert cache's policy does not see these steps. -> the seconds it took."""
+        """Run each kind of step once so that no request waits for a kernel's compilation: a decode step (on a GPU
+        also its graph's capture at the first KV bucket), and on a GPU a prompt chunk past the matrix-vector
+        kernels' size (the prompts' GEMMs) and a step mixing it with another sequence's token. Triton compiles a
+        kernel on its first use (1-3 s each on the H200 machine), numba the CPU kernels on the first run after an
+        install (about 10 s with ggml's row dots, 90 without; its kernels take any number of tokens); both then load
+        them from their disk caches. Writes KV slots that later prompts overwrite; the expert cache's policy does
+        not see these steps. -> the seconds it took."""
         start = time.perf_counter()
         with self._cache_paused():
-            self.forward(torch.zeros(1, dtype=torch.long), 0, 0, last_only=True)
+            self.decode(0, 0)
             n = min(2 * tuning.GEMV_MAX_TOKENS, self.n_ctx - 1)
             if self.device.type == "cuda" and n > 1:
                 self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
