@@ -10,7 +10,8 @@ replays.
 
 Without MODEL it writes a small synthetic qwen3moe (Q4_K experts, Q8_0 attention). On a machine without a GPU,
 `--device cpu --as-gpu` runs the GPU path's code on the CPU (GGUF blocks through Triton's interpreter, bfloat16
-activations, the fused kernels unless --kernels torch), so the op list is the GPU's: e.g.
+activations, the fused kernels unless --kernels torch), so the op list is the GPU's; plain `--device cpu` counts
+the CPU path's (its fused kernels are numba's, kernels/cpu_fused.py: they launch no aten op). E.g.
 
     TRITON_INTERPRET=1 python bench/count_decode_ops.py --device cpu --as-gpu --kernels torch
     TRITON_INTERPRET=1 python bench/count_decode_ops.py --device cpu --as-gpu --kernels fused
@@ -161,9 +162,9 @@ def main() -> None:
     gpu_like = args.device == "cuda" or args.as_gpu
     if args.as_gpu:
         emulate_gpu_path()
-    if gpu_like:
-        chosen = layers.fused_kernels() if args.kernels == "fused" else layers.TORCH_KERNELS
-        layers.kernels_for = lambda device: chosen
+    fused = layers.fused_kernels if gpu_like else layers.cpu_kernels  # the GPU's Triton kernels, or numba's
+    chosen = fused() if args.kernels == "fused" else layers.TORCH_KERNELS
+    layers.kernels_for = lambda device: chosen
     model = moerun.load_model(path, device=args.device, dtype=torch.bfloat16 if gpu_like else None,
                               n_ctx=args.ctx + 8)
     model.forward(torch.randint(1, model.args.n_vocab, (args.ctx,)), 0)

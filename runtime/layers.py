@@ -7,9 +7,10 @@ The residual stream is float32; each matmul runs in the weights' compute dtype (
 after rounding its input as llama.cpp does for the stored weight type (rounding.py); norms, softmaxes, RoPE and the
 router run in float32, as in llama.cpp.
 
-Norms, RoPE, attention, the router's top-k and the SwiGLU product run as torch ops (the float32 reference, on the
-CPU) or, where the weights are on a GPU, as the fused Triton kernels of kernels/fused.py: each layer takes its
-`Kernels` from `kernels_for(device)` once, at load.
+Norms, RoPE, attention, the router's top-k and the SwiGLU product run as torch ops (the float32 reference) or as
+fused kernels: Triton's of kernels/fused.py where the weights are on a GPU, and on the CPU numba's of
+kernels/cpu_fused.py for Q/K norm, RoPE and the router's choice. Each layer takes its `Kernels` from
+`kernels_for(device)` once, at load.
 """
 
 from __future__ import annotations
@@ -553,14 +554,16 @@ class Kernels:
     stack_rows: Callable[[list[Linear]], Linear | None]
 
 
-# The float32 reference: the CPU path, and what the fused kernels are tested against.
+# The float32 reference, which the fused kernels (GPU and CPU) are tested against.
 TORCH_KERNELS = Kernels(rms_norm, add_rms_norm, norm_rope_store, attend, None, ACTIVATIONS, lambda linears: None)
 
 
 def kernels_for(device: torch.device) -> Kernels:
-    """Fused Triton kernels on a GPU, torch ops elsewhere (and on a GPU with MOERUN_FUSED=0, to measure what the
-    fusion buys)."""
-    return fused_kernels() if device.type == "cuda" and os.environ.get("MOERUN_FUSED") != "0" else TORCH_KERNELS
+    """Fused Triton kernels on a GPU, numba's where they beat torch's on the CPU; torch ops with MOERUN_FUSED=0 (to
+    measure what the fusion buys) and on other devices."""
+    if os.environ.get("MOERUN_FUSED") == "0":
+        return TORCH_KERNELS
+    return {"cuda": fused_kernels, "cpu": cpu_kernels}.get(device.type, lambda: TORCH_KERNELS)()
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -568,6 +571,14 @@ def device_of(module: nn.Module) -> torch.device:
     with neither (CPUQuantLinear on the memory-mapped bytes alone)."""
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
     return torch.device("cpu") if first is None else first.device
+
+
+@cache
+def cpu_kernels() -> Kernels:
+    from moerun.kernels import cpu_fused
+
+    return Kernels(rms_norm, add_rms_norm, cpu_fused.norm_rope_store, attend, cpu_fused.route, ACTIVATIONS,
+                   lambda linears: None)
 
 
 @cache
