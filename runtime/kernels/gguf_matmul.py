@@ -368,7 +368,7 @@ def carried_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     (While that tensor lives, nothing else is allocated at its address.)"""
     carrier = _CARRIERS.get((x.device, x.data_ptr()))
     if (carrier is None or carrier._moerun_i8[0] != _version(carrier) or x.numel() != carrier.numel()
-            or not x.is_contiguous() or x.shape[-1] % 32):
+            or x.dtype != carrier.dtype or not x.is_contiguous() or x.shape[-1] % 32):
         return None
     return carrier._moerun_i8[1:]
 
