@@ -57,7 +57,7 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, d_ptr, s_
     tl.store(out_ptr + i * D + c, y, mask=ok)
     if I8:
         blk = tl.arange(0, BLOCK // 32)
-        store_i8(tl.reshape(y, (BLOCK // 32, 32)), blk, blk < D // 32, i, D, q_ptr, d_ptr, s_ptr)
+        store_i8(tl.reshape(y, (BLOCK // 32, 32)), blk, blk < D // 32, i, D, q_ptr, d_ptr, s_ptr, BLOCK // 32)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -309,7 +309,7 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_p
     tl.store(out_ptr + th.to(tl.int64) * Dv + dv, y, mask=dv < Dv)
     if I8:  # the output as rows of Dv: the same bytes, in order, as (T, H * Dv)
         blk = tl.arange(0, DV // 32)
-        store_i8(tl.reshape(y, (DV // 32, 32)), blk, blk < Dv // 32, th, Dv, q_ptr, d_ptr, s_ptr)
+        store_i8(tl.reshape(y, (DV // 32, 32)), blk, blk < Dv // 32, th, Dv, q_ptr, d_ptr, s_ptr, DV // 32)
 
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as raw integers in tl.dot: there the

@@ -292,7 +292,7 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
 
 
 @triton.jit
-def store_i8(v, blk, ok, row, cols, q_ptr, d_ptr, s_ptr):
+def store_i8(v, blk, ok, row, cols, q_ptr, d_ptr, s_ptr, NB: tl.constexpr):
     """Round the blocks v [NB, 32] float32 of an activation row as quantize_i8 does and store them: blocks blk [NB] of
     row `row` of a (rows, cols) activation, those with ok [NB]. d = max |x| / 127, q = round(x / d) (half up; 0 where
     the block is all zeros); d into d_ptr per 32 values and d * sum(q) into s_ptr per 16. The kernel calling it runs
@@ -306,7 +306,7 @@ def store_i8(v, blk, ok, row, cols, q_ptr, d_ptr, s_ptr):
     col = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     tl.store(q_ptr + row * cols + col, q.to(tl.int8), mask=ok[:, None])
     tl.store(d_ptr + row * (cols // 32) + blk, d, mask=ok)
-    halves = tl.sum(tl.reshape(q, (q.shape[0], 2, 16)), axis=2) * d[:, None]  # [NB, 2]
+    halves = tl.sum(tl.reshape(q, (NB, 2, 16)), axis=2) * d[:, None]  # [NB, 2]
     tl.store(s_ptr + row * (cols // 16) + blk[:, None] * 2 + tl.arange(0, 2)[None, :], halves, mask=ok[:, None])
 
 
@@ -318,7 +318,7 @@ def _quantize_i8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, cols, NB: tl.constexpr):
     ok = blk < cols // 32
     col = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     v = tl.load(x_ptr + row * cols + col, mask=ok[:, None], other=0.0).to(tl.float32)
-    store_i8(v, blk, ok, row, cols, q_ptr, d_ptr, s_ptr)
+    store_i8(v, blk, ok, row, cols, q_ptr, d_ptr, s_ptr, NB)
 
 
 def quantize_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
