@@ -388,12 +388,17 @@ def _stage_kernel(slot_ptr, dst_ptr, src_delta, words, BLOCK: tl.constexpr):
 
 def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[torch.Tensor, ...],
                  ) -> tuple[tuple[QWeight, ...], torch.Tensor]:
-    """Copy the second-bank matrices that `slots` (T, K) name (-2 - e) into matrix p = t*K + k of the device
-    staging banks `stages` ((>= T*K, N, row_bytes) uint8 each, one per bank), in wide coalesced loads: from
-    page-locked host memory such a copy reads 44-50 GB/s on the H200 machine, where the matrix-vector kernel's own
-    loads over the bus reach 24 (docs/BENCHMARKS.md). -> the banks with the staging banks as their second, and the
-    slots of the staged pairs pointing there (-2 - p)."""
+    """Copy the second-bank matrices that `slots` (T, K) name (-2 - e) into the device staging banks `stages`
+    ((>= T*K, N, row_bytes) uint8 each, one per bank), in wide coalesced loads: from page-locked host memory such a
+    copy reads 44-50 GB/s on the H200 machine, where the matrix-vector kernel's own loads over the bus reach 24
+    (docs/BENCHMARKS.md). Matrix p = t*K + k of a stage holds pair p's expert; in a batch of several tokens, an
+    expert streamed for several pairs is copied once, into its first pair's matrix, which the others read too.
+    -> the banks with the staging banks as their second, and the slots of the streamed pairs pointing there (-2 - p)."""
     n_pairs = slots.numel()
+    if slots.shape[0] > 1:  # one token's K experts differ: only a batch repeats one
+        copies, owner = _first_pairs(slots, banks[0].second.shape[0])
+    else:
+        copies, owner = slots, torch.arange(n_pairs, device=slots.device).view(slots.shape)
     staged = []
     for w, stage in zip(banks, stages):
         matrix = w.data[0].numel()
@@ -402,10 +407,24 @@ def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[
         assert stage.shape[0] >= n_pairs and stage.shape[1:] == w.data.shape[1:] and delta % size == 0
         words = stage.view(-1).view({8: torch.int64, 4: torch.int32, 1: torch.uint8}[size])
         _stage_kernel[(n_pairs, triton.cdiv(matrix // size, tuning.STAGE_WORDS))](
-            slots, words, delta // size, matrix // size, BLOCK=tuning.STAGE_WORDS, num_warps=tuning.STAGE_WARPS)
+            copies, words, delta // size, matrix // size, BLOCK=tuning.STAGE_WORDS, num_warps=tuning.STAGE_WARPS)
         staged.append(dataclasses.replace(w, second=stage))
-    pairs = torch.arange(n_pairs, device=slots.device, dtype=slots.dtype).view(slots.shape)
-    return tuple(staged), torch.where(slots < -1, -2 - pairs, slots)
+    return tuple(staged), torch.where(slots < -1, -2 - owner, slots).to(slots.dtype)
+
+
+def _first_pairs(slots: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the streamed pairs of `slots` (T, K) (slot -2 - e), the first pair p0 = t*K + k that streams the same
+    expert, on the device: (the slots the copy kernel takes: the pair's own where it is that first pair, else -1;
+    p0 of every pair, itself where it streams nothing)."""
+    flat = slots.reshape(-1).long()
+    pairs = torch.arange(flat.numel(), device=slots.device)
+    streamed = flat < -1
+    expert = torch.where(streamed, -2 - flat, n_expert)  # the others share a spare bucket
+    first = torch.full((n_expert + 1,), flat.numel(), dtype=torch.long, device=slots.device)
+    first.scatter_reduce_(0, expert, pairs, reduce="amin")
+    owner = torch.where(streamed, first[expert], pairs)
+    copies = torch.where(streamed & (owner == pairs), flat, -1).to(slots.dtype)
+    return copies.view(slots.shape), owner.view(slots.shape)
 
 
 def _second_delta(w: QWeight) -> int:

@@ -302,7 +302,7 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
     gate_all, up_all = (random_weights(qtype, (n_expert, rows), cols, rng) for _ in range(2))
     host = (lambda b: b.pin_memory()) if DEVICE == "cuda" else (lambda b: b.clone())
     gate, up = (QWeight(b[resident].to(DEVICE), qtype, rows, cols, second=host(b)) for b in (gate_all, up_all))
-    experts = np.stack([rng.permutation(n_expert)[:k] for _ in range(n_tokens)])
+    experts = np.array([[1, 4, 3], [5, 1, 0], [3, 0, 1]])  # experts 1, 3 and 5 streamed, 1 and 3 by several tokens
     slot_of = np.full(n_expert, -1)
     slot_of[resident] = range(len(resident))
     slots = np.where(slot_of[experts] >= 0, slot_of[experts], -2 - experts)
@@ -312,15 +312,17 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
     x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32))
     y = gguf_moe_glu(x.to(DEVICE), gate, up, torch.from_numpy(slots).to(DEVICE)).cpu().double()
     assert_glu_close(y, x, torch.from_numpy(experts), gate_all, up_all, qtype, gemm=False)
-    # staged first (stage_second copies each streamed pair's matrix to a device bank): the same bytes, the same sums
+    # staged first (stage_second copies each streamed expert to a device bank, once, into the matrix of the first
+    # pair that streams it): the same bytes, the same sums
     stages = tuple(torch.zeros(n_tokens * k + 1, *b.data.shape[1:], dtype=torch.uint8, device=DEVICE)
                    for b in (gate, up))
     (gate_s, up_s), staged = stage_second(torch.from_numpy(slots).to(DEVICE), (gate, up), stages)
-    assert staged.cpu().tolist() == np.where(slots < -1, -2 - np.arange(n_tokens * k).reshape(slots.shape),
-                                             slots).tolist()
-    for stage, full in zip(stages, (gate_all, up_all)):  # matrix p holds pair p's expert; other matrices untouched
-        for p, e in enumerate(slots.reshape(-1).tolist()):
-            assert torch.equal(stage[p].cpu(), full[-2 - e] if e < -1 else torch.zeros_like(full[0]))
+    flat = slots.reshape(-1).tolist()
+    first = {e: p for p, e in reversed(list(enumerate(flat)))}  # each slot's first pair
+    assert staged.cpu().reshape(-1).tolist() == [-2 - first[e] if e < -1 else e for e in flat]
+    for stage, full in zip(stages, (gate_all, up_all)):  # first pairs' matrices hold the expert; others untouched
+        for p, e in enumerate(flat):
+            assert torch.equal(stage[p].cpu(), full[-2 - e] if e < -1 and first[e] == p else torch.zeros_like(full[0]))
     torch.testing.assert_close(gguf_moe_glu(x.to(DEVICE), gate_s, up_s, staged).cpu().double(), y, rtol=0, atol=0)
     # the down projection from the host copy too, each pair its own input; then the weighted sum of the pairs
     down_all = random_weights(qtype, (n_expert, cols), cols, rng)
