@@ -12,8 +12,8 @@ ops, which were as fast or faster there: an RMSNorm's six ops (12 us against 16 
   decode batch across sequences), so that a token's q and k do not depend on the step it came in;
 - `route`: router softmax (or sigmoid, or softmax over the chosen logits), top-k and renormalisation.
 
-olmoe's whole-projection Q/K norms go to the torch reference in layers.py, which tests/runtime/test_cpu_fused.py
-checks these against.
+olmoe's whole-projection Q/K norms go to the torch reference in layers.py, which tests/runtime/test_fused.py checks
+these against.
 """
 
 from __future__ import annotations
