@@ -1249,22 +1249,22 @@ class CPUExperts(GGUFExperts):
 # Through ggml's row dots (ggml_cpu.py), same VM and shape: 0.18 against 1.57 ms for 1 token, 3.7 against 5.1 for
 # 32, 15.0 against 17.4 for 128, 60.8 against 52.1 for 512: no float32 copy then (CPUQuantLinear).
 QUANT_MAX_TOKENS = 8
-# F16 and BF16 weights run ggml's row dots too (none of moerun's numba kernels beats torch's float32 GEMV on them),
-# faster than the float32 copy's product up to this many tokens (8192 x 2048 F16, 2 threads, this project's 2-core
-# VM: 0.29 against 1.65 ms for 1 token, 2.0 against 3.5 for 8, 16.2 against 7.8 for 64); more tokens take the weight
-# converted to float32 for the call. No copy is kept: a 152k-token F16 output head's would be 1.2 GB.
-HALF_ROW_DOT_TOKENS = 16
+# F16 and BF16 weights run ggml's row dots too where they are there (moerun's numba float kernels do not beat torch's
+# float32 product): 8192 x 2048 F16, 2 threads, this project's 2-core VM, 0.29 against 1.65 ms for 1 token, 2.0
+# against 3.5 for 8, 16.2 against 7.8 for 64, 126 against 50 for 512. Row dots for every token count all the same, as
+# for the integer types: a token's product then does not depend on how many tokens share its step (a server's batch
+# and the same prompt alone sample the same tokens), and no copy is kept (a 152k-token F16 output head's would be
+# 1.2 GB; heads multiply one row per sequence anyway).
 HALF_TYPES = (Q.F16, Q.BF16)
 
 
 class CPUQuantLinear(Linear):
     """A Linear on the CPU whose weight has an integer kernel (the block-quantized types), or a half-precision one
     where ggml's row dots are there, multiplying the memory-mapped GGUF bytes (a Q4_K matrix is a seventh of its
-    float32 copy's bytes; one "expert" of expert_matmul). On ggml's row dots it keeps no float32 copy (a 30B model's
-    attention alone would take 3.6 GB more) and takes any number of tokens (half types: up to HALF_ROW_DOT_TOKENS,
-    then the weight converted for the call); on the numba kernels a step of more than QUANT_MAX_TOKENS tokens (a
-    prompt) goes through a float32 copy's GEMM, which computes it faster. All round the input as llama.cpp does for
-    the weight's type."""
+    float32 copy's bytes; one "expert" of expert_matmul). On ggml's row dots it takes any number of tokens and keeps
+    no float32 copy (a 30B model's attention alone would take 3.6 GB more); on the numba kernels a step of more than
+    QUANT_MAX_TOKENS tokens (a prompt) goes through a float32 copy's GEMM, which computes it faster. Both round the
+    input as llama.cpp does for the weight's type."""
 
     host: ExpertBytes
 
@@ -1293,20 +1293,8 @@ class CPUQuantLinear(Linear):
         if self.weight is not None and (x.dim() != 2 or x.shape[0] > QUANT_MAX_TOKENS):
             return super().product(x)
         rows = x.reshape(-1, x.shape[-1]).float().contiguous().numpy()
-        if self.host.qtype in HALF_TYPES and len(rows) > HALF_ROW_DOT_TOKENS:
-            weight = torch.from_numpy(_half_to_float32(self.host))
-            y = torch.nn.functional.linear(self.round_input(x.float()), weight)
-            return y if self.bias is None else y + self.bias
         y = expert_matmul(rows, self.host, np.zeros(len(rows), np.int64), _torch_threads())
         return torch.from_numpy(y).reshape(*x.shape[:-1], self.host.rows)
-
-
-def _half_to_float32(t: ExpertBytes) -> np.ndarray:
-    """A 2-D F16 or BF16 weight's values (rows, cols) as float32, exactly (bfloat16: the top half of a float32)."""
-    bits = t.data[0].view(np.uint16)
-    if t.qtype == Q.F16:
-        return bits.view(np.float16).astype(np.float32)
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _torch_threads() -> int:

@@ -329,19 +329,17 @@ def test_glm5_next_on_cpu_uses_the_clamped_kernel(synth_model):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "F16", "BF16"])
 def test_cpu_linear_multiplies_the_gguf_blocks(synth_model, row_dots, qtype):
-    """A quantized (or half-precision) Linear on the CPU multiplies the GGUF bytes: on ggml's row dots, with no
-    float32 copy held, for any number of tokens (half types: a prompt's many through the weight converted for the
-    call); on the numba kernels for a decode step's few tokens, a prompt's many through its float32 copy. Either way
-    the product of the rounded input and the weight values, up to float32 summation order, a token at a time or
-    many at once."""
-    from moerun.kernels.cpu_experts import HALF_ROW_DOT_TOKENS, QUANT_MAX_TOKENS, CPUQuantLinear
+    """A quantized (or half-precision) Linear on the CPU multiplies the GGUF bytes: on ggml's row dots for any
+    number of tokens, with no float32 copy held; on the numba kernels for a decode step's few tokens, a prompt's many
+    through its float32 copy. Either way the product of the rounded input and the weight values, up to float32
+    summation order, a token at a time or many at once."""
+    from moerun.kernels.cpu_experts import QUANT_MAX_TOKENS, CPUQuantLinear
 
     model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type=qtype, attn_type=qtype))
     attn = model.net.blocks[0].attn.attn
     assert all(isinstance(linear, CPUQuantLinear) for linear in (attn.wq, attn.wk, attn.wv, attn.wo))
     assert (attn.wq.weight is None) == (row_dots == "ggml")
-    x = torch.randn(max(QUANT_MAX_TOKENS, HALF_ROW_DOT_TOKENS) + 1, attn.wq.host.cols,
-                    generator=torch.Generator().manual_seed(0))
+    x = torch.randn(QUANT_MAX_TOKENS + 1, attn.wq.host.cols, generator=torch.Generator().manual_seed(0))
     few = torch.cat([attn.wq(x[i : i + 1]) for i in range(len(x))])  # a token at a time: the integer kernels
     many = attn.wq(x)  # numba: past QUANT_MAX_TOKENS, the float32 copy
     weight = torch.from_numpy(dequantized(attn.wq.host, 0)).double()
