@@ -46,7 +46,7 @@ def main() -> None:
     print(f"captured {captured} prompt steps and compiled the prompt kernels in {time.perf_counter() - start:.2f} s")
     prompt_graphs = model.prompt_graphs
     rng = random.Random(0)
-    vocab = model.net.embed.shape[0]
+    vocab = model.net.embed.n_vocab
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(n)]

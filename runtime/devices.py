@@ -7,7 +7,7 @@ token embedding sits with the first block, the final norm and output head with t
 
 The split comes from the expert cache's placement when there is one (cache/placement.py: by each budget's share of
 the slots), else from the blocks' bytes in the file: each device gets about an equal share of all weight bytes,
-the embedding (in float32, as it is kept) counted on the first device and the output head on the last
+the embedding counted on the first device and the output head on the last
 (llama.cpp's default layer split does the same by layer counts, weighted by free memory).
 
 Several devices of type "cpu" are stand-ins for GPUs: the layout, the per-device step and the cache's per-device
@@ -133,7 +133,9 @@ def split_by_bytes(g: GGUFModel, devices: list[torch.device], n_layer: int) -> D
         if block is not None and block < n_layer:
             per_block[block] += t.n_bytes
         elif t.name.startswith("token_embd."):
-            first += 4 * int(np.prod(t.shape))  # the Transformer keeps the embedding in float32
+            first += t.n_bytes  # the embedding's rows, kept as they are (layers.Embedding)
+            if not any(u.name == "output.weight" for u in g.tensors):
+                last += t.n_bytes  # and the output head made of it
         elif block is None:
             last += t.n_bytes  # output head and final norm
     return DeviceMap(tuple(devices), tuple(split_blocks(per_block.tolist(), len(devices), first, last)))

@@ -304,7 +304,7 @@ def test_moerun_matches_llama_cpp(weights: str, calibration_tokens: list[int], t
     step = Step(torch.arange(T), n_slots=T)
     with torch.inference_mode():
         for layer, block in enumerate(net.blocks[:-1]):  # the last one returns the mean of its streams
-            x = net.embed[torch.tensor(calibration_tokens)] if layer == 0 else torch.from_numpy(ref.streams[layer - 1])
+            x = net.embed(torch.tensor(calibration_tokens)) if layer == 0 else torch.from_numpy(ref.streams[layer - 1])
             got, want = block(x, step).numpy(), ref.streams[layer]
             assert np.abs(got - want).max() / np.abs(want).max() <= 1e-3, f"block {layer}"
 

@@ -22,7 +22,7 @@ from moerun.devices import DeviceMap, on_device
 from moerun.graphs import active_capture
 from moerun.hooks import Hooks
 from moerun.kernels.cpu_experts import CPUExperts
-from moerun.layers import Attention, Block, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router
+from moerun.layers import Attention, Block, Embedding, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router
 from moerun.step import Step
 from moerun.weights import Weights
 
@@ -126,7 +126,7 @@ class Transformer(nn.Module):
         self.layout = layout or DeviceMap((ctx.weights.device,), (0,) * len(blocks))
         self.runs = self.layout.runs()  # [(device, slice of blocks)]
         w, args = ctx.on(self.layout.first).weights, ctx.args
-        self.embed = nn.Parameter(w.dense("token_embd.weight", torch.float32), requires_grad=False)  # (V, D)
+        self.embed = Embedding(w, "token_embd.weight")
         for block in blocks:
             block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
@@ -138,7 +138,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, step: Step, outputs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the
         final norm and the output head, the largest matmul of a prompt chunk, run only where logits are wanted."""
-        x = self.embed[tokens]  # (T, D)
+        x = self.embed(tokens)  # (T, D)
         capture = active_capture() if self.layout.spans_devices else None
         for device, run in self.runs:
             if capture is not None and x.device != device:  # a captured step: the copies are host work between graphs

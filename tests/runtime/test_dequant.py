@@ -144,3 +144,31 @@ def test_inductor_keeps_bits(qtype: Q) -> None:
     compiled = torch.compile(dequantize, fullgraph=True, dynamic=False)
     raw = random_rows(qtype, (2, 3), 512, seed=4)
     assert_same_bits(compiled(torch.from_numpy(raw), qtype, 512), reference(raw, qtype), GGML_QUANT_SIZES[qtype][0])
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ4_XS], ids=lambda q: q.name)
+def test_the_embedding_keeps_its_rows_and_dequantizes_a_steps(qtype):
+    """layers.Embedding holds token_embd as its GGUF rows (the memory map on the CPU) and dequantizes a step's
+    tokens: the rows of the float32 table gguf-py makes, bit for bit (IQ4_XS, which the torch dequantizers do not
+    read, is kept as that table)."""
+    from types import SimpleNamespace
+
+    from moeprep.gguf.reader import dequantize_raw
+    from moeprep.synth.weights import quantize
+    from moerun.layers import Embedding
+
+    rng = np.random.default_rng(int(qtype))
+    n_vocab, dim = 40, 256
+    values = rng.standard_normal((n_vocab, dim), dtype=np.float32)
+    raw = (quantize(values, qtype) if qtype != Q.IQ4_XS  # no quantizer writes IQ4_XS: random bytes, sane scales
+           else rng.integers(0, 256, (n_vocab, dim // 256 * 136), dtype=np.uint8))
+    if qtype == Q.IQ4_XS:
+        raw.reshape(n_vocab, -1, 136)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+    table = torch.from_numpy(np.array(dequantize_raw(raw, qtype, (n_vocab, dim)), np.float32))
+    info = SimpleNamespace(ggml_type=qtype, shape=(n_vocab, dim))
+    weights = SimpleNamespace(info=lambda name: info, gguf=SimpleNamespace(raw=lambda i: raw),
+                              device=torch.device("cpu"), dense=lambda name, dtype: table.clone())
+    embedding = Embedding(weights, "token_embd.weight")
+    assert embedding.rows.dtype == (torch.float32 if qtype == Q.IQ4_XS else torch.uint8)
+    tokens = torch.tensor([3, 0, 39, 3, 17])
+    assert torch.equal(embedding(tokens), table[tokens])

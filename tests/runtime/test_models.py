@@ -102,7 +102,7 @@ def _layer_by_layer(model: moerun.Model, tokens: torch.Tensor, ref_hidden: dict[
     step = Step(torch.arange(T), n_slots=T)
     errors = []
     for layer, block in enumerate(net.blocks):
-        x = net.embed[tokens] if layer == 0 else torch.from_numpy(ref_hidden[layer - 1])
+        x = net.embed(tokens) if layer == 0 else torch.from_numpy(ref_hidden[layer - 1])
         ref = ref_hidden[layer]
         errors.append(np.abs(block(x, step).numpy() - ref).max(-1) / np.abs(ref).max())
     return net.output(net.norm(torch.from_numpy(ref_hidden[len(net.blocks) - 1]))).numpy(), errors
