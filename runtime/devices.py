@@ -128,14 +128,14 @@ def split_by_bytes(g: GGUFModel, devices: list[torch.device], n_layer: int) -> D
     """Blocks over `devices` by their bytes in the file (no expert cache: experts go with their block)."""
     per_block = np.zeros(n_layer, np.int64)
     first = last = 0
+    tied_head = not any(t.name == "output.weight" for t in g.tensors)  # the output head is token_embd's copy
     for t in g.tensors:
         block = parse_tensor_name(t.name).block
         if block is not None and block < n_layer:
             per_block[block] += t.n_bytes
         elif t.name.startswith("token_embd."):
             first += t.n_bytes  # the embedding's rows, kept as they are (layers.Embedding)
-            if not any(u.name == "output.weight" for u in g.tensors):
-                last += t.n_bytes  # and the output head made of it
+            last += t.n_bytes if tied_head else 0
         elif block is None:
             last += t.n_bytes  # output head and final norm
     return DeviceMap(tuple(devices), tuple(split_blocks(per_block.tolist(), len(devices), first, last)))
