@@ -71,7 +71,7 @@ def run_bench(model, n_prompt: int, n_gen: int, text: str | None = None, warmup:
         _reset(model)
         start = time.perf_counter()
         model.forward(tokens[:n_prompt], 0, last_only=True)
-        _sync(model)
+        model.synchronize()
         result.prefill_s = time.perf_counter() - start
         result.prefill_cache = cache_report(cache, n_prompt)
     if n_gen:
@@ -79,17 +79,13 @@ def run_bench(model, n_prompt: int, n_gen: int, text: str | None = None, warmup:
         start = time.perf_counter()
         for i in range(n_gen):
             model.decode(int(tokens[n_prompt + i]), n_prompt + i)
-        _sync(model)
+        model.synchronize()
         result.decode_s = time.perf_counter() - start
         result.cache = cache_report(cache, n_gen, result.decode_s)
-    gpus = _gpus(model)
+    gpus = model.gpus
     if gpus:
         result.vram_bytes = sum(torch.cuda.max_memory_reserved(d) for d in gpus)
     return result
-
-
-def _gpus(model) -> list[torch.device]:
-    return [d for d in model.net.layout.devices if d.type == "cuda"]
 
 
 def _warm_up(model, tokens: torch.Tensor, n_prompt: int) -> None:
@@ -99,18 +95,13 @@ def _warm_up(model, tokens: torch.Tensor, n_prompt: int) -> None:
     model.forward(tokens[:max(n_prompt, WARMUP_TOKENS)].flip(0), 0, last_only=True)
     for i in range(2):
         model.decode(int(tokens[i]), n_prompt + i)
-    _sync(model)
+    model.synchronize()
 
 
 def _reset(model) -> None:
-    _sync(model)
+    model.synchronize()
     if model.expert_cache is not None:
         model.expert_cache.reset_stats()
-
-
-def _sync(model) -> None:
-    for d in _gpus(model):
-        torch.cuda.synchronize(d)
 
 
 def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | None:

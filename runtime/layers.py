@@ -327,6 +327,17 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm
     return rope(q, positions), rope(k, positions), v
 
 
+def qk_norms_per_head(q: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool | None:
+    """What the fused kernels take of norm_rope's Q/K norms: True, one weight per head for q and k; False, none;
+    None, anything else (olmoe's over the whole projection), which only the torch reference does."""
+    if q_norm is None and k_norm is None:
+        return False
+    if (q_norm is not None and k_norm is not None
+            and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1]):
+        return True
+    return None
+
+
 def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None,
                     k_norm: RMSNorm | None, rope: Rope, step: Step, cache: KVCache,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -613,9 +624,8 @@ def fused_kernels() -> Kernels:
         """One launch where the Q/K norms are per head (or absent), else the torch reference. A step of one
         sequence has k and v written straight into that sequence's cache rows (slot = position, cache/kv.py); a step
         across sequences, or of one sequence given as a device value, hands them to KVCache.update."""
-        per_head = (q_norm is not None and k_norm is not None
-                    and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1])
-        if not (per_head or (q_norm is None and k_norm is None)):
+        per_head = qk_norms_per_head(q, q_norm, k_norm)
+        if per_head is None:
             return norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
         slots = (cache.k[step.seq], cache.v[step.seq]) if step.in_place else (None, None)
         q, k, v = fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,

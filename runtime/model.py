@@ -161,10 +161,17 @@ class Model:
                 if self.n_seq > 1:
                     self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
                                        torch.tensor([0] * n + [1]), torch.tensor([n]))
-        for device in self.net.layout.devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        self.synchronize()
         return time.perf_counter() - start
+
+    @property
+    def gpus(self) -> list[torch.device]:
+        return [d for d in self.net.layout.devices if d.type == "cuda"]
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the model's GPUs (for timing; nothing to wait for on the CPU)."""
+        for device in self.gpus:
+            torch.cuda.synchronize(device)
 
     def _cache_paused(self):
         return self.expert_cache.pause() if self.expert_cache is not None else contextlib.nullcontext()

@@ -1,5 +1,5 @@
-"""The decode step's Q/K norms, RoPE and KV cache write, and its expert choice, on the CPU as numba kernels: where
-one call does what a chain of torch ops did (kernels/fused.py is the GPU's counterpart, in Triton).
+"""The decode step's Q/K norms and RoPE, and its expert choice, on the CPU as numba kernels: where one call does
+what a chain of torch ops did (kernels/fused.py is the GPU's counterpart, in Triton).
 
 On the CPU a torch op costs a few microseconds of dispatch whatever its size. Measured on the 2-core VM for one
 token of a 30B-wide layer (32 query and 4 KV heads of 128): layers.norm_rope_store's ~34 ops took 118 us and
@@ -8,8 +8,8 @@ ops, which were as fast or faster there: an RMSNorm's six ops (12 us against 16 
 (torch's batched matmuls: 58 against 91 us over 64 slots, 2.3 against 6.7 ms over 4096, for a numba loop).
 
 - `norm_rope_store`: per-head Q/K RMSNorm (the sum of squares in float64, as ggml sums it) and RoPE of q and k,
-  and k and v written into the sequence's KV cache rows; the same arithmetic for every kind of step (a prompt, a
-  decode batch across sequences), so that a token's q and k do not depend on the step it came in;
+  the same arithmetic for every kind of step (a prompt, a decode batch across sequences), so that a token's q and
+  k do not depend on the step it came in; KVCache.update stores k and v;
 - `route`: router softmax (or sigmoid, or softmax over the chosen logits), top-k and renormalisation.
 
 olmoe's whole-projection Q/K norms go to the torch reference in layers.py, which tests/runtime/test_fused.py checks
@@ -46,21 +46,19 @@ def _norm_row(h, w, eps, out):
 
 
 @numba.njit(**JIT)
-def _norm_rope_rows(x, heads, w, eps, cos, sin, positions, neox, to_slots, out):
-    """Rows of x (T * heads, Dh), token t = row // heads: RMSNorm with w where w has Dh values, then the rotation
-    of channel pairs (i, i + R) (neox) or (2i, 2i + 1) by the token's cos/sin row (R = cos's columns); channels
-    past 2R pass through. Row (t, h) goes to row t * heads + h of out (T * heads, Dh), or with to_slots to row
-    positions[t] * heads + h (out: a sequence's cache rows, slot = position)."""
+def _norm_rope_rows(x, heads, w, eps, cos, sin, positions, neox, out):
+    """Rows of x (T * heads, Dh), token t = row // heads, into the same rows of out: RMSNorm with w where w has Dh
+    values, then the rotation of channel pairs (i, i + R) (neox) or (2i, 2i + 1) by the token's cos/sin row (R =
+    cos's columns); channels past 2R pass through."""
     half = cos.shape[1]
     row = np.empty(x.shape[1], F32)
     for r in range(x.shape[0]):
-        t, h = r // heads, r % heads
         if w.shape[0]:
             _norm_row(x[r], w, eps, row)
         else:
             row[:] = x[r]
-        pos = positions[t]
-        dst = out[pos * heads + h] if to_slots else out[r]
+        pos = positions[r // heads]
+        dst = out[r]
         dst[:] = row
         for i in range(half):
             a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
@@ -69,40 +67,21 @@ def _norm_rope_rows(x, heads, w, eps, cos, sin, positions, neox, to_slots, out):
             dst[b] = row[a] * s + row[b] * c
 
 
-@numba.njit(**JIT)
-def _store_rows(x, heads, positions, out):
-    """Row (t, h) of x (T * heads, D) to row positions[t] * heads + h of out (a sequence's cache rows)."""
-    for r in range(x.shape[0]):
-        out[positions[r // heads] * heads + r % heads] = x[r]
-
-
 def norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache):
-    """layers.norm_rope_store with the Q/K norms per head (or absent) and RoPE in numba: k and v written straight
-    into the sequence's float32 cache rows (slot = position) where the step reads its one sequence in place, else
-    handed to KVCache.update. olmoe's whole-projection norms take the torch reference."""
+    """layers.norm_rope_store with the Q/K norms per head (or absent) and RoPE in numba, k and v then stored by
+    KVCache.update. olmoe's whole-projection norms take the torch reference."""
     from moerun import layers
 
-    per_head = (q_norm is not None and k_norm is not None
-                and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1])
-    if not (per_head or (q_norm is None and k_norm is None)):
+    per_head = layers.qk_norms_per_head(q, q_norm, k_norm)
+    if per_head is None:
         return layers.norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
-    T, H, Dh = q.shape
-    G = k.shape[1]
     positions, cos, sin, neox = step.positions.numpy(), rope.cos.numpy(), rope.sin.numpy(), rope.style == "neox"
     no_norm = np.zeros(0, np.float32)
-    q_out = np.empty((T * H, Dh), np.float32)
-    _norm_rope_rows(_rows(q), H, q_norm.weight.detach().numpy() if per_head else no_norm,
-                    q_norm.eps if per_head else 0.0, cos, sin, positions, neox, False, q_out)
-    q_out = torch.from_numpy(q_out).view(T, H, Dh)
-    in_place = step.in_place and cache.k.dtype == cache.v.dtype == torch.float32
-    k_seq, v_seq = (cache.k[step.seq], cache.v[step.seq]) if in_place else (None, None)  # (n_ctx, G, D) each
-    k_out = k_seq.numpy().reshape(-1, Dh) if in_place else np.empty((T * G, Dh), np.float32)
-    _norm_rope_rows(_rows(k), G, k_norm.weight.detach().numpy() if per_head else no_norm,
-                    k_norm.eps if per_head else 0.0, cos, sin, positions, neox, in_place, k_out)
-    if not in_place:
-        return q_out, *cache.update(step, torch.from_numpy(k_out).view(T, G, Dh), v)
-    _store_rows(_rows(v), G, positions, v_seq.numpy().reshape(-1, v.shape[-1]))
-    return q_out, k_seq[:step.n_slots], v_seq[:step.n_slots]
+    q_out, k_out = (torch.empty(x.shape, dtype=torch.float32) for x in (q, k))
+    for x, norm, out in ((q, q_norm, q_out), (k, k_norm, k_out)):
+        _norm_rope_rows(_rows(x), x.shape[1], norm.weight.detach().numpy() if per_head else no_norm,
+                        norm.eps if per_head else 0.0, cos, sin, positions, neox, out.view(-1, x.shape[2]).numpy())
+    return q_out, *cache.update(step, k_out, v)
 
 
 # --------------------------------------------------------------------------------------------------------- router
