@@ -305,7 +305,7 @@ def test_moerun_matches_llama_cpp(weights: str, calibration_tokens: list[int], t
     with torch.inference_mode():
         for layer, block in enumerate(net.blocks[:-1]):  # the last one returns the mean of its streams
             x = net.embed(torch.tensor(calibration_tokens)) if layer == 0 else torch.from_numpy(ref.streams[layer - 1])
-            got, want = block(x, step).numpy(), ref.streams[layer]
+            got, want = block(x, None, step)[0].numpy(), ref.streams[layer]
             assert np.abs(got - want).max() / np.abs(want).max() <= 1e-3, f"block {layer}"
 
 
@@ -347,11 +347,11 @@ def test_sparse_indexer_matches_llama_cpp(tmp_path: Path) -> None:
     keep = indexer.n_top  # 512 pools
     x, want = torch.from_numpy(ref.streams[2]), ref.streams[3]
     with torch.inference_mode():
-        errors = np.abs(block(x, step).numpy() - want).max((1, 2)) / np.abs(want).max()
+        errors = np.abs(block(x, None, step)[0].numpy() - want).max((1, 2)) / np.abs(want).max()
         h, _, _ = block.hc_attn.split(x)
         ranked = indexer.pool_scores(block.attn_norm(h), step).sort(-1, descending=True).values
         indexer.n_top = n  # every pool: dense attention
-        dense_errors = np.abs(block(x, step).numpy() - want).max((1, 2)) / np.abs(want).max()
+        dense_errors = np.abs(block(x, None, step)[0].numpy() - want).max((1, 2)) / np.abs(want).max()
     sparse = np.arange(n) >= 2051
     judged = sparse & (ranked[:, keep - 1] != ranked[:, keep]).numpy()
     assert judged.sum() >= 0.8 * sparse.sum()
@@ -396,13 +396,13 @@ def test_shared_indexer_matches_llama_cpp(tmp_path: Path) -> None:
     want = ref.streams[7]
     with torch.inference_mode():
         x3 = torch.from_numpy(ref.streams[2])
-        source(x3, step)  # block 3 selects
+        source(x3, None, step)  # block 3 selects
         h, _, _ = source.hc_attn.split(x3)
         ranked = attention(source).indexer.pool_scores(source.attn_norm(h), step).sort(-1, descending=True).values
-        errors = np.abs(shared(torch.from_numpy(ref.streams[6]), step).numpy() - want).max((1, 2)) / np.abs(want).max()
+        x6 = torch.from_numpy(ref.streams[6])
+        errors = np.abs(shared(x6, None, step)[0].numpy() - want).max((1, 2)) / np.abs(want).max()
         attention(source).selection.record(step, None)  # every position
-        dense_errors = np.abs(shared(torch.from_numpy(ref.streams[6]), step).numpy() - want).max((1, 2)) / np.abs(
-            want).max()
+        dense_errors = np.abs(shared(x6, None, step)[0].numpy() - want).max((1, 2)) / np.abs(want).max()
     sparse = np.arange(n) >= SHARED_TOP_K + 3
     judged = sparse & (ranked[:, keep - 1] != ranked[:, keep]).numpy()
     assert judged.sum() >= 0.8 * sparse.sum()

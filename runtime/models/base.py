@@ -138,9 +138,11 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, step: Step, outputs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the
         final norm and the output head, the largest matmul of a prompt chunk, run only where logits are wanted."""
-        x = self.embed(tokens)  # (T, D)
+        x, delta = self.embed(tokens), None  # the residual stream is x + delta (T, D): see Block
         capture = active_capture() if self.layout.spans_devices else None
         for device, run in self.runs:
+            if delta is not None and x.device != device:  # one tensor crosses
+                x, delta = x + delta, None
             if capture is not None and x.device != device:  # a captured step: the copies are host work between graphs
                 x, *moved = capture.cross([x, *step.tensors().values()], device)
                 on = step.on(device, dict(zip(step.tensors(), moved)))
@@ -148,8 +150,9 @@ class Transformer(nn.Module):
                 x, on = x.to(device, non_blocking=True), step.on(device)  # no copies while the device stays
             with on_device(device):
                 for block in self.blocks[run]:
-                    x = block(x, on)
+                    x, delta = block(x, delta, on)
         if outputs is not None:
-            x = x[outputs.to(x.device)]  # (R, D)
+            rows = outputs.to(x.device)
+            x, delta = x[rows], None if delta is None else delta[rows]  # (R, D)
         with on_device(x.device):  # the head's kernels launch where it lives (the last block's device)
-            return self.output(self.norm(x))
+            return self.output(self.norm.add_forward(x, delta)[1])

@@ -179,14 +179,16 @@ class HyperBlock(nn.Module):
         self.hc_ffn, self.ffn_norm, self.ffn = hc_ffn, ffn_norm, ffn
         self.first, self.last = first, last
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x (T, D) for the first block, else (T, N, D) -> (T, N, D), or their mean (T, D) from the last block."""
+    def forward(self, x: torch.Tensor, delta: None, step: Step) -> tuple[torch.Tensor, None]:
+        """x (T, D) for the first block, else (T, N, D) -> (T, N, D), or their mean (T, D) from the last block. The
+        merges sum their streams themselves: no pending delta (layers.Block's) comes in or goes out."""
+        assert delta is None
         streams = x[:, None, :].expand(-1, self.hc_attn.n, -1) if self.first else x
         h, post, comb = self.hc_attn.split(streams)
         streams = self.hc_attn.merge(self.attn(self.attn_norm(h), step), streams, post, comb)
         h, post, comb = self.hc_ffn.split(streams)
         streams = self.hc_ffn.merge(self.ffn(self.ffn_norm(h), step), streams, post, comb)
-        return streams.mean(1) if self.last else streams
+        return streams.mean(1) if self.last else streams, None
 
 
 # ------------------------------------------------------------------------------------------------------ KDA

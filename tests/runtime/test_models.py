@@ -104,7 +104,8 @@ def _layer_by_layer(model: moerun.Model, tokens: torch.Tensor, ref_hidden: dict[
     for layer, block in enumerate(net.blocks):
         x = net.embed(tokens) if layer == 0 else torch.from_numpy(ref_hidden[layer - 1])
         ref = ref_hidden[layer]
-        errors.append(np.abs(block(x, step).numpy() - ref).max(-1) / np.abs(ref).max())
+        h, delta = block(x, None, step)
+        errors.append(np.abs((h + delta).numpy() - ref).max(-1) / np.abs(ref).max())
     return net.output(net.norm(torch.from_numpy(ref_hidden[len(net.blocks) - 1]))).numpy(), errors
 
 
