@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType as Q
 
 from moerun.hooks import Hooks
 from moerun.kernels.dequant import supports as device_dequantizes
-from moerun.kernels import fused, tuning
-from moerun.kernels.gguf_matmul import QWeight, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu, gguf_moe_sum, supports
+from moerun.kernels import fused
+from moerun.kernels.gguf_matmul import QWeight, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu, supports
 from moerun.layers import GGUFExperts, Linear, swiglu
 from moerun.weights import ExpertTensor, Weights
 
@@ -106,8 +106,6 @@ def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks:
     else:
         gate, up = gguf_moe(x, banks[0], slots, groups), gguf_moe(x, banks[1], slots, groups)
         h = act(gate if gate_b is None else gate + gate_b, up if up_b is None else up + up_b)  # (T, K, I)
-    if tuning.GEMV_SUMS_PAIRS and down_b is None and 0 < slots.shape[0] <= tuning.GEMV_MAX_TOKENS and slots.shape[1]:
-        return gguf_moe_sum(h, banks[2], slots, weights)  # down and the weighted sum: one decode launch
     y = gguf_moe(h, banks[2], slots, groups)  # (T, K, D)
     if down_b is not None:
         y = y + down_b

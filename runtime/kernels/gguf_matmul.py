@@ -119,11 +119,11 @@ def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, wo
 # Triton compiles a kernel again for each new pattern of "divisible by 16" among its integer arguments, 1-3 s each on
 # the H200 machine, which `moerun serve` met as multi-second stalls on its first prompts of new lengths.
 @triton.jit(do_not_specialize=["n_tokens", "second_delta", "second2_delta"])
-def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, pair_w_ptr, out_ptr, n_rows, n_blocks, row_bytes,
-                 slot_bytes, cols, x_div, n_tokens, second_delta, second2_delta,
+def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes,
+                 cols, x_div, n_tokens, second_delta, second2_delta,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
-                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr, PAIRS: tl.constexpr,
-                 I8: tl.constexpr, EMULATE: tl.constexpr):
+                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr, I8: tl.constexpr,
+                 EMULATE: tl.constexpr):
     """Program (g, i): rows i*R .. i*R+R-1 for the TG input rows of group g.
 
     I8: the 8-bit route (quantize_i8's activations at x_ptr, xd_ptr, xs_ptr; DECODE a qtypes dot8 decoder, P unused);
@@ -134,40 +134,29 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, pair_w_ptr, out
     byte offset second_delta from w_ptr (QWeight.second: host memory read over the bus, or a staging bank). With GLU
     it multiplies the same input by a second matrix of the same shape and type (w2: up, w: gate; its second bank at
     second2_delta) and writes silu(x w^T) * (x w2^T).
-
-    PAIRS (with SLOTTED, not GLU): group g is token g's n_tokens (token, expert) pairs, pair t reading input row
-    g * n_tokens + t and its own slot; the program writes output row g: sum_t pair_w[g, t] * (x_t w_t^T) over the
-    pairs whose slot is not -1 (the experts' down product and moe_combine's weighted sum in one launch). A skipped
-    pair reads bank slot 0 (the tile's loads stay unmasked) and its sum is dropped.
     """
     g = tl.program_id(0)
     r = tl.program_id(1) * R + tl.arange(0, R)
-    t = tl.arange(0, TG)
     w_base = w_ptr
     w2_base = w2_ptr
     n_steps = n_blocks
     if SLOTTED:
-        if PAIRS:
-            slot = tl.load(slot_ptr + g * n_tokens + t, mask=t < n_tokens, other=-1).to(tl.int64)
-            kept = slot != -1
-            slot = slot[:, None, None, None]  # [TG, 1, 1, 1]: each pair's weights
-        else:
-            slot = tl.load(slot_ptr + g).to(tl.int64)
-            n_steps = tl.where(slot != -1, n_blocks, 0)
+        slot = tl.load(slot_ptr + g).to(tl.int64)
         streamed = slot < -1
         at = tl.where(streamed, -2 - slot, tl.maximum(slot, 0)) * slot_bytes
         w_base = w_ptr + (at + tl.where(streamed, second_delta, 0))
         w2_base = w2_ptr + (at + tl.where(streamed, second2_delta, 0))
+        n_steps = tl.where(slot != -1, n_blocks, 0)
     # Tiles are 4-D [TG, R, B, P] from the start, the weights [1, R, B, P], so that products only broadcast, and the
     # accumulators keep that shape until the loop ends: each thread sums its own products (one FMA per value and
     # input), and the sums across threads happen once, after the loop. Rows past the matrix read its last row and
     # tokens past n_tokens the last token's input (their outputs are not stored), so that only the last partial step
     # needs masks.
     row_offset = tl.minimum(r, n_rows - 1)[None, :, None, None] * row_bytes  # [1, R, 1, 1]
-    row_ptr = w_base + row_offset  # [1, R, 1, 1]; PAIRS: [TG, R, 1, 1]
+    row_ptr = w_base + row_offset
     row2_ptr = w2_base + row_offset
-    first_row = g * n_tokens if PAIRS else (g // x_div) * TG
-    x_row = (first_row + tl.minimum(t, n_tokens - 1))[:, None, None, None] * cols  # [TG, 1, 1, 1]
+    t = tl.arange(0, TG)
+    x_row = ((g // x_div) * TG + tl.minimum(t, n_tokens - 1))[:, None, None, None] * cols  # [TG, 1, 1, 1]
     every_row = tl.zeros((1, R, 1, 1), tl.int32)  # x is read per row of the tile too: [TG, R, B, P] like w
     n_full = n_steps // B * B
     if I8:  # a lane is a word of four values
@@ -194,13 +183,8 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, pair_w_ptr, out
     if GLU:
         acc2 = tl.sum(tl.sum(acc2, axis=3), axis=2)
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
-    if PAIRS:
-        pair_w = tl.load(pair_w_ptr + g * n_tokens + t, mask=kept, other=0.0)
-        total = tl.sum(tl.where(kept[:, None], acc * pair_w[:, None], 0.0), axis=0)  # [R]
-        tl.store(out_ptr + g * n_rows + r, total, mask=r < n_rows)
-    else:
-        out_row = (g * TG + t)[:, None] * n_rows
-        tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
+    out_row = (g * TG + t)[:, None] * n_rows
+    tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
 
 
 @triton.jit(do_not_specialize=["n_ids"])
@@ -280,10 +264,9 @@ def _block_type(w: QWeight) -> BlockType:
 
 
 def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
-          slots: torch.Tensor | None, up: QWeight | None = None, pair_weights: torch.Tensor | None = None) -> None:
-    """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T); with `pair_weights`, its PAIRS
-    form (groups: tokens, tokens: pairs per token). On the 8-bit route where the type has one (tuning.GEMV_INT8): the
-    activations are rounded to int8 first (quantize_i8)."""
+          slots: torch.Tensor | None, up: QWeight | None = None) -> None:
+    """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T). On the 8-bit route where the type
+    has one (tuning.GEMV_INT8): the activations are rounded to int8 first (quantize_i8)."""
     group = triton.next_power_of_2(tokens)
     i8 = tuning.GEMV_INT8 and bt.dot8 is not None
     # registers per (token, row, block) that grow with the tokens: a part's float accumulators, or a quad's four
@@ -291,8 +274,7 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     per_block = 8 if i8 else bt.part
     # the GLU keeps two products per value: tiles for twice the tokens keep its accumulators in registers
     tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, per_block, group * (2 if up is not None else 1),
-                              grouped_blocks=0 if slots is None else w.cols // bt.values, i8=i8,
-                              pairs=pair_weights is not None)
+                              grouped_blocks=0 if slots is None else w.cols // bt.values, i8=i8)
     if i8:
         xq, xd, xs = carried_i8(x) or quantize_i8(x.view(-1, w.cols))
         x, xd_xs = xq.view(-1).view(torch.int32), (xd, xs)
@@ -301,12 +283,12 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     row_bytes = w.data.shape[-1]
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](
-        x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots,
-        out if pair_weights is None else pair_weights, out, w.rows, w.cols // bt.values, row_bytes,
-        w.rows * row_bytes, w.cols, x_div, tokens, _second_delta(w), _second_delta(w if up is None else up),
+        x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
+        w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, _second_delta(w),
+        _second_delta(w if up is None else up),
         DECODE=bt.dot8 if i8 else bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
-        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, PAIRS=pair_weights is not None,
-        I8=i8, EMULATE=_INTERPRETED, num_warps=tiles.num_warps)
+        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=i8, EMULATE=_INTERPRETED,
+        num_warps=tiles.num_warps)
 
 
 @triton.jit
@@ -597,22 +579,6 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
             groups[key] = group_by_slot(slots, *key)
         _gemm(x, w, bt, out, n_tokens * k, x_div, groups[key], tiles)
     return out.view(n_tokens, k, w.rows)
-
-
-def gguf_moe_sum(x: torch.Tensor, w: QWeight, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * gguf_moe(x, w, slots)[t, k] over the k whose slot is not -1: -> (T, N) float32.
-
-    x (T, K, C), one input per pair (the experts' down product), for a decode-sized step (at most GEMV_MAX_TOKENS
-    tokens): one matrix-vector launch that sums a token's pairs itself, where gguf_moe and fused.moe_combine take two.
-    """
-    n_tokens, k = slots.shape
-    assert 0 < n_tokens <= tuning.GEMV_MAX_TOKENS and k, tuple(slots.shape)
-    bt = _block_type(w)
-    assert w.data.dim() == 3 and x.shape == (n_tokens, k, w.cols), (tuple(x.shape), tuple(slots.shape))
-    out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
-    _gemv(x.contiguous(), w, bt, out, groups=n_tokens, tokens=k, x_div=1, slots=slots.contiguous(),
-          pair_weights=weights.float().contiguous())
-    return out
 
 
 def glu_supports(gate: QWeight, up: QWeight) -> bool:

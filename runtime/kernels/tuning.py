@@ -75,9 +75,6 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
 # time, GB/s against the float route's in the same run: Q4_K 1061 (912), Q8_0 1585 (1356), Q4_0 1216 (938); Q6_K's
 # 8-bit form made 872 in the sweep against its float route's 1156 and was dropped.
 GEMV_INT8 = os.environ.get("MOERUN_GEMV_INT8", "1") != "0"
-# A decode step's expert down product sums each token's pairs in its own launch (gguf_matmul.gguf_moe_sum) instead of
-# writing them for fused.moe_combine: one launch fewer per layer. MOERUN_GEMV_SUM=0 keeps the two launches.
-GEMV_SUMS_PAIRS = os.environ.get("MOERUN_GEMV_SUM", "1") != "0"
 GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=16, num_warps=2),
                                          Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
                                          Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1),
@@ -114,21 +111,14 @@ GEMV_ACCUMULATORS_PER_THREAD = 64
 
 
 def gemv_tiles(qtype: Q, block_values: int, per_block: int, tokens: int, grouped_blocks: int = 0,
-               i8: bool = False, pairs: bool = False) -> GemvTiles:
+               i8: bool = False) -> GemvTiles:
     """The type's tiles (the grouped decode's for rows of `grouped_blocks` blocks, where swept; the 8-bit route's
     where swept), with fewer blocks (then rows) per step when `tokens` x `per_block` accumulators per (row, block)
-    would spill. `pairs`: the tokens are one token's expert pairs (gguf_moe_sum), each reading its own weights, so
-    they share the rows x blocks of one pair's tile (fewer rows, then blocks): the same loads in flight and
-    registers per program, where a tile per pair spilled (the 30B down's 8 x 4 Q4_K tile for 8 pairs: 4.5 kB of
-    stack on sm_90)."""
+    would spill."""
     tiles = ((i8 and (GEMV_I8_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_I8_OVERRIDES.get(qtype)))
              or GEMV_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_OVERRIDES.get(qtype)
              or GEMV_BY_BLOCK_VALUES[block_values])
     rows, blocks = tiles.rows, tiles.blocks
-    if pairs:
-        while tokens * rows * blocks > tiles.rows * tiles.blocks and rows * blocks > 1:
-            rows, blocks = (rows // 2, blocks) if rows > 1 else (rows, blocks // 2)
-        return GemvTiles(rows, blocks, tiles.num_warps)
     budget = GEMV_ACCUMULATORS_PER_THREAD * 32 * tiles.num_warps
     while tokens * rows * blocks * per_block > budget and rows * blocks > 1:
         rows, blocks = (rows, blocks // 2) if blocks > 1 else (rows // 2, blocks)
