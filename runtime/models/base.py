@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         x, delta = self.embed(tokens), None  # the residual stream is x + delta (T, D): see Block
         capture = active_capture() if self.layout.spans_devices else None
         for device, run in self.runs:
-            if delta is not None and x.device != device:  # one tensor crosses
+            if delta is not None:  # a boundary between runs: the stream crosses as one tensor
                 x, delta = x + delta, None
             if capture is not None and x.device != device:  # a captured step: the copies are host work between graphs
                 x, *moved = capture.cross([x, *step.tensors().values()], device)
