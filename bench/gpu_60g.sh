@@ -5,7 +5,7 @@
 # the experts of 29 layers in host RAM (about the same VRAM) and all on the GPU. Results land in $OUT.
 #
 #   run: bash bench/gpu_60g.sh    (carry: .whl, the gguf wheel; .peer, from bench/make_peer_tarball.sh)
-#   env: BUDGET (24G), PEER_CPU_MOE (29), GEN (128), THREADS (16), STEPS ("cold peer resident-warm peer-resident"; also cpu, warm-64, gpu-tests: the GPU
+#   env: BUDGET (24G), PEER_CPU_MOE (29), GEN (128), THREADS (16), STEPS ("cold peer resident-warm peer-resident"; also cpu, warm-64, cpu-experts, gpu-tests: the GPU
 #        tests, run first, beside the model's writing and before the build), TEST_TIMEOUT (420 s)
 #
 # The disk is 64 GiB: where less than the whole model's 60 GB is free, the model keeps as many of its 46 layers as
@@ -71,6 +71,10 @@ for STEP in ${STEPS:-cold peer resident-warm peer-resident}; do
     peer) peer -ngl 99 --n-cpu-moe ${PEER_CPU_MOE:-29} ;;
     resident-warm) cache resident,warm cache-warm ;;
     peer-resident) peer -ngl 99 ;;
+    cpu-experts) wait_build  # moerun's CPU expert path on this host's cores, on the peer build's ggml row dots
+        [ -f "$OUT/cpu-experts.json" ] || MOERUN_GGML_CPU_LIB=/tmp/peer/llama.cpp/build/bin/libggml-cpu.so \
+            python3 bench/bench_cpu_experts.py --threads 1,${THREADS:-16} --shapes 60gb,30b --repeat 10 \
+            --json "$OUT/cpu-experts.json" 2>&1 | grep -v Warning | tail -20 ;;
   esac
 done
 echo "total $((SECONDS - START))s"

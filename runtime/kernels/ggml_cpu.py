@@ -10,7 +10,10 @@ row dot runs 19-21 GB/s per core there against 4-6 for moerun's own numba kernel
 as the fallback and the reference. The activations are rounded as llama.cpp rounds them (by its own quantizer), so
 the products are llama.cpp's.
 
-`MOERUN_GGML_CPU=0` turns it off (the tests run both ways).
+`MOERUN_GGML_CPU=0` turns it off (the tests run both ways); `MOERUN_GGML_CPU_LIB=PATH` takes the libggml-cpu.so of
+a llama.cpp build instead (its build/bin, or an install's lib: the same llama.cpp release line as the pinned
+llama-cpp-python, whose `ggml_type_traits_cpu` layout this module reads), for machines where llama.cpp is built but
+llama-cpp-python is not installed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from gguf import GGMLQuantizationType as Q
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from moeprep.errors import MoeprepError
 
 
 # Activation formats whose rounding moerun.rounding reproduces bit for bit, so that a product through ggml is the one
@@ -55,19 +60,29 @@ class _Traits(ctypes.Structure):  # struct ggml_type_traits_cpu (ggml-cpu.h)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """libggml-cpu from the installed llama-cpp-python, initialised; None without it or with MOERUN_GGML_CPU=0."""
+    """libggml-cpu (MOERUN_GGML_CPU_LIB's, else the installed llama-cpp-python's), initialised; None without it or
+    with MOERUN_GGML_CPU=0. A library named by MOERUN_GGML_CPU_LIB that does not load is the user's error."""
     if os.environ.get("MOERUN_GGML_CPU", "1") == "0":
         return None
-    try:
-        import llama_cpp  # noqa: PLC0415 (optional: only its shared libraries are used)
-    except (ImportError, OSError, RuntimeError):  # not installed, or its libraries do not load
-        return None
-    path = Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"
+    named = os.environ.get("MOERUN_GGML_CPU_LIB")
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise MoeprepError(f"MOERUN_GGML_CPU_LIB={named}: no such file (give the path of a libggml-cpu.so)")
+    else:
+        try:
+            import llama_cpp  # noqa: PLC0415 (optional: only its shared libraries are used)
+        except (ImportError, OSError, RuntimeError):  # not installed, or its libraries do not load
+            return None
+        path = Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"
     try:
         lib = ctypes.CDLL(str(path))
         lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
         lib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
-    except (OSError, AttributeError):
+        lib.ggml_cpu_init.restype = None  # resolved here: a library without it fails now, not at the call
+    except (OSError, AttributeError) as e:
+        if named:
+            raise MoeprepError(f"MOERUN_GGML_CPU_LIB={named}: not a libggml-cpu that loads here ({e})") from e
         return None
     lib.ggml_cpu_init()  # its fp16 tables, which the dot products read
     return lib
@@ -93,7 +108,8 @@ def row_dot(qtype: Q) -> RowDot | None:
 def describe() -> str:
     """What `moerun bench` prints where the CPU computed experts: whose dot products it ran."""
     if row_dot(Q.Q4_K) is not None:
-        return "CPU kernels: ggml's row dots (libggml-cpu from llama-cpp-python)"
+        named = os.environ.get("MOERUN_GGML_CPU_LIB")
+        return f"CPU kernels: ggml's row dots (libggml-cpu from {named or 'llama-cpp-python'})"
     if os.environ.get("MOERUN_GGML_CPU", "1") == "0":
         return "CPU kernels: moerun's numba kernels (MOERUN_GGML_CPU=0)"
     return "CPU kernels: moerun's numba kernels (pip install 'moeprep[ggml]' for ggml's, ~2.7x on the experts)"

@@ -3,6 +3,8 @@ moe_rows, against moerun's own numba kernels (test_cpu_experts.py checks both ag
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
@@ -50,6 +52,44 @@ def test_ggml_is_off_with_the_environment_switch(monkeypatch):
         ggml_cpu._library.cache_clear()
         ggml_cpu.row_dot.cache_clear()
     assert ggml_cpu.row_dot(Q.Q4_K) is not None
+
+
+@pytest.fixture
+def fresh_library():
+    """ggml_cpu's cached library and row dots cleared before and after the test (they read the environment)."""
+    for cached in (ggml_cpu._library, ggml_cpu.row_dot):
+        cached.cache_clear()
+    yield
+    for cached in (ggml_cpu._library, ggml_cpu.row_dot):
+        cached.cache_clear()
+
+
+def test_a_named_library_is_used(monkeypatch, fresh_library):
+    """MOERUN_GGML_CPU_LIB: the libggml-cpu.so of a llama.cpp build (here llama-cpp-python's own file, named by
+    path) gives the same row dots, and `moerun bench` says whose they are."""
+    import llama_cpp
+
+    path = str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so")
+    monkeypatch.setenv("MOERUN_GGML_CPU_LIB", path)
+    assert ggml_cpu.row_dot(Q.Q4_K) is not None and ggml_cpu._library()._name == path
+    assert path in ggml_cpu.describe()
+
+
+@pytest.mark.parametrize("what", ["missing", "not a library"])
+def test_a_bad_named_library_is_one_line_and_exit_2(monkeypatch, fresh_library, tmp_path, synth_model, what):
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+
+    path = tmp_path / "libggml-cpu.so"
+    if what == "not a library":
+        path.write_text("not an ELF file")
+    monkeypatch.setenv("MOERUN_GGML_CPU_LIB", str(path))
+    result = CliRunner().invoke(main, ["-m", str(synth_model("qwen3moe", expert_type="Q4_K")), "-p", "hi",
+                                       "-n", "1"])
+    assert result.exit_code == 2, result.output
+    assert f"MOERUN_GGML_CPU_LIB={path}" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_moerun_bench_says_whose_cpu_kernels_run(synth_model):
