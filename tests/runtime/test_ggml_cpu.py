@@ -40,28 +40,27 @@ def test_ggml_row_dots_equal_the_numba_kernels(monkeypatch, qtype):
     np.testing.assert_allclose(ours, numba_only, rtol=0, atol=1e-5 * np.abs(numba_only).max())
 
 
-def test_ggml_is_off_with_the_environment_switch(monkeypatch):
-    """MOERUN_GGML_CPU=0: no ggml kernel for any type (the numba kernels run)."""
-    monkeypatch.setenv("MOERUN_GGML_CPU", "0")
-    ggml_cpu._library.cache_clear()
-    ggml_cpu.row_dot.cache_clear()
-    try:
-        assert ggml_cpu.row_dot(Q.Q4_K) is None
-    finally:
-        monkeypatch.delenv("MOERUN_GGML_CPU")
-        ggml_cpu._library.cache_clear()
-        ggml_cpu.row_dot.cache_clear()
-    assert ggml_cpu.row_dot(Q.Q4_K) is not None
+def forget_library() -> None:
+    """Clear ggml_cpu's cached library and row dots, which read the environment once."""
+    for cached in (ggml_cpu._library, ggml_cpu.row_dot):
+        cached.cache_clear()
 
 
 @pytest.fixture
 def fresh_library():
-    """ggml_cpu's cached library and row dots cleared before and after the test (they read the environment)."""
-    for cached in (ggml_cpu._library, ggml_cpu.row_dot):
-        cached.cache_clear()
+    """The library and row dots looked up again in the test, and again after it."""
+    forget_library()
     yield
-    for cached in (ggml_cpu._library, ggml_cpu.row_dot):
-        cached.cache_clear()
+    forget_library()
+
+
+def test_ggml_is_off_with_the_environment_switch(monkeypatch, fresh_library):
+    """MOERUN_GGML_CPU=0: no ggml kernel for any type (the numba kernels run)."""
+    monkeypatch.setenv("MOERUN_GGML_CPU", "0")
+    assert ggml_cpu.row_dot(Q.Q4_K) is None
+    monkeypatch.delenv("MOERUN_GGML_CPU")
+    forget_library()
+    assert ggml_cpu.row_dot(Q.Q4_K) is not None
 
 
 def test_a_named_library_is_used(monkeypatch, fresh_library):
