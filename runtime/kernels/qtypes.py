@@ -226,9 +226,15 @@ def _words(p, word):
 
 @triton.jit
 def _words2(p, word):
-    """The same from a 2-byte aligned p, as two 16-bit loads (blocks of 18 or 34 bytes start at even bytes)."""
-    half = p.to(tl.pointer_type(tl.uint16)) + 2 * word
-    return tl.load(half).to(tl.int32) | (tl.load(half + 1).to(tl.int32) << 16)
+    """The same from a 2-byte aligned p (blocks of 18 or 34 bytes start at even bytes), from aligned 32-bit loads:
+    where p is 2 bytes past a word, each word is the top half of one aligned word and the bottom half of the next
+    (the loads of the next words repeat the first ones' addresses but one). An aligned p reads no next word: the
+    word past a bank's last block may lie past the memory it is in."""
+    off = (p.to(tl.int64) & 2).to(tl.int32)  # 0 or 2 bytes past an aligned word
+    at = (p - off).to(tl.pointer_type(tl.int32)) + word
+    low = tl.load(at)
+    high = tl.load(at + 1, mask=off != 0, other=0)
+    return tl.where(off == 0, low, ((low >> 16) & 0xFFFF) | (high << 16))
 
 
 @triton.jit

@@ -23,6 +23,8 @@ GEMV_MAX_TOKENS = 8
 # against 28; the matrix-vector kernel multiplies each value with every token in float32 and slows with tokens
 # (Q4_K 9.9 us at T=1, 18-24 at T=2 for the four types, 29-48 at T=4, 38-69 at T=8), where the decoded product
 # costs about the same ~25-30 us at any T. A GEMM over the blocks on 16-token tiles lost at T = 2-8 too (47-138 us).
+# The 8-bit route, timed at T > 1 on 2026-12-02 (before its whole-word loads): T = 2 13-20 us against 30-34 decoded,
+# T = 4 29-32 against 30-31 for Q4_K, Q8_0 and Q4_0 (a tie; Q6_K 47 against 34), T = 8 63-80 against 29-34.
 # (Expert banks stay on the grouped GEMM: ~32 tokens per expert in a prompt do not repay a decoded copy.)
 DECODED_GEMM_MIN_TOKENS = 4
 DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
@@ -80,12 +82,15 @@ GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=16, nu
                                          Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1),
                                          Q.Q5_K: GemvTiles(rows=8, blocks=16, num_warps=2)}  # Q4_K's: not swept
 # The grouped decode's 8-bit tiles (same sweep, gate+up timed as one GLU launch), GB/s against the float route's:
-# 30B gate+up 1162 (1018), 30B down 860 (756), 60 GB gate+up 1515 (1226), 60 GB down 1678 (1061).
+# 30B gate+up 1162 (1018), 30B down 860 (756), 60 GB gate+up 1515 (1226), 60 GB down 1678 (1061). With the experts'
+# Q4_K words loaded 16 bytes at a time (2026-12-02, gguf_matmul's ALIGN) the 30B down's 8 x 4 fell to 783-861 and
+# 16 x 2 made 884-968 (three runs, two calls); the 60 GB down's sweep moved it from 2 x 16 (1727) to 4 x 16 on one warp
+# (1842); the gate+up shapes kept theirs (30B 1335-1346; 60 GB 1773, 4 x 8 1769).
 GEMV_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
     (Q.Q4_K, 8): GemvTiles(rows=4, blocks=8, num_warps=1),
-    (Q.Q4_K, 3): GemvTiles(rows=8, blocks=4, num_warps=1),
+    (Q.Q4_K, 3): GemvTiles(rows=16, blocks=2, num_warps=1),
     (Q.Q4_K, 16): GemvTiles(rows=2, blocks=16, num_warps=1),
-    (Q.Q4_0, 44): GemvTiles(rows=2, blocks=16, num_warps=1),
+    (Q.Q4_0, 44): GemvTiles(rows=4, blocks=16, num_warps=1),
 }
 QUANTIZE_BLOCKS = 32  # blocks of 32 activations per program of quantize_i8
 # GEMM, T=512: 128x128 tiles with 8 warps ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0; 3 stages,
