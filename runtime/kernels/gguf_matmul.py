@@ -414,9 +414,10 @@ def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[
     staged = []
     for w, stage in zip(banks, stages):
         matrix = w.data[0].numel()
-        size = next(n for n in (8, 4, 1) if matrix % n == 0)
         delta = _second_address(w) - stage.data_ptr()
-        assert stage.shape[0] >= n_pairs and stage.shape[1:] == w.data.shape[1:] and delta % size == 0
+        # the widest words that divide the matrix and both banks' addresses (a host copy may start 4 bytes past one)
+        size = next(n for n in (8, 4, 1) if matrix % n == 0 and delta % n == 0 and stage.data_ptr() % n == 0)
+        assert stage.shape[0] >= n_pairs and stage.shape[1:] == w.data.shape[1:]
         words = stage.view(-1).view({8: torch.int64, 4: torch.int32, 1: torch.uint8}[size])
         _stage_kernel[(n_pairs, triton.cdiv(matrix // size, tuning.STAGE_WORDS))](
             copies, words, delta // size, matrix // size, BLOCK=tuning.STAGE_WORDS, num_warps=tuning.STAGE_WARPS)

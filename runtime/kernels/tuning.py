@@ -137,8 +137,9 @@ def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int =
     return swept or GEMM_BY_BLOCK_VALUES[block_values]
 
 
-# gguf_matmul.stage_second: words (of 8 bytes where the matrix allows) per program and warps. Copying 1-8 experts of
-# 9.3 MiB from page-locked host memory on the H200 machine: 1024 words x 4 warps 44-50 GB/s, the same as 4096-16384
-# words (41-50), against 46-55 for the copy engine; the matrix-vector kernel reading them in place reached 22-24.
+# gguf_matmul.stage_second: words (of 8 bytes where the matrix and the addresses allow) per program and warps.
+# Copying 1-8 experts of 9.3 MiB from page-locked host memory on the H200 machine: 1024 words x 4 warps 44-50 GB/s,
+# the same as 4096-16384 words (41-50), against 46-55 for the copy engine; the matrix-vector kernel reading them in
+# place reached 22-24.
 STAGE_WORDS = 1024
 STAGE_WARPS = 4

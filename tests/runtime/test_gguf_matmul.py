@@ -290,17 +290,27 @@ def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles
     assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
 
 
+@pytest.mark.parametrize("host_offset", [0, 4], ids=["aligned", "4-bytes-past"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
-def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q) -> None:
+def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q, host_offset: int) -> None:
     """A bank with a host copy as its second bank (QWeight.second, page-locked on CUDA: the GPU reads it over the
     bus): slot -2 - e runs expert e of the host copy, in the same decode launch as the bank's slots (the expert
     cache's decode step), for the GLU, read in place or staged first, the down projection and the weighted sum,
-    which counts those pairs as it counts the bank's."""
+    which counts those pairs as it counts the bank's. The host copy also starts 4 bytes past a 16-byte boundary: the
+    matrix-vector kernel then must not load its words 16 bytes at a time (on CUDA such a load faults), and Q8_0's
+    words are joined from aligned halves where the device bank's are not."""
     rng = np.random.default_rng([int(qtype), 11])
     n_tokens, k, rows, n_expert, resident = 3, 3, 24, 6, [4, 0, 2]  # experts 4, 0, 2 sit in slots 0, 1, 2
     cols = COLS[BLOCK_TYPES[qtype].values]
     gate_all, up_all = (random_weights(qtype, (n_expert, rows), cols, rng) for _ in range(2))
-    host = (lambda b: b.pin_memory()) if DEVICE == "cuda" else (lambda b: b.clone())
+
+    def host(b: torch.Tensor) -> torch.Tensor:
+        """b's bytes host_offset bytes into a new (page-locked on CUDA) buffer."""
+        buf = torch.empty(b.numel() + 16, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+        copy = buf[host_offset:host_offset + b.numel()].view(b.shape)
+        copy.copy_(b)
+        assert copy.data_ptr() % 16 == host_offset
+        return copy
     gate, up = (QWeight(b[resident].to(DEVICE), qtype, rows, cols, second=host(b)) for b in (gate_all, up_all))
     experts = np.array([[1, 4, 3], [5, 1, 0], [3, 0, 1]])  # experts 1, 3 and 5 streamed, 1 and 3 by several tokens
     slot_of = np.full(n_expert, -1)
