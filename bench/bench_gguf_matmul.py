@@ -1,6 +1,6 @@
 """Speed of moerun's GGUF matmul kernels (runtime/kernels/gguf_matmul.py) on one GPU, next to torch's bfloat16 peer.
 
-    python bench/bench_gguf_matmul.py [--sweep] [--json FILE]
+    python bench/bench_gguf_matmul.py [--sweep] [--decode-only | --quick] [--json FILE]
 
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
@@ -283,7 +283,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
     parser.add_argument("--decode-only", action="store_true", help="sweep and time the decode kernels only")
+    parser.add_argument("--quick", action="store_true",
+                        help="time only what a one-sequence decode step runs (T = 1, the route tuning.py picks), "
+                             "for a before/after comparison in the same device call")
     args = parser.parse_args()
+    args.decode_only |= args.quick
     r = args.repeat
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     results["copy GB/s"] = copy = copy_bandwidth(r)
@@ -318,13 +322,14 @@ def main() -> None:
               f"{theirs}", flush=True)
         results[f"{shape} {qname}"] = {"ours": ours, "peer": peer}
 
-    for n_tokens in (1, 2, 4, 8):  # a decode step of as many sequences: the matrix-vector kernel, then the decoded
+    # a decode step of as many sequences: the matrix-vector kernel, then the decoded
+    for n_tokens in (1,) if args.quick else (1, 2, 4, 8):
         peer = guarded(dense_peer, n_tokens, r)
         for qtype in DENSE_TYPES:
             with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
                 report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1), qtype.name,
                        guarded(dense_decode, qtype, n_tokens, r), peer)
-            if i8_route(qtype):  # the same on float32 activations
+            if i8_route(qtype) and not args.quick:  # the same on float32 activations
                 with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY, GEMV_INT8=False):
                     report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1) + " float", qtype.name,
                            guarded(dense_decode, qtype, n_tokens, r), peer)
@@ -332,7 +337,7 @@ def main() -> None:
                 with tuned(DECODED_GEMM_MIN_TOKENS=1):
                     report(f"4096x4096 T={n_tokens} decoded", qtype.name, guarded(dense_decode, qtype, n_tokens, r),
                            peer)
-    for float_route in (False, True):  # the second time on float32 activations (the types with an 8-bit route)
+    for float_route in (False,) if args.quick else (False, True):  # then on float32 activations (8-bit types)
         label = " float" if float_route else ""
         with tuned(GEMV_INT8=tuning.GEMV_INT8 and not float_route):
             for name, qtype, shape, per_pair in MOE_SHAPES:
@@ -344,7 +349,7 @@ def main() -> None:
                     peer = guarded(moe_peer_decode, shape, r)
                     report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1{label}", qtype.name,
                            guarded(moe_glu, qtype, shape, 1, r), {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
-            for name, qtype, shape, per_pair in MOE_SHAPES:  # a decode step of 8 sequences: a program group per pair
+            for name, qtype, shape, per_pair in () if args.quick else MOE_SHAPES:  # 8 sequences: a group per pair
                 if float_route and BLOCK_TYPES[qtype].dot8 is None:
                     continue
                 ours = (guarded(moe, qtype, shape, True, DECODE_T, r) if per_pair
