@@ -1,6 +1,6 @@
 """Speed of moerun's GGUF matmul kernels (runtime/kernels/gguf_matmul.py) on one GPU, next to torch's bfloat16 peer.
 
-    python bench/bench_gguf_matmul.py [--sweep] [--decode-only | --quick] [--json FILE]
+    python bench/bench_gguf_matmul.py [--sweep [grouped | batch]] [--decode-only | --quick] [--json FILE]
 
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
@@ -187,6 +187,43 @@ def i8_candidates(n_blocks: int) -> list[tuning.GemvTiles]:
     return tiles
 
 
+def batch_candidates(n_tokens: int) -> list[tuning.GemvTiles]:
+    """Dense 8-bit tiles for a decode batch of n_tokens: R rows x B blocks with every accumulator in registers
+    (tuning.gemv_tiles' budget: T x R x B x 8 per 32 threads of a warp at most GEMV_ACCUMULATORS_PER_THREAD), rows
+    first: a program reads the whole input once, so more rows per program read it fewer times over."""
+    tiles = []
+    for warps in (1, 2, 4):
+        budget = tuning.GEMV_ACCUMULATORS_PER_THREAD * 32 * warps // (8 * n_tokens)  # R x B
+        for rows in (2, 4, 8, 16, 32, 64):
+            blocks = budget // rows
+            if 1 <= blocks <= 32 and blocks & (blocks - 1) == 0:
+                tiles.append(tuning.GemvTiles(rows, blocks, warps))
+    return tiles
+
+
+def sweep_batch_gemv(qtype: Q, n_tokens: int, repeat: int) -> tuple[dict, list]:
+    """The dense matrix-vector kernel on the 8-bit route at T = n_tokens (a `moerun serve` decode batch), over
+    batch_candidates, against the route tuning.py takes there (the weight decoded to bfloat16 and cuBLAS from
+    DECODED_GEMM_MIN_TOKENS on). The shipped tiles are left as they were."""
+    shipped = tuning.GEMV_I8_OVERRIDES.get(qtype)
+    results = []
+    try:
+        for tiles in batch_candidates(n_tokens):
+            tuning.GEMV_I8_OVERRIDES[qtype] = tiles
+            with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
+                results.append((guarded(dense_decode, qtype, n_tokens, repeat)["us"], tiles))
+    finally:
+        if shipped is None:
+            tuning.GEMV_I8_OVERRIDES.pop(qtype, None)
+        else:
+            tuning.GEMV_I8_OVERRIDES[qtype] = shipped
+    with tuned(DECODED_GEMM_MIN_TOKENS=1):
+        decoded = guarded(dense_decode, qtype, n_tokens, repeat)["us"]
+    best_us, best = min(results, key=lambda r: r[0] if r[0] == r[0] else float("inf"))
+    return ({"best": best.__dict__, "us": best_us, "decoded us": decoded},
+            [(round(us, 1), t.__dict__) for us, t in results])
+
+
 def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
     """The dense matrix-vector kernel's tiles at T=1 (the 8-bit route's where the type takes it)."""
     bt = BLOCK_TYPES[qtype]
@@ -277,8 +314,9 @@ BLOCKS_ONLY = 1 << 30  # DECODED_GEMM_MIN_TOKENS that keeps every product on the
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped"],
-                        help="time tile candidates first (grouped: the grouped decode's only)")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch"],
+                        help="time tile candidates first (grouped: the grouped decode's only; batch: only the dense "
+                             "8-bit tiles at T = 4 and 8, against the decoded route, then stop)")
     parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
@@ -292,6 +330,14 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     results["copy GB/s"] = copy = copy_bandwidth(r)
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
+    if args.sweep == "batch":  # does a serve batch's dense product beat the decoded route on the 8-bit kernel?
+        for n_tokens in (4, 8):
+            for qtype in (q for q in DENSE_TYPES if i8_route(q)):
+                best, table = sweep_batch_gemv(qtype, n_tokens, r)
+                results[f"sweep batch gemv {qtype.name} T={n_tokens}"] = {"best": best, "table": table}
+                print(f"sweep batch GEMV {qtype.name} T={n_tokens}: {table} -> {best}", flush=True)
+        dump(results, args.json)
+        return
     if args.sweep:
         for qtype in DENSE_TYPES if args.sweep == "all" else ():
             best, table = sweep_gemv(qtype, r)
