@@ -30,6 +30,7 @@ import argparse
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from unittest.mock import patch
 
 import torch
 import torch.nn.functional as F
@@ -205,23 +206,17 @@ def sweep_batch_gemv(qtype: Q, n_tokens: int, repeat: int) -> tuple[dict, list]:
     """The dense matrix-vector kernel on the 8-bit route at T = n_tokens (a `moerun serve` decode batch), over
     batch_candidates, against the route tuning.py takes there (the weight decoded to bfloat16 and cuBLAS from
     DECODED_GEMM_MIN_TOKENS on). The shipped tiles are left as they were."""
-    shipped = tuning.GEMV_I8_OVERRIDES.get(qtype)
-    results = []
-    try:
+    timed = []
+    with patch.dict(tuning.GEMV_I8_OVERRIDES), tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
         for tiles in batch_candidates(n_tokens):
             tuning.GEMV_I8_OVERRIDES[qtype] = tiles
-            with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
-                results.append((guarded(dense_decode, qtype, n_tokens, repeat)["us"], tiles))
-    finally:
-        if shipped is None:
-            tuning.GEMV_I8_OVERRIDES.pop(qtype, None)
-        else:
-            tuning.GEMV_I8_OVERRIDES[qtype] = shipped
+            timed.append((guarded(dense_decode, qtype, n_tokens, repeat), tiles))
     with tuned(DECODED_GEMM_MIN_TOKENS=1):
         decoded = guarded(dense_decode, qtype, n_tokens, repeat)["us"]
-    best_us, best = min(results, key=lambda r: r[0] if r[0] == r[0] else float("inf"))
+    best = fastest([(measured["GB/s"], tiles) for measured, tiles in timed])
+    best_us = next(measured["us"] for measured, tiles in timed if tiles is best)
     return ({"best": best.__dict__, "us": best_us, "decoded us": decoded},
-            [(round(us, 1), t.__dict__) for us, t in results])
+            [(round(measured["us"], 1), tiles.__dict__) for measured, tiles in timed])
 
 
 def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
