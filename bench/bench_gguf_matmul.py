@@ -175,12 +175,13 @@ def i8_route(qtype: Q) -> bool:
 
 
 def i8_candidates(n_blocks: int) -> list[tuning.GemvTiles]:
-    """Tiles for the 8-bit route: a thread holds a quad's four words of R*B / (32 * warps) (row, block) pairs, one or
-    two (fewer leave threads idle, more than two spill), B up to the row's blocks."""
+    """Tiles for the 8-bit route (its blocks are the route's units, qtypes.BlockType.dot8_values): a thread holds a
+    quad's four words of R*B / (32 * warps) (row, unit) pairs, one to four (fewer leave threads idle; more than two
+    spilled on the route's first, block-per-lane, form), B up to the row's units."""
     widest = min(32, triton.next_power_of_2(n_blocks))
     tiles = []
     for warps in (1, 2):  # 4 warps and B below a quarter of the row never won the first sweep (2026-12-01 night)
-        for pairs in (1, 2):
+        for pairs in (1, 2, 4):
             for blocks in (widest // 4, widest // 2, widest):
                 rows = 32 * warps * pairs // max(blocks, 1)
                 if blocks >= 1 and 1 <= rows <= 64:
@@ -224,7 +225,7 @@ def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
     bt = BLOCK_TYPES[qtype]
     table = tuning.GEMV_I8_OVERRIDES if i8_route(qtype) else tuning.GEMV_OVERRIDES
     if i8_route(qtype):
-        candidates = i8_candidates(DENSE[1] // bt.values)
+        candidates = i8_candidates(DENSE[1] // bt.dot8_values)
     else:
         shapes = [(2, 4), (4, 4), (8, 4), (4, 8)] if bt.values == 256 else [(4, 16), (8, 8), (8, 16), (16, 16)]
         candidates = [tuning.GemvTiles(rows, blocks, warps) for rows, blocks in shapes for warps in (1, 2, 4)]
@@ -246,7 +247,7 @@ def sweep_grouped_gemv(name: str, qtype: Q, shape: tuple[int, int], per_pair: bo
     key = (qtype, cols // bt.values)
     table = tuning.GEMV_I8_GROUPED_OVERRIDES if i8_route(qtype) else tuning.GEMV_GROUPED_OVERRIDES
     if i8_route(qtype):
-        candidates = i8_candidates(cols // bt.values)
+        candidates = i8_candidates(cols // bt.dot8_values)
     else:
         blocks = (1, 2, 4) if bt.values == 256 else (4, 8, 16)
         candidates = [tuning.GemvTiles(r, b, warps) for r in (4, 8, 16, 32) for b in blocks for warps in (1, 2, 4)]

@@ -80,18 +80,19 @@ def _dp4a(a, b, EMULATE: tl.constexpr):
 
 @triton.jit
 def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, word, every_row, kb, n_blocks,
-                  DOT8: tl.constexpr, V: tl.constexpr, S: tl.constexpr, B: tl.constexpr, GLU: tl.constexpr,
+                  DOT8: tl.constexpr, V: tl.constexpr, B: tl.constexpr, GLU: tl.constexpr,
                   TAIL: tl.constexpr, EMULATE: tl.constexpr):
-    """_gemv_step on the 8-bit route, a quad of 16 values at a time: x_ptr holds the int8 activations as int32 words,
-    xd_ptr their scale d per 32 values, xs_ptr d * (sum of quants) per 16; x_row is the token's first value. A quad
-    adds scale * d * (q_w . q_x) (one dp4a per word) + offset * d * sum(q_x), the latter at word 0 only. Everything
-    is in the [TG, R, B, 4] shape of the accumulators: a thread's repeated loads of one scale are one load."""
+    """_gemv_step on the 8-bit route, over units kb .. kb+B-1 of V values (qtypes: a lane's unit; n_blocks counts
+    units here), a quad of 16 values at a time: x_ptr holds the int8 activations as int32 words, xd_ptr their scale d
+    per 32 values, xs_ptr d * (sum of quants) per 16; x_row is the token's first value. A quad adds scale * d *
+    (q_w . q_x) (one dp4a per word) + offset * d * sum(q_x), the latter at word 0 only. Everything is in the
+    [TG, R, B, 4] shape of the accumulators: a thread's repeated loads of one scale are one load."""
     b = kb + tl.arange(0, B)
     if TAIL:
         b_ok = (b < n_blocks)[None, None, :, None]
         b = tl.minimum(b, n_blocks - 1)
     b = b[None, None, :, None]
-    blk = row_ptr + b * S + 0 * word  # [1, R, B, 4]
+    row = row_ptr + 0 * word  # [1, R, 1, 4]
     at_word0 = word == 0
     x_at = x_ptr + (x_row // 4 + b * (V // 4) + every_row + word)  # the block's first words: [TG, R, B, 4]
     xd_at = xd_ptr + (x_row // 32 + b * (V // 32) + every_row + 0 * word)
@@ -105,11 +106,11 @@ def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, wo
             xw = tl.load(x_at + quad * 4)
             xd = tl.load(xd_at + quad // 2)
             xs = tl.load(xs_at + quad)
-        q, scale, offset = DOT8(blk, word, quad)
+        q, scale, offset = DOT8(row, b, word, quad)
         acc += _dp4a(q, xw, EMULATE).to(tl.float32) * (scale * xd)
         acc = tl.where(at_word0, acc + offset * xs, acc)
         if GLU:
-            q, scale, offset = DOT8(row2_ptr + b * S + 0 * word, word, quad)
+            q, scale, offset = DOT8(row2_ptr + 0 * word, b, word, quad)
             acc2 += _dp4a(q, xw, EMULATE).to(tl.float32) * (scale * xd)
             acc2 = tl.where(at_word0, acc2 + offset * xs, acc2)
     return acc, acc2
@@ -174,10 +175,10 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows
         acc2 = tl.zeros((TG, R, B, 4), tl.float32)
         for kb in range(0, n_full, B):
             acc, acc2 = _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, lane, every_row,
-                                      kb, n_blocks, DECODE, V, S, B, GLU, False, EMULATE)
+                                      kb, n_blocks, DECODE, V, B, GLU, False, EMULATE)
         if n_full < n_steps:
             acc, acc2 = _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, lane, every_row,
-                                      n_full, n_blocks, DECODE, V, S, B, GLU, True, EMULATE)
+                                      n_full, n_blocks, DECODE, V, B, GLU, True, EMULATE)
     else:
         lane = tl.arange(0, P)[None, None, None, :]
         acc = tl.zeros((TG, R, B, P), tl.float32)
@@ -290,14 +291,15 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     else:
         xd_xs = (x, x)
     row_bytes = w.data.shape[-1]
+    values = bt.dot8_values if i8 else bt.values  # per step of a lane: the 8-bit route's unit, or a block
     deltas = (_second_delta(w), _second_delta(w if up is None else up))
     # 16-byte loads of the experts' words: the 60 GB model's gate+up 1555 -> 1766 GB/s on the H200 (kernels.md)
     align = 16 if slots is not None and all(n % 16 == 0 for n in (w.rows * row_bytes, *deltas)) else 1
     grid = (groups, triton.cdiv(w.rows, tiles.rows))
     _gemv_kernel[grid](
         x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
-        w.cols // bt.values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, *deltas,
-        DECODE=bt.dot8 if i8 else bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, TG=group,
+        w.cols // values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, *deltas,
+        DECODE=bt.dot8 if i8 else bt.decode, V=values, S=bt.nbytes, P=bt.part, TG=group,
         R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=i8, EMULATE=_INTERPRETED,
         ALIGN=align,
         num_warps=tiles.num_warps)

@@ -207,14 +207,18 @@ def _iq4_xs(blk, lane, PART: tl.constexpr):
 
 
 # Integer forms for the matrix-vector kernel's 8-bit route (gguf_matmul: activations rounded to int8 per 32 values,
-# dot products of four 8-bit pairs per instruction). A dot8 decoder returns quad PART (16 values, four int32 words)
-# of a block as packed quants and the affine map that turns them into values:
+# dot products of four 8-bit pairs per instruction). The route walks a row in *units* of BlockType.dot8_values values,
+# one unit per lane of a tile: a 32-value block, or a quarter of a Q4_K/Q5_K block (two sub-blocks: the 32 bytes of
+# quants that hold them), so that the lanes of a warp read neighbouring pieces of a few blocks rather than one piece
+# of each of 32 blocks. A dot8 decoder returns quad PART (16 values, four int32 words) of unit u as packed quants
+# and the affine map that turns them into values:
 #
-#     dot8(blk, word, PART) -> (q, scale, offset): q [..., 4] int32, each four signed 8-bit quants (values
-#     16*PART + 4*word .. +3 of the block, lowest byte first); scale, offset float32: value = scale * q + offset.
+#     dot8(row, u, word, PART) -> (q, scale, offset): q [..., 4] int32, each four signed 8-bit quants (values
+#     16*PART + 4*word .. +3 of the unit, lowest byte first); scale, offset float32: value = scale * q + offset.
 #
-# blk comes broadcast over the words ([..., 4], one pointer repeated), so that scales and offsets come out in the
-# words' shape too: the kernel then needs no layout conversions, and a thread's repeated loads of one scale are one.
+# u comes shaped [..., 1], row (the row's first byte) broadcast over the words ([..., 4], one pointer repeated), so
+# that scales and offsets come out in a shape that broadcasts against the words' and a thread's repeated loads of one
+# scale are one.
 # The quants stay packed: nibbles come out four at a time with a shift and a mask, never one value per instruction.
 
 
@@ -238,33 +242,69 @@ def _words2(p, word):
 
 
 @triton.jit
-def _q4_k_i8(blk, word, PART: tl.constexpr):
-    """Half PART % 2 of sub-block PART // 2 (the Q4_K decoder's): q = nibbles, value = d*sc * q - dmin*m."""
-    j = PART // 2
-    scale, low = _k_scale_min(blk, j)
-    return (_words(blk + 16 + (j // 2) * 32 + (PART % 2) * 16, word) >> (4 * (j % 2))) & 0x0F0F0F0F, scale, -low
+def _k_unit_scale_min(blk, j):
+    """_k_scale_min for a sub-block j given as a tensor (blk [..., 4], one pointer repeated; j broadcasting against
+    [..., 1]): the 16-byte header (d, dmin and the 12 bytes of 6-bit fields) in one load, its fields taken apart in
+    registers -> [..., 1] float32 each."""
+    h0, h1, h2, h3 = _split4(_words(blk, tl.arange(0, 4)))
+    h0, h1 = tl.reshape(h0, h0.shape + [1]), tl.reshape(h1, h1.shape + [1])  # [..., 1] again
+    h2, h3 = tl.reshape(h2, h2.shape + [1]), tl.reshape(h3, h3.shape + [1])
+    shift = (j % 4) * 8
+    a = (tl.where(j < 4, h0, h1) >> shift) & 0xFF  # byte j
+    b = (tl.where(j < 4, h1, h2) >> shift) & 0xFF  # byte 4 + j
+    c = (tl.where(j < 4, h2, h3) >> shift) & 0xFF  # byte 8 + j
+    sc = tl.where(j < 4, b & 63, (c & 15) | ((a >> 6) << 4))
+    m = tl.where(j < 4, c & 63, (c >> 4) | ((b >> 6) << 4))
+    d = (h0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((h0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d * sc.to(tl.float32), dmin * m.to(tl.float32)
 
 
 @triton.jit
-def _q5_k_i8(blk, word, PART: tl.constexpr):
-    """Q4_K's with the fifth bits: bit j of each qh byte, moved to bit 4."""
-    j = PART // 2
-    scale, low = _k_scale_min(blk, j)
-    nibbles = (_words(blk + 48 + (j // 2) * 32 + (PART % 2) * 16, word) >> (4 * (j % 2))) & 0x0F0F0F0F
+def _split4(h):
+    """[..., 4] -> its four [...] slices (one thread's words: register renames)."""
+    a, b = tl.split(tl.reshape(h, h.shape[:-1] + [2, 2]))  # words 0, 2 and words 1, 3
+    h0, h2 = tl.split(a)
+    h1, h3 = tl.split(b)
+    return h0, h1, h2, h3
+
+
+@triton.jit
+def _q4_k_i8(row, u, word, PART: tl.constexpr):
+    """Unit u = sub-blocks 2p and 2p + 1 (p = u % 4) of block u // 4, the low and high nibbles of its 32 bytes of
+    quants at 16 + 32p: quad PART is half PART % 2 of sub-block 2p + PART // 2; value = d*sc * q - dmin*m."""
+    blk = row + (u // 4) * 144
+    p = u % 4
+    scale, low = _k_unit_scale_min(blk, 2 * p + PART // 2)
+    q = (_words(blk + 16 + p * 32 + (PART % 2) * 16, word) >> (4 * (PART // 2))) & 0x0F0F0F0F
+    return q, scale, -low
+
+
+@triton.jit
+def _q5_k_i8(row, u, word, PART: tl.constexpr):
+    """Q4_K's units with the fifth bits (quants at 48): bit j of qh byte l (the 32 bytes at 16) is value l's of
+    sub-block j, moved to bit 4."""
+    blk = row + (u // 4) * 176
+    p = u % 4
+    j = 2 * p + PART // 2
+    scale, low = _k_unit_scale_min(blk, j)
+    nibbles = (_words(blk + 48 + p * 32 + (PART % 2) * 16, word) >> (4 * (PART // 2))) & 0x0F0F0F0F
     return nibbles | (((_words(blk + 16 + (PART % 2) * 16, word) >> j) & 0x01010101) << 4), scale, -low
 
 
 @triton.jit
-def _q8_0_i8(blk, word, PART: tl.constexpr):
-    """Half PART of the block: q = the int8 quants, value = d * q."""
+def _q8_0_i8(row, u, word, PART: tl.constexpr):
+    """Half PART of block u: q = the int8 quants, value = d * q."""
+    blk = row + u * 34
     d = _f16(blk)
     return _words2(blk + 2 + 16 * PART, word), d, 0.0 * d
 
 
 @triton.jit
-def _q4_0_i8(blk, word, PART: tl.constexpr):
-    """Half PART of the block: the low nibbles of the 16 bytes are values 0-15, the high ones 16-31;
+def _q4_0_i8(row, u, word, PART: tl.constexpr):
+    """Half PART of block u: the low nibbles of the 16 bytes are values 0-15, the high ones 16-31;
     value = d * (q - 8)."""
+    blk = row + u * 18
     d = _f16(blk)
     return (_words2(blk + 2, word) >> (4 * PART)) & 0x0F0F0F0F, d, -8.0 * d
 
@@ -291,12 +331,13 @@ class BlockType:
     nbytes: int  # S: bytes per block
     part: int  # P: values per part (a power of two, at least 16 for tl.dot)
     dot8: triton.JITFunction | None = None  # the 8-bit route's decoder (quads of 16 values), where the type has one
+    dot8_values: int = 32  # values of a unit of the 8-bit route (a lane's share of a tile)
 
 
 # The common expert and attention types of MoE GGUFs first.
 BLOCK_TYPES: dict[Q, BlockType] = {
-    Q.Q4_K: BlockType(_q4_k, 256, 144, 32, _q4_k_i8),
-    Q.Q5_K: BlockType(_q5_k, 256, 176, 32, _q5_k_i8),
+    Q.Q4_K: BlockType(_q4_k, 256, 144, 32, _q4_k_i8, 64),
+    Q.Q5_K: BlockType(_q5_k, 256, 176, 32, _q5_k_i8, 64),
     Q.Q6_K: BlockType(_q6_k, 256, 210, 16),  # its 8-bit form lost: 872 GB/s against 1156
     Q.Q8_0: BlockType(_q8_0, 32, 34, 32, _q8_0_i8),
     Q.Q4_0: BlockType(_q4_0, 32, 18, 16, _q4_0_i8),

@@ -77,19 +77,22 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
 # time, GB/s against the float route's in the same run: Q4_K 1061 (912), Q8_0 1585 (1356), Q4_0 1216 (938); Q6_K's
 # 8-bit form made 872 in the sweep against its float route's 1156 and was dropped.
 GEMV_INT8 = os.environ.get("MOERUN_GEMV_INT8", "1") != "0"
-GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=16, num_warps=2),
+# On this route a tile's blocks are the route's units (qtypes.BlockType.dot8_values: a Q4_K or Q5_K block is four):
+# one per lane. The Q4_K/Q5_K entries are the swept block tiles (8 x 16 blocks on 2 warps, 4 x 8, 16 x 2 and 2 x 16
+# on one warp) moved to units on the lanes, not swept yet.
+GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=64, num_warps=2),
                                          Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
                                          Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1),
-                                         Q.Q5_K: GemvTiles(rows=8, blocks=16, num_warps=2)}  # Q4_K's: not swept
+                                         Q.Q5_K: GemvTiles(rows=8, blocks=64, num_warps=2)}
 # The grouped decode's 8-bit tiles (same sweep, gate+up timed as one GLU launch), GB/s against the float route's:
 # 30B gate+up 1162 (1018), 30B down 860 (756), 60 GB gate+up 1515 (1226), 60 GB down 1678 (1061). With the experts'
 # Q4_K words loaded 16 bytes at a time (2026-12-02, gguf_matmul's ALIGN) the 30B down's 8 x 4 fell to 783-861 and
 # 16 x 2 made 884-968 (three runs, two calls); the 60 GB down's sweep moved it from 2 x 16 (1727) to 4 x 16 on one warp
 # (1842); the gate+up shapes kept theirs (30B 1335-1346; 60 GB 1773, 4 x 8 1769).
 GEMV_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
-    (Q.Q4_K, 8): GemvTiles(rows=4, blocks=8, num_warps=1),
-    (Q.Q4_K, 3): GemvTiles(rows=16, blocks=2, num_warps=1),
-    (Q.Q4_K, 16): GemvTiles(rows=2, blocks=16, num_warps=1),
+    (Q.Q4_K, 8): GemvTiles(rows=4, blocks=32, num_warps=1),
+    (Q.Q4_K, 3): GemvTiles(rows=8, blocks=16, num_warps=1),
+    (Q.Q4_K, 16): GemvTiles(rows=4, blocks=32, num_warps=1),
     (Q.Q4_0, 44): GemvTiles(rows=4, blocks=16, num_warps=1),
 }
 QUANTIZE_BLOCKS = 32  # blocks of 32 activations per program of quantize_i8
