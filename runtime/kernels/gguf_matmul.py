@@ -85,18 +85,16 @@ def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, wo
     """_gemv_step on the 8-bit route, over units kb .. kb+B-1 of V values (qtypes: a lane's unit; n_blocks counts
     units here), a quad of 16 values at a time: x_ptr holds the int8 activations as int32 words, xd_ptr their scale d
     per 32 values, xs_ptr d * (sum of quants) per 16; x_row is the token's first value. A quad adds scale * d *
-    (q_w . q_x) (one dp4a per word) + offset * d * sum(q_x), the latter at word 0 only. Everything is in the
-    [TG, R, B, 4] shape of the accumulators: a thread's repeated loads of one scale are one load."""
+    (q_w . q_x) + offset * d * sum(q_x), its four words' dot products (one dp4a each) summed in integers first, in a
+    thread (the words are its own): the accumulators are [TG, R, B, 1]."""
     b = kb + tl.arange(0, B)
     if TAIL:
         b_ok = (b < n_blocks)[None, None, :, None]
         b = tl.minimum(b, n_blocks - 1)
     b = b[None, None, :, None]
-    row = row_ptr + 0 * word  # [1, R, 1, 4]
-    at_word0 = word == 0
-    x_at = x_ptr + (x_row // 4 + b * (V // 4) + every_row + word)  # the block's first words: [TG, R, B, 4]
-    xd_at = xd_ptr + (x_row // 32 + b * (V // 32) + every_row + 0 * word)
-    xs_at = xs_ptr + (x_row // 16 + b * (V // 16) + every_row + 0 * word)
+    x_at = x_ptr + (x_row // 4 + b * (V // 4) + every_row + word)  # the unit's first words: [TG, R, B, 4]
+    xd_at = xd_ptr + (x_row // 32 + b * (V // 32) + every_row)  # [TG, R, B, 1]
+    xs_at = xs_ptr + (x_row // 16 + b * (V // 16) + every_row)
     for quad in tl.static_range(V // 16):
         if TAIL:
             xw = tl.load(x_at + quad * 4, mask=b_ok, other=0)
@@ -106,13 +104,13 @@ def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, wo
             xw = tl.load(x_at + quad * 4)
             xd = tl.load(xd_at + quad // 2)
             xs = tl.load(xs_at + quad)
-        q, scale, offset = DOT8(row, b, word, quad)
-        acc += _dp4a(q, xw, EMULATE).to(tl.float32) * (scale * xd)
-        acc = tl.where(at_word0, acc + offset * xs, acc)
+        q, scale, offset = DOT8(row_ptr, b, word, quad)
+        dot = tl.sum(_dp4a(q, xw, EMULATE), axis=3, keep_dims=True).to(tl.float32)
+        acc += dot * (scale * xd) + offset * xs
         if GLU:
-            q, scale, offset = DOT8(row2_ptr + 0 * word, b, word, quad)
-            acc2 += _dp4a(q, xw, EMULATE).to(tl.float32) * (scale * xd)
-            acc2 = tl.where(at_word0, acc2 + offset * xs, acc2)
+            q, scale, offset = DOT8(row2_ptr, b, word, quad)
+            dot = tl.sum(_dp4a(q, xw, EMULATE), axis=3, keep_dims=True).to(tl.float32)
+            acc2 += dot * (scale * xd) + offset * xs
     return acc, acc2
 
 
@@ -171,8 +169,8 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows
     n_full = n_steps // B * B
     if I8:  # a lane is a word of four values
         lane = tl.arange(0, 4)[None, None, None, :]
-        acc = tl.zeros((TG, R, B, 4), tl.float32)
-        acc2 = tl.zeros((TG, R, B, 4), tl.float32)
+        acc = tl.zeros((TG, R, B, 1), tl.float32)
+        acc2 = tl.zeros((TG, R, B, 1), tl.float32)
         for kb in range(0, n_full, B):
             acc, acc2 = _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, lane, every_row,
                                       kb, n_blocks, DECODE, V, B, GLU, False, EMULATE)

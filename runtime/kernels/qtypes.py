@@ -216,9 +216,8 @@ def _iq4_xs(blk, lane, PART: tl.constexpr):
 #     dot8(row, u, word, PART) -> (q, scale, offset): q [..., 4] int32, each four signed 8-bit quants (values
 #     16*PART + 4*word .. +3 of the unit, lowest byte first); scale, offset float32: value = scale * q + offset.
 #
-# u comes shaped [..., 1], row (the row's first byte) broadcast over the words ([..., 4], one pointer repeated), so
-# that scales and offsets come out in a shape that broadcasts against the words' and a thread's repeated loads of one
-# scale are one.
+# u and row (the row's first byte) come shaped [..., 1], word [..., 4]: q comes out [..., 4], scale and offset
+# [..., 1], one per quad (the kernel sums a quad's four word products in integers first).
 # The quants stay packed: nibbles come out four at a time with a shift and a mask, never one value per instruction.
 
 
@@ -243,9 +242,8 @@ def _words2(p, word):
 
 @triton.jit
 def _k_unit_scale_min(blk, j):
-    """_k_scale_min for a sub-block j given as a tensor (blk [..., 4], one pointer repeated; j broadcasting against
-    [..., 1]): the 16-byte header (d, dmin and the 12 bytes of 6-bit fields) in one load, its fields taken apart in
-    registers -> [..., 1] float32 each."""
+    """_k_scale_min for a sub-block j given as a tensor (blk and j [..., 1]): the 16-byte header (d, dmin and the
+    12 bytes of 6-bit fields) in one load, its fields taken apart in registers -> [..., 1] float32 each."""
     h0, h1, h2, h3 = _split4(_words(blk, tl.arange(0, 4)))
     h0, h1 = tl.reshape(h0, h0.shape + [1]), tl.reshape(h1, h1.shape + [1])  # [..., 1] again
     h2, h3 = tl.reshape(h2, h2.shape + [1]), tl.reshape(h3, h3.shape + [1])
