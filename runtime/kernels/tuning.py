@@ -84,16 +84,15 @@ GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=8, blocks=64, nu
                                          Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
                                          Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1),
                                          Q.Q5_K: GemvTiles(rows=8, blocks=64, num_warps=2)}
-# The grouped decode's 8-bit tiles (same sweep, gate+up timed as one GLU launch), GB/s against the float route's:
-# 30B gate+up 1162 (1018), 30B down 860 (756), 60 GB gate+up 1515 (1226), 60 GB down 1678 (1061). With the experts'
-# Q4_K words loaded 16 bytes at a time (2026-12-02, gguf_matmul's ALIGN) the 30B down's 8 x 4 fell to 783-861 and
-# 16 x 2 made 884-968 (three runs, two calls); the 60 GB down's sweep moved it from 2 x 16 (1727) to 4 x 16 on one warp
-# (1842); the gate+up shapes kept theirs (30B 1335-1346; 60 GB 1773, 4 x 8 1769).
+# The grouped decode's 8-bit tiles, in units like the above: H200, 2026-12-02 (bench_gguf_matmul.py --sweep grouped
+# --decode-only, 18 candidates each, gate+up timed as one GLU launch), GB/s against the tiles the block-per-lane kernel
+# ran before in the same session: 30B gate+up 1861 (1354), 30B down 1052 (866), 60 GB gate+up 2694 (1773; 4 x 8 made
+# 2690), 60 GB down 1948 (1844).
 GEMV_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
-    (Q.Q4_K, 8): GemvTiles(rows=4, blocks=32, num_warps=1),
-    (Q.Q4_K, 3): GemvTiles(rows=8, blocks=16, num_warps=1),
-    (Q.Q4_K, 16): GemvTiles(rows=4, blocks=32, num_warps=1),
-    (Q.Q4_0, 44): GemvTiles(rows=4, blocks=16, num_warps=1),
+    (Q.Q4_K, 8): GemvTiles(rows=2, blocks=16, num_warps=1),  # Qwen3-30B-A3B gate/up: a row's 16 units in one tile
+    (Q.Q4_K, 3): GemvTiles(rows=8, blocks=4, num_warps=1),  # its down, 768 columns = 6 units
+    (Q.Q4_K, 16): GemvTiles(rows=1, blocks=32, num_warps=1),  # the 60 GB bench model's gate/up, 4096 columns
+    (Q.Q4_0, 44): GemvTiles(rows=4, blocks=16, num_warps=1),  # its down, 1408 columns
 }
 QUANTIZE_BLOCKS = 32  # blocks of 32 activations per program of quantize_i8
 # GEMM, T=512: 128x128 tiles with 8 warps ran 1.8x faster than 64x64 on the dense kernel (Q4_K, Q8_0; 3 stages,
