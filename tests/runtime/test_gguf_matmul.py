@@ -333,7 +333,11 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q, host_offset:
     for stage, full in zip(stages, (gate_all, up_all)):  # first pairs' matrices hold the expert; others untouched
         for p, e in enumerate(flat):
             assert torch.equal(stage[p].cpu(), full[-2 - e] if e < -1 and first[e] == p else torch.zeros_like(full[0]))
-    torch.testing.assert_close(gguf_moe_glu(x.to(DEVICE), gate_s, up_s, staged).cpu().double(), y, rtol=0, atol=0)
+    y_staged = gguf_moe_glu(x.to(DEVICE), gate_s, up_s, staged).cpu().double()
+    if host_offset == 0:  # the same compiled kernel as in place (16-byte loads both): the same sums to the bit
+        torch.testing.assert_close(y_staged, y, rtol=0, atol=0)
+    else:  # in place it was compiled without 16-byte loads, and the compiler may then contract other products
+        assert_glu_close(y_staged, x, torch.from_numpy(experts), gate_all, up_all, qtype, gemm=False)
     # the down projection from the host copy too, each pair its own input; then the weighted sum of the pairs
     down_all = random_weights(qtype, (n_expert, cols), cols, rng)
     down = QWeight(down_all[resident].to(DEVICE), qtype, cols, cols, second=host(down_all))
