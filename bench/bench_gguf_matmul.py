@@ -1,6 +1,6 @@
 """Speed of moerun's GGUF matmul kernels (runtime/kernels/gguf_matmul.py) on one GPU, next to torch's bfloat16 peer.
 
-    python bench/bench_gguf_matmul.py [--sweep [grouped | batch]] [--decode-only | --quick] [--json FILE]
+    python bench/bench_gguf_matmul.py [--sweep [grouped | batch]] [--decode-only | --quick] [--carried] [--json FILE]
 
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
@@ -18,10 +18,12 @@ Prints, from one run:
 Weights are random bytes (timing does not depend on the values; tests/runtime/test_gguf_matmul.py checks results).
 Every timed call reads weights that are not in L2: the calls rotate over enough copies (or experts) to pass 200 MB.
 Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
-step), median of --repeat replays after a warm-up. --sweep first times a few GEMV/GEMM tile shapes per type and uses
-the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles on each expert shape
-(gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, and the grouped prefill GEMM's at
-T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
+step), median of --repeat replays after a warm-up. The 8-bit route's decode rows include the activations' rounding
+(quantize_i8, a launch of its own); with --carried the input comes rounded already, as the decode step's norms and
+attention hand it over (gguf_matmul.carry_i8), and the kernel is timed alone. --sweep first times a few GEMV/GEMM
+tile shapes per type and uses the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles
+on each expert shape (gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, and the grouped
+prefill GEMM's at T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import triton
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import tuning
-from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe, gguf_moe_glu
+from moerun.kernels.gguf_matmul import QWeight, carry_i8, gguf_mm, gguf_moe, gguf_moe_glu, quantize_i8
 from moerun.kernels.qtypes import BLOCK_TYPES
 from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
@@ -53,6 +55,7 @@ MOE_SHAPES = (
     ("60GB down 1408x4096", Q.Q4_0, (4096, 1408), True),
 )
 N_EXPERTS, TOP_K, PREFILL_T, DECODE_T = 128, 8, 512, 8
+CARRIED = False  # --carried: decode inputs come with their 8-bit rounding (see rounded)
 
 
 def graph_seconds(calls: list[Callable[[], object]], repeat: int) -> float:
@@ -106,6 +109,14 @@ def random_bank(qtype: Q, n: int, rows: int, cols: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, rows, cols // bt.values * bt.nbytes), dtype=torch.uint8, device="cuda")
 
 
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x, with --carried its 8-bit rounding handed along (as fused.rms_norm hands its output's), so that the timed
+    products skip quantize_i8's launch; the rounding is made here, outside the timed graph."""
+    if CARRIED and tuning.GEMV_INT8 and x.shape[-1] % 32 == 0:
+        carry_i8(x, *quantize_i8(x.view(-1, x.shape[-1])))
+    return x
+
+
 def copies_for(nbytes: int) -> int:
     return max(2, -(-ROTATE_BYTES // nbytes))
 
@@ -114,7 +125,7 @@ def dense_decode(qtype: Q, n_tokens: int, repeat: int) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
     weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
-    x = torch.randn(n_tokens, cols, device="cuda")
+    x = rounded(torch.randn(n_tokens, cols, device="cuda"))
     t = graph_seconds([lambda w=w: gguf_mm(x, w) for w in weights], repeat)
     return {"us": t * 1e6, "GB/s": bank.numel() / t / 1e9}
 
@@ -128,7 +139,7 @@ def dense_peer(n_tokens: int, repeat: int) -> dict:
 
 
 def moe_inputs(n_tokens: int, cols: int, per_pair: bool, n_calls: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    x = torch.randn((n_tokens, TOP_K, cols) if per_pair else (n_tokens, cols), device="cuda")
+    x = rounded(torch.randn((n_tokens, TOP_K, cols) if per_pair else (n_tokens, cols), device="cuda"))
     slots = [torch.rand(n_tokens, N_EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].to(torch.int32)
              for _ in range(n_calls)]
     return x, slots
@@ -320,8 +331,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="time only what a one-sequence decode step runs (T = 1, the route tuning.py picks), "
                              "for a before/after comparison in the same device call")
+    parser.add_argument("--carried", action="store_true",
+                        help="decode inputs come rounded for the 8-bit route, as in a decode step: time the kernel "
+                             "alone")
     args = parser.parse_args()
     args.decode_only |= args.quick
+    global CARRIED
+    CARRIED = args.carried
     r = args.repeat
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     results["copy GB/s"] = copy = copy_bandwidth(r)
