@@ -4,8 +4,8 @@ Two kernels, both generic over the block type through qtypes.BLOCK_TYPES (the de
 - `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens) streams a tile of R weight rows x B blocks per step and
   multiplies each decoded value with every token's input in float32, so the weight bytes are read once for all tokens;
   on its 8-bit route (tuning.GEMV_INT8, the types with a qtypes dot8 decoder) the inputs are rounded to int8 first
-  (`quantize_i8`, or by the kernel that wrote them: `carry_i8`) and four packed quants meet four inputs per dp4a
-  instruction, in exact integers.
+  (`quantize_i8`, or by the kernel that wrote them: `carry_i8`), a tile's B are units of a block (qtypes, a lane's
+  share) and four packed quants meet four inputs per dp4a instruction, in exact integers.
 - `_gemm_kernel` (prefill) decodes a [BN rows, B blocks] tile per K step to bfloat16 and multiplies it with a
   [BM tokens, K] input tile through tl.dot, accumulating in float32.
 A dense product of several tokens on a GPU decodes its weight to bfloat16 once instead (`_decode_kernel`) and
