@@ -2,6 +2,14 @@
 and off: perplexity over teacher-forced decode steps, top-1 agreement, median relative logit difference.
 
     python bench/bench_route_agreement.py [--device cuda] [--positions 24] [--prompt 16]
+    python bench/bench_route_agreement.py --device cuda --chunks 128 [--ctx 512] [--peer-only]
+
+With --chunks, the held-out text is scored the way llama-perplexity scores it (moerun.perplexity: chunks of --ctx
+tokens, each a fresh sequence, the second half scored), but every scored logit comes from a decode step: a chunk's
+first half runs as a prompt, then one teacher-forced decode step per position. That is the long sample the 0.1%
+criterion needs (a hundred positions spread the perplexity by tenths of a percent); moerun's prompt path (one forward
+per chunk) is scored beside it. llama.cpp's figure is computed where llama-cpp-python imports (`--peer-only`: that
+alone, on a machine without a GPU); it does not depend on moerun's device.
 
 On a CPU (`--device cpu`, the default) the GPU path's modules are built there and their Triton kernels run in the
 interpreter, on tiles that cover a matrix in few programs (its cost is per program): a decode step of the 6-layer
@@ -12,6 +20,8 @@ logits in one evaluation. The text is held-out text (bench/data/heldout.txt) the
 from __future__ import annotations
 
 import argparse
+import hashlib
+import math
 import os
 import sys
 import time
@@ -65,12 +75,94 @@ def llama_cpp_logits(tokens: list[int], prompt: int, positions: int) -> torch.Te
     return scores
 
 
+def held_out_chunks(tokenize, n_ctx: int, n_chunks: int) -> list[list[int]]:
+    tokens = tokenize((ROOT / "bench" / "data" / "heldout.txt").read_text(encoding="utf-8"))
+    if len(tokens) < n_chunks * n_ctx:
+        sys.exit(f"error: the held-out text has {len(tokens) // n_ctx} chunks of {n_ctx} tokens, not {n_chunks}")
+    return [tokens[c * n_ctx: (c + 1) * n_ctx] for c in range(n_chunks)]
+
+
+def scored(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:
+    """(negative log-likelihood, count) of the chunk's second half from the logits (n_ctx/2 - 1, V) predicting it."""
+    targets = torch.tensor(chunk[len(chunk) // 2 + 1:], device=logits.device)
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    return -float(log_probs.gather(-1, targets[:, None]).sum()), len(targets)
+
+
+def decoded_chunk(model: moerun.Model, chunk: list[int]) -> torch.Tensor:
+    """The chunk's first half as a prompt, then a decode step at each scored position -> their logits."""
+    first = len(chunk) // 2
+    model.forward(torch.tensor(chunk[:first]), 0, last_only=True)
+    return torch.stack([model.decode(chunk[p], p).float() for p in range(first, len(chunk) - 1)])
+
+
+def prompt_chunk(model: moerun.Model, chunk: list[int]) -> torch.Tensor:
+    """The whole chunk as one prompt (moerun.perplexity's pass) -> the scored positions' logits."""
+    return model.forward(torch.tensor(chunk), 0)[len(chunk) // 2: len(chunk) - 1].float()
+
+
+def llama_cpp_chunk(llm, chunk: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(chunk)
+    return torch.from_numpy(np.array(llm.scores[len(chunk) // 2: len(chunk) - 1], dtype=np.float32))
+
+
+def chunk_perplexities(args: argparse.Namespace) -> None:
+    """--chunks: perplexity over whole chunks, llama.cpp's and moerun's decode and prompt paths."""
+    sys.path.insert(0, str(ROOT))
+    from bench.train_moe.evaluate import open_llama
+
+    try:
+        llm = open_llama(MODEL, args.ctx)
+    except ImportError:
+        llm = None
+    if llm is None and args.peer_only:
+        sys.exit("error: --peer-only needs llama-cpp-python")
+    def load() -> moerun.Model:  # anew for each path: a CUDA model keeps the decode graphs it captured first
+        return moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.ctx)
+
+    model = None if args.peer_only else load()
+    tokenize = (lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)) if model is None else (
+        lambda text: model.tokenizer.encode(text, add_bos=False))
+    chunks = held_out_chunks(tokenize, args.ctx, args.chunks)
+    digest = hashlib.sha256(np.array(chunks, dtype=np.int64).tobytes()).hexdigest()[:12]
+    print(f"{MODEL.name}: {args.chunks} chunks of {args.ctx} tokens (token ids' sha256 {digest}: the same in "
+          f"every run that scores the same tokens), {args.chunks * (args.ctx // 2 - 1)} scored positions, device "
+          f"{args.device}", flush=True)
+    paths = [] if llm is None else [("llama.cpp (llama-cpp-python, CPU)", None, lambda m, c: llama_cpp_chunk(llm, c))]
+    if model is not None:
+        paths += [(f"moerun decode steps, 8-bit route {'on' if int8 else 'off'}", int8, decoded_chunk)
+                  for int8 in (True, False)]
+        paths.append(("moerun prompt path (one forward per chunk)", True, prompt_chunk))
+    else:
+        print("moerun: not run (--peer-only)")
+    for name, int8, logits_of in paths:
+        if int8 is not None:
+            tuning.GEMV_INT8 = int8
+            model = load()
+        start, nll, count = time.time(), 0.0, 0
+        for chunk in chunks:
+            n, c = scored(logits_of(model, chunk), chunk)
+            nll, count = nll + n, count + c
+        print(f"{name}: perplexity {math.exp(nll / count):.4f} over {count} positions ({time.time() - start:.0f} s)",
+              flush=True)
+    if llm is None:
+        print("llama.cpp: not run (llama-cpp-python does not import here); its figure does not depend on the device: "
+              "run this command with --peer-only where it does")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--positions", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--chunks", type=int, help="score this many whole chunks of the held-out text instead")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk with --chunks")
+    ap.add_argument("--peer-only", action="store_true", help="with --chunks: llama.cpp's perplexity alone")
     args = ap.parse_args()
+    if args.chunks:
+        chunk_perplexities(args)
+        return
     if args.device == "cpu":
         interpreted_gpu_path()
     model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.prompt + args.positions + 8)
@@ -87,6 +179,8 @@ def main() -> None:
     print(f"llama.cpp (llama-cpp-python, CPU): perplexity {perplexity(ref):.4f}")
     for int8 in (True, False):
         tuning.GEMV_INT8 = int8
+        if args.device == "cuda":  # anew: the decode graphs captured first would replay the first route
+            model = moerun.load_model(MODEL, device="cuda", dtype=torch.bfloat16, n_ctx=args.prompt + args.positions + 8)
         start = time.time()
         logits = decoded_logits(model, tokens, args.prompt, args.positions)
         agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
