@@ -307,6 +307,36 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
+def gemm8_candidates() -> list[tuning.GemmTiles]:
+    """Tiles of the 8-bit GEMM for the grouped prefill: 16-64 pairs x 64-128 rows (about 32 pairs per expert at
+    T = 512), 4 or 8 warps."""
+    return [tuning.GemmTiles(bm, bn, 1, warps, 3) for bm, bn, warps in (
+        (16, 64, 4), (16, 128, 4), (16, 128, 8), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8))]
+
+
+def sweep_gemm8(repeat: int, shapes: str) -> dict:
+    """The 8-bit GEMM's tiles on each expert shape at T = 512 (gguf_moe, against the bfloat16 GEMM on its own
+    tiles); sets tuning.GEMM_I8_GROUPED_OVERRIDES to the fastest."""
+    found = {}
+    for name, qtype, shape, per_pair in MOE_SHAPES:
+        if shapes not in name or BLOCK_TYPES[qtype].gemm8 is None:
+            continue
+        key = (qtype, shape[1] // BLOCK_TYPES[qtype].values)
+        with tuned(GEMM_INT8=False):
+            before = guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["us"]
+        row = []
+        for tiles in gemm8_candidates():
+            tuning.GEMM_I8_GROUPED_OVERRIDES[key] = tiles
+            row.append((guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["us"], tiles))
+        best = min(row, key=lambda r: r[0] if r[0] == r[0] else float("inf"))
+        tuning.GEMM_I8_GROUPED_OVERRIDES[key] = best[1]
+        table = [(round(us, 1), (t.block_m, t.block_n, t.num_warps)) for us, t in row]
+        print(f"sweep 8-bit GEMM {name} {qtype.name} (bf16 GEMM {before:.1f} us): {table} -> {key}: {best[1]}",
+              flush=True)
+        found[f"{name} {qtype.name}"] = {"bf16 us": before, "table": table, "best": best[1].__dict__}
+    return found
+
+
 def gemm(qtype: Q, repeat: int, n_tokens: int = PREFILL_T) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
@@ -321,9 +351,10 @@ BLOCKS_ONLY = 1 << 30  # DECODED_GEMM_MIN_TOKENS that keeps every product on the
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch"],
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch", "gemm8"],
                         help="time tile candidates first (grouped: the grouped decode's only; batch: only the dense "
-                             "8-bit tiles at T = 4 and 8, against the decoded route, then stop)")
+                             "8-bit tiles at T = 4 and 8, against the decoded route, then stop; gemm8: only the 8-bit "
+                             "GEMM's tiles on the expert shapes at T = 512, then stop)")
     parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
@@ -342,6 +373,10 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     results["copy GB/s"] = copy = copy_bandwidth(r)
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
+    if args.sweep == "gemm8":  # the 8-bit GEMM's tiles on the expert shapes, then stop
+        results["sweep gemm8"] = sweep_gemm8(r, args.shapes)
+        dump(results, args.json)
+        return
     if args.sweep == "batch":  # does a serve batch's dense product beat the decoded route on the 8-bit kernel?
         for n_tokens in (4, 8):
             for qtype in (q for q in DENSE_TYPES if i8_route(q)):
@@ -429,10 +464,13 @@ def main() -> None:
                 print(f"{label:48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
                       f"{peer['TFLOP/s']:8.1f}", flush=True)
                 results[f"prefill {label} {qtype.name}"] = {"ours": ours, "peer": peer}
-    for name, qtype, shape, per_pair in MOE_SHAPES:
-        ours = guarded(moe, qtype, shape, per_pair, PREFILL_T, r)
-        print(f"{name + ' 8/128':48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
-        results[f"prefill {name} {qtype.name}"] = {"ours": ours}
+    for name, qtype, shape, per_pair in MOE_SHAPES:  # the 8-bit GEMM where the type has one, then the bfloat16 one
+        for i8 in (True, False) if BLOCK_TYPES[qtype].gemm8 is not None else (False,):
+            with tuned(GEMM_INT8=i8):
+                ours = guarded(moe, qtype, shape, per_pair, PREFILL_T, r)
+            label = f"{name} 8/128{' 8-bit' if i8 else ''}"
+            print(f"{label:48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}", flush=True)
+            results[f"prefill {label} {qtype.name}"] = {"ours": ours}
     dump(results, args.json)
     print("tiles:", json.dumps(results["tiles"]))
 
@@ -447,7 +485,9 @@ def dump(results: dict, path: str | None) -> None:
                                                tuning.GEMV_I8_GROUPED_OVERRIDES.items()},
                         "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
                         "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                         tuning.GROUPED_GEMM_OVERRIDES.items()}}
+                                         tuning.GROUPED_GEMM_OVERRIDES.items()},
+                        "8-bit grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
+                                               tuning.GEMM_I8_GROUPED_OVERRIDES.items()}}
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

@@ -180,7 +180,8 @@ def main() -> None:
     for int8 in (True, False):
         tuning.GEMV_INT8 = int8
         if args.device == "cuda":  # anew: the decode graphs captured first would replay the first route
-            model = moerun.load_model(MODEL, device="cuda", dtype=torch.bfloat16, n_ctx=args.prompt + args.positions + 8)
+            model = moerun.load_model(MODEL, device="cuda", dtype=torch.bfloat16,
+                                      n_ctx=args.prompt + args.positions + 8)
         start = time.time()
         logits = decoded_logits(model, tokens, args.prompt, args.positions)
         agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())

@@ -1,13 +1,16 @@
 """Products of activations with weights stored as GGUF blocks, decoded in registers: no dequantized copy is written.
 
-Two kernels, both generic over the block type through qtypes.BLOCK_TYPES (the decoder is a compile-time argument):
+Two kernels (and a variant), generic over the block type through qtypes.BLOCK_TYPES (the decoder is a compile-time
+argument):
 - `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens) streams a tile of R weight rows x B blocks per step and
   multiplies each decoded value with every token's input in float32, so the weight bytes are read once for all tokens;
   on its 8-bit route (tuning.GEMV_INT8, the types with a qtypes dot8 decoder) the inputs are rounded to int8 first
   (`quantize_i8`, or by the kernel that wrote them: `carry_i8`), a tile's B are units of a block (qtypes, a lane's
   share) and four packed quants meet four inputs per dp4a instruction, in exact integers.
 - `_gemm_kernel` (prefill) decodes a [BN rows, B blocks] tile per K step to bfloat16 and multiplies it with a
-  [BM tokens, K] input tile through tl.dot, accumulating in float32.
+  [BM tokens, K] input tile through tl.dot, accumulating in float32; for the experts of a long prompt step, on the
+  types with a qtypes gemm8 decoder, `_gemm_i8_kernel` instead multiplies int8 tiles of the quants with int8
+  activations (quantize_i8) per 32 values on tensor cores (tuning.GEMM_INT8, GEMM_I8_MIN_TOKENS).
 A dense product of several tokens on a GPU decodes its weight to bfloat16 once instead (`_decode_kernel`) and
 multiplies on cuBLAS. Which one runs, for how many tokens, and on which tiles: tuning.py.
 Both take an optional slot per program (a row of a bank of expert matrices): the MoE entry points use it, -1 meaning
@@ -236,6 +239,43 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
                 acc = tl.dot(xv.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xv.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
+
+
+@triton.jit
+def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_rows, n_blocks, row_bytes,
+                    slot_bytes, cols, x_div,
+                    DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    MINS: tl.constexpr):
+    """The grouped _gemm_kernel's programs and ids on the 8-bit route: quantize_i8's activations (int8 quants at
+    xq_ptr, their scale d per 32 values at xd_ptr, d * (sum of quants) per 16 at xs_ptr) times the weights' quants
+    (DECODE: a qtypes gemm8 decoder), one block per K step and one tl.dot of [BM, 32] x [32, BN] int8 per 32 values,
+    exact in int32 on tensor cores; each adds dot * d * scale (+ offset * d * sum(q_x) with MINS, the K-quants') to
+    the float32 accumulators."""
+    m = tl.program_id(0)
+    r = tl.program_id(1) * BN + tl.arange(0, BN)
+    ids = tl.load(ids_ptr + m * BM + tl.arange(0, BM))
+    ok = ids >= 0
+    slot = tl.load(block_slot_ptr + m)
+    w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
+    n_steps = tl.where(slot >= 0, n_blocks, 0)
+    x_row = (tl.where(ok, ids, 0) // x_div).to(tl.int64)  # [BM]
+    row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None] * row_bytes  # [BN, 1]
+    lane = tl.arange(0, 32)[None, :]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for kb in range(0, n_steps):
+        for part in tl.static_range(V // 32):
+            q, scale, offset = DECODE(row_ptr + kb * S, lane, part)  # [BN, 32], [BN, 1], [BN, 1]
+            unit = kb * (V // 32) + part  # the activations' block of 32
+            xq = tl.load(xq_ptr + x_row[:, None] * cols + unit * 32 + lane)  # [BM, 32] int8
+            xd = tl.load(xd_ptr + x_row * (cols // 32) + unit)
+            if MINS:
+                xs_at = xs_ptr + x_row * (cols // 16) + 2 * unit
+                xs = tl.load(xs_at) + tl.load(xs_at + 1)
+            dot = tl.dot(xq, tl.trans(q.to(tl.int8)), out_dtype=tl.int32).to(tl.float32)
+            if MINS:
+                acc += xs[:, None] * tl.reshape(offset, (1, BN))
+            acc += (dot * xd[:, None]) * tl.reshape(scale, (1, BN))
     tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
 
 
@@ -471,19 +511,33 @@ def _libcuda() -> ctypes.CDLL:
 
 
 def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: int, x_div: int,
-          grouped: tuple[torch.Tensor, torch.Tensor] | None, tiles: tuning.GemmTiles) -> None:
+          grouped: tuple[torch.Tensor, torch.Tensor] | None, tiles: tuning.GemmTiles, i8: bool = False) -> None:
+    """The GEMM over the blocks: with `i8` the 8-bit one (the type's gemm8 decoder), else decoded to bfloat16."""
+    ids, block_slot = grouped if grouped is not None else (out, out)
+    n_m = block_slot.numel() if grouped is not None else triton.cdiv(n_ids, tiles.block_m)
+    grid = (n_m, triton.cdiv(w.rows, tiles.block_n))
+    row_bytes = w.data.shape[-1]
+    if i8:
+        assert grouped is not None, "the 8-bit GEMM runs the experts' grouped products only"
+        xq, xd, xs = quantize_i8(x.reshape(-1, w.cols))
+        _gemm_i8_kernel[grid](
+            xq, xd, xs, w.data, ids, block_slot, out, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
+            w.cols, x_div, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes, BM=tiles.block_m, BN=tiles.block_n,
+            MINS=bt.gemm8_mins, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        return
     # The products take bfloat16 inputs; rounding them here (to nearest, as the kernel would) halves the bytes the
     # programs read and the shared memory their pipelined loads take.
     x = x.to(torch.bfloat16)
-    row_bytes = w.data.shape[-1]
-    ids, block_slot = grouped if grouped is not None else (x, x)
-    n_m = block_slot.numel() if grouped is not None else triton.cdiv(n_ids, tiles.block_m)
-    grid = (n_m, triton.cdiv(w.rows, tiles.block_n))
     _gemm_kernel[grid](
         x, w.data, ids, block_slot, out, n_ids, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
         w.cols, x_div,
         DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, BM=tiles.block_m, BN=tiles.block_n, B=tiles.blocks,
         GROUPED=grouped is not None, DOT_IN_F32=_INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def moe_gemm_i8(bt: BlockType, n_tokens: int) -> bool:
+    """Does a prompt step of n_tokens run its experts on the 8-bit GEMM (tuning.GEMM_INT8, GEMM_I8_MIN_TOKENS)?"""
+    return tuning.GEMM_INT8 and bt.gemm8 is not None and n_tokens >= tuning.GEMM_I8_MIN_TOKENS
 
 
 def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
@@ -586,11 +640,12 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
         _gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
-        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values)
+        i8 = moe_gemm_i8(bt, n_tokens)
+        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=i8)
         key, groups = (w.data.shape[0], tiles.block_m), {} if groups is None else groups
         if key not in groups:
             groups[key] = group_by_slot(slots, *key)
-        _gemm(x, w, bt, out, n_tokens * k, x_div, groups[key], tiles)
+        _gemm(x, w, bt, out, n_tokens * k, x_div, groups[key], tiles, i8)
     return out.view(n_tokens, k, w.rows)
 
 

@@ -33,6 +33,10 @@ def _f16(p):
     return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) decorates with objects of its own and runs no PTX.
+_INTERPRETED: tl.constexpr = tl.constexpr(not isinstance(_f16, triton.runtime.JITFunction))
+
+
 @triton.jit
 def _small_f32(u):
     """Integers 0 <= u < 2**23 -> float32, exactly: 2**23 + u has u as its significand bits, then subtract 2**23."""
@@ -132,16 +136,27 @@ def _q4_k_q5_k(blk, q, PART: tl.constexpr):
 
 
 @triton.jit
-def _q4_k(blk, lane, PART: tl.constexpr):
+def _q4_k_quants(blk, lane, PART: tl.constexpr):
     """Parts are the 8 sub-blocks of 32; sub-blocks 2c and 2c+1 are the low and high nibbles of 32 bytes at 16+32c."""
-    return _q4_k_q5_k(blk, (_bytes(blk + 16 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15, PART)
+    return (_bytes(blk + 16 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15
+
+
+@triton.jit
+def _q5_k_quants(blk, lane, PART: tl.constexpr):
+    """Q4_K's with 32 bytes qh at 16 and the nibbles at 48: bit PART of qh[l] is sub-block PART's fifth bit of value
+    l."""
+    low = (_bytes(blk + 48 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15
+    return low | (((_bytes(blk + 16, lane) >> PART) & 1) << 4)
+
+
+@triton.jit
+def _q4_k(blk, lane, PART: tl.constexpr):
+    return _q4_k_q5_k(blk, _q4_k_quants(blk, lane, PART), PART)
 
 
 @triton.jit
 def _q5_k(blk, lane, PART: tl.constexpr):
-    """Q4_K with 32 bytes qh at 16 and the nibbles at 48: bit PART of qh[l] is sub-block PART's fifth bit of value l."""
-    low = (_bytes(blk + 48 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15
-    return _q4_k_q5_k(blk, low | (((_bytes(blk + 16, lane) >> PART) & 1) << 4), PART)
+    return _q4_k_q5_k(blk, _q5_k_quants(blk, lane, PART), PART)
 
 
 @triton.jit
@@ -307,6 +322,55 @@ def _q4_0_i8(row, u, word, PART: tl.constexpr):
     return (_words2(blk + 2, word) >> (4 * PART)) & 0x0F0F0F0F, d, -8.0 * d
 
 
+# Integer forms for the 8-bit GEMM (gguf_matmul._gemm_i8_kernel: int8 tiles multiplied on tensor cores, exact in
+# int32): tl.dot takes one int8 per element, not packed words, so these give part PART of a block as 32 quants that
+# share one scale (values 32*PART .. 32*PART + 31 of the block: a K-quant's sub-block, a whole Q8_0/Q4_0 block):
+#
+#     gemm8(blk, lane, PART) -> (q, scale, offset): q [..., 32] integers in -128..127 (int32 or int8), scale and
+#     offset [..., 1] float32: value = scale * q + offset. blk [..., 1], lane tl.arange(0, 32) shaped [1, ..., 32].
+
+
+@triton.jit
+def _nibbles8(b, HIGH: tl.constexpr):
+    """The low (HIGH 0) or high (1) nibbles of the uint8 bytes b, as int8: four bytes per instruction (a thread
+    holds its bytes four to a register), where int8 arithmetic would take one instruction per byte."""
+    if _INTERPRETED:  # the interpreter runs no PTX
+        return ((b >> (4 * HIGH)) & 15).to(tl.int8)
+    if HIGH:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r", [b],
+                                         dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [b], dtype=tl.int8, is_pure=True,
+                                     pack=4)
+
+
+@triton.jit
+def _q4_k_gemm8(blk, lane, PART: tl.constexpr):
+    scale, low = _k_scale_min(blk, PART)
+    return _nibbles8(tl.load(blk + 16 + (PART // 2) * 32 + lane), PART % 2), scale, -low
+
+
+@triton.jit
+def _q5_k_gemm8(blk, lane, PART: tl.constexpr):
+    scale, low = _k_scale_min(blk, PART)
+    return _q5_k_quants(blk, lane, PART), scale, -low
+
+
+@triton.jit
+def _q8_0_gemm8(blk, lane, PART: tl.constexpr):
+    d = _f16(blk)
+    return tl.load((blk + 2 + lane).to(tl.pointer_type(tl.int8))), d, 0.0 * d
+
+
+@triton.jit
+def _q4_0_gemm8(blk, lane, PART: tl.constexpr):
+    """Values 0-15 are the low nibbles of the 16 bytes, 16-31 the high ones, minus 8: offset 0."""
+    b = tl.load(blk + 2 + tl.arange(0, 16)[None, :])  # [..., 16]
+    low, high = _nibbles8(b, 0) - 8, _nibbles8(b, 1) - 8
+    q = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (b.shape[0], 32))
+    d = _f16(blk)
+    return q, d, 0.0 * d
+
+
 @triton.jit
 def _f16_values(blk, lane, PART: tl.constexpr):
     return tl.load(blk.to(tl.pointer_type(tl.float16)) + lane).to(tl.float32)
@@ -330,15 +394,17 @@ class BlockType:
     part: int  # P: values per part (a power of two, at least 16 for tl.dot)
     dot8: triton.JITFunction | None = None  # the 8-bit route's decoder (quads of 16 values), where the type has one
     dot8_values: int = 32  # values of a unit of the 8-bit route (a lane's share of a tile)
+    gemm8: triton.JITFunction | None = None  # the 8-bit GEMM's decoder (parts of 32 values), where the type has one
+    gemm8_mins: bool = False  # whether its offsets are ever nonzero (the K-quants' mins)
 
 
 # The common expert and attention types of MoE GGUFs first.
 BLOCK_TYPES: dict[Q, BlockType] = {
-    Q.Q4_K: BlockType(_q4_k, 256, 144, 32, _q4_k_i8, 64),
-    Q.Q5_K: BlockType(_q5_k, 256, 176, 32, _q5_k_i8, 64),
+    Q.Q4_K: BlockType(_q4_k, 256, 144, 32, _q4_k_i8, 64, _q4_k_gemm8, True),
+    Q.Q5_K: BlockType(_q5_k, 256, 176, 32, _q5_k_i8, 64, _q5_k_gemm8, True),
     Q.Q6_K: BlockType(_q6_k, 256, 210, 16),  # its 8-bit form lost: 872 GB/s against 1156
-    Q.Q8_0: BlockType(_q8_0, 32, 34, 32, _q8_0_i8),
-    Q.Q4_0: BlockType(_q4_0, 32, 18, 16, _q4_0_i8),
+    Q.Q8_0: BlockType(_q8_0, 32, 34, 32, _q8_0_i8, gemm8=_q8_0_gemm8),
+    Q.Q4_0: BlockType(_q4_0, 32, 18, 16, _q4_0_i8, gemm8=_q4_0_gemm8),
     Q.MXFP4: BlockType(_mxfp4, 32, 17, 16),  # gpt-oss experts
     Q.IQ4_XS: BlockType(_iq4_xs, 256, 136, 16),
     Q.Q2_K: BlockType(_q2_k, 256, 84, 16),

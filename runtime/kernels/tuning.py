@@ -27,6 +27,16 @@ GEMV_MAX_TOKENS = 8
 # T = 4 29-32 against 30-31 for Q4_K, Q8_0 and Q4_0 (a tie; Q6_K 47 against 34), T = 8 63-80 against 29-34.
 # (Expert banks stay on the grouped GEMM: ~32 tokens per expert in a prompt do not repay a decoded copy.)
 DECODED_GEMM_MIN_TOKENS = 4
+# A prompt step of at least GEMM_I8_MIN_TOKENS tokens runs its experts on the 8-bit GEMM (gguf_matmul._gemm_i8_kernel:
+# activations rounded to int8 per 32 values as on the GEMV's 8-bit route, the weights' quants as int8 tiles on tensor
+# cores) where the type has a qtypes gemm8 decoder. H200, 2026-12-02 (bench_gguf_matmul.py --sweep gemm8 and
+# profile_serve_steps.py, docs/BENCHMARKS.md): at T = 512 20-36% faster than the bfloat16 GEMM on the four expert
+# shapes; in the 30B model's captured prompt steps 256 tokens 50.2 -> 43.0 ms, but 128 (a 65-token prompt's bucket)
+# 41.0 -> 42.3, 64 33.7 -> 35.7 and 16 24.1 -> 27.6 (a few pairs per expert: the 8-bit tiles mostly pad), so the
+# crossover lies between 128 and 256 tokens. Dense products of 4-16 tokens lost to the decoded route (33-80 us against
+# 29-31 for a 4096x4096) and keep it. MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off.
+GEMM_INT8 = os.environ.get("MOERUN_GEMM_INT8", "1") != "0"
+GEMM_I8_MIN_TOKENS = 256
 DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
 # A weight larger than this decodes in row chunks of this size, one scratch buffer reused: the output head of a
 # 152k-token vocabulary would otherwise take 620 MB of scratch in a decode step of several sequences.
@@ -113,6 +123,17 @@ GROUPED_GEMM_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
     (Q.Q4_K, 16): GemmTiles(16, 128, 1, num_warps=8, num_stages=3),
     (Q.Q4_0, 44): GemmTiles(64, 128, 4, num_warps=4, num_stages=2),
 }
+# The 8-bit GEMM's tiles (one block per K step, so `blocks` is unused; tl.dot needs 16 tokens at least), by (type,
+# blocks per row) as GROUPED_GEMM_OVERRIDES: H200, 2026-12-02 (bench_gguf_matmul.py --sweep gemm8, 8 candidates each,
+# T = 512), us against the bfloat16 GEMM on its tiles: 30B gate/up 421.6 (525.6), 30B down 396.0 (497.4), 60 GB
+# gate/up 1129.8 (1644.1), 60 GB down 976.7 (1533.3).
+GEMM_I8_GROUPED_TILES = GemmTiles(32, 128, 1, num_warps=4, num_stages=3)
+GEMM_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
+    (Q.Q4_K, 8): GemmTiles(32, 128, 1, num_warps=4, num_stages=3),
+    (Q.Q4_K, 3): GemmTiles(32, 64, 1, num_warps=4, num_stages=3),
+    (Q.Q4_K, 16): GemmTiles(64, 128, 1, num_warps=4, num_stages=3),
+    (Q.Q4_0, 44): GemmTiles(32, 128, 1, num_warps=4, num_stages=3),
+}
 # The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
 GEMV_ACCUMULATORS_PER_THREAD = 64
 
@@ -132,9 +153,11 @@ def gemv_tiles(qtype: Q, block_values: int, per_block: int, tokens: int, grouped
     return GemvTiles(rows, blocks, tiles.num_warps)
 
 
-def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0) -> GemmTiles:
-    """The GEMM's tiles: the grouped kernel's for rows of `grouped_blocks` blocks where swept, the dense ones'
-    where swept, else the block size's."""
+def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0, i8: bool = False) -> GemmTiles:
+    """The GEMM's tiles: with `i8` the 8-bit (grouped) GEMM's, else the grouped kernel's for rows of
+    `grouped_blocks` blocks where swept, the dense ones' where swept, else the block size's."""
+    if i8:
+        return GEMM_I8_GROUPED_OVERRIDES.get((qtype, grouped_blocks), GEMM_I8_GROUPED_TILES)
     swept = GROUPED_GEMM_OVERRIDES.get((qtype, grouped_blocks)) if grouped else DENSE_GEMM_OVERRIDES.get(qtype)
     return swept or GEMM_BY_BLOCK_VALUES[block_values]
 

@@ -18,7 +18,9 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   values (quantize_i8, reproduced here bit for bit by `rounded_i8`) and multiplies exactly in integers, then in
   float32 per 16 values as scale * d * (q . q_x) + offset * d * sum(q_x): it is compared with the float64 product of
   the rounded x, and S counts the two terms apart, |x| (|w - offset| + |offset|) (the offsets are the weights
-  decoded with every quant zeroed).
+  decoded with every quant zeroed). The 8-bit GEMM (tuning.GEMM_INT8, the types with a gemm8 decoder: the experts of
+  prompt steps of tuning.GEMM_I8_MIN_TOKENS tokens or more) rounds x the same way and sums per 32 values on tensor
+  cores: the same operands and bound.
 Random data are never zeros; a wrong nibble, scale or row order misses these bounds by orders of magnitude.
 """
 
@@ -33,8 +35,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
-from moerun.kernels.gguf_matmul import (QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, quantize_i8,
-                                        stage_second, supports)
+from moerun.kernels.gguf_matmul import (QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, moe_gemm_i8,
+                                        quantize_i8, stage_second, supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,16 +109,16 @@ def rounded_i8(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127).double()).reshape(x.shape)
 
 
-def operands(x: torch.Tensor, data: torch.Tensor, qtype: Q, cols: int, gemm: bool
+def operands(x: torch.Tensor, data: torch.Tensor, qtype: Q, cols: int, gemm: bool, gemm8: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the kernels multiply, float64: (x, w, |w| as the bound counts it) for GGUF bytes `data` (..., row_bytes):
-    for the GEMM x in bfloat16, and w too on the GPU; on the 8-bit route x rounded to int8 and |w - offset| +
-    |offset| (module docstring)."""
+    for the GEMM x in bfloat16, and w too on the GPU; on the 8-bit routes (the matrix-vector kernel's; the GEMM's
+    with `gemm8`) x rounded to int8 and |w - offset| + |offset| (module docstring)."""
     w = dequantized(data, qtype, cols)
-    if gemm:
+    if gemm and not gemm8:
         w = w.float().bfloat16().double() if DEVICE == "cuda" else w
         return x.bfloat16().double(), w, w.abs()
-    if on_i8(qtype):
+    if gemm8 or on_i8(qtype):
         start, end = QUANT_BYTES[qtype]
         blocks = data.reshape(*data.shape[:-1], -1, GGML_QUANT_SIZES[qtype][1]).clone()
         blocks[..., start:end] = 0
@@ -235,17 +237,41 @@ def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, monkeypatch, qtype: Q) -
     check_moe(qtype, 21, shared_input=True, gemm=True)
 
 
-@pytest.mark.parametrize("n_tokens", [3, 21], ids=["decode", "prefill"])
-def test_moe_on_shipped_tiles(n_tokens: int) -> None:
+@pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
+@pytest.mark.parametrize("qtype", [q for q in FP16_FIELDS if BLOCK_TYPES[q].gemm8 is not None], ids=lambda q: q.name)
+def test_moe_prefill_on_the_8bit_gemm(wide_tiles, monkeypatch, qtype: Q, shared_input: bool) -> None:
+    """The experts of a prompt step on the 8-bit GEMM (tuning.GEMM_I8_MIN_TOKENS lowered to the test's 21 tokens):
+    gguf_moe as test_moe checks it, and gate and up with the SwiGLU (gguf_moe_glu) on the same grouping."""
+    monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21)
+    assert moe_gemm_i8(BLOCK_TYPES[qtype], 21)
+    check_moe(qtype, 21, shared_input, gemm=True)
+    rng = np.random.default_rng([int(qtype), shared_input, 13])
+    n_slots, k, rows = 5, 3, 24
+    cols = COLS[BLOCK_TYPES[qtype].values]
+    gate_bank, up_bank = (random_weights(qtype, (n_slots, rows), cols, rng) for _ in range(2))
+    slots = torch.from_numpy(rng.integers(-1, n_slots, (21, k)))
+    x = torch.from_numpy(rng.standard_normal((21, cols), dtype=np.float32))
+    y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
+                     QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
+    assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=True)
+
+
+@pytest.mark.parametrize("n_tokens,gemm8", [(3, False), (21, False), (21, True)],
+                         ids=["decode", "prefill", "prefill-8bit"])
+def test_moe_on_shipped_tiles(monkeypatch, n_tokens: int, gemm8: bool) -> None:
     """tuning.py's own grouped tiles where the test's rows of 3 Q4_K blocks have them (the 30B down projection's
-    GEMV_GROUPED_OVERRIDES and GROUPED_GEMM_OVERRIDES entries)."""
+    GEMV_GROUPED_OVERRIDES, GROUPED_GEMM_OVERRIDES and GEMM_I8_GROUPED_OVERRIDES entries)."""
     assert (Q.Q4_K, 3) in tuning.GEMV_GROUPED_OVERRIDES and (Q.Q4_K, 3) in tuning.GROUPED_GEMM_OVERRIDES
+    assert (Q.Q4_K, 3) in tuning.GEMM_I8_GROUPED_OVERRIDES
+    monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21 if gemm8 else 1 << 30)
     check_moe(Q.Q4_K, n_tokens, shared_input=False, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
 
 
 def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
     """gguf_moe of n_tokens x 4 experts on a bank of 6 slots against the float64 reference; `gemm`: the test expects
-    the grouped GEMM (bfloat16 inputs) to run, not the matrix-vector kernel."""
+    the grouped GEMM (the 8-bit one where moe_gemm_i8 says so, else on bfloat16 inputs) to run, not the
+    matrix-vector kernel."""
+    gemm8 = gemm and moe_gemm_i8(BLOCK_TYPES[qtype], n_tokens)
     rng = np.random.default_rng([int(qtype), n_tokens, shared_input])
     n_slots, k, rows = 6, 4, 24
     cols = COLS[BLOCK_TYPES[qtype].values]
@@ -264,7 +290,7 @@ def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
             if slot < 0:
                 assert (y[t, j] == 0).all()
             else:
-                assert_close(y[t, j][None], *operands(xs[t, j][None], bank[slot], qtype, cols, gemm))
+                assert_close(y[t, j][None], *operands(xs[t, j][None], bank[slot], qtype, cols, gemm, gemm8))
 
 
 @pytest.mark.parametrize("n_tokens,grouped_tiles", [(3, None), (21, None), (2, tuning.GemvTiles(16, 1, 1))],
@@ -360,13 +386,15 @@ def assert_glu_close(y, x, slots, gate_bank, up_bank, qtype: Q, gemm: bool) -> N
     -1, within the bound test_moe_glu explains."""
     n_tokens, k = slots.shape
     cols = x.shape[1]
+    gemm8 = gemm and moe_gemm_i8(BLOCK_TYPES[qtype], n_tokens)
     for t in range(n_tokens):
         for j in range(k):
             slot = int(slots[t, j])
             if slot < 0:
                 assert (y[t, j] == 0).all()
                 continue
-            (xt, wg, ag), (_, wu, au) = (operands(x[t], b[slot], qtype, cols, gemm) for b in (gate_bank, up_bank))
+            (xt, wg, ag), (_, wu, au) = (operands(x[t], b[slot], qtype, cols, gemm, gemm8)
+                                         for b in (gate_bank, up_bank))
             g, u = xt @ wg.T, xt @ wu.T
             eg, eu = (2 * (cols + 1) * U * (xt.abs() @ a.T) for a in (ag, au))
             silu = g * torch.sigmoid(g)
