@@ -28,6 +28,7 @@ import triton.language as tl
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 from moerun.kernels import tuning
 from moerun.kernels.gguf_matmul import carry_i8, i8_buffers, store_i8
+from moerun.kernels.qtypes import INTERPRETED
 
 # KV slots per program of attend_decode; query tokens it takes (more go to the torch reference, which is a batched
 # matmul over all of them); largest head size its tiles hold.
@@ -312,9 +313,6 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_p
         store_i8(tl.reshape(y, (DV // 32, 32)), blk, blk < Dv // 32, th, Dv, q_ptr, d_ptr, s_ptr, DV // 32)
 
 
-# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as raw integers in tl.dot: there the
-# attention multiplies in float32.
-_INTERPRETED = not isinstance(_attend_split_kernel, triton.runtime.JITFunction)
 
 
 def attend_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -350,7 +348,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
         k.stride(0) if per_token else 0, v.stride(0) if per_token else 0, allowed.stride(0), scale,
         HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
         DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS,
-        SPLIT=k.dtype == v.dtype == torch.bfloat16 and not _INTERPRETED)
+        SPLIT=k.dtype == v.dtype == torch.bfloat16 and not INTERPRETED)  # (the interpreter's tl.dot: bfloat16 as ints)
     i8 = _rounds_i8(T, H * Dv) and Dv % 32 == 0
     q8, d8, s8 = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)
     _attend_combine_kernel[(T * H,)](

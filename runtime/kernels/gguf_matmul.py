@@ -34,7 +34,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import tuning
-from moerun.kernels.qtypes import BLOCK_TYPES, BlockType
+from moerun.kernels.qtypes import BLOCK_TYPES, INTERPRETED, BlockType
 from moerun.kernels.qweight import QWeight  # noqa: F401 (its home; imported from here too)
 
 
@@ -296,12 +296,6 @@ def _decode_kernel(w_ptr, out_ptr, n_rows, n_blocks, row_bytes,
         tl.store(out_row + part * P, DECODE(blk, lane, part).to(tl.bfloat16), mask=ok)
 
 
-# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) keeps bfloat16 as its raw uint16 bits, its tl.dot multiplies
-# those bits as integers and its float32 -> bfloat16 conversion truncates, so there the GEMM widens its (bfloat16)
-# inputs and multiplies them with the float32 weights.
-_INTERPRETED = not isinstance(_gemm_kernel, triton.runtime.JITFunction)
-
-
 def _block_type(w: QWeight) -> BlockType:
     bt = BLOCK_TYPES[Q(w.qtype)]
     assert w.data.dtype == torch.uint8 and w.data.is_contiguous(), (w.data.dtype, w.qtype)
@@ -338,7 +332,7 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
         x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
         w.cols // values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, *deltas,
         DECODE=bt.dot8 if i8 else bt.decode, V=values, S=bt.nbytes, P=bt.part, TG=group,
-        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=i8, EMULATE=_INTERPRETED,
+        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=i8, EMULATE=INTERPRETED,
         ALIGN=align,
         num_warps=tiles.num_warps)
 
@@ -526,13 +520,15 @@ def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: 
             MINS=bt.gemm8_mins, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         return
     # The products take bfloat16 inputs; rounding them here (to nearest, as the kernel would) halves the bytes the
-    # programs read and the shared memory their pipelined loads take.
+    # programs read and the shared memory their pipelined loads take. Triton's interpreter keeps bfloat16 as its raw
+    # uint16 bits, its tl.dot multiplies those bits as integers and its float32 -> bfloat16 conversion truncates, so
+    # there the GEMM widens its (bfloat16) inputs and multiplies them with the float32 weights (DOT_IN_F32).
     x = x.to(torch.bfloat16)
     _gemm_kernel[grid](
         x, w.data, ids, block_slot, out, n_ids, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
         w.cols, x_div,
         DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, BM=tiles.block_m, BN=tiles.block_n, B=tiles.blocks,
-        GROUPED=grouped is not None, DOT_IN_F32=_INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        GROUPED=grouped is not None, DOT_IN_F32=INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def moe_gemm_i8(bt: BlockType, n_tokens: int) -> bool:
@@ -546,7 +542,7 @@ def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] == w.cols and w.data.dim() == 2, (tuple(x.shape), tuple(w.data.shape))
     x = x.contiguous()
     n_tokens = x.shape[0]
-    if n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not _INTERPRETED:
+    if n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not INTERPRETED:
         return _decoded_mm(x, w)
     out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
     if n_tokens == 0:

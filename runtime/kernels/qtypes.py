@@ -33,8 +33,10 @@ def _f16(p):
     return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
-# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) decorates with objects of its own and runs no PTX.
-_INTERPRETED: tl.constexpr = tl.constexpr(not isinstance(_f16, triton.runtime.JITFunction))
+# Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1, the CPU tests: it decorates with objects of its
+# own, runs no PTX and has quirks of its own, said where the kernels work around them); as Triton code reads it.
+INTERPRETED = not isinstance(_f16, triton.runtime.JITFunction)
+_INTERPRETED: tl.constexpr = tl.constexpr(INTERPRETED)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   classic bound for a sum of C rounded products in any order), tested with a factor 2 to spare;
 - the GEMM rounds x to bfloat16 (to nearest, as torch's .bfloat16() does), and w too on the GPU, and accumulates in
   float32, so it is compared with the float64 product of the same operands, within the same bound (the interpreter
-  multiplies bfloat16 x with float32 w: gguf_matmul._INTERPRETED says why); on the GPU a dense product of
+  multiplies bfloat16 x with float32 w: gguf_matmul._gemm says why); on the GPU a dense product of
   tuning.DECODED_GEMM_MIN_TOKENS tokens or more multiplies the same bfloat16 operands on cuBLAS (decode_bf16).
 - the matrix-vector kernel's 8-bit route (tuning.GEMV_INT8, the types with a dot8 decoder) rounds x to int8 per 32
   values (quantize_i8, reproduced here bit for bit by `rounded_i8`) and multiplies exactly in integers, then in
