@@ -2,8 +2,8 @@
 client against llama.cpp's llama-server on the same file (--llama-server PATH starts one, --peer-url takes a
 running one).
 
-    python bench/bench_serve.py MODEL [--device cpu|cuda] [--streams 1,4,8] [--requests 2] [--prompt 64] [--gen 32]
-                                      [-t THREADS] [--chat] [--serve-args "--vram-budget 20G"]
+    python bench/bench_serve.py MODEL [--device cpu|cuda] [--streams 1,4,8] [--requests 2] [--rounds 1] [--prompt 64]
+                                      [--gen 32] [-t THREADS] [--chat] [--serve-args "--vram-budget 20G"]
                                       [--llama-server PATH [--peer-args "..."] | --peer-url URL] [--json OUT]
     python bench/bench_serve.py --url http://127.0.0.1:8080 ...        # a moerun serve already running
 
@@ -19,7 +19,11 @@ token ids of its own (token-id prompts: no tokenizer or template differences bet
 between text chunks; both servers send one token per chunk), and aggregate tok/s (completion tokens of all
 requests, from the servers' usage counts, over the level's wall time, prefills included). Before each level, N
 warm-up requests at once (prompts and max_tokens as measured, so the batch sizes met while requests finish come
-too) let either server compile or capture what those batch sizes need (moerun: a CUDA graph per batch size). The client needs aiohttp only (no openai package).
+too) let either server compile or capture what those batch sizes need (moerun: a CUDA graph per batch size).
+A level's few seconds make one run's ratio of the most streams to the fewest move by a tenth or two on the GPU:
+--rounds N runs the levels N times over, interleaved (1, 4, 8, 1, 4, 8, ...: a drift of the machine touches every
+level alike) with fresh prompts each round (a prompt seen before would find its KV cached), and reports each level's
+median and range and the ratio of the medians. The client needs aiohttp only (no openai package).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import random
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,6 +166,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int)
     ap.add_argument("--streams", default="1,4,8")
     ap.add_argument("--requests", type=int, default=2, help="requests per client at each level")
+    ap.add_argument("--rounds", type=int, default=1, help="run the levels this many times over, interleaved")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--gen", type=int, default=32, help="max_tokens")
     ap.add_argument("--vocab", type=int, default=2000, help="prompt token ids are drawn below this")
@@ -185,27 +191,35 @@ def main() -> None:
         proc, url = (None, where) if isinstance(where, str) else start_server(name, *where)
         try:
             wait_ready(url, proc)
-            for streams in levels:
-                row = asyncio.run(run_level(url, streams, args.requests, args.prompt, args.gen, args.vocab, args.chat,
-                                            seed=streams))
-                rows.append(report(name, row))
+            for round_ in range(args.rounds):
+                for streams in levels:
+                    row = asyncio.run(run_level(url, streams, args.requests, args.prompt, args.gen, args.vocab,
+                                                args.chat, seed=streams + 1000 * round_))
+                    rows.append(report(name, {"round": round_, **row}))
         finally:
             if proc is not None:
                 stop(proc)
-    print("| server | streams | requests | tokens | aggregate tok/s | TTFT p50 / p99 ms | per token p50 / p99 ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| server | round | streams | requests | tokens | aggregate tok/s | TTFT p50 / p99 ms "
+          "| per token p50 / p99 ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['server']} | {r['streams']} | {r['requests']} | {r['tokens']} | {r['tok_s']:.1f} | "
-              f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} |")
-    base = {r["server"]: r["tok_s"] for r in rows if r["streams"] == min(levels)}
-    for r in rows:
-        if r["streams"] == max(levels) and r["server"] in base:
-            print(f"{r['server']}: {max(levels)} streams give {r['tok_s'] / base[r['server']]:.2f}x the aggregate "
-                  f"tok/s of {min(levels)}")
-    peer = {r["streams"]: r["tok_s"] for r in rows if r["server"] == "llama-server"}
-    for r in rows:
-        if r["server"] == "moerun" and r["streams"] in peer:
-            print(f"moerun / llama-server at {r['streams']} streams: {r['tok_s'] / peer[r['streams']]:.2f}x")
+        print(f"| {r['server']} | {r['round'] + 1} | {r['streams']} | {r['requests']} | {r['tokens']} | "
+              f"{r['tok_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / "
+              f"{r['tpot_p99_ms']:.1f} |")
+    medians = {}  # (server, streams) -> the median aggregate over the rounds
+    for name in dict.fromkeys(r["server"] for r in rows):
+        for streams in levels:
+            runs = [r["tok_s"] for r in rows if r["server"] == name and r["streams"] == streams]
+            medians[name, streams] = statistics.median(runs)
+            if args.rounds > 1:
+                print(f"{name} at {streams} streams: median {medians[name, streams]:.1f} tok/s over {len(runs)} rounds "
+                      f"({min(runs):.1f} - {max(runs):.1f})")
+        print(f"{name}: {max(levels)} streams give {medians[name, max(levels)] / medians[name, min(levels)]:.2f}x the "
+              f"aggregate tok/s of {min(levels)}" + (" (medians)" if args.rounds > 1 else ""))
+    for streams in levels:
+        if ("llama-server", streams) in medians:
+            print(f"moerun / llama-server at {streams} streams: "
+                  f"{medians['moerun', streams] / medians['llama-server', streams]:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

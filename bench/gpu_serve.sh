@@ -45,7 +45,7 @@ wait  # the synthetic model and the build
 for MODEL in $MODELS; do
   [ -f "$MODEL" ] || { echo "$MODEL is missing (see $OUT/synth.log)"; continue; }
   NAME=$(basename "$MODEL" .gguf)
-  python3 bench/bench_serve.py "$MODEL" --device "${DEVICE:-cuda}" --streams 1,4,8 --requests 2 --prompt 64 \
+  python3 bench/bench_serve.py "$MODEL" --device "${DEVICE:-cuda}" --streams 1,4,8 --requests 8 --rounds 3 --prompt 64 \
       --gen 32 $([ -x "$PEER" ] && echo --llama-server "$PEER") --json "$OUT/serve-$NAME.json" 2>&1 \
       | tee "$OUT/serve-$NAME.log"
 done
