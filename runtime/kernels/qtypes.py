@@ -138,22 +138,17 @@ def _q4_k_q5_k(blk, q, PART: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_quants(blk, lane, PART: tl.constexpr):
+def _q4_k(blk, lane, PART: tl.constexpr):
     """Parts are the 8 sub-blocks of 32; sub-blocks 2c and 2c+1 are the low and high nibbles of 32 bytes at 16+32c."""
-    return (_bytes(blk + 16 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15
+    return _q4_k_q5_k(blk, (_bytes(blk + 16 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15, PART)
 
 
 @triton.jit
 def _q5_k_quants(blk, lane, PART: tl.constexpr):
-    """Q4_K's with 32 bytes qh at 16 and the nibbles at 48: bit PART of qh[l] is sub-block PART's fifth bit of value
-    l."""
+    """Q4_K's parts with 32 bytes qh at 16 and the nibbles at 48: bit PART of qh[l] is sub-block PART's fifth bit of
+    value l."""
     low = (_bytes(blk + 48 + (PART // 2) * 32, lane) >> (4 * (PART % 2))) & 15
     return low | (((_bytes(blk + 16, lane) >> PART) & 1) << 4)
-
-
-@triton.jit
-def _q4_k(blk, lane, PART: tl.constexpr):
-    return _q4_k_q5_k(blk, _q4_k_quants(blk, lane, PART), PART)
 
 
 @triton.jit
@@ -328,8 +323,9 @@ def _q4_0_i8(row, u, word, PART: tl.constexpr):
 # int32): tl.dot takes one int8 per element, not packed words, so these give part PART of a block as 32 quants that
 # share one scale (values 32*PART .. 32*PART + 31 of the block: a K-quant's sub-block, a whole Q8_0/Q4_0 block):
 #
-#     gemm8(blk, lane, PART) -> (q, scale, offset): q [..., 32] integers in -128..127 (int32 or int8), scale and
-#     offset [..., 1] float32: value = scale * q + offset. blk [..., 1], lane tl.arange(0, 32) shaped [1, ..., 32].
+#     gemm8(blk, lane, PART) -> (q, scale, offset): q [BN, 32] integers in -128..127 (int32 or int8), scale and
+#     offset [BN, 1] float32: value = scale * q + offset. blk [BN, 1] (a GEMM tile's rows), lane tl.arange(0, 32)
+#     shaped [1, 32].
 
 
 @triton.jit
