@@ -20,7 +20,7 @@ logits in one evaluation. The text is held-out text (bench/data/heldout.txt) the
 from __future__ import annotations
 
 import argparse
-import hashlib
+import importlib.util
 import math
 import os
 import sys
@@ -34,8 +34,10 @@ import numpy as np
 import torch
 
 import moerun
+from moeprep.gguf.reader import open_gguf
 from moerun import layers
 from moerun.kernels import tuning
+from moerun.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "bench" / "models" / "bench-qwen3moe-q4k.gguf"
@@ -75,80 +77,57 @@ def llama_cpp_logits(tokens: list[int], prompt: int, positions: int) -> torch.Te
     return scores
 
 
-def held_out_chunks(tokenize, n_ctx: int, n_chunks: int) -> list[list[int]]:
-    tokens = tokenize((ROOT / "bench" / "data" / "heldout.txt").read_text(encoding="utf-8"))
-    if len(tokens) < n_chunks * n_ctx:
-        sys.exit(f"error: the held-out text has {len(tokens) // n_ctx} chunks of {n_ctx} tokens, not {n_chunks}")
-    return [tokens[c * n_ctx: (c + 1) * n_ctx] for c in range(n_chunks)]
-
-
-def scored(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:
-    """(negative log-likelihood, count) of the chunk's second half from the logits (n_ctx/2 - 1, V) predicting it."""
-    targets = torch.tensor(chunk[len(chunk) // 2 + 1:], device=logits.device)
-    log_probs = torch.log_softmax(logits.double(), dim=-1)
-    return -float(log_probs.gather(-1, targets[:, None]).sum()), len(targets)
-
-
-def decoded_chunk(model: moerun.Model, chunk: list[int]) -> torch.Tensor:
-    """The chunk's first half as a prompt, then a decode step at each scored position -> their logits."""
-    first = len(chunk) // 2
-    model.forward(torch.tensor(chunk[:first]), 0, last_only=True)
-    return torch.stack([model.decode(chunk[p], p).float() for p in range(first, len(chunk) - 1)])
-
-
-def prompt_chunk(model: moerun.Model, chunk: list[int]) -> torch.Tensor:
-    """The whole chunk as one prompt (moerun.perplexity's pass) -> the scored positions' logits."""
-    return model.forward(torch.tensor(chunk), 0)[len(chunk) // 2: len(chunk) - 1].float()
-
-
-def llama_cpp_chunk(llm, chunk: list[int]) -> torch.Tensor:
-    llm.reset()
-    llm.eval(chunk)
-    return torch.from_numpy(np.array(llm.scores[len(chunk) // 2: len(chunk) - 1], dtype=np.float32))
+def decoded_perplexity(model: moerun.Model, tokens: list[int], n_ctx: int) -> float:
+    """moerun.perplexity's chunks and scored positions, each scored logit from a decode step: a chunk's first half as
+    a prompt, then one teacher-forced step per position."""
+    first, nll, count = n_ctx // 2, 0.0, 0
+    for start in range(0, len(tokens) // n_ctx * n_ctx, n_ctx):
+        chunk = tokens[start: start + n_ctx]
+        model.forward(torch.tensor(chunk[:first]), 0, last_only=True)
+        logits = torch.stack([model.decode(chunk[p], p).float() for p in range(first, n_ctx - 1)])
+        targets = torch.tensor(chunk[first + 1:], device=logits.device)
+        nll -= float(torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[:, None]).sum())
+        count += len(targets)
+    return math.exp(nll / count)
 
 
 def chunk_perplexities(args: argparse.Namespace) -> None:
-    """--chunks: perplexity over whole chunks, llama.cpp's and moerun's decode and prompt paths."""
+    """--chunks: perplexity over the first args.chunks chunks of the held-out text, llama.cpp's (as
+    bench/train_moe/evaluate.py computes it, each engine tokenizing the text itself) and moerun's decode and prompt
+    paths."""
     sys.path.insert(0, str(ROOT))
-    from bench.train_moe.evaluate import open_llama
+    from bench.train_moe.evaluate import llama_cpp_perplexity
 
-    try:
-        llm = open_llama(MODEL, args.ctx)
-    except ImportError:
-        llm = None
-    if llm is None and args.peer_only:
+    text = (ROOT / "bench" / "data" / "heldout.txt").read_text(encoding="utf-8")
+    has_peer = importlib.util.find_spec("llama_cpp") is not None
+    if args.peer_only and not has_peer:
         sys.exit("error: --peer-only needs llama-cpp-python")
-    def load() -> moerun.Model:  # anew for each path: a CUDA model keeps the decode graphs it captured first
-        return moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.ctx)
-
-    model = None if args.peer_only else load()
-    tokenize = (lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)) if model is None else (
-        lambda text: model.tokenizer.encode(text, add_bos=False))
-    chunks = held_out_chunks(tokenize, args.ctx, args.chunks)
-    digest = hashlib.sha256(np.array(chunks, dtype=np.int64).tobytes()).hexdigest()[:12]
-    print(f"{MODEL.name}: {args.chunks} chunks of {args.ctx} tokens (token ids' sha256 {digest}: the same in "
-          f"every run that scores the same tokens), {args.chunks * (args.ctx // 2 - 1)} scored positions, device "
-          f"{args.device}", flush=True)
-    paths = [] if llm is None else [("llama.cpp (llama-cpp-python, CPU)", None, lambda m, c: llama_cpp_chunk(llm, c))]
-    if model is not None:
-        paths += [(f"moerun decode steps, 8-bit route {'on' if int8 else 'off'}", int8, decoded_chunk)
-                  for int8 in (True, False)]
-        paths.append(("moerun prompt path (one forward per chunk)", True, prompt_chunk))
+    tokens = Tokenizer(open_gguf(MODEL)).encode(text, add_bos=False)
+    if len(tokens) < args.chunks * args.ctx:
+        sys.exit(f"error: the held-out text has {len(tokens) // args.ctx} chunks of {args.ctx} tokens, "
+                 f"not {args.chunks}")
+    tokens = tokens[: args.chunks * args.ctx]
+    print(f"{MODEL.name}: {args.chunks} chunks of {args.ctx} tokens, {args.chunks * (args.ctx // 2 - 1)} scored "
+          f"positions, device {args.device}", flush=True)
+    if has_peer:
+        start = time.time()
+        ppl, count = llama_cpp_perplexity(MODEL, text, args.ctx, args.chunks)
+        print(f"llama.cpp (llama-cpp-python, CPU): perplexity {ppl:.4f} over {count} positions "
+              f"({time.time() - start:.0f} s)", flush=True)
     else:
-        print("moerun: not run (--peer-only)")
-    for name, int8, logits_of in paths:
-        if int8 is not None:
-            tuning.GEMV_INT8 = int8
-            model = load()
-        start, nll, count = time.time(), 0.0, 0
-        for chunk in chunks:
-            n, c = scored(logits_of(model, chunk), chunk)
-            nll, count = nll + n, count + c
-        print(f"{name}: perplexity {math.exp(nll / count):.4f} over {count} positions ({time.time() - start:.0f} s)",
-              flush=True)
-    if llm is None:
         print("llama.cpp: not run (llama-cpp-python does not import here); its figure does not depend on the device: "
               "run this command with --peer-only where it does")
+    if args.peer_only:
+        return
+    for name, int8, score in [(f"decode steps, 8-bit route {'on' if int8 else 'off'}", int8, decoded_perplexity)
+                              for int8 in (True, False)] + [("prompt path (one forward per chunk)", True,
+                                                             moerun.perplexity)]:
+        tuning.GEMV_INT8 = int8
+        # anew for each path: a CUDA model keeps the decode graphs it captured first
+        model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.ctx)
+        start = time.time()
+        ppl = score(model, tokens, args.ctx)
+        print(f"moerun {name}: perplexity {ppl:.4f} ({time.time() - start:.0f} s)", flush=True)
 
 
 def main() -> None:
