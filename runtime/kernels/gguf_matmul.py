@@ -513,7 +513,9 @@ def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: 
     row_bytes = w.data.shape[-1]
     if i8:
         assert grouped is not None, "the 8-bit GEMM runs the experts' grouped products only"
-        xq, xd, xs = quantize_i8(x.reshape(-1, w.cols))
+        rounding = carried_i8(x) or quantize_i8(x.reshape(-1, w.cols))
+        carry_i8(x, *rounding)  # a layer's gate and up read the same input: rounded once for both
+        xq, xd, xs = rounding
         _gemm_i8_kernel[grid](
             xq, xd, xs, w.data, ids, block_slot, out, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
             w.cols, x_div, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes, BM=tiles.block_m, BN=tiles.block_n,
