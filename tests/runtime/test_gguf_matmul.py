@@ -245,15 +245,7 @@ def test_moe_prefill_on_the_8bit_gemm(wide_tiles, monkeypatch, qtype: Q, shared_
     monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21)
     assert moe_gemm_i8(BLOCK_TYPES[qtype], 21)
     check_moe(qtype, 21, shared_input, gemm=True)
-    rng = np.random.default_rng([int(qtype), shared_input, 13])
-    n_slots, k, rows = 5, 3, 24
-    cols = COLS[BLOCK_TYPES[qtype].values]
-    gate_bank, up_bank = (random_weights(qtype, (n_slots, rows), cols, rng) for _ in range(2))
-    slots = torch.from_numpy(rng.integers(-1, n_slots, (21, k)))
-    x = torch.from_numpy(rng.standard_normal((21, cols), dtype=np.float32))
-    y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
-                     QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
-    assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=True)
+    check_moe_glu(qtype, 21, np.random.default_rng([int(qtype), shared_input, 13]))
 
 
 @pytest.mark.parametrize("n_tokens,gemm8", [(3, False), (21, False), (21, True)],
@@ -304,7 +296,12 @@ def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles
     if grouped_tiles is not None:
         blocks = COLS[BLOCK_TYPES[qtype].values] // BLOCK_TYPES[qtype].values
         monkeypatch.setitem(tuning.GEMV_GROUPED_OVERRIDES, (qtype, blocks), grouped_tiles)
-    rng = np.random.default_rng([int(qtype), n_tokens, 5])
+    check_moe_glu(qtype, n_tokens, np.random.default_rng([int(qtype), n_tokens, 5]))
+
+
+def check_moe_glu(qtype: Q, n_tokens: int, rng: np.random.Generator) -> None:
+    """gguf_moe_glu of n_tokens x 3 experts (int64 slots, -1 among them) on banks of 5 slots against the float64
+    reference (assert_glu_close)."""
     n_slots, k, rows = 5, 3, 24
     cols = COLS[BLOCK_TYPES[qtype].values]
     gate_bank, up_bank = (random_weights(qtype, (n_slots, rows), cols, rng) for _ in range(2))
