@@ -289,21 +289,26 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
-def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat: int) -> tuple[tuning.GemmTiles, list]:
+def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat: int,
+                       i8: bool = False) -> tuple[tuning.GemmTiles, list]:
     """Tiles of the grouped prefill GEMM on one expert shape at T = 512 (about 32 pairs per expert): fewer rows per
-    tile than the dense kernel's, wider weight tiles. Sets tuning.GROUPED_GEMM_OVERRIDES for the shape."""
+    tile than the dense kernel's, wider weight tiles. Sets tuning.GROUPED_GEMM_OVERRIDES for the shape; with `i8`
+    those of the 8-bit GEMM (gemm8_candidates, tuning.GEMM_I8_GROUPED_OVERRIDES)."""
     rows, cols = shape
     bt = BLOCK_TYPES[qtype]
     key = (qtype, cols // bt.values)
     b = 1 if bt.values == 256 else 4
-    candidates = [tuning.GemmTiles(bm, bn, b, warps, stages) for bm in (16, 32, 64) for bn in (64, 128)
-                  for warps, stages in ((4, 2), (4, 3), (8, 3))] + [tuning.GemmTiles(32, 64, 2 * b, 4, 3)]
+    candidates = gemm8_candidates() if i8 else (
+        [tuning.GemmTiles(bm, bn, b, warps, stages) for bm in (16, 32, 64) for bn in (64, 128)
+         for warps, stages in ((4, 2), (4, 3), (8, 3))] + [tuning.GemmTiles(32, 64, 2 * b, 4, 3)])
+    table = tuning.GEMM_I8_GROUPED_OVERRIDES if i8 else tuning.GROUPED_GEMM_OVERRIDES
     results = []
-    for tiles in candidates:
-        tuning.GROUPED_GEMM_OVERRIDES[key] = tiles
-        results.append((guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["TFLOP/s"], tiles))
+    with tuned(GEMM_INT8=i8):
+        for tiles in candidates:
+            table[key] = tiles
+            results.append((guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["TFLOP/s"], tiles))
     best = fastest(results)
-    tuning.GROUPED_GEMM_OVERRIDES[key] = best
+    table[key] = best
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
@@ -315,25 +320,19 @@ def gemm8_candidates() -> list[tuning.GemmTiles]:
 
 
 def sweep_gemm8(repeat: int, shapes: str) -> dict:
-    """The 8-bit GEMM's tiles on each expert shape at T = 512 (gguf_moe, against the bfloat16 GEMM on its own
-    tiles); sets tuning.GEMM_I8_GROUPED_OVERRIDES to the fastest."""
+    """The 8-bit GEMM's tiles on each expert shape at T = 512 (sweep_grouped_gemm), next to the bfloat16 GEMM on its
+    own tiles."""
     found = {}
     for name, qtype, shape, per_pair in MOE_SHAPES:
         if shapes not in name or BLOCK_TYPES[qtype].gemm8 is None:
             continue
-        key = (qtype, shape[1] // BLOCK_TYPES[qtype].values)
         with tuned(GEMM_INT8=False):
-            before = guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["us"]
-        row = []
-        for tiles in gemm8_candidates():
-            tuning.GEMM_I8_GROUPED_OVERRIDES[key] = tiles
-            row.append((guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["us"], tiles))
-        best = min(row, key=lambda r: r[0] if r[0] == r[0] else float("inf"))
-        tuning.GEMM_I8_GROUPED_OVERRIDES[key] = best[1]
-        table = [(round(us, 1), (t.block_m, t.block_n, t.num_warps)) for us, t in row]
-        print(f"sweep 8-bit GEMM {name} {qtype.name} (bf16 GEMM {before:.1f} us): {table} -> {key}: {best[1]}",
+            before = guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["TFLOP/s"]
+        best, table = sweep_grouped_gemm(qtype, shape, per_pair, repeat, i8=True)
+        key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
+        print(f"sweep 8-bit GEMM {name} {qtype.name} (TFLOP/s; bf16 GEMM {before:.1f}): {table} -> {key}: {best}",
               flush=True)
-        found[f"{name} {qtype.name}"] = {"bf16 us": before, "table": table, "best": best[1].__dict__}
+        found[f"{name} {qtype.name}"] = {"bf16 TFLOP/s": before, "table": table}
     return found
 
 
