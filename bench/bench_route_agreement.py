@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if "--device" not in sys.argv or "cpu" in sys.argv:  # Triton reads the variable when it decorates a kernel
@@ -91,7 +92,7 @@ def decoded_perplexity(model: moerun.Model, tokens: list[int], n_ctx: int) -> fl
     return math.exp(nll / count)
 
 
-def chunk_perplexities(args: argparse.Namespace) -> None:
+def chunk_perplexities(args: argparse.Namespace, error: Callable[[str], None]) -> None:
     """--chunks: perplexity over the first args.chunks chunks of the held-out text, llama.cpp's (as
     bench/train_moe/evaluate.py computes it, each engine tokenizing the text itself) and moerun's decode and prompt
     paths."""
@@ -101,11 +102,10 @@ def chunk_perplexities(args: argparse.Namespace) -> None:
     text = (ROOT / "bench" / "data" / "heldout.txt").read_text(encoding="utf-8")
     has_peer = importlib.util.find_spec("llama_cpp") is not None
     if args.peer_only and not has_peer:
-        sys.exit("error: --peer-only needs llama-cpp-python")
+        error("--peer-only needs llama-cpp-python")
     tokens = Tokenizer(open_gguf(MODEL)).encode(text, add_bos=False)
     if len(tokens) < args.chunks * args.ctx:
-        sys.exit(f"error: the held-out text has {len(tokens) // args.ctx} chunks of {args.ctx} tokens, "
-                 f"not {args.chunks}")
+        error(f"the held-out text has {len(tokens) // args.ctx} chunks of {args.ctx} tokens, not {args.chunks}")
     tokens = tokens[: args.chunks * args.ctx]
     print(f"{MODEL.name}: {args.chunks} chunks of {args.ctx} tokens, {args.chunks * (args.ctx // 2 - 1)} scored "
           f"positions, device {args.device}", flush=True)
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--peer-only", action="store_true", help="with --chunks: llama.cpp's perplexity alone")
     args = ap.parse_args()
     if args.chunks:
-        chunk_perplexities(args)
+        chunk_perplexities(args, ap.error)
         return
     if args.device == "cpu":
         interpreted_gpu_path()
