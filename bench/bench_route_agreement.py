@@ -101,6 +101,8 @@ def chunk_perplexities(args: argparse.Namespace, error: Callable[[str], None]) -
 
     text = (ROOT / "bench" / "data" / "heldout.txt").read_text(encoding="utf-8")
     has_peer = importlib.util.find_spec("llama_cpp") is not None
+    if args.chunks < 2:
+        error("--chunks takes 2 or more (moerun.perplexity scores at least two chunks)")
     if args.peer_only and not has_peer:
         error("--peer-only needs llama-cpp-python")
     tokens = Tokenizer(open_gguf(MODEL)).encode(text, add_bos=False)
