@@ -229,15 +229,17 @@ ATTEND_SCORE_BYTES = 256 << 20
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of q (T, H, Dk) over k (S, G, Dk), v (S, G, Dv), or over k (B, S, G, Dk), v (B, S, G, Dv)
-    when the tokens are B blocks of T/B consecutive rows, each reading its own sequence (KVCache.update says which:
-    B = T in a decode batch, one token per sequence; B prompt chunks in a captured prompt step); query head h reads KV
-    head h // (H/G). `allowed` (T, S) masks each token's slots.
+           sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of q (T, H, Dk) over one sequence's k (S, G, Dk), v (S, G, Dv), or, given `seqs` (B,), over
+    every sequence's k (n_seq, S, G, Dk), v (n_seq, S, G, Dv) when the tokens are B blocks of T/B consecutive rows,
+    block b reading sequence seqs[b] (Step.blocks: B = T in a decode batch, one token per sequence; B prompt chunks in
+    a captured prompt step); query head h reads KV head h // (H/G). `allowed` (T, S) masks each token's slots.
 
     `sinks` (H,) are per-head logits that join each softmax's denominator without a value (gpt-oss).
     Returns (T, H, Dv) float32.
     """
+    if seqs is not None:  # each block's sequence
+        k, v = k[seqs], v[seqs]
     T, H, Dk = q.shape
     G, Dv = v.shape[-2:]
     rows = max(1, ATTEND_SCORE_BYTES // (4 * H * k.shape[-3]))
@@ -304,9 +306,10 @@ class Attention(nn.Module):
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.v_head_dim)
-        # k_all, v_all: (S, G, Dh), or (T, S, G, Dh) across sequences
+        # k_all, v_all: (S, G, Dh), or (n_seq, S, G, Dh) that the step's blocks index
         q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
-        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks)  # (T, H, Dv)
+        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks,
+                                  step.blocks)  # (T, H, Dv)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -629,26 +632,34 @@ def fused_kernels() -> Kernels:
     from moerun.quantized import QuantLinear
 
     def fused_norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache):
-        """One launch where the Q/K norms are per head (or absent), else the torch reference. A step of one
-        sequence has k and v written straight into that sequence's cache rows (slot = position, cache/kv.py); a step
-        across sequences, or of one sequence given as a device value, hands them to KVCache.update."""
+        """One launch where the Q/K norms are per head (or absent), else the torch reference. k and v go straight
+        into the cache rows (slot = position, cache/kv.py) of the step's one sequence, or of each token's in a step
+        across sequences; a captured prompt step (its sequences per block of tokens) hands them to KVCache.update."""
         per_head = qk_norms_per_head(q, q_norm, k_norm)
         if per_head is None:
             return norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
-        slots = (cache.k[step.seq], cache.v[step.seq]) if step.in_place else (None, None)
+        n = step.n_slots
+        if step.in_place:
+            slots = (cache.k[step.seq], cache.v[step.seq], None)
+        elif step.seqs is not None:  # a token each: every sequence's rows, written at (seqs[t], positions[t])
+            slots = (cache.k, cache.v, step.seqs)
+        else:
+            slots = (None, None, None)
         q, k, v = fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,
                                  q_norm.eps if per_head else 0.0, rope.cos, rope.sin, step.positions,
                                  rope.style == "neox", cache.k.dtype, *slots)
         if step.in_place:
-            return q, k[:step.n_slots], v[:step.n_slots]
+            return q, k[:n], v[:n]
+        if step.seqs is not None:
+            return q, k[:, :n], v[:, :n]
         return q, *cache.update(step, k, v)
 
-    def fused_attend(q, k, v, allowed, scale, sinks=None):
+    def fused_attend(q, k, v, allowed, scale, sinks=None, seqs=None):
         """Decode-sized steps (of one sequence, or one token of each of several) in the split kernel; prefill and
         prompts mixed with decode tokens in torch."""
-        if fused.attend_supports(q, k, v):
-            return fused.attend_decode(q, k, v, allowed, scale, sinks)
-        return attend(q, k, v, allowed, scale, sinks)
+        if fused.attend_supports(q, k, v, seqs):
+            return fused.attend_decode(q, k, v, allowed, scale, sinks, seqs)
+        return attend(q, k, v, allowed, scale, sinks, seqs)
 
     return Kernels(fused.rms_norm, fused.add_rms_norm, fused_norm_rope_store, fused_attend, fused.route,
                    {**ACTIVATIONS, "swiglu": fused.swiglu}, QuantLinear.stack_rows)

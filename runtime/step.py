@@ -15,8 +15,8 @@ class Step:
     A step of one sequence (`seq`, the common case: a prompt chunk or a decode step) reads that sequence's slots as
     they lie; a captured prompt step (graphs.PromptGraphs) gives its sequences as a (B,) device tensor instead, its
     tokens being B blocks of equal length, one prompt chunk each, so that one graph serves every set of sequences
-    (each block reads a gathered copy of its sequence's slots); a step that mixes sequences (`seqs`, one per token: a
-    batch of decode steps) makes each token read its own sequence's slots. Slots past the last position are masked anyway, so n_slots = last position + 1 is the
+    (each block reads its sequence's slots); a step that mixes sequences (`seqs`, one per token: a batch of decode
+    steps) makes each token read its own sequence's slots. Slots past the last position are masked anyway, so n_slots = last position + 1 is the
     cheapest choice; a CUDA-graph decode step passes a fixed bucket instead, so that its shapes never change.
 
     A model spread over several devices reads the step on each of them: `on(device)` gives the step's copy there,
@@ -34,9 +34,15 @@ class Step:
 
     @property
     def in_place(self) -> bool:
-        """Does the step read its one sequence's slots where they lie (`seq` a number), rather than copies of each
-        block's or token's (KVCache.update)?"""
+        """Is the step of one sequence (`seq` a number), rather than of a sequence per block or token (`blocks`)?"""
         return self.seqs is None and not isinstance(self.seq, torch.Tensor)
+
+    @property
+    def blocks(self) -> torch.Tensor | None:
+        """The sequence of each block of rows where the step is not in place: (T,) `seqs` (a token each), or the
+        captured prompt step's (B,) `seq`; None in place. Attention reads block b's slots from sequence blocks[b] of
+        the KV cache (KVCache.update)."""
+        return None if self.in_place else self.seqs if self.seqs is not None else self.seq
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The step's device tensors by field name (positions, and seqs when given)."""

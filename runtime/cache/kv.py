@@ -25,17 +25,17 @@ class KVCache(nn.Module):
 
     def update(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k (T, Hkv, Dk) and v (T, Hkv, Dv) at the step's positions of its sequences; return the slots
-        attention reads: (n_slots, Hkv, D*) of the step's one sequence, or (B, n_slots, Hkv, D*), each block's own
-        sequence, when the step mixes sequences (B = T: a token each) or gives them as a device tensor (B blocks of
-        T/B tokens: a captured prompt step)."""
+        attention reads: (n_slots, Hkv, D*) of the step's one sequence, or, when the step has several (Step.blocks:
+        a token each in a decode batch, B chunks in a captured prompt step), the first n_slots of every sequence,
+        (n_seq, n_slots, Hkv, D*), which attention reads by block (layers.attend's `seqs`): no copy."""
         n = step.n_slots
         if step.in_place:
             k_seq, v_seq = self.k[step.seq], self.v[step.seq]
             k_seq.index_copy_(0, step.positions, k.to(k_seq.dtype))
             v_seq.index_copy_(0, step.positions, v.to(v_seq.dtype))
             return k_seq[:n], v_seq[:n]
-        blocks = step.seqs if step.seqs is not None else step.seq
+        blocks = step.blocks
         seqs = blocks[:, None].expand(-1, len(step.positions) // len(blocks)).reshape(-1)  # each token's
         self.k.index_put_((seqs, step.positions), k.to(self.k.dtype))
         self.v.index_put_((seqs, step.positions), v.to(self.v.dtype))
-        return self.k[blocks, :n], self.v[blocks, :n]
+        return self.k[:, :n], self.v[:, :n]

@@ -115,17 +115,28 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 # ------------------------------------------------------------------------------------------ Q/K norm, RoPE, cast
 
 
+@triton.jit
+def _slot_row(pos_ptr, seq_ptr, t, g, G, n_ctx, SEQS: tl.constexpr):
+    """The KV cache row of token t's head g: slot positions[t] of its sequence (seqs[t] with SEQS, else the one
+    sequence the cache buffer is)."""
+    slot = tl.load(pos_ptr + t)
+    if SEQS:
+        slot += tl.load(seq_ptr + t) * n_ctx
+    return slot * G + g
+
+
 @triton.jit(do_not_specialize=["n_q_rows", "n_k_rows"])  # sizes of the step: see gguf_matmul._gemv_kernel
-def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr,
-                     n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps,
+def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr, seq_ptr,
+                     n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps, n_ctx,
                      HAS_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-                     VB: tl.constexpr, TO_SLOTS: tl.constexpr):
+                     VB: tl.constexpr, TO_SLOTS: tl.constexpr, SEQS: tl.constexpr):
     """Program p: q row p (< n_q_rows = T*H), k row p - n_q_rows (< T*G), else v row p - n_q_rows - n_k_rows.
 
     A q or k row (one head of one token): optionally RMSNorm over Dh with its weight, then rotate channel pairs
     (i, i + rot_half) (NEOX) or (2i, 2i + 1) of the first 2*rot_half channels by the token's cos/sin row; channels
     past them pass through. A v row is only cast to v_out's dtype. k and v rows (t, g) go to row t*G + g of k_out
-    and v_out, or with TO_SLOTS to row positions[t]*G + g (k_out, v_out: a sequence's KV cache, slot = position).
+    and v_out, or with TO_SLOTS to the KV cache row of (t, g) (_slot_row: k_out, v_out one sequence's cache, slot =
+    position, or with SEQS every sequence's, n_ctx slots each, token t in sequence seqs[t]).
     """
     p = tl.program_id(0)
     if p >= n_q_rows + n_k_rows:
@@ -133,7 +144,7 @@ def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, c
         row = (p - n_q_rows - n_k_rows).to(tl.int64)
         v = tl.load(v_ptr + row * Dv + c, mask=c < Dv)
         if TO_SLOTS:
-            out_row = tl.load(pos_ptr + row // G) * G + row % G
+            out_row = _slot_row(pos_ptr, seq_ptr, row // G, row % G, G, n_ctx, SEQS)
         else:
             out_row = row
         tl.store(v_out + out_row * Dv + c, v.to(v_out.dtype.element_ty), mask=c < Dv)
@@ -171,7 +182,7 @@ def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, c
             tl.store(q_out + row * Dh + j, xr, mask=j_ok)
         else:
             if TO_SLOTS:
-                out_row = pos * G + row % G
+                out_row = _slot_row(pos_ptr, seq_ptr, t, row % G, G, n_ctx, SEQS)
             else:
                 out_row = row
             tl.store(k_out + out_row * Dh + c1, y1.to(k_out.dtype.element_ty), mask=i_ok)
@@ -182,13 +193,15 @@ def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, c
 def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
              k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
              neox: bool, kv_dtype: torch.dtype, k_slots: torch.Tensor | None = None,
-             v_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             v_slots: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (both weights (Dh,), or neither), RoPE by the (n_ctx, R) cos/sin tables at
     `positions` (T,) over the first 2R channels, in one launch with the cast of k and v to the KV cache's dtype.
 
     q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) float32 -> q (T, H, Dh) float32, k and v in kv_dtype; or, given a
     sequence's cache buffers k_slots (S, G, Dh) and v_slots (S, G, Dv), k and v written there at row = position
-    (which the call returns in their place).
+    (which the call returns in their place); or, given every sequence's, k_slots (n_seq, S, G, Dh) and v_slots
+    (n_seq, S, G, Dv), with `seqs` (T,) the sequence of each token, at (seqs[t], positions[t]).
     """
     assert (q_norm is None) == (k_norm is None), "both per-head norms or neither"
     T, H, Dh = q.shape
@@ -199,6 +212,7 @@ def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Te
     to_slots = k_slots is not None
     if to_slots:
         assert k_slots.is_contiguous() and v_slots.is_contiguous() and k_slots.dtype == v_slots.dtype == kv_dtype
+        assert k_slots.dim() == (3 if seqs is None else 4), (tuple(k_slots.shape), seqs is None)
         k_out, v_out = k_slots, v_slots
     else:
         k_out, v_out = torch.empty_like(k, dtype=kv_dtype), torch.empty_like(v, dtype=kv_dtype)
@@ -207,10 +221,11 @@ def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Te
         norm = q_norm if q_norm is not None else q
         _qkv_rope_kernel[(n_q + 2 * n_k,)](
             q, k, v, norm, k_norm if k_norm is not None else q, q_out, k_out, v_out, cos, sin, positions,
-            n_q, n_k, H, G, Dh, Dv, rot_half, eps,
+            positions if seqs is None else seqs, n_q, n_k, H, G, Dh, Dv, rot_half, eps, k_out.shape[-3],
             HAS_NORM=q_norm is not None, NEOX=neox, HALF=triton.next_power_of_2(rot_half),
             REST=triton.next_power_of_2(max(Dh - 2 * rot_half, 1)), VB=triton.next_power_of_2(Dv),
-            TO_SLOTS=to_slots, num_warps=1 if max(Dh, Dv) <= 256 else 4)  # a program is one head's row
+            TO_SLOTS=to_slots, SEQS=seqs is not None,
+            num_warps=1 if max(Dh, Dv) <= 256 else 4)  # a program is one head's row
     return q_out, k_out, v_out
 
 
@@ -234,14 +249,15 @@ def _dot_f32(a, b, SPLIT: tl.constexpr):
     return tl.dot(a, b.to(tl.float32), input_precision="ieee")
 
 
-@triton.jit(do_not_specialize=["n_slots", "n_splits", "allowed_stride", "k_token_stride", "v_token_stride"])
-def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr,
-                         n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, k_token_stride, v_token_stride,
+@triton.jit(do_not_specialize=["n_slots", "n_splits", "allowed_stride", "k_seq_stride", "v_seq_stride"])
+def _attend_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr,
+                         n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, k_seq_stride, v_seq_stride,
                          allowed_stride, scale,
                          HG: tl.constexpr, HGP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BS: tl.constexpr, SPLIT: tl.constexpr):
+                         BS: tl.constexpr, SPLIT: tl.constexpr, SEQS: tl.constexpr):
     """Program (t*G + g, split): the HG query heads of KV head g for token t, over slots split*BS .. +BS of token
-    t's keys and values (k_ptr + t * k_token_stride: 0 where the tokens share one sequence's slots).
+    t's keys and values: those of the one sequence at k_ptr, or with SEQS of sequence seqs[t] (k_ptr + seqs[t] *
+    k_seq_stride).
 
     Writes per query head the chunk's max score m, the sum l of exp(score - m) and acc = sum exp(score - m) v;
     disallowed slots are not read, a chunk with none allowed writes m = -inf, l = 0, acc = 0.
@@ -259,8 +275,10 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr
     allowed = (tl.load(allowed_ptr + t * allowed_stride + s, mask=s_ok, other=0) != 0) & s_ok
     q = tl.load(q_ptr + (t * H + h)[:, None] * Dk + dk[None, :], mask=h_ok[:, None] & (dk < Dk)[None, :], other=0.0)
     kv_row = s.to(tl.int64)[:, None]
-    k_base = k_ptr + t.to(tl.int64) * k_token_stride
-    v_base = v_ptr + t.to(tl.int64) * v_token_stride
+    k_base, v_base = k_ptr, v_ptr
+    if SEQS:
+        seq = tl.load(seq_ptr + t).to(tl.int64)
+        k_base, v_base = k_ptr + seq * k_seq_stride, v_ptr + seq * v_seq_stride
     k = tl.load(k_base + kv_row * k_stride + g * Dk + dk[None, :], mask=allowed[:, None] & (dk < Dk)[None, :],
                 other=0.0)
     scores = _dot_f32(q, tl.trans(k), SPLIT) * scale  # [HGP, BS]
@@ -315,24 +333,25 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_p
 
 
 
-def attend_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """attend_decode takes a few tokens, of one sequence ((S, G, D) KV) or each of its own ((T, S, G, D): a decode
-    batch of several sequences), with heads of at most 256 values."""
-    return (k.dim() in (3, 4) and q.shape[0] <= ATTEND_MAX_TOKENS and (k.dim() == 3 or k.shape[0] == q.shape[0])
+def attend_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor | None = None) -> bool:
+    """attend_decode takes a few tokens, of one sequence ((S, G, D) KV) or each of its own (`seqs`, a sequence per
+    token, over every sequence's (n_seq, S, G, D): a decode batch of several sequences), with heads of at most 256
+    values."""
+    return (q.shape[0] <= ATTEND_MAX_TOKENS and (k.dim() == 3 if seqs is None else
+                                                 k.dim() == 4 and seqs.shape == (q.shape[0],))
             and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM
             and k.stride()[-2:] == (k.shape[-1], 1) and v.stride()[-2:] == (v.shape[-1], 1))
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """layers.attend for a few tokens: q (T, H, Dk) over one sequence's k (S, G, Dk), v (S, G, Dv), or over each
-    token's own k (T, S, G, Dk), v (T, S, G, Dv) (any float dtype; rows of S may be strided: a prefix of the cache),
-    allowed (T, S) bool, sinks (H,) or None -> (T, H, Dv) float32. (In a decode batch torch's attention ran a dozen
-    small kernels per layer where these run two.)"""
-    assert attend_supports(q, k, v), (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+                  sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None) -> torch.Tensor:
+    """layers.attend for a few tokens: q (T, H, Dk) over one sequence's k (S, G, Dk), v (S, G, Dv), or, token t over
+    sequence seqs[t] of every sequence's k (n_seq, S, G, Dk), v (n_seq, S, G, Dv) (any float dtype; rows of S may be
+    strided: a prefix of the cache, read in place), allowed (T, S) bool, sinks (H,) or None -> (T, H, Dv) float32.
+    (In a decode batch torch's attention ran a dozen small kernels per layer where these run two.)"""
+    assert attend_supports(q, k, v, seqs), (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     T, H, Dk = q.shape
     S, G, Dv = v.shape[-3:]
-    per_token = k.dim() == 4
     q = q.float().contiguous()
     allowed = allowed.contiguous().view(torch.uint8)
     n_splits = triton.cdiv(S, ATTEND_SLOTS)
@@ -344,10 +363,11 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
         return out
     hg = H // G
     _attend_split_kernel[(T * G, n_splits)](
-        q, k, v, allowed, m, l, acc, S, n_splits, H, G, Dk, Dv, k.stride(-3), v.stride(-3),
-        k.stride(0) if per_token else 0, v.stride(0) if per_token else 0, allowed.stride(0), scale,
+        q, k, v, allowed if seqs is None else seqs, allowed, m, l, acc, S, n_splits, H, G, Dk, Dv, k.stride(-3),
+        v.stride(-3), k.stride(0) if seqs is not None else 0, v.stride(0) if seqs is not None else 0,
+        allowed.stride(0), scale,
         HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
-        DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS,
+        DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS, SEQS=seqs is not None,
         SPLIT=k.dtype == v.dtype == torch.bfloat16 and not INTERPRETED)  # (the interpreter's tl.dot: bfloat16 as ints)
     i8 = _rounds_i8(T, H * Dv) and Dv % 32 == 0
     q8, d8, s8 = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)

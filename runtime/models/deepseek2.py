@@ -99,7 +99,8 @@ class MLAttention(nn.Module):
             q_nope = self.round_q(q_nope)
         q_latent = torch.einsum("thn,hcn->thc", q_nope.to(self.k_b.dtype), self.k_b).float()  # (T, H, C)
         k_all, v_all = self.cache.update(step, torch.cat([latent[:, None], k_pe], dim=-1), latent[:, None])
-        out = attend(torch.cat([q_latent, q_pe], dim=-1), k_all, v_all, step.mask(), self.scale)  # (T, H, C)
+        out = attend(torch.cat([q_latent, q_pe], dim=-1), k_all, v_all, step.mask(), self.scale,
+                     seqs=step.blocks)  # (T, H, C)
         if self.hooks.activation:
             self._fire("v", out, None)
         if self.round_out is not None:

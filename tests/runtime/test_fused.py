@@ -207,16 +207,21 @@ def test_attend_decode(T, H, G, D, S, window, sinks, gen):
 
 @pytest.mark.parametrize("sinks", [False, True])
 def test_attend_decode_batch_of_sequences(sinks, gen):
-    """One token of each of 3 sequences over its own slots ((T, S, G, D) KV, as KVCache.update gathers them for a
-    decode batch), each at its own position: the split kernel against torch's per-token attention."""
+    """One token of each of 3 of 4 sequences over its own slots, read in place from every sequence's cache
+    ((n_seq, S, G, D) KV, a prefix of longer buffers, as KVCache.update returns them for a decode batch), each at its
+    own position: the split kernel against torch's attention over the gathered slots."""
     T, H, G, D, S = 3, 8, 2, 32, 130
-    k, v = (randn(T, S, G, D, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (randn(4, S + 30, G, D, gen=gen, dtype=torch.bfloat16)[:, :S] for _ in range(2))
+    seqs = torch.tensor([2, 0, 3], device=DEVICE)
     q = randn(T, H, D, gen=gen)
     positions = torch.tensor([5, 129, 70], device=DEVICE)
     allowed = torch.arange(S, device=DEVICE)[None, :] <= positions[:, None]
     sink = randn(H, gen=gen) if sinks else None
-    assert fused.attend_supports(q, k, v)
-    close(fused.attend_decode(q, k, v, allowed, 0.3, sink), layers.attend(q, k, v, allowed, 0.3, sink))
+    assert fused.attend_supports(q, k, v, seqs)
+    ref = torch.cat([layers.attend(q[t:t + 1], k[s], v[s], allowed[t:t + 1], 0.3, sink)  # one sequence at a time
+                     for t, s in enumerate(seqs.tolist())])
+    close(fused.attend_decode(q, k, v, allowed, 0.3, sink, seqs), ref)
+    close(layers.attend(q, k, v, allowed, 0.3, sink, seqs), ref)
 
 
 @pytest.mark.parametrize("window,sinks", [(0, False), (24, True)])
@@ -243,7 +248,8 @@ def test_long_prompts_attend_in_blocks_of_queries(window, sinks, gen, monkeypatc
 def test_attend_hands_prefill_and_prompts_to_torch(gen):
     q, k = randn(9, 4, 16, gen=gen), randn(20, 2, 16, gen=gen)
     assert not fused.attend_supports(q, k, k)  # more tokens than a decode step's
-    assert not fused.attend_supports(q[:2], k[None].expand(3, -1, -1, -1), k[None].expand(3, -1, -1, -1))
+    blocks = torch.tensor([0, 1], device=DEVICE)  # a captured prompt step's: 2 blocks of prompt tokens
+    assert not fused.attend_supports(q[:4], k[None].expand(3, -1, -1, -1), k[None].expand(3, -1, -1, -1), blocks)
 
 
 # --------------------------------------------------------------------------------------------------------- router
