@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 from gguf import GGMLQuantizationType as Q
 
-from moerun.kernels import tuning
+from moerun.kernels import fused, tuning
 from moerun.kernels.gguf_matmul import QWeight, carry_i8, gguf_mm, gguf_moe, gguf_moe_glu, quantize_i8
 from moerun.kernels.qtypes import BLOCK_TYPES
 from gpu_timing import replay_seconds  # bench/gpu_timing.py
@@ -110,9 +110,9 @@ def random_bank(qtype: Q, n: int, rows: int, cols: int) -> torch.Tensor:
 
 
 def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x, with --carried its 8-bit rounding handed along (as fused.rms_norm hands its output's), so that the timed
-    products skip quantize_i8's launch; the rounding is made here, outside the timed graph."""
-    if CARRIED and tuning.GEMV_INT8 and x.shape[-1] % 32 == 0:
+    """x, with --carried its 8-bit rounding handed along where a step's norm would hand it (fused.rms_norm), so that
+    the timed products skip quantize_i8's launch; the rounding is made here, outside the timed graph."""
+    if CARRIED and x.shape[-1] % 32 == 0 and x.view(-1, x.shape[-1]).shape[0] <= fused.rounded_rows():
         carry_i8(x, *quantize_i8(x.view(-1, x.shape[-1])))
     return x
 
@@ -121,8 +121,8 @@ def copies_for(nbytes: int) -> int:
     return max(2, -(-ROTATE_BYTES // nbytes))
 
 
-def dense_decode(qtype: Q, n_tokens: int, repeat: int) -> dict:
-    rows, cols = DENSE
+def dense_decode(qtype: Q, n_tokens: int, repeat: int, shape: tuple[int, int] = DENSE) -> dict:
+    rows, cols = shape
     bank = random_bank(qtype, 1, rows, cols)[0]
     weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
     x = rounded(torch.randn(n_tokens, cols, device="cuda"))
@@ -219,11 +219,11 @@ def sweep_batch_gemv(qtype: Q, n_tokens: int, repeat: int) -> tuple[dict, list]:
     batch_candidates, against the route tuning.py takes there (the weight decoded to bfloat16 and cuBLAS from
     DECODED_GEMM_MIN_TOKENS on). The shipped tiles are left as they were."""
     timed = []
-    with patch.dict(tuning.GEMV_I8_OVERRIDES), tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
+    with patch.dict(tuning.GEMV_I8_OVERRIDES), tuned(**ON_BLOCKS):
         for tiles in batch_candidates(n_tokens):
             tuning.GEMV_I8_OVERRIDES[qtype] = tiles
             timed.append((guarded(dense_decode, qtype, n_tokens, repeat), tiles))
-    with tuned(DECODED_GEMM_MIN_TOKENS=1):
+    with tuned(**DECODED):
         decoded = guarded(dense_decode, qtype, n_tokens, repeat)["us"]
     best = fastest([(measured["GB/s"], tiles) for measured, tiles in timed])
     best_us = next(measured["us"] for measured, tiles in timed if tiles is best)
@@ -282,7 +282,7 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     results = []
     for tiles in candidates:
         tuning.DENSE_GEMM_OVERRIDES[qtype] = tiles
-        with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
+        with tuned(**ON_BLOCKS):
             results.append((guarded(gemm, qtype, repeat)["TFLOP/s"], tiles))
     best = fastest(results)
     tuning.DENSE_GEMM_OVERRIDES[qtype] = best
@@ -336,6 +336,51 @@ def sweep_gemm8(repeat: int, shapes: str) -> dict:
     return found
 
 
+# The dense products the 8-bit GEMM's tiles are swept on: the 4096x4096 of the other rows, and Qwen3-30B-A3B's
+# attention, its fused q/k/v (5120 rows x 2048) and its output (2048 x 4096). (rows, cols)
+DENSE8_SHAPES = ((4096, 4096), (5120, 2048), (2048, 4096))
+
+
+def dense8_candidates(block_values: int) -> list[tuning.GemmTiles]:
+    """Tiles of the 8-bit GEMM for a dense product of a few tokens (one 16-token tile): 16-64 rows, 1-2 blocks per K
+    step (1 of the K-quants' 256 values), K split over 2-16 programs, 2 or 4 warps."""
+    steps = (1,) if block_values == 256 else (1, 2)
+    return [tuning.GemmTiles(16, bn, b, warps, 3, split) for bn in (16, 32, 64) for b in steps for warps in (2, 4)
+            for split in (2, 4, 8, 16)]
+
+
+def sweep_dense8(repeat: int, dump_to: str | None = None) -> dict:
+    """The 8-bit GEMM's tiles for dense products of 8 tokens (tuning.DENSE_I8_OVERRIDES): the fewest microseconds
+    over DENSE8_SHAPES; then, on those tiles, 2 to 32 tokens on the 4096x4096 and 8 on the others, against the route
+    tuning.py takes without it (the matrix-vector kernel below DECODED_GEMM_MIN_TOKENS, then the decoded weight and
+    cuBLAS), us per product."""
+    found = {}
+    for qtype in (Q.Q8_0, Q.Q4_K, Q.Q4_0):  # the types with a gemm8 decoder, the 30B model's attention's first
+        timed = []
+        with tuned(**ON_I8):
+            for tiles in dense8_candidates(BLOCK_TYPES[qtype].values):
+                tuning.DENSE_I8_OVERRIDES[qtype] = tiles
+                timed.append((sum(guarded(dense_decode, qtype, 8, repeat, shape)["us"] for shape in DENSE8_SHAPES),
+                              tiles))
+        ranked = sorted((r for r in timed if r[0] == r[0]), key=lambda r: r[0])  # failed candidates (nan) out
+        best = tuning.DENSE_I8_OVERRIDES[qtype] = ranked[0][1]
+        table = [(round(us, 1), t.__dict__) for us, t in ranked]
+        print(f"sweep dense 8-bit GEMM {qtype.name} T=8 (us over {len(DENSE8_SHAPES)} shapes, best first): "
+              f"{table[:6]} -> Q.{qtype.name}: {best}", flush=True)
+        found[f"{qtype.name} sweep"] = table
+        for shape, n_tokens in [(DENSE, n) for n in (2, 3, 4, 8, 16, 32)] + [(s, 8) for s in DENSE8_SHAPES[1:]]:
+            with tuned(DENSE_I8_MAX_TOKENS=0):
+                before = guarded(dense_decode, qtype, n_tokens, repeat, shape)["us"]
+            with tuned(**ON_I8):
+                ours = guarded(dense_decode, qtype, n_tokens, repeat, shape)["us"]
+            name = f"{shape[0]}x{shape[1]} {qtype.name} T={n_tokens}"
+            print(f"dense {name}: 8-bit GEMM {ours:.1f} us, without it {before:.1f}", flush=True)
+            found[name] = {"8-bit GEMM us": ours, "without us": before}
+        if dump_to:  # a sweep cut short by a time limit keeps the types it finished
+            dump({"sweep dense8": found}, dump_to)
+    return found
+
+
 def gemm(qtype: Q, repeat: int, n_tokens: int = PREFILL_T) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
@@ -346,14 +391,22 @@ def gemm(qtype: Q, repeat: int, n_tokens: int = PREFILL_T) -> dict:
 
 
 BLOCKS_ONLY = 1 << 30  # DECODED_GEMM_MIN_TOKENS that keeps every product on the GEMM over the blocks
+# tuning.py's routes for a dense product, each forced for any token count: the kernels over the blocks (the
+# matrix-vector kernel up to GEMV_MAX_TOKENS, the bfloat16 GEMM past it), the weight decoded to bfloat16 and cuBLAS,
+# the 8-bit GEMM
+ON_BLOCKS = {"DECODED_GEMM_MIN_TOKENS": BLOCKS_ONLY, "DENSE_I8_MAX_TOKENS": 0}
+DECODED = {"DECODED_GEMM_MIN_TOKENS": 1, "DENSE_I8_MAX_TOKENS": 0}
+ON_I8 = {"DENSE_I8_MIN_TOKENS": 1, "DENSE_I8_MAX_TOKENS": 1 << 30}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch", "gemm8"],
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch", "gemm8", "dense8"],
                         help="time tile candidates first (grouped: the grouped decode's only; batch: only the dense "
                              "8-bit tiles at T = 4 and 8, against the decoded route, then stop; gemm8: only the 8-bit "
-                             "GEMM's tiles on the expert shapes at T = 512, then stop)")
+                             "GEMM's tiles on the expert shapes at T = 512, then stop; dense8: only its tiles for "
+                             "dense products of 8 tokens, then 2-32 tokens against the route taken without it, then "
+                             "stop)")
     parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
@@ -374,6 +427,10 @@ def main() -> None:
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
     if args.sweep == "gemm8":  # the 8-bit GEMM's tiles on the expert shapes, then stop
         results["sweep gemm8"] = sweep_gemm8(r, args.shapes)
+        dump(results, args.json)
+        return
+    if args.sweep == "dense8":
+        results["sweep dense8"] = sweep_dense8(r, args.json)
         dump(results, args.json)
         return
     if args.sweep == "batch":  # does a serve batch's dense product beat the decoded route on the 8-bit kernel?
@@ -418,17 +475,21 @@ def main() -> None:
     for n_tokens in (1,) if args.quick else (1, 2, 4, 8):
         peer = guarded(dense_peer, n_tokens, r)
         for qtype in DENSE_TYPES:
-            with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY):
+            with tuned(**ON_BLOCKS):
                 report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1), qtype.name,
                        guarded(dense_decode, qtype, n_tokens, r), peer)
             if i8_route(qtype) and not args.quick:  # the same on float32 activations
-                with tuned(DECODED_GEMM_MIN_TOKENS=BLOCKS_ONLY, GEMV_INT8=False):
+                with tuned(**ON_BLOCKS, GEMV_INT8=False):
                     report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1) + " float", qtype.name,
                            guarded(dense_decode, qtype, n_tokens, r), peer)
             if n_tokens > 1:
-                with tuned(DECODED_GEMM_MIN_TOKENS=1):
+                with tuned(**DECODED):
                     report(f"4096x4096 T={n_tokens} decoded", qtype.name, guarded(dense_decode, qtype, n_tokens, r),
                            peer)
+            if n_tokens > 1 and BLOCK_TYPES[qtype].gemm8 is not None:
+                with tuned(**ON_I8):
+                    report(f"4096x4096 T={n_tokens} 8-bit GEMM", qtype.name,
+                           guarded(dense_decode, qtype, n_tokens, r), peer)
     for float_route in (False,) if args.quick else (False, True):  # then on float32 activations (8-bit types)
         label = " float" if float_route else ""
         with tuned(GEMV_INT8=tuning.GEMV_INT8 and not float_route):
@@ -456,8 +517,11 @@ def main() -> None:
     for n_tokens in (64, 128, PREFILL_T):  # the GEMM on the blocks, and the weight decoded to bfloat16 + cuBLAS
         peer = guarded(dense_peer, n_tokens, r)
         for qtype in DENSE_TYPES:
-            for route, min_tokens in (("blocks GEMM", BLOCKS_ONLY), ("decoded + cuBLAS", 1)):
-                with tuned(DECODED_GEMM_MIN_TOKENS=min_tokens):
+            routes = [("blocks GEMM", ON_BLOCKS), ("decoded + cuBLAS", DECODED)]
+            if BLOCK_TYPES[qtype].gemm8 is not None:
+                routes.append(("8-bit GEMM", ON_I8))
+            for route, values in routes:
+                with tuned(**values):
                     ours = guarded(gemm, qtype, r, n_tokens)
                 label = f"4096x4096 T={n_tokens} {route}"
                 print(f"{label:48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
@@ -486,7 +550,8 @@ def dump(results: dict, path: str | None) -> None:
                         "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
                                          tuning.GROUPED_GEMM_OVERRIDES.items()},
                         "8-bit grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                               tuning.GEMM_I8_GROUPED_OVERRIDES.items()}}
+                                               tuning.GEMM_I8_GROUPED_OVERRIDES.items()},
+                        "8-bit dense gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_I8_OVERRIDES.items()}}
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

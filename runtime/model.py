@@ -146,18 +146,21 @@ class Model:
 
     def warm_up(self) -> float:
         """Run each kind of step once so that no request waits for a kernel's compilation: a decode step (on a GPU
-        also its graph's capture at the first KV bucket), and on a GPU a prompt chunk past the matrix-vector
-        kernels' size (the prompts' GEMMs) and a step mixing it with another sequence's token. Triton compiles a
-        kernel on its first use (1-3 s each on the H200 machine), numba the CPU kernels on the first run after an
-        install (about 10 s with ggml's row dots, 90 without; its kernels take any number of tokens); both then load
-        them from their disk caches. Writes KV slots that later prompts overwrite; the expert cache's policy does
-        not see these steps. -> the seconds it took."""
+        also its graph's capture at the first KV bucket), and on a GPU a prompt on each route its products take
+        (tuning.py: the matrix-vector kernel and the dense 8-bit GEMM, the experts' grouped GEMM, their 8-bit GEMM)
+        and a step mixing a prompt chunk with another sequence's token. Triton compiles a kernel on its first use
+        (1-3 s each on the H200 machine), numba the CPU kernels on the first run after an install (about 10 s with
+        ggml's row dots, 90 without; its kernels take any number of tokens); both then load them from their disk
+        caches. Writes KV slots that later prompts overwrite; the expert cache's policy does not see these steps.
+        -> the seconds it took."""
         start = time.perf_counter()
         with self._cache_paused():
             self.decode(0, 0)
             n = min(2 * tuning.GEMV_MAX_TOKENS, self.n_ctx - 1)
             if self.device.type == "cuda" and n > 1:
-                self.forward(torch.zeros(n, dtype=torch.long), 0, 0, last_only=True)
+                routes = {n, tuning.MOE_GEMV_MAX_TOKENS + 1, tuning.GEMM_I8_MIN_TOKENS if tuning.GEMM_INT8 else n}
+                for length in sorted(length for length in routes if length < self.n_ctx):
+                    self.forward(torch.zeros(length, dtype=torch.long), 0, 0, last_only=True)
                 if self.n_seq > 1:
                     self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
                                        torch.tensor([0] * n + [1]), torch.tensor([n]))

@@ -69,10 +69,16 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x2, x2.stride(0)
 
 
+def rounded_rows() -> int:
+    """The most rows of activations that the kernels writing them round for the 8-bit routes as well (gguf_matmul.
+    carry_i8): as many as the products reading them take on one (the matrix-vector kernel's, for a decode step's
+    tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
+    return max(max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GEMV_MAX_TOKENS) if tuning.GEMV_INT8 else 0,
+               tuning.DENSE_I8_MAX_TOKENS if tuning.GEMM_INT8 else 0)
+
+
 def _rounds_i8(rows: int, cols: int) -> bool:
-    """Whether a kernel writing (rows, cols) activations rounds them for the 8-bit route as well (gguf_matmul.
-    carry_i8): where the products that read them can take that route (a decode step's few tokens)."""
-    return tuning.GEMV_INT8 and 0 < rows <= tuning.GEMV_MAX_TOKENS and cols % 32 == 0
+    return 0 < rows <= rounded_rows() and cols % 32 == 0
 
 
 def _norm(x: torch.Tensor, x_stride: int, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -125,7 +131,9 @@ def _slot_row(pos_ptr, seq_ptr, t, g, G, n_ctx, SEQS: tl.constexpr):
     return slot * G + g
 
 
-@triton.jit(do_not_specialize=["n_q_rows", "n_k_rows"])  # sizes of the step: see gguf_matmul._gemv_kernel
+# the step's sizes, and its positions and sequences (whose alignment follows the step's token count where they are
+# rows of one tensor): see gguf_matmul._gemv_kernel
+@triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "n_q_rows", "n_k_rows"])
 def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr, seq_ptr,
                      n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps, n_ctx,
                      HAS_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
@@ -249,7 +257,7 @@ def _dot_f32(a, b, SPLIT: tl.constexpr):
     return tl.dot(a, b.to(tl.float32), input_precision="ieee")
 
 
-@triton.jit(do_not_specialize=["n_slots", "n_splits", "allowed_stride", "k_seq_stride", "v_seq_stride"])
+@triton.jit(do_not_specialize=["seq_ptr", "n_slots", "n_splits", "allowed_stride", "k_seq_stride", "v_seq_stride"])
 def _attend_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr,
                          n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, k_seq_stride, v_seq_stride,
                          allowed_stride, scale,

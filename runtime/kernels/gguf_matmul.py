@@ -2,16 +2,19 @@
 
 Two kernels (and a variant), generic over the block type through qtypes.BLOCK_TYPES (the decoder is a compile-time
 argument):
-- `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens) streams a tile of R weight rows x B blocks per step and
-  multiplies each decoded value with every token's input in float32, so the weight bytes are read once for all tokens;
-  on its 8-bit route (tuning.GEMV_INT8, the types with a qtypes dot8 decoder) the inputs are rounded to int8 first
-  (`quantize_i8`, or by the kernel that wrote them: `carry_i8`), a tile's B are units of a block (qtypes, a lane's
-  share) and four packed quants meet four inputs per dp4a instruction, in exact integers.
+- `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens; the experts of up to MOE_GEMV_MAX_TOKENS) streams a
+  tile of R weight rows x B blocks per step and multiplies each decoded value with every token's input in float32, so
+  the weight bytes are read once for all tokens; on its 8-bit route (tuning.GEMV_INT8, the types with a qtypes dot8
+  decoder) the inputs are rounded to int8 first (`quantize_i8`, or by the kernel that wrote them: `carry_i8`), a
+  tile's B are units of a block (qtypes, a lane's share) and four packed quants meet four inputs per dp4a
+  instruction, in exact integers.
 - `_gemm_kernel` (prefill) decodes a [BN rows, B blocks] tile per K step to bfloat16 and multiplies it with a
-  [BM tokens, K] input tile through tl.dot, accumulating in float32; for the experts of a long prompt step, on the
-  types with a qtypes gemm8 decoder, `_gemm_i8_kernel` instead multiplies int8 tiles of the quants with int8
-  activations (quantize_i8) per 32 values on tensor cores (tuning.GEMM_INT8, GEMM_I8_MIN_TOKENS).
-A dense product of several tokens on a GPU decodes its weight to bfloat16 once instead (`_decode_kernel`) and
+  [BM tokens, K] input tile through tl.dot, accumulating in float32; on the types with a qtypes gemm8 decoder,
+  `_gemm_i8_kernel` instead multiplies int8 tiles of the quants with int8 activations (quantize_i8) per 32 values on
+  tensor cores, for the experts of a long prompt step (tuning.GEMM_INT8, GEMM_I8_MIN_TOKENS) and for dense products
+  of a few tokens (DENSE_I8_MIN_TOKENS .. DENSE_I8_MAX_TOKENS: a decode batch, a short prompt), K split over several
+  programs there.
+A dense product of more tokens on a GPU decodes its weight to bfloat16 once instead (`_decode_kernel`) and
 multiplies on cuBLAS. Which one runs, for how many tokens, and on which tiles: tuning.py.
 Both take an optional slot per program (a row of a bank of expert matrices): the MoE entry points use it, -1 meaning
 "skip": the program reads no weight bytes and its outputs are zeros.
@@ -242,40 +245,57 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
     tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
 
 
-@triton.jit
-def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_rows, n_blocks, row_bytes,
-                    slot_bytes, cols, x_div,
+@triton.jit(do_not_specialize=["n_ids"])
+def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, n_blocks,
+                    row_bytes, slot_bytes, cols, x_div, split_blocks,
                     DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    MINS: tl.constexpr):
-    """The grouped _gemm_kernel's programs and ids on the 8-bit route: quantize_i8's activations (int8 quants at
-    xq_ptr, their scale d per 32 values at xd_ptr, d * (sum of quants) per 16 at xs_ptr) times the weights' quants
-    (DECODE: a qtypes gemm8 decoder), one block per K step and one tl.dot of [BM, 32] x [32, BN] int8 per 32 values,
-    exact in int32 on tensor cores; each adds dot * d * scale (+ offset * d * sum(q_x) with MINS, the K-quants') to
-    the float32 accumulators."""
+                    B: tl.constexpr, MINS: tl.constexpr, GROUPED: tl.constexpr, EVEN_K: tl.constexpr):
+    """_gemm_kernel's programs and ids on the 8-bit route: quantize_i8's activations (int8 quants at xq_ptr, their
+    scale d per 32 values at xd_ptr, d * (sum of quants) per 16 at xs_ptr) times the weights' quants (DECODE: a
+    qtypes gemm8 decoder), B blocks per K step and one tl.dot of [BM, 32] x [32, BN] int8 per 32 values, exact in
+    int32 on tensor cores; each adds dot * d * scale (+ offset * d * sum(q_x) with MINS, the K-quants') to the float32
+    accumulators. Program (m, i, k) covers blocks k*split_blocks .. +split_blocks of the rows (a dense product of a
+    few tokens splits K so that enough programs read the weight) and writes its partial sums at out_ptr + k * n_ids *
+    n_rows; the grouped products run one split. EVEN_K: every split is whole K steps (no block to mask)."""
     m = tl.program_id(0)
     r = tl.program_id(1) * BN + tl.arange(0, BN)
-    ids = tl.load(ids_ptr + m * BM + tl.arange(0, BM))
-    ok = ids >= 0
-    slot = tl.load(block_slot_ptr + m)
-    w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
-    n_steps = tl.where(slot >= 0, n_blocks, 0)
+    first = tl.program_id(2) * split_blocks
+    ids = m * BM + tl.arange(0, BM)
+    if GROUPED:
+        ids = tl.load(ids_ptr + ids)
+        ok = ids >= 0
+        slot = tl.load(block_slot_ptr + m)
+        w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
+        last = tl.where(slot >= 0, n_blocks, 0)
+    else:
+        ok = ids < n_ids
+        w_base = w_ptr
+        last = tl.minimum(n_blocks, first + split_blocks)
     x_row = (tl.where(ok, ids, 0) // x_div).to(tl.int64)  # [BM]
     row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None] * row_bytes  # [BN, 1]
     lane = tl.arange(0, 32)[None, :]
     acc = tl.zeros((BM, BN), tl.float32)
-    for kb in range(0, n_steps):
-        for part in tl.static_range(V // 32):
-            q, scale, offset = DECODE(row_ptr + kb * S, lane, part)  # [BN, 32], [BN, 1], [BN, 1]
-            unit = kb * (V // 32) + part  # the activations' block of 32
-            xq = tl.load(xq_ptr + x_row[:, None] * cols + unit * 32 + lane)  # [BM, 32] int8
-            xd = tl.load(xd_ptr + x_row * (cols // 32) + unit)
-            if MINS:
-                xs_at = xs_ptr + x_row * (cols // 16) + 2 * unit
-                xs = tl.load(xs_at) + tl.load(xs_at + 1)
-            dot = tl.dot(xq, tl.trans(q.to(tl.int8)), out_dtype=tl.int32).to(tl.float32)
-            if MINS:
-                acc += xs[:, None] * tl.reshape(offset, (1, BN))
-            acc += (dot * xd[:, None]) * tl.reshape(scale, (1, BN))
+    for kb in range(first, last, B):
+        for j in tl.static_range(B):
+            # [BM] (a block past the split's end: block `last - 1` read again, adds 0); not `ok & (...)`: the
+            # interpreter makes that int32, which its loads refuse as a mask
+            in_k = tl.where(kb + j < last, ok, False)
+            for part in tl.static_range(V // 32):
+                q, scale, offset = DECODE(row_ptr + tl.minimum(kb + j, last - 1) * S, lane, part)  # [BN, 32], [BN, 1]
+                unit = (kb + j) * (V // 32) + part  # the activations' block of 32
+                xq = tl.load(xq_ptr + x_row[:, None] * cols + unit * 32 + lane, mask=in_k[:, None], other=0)  # int8
+                xd = tl.load(xd_ptr + x_row * (cols // 32) + unit, mask=in_k, other=0.0)  # [BM]
+                dot = tl.dot(xq, tl.trans(q.to(tl.int8)), out_dtype=tl.int32).to(tl.float32)
+                term = (dot * xd[:, None]) * tl.reshape(scale, (1, BN))
+                if MINS:
+                    xs_at = xs_ptr + x_row * (cols // 16) + 2 * unit
+                    xs = tl.load(xs_at, mask=in_k, other=0.0) + tl.load(xs_at + 1, mask=in_k, other=0.0)
+                    term += xs[:, None] * tl.reshape(offset, (1, BN))
+                if EVEN_K:
+                    acc += term
+                else:  # (not `term * 0`: a random bench bank's scales may be inf)
+                    acc += tl.where(in_k[:, None], term, 0.0)
+    out_ptr += tl.program_id(2).to(tl.int64) * n_ids * n_rows
     tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
 
 
@@ -509,24 +529,29 @@ def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: 
     """The GEMM over the blocks: with `i8` the 8-bit one (the type's gemm8 decoder), else decoded to bfloat16."""
     ids, block_slot = grouped if grouped is not None else (out, out)
     n_m = block_slot.numel() if grouped is not None else triton.cdiv(n_ids, tiles.block_m)
-    grid = (n_m, triton.cdiv(w.rows, tiles.block_n))
     row_bytes = w.data.shape[-1]
     if i8:
-        assert grouped is not None, "the 8-bit GEMM runs the experts' grouped products only"
         rounding = carried_i8(x) or quantize_i8(x.reshape(-1, w.cols))
         carry_i8(x, *rounding)  # a layer's gate and up read the same input: rounded once for both
-        xq, xd, xs = rounding
-        _gemm_i8_kernel[grid](
-            xq, xd, xs, w.data, ids, block_slot, out, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
-            w.cols, x_div, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes, BM=tiles.block_m, BN=tiles.block_n,
-            MINS=bt.gemm8_mins, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        n_blocks = w.cols // bt.values
+        step_blocks = min(tiles.blocks, n_blocks)
+        split_blocks = triton.cdiv(triton.cdiv(n_blocks, tiles.split), step_blocks) * step_blocks
+        n_splits = triton.cdiv(n_blocks, split_blocks)
+        partial = out if n_splits == 1 else torch.empty(n_splits, *out.shape, dtype=out.dtype, device=out.device)
+        _gemm_i8_kernel[(n_m, triton.cdiv(w.rows, tiles.block_n), n_splits)](
+            *rounding, w.data, ids, block_slot, partial, n_ids, w.rows, n_blocks, row_bytes, w.rows * row_bytes,
+            w.cols, x_div, split_blocks, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes, BM=tiles.block_m,
+            BN=tiles.block_n, B=step_blocks, MINS=bt.gemm8_mins, GROUPED=grouped is not None,
+            EVEN_K=n_blocks % split_blocks == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        if n_splits > 1:
+            torch.sum(partial, 0, out=out)
         return
     # The products take bfloat16 inputs; rounding them here (to nearest, as the kernel would) halves the bytes the
     # programs read and the shared memory their pipelined loads take. Triton's interpreter keeps bfloat16 as its raw
     # uint16 bits, its tl.dot multiplies those bits as integers and its float32 -> bfloat16 conversion truncates, so
     # there the GEMM widens its (bfloat16) inputs and multiplies them with the float32 weights (DOT_IN_F32).
     x = x.to(torch.bfloat16)
-    _gemm_kernel[grid](
+    _gemm_kernel[(n_m, triton.cdiv(w.rows, tiles.block_n))](
         x, w.data, ids, block_slot, out, n_ids, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
         w.cols, x_div,
         DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, BM=tiles.block_m, BN=tiles.block_n, B=tiles.blocks,
@@ -538,12 +563,22 @@ def moe_gemm_i8(bt: BlockType, n_tokens: int) -> bool:
     return tuning.GEMM_INT8 and bt.gemm8 is not None and n_tokens >= tuning.GEMM_I8_MIN_TOKENS
 
 
+def dense_gemm_i8(bt: BlockType, n_tokens: int) -> bool:
+    """Does a dense product of n_tokens run on the 8-bit GEMM (tuning.GEMM_INT8, DENSE_I8_MIN/MAX_TOKENS)?"""
+    return (tuning.GEMM_INT8 and bt.gemm8 is not None
+            and tuning.DENSE_I8_MIN_TOKENS <= n_tokens <= tuning.DENSE_I8_MAX_TOKENS)
+
+
 def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """x (T, C) float32 or bfloat16 @ w.T -> (T, N) float32."""
     bt = _block_type(w)
     assert x.dim() == 2 and x.shape[1] == w.cols and w.data.dim() == 2, (tuple(x.shape), tuple(w.data.shape))
     x = x.contiguous()
     n_tokens = x.shape[0]
+    if dense_gemm_i8(bt, n_tokens):
+        out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
+        _gemm(x, w, bt, out, n_tokens, 1, None, tuning.dense_i8_tiles(Q(w.qtype)), i8=True)
+        return out
     if n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not INTERPRETED:
         return _decoded_mm(x, w)
     out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
@@ -633,7 +668,7 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
     x, slots = x.contiguous(), slots.contiguous()
     if n_tokens * k == 0:
         return torch.zeros(n_tokens, k, w.rows, dtype=torch.float32, device=x.device)
-    if n_tokens <= tuning.GEMV_MAX_TOKENS:
+    if n_tokens <= tuning.MOE_GEMV_MAX_TOKENS:
         out = torch.empty(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)
         _gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)
     else:
@@ -662,7 +697,7 @@ def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tenso
     """
     assert glu_supports(gate, up), (Q(gate.qtype).name, Q(up.qtype).name, tuple(gate.data.shape))
     n_tokens, k = slots.shape
-    if n_tokens * k == 0 or n_tokens > tuning.GEMV_MAX_TOKENS:
+    if n_tokens * k == 0 or n_tokens > tuning.MOE_GEMV_MAX_TOKENS:
         groups = {} if groups is None else groups
         g, u = gguf_moe(x, gate, slots, groups), gguf_moe(x, up, slots, groups)
         return torch.nn.functional.silu(g) * u

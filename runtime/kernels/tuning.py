@@ -13,10 +13,14 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
-# Up to this many tokens a step is decode-sized: the routed experts run the matrix-vector kernel, one program group per
-# (token, expert) pair, and so do dense products below DECODED_GEMM_MIN_TOKENS; more tokens go through the prefill
-# GEMM. (Model.warm_up runs twice as many to compile the prefill kernels.)
+# Up to this many tokens a step is decode-sized: dense products below DECODED_GEMM_MIN_TOKENS (and
+# DENSE_I8_MIN_TOKENS) run the matrix-vector kernel; more tokens go through a GEMM.
 GEMV_MAX_TOKENS = 8
+# The routed experts run the matrix-vector kernel, one program group per (token, expert) pair, up to this many tokens
+# (a decode batch, a short prompt), the grouped prefill GEMM past it: a pair reads its expert's rows whole at the
+# kernel's bandwidth, where the GEMM decodes each expert's tiles to bfloat16 in every program, at ~500 GB/s of
+# weight bytes for a few pairs per expert. (Model.warm_up runs a prompt past it to compile the GEMM.)
+MOE_GEMV_MAX_TOKENS = 64
 # From this many tokens a dense product on a GPU decodes its weight to bfloat16 once and multiplies on cuBLAS
 # (gguf_matmul.decode_bf16). H200, 2026-12-01 evening (bench_gguf_matmul.py, docs/BENCHMARKS.md): 4096x4096 Q4_K at
 # T = 512 took 410 us on the GEMM over the blocks and 43 decoded (25 for the bfloat16 product alone), at T = 64 265
@@ -57,6 +61,7 @@ class GemmTiles:
     blocks: int  # GGUF blocks per K step
     num_warps: int = 4
     num_stages: int = 2
+    split: int = 1  # programs over K (the 8-bit GEMM of a dense product of a few tokens; their sums added after)
 
 
 # Measured on an H200 (Triton 3.6; bench/bench_gguf_matmul.py --sweep, docs/BENCHMARKS.md), 4096x4096, T=1: the
@@ -134,6 +139,20 @@ GEMM_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
     (Q.Q4_K, 16): GemmTiles(64, 128, 1, num_warps=4, num_stages=3),
     (Q.Q4_0, 44): GemmTiles(32, 128, 1, num_warps=4, num_stages=3),
 }
+# A dense product of DENSE_I8_MIN_TOKENS .. DENSE_I8_MAX_TOKENS tokens (a `moerun serve` decode batch, a short
+# prompt) runs on the 8-bit GEMM too, where the type has a gemm8 decoder: one tile of BM = 16 tokens costs a
+# tensor-core dot what one token does, and a weight tile is read once for all of them, where the matrix-vector
+# kernel's work grows with the tokens and the decoded route writes and reads back a bfloat16 copy of the weight. Few
+# tokens make few (token, row) tiles, so K is split over `split` programs whose sums are added after. H200,
+# 2026-12-02 (bench_gguf_matmul.py --sweep dense8, docs/BENCHMARKS.md), 4096x4096 us against the route taken without
+# it: T = 2 16.7-17.3 against the matrix-vector kernel's 8.2-17.6 (not taken), T = 3 16.6-17.5 against 19.7-29.2,
+# T = 4-8 16.6-19.6 against the decoded route's 28.7-31.1, T = 16 18.1-23.7 against 29.4-31.7, T = 32 26.7-32.7
+# against 30.1-32.3 (not taken: Q4_K loses).
+DENSE_I8_MIN_TOKENS = 3
+DENSE_I8_MAX_TOKENS = 16
+DENSE_I8_TILES = GemmTiles(16, 32, 1, num_warps=2, num_stages=3, split=8)
+DENSE_I8_OVERRIDES: dict[Q, GemmTiles] = {Q.Q4_K: GemmTiles(16, 32, 1, num_warps=2, num_stages=3, split=4),
+                                          Q.Q4_0: GemmTiles(16, 64, 2, num_warps=4, num_stages=3, split=8)}
 # The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
 GEMV_ACCUMULATORS_PER_THREAD = 64
 
@@ -151,6 +170,11 @@ def gemv_tiles(qtype: Q, block_values: int, per_block: int, tokens: int, grouped
     while tokens * rows * blocks * per_block > budget and rows * blocks > 1:
         rows, blocks = (rows, blocks // 2) if blocks > 1 else (rows // 2, blocks)
     return GemvTiles(rows, blocks, tiles.num_warps)
+
+
+def dense_i8_tiles(qtype: Q) -> GemmTiles:
+    """The 8-bit GEMM's tiles for a dense product of a few tokens (DENSE_I8_MIN_TOKENS .. DENSE_I8_MAX_TOKENS)."""
+    return DENSE_I8_OVERRIDES.get(qtype, DENSE_I8_TILES)
 
 
 def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0, i8: bool = False) -> GemmTiles:

@@ -86,8 +86,9 @@ def assert_carries_its_rounding(out: torch.Tensor, rows: torch.Tensor) -> None:
 @pytest.mark.parametrize("i8", [True, False], ids=["i8", "route-off"])
 def test_norms_round_their_output_for_the_8bit_route(i8, gen, monkeypatch):
     """A decode step's norms write their output's int8 blocks in the same pass (with the 8-bit route on, a multiple
-    of 32 values, at most GEMV_MAX_TOKENS rows): the products reading it skip their own rounding."""
+    of 32 values, at most fused.rounded_rows() rows): the products reading it skip their own rounding."""
     monkeypatch.setattr(tuning, "GEMV_INT8", i8)
+    monkeypatch.setattr(tuning, "GEMM_INT8", i8)
     w = randn(4096, gen=gen) + 2
     x = randn(3, 4096, gen=gen) * 3
     x[1, 64:96] = 0  # a block of zeros, after a norm too
@@ -100,7 +101,7 @@ def test_norms_round_their_output_for_the_8bit_route(i8, gen, monkeypatch):
     assert_carries_its_rounding(added, added)
     assert carried_i8(h) is None
     assert carried_i8(fused.rms_norm(x[:, :40], w[:40], 1e-6)) is None  # 40 values: no blocks of 32
-    assert carried_i8(fused.rms_norm(randn(tuning.GEMV_MAX_TOKENS + 1, 64, gen=gen), w[:64], 1e-6)) is None
+    assert carried_i8(fused.rms_norm(randn(fused.rounded_rows() + 1, 64, gen=gen), w[:64], 1e-6)) is None
     # the rounding is of the values as written: not of a part of them, nor after they change
     assert carried_i8(normed[:2]) is None and carried_i8(normed[:, :2048]) is None
     added.mul_(2)

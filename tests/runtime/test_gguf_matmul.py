@@ -35,7 +35,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
-from moerun.kernels.gguf_matmul import (QWeight, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot, moe_gemm_i8,
+from moerun.kernels.gguf_matmul import (QWeight, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot,
+                                        moe_gemm_i8,
                                         quantize_i8, stage_second, supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
 
@@ -63,8 +64,15 @@ def wide_tiles(monkeypatch):
     monkeypatch.setattr(tuning, "GEMM_BY_BLOCK_VALUES",
                         {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)})
     for swept in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "GEMV_I8_OVERRIDES", "GEMV_I8_GROUPED_OVERRIDES",
-                  "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES"):
+                  "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES", "DENSE_I8_OVERRIDES"):
         monkeypatch.setattr(tuning, swept, {})
+
+
+@pytest.fixture
+def prefill_gemm(monkeypatch):
+    """The experts of the tests' 21-token prompts on the grouped GEMM (it takes steps past MOE_GEMV_MAX_TOKENS):
+    a smaller step than the matrix-vector kernel's limit keeps the interpreter's work small."""
+    monkeypatch.setattr(tuning, "MOE_GEMV_MAX_TOKENS", tuning.GEMV_MAX_TOKENS)
 
 
 def random_weights(qtype: Q, lead: tuple[int, ...], cols: int, rng: np.random.Generator) -> torch.Tensor:
@@ -146,7 +154,8 @@ def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype
     w = QWeight(data.to(DEVICE), qtype, rows, cols)
     y = gguf_mm(x.to(DEVICE), w)
     assert y.dtype == torch.float32 and y.shape == (n_tokens, rows)
-    assert_close(y, *operands(x, data, qtype, cols, gemm=on_bfloat16_operands(n_tokens)))
+    gemm8 = dense_gemm_i8(BLOCK_TYPES[qtype], n_tokens)
+    assert_close(y, *operands(x, data, qtype, cols, gemm=gemm8 or on_bfloat16_operands(n_tokens), gemm8=gemm8))
 
 
 def on_bfloat16_operands(n_tokens: int) -> bool:
@@ -219,16 +228,20 @@ def test_production_tiles(qtype: Q, n_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
-@pytest.mark.parametrize("n_tokens", [3, 21])
+@pytest.mark.parametrize("n_tokens,gemm", [(3, False), (21, False), (21, True)],
+                         ids=["decode", "short-prompt", "prefill"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0, Q.MXFP4], ids=lambda q: q.name)
-def test_moe(wide_tiles, qtype: Q, n_tokens: int, shared_input: bool) -> None:
-    """Decode (3 tokens: a program per (t, k)) and prefill (21 tokens: grouped by slot) on a bank of 6 slots, with
-    experts repeated across tokens, -1 (skipped) slots, and a slot no token uses."""
-    check_moe(qtype, n_tokens, shared_input, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
+def test_moe(wide_tiles, request, qtype: Q, n_tokens: int, gemm: bool, shared_input: bool) -> None:
+    """Decode (3 tokens: a program per (t, k)), a short prompt (21 tokens, the same) and prefill (21 tokens past a
+    lowered MOE_GEMV_MAX_TOKENS: grouped by slot) on a bank of 6 slots, with experts repeated across tokens, -1
+    (skipped) slots, and a slot no token uses."""
+    if gemm:
+        request.getfixturevalue("prefill_gemm")
+    check_moe(qtype, n_tokens, shared_input, gemm=n_tokens > tuning.MOE_GEMV_MAX_TOKENS)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0], ids=lambda q: q.name)
-def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, monkeypatch, qtype: Q) -> None:
+def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, prefill_gemm, monkeypatch, qtype: Q) -> None:
     """The grouped GEMM on tiles from tuning.GROUPED_GEMM_OVERRIDES (16-row tiles, as a sweep may pick for ~32
     pairs per expert): several tiles per slot's run, a weight tile past the last row, two blocks per step."""
     bt = BLOCK_TYPES[qtype]
@@ -239,7 +252,8 @@ def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, monkeypatch, qtype: Q) -
 
 @pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
 @pytest.mark.parametrize("qtype", [q for q in FP16_FIELDS if BLOCK_TYPES[q].gemm8 is not None], ids=lambda q: q.name)
-def test_moe_prefill_on_the_8bit_gemm(wide_tiles, monkeypatch, qtype: Q, shared_input: bool) -> None:
+def test_moe_prefill_on_the_8bit_gemm(wide_tiles, prefill_gemm, monkeypatch, qtype: Q, shared_input: bool
+                                      ) -> None:
     """The experts of a prompt step on the 8-bit GEMM (tuning.GEMM_I8_MIN_TOKENS lowered to the test's 21 tokens):
     gguf_moe as test_moe checks it, and gate and up with the SwiGLU (gguf_moe_glu) on the same grouping."""
     monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21)
@@ -250,13 +264,13 @@ def test_moe_prefill_on_the_8bit_gemm(wide_tiles, monkeypatch, qtype: Q, shared_
 
 @pytest.mark.parametrize("n_tokens,gemm8", [(3, False), (21, False), (21, True)],
                          ids=["decode", "prefill", "prefill-8bit"])
-def test_moe_on_shipped_tiles(monkeypatch, n_tokens: int, gemm8: bool) -> None:
+def test_moe_on_shipped_tiles(prefill_gemm, monkeypatch, n_tokens: int, gemm8: bool) -> None:
     """tuning.py's own grouped tiles where the test's rows of 3 Q4_K blocks have them (the 30B down projection's
     GEMV_GROUPED_OVERRIDES, GROUPED_GEMM_OVERRIDES and GEMM_I8_GROUPED_OVERRIDES entries)."""
     assert (Q.Q4_K, 3) in tuning.GEMV_GROUPED_OVERRIDES and (Q.Q4_K, 3) in tuning.GROUPED_GEMM_OVERRIDES
     assert (Q.Q4_K, 3) in tuning.GEMM_I8_GROUPED_OVERRIDES
     monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21 if gemm8 else 1 << 30)
-    check_moe(Q.Q4_K, n_tokens, shared_input=False, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
+    check_moe(Q.Q4_K, n_tokens, shared_input=False, gemm=n_tokens > tuning.MOE_GEMV_MAX_TOKENS)
 
 
 def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
@@ -288,7 +302,7 @@ def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
 @pytest.mark.parametrize("n_tokens,grouped_tiles", [(3, None), (21, None), (2, tuning.GemvTiles(16, 1, 1))],
                          ids=["decode", "prefill", "decode-grouped-tiles"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
-def test_moe_glu(wide_tiles, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles) -> None:
+def test_moe_glu(wide_tiles, prefill_gemm, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles) -> None:
     """gguf_moe_glu = silu(x gate^T) * (x up^T) per (token, expert), on int64 slots with -1 (skipped: zeros):
     one matrix-vector launch at decode (3 tokens), the grouped GEMMs at prefill (21), the decode on tiles from
     tuning.GEMV_GROUPED_OVERRIDES (16 rows x 1 block: a partial row tile, no masked step). Each product is within the bound of assert_close;
@@ -310,7 +324,7 @@ def check_moe_glu(qtype: Q, n_tokens: int, rng: np.random.Generator) -> None:
     y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
                      QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
     assert y.shape == (n_tokens, k, rows)
-    assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=n_tokens > tuning.GEMV_MAX_TOKENS)
+    assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=n_tokens > tuning.MOE_GEMV_MAX_TOKENS)
 
 
 @pytest.mark.parametrize("host_offset", [0, 4], ids=["aligned", "4-bytes-past"])
@@ -399,7 +413,7 @@ def assert_glu_close(y, x, slots, gate_bank, up_bank, qtype: Q, gemm: bool) -> N
             assert ((y[t, j] - silu * u).abs() <= bound).all(), float(((y[t, j] - silu * u).abs() / bound).max())
 
 
-def test_prefill_groups_the_pairs_once_for_a_layers_banks(wide_tiles, monkeypatch) -> None:
+def test_prefill_groups_the_pairs_once_for_a_layers_banks(wide_tiles, prefill_gemm, monkeypatch) -> None:
     """Gate, up and down of a prompt's layer share one group_by_slot (the same slots, bank size and block_m), and give
     what each bank grouped alone gives."""
     import moerun.kernels.gguf_matmul as gm
