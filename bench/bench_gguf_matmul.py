@@ -1,12 +1,13 @@
 """Speed of moerun's GGUF matmul kernels (runtime/kernels/gguf_matmul.py) on one GPU, next to torch's bfloat16 peer.
 
-    python bench/bench_gguf_matmul.py [--sweep [grouped | batch]] [--decode-only | --quick] [--carried] [--json FILE]
+    python bench/bench_gguf_matmul.py [--sweep [grouped | batch | gemm8 | dense8]] [--decode-only | --quick] [--carried]
+                                      [--json FILE]
 
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
 - decode products (T = 1, 2, 4, 8 tokens, a decode step of as many sequences) of a 4096x4096 weight in Q4_K, Q8_0,
   Q6_K, Q4_0: GB/s of weight bytes, on the matrix-vector kernel and, from T = 2, through the weight decoded to
-  bfloat16 and cuBLAS ("decoded"), whichever tuning.DECODED_GEMM_MIN_TOKENS picks;
+  bfloat16 and cuBLAS ("decoded"), and from T = 2 on the 8-bit GEMM ("8-bit GEMM"; tuning.py picks among them);
 - grouped MoE decode, 8 of 128 experts (distinct), one token: 2048x768 and 768x2048 in Q4_K (Qwen3-30B-A3B shape),
   4096x1408 in Q4_K and 1408x4096 in Q4_0 (the 60 GB benchmark shape); shapes are GGUF's (columns x rows); then 8
   tokens (8 random experts each) as decode runs them (gate+up in one gguf_moe_glu, a matrix-vector program group per

@@ -19,7 +19,9 @@ GEMV_MAX_TOKENS = 8
 # The routed experts run the matrix-vector kernel, one program group per (token, expert) pair, up to this many tokens
 # (a decode batch, a short prompt), the grouped prefill GEMM past it: a pair reads its expert's rows whole at the
 # kernel's bandwidth, where the GEMM decodes each expert's tiles to bfloat16 in every program, at ~500 GB/s of
-# weight bytes for a few pairs per expert. (Model.warm_up runs a prompt past it to compile the GEMM.)
+# weight bytes for a few pairs per expert. H200, 2026-12-02, the 30B model's captured prompt steps
+# (profile_serve_steps.py, docs/BENCHMARKS.md), against the GEMM past 8 tokens: 16 tokens 10.2 ms (24.0), 64 tokens
+# 21.5 (33.7). (Model.warm_up runs a prompt past it to compile the GEMM.)
 MOE_GEMV_MAX_TOKENS = 64
 # From this many tokens a dense product on a GPU decodes its weight to bfloat16 once and multiplies on cuBLAS
 # (gguf_matmul.decode_bf16). H200, 2026-12-01 evening (bench_gguf_matmul.py, docs/BENCHMARKS.md): 4096x4096 Q4_K at
