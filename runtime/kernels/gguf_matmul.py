@@ -201,30 +201,32 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows
     tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
 
 
+@triton.jit
+def _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM: tl.constexpr,
+                 GROUPED: tl.constexpr):
+    """A GEMM program's BM ids (-> ids, ok, the weight's base, its K steps): dense, ids m*BM + j < n_ids (token =
+    id); GROUPED, ids_ptr[m*BM + j], (token, expert) pair ids (-1 padding), all for bank slot block_slot_ptr[m] (-1: a
+    spare block past the last group, no K steps)."""
+    ids = m * BM + tl.arange(0, BM)
+    if GROUPED:
+        ids = tl.load(ids_ptr + ids)
+        slot = tl.load(block_slot_ptr + m)
+        return ids, ids >= 0, w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes, tl.where(slot >= 0, n_blocks, 0)
+    return ids, ids < n_ids, w_ptr, n_blocks
+
+
 @triton.jit(do_not_specialize=["n_ids"])
 def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, n_blocks, row_bytes, slot_bytes,
                  cols, x_div,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, B: tl.constexpr, GROUPED: tl.constexpr,
                  DOT_IN_F32: tl.constexpr):
-    """Program (m, i): output rows i*BN .. i*BN+BN-1 for BM ids.
-
-    Dense: the ids are m*BM + j < n_ids (token = id). GROUPED: ids_ptr[m*BM + j] are (token, expert) pair ids, -1 for
-    padding, all of them for bank slot block_slot_ptr[m] (-1: a spare block past the last group, nothing to do).
-    An id reads input row id // x_div and writes output row id.
-    """
+    """Program (m, i): output rows i*BN .. i*BN+BN-1 for the BM ids of _program_ids (dense or GROUPED). An id reads
+    input row id // x_div and writes output row id."""
     m = tl.program_id(0)
     r = tl.program_id(1) * BN + tl.arange(0, BN)
-    ids = m * BM + tl.arange(0, BM)
-    ok = ids < n_ids
-    w_base = w_ptr
-    n_steps = n_blocks
-    if GROUPED:
-        ids = tl.load(ids_ptr + ids)
-        ok = ids >= 0
-        slot = tl.load(block_slot_ptr + m)
-        w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
-        n_steps = tl.where(slot >= 0, n_blocks, 0)
+    ids, ok, w_base, n_steps = _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM,
+                                            GROUPED)
     x_row = (tl.where(ok, ids, 0) // x_div)[:, None] * cols  # [BM, 1]
     row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None, None] * row_bytes  # [BN, 1, 1]
     lane = tl.arange(0, P)
@@ -259,18 +261,10 @@ def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_
     n_rows; the grouped products run one split. EVEN_K: every split is whole K steps (no block to mask)."""
     m = tl.program_id(0)
     r = tl.program_id(1) * BN + tl.arange(0, BN)
+    ids, ok, w_base, n_steps = _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM,
+                                            GROUPED)
     first = tl.program_id(2) * split_blocks
-    ids = m * BM + tl.arange(0, BM)
-    if GROUPED:
-        ids = tl.load(ids_ptr + ids)
-        ok = ids >= 0
-        slot = tl.load(block_slot_ptr + m)
-        w_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * slot_bytes
-        last = tl.where(slot >= 0, n_blocks, 0)
-    else:
-        ok = ids < n_ids
-        w_base = w_ptr
-        last = tl.minimum(n_blocks, first + split_blocks)
+    last = tl.minimum(n_steps, first + split_blocks)
     x_row = (tl.where(ok, ids, 0) // x_div).to(tl.int64)  # [BM]
     row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None] * row_bytes  # [BN, 1]
     lane = tl.arange(0, 32)[None, :]
@@ -286,14 +280,17 @@ def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_
                 xq = tl.load(xq_ptr + x_row[:, None] * cols + unit * 32 + lane, mask=in_k[:, None], other=0)  # int8
                 xd = tl.load(xd_ptr + x_row * (cols // 32) + unit, mask=in_k, other=0.0)  # [BM]
                 dot = tl.dot(xq, tl.trans(q.to(tl.int8)), out_dtype=tl.int32).to(tl.float32)
-                term = (dot * xd[:, None]) * tl.reshape(scale, (1, BN))
                 if MINS:
                     xs_at = xs_ptr + x_row * (cols // 16) + 2 * unit
                     xs = tl.load(xs_at, mask=in_k, other=0.0) + tl.load(xs_at + 1, mask=in_k, other=0.0)
-                    term += xs[:, None] * tl.reshape(offset, (1, BN))
-                if EVEN_K:
-                    acc += term
-                else:  # (not `term * 0`: a random bench bank's scales may be inf)
+                if EVEN_K:  # two multiply-adds a part (docs/kernels.md, "The 8-bit GEMM")
+                    if MINS:
+                        acc += xs[:, None] * tl.reshape(offset, (1, BN))
+                    acc += (dot * xd[:, None]) * tl.reshape(scale, (1, BN))
+                else:  # a block past the split's end adds 0 (not `term * 0`: a random bench bank's scales may be inf)
+                    term = (dot * xd[:, None]) * tl.reshape(scale, (1, BN))
+                    if MINS:
+                        term += xs[:, None] * tl.reshape(offset, (1, BN))
                     acc += tl.where(in_k[:, None], term, 0.0)
     out_ptr += tl.program_id(2).to(tl.int64) * n_ids * n_rows
     tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
