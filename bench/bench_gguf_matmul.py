@@ -86,7 +86,7 @@ def tuned(**values) -> Iterator[None]:
 
 def fastest(results: list) -> object:
     """The configuration of the best (measure, configuration) pair; failed measurements (nan) lose."""
-    return max(results, key=lambda r: r[0] if r[0] == r[0] else -1)[1]
+    return max(results, key=lambda r: r[0] if r[0] == r[0] else float("-inf"))[1]
 
 
 def guarded(measure: Callable[..., dict], *args) -> dict:
@@ -113,7 +113,7 @@ def random_bank(qtype: Q, n: int, rows: int, cols: int) -> torch.Tensor:
 def rounded(x: torch.Tensor) -> torch.Tensor:
     """x, with --carried its 8-bit rounding handed along where a step's norm would hand it (fused.rms_norm), so that
     the timed products skip quantize_i8's launch; the rounding is made here, outside the timed graph."""
-    if CARRIED and x.shape[-1] % 32 == 0 and x.view(-1, x.shape[-1]).shape[0] <= fused.rounded_rows():
+    if CARRIED and fused.rounds_i8(*x.view(-1, x.shape[-1]).shape):
         carry_i8(x, *quantize_i8(x.view(-1, x.shape[-1])))
     return x
 
@@ -363,9 +363,8 @@ def sweep_dense8(repeat: int, dump_to: str | None = None) -> dict:
                 tuning.DENSE_I8_OVERRIDES[qtype] = tiles
                 timed.append((sum(guarded(dense_decode, qtype, 8, repeat, shape)["us"] for shape in DENSE8_SHAPES),
                               tiles))
-        ranked = sorted((r for r in timed if r[0] == r[0]), key=lambda r: r[0])  # failed candidates (nan) out
-        best = tuning.DENSE_I8_OVERRIDES[qtype] = ranked[0][1]
-        table = [(round(us, 1), t.__dict__) for us, t in ranked]
+        best = tuning.DENSE_I8_OVERRIDES[qtype] = fastest([(-us, tiles) for us, tiles in timed])
+        table = sorted(((round(us, 1), t.__dict__) for us, t in timed if us == us), key=lambda r: r[0])
         print(f"sweep dense 8-bit GEMM {qtype.name} T=8 (us over {len(DENSE8_SHAPES)} shapes, best first): "
               f"{table[:6]} -> Q.{qtype.name}: {best}", flush=True)
         found[f"{qtype.name} sweep"] = table

@@ -16,8 +16,9 @@ class Step:
     they lie; a captured prompt step (graphs.PromptGraphs) gives its sequences as a (B,) device tensor instead, its
     tokens being B blocks of equal length, one prompt chunk each, so that one graph serves every set of sequences
     (each block reads its sequence's slots); a step that mixes sequences (`seqs`, one per token: a batch of decode
-    steps) makes each token read its own sequence's slots. Slots past the last position are masked anyway, so n_slots = last position + 1 is the
-    cheapest choice; a CUDA-graph decode step passes a fixed bucket instead, so that its shapes never change.
+    steps) makes each token read its own sequence's slots. Slots past the last position are masked anyway, so
+    n_slots = last position + 1 is the cheapest choice; a CUDA-graph decode step passes a fixed bucket instead, so
+    that its shapes never change.
 
     A model spread over several devices reads the step on each of them: `on(device)` gives the step's copy there,
     made once per step and device.

@@ -77,7 +77,9 @@ def rounded_rows() -> int:
                tuning.DENSE_I8_MAX_TOKENS if tuning.GEMM_INT8 else 0)
 
 
-def _rounds_i8(rows: int, cols: int) -> bool:
+def rounds_i8(rows: int, cols: int) -> bool:
+    """Does a kernel writing (rows, cols) activations round them for the 8-bit routes (rounded_rows, whole blocks of
+    32 values)?"""
     return 0 < rows <= rounded_rows() and cols % 32 == 0
 
 
@@ -87,7 +89,7 @@ def _norm(x: torch.Tensor, x_stride: int, delta: torch.Tensor, weight: torch.Ten
     rounded for the 8-bit route too, handed along with `result` (out as the caller returns it: a view of out is
     another tensor, and in inference mode one that does not keep out alive)."""
     rows, D = out.shape
-    i8 = _rounds_i8(rows, D)
+    i8 = rounds_i8(rows, D)
     q, d, s = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)
     # no FMA: store_i8 rounds as quantize_i8 does
     _rms_norm_kernel[(rows,)](x, delta, weight, out if h is None else h, out, q, d, s, D, x_stride, eps,
@@ -377,7 +379,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
         HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
         DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS, SEQS=seqs is not None,
         SPLIT=k.dtype == v.dtype == torch.bfloat16 and not INTERPRETED)  # (the interpreter's tl.dot: bfloat16 as ints)
-    i8 = _rounds_i8(T, H * Dv) and Dv % 32 == 0
+    i8 = rounds_i8(T, H * Dv) and Dv % 32 == 0
     q8, d8, s8 = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)
     _attend_combine_kernel[(T * H,)](
         m, l, acc, sinks if sinks is not None else m, out, q8, d8, s8, n_splits, H, Dv,

@@ -572,16 +572,15 @@ def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] == w.cols and w.data.dim() == 2, (tuple(x.shape), tuple(w.data.shape))
     x = x.contiguous()
     n_tokens = x.shape[0]
-    if dense_gemm_i8(bt, n_tokens):
-        out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
-        _gemm(x, w, bt, out, n_tokens, 1, None, tuning.dense_i8_tiles(Q(w.qtype)), i8=True)
-        return out
-    if n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not INTERPRETED:
+    i8 = dense_gemm_i8(bt, n_tokens)
+    if not i8 and n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not INTERPRETED:
         return _decoded_mm(x, w)
     out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
     if n_tokens == 0:
         return out
-    if n_tokens <= tuning.GEMV_MAX_TOKENS:
+    if i8:
+        _gemm(x, w, bt, out, n_tokens, 1, None, tuning.dense_i8_tiles(Q(w.qtype)), i8=True)
+    elif n_tokens <= tuning.GEMV_MAX_TOKENS:
         _gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None)
     else:
         _gemm(x, w, bt, out, n_tokens, 1, None, tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=False))

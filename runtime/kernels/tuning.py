@@ -39,8 +39,8 @@ DECODED_GEMM_MIN_TOKENS = 4
 # profile_serve_steps.py, docs/BENCHMARKS.md): at T = 512 20-36% faster than the bfloat16 GEMM on the four expert
 # shapes; in the 30B model's captured prompt steps 256 tokens 50.2 -> 43.0 ms, but 128 (a 65-token prompt's bucket)
 # 41.0 -> 42.3, 64 33.7 -> 35.7 and 16 24.1 -> 27.6 (a few pairs per expert: the 8-bit tiles mostly pad), so the
-# crossover lies between 128 and 256 tokens. Dense products of 4-16 tokens lost to the decoded route (33-80 us against
-# 29-31 for a 4096x4096) and keep it. MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off.
+# crossover lies between 128 and 256 tokens. MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the experts and for the
+# dense products below.
 GEMM_INT8 = os.environ.get("MOERUN_GEMM_INT8", "1") != "0"
 GEMM_I8_MIN_TOKENS = 256
 DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
@@ -149,7 +149,8 @@ GEMM_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
 # 2026-12-02 (bench_gguf_matmul.py --sweep dense8, docs/BENCHMARKS.md), 4096x4096 us against the route taken without
 # it: T = 2 16.7-17.3 against the matrix-vector kernel's 8.2-17.6 (not taken), T = 3 16.6-17.5 against 19.7-29.2,
 # T = 4-8 16.6-19.6 against the decoded route's 28.7-31.1, T = 16 18.1-23.7 against 29.4-31.7, T = 32 26.7-32.7
-# against 30.1-32.3 (not taken: Q4_K loses).
+# against 30.1-32.3 (not taken: Q4_K loses). (On the grouped tiles, 64-128 rows and K whole, it had lost to the
+# decoded route at 4-16 tokens: 33-80 us against 29-31.)
 DENSE_I8_MIN_TOKENS = 3
 DENSE_I8_MAX_TOKENS = 16
 DENSE_I8_TILES = GemmTiles(16, 32, 1, num_warps=2, num_stages=3, split=8)

@@ -19,8 +19,8 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   float32 per 16 values as scale * d * (q . q_x) + offset * d * sum(q_x): it is compared with the float64 product of
   the rounded x, and S counts the two terms apart, |x| (|w - offset| + |offset|) (the offsets are the weights
   decoded with every quant zeroed). The 8-bit GEMM (tuning.GEMM_INT8, the types with a gemm8 decoder: the experts of
-  prompt steps of tuning.GEMM_I8_MIN_TOKENS tokens or more) rounds x the same way and sums per 32 values on tensor
-  cores: the same operands and bound.
+  prompt steps of tuning.GEMM_I8_MIN_TOKENS tokens or more, and dense products of DENSE_I8_MIN_TOKENS ..
+  DENSE_I8_MAX_TOKENS) rounds x the same way and sums per 32 values on tensor cores: the same operands and bound.
 Random data are never zeros; a wrong nibble, scale or row order misses these bounds by orders of magnitude.
 """
 
@@ -36,8 +36,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
 from moerun.kernels.gguf_matmul import (QWeight, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot,
-                                        moe_gemm_i8,
-                                        quantize_i8, stage_second, supports)
+                                        moe_gemm_i8, quantize_i8, stage_second, supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
