@@ -291,10 +291,10 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
 
 
 def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat: int,
-                       i8: bool = False) -> tuple[tuning.GemmTiles, list]:
-    """Tiles of the grouped prefill GEMM on one expert shape at T = 512 (about 32 pairs per expert): fewer rows per
-    tile than the dense kernel's, wider weight tiles. Sets tuning.GROUPED_GEMM_OVERRIDES for the shape; with `i8`
-    those of the 8-bit GEMM (gemm8_candidates, tuning.GEMM_I8_GROUPED_OVERRIDES)."""
+                       i8: bool = False, n_tokens: int = PREFILL_T) -> tuple[tuning.GemmTiles, list]:
+    """Tiles of the grouped prefill GEMM on one expert shape at T = n_tokens (512: about 32 pairs per expert): fewer
+    rows per tile than the dense kernel's, wider weight tiles. Sets tuning.GROUPED_GEMM_OVERRIDES for the shape; with
+    `i8` those of the 8-bit GEMM (gemm8_candidates, tuning.GEMM_I8_GROUPED_OVERRIDES)."""
     rows, cols = shape
     bt = BLOCK_TYPES[qtype]
     key = (qtype, cols // bt.values)
@@ -307,31 +307,33 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
     with tuned(GEMM_INT8=i8):
         for tiles in candidates:
             table[key] = tiles
-            results.append((guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["TFLOP/s"], tiles))
+            results.append((guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["TFLOP/s"], tiles))
     best = fastest(results)
     table[key] = best
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
 def gemm8_candidates() -> list[tuning.GemmTiles]:
-    """Tiles of the 8-bit GEMM for the grouped prefill: 16-64 pairs x 64-128 rows (about 32 pairs per expert at
-    T = 512), 4 or 8 warps."""
+    """Tiles of the 8-bit GEMM for the grouped prefill: 16-64 pairs x 64-256 rows (about 32 pairs per expert at
+    T = 512, 16 at 256), 2 to 8 warps."""
     return [tuning.GemmTiles(bm, bn, 1, warps, 3) for bm, bn, warps in (
-        (16, 64, 4), (16, 128, 4), (16, 128, 8), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8))]
+        (16, 64, 2), (16, 64, 4), (16, 128, 4), (16, 128, 8), (16, 256, 8), (32, 64, 2), (32, 64, 4), (32, 128, 4),
+        (32, 128, 8), (32, 256, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8))]
 
 
-def sweep_gemm8(repeat: int, shapes: str) -> dict:
-    """The 8-bit GEMM's tiles on each expert shape at T = 512 (sweep_grouped_gemm), next to the bfloat16 GEMM on its
-    own tiles."""
+def sweep_gemm8(repeat: int, shapes: str, n_tokens: int = PREFILL_T) -> dict:
+    """The 8-bit GEMM's tiles on each expert shape at T = n_tokens (sweep_grouped_gemm), next to the bfloat16 GEMM
+    on its own tiles."""
     found = {}
     for name, qtype, shape, per_pair in MOE_SHAPES:
         if shapes not in name or BLOCK_TYPES[qtype].gemm8 is None:
             continue
         with tuned(GEMM_INT8=False):
-            before = guarded(moe, qtype, shape, per_pair, PREFILL_T, repeat)["TFLOP/s"]
-        best, table = sweep_grouped_gemm(qtype, shape, per_pair, repeat, i8=True)
+            before = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["TFLOP/s"]
+        best, table = sweep_grouped_gemm(qtype, shape, per_pair, repeat, i8=True, n_tokens=n_tokens)
         key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
-        print(f"sweep 8-bit GEMM {name} {qtype.name} (TFLOP/s; bf16 GEMM {before:.1f}): {table} -> {key}: {best}",
+        print(f"sweep 8-bit GEMM {name} {qtype.name} T={n_tokens} (TFLOP/s; bf16 GEMM {before:.1f}): {table} -> "
+              f"{key}: {best}",
               flush=True)
         found[f"{name} {qtype.name}"] = {"bf16 TFLOP/s": before, "table": table}
     return found
@@ -408,6 +410,7 @@ def main() -> None:
                              "dense products of 8 tokens, then 2-32 tokens against the route taken without it, then "
                              "stop)")
     parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
+    parser.add_argument("--tokens", type=int, default=PREFILL_T, help="the tokens of --sweep gemm8's prompt")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
     parser.add_argument("--decode-only", action="store_true", help="sweep and time the decode kernels only")
@@ -426,7 +429,7 @@ def main() -> None:
     results["copy GB/s"] = copy = copy_bandwidth(r)
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
     if args.sweep == "gemm8":  # the 8-bit GEMM's tiles on the expert shapes, then stop
-        results["sweep gemm8"] = sweep_gemm8(r, args.shapes)
+        results["sweep gemm8"] = sweep_gemm8(r, args.shapes, args.tokens)
         dump(results, args.json)
         return
     if args.sweep == "dense8":

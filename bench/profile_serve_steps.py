@@ -1,11 +1,12 @@
 """Where `moerun serve`'s time goes, without HTTP: the scheduler's steps timed one by one, and prompts of several
 lengths.
 
-    python bench/profile_serve_steps.py MODEL [--device cuda] [--profile]
+    python bench/profile_serve_steps.py MODEL [--device cuda] [--prefill-chunk 512] [--profile]
 
-Loads MODEL with 8 sequences, captures the decode and prompt steps as the server does at start (and compiles its
-prompt kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time of a length shows a
-compile or capture, if any), with the prompt graphs and eagerly, and a decode step of 1, 2, 4 and 8 sequences
+Loads MODEL with 8 sequences, captures the decode and prompt steps as the server does at start with --prefill-chunk
+(and compiles its prompt kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time
+of a length shows a compile or capture, if any), with the prompt graphs and eagerly, 8 prompt chunks of 64 tokens as
+one step (`prefill_chunks`, as 8 requests that come together), and a decode step of 1 to 8 sequences
 (`decode_batch`: CUDA graphs where they run); with --profile it prints torch.profiler's tables for a 512-token
 forward and for a decode step of 8. Then it drives the scheduler (serve/scheduler.py) with waves of 64-token prompts
 and 32-token answers at 1, 4 and 8 streams, a second wave joining after ten steps as bench_serve.py's clients do, and
@@ -22,7 +23,7 @@ import time
 import torch
 
 import moerun
-from moerun.serve.scheduler import Job, Scheduler
+from moerun.serve.scheduler import PREFILL_CHUNK, Job, Scheduler
 
 
 def sync() -> None:
@@ -35,13 +36,14 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="torch.profiler's tables for a 512-token forward")
+    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="as moerun serve's")
     args = ap.parse_args()
     model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8)
     start = time.perf_counter()
     captured = model.capture_decode_steps()
     print(f"captured {captured} decode steps in {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
-    captured = model.capture_prompt_steps(256)
+    captured = model.capture_prompt_steps(args.prefill_chunk)
     model.warm_up()
     print(f"captured {captured} prompt steps and compiled the prompt kernels in {time.perf_counter() - start:.2f} s")
     prompt_graphs = model.prompt_graphs
@@ -51,13 +53,16 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(n)]
 
-    def forward_ms(n: int) -> float:
-        tokens = torch.tensor(prompt(n))
+    def timed_ms(run) -> float:
         sync()
         start = time.perf_counter()
-        model.forward(tokens, 0, 0, last_only=True)
+        run()
         sync()
         return (time.perf_counter() - start) * 1000
+
+    def forward_ms(n: int) -> float:
+        tokens = torch.tensor(prompt(n))
+        return timed_ms(lambda: model.forward(tokens, 0, 0, last_only=True))
 
     def decode_ms(n: int) -> float:
         sync()
@@ -70,10 +75,14 @@ def main() -> None:
     for graphs in (prompt_graphs, None):
         model.prompt_graphs = graphs
         for n in (16, 64, 65, 256, 512):
-            print(f"forward of {n} tokens{' (graphs up to 256)' if graphs else ' eager'}: "
+            print(f"forward of {n} tokens{f' (graphs up to {args.prefill_chunk})' if graphs else ' eager'}: "
                   + " ".join(f"{forward_ms(n):.1f}" for _ in range(3)) + " ms")
     model.prompt_graphs = prompt_graphs
-    for n in (1, 2, 4, 8):
+    for n in (4, 8):
+        chunks = [[(prompt(64), 0, s) for s in range(n)] for _ in range(3)]
+        print(f"{n} prompt chunks of 64 tokens as one step: "
+              + " ".join(f"{timed_ms(lambda: model.prefill_chunks(c)):.1f}" for c in chunks) + " ms")
+    for n in range(1, 9):
         print(f"decode step of {n} sequences: {decode_ms(n):.2f} ms")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -87,7 +96,7 @@ def main() -> None:
             print(prof.key_averages().table(sort_by=sort, row_limit=25))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
-    scheduler = Scheduler(model)
+    scheduler = Scheduler(model, prefill_chunk=args.prefill_chunk)
     forward, steps = scheduler._forward, []
 
     def timed(chunks, starts, rows):

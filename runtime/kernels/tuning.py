@@ -133,11 +133,14 @@ GROUPED_GEMM_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
 # The 8-bit GEMM's tiles (one block per K step, so `blocks` is unused; tl.dot needs 16 tokens at least), by (type,
 # blocks per row) as GROUPED_GEMM_OVERRIDES: H200, 2026-12-02 (bench_gguf_matmul.py --sweep gemm8, 8 candidates each,
 # T = 512), us against the bfloat16 GEMM on its tiles: 30B gate/up 421.6 (525.6), 30B down 396.0 (497.4), 60 GB
-# gate/up 1129.8 (1644.1), 60 GB down 976.7 (1533.3).
+# gate/up 1129.8 (1644.1), 60 GB down 976.7 (1533.3). The 30B down moved from 4 warps to 2 after a sweep at T = 256 (a
+# `moerun serve` prompt step; 13 candidates, 2026-12-02 afternoon): 24.4 TFLOP/s against 21.1 (16 x 128 made 24.5,
+# but a block_m other than gate/up's costs the layer a second group_by_slot). Capping registers (ptx .maxnreg 96 or
+# 128: ncu found 175 a thread, two programs an SM) made every tile 5-100% slower.
 GEMM_I8_GROUPED_TILES = GemmTiles(32, 128, 1, num_warps=4, num_stages=3)
 GEMM_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
     (Q.Q4_K, 8): GemmTiles(32, 128, 1, num_warps=4, num_stages=3),
-    (Q.Q4_K, 3): GemmTiles(32, 64, 1, num_warps=4, num_stages=3),
+    (Q.Q4_K, 3): GemmTiles(32, 64, 1, num_warps=2, num_stages=3),
     (Q.Q4_K, 16): GemmTiles(64, 128, 1, num_warps=4, num_stages=3),
     (Q.Q4_0, 44): GemmTiles(32, 128, 1, num_warps=4, num_stages=3),
 }

@@ -29,7 +29,10 @@ import torch
 from moerun.generation import Sampler, greedy
 from moerun.model import Model
 
-PREFILL_CHUNK = 256  # prompt tokens one step runs, over all the jobs still prefilling
+# Prompt tokens one step runs, over all the jobs still prefilling. H200, 30B-shaped model (docs/BENCHMARKS.md): eight
+# 64-token prompts that come together took 65 ms as one captured step, 87 as two of four (the routed experts'
+# weights are read once a step, whatever its tokens); llama.cpp's default micro-batch is 512 tokens too.
+PREFILL_CHUNK = 512
 
 
 class QueueFull(Exception):
