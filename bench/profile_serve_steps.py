@@ -1,7 +1,7 @@
 """Where `moerun serve`'s time goes, without HTTP: the scheduler's steps timed one by one, and prompts of several
 lengths.
 
-    python bench/profile_serve_steps.py MODEL [--device cuda] [--prefill-chunk 512] [--profile]
+    python bench/profile_serve_steps.py MODEL [--device cuda] [--prefill-chunk N] [--profile]
 
 Loads MODEL with 8 sequences, captures the decode and prompt steps as the server does at start with --prefill-chunk
 (and compiles its prompt kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time
@@ -23,7 +23,7 @@ import time
 import torch
 
 import moerun
-from moerun.serve.scheduler import PREFILL_CHUNK, Job, Scheduler
+from moerun.serve.scheduler import Job, Scheduler, prefill_chunk_for
 
 
 def sync() -> None:
@@ -36,9 +36,10 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="torch.profiler's tables for a 512-token forward")
-    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="as moerun serve's")
+    ap.add_argument("--prefill-chunk", type=int, help="as moerun serve's (default: its default on the device)")
     args = ap.parse_args()
     model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8)
+    args.prefill_chunk = args.prefill_chunk or prefill_chunk_for(model)
     start = time.perf_counter()
     captured = model.capture_decode_steps()
     print(f"captured {captured} decode steps in {time.perf_counter() - start:.2f} s")

@@ -282,11 +282,11 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, thre
               help="Sequences decoded together, each with its own KV cache of -c positions.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait for a free sequence; past that the server answers 503.")
-@click.option("--prefill-chunk", default=512, show_default=True, type=click.IntRange(min=1),
+@click.option("--prefill-chunk", type=click.IntRange(min=1),
               help="Prompt tokens one step runs beside the decoding sequences' tokens (a long prompt takes several "
-              "steps, and the other streams keep going meanwhile).")
+              "steps, and the other streams keep going meanwhile; default: 512 on a GPU, 256 on the CPU).")
 def serve(model_opts: ModelOptions, host: str, port: int, api_key: str | None, parallel: int, max_queue: int,
-          prefill_chunk: int) -> None:
+          prefill_chunk: int | None) -> None:
     """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     from moerun.serve import serve as serve_model
 

@@ -28,7 +28,7 @@ from moerun.serve.chat import ChatFormat
 from moerun.serve.engine import Engine
 from moerun.serve.protocol import (CHAT, COMPLETION, ApiError, GenerationRequest, Response, ResponseShape,
                                    model_list, parse_chat, parse_completion, usage)
-from moerun.serve.scheduler import PREFILL_CHUNK, Job, Output, QueueFull, Scheduler
+from moerun.serve.scheduler import Job, Output, QueueFull, Scheduler, prefill_chunk_for
 
 MAX_BODY_BYTES = 8 << 20  # far above any context's worth of prompt text; larger bodies get a 413
 MAX_QUEUE = 64  # requests waiting for a free sequence before new ones get a 503
@@ -182,9 +182,11 @@ async def _json_body(request: web.Request) -> Any:
 
 
 def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_queue: int = MAX_QUEUE, prefill_chunk: int = PREFILL_CHUNK) -> None:
+          max_queue: int = MAX_QUEUE, prefill_chunk: int | None = None) -> None:
     """Serve the model until interrupted; the engine thread runs batches of up to model.n_seq sequences, each step
-    with at most `prefill_chunk` prompt tokens beside the decoding sequences' tokens."""
+    with at most `prefill_chunk` prompt tokens (default: scheduler.PREFILL_CHUNK for the model's device) beside the
+    decoding sequences' tokens."""
+    prefill_chunk = prefill_chunk or prefill_chunk_for(model)
     logging.basicConfig(format="moerun: %(message)s", level=logging.WARNING)
     start = time.perf_counter()
     captured = model.capture_decode_steps()

@@ -29,10 +29,17 @@ import torch
 from moerun.generation import Sampler, greedy
 from moerun.model import Model
 
-# Prompt tokens one step runs, over all the jobs still prefilling. H200, 30B-shaped model (docs/BENCHMARKS.md): eight
-# 64-token prompts that come together took 65 ms as one captured step, 87 as two of four (the routed experts'
-# weights are read once a step, whatever its tokens); llama.cpp's default micro-batch is 512 tokens too.
-PREFILL_CHUNK = 512
+# Prompt tokens one step runs, over all the jobs still prefilling, by the device the model runs on (docs/BENCHMARKS.md).
+# On a GPU, where prompt steps replay CUDA graphs, more prompts in a step cost little more than one (the routed
+# experts' weights are read once a step): eight 64-token prompts took 65 ms as one step of the 30B-shaped model on
+# the H200, 87 as two; llama.cpp's default micro-batch is 512 tokens too. On the CPU a step's time grows with its
+# tokens and a longer one only holds the decoding streams longer: 8 streams made 3.69-3.72x one stream's tok/s with
+# 256, 3.46-3.50x with 512 (the bench model, this project's 2-core VM).
+PREFILL_CHUNK = {"cuda": 512, "cpu": 256}
+
+
+def prefill_chunk_for(model: Model) -> int:
+    return PREFILL_CHUNK[model.device.type]
 
 
 class QueueFull(Exception):
@@ -104,8 +111,9 @@ class _Sequence:
 
 
 class Scheduler:
-    def __init__(self, model: Model, max_queue: int = 64, prefill_chunk: int = PREFILL_CHUNK) -> None:
-        self.model, self.max_queue, self.prefill_chunk = model, max_queue, prefill_chunk
+    def __init__(self, model: Model, max_queue: int = 64, prefill_chunk: int | None = None) -> None:
+        self.model, self.max_queue = model, max_queue
+        self.prefill_chunk = prefill_chunk or prefill_chunk_for(model)
         self.sequences = [_Sequence() for _ in range(model.n_seq)]
         self.waiting: deque[tuple[int, Job]] = deque()
         self._ids = itertools.count()
