@@ -333,8 +333,7 @@ def sweep_gemm8(repeat: int, shapes: str, n_tokens: int = PREFILL_T) -> dict:
         best, table = sweep_grouped_gemm(qtype, shape, per_pair, repeat, i8=True, n_tokens=n_tokens)
         key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
         print(f"sweep 8-bit GEMM {name} {qtype.name} T={n_tokens} (TFLOP/s; bf16 GEMM {before:.1f}): {table} -> "
-              f"{key}: {best}",
-              flush=True)
+              f"{key}: {best}", flush=True)
         found[f"{name} {qtype.name}"] = {"bf16 TFLOP/s": before, "table": table}
     return found
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 import moerun
-from moerun.serve.scheduler import Job, Scheduler, prefill_chunk_for
+from moerun.serve.scheduler import Job, Scheduler
 
 
 def sync() -> None:
@@ -39,12 +39,13 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, help="as moerun serve's (default: its default on the device)")
     args = ap.parse_args()
     model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8)
-    args.prefill_chunk = args.prefill_chunk or prefill_chunk_for(model)
+    scheduler = Scheduler(model, prefill_chunk=args.prefill_chunk)  # (its default on the model's device)
+    prefill_chunk = scheduler.prefill_chunk
     start = time.perf_counter()
     captured = model.capture_decode_steps()
     print(f"captured {captured} decode steps in {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
-    captured = model.capture_prompt_steps(args.prefill_chunk)
+    captured = model.capture_prompt_steps(prefill_chunk)
     model.warm_up()
     print(f"captured {captured} prompt steps and compiled the prompt kernels in {time.perf_counter() - start:.2f} s")
     prompt_graphs = model.prompt_graphs
@@ -76,7 +77,7 @@ def main() -> None:
     for graphs in (prompt_graphs, None):
         model.prompt_graphs = graphs
         for n in (16, 64, 65, 256, 512):
-            print(f"forward of {n} tokens{f' (graphs up to {args.prefill_chunk})' if graphs else ' eager'}: "
+            print(f"forward of {n} tokens{f' (graphs up to {prefill_chunk})' if graphs else ' eager'}: "
                   + " ".join(f"{forward_ms(n):.1f}" for _ in range(3)) + " ms")
     model.prompt_graphs = prompt_graphs
     for n in (4, 8):
@@ -97,7 +98,6 @@ def main() -> None:
             print(prof.key_averages().table(sort_by=sort, row_limit=25))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
-    scheduler = Scheduler(model, prefill_chunk=args.prefill_chunk)
     forward, steps = scheduler._forward, []
 
     def timed(chunks, starts, rows):

@@ -28,7 +28,7 @@ from moerun.serve.chat import ChatFormat
 from moerun.serve.engine import Engine
 from moerun.serve.protocol import (CHAT, COMPLETION, ApiError, GenerationRequest, Response, ResponseShape,
                                    model_list, parse_chat, parse_completion, usage)
-from moerun.serve.scheduler import Job, Output, QueueFull, Scheduler, prefill_chunk_for
+from moerun.serve.scheduler import Job, Output, QueueFull, Scheduler
 
 MAX_BODY_BYTES = 8 << 20  # far above any context's worth of prompt text; larger bodies get a 413
 MAX_QUEUE = 64  # requests waiting for a free sequence before new ones get a 503
@@ -186,7 +186,7 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str 
     """Serve the model until interrupted; the engine thread runs batches of up to model.n_seq sequences, each step
     with at most `prefill_chunk` prompt tokens (default: scheduler.PREFILL_CHUNK for the model's device) beside the
     decoding sequences' tokens."""
-    prefill_chunk = prefill_chunk or prefill_chunk_for(model)
+    scheduler = Scheduler(model, max_queue=max_queue, prefill_chunk=prefill_chunk)
     logging.basicConfig(format="moerun: %(message)s", level=logging.WARNING)
     start = time.perf_counter()
     captured = model.capture_decode_steps()
@@ -194,12 +194,12 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str 
         print(f"moerun: captured {captured} decode steps as CUDA graphs (1 to {model.n_seq} sequences) in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    captured = model.capture_prompt_steps(prefill_chunk)
+    captured = model.capture_prompt_steps(scheduler.prefill_chunk)
     if captured:
-        print(f"moerun: captured {captured} prompt steps as CUDA graphs (up to {prefill_chunk} tokens) in "
+        print(f"moerun: captured {captured} prompt steps as CUDA graphs (up to {scheduler.prefill_chunk} tokens) in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     model.warm_up()
-    engine = Engine(Scheduler(model, max_queue=max_queue, prefill_chunk=prefill_chunk))
+    engine = Engine(scheduler)
     server = Server(model, engine, api_key)
     engine.start()
     try:

@@ -38,10 +38,6 @@ from moerun.model import Model
 PREFILL_CHUNK = {"cuda": 512, "cpu": 256}
 
 
-def prefill_chunk_for(model: Model) -> int:
-    return PREFILL_CHUNK[model.device.type]
-
-
 class QueueFull(Exception):
     """Every sequence is busy and the waiting queue is at its limit."""
 
@@ -113,7 +109,7 @@ class _Sequence:
 class Scheduler:
     def __init__(self, model: Model, max_queue: int = 64, prefill_chunk: int | None = None) -> None:
         self.model, self.max_queue = model, max_queue
-        self.prefill_chunk = prefill_chunk or prefill_chunk_for(model)
+        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[model.device.type]
         self.sequences = [_Sequence() for _ in range(model.n_seq)]
         self.waiting: deque[tuple[int, Job]] = deque()
         self._ids = itertools.count()
