@@ -84,7 +84,16 @@ class Linear(nn.Module):
         of a matrix already reported)."""
         if self.round_input is not None:
             x = self.round_input(x)
-        y = F.linear(x.to(self.weight.dtype), self.weight).float()
+        x = x.to(self.weight.dtype)
+        rows = x.shape[0]
+        if x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and rows > 1 and rows % 8:
+            # cuBLAS (torch 2.11, H200) ran 7 rows of the 30B model's float32 router on a kernel ten times slower
+            # than the one it takes for 6 or 8 (52 us against 5 a layer: 2.5 ms of a decode step of 7 sequences,
+            # docs/BENCHMARKS.md); rows padded to a multiple of 8 take the fast one.
+            y = F.linear(F.pad(x, (0, 0, 0, -rows % 8)), self.weight)[:rows]
+        else:
+            y = F.linear(x, self.weight)
+        y = y.float()
         return y if self.bias is None else y + self.bias
 
 

@@ -59,6 +59,23 @@ def test_gpu_path_matches_the_cpu_reference(synth_model, arch, experts, attn):
         assert float((ours.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
 
 
+def test_float32_products_of_any_row_count_agree_with_float64():
+    """A float32 Linear (the router) pads its rows to a multiple of 8 on the GPU, where cuBLAS picked a slow kernel
+    for 7: each row's product is still its own, for every count around that."""
+    from moerun.hooks import Hooks
+    from moerun.layers import Linear
+
+    torch.manual_seed(0)
+    weight = torch.randn(128, 2048)
+    linear = Linear(weight.cuda(), None, "blk.0.ffn_gate_inp.weight", Hooks()).cuda()
+    for rows in range(1, 18):
+        x = torch.randn(rows, 2048)
+        want = x.double() @ weight.double().T
+        got = linear(x.cuda()).cpu()
+        assert got.shape == (rows, 128)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
+
+
 def test_graph_decode_replays_the_eager_step(synth_model):
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     graphed, eager = moerun.load_model(path, device="cuda", n_ctx=600), moerun.load_model(path, device="cuda", n_ctx=600)
