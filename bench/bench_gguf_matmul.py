@@ -1,7 +1,7 @@
 """Speed of moerun's GGUF matmul kernels (runtime/kernels/gguf_matmul.py) on one GPU, next to torch's bfloat16 peer.
 
-    python bench/bench_gguf_matmul.py [--sweep [grouped | batch | gemm8 | dense8]] [--decode-only | --quick] [--carried]
-                                      [--json FILE]
+    python bench/bench_gguf_matmul.py [--sweep [grouped | batch | gemm8 | dense8 | routes]] [--decode-only | --quick]
+                                      [--carried] [--shapes TEXT] [--tokens N] [--token-counts 16,32,...] [--json FILE]
 
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
@@ -338,6 +338,32 @@ def sweep_gemm8(repeat: int, shapes: str, n_tokens: int = PREFILL_T) -> dict:
     return found
 
 
+def sweep_moe_routes(repeat: int, shapes: str, token_counts: list[int]) -> dict:
+    """The experts' three routes at prompt sizes, us a call, each on its shipped tiles: the matrix-vector kernel over
+    every (token, expert) pair (gate/up: both banks in one gguf_moe_glu launch, as decode and short prompts run them,
+    and one bank), the bfloat16 grouped GEMM and the 8-bit grouped GEMM (one bank; gate/up takes two of them). Where
+    tuning.MOE_GEMV_MAX_TOKENS and GEMM_I8_MIN_TOKENS come from."""
+    found = {}
+    for name, qtype, shape, per_pair in MOE_SHAPES:
+        if shapes not in name:
+            continue
+        for n_tokens in token_counts:
+            row = {}
+            with tuned(MOE_GEMV_MAX_TOKENS=1 << 30):
+                row["gemv"] = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["us"]
+                if not per_pair:
+                    row["gemv glu, both banks"] = guarded(moe_glu, qtype, shape, n_tokens, repeat)["us"]
+            with tuned(MOE_GEMV_MAX_TOKENS=0, GEMM_INT8=False):
+                row["bf16 gemm"] = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["us"]
+            if BLOCK_TYPES[qtype].gemm8 is not None:
+                with tuned(MOE_GEMV_MAX_TOKENS=0, GEMM_I8_MIN_TOKENS=0):
+                    row["8-bit gemm"] = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["us"]
+            print(f"routes {name} {qtype.name} T={n_tokens} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()),
+                  flush=True)
+            found[f"{name} {qtype.name} T={n_tokens}"] = row
+    return found
+
+
 # The dense products the 8-bit GEMM's tiles are swept on: the 4096x4096 of the other rows, and Qwen3-30B-A3B's
 # attention, its fused q/k/v (5120 rows x 2048) and its output (2048 x 4096). (rows, cols)
 DENSE8_SHAPES = ((4096, 4096), (5120, 2048), (2048, 4096))
@@ -402,14 +428,16 @@ ON_I8 = {"DENSE_I8_MIN_TOKENS": 1, "DENSE_I8_MAX_TOKENS": 1 << 30}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch", "gemm8", "dense8"],
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch", "gemm8", "dense8",
+                                                                         "routes"],
                         help="time tile candidates first (grouped: the grouped decode's only; batch: only the dense "
                              "8-bit tiles at T = 4 and 8, against the decoded route, then stop; gemm8: only the 8-bit "
                              "GEMM's tiles on the expert shapes at T = 512, then stop; dense8: only its tiles for "
                              "dense products of 8 tokens, then 2-32 tokens against the route taken without it, then "
-                             "stop)")
+                             "stop; routes: the experts' routes at --token-counts, then stop)")
     parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
     parser.add_argument("--tokens", type=int, default=PREFILL_T, help="the tokens of --sweep gemm8's prompt")
+    parser.add_argument("--token-counts", default="16,32,64,128,256", help="the prompt sizes of --sweep routes")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
     parser.add_argument("--decode-only", action="store_true", help="sweep and time the decode kernels only")
@@ -429,6 +457,10 @@ def main() -> None:
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
     if args.sweep == "gemm8":  # the 8-bit GEMM's tiles on the expert shapes, then stop
         results["sweep gemm8"] = sweep_gemm8(r, args.shapes, args.tokens)
+        dump(results, args.json)
+        return
+    if args.sweep == "routes":
+        results["sweep routes"] = sweep_moe_routes(r, args.shapes, [int(t) for t in args.token_counts.split(",")])
         dump(results, args.json)
         return
     if args.sweep == "dense8":

@@ -17,12 +17,14 @@ from gguf import GGMLQuantizationType as Q
 # DENSE_I8_MIN_TOKENS) run the matrix-vector kernel; more tokens go through a GEMM.
 GEMV_MAX_TOKENS = 8
 # The routed experts run the matrix-vector kernel, one program group per (token, expert) pair, up to this many tokens
-# (a decode batch, a short prompt), the grouped prefill GEMM past it: a pair reads its expert's rows whole at the
-# kernel's bandwidth, where the GEMM decodes each expert's tiles to bfloat16 in every program, at ~500 GB/s of
-# weight bytes for a few pairs per expert. H200, 2026-12-02, the 30B model's captured prompt steps
-# (profile_serve_steps.py, docs/BENCHMARKS.md), against the GEMM past 8 tokens: 16 tokens 10.2 ms (24.0), 64 tokens
-# 21.5 (33.7). (Model.warm_up runs a prompt past it to compile the GEMM.)
-MOE_GEMV_MAX_TOKENS = 64
+# (a decode batch, a short prompt, two 64-token prompts), the grouped prefill GEMM past it: a pair reads its expert's
+# rows whole at the kernel's bandwidth, where the GEMM decodes each expert's tiles in every program for the few pairs
+# each expert gets. H200, 2026-12-02, the 30B shapes (bench_gguf_matmul.py --sweep routes, docs/BENCHMARKS.md), us
+# for gate+up and down at T = 64 / 128 / 256: pairs 181 + 123 / 357 + 236 / 712 + 457, the 8-bit GEMM (its best of
+# 9 tiles) 452 + 200 / 511 + 213 / 606 + 260, the bfloat16 GEMM 520 + 238 / 550 + 257 / 724 + 328. (The limit was 64
+# until then: a 65-token prompt's 128-row step took 41.0 ms on the bfloat16 GEMM.) Model.warm_up runs a prompt past
+# it to compile the GEMM.
+MOE_GEMV_MAX_TOKENS = 128
 # From this many tokens a dense product on a GPU decodes its weight to bfloat16 once and multiplies on cuBLAS
 # (gguf_matmul.decode_bf16). H200, 2026-12-01 evening (bench_gguf_matmul.py, docs/BENCHMARKS.md): 4096x4096 Q4_K at
 # T = 512 took 410 us on the GEMM over the blocks and 43 decoded (25 for the bfloat16 product alone), at T = 64 265
@@ -35,14 +37,13 @@ MOE_GEMV_MAX_TOKENS = 64
 DECODED_GEMM_MIN_TOKENS = 4
 # A prompt step of at least GEMM_I8_MIN_TOKENS tokens runs its experts on the 8-bit GEMM (gguf_matmul._gemm_i8_kernel:
 # activations rounded to int8 per 32 values as on the GEMV's 8-bit route, the weights' quants as int8 tiles on tensor
-# cores) where the type has a qtypes gemm8 decoder. H200, 2026-12-02 (bench_gguf_matmul.py --sweep gemm8 and
-# profile_serve_steps.py, docs/BENCHMARKS.md): at T = 512 20-36% faster than the bfloat16 GEMM on the four expert
-# shapes; in the 30B model's captured prompt steps 256 tokens 50.2 -> 43.0 ms, but 128 (a 65-token prompt's bucket)
-# 41.0 -> 42.3, 64 33.7 -> 35.7 and 16 24.1 -> 27.6 (a few pairs per expert: the 8-bit tiles mostly pad), so the
-# crossover lies between 128 and 256 tokens. MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the experts and for the
-# dense products below.
+# cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes
+# above): faster than the bfloat16 GEMM from T = 16 up on the 30B shapes (down 137 against 162 us at 16, 260 against
+# 328 at 256), so it takes every step the GEMM takes (past MOE_GEMV_MAX_TOKENS); at T = 512 20-36% faster on the four
+# expert shapes (--sweep gemm8). MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the experts and for the dense
+# products below.
 GEMM_INT8 = os.environ.get("MOERUN_GEMM_INT8", "1") != "0"
-GEMM_I8_MIN_TOKENS = 256
+GEMM_I8_MIN_TOKENS = 128
 DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
 # A weight larger than this decodes in row chunks of this size, one scratch buffer reused: the output head of a
 # 152k-token vocabulary would otherwise take 620 MB of scratch in a decode step of several sequences.
