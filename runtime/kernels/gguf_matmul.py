@@ -248,17 +248,20 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
 
 
 @triton.jit(do_not_specialize=["n_ids"])
-def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, n_blocks,
-                    row_bytes, slot_bytes, cols, x_div, split_blocks,
+def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, sum_ptr, counter_ptr, n_ids,
+                    n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div, split_blocks,
                     DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    B: tl.constexpr, MINS: tl.constexpr, GROUPED: tl.constexpr, EVEN_K: tl.constexpr):
+                    B: tl.constexpr, MINS: tl.constexpr, GROUPED: tl.constexpr, EVEN_K: tl.constexpr,
+                    SPLIT: tl.constexpr):
     """_gemm_kernel's programs and ids on the 8-bit route: quantize_i8's activations (int8 quants at xq_ptr, their
     scale d per 32 values at xd_ptr, d * (sum of quants) per 16 at xs_ptr) times the weights' quants (DECODE: a
     qtypes gemm8 decoder), B blocks per K step and one tl.dot of [BM, 32] x [32, BN] int8 per 32 values, exact in
     int32 on tensor cores; each adds dot * d * scale (+ offset * d * sum(q_x) with MINS, the K-quants') to the float32
     accumulators. Program (m, i, k) covers blocks k*split_blocks .. +split_blocks of the rows (a dense product of a
     few tokens splits K so that enough programs read the weight) and writes its partial sums at out_ptr + k * n_ids *
-    n_rows; the grouped products run one split. EVEN_K: every split is whole K steps (no block to mask)."""
+    n_rows; with SPLIT the last of a tile's programs to finish adds them up, in split order, into sum_ptr (the tile's
+    arrivals counted at counter_ptr, zeros that it leaves as it found them). The grouped products run one split.
+    EVEN_K: every split is whole K steps (no block to mask)."""
     m = tl.program_id(0)
     r = tl.program_id(1) * BN + tl.arange(0, BN)
     ids, ok, w_base, n_steps = _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM,
@@ -292,8 +295,22 @@ def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_
                     if MINS:
                         term += xs[:, None] * tl.reshape(offset, (1, BN))
                     acc += tl.where(in_k[:, None], term, 0.0)
-    out_ptr += tl.program_id(2).to(tl.int64) * n_ids * n_rows
-    tl.store(out_ptr + ids[:, None] * n_rows + r[None, :], acc, mask=ok[:, None] & (r < n_rows)[None, :])
+    out_at = ids[:, None] * n_rows + r[None, :]
+    out_ok = ok[:, None] & (r < n_rows)[None, :]
+    tl.store(out_ptr + tl.program_id(2).to(tl.int64) * n_ids * n_rows + out_at, acc, mask=out_ok)
+    if SPLIT:
+        # The sum in the last program, not a launch of its own after (~2 us each, a few hundred a decode step of
+        # several sequences), and not atomic adds on the output: their order, so the logits, would change run to
+        # run. The barrier puts every thread's partial sums before the count, whose release and acquire order them
+        # for the program that adds them up; it reads them past L1 (.cg).
+        tl.debug_barrier()
+        tile = counter_ptr + m * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            total = tl.zeros((BM, BN), tl.float32)
+            for k in range(tl.num_programs(2)):
+                total += tl.load(out_ptr + k * n_ids * n_rows + out_at, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(sum_ptr + out_at, total, mask=out_ok)
+            tl.atomic_xchg(tile, 0)
 
 
 @triton.jit
@@ -534,14 +551,15 @@ def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: 
         step_blocks = min(tiles.blocks, n_blocks)
         split_blocks = triton.cdiv(triton.cdiv(n_blocks, tiles.split), step_blocks) * step_blocks
         n_splits = triton.cdiv(n_blocks, split_blocks)
+        grid = (n_m, triton.cdiv(w.rows, tiles.block_n), n_splits)
         partial = out if n_splits == 1 else torch.empty(n_splits, *out.shape, dtype=out.dtype, device=out.device)
-        _gemm_i8_kernel[(n_m, triton.cdiv(w.rows, tiles.block_n), n_splits)](
-            *rounding, w.data, ids, block_slot, partial, n_ids, w.rows, n_blocks, row_bytes, w.rows * row_bytes,
-            w.cols, x_div, split_blocks, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes, BM=tiles.block_m,
-            BN=tiles.block_n, B=step_blocks, MINS=bt.gemm8_mins, GROUPED=grouped is not None,
-            EVEN_K=n_blocks % split_blocks == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        if n_splits > 1:
-            torch.sum(partial, 0, out=out)
+        counters = out if n_splits == 1 else split_counters(out.device, grid[0] * grid[1])
+        _gemm_i8_kernel[grid](
+            *rounding, w.data, ids, block_slot, partial, out, counters, n_ids, w.rows, n_blocks, row_bytes,
+            w.rows * row_bytes, w.cols, x_div, split_blocks, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes,
+            BM=tiles.block_m, BN=tiles.block_n, B=step_blocks, MINS=bt.gemm8_mins, GROUPED=grouped is not None,
+            EVEN_K=n_blocks % split_blocks == 0, SPLIT=n_splits > 1, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
         return
     # The products take bfloat16 inputs; rounding them here (to nearest, as the kernel would) halves the bytes the
     # programs read and the shared memory their pipelined loads take. Triton's interpreter keeps bfloat16 as its raw
@@ -553,6 +571,20 @@ def _gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: 
         w.cols, x_div,
         DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, BM=tiles.block_m, BN=tiles.block_n, B=tiles.blocks,
         GROUPED=grouped is not None, DOT_IN_F32=INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    """The device's int32 zeros that the split 8-bit GEMM's programs count their arrivals in, one per output tile
+    (each tile's last program sets its count back to 0). Made, or grown, outside a CUDA graph capture: a captured
+    step runs once eagerly first, with the same shapes."""
+    counters = _split_counters.get(device)
+    if counters is None or counters.numel() < n_tiles:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), "grown during a capture"
+        counters = _split_counters[device] = torch.zeros(max(n_tiles, 1024), dtype=torch.int32, device=device)
+    return counters
 
 
 def moe_gemm_i8(bt: BlockType, n_tokens: int) -> bool:

@@ -36,7 +36,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
 from moerun.kernels.gguf_matmul import (QWeight, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot,
-                                        moe_gemm_i8, quantize_i8, stage_second, supports)
+                                        moe_gemm_i8, quantize_i8, split_counters, stage_second, supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,6 +184,23 @@ def test_float_route_of_the_8bit_types(wide_tiles, monkeypatch, qtype: Q, n_toke
     monkeypatch.setattr(tuning, "GEMV_INT8", False)
     assert not on_i8(qtype)
     run_mm(qtype, n_tokens, rows=40, rng=np.random.default_rng([int(qtype), n_tokens, 3]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_split_8bit_products_add_up_the_same_way_every_time(qtype: Q) -> None:
+    """A dense product of a few tokens on the 8-bit GEMM splits K over programs (the shipped tiles: 4-8 splits here),
+    and the last of a tile's programs adds the partial sums up in split order: the same input gives the same bits
+    every time, and the arrival counts are zeros again after it (the next launch, or graph replay, starts from them)."""
+    rng = np.random.default_rng([int(qtype), 5])
+    rows, cols = 64, 2048
+    data = random_weights(qtype, (rows,), cols, rng)
+    x = torch.from_numpy(rng.standard_normal((8, cols), dtype=np.float32))
+    w = QWeight(data.to(DEVICE), qtype, rows, cols)
+    assert dense_gemm_i8(BLOCK_TYPES[qtype], 8) and tuning.dense_i8_tiles(qtype).split > 1
+    first, again = gguf_mm(x.to(DEVICE), w), gguf_mm(x.to(DEVICE), w)
+    assert torch.equal(first, again)
+    assert not split_counters(torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE), 1).any()
+    assert_close(first, *operands(x, data, qtype, cols, gemm=True, gemm8=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
