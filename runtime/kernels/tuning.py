@@ -38,8 +38,8 @@ DECODED_GEMM_MIN_TOKENS = 4
 # A prompt step of at least GEMM_I8_MIN_TOKENS tokens runs its experts on the 8-bit GEMM (gguf_matmul._gemm_i8_kernel:
 # activations rounded to int8 per 32 values as on the GEMV's 8-bit route, the weights' quants as int8 tiles on tensor
 # cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes
-# above): faster than the bfloat16 GEMM from T = 16 up on the 30B shapes (down 137 against 162 us at 16, 260 against
-# 328 at 256), so it takes every step the GEMM takes (past MOE_GEMV_MAX_TOKENS); at T = 512 20-36% faster on the four
+# above, the shipped tiles): on the 30B shapes at T = 256 gate/up 317.7 against 367.4 us a bank, down 265.1 against
+# 332.1, so it takes every step the GEMM takes (past MOE_GEMV_MAX_TOKENS); at T = 512 20-36% faster on the four
 # expert shapes (--sweep gemm8). MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the experts and for the dense
 # products below.
 GEMM_INT8 = os.environ.get("MOERUN_GEMM_INT8", "1") != "0"
