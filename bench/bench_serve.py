@@ -5,6 +5,7 @@ running one).
     python bench/bench_serve.py MODEL [--device cpu|cuda] [--streams 1,4,8] [--requests 2] [--rounds 1] [--prompt 64]
                                       [--gen 32] [-t THREADS] [--chat] [--serve-args "--vram-budget 20G"]
                                       [--llama-server PATH [--peer-args "..."] | --peer-url URL] [--json OUT]
+                                      [--trace FILE]
     python bench/bench_serve.py --url http://127.0.0.1:8080 ...        # a moerun serve already running
 
 Ours: `moerun serve -m MODEL -np <most streams> -c <prompt + gen + 16> --device DEVICE` started on a free port, with
@@ -23,7 +24,9 @@ too) let either server compile or capture what those batch sizes need (moerun: a
 A level's few seconds make one run's ratio of the most streams to the fewest move by a tenth or two on the GPU:
 --rounds N runs the levels N times over, interleaved (1, 4, 8, 1, 4, 8, ...: a drift of the machine touches every
 level alike) with fresh prompts each round (a prompt seen before would find its KV cached), and reports each level's
-median and range and the ratio of the medians. The client needs aiohttp only (no openai package).
+median and range and the ratio of the medians. The client needs aiohttp only (no openai package). With --trace FILE
+ours runs through trace_serve.py, which times the engine's steps and the model passes inside the server and writes
+where the time went to FILE when the server stops.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 
@@ -126,9 +130,12 @@ def start_server(name: str, cmd: list[str], port: int) -> tuple[subprocess.Popen
 
 
 def moerun_command(model: str, parallel: int, n_ctx: int, device: str, threads: int | None, extra: str,
-                   port: int) -> list[str]:
-    return ([sys.executable, "-m", "moerun", "serve", "-m", model, "-np", str(parallel), "-c", str(n_ctx),
-             "--device", device, "--port", str(port)] + (["-t", str(threads)] if threads else []) + shlex.split(extra))
+                   port: int, trace: str | None = None) -> list[str]:
+    """`moerun serve` on the port; with `trace`, through trace_serve.py, which writes its summary there at the end."""
+    start = [sys.executable, str(Path(__file__).with_name("trace_serve.py")), "--summary", trace] if trace else [
+        sys.executable, "-m", "moerun"]
+    return (start + ["serve", "-m", model, "-np", str(parallel), "-c", str(n_ctx), "--device", device, "--port",
+                     str(port)] + (["-t", str(threads)] if threads else []) + shlex.split(extra))
 
 
 def llama_server_command(binary: str, model: str, parallel: int, n_ctx: int, device: str, threads: int | None,
@@ -172,17 +179,20 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2000, help="prompt token ids are drawn below this")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     ap.add_argument("--json", help="write the numbers here")
+    ap.add_argument("--trace", help="start ours through trace_serve.py: its steps' and passes' times go to this file")
     args = ap.parse_args()
     if not (args.model or args.url):
         ap.error("give MODEL or --url")
     if args.llama_server and (args.peer_url or not args.model):
         ap.error("--llama-server starts the peer on MODEL: give MODEL, and not --peer-url")
+    if args.trace and args.url:
+        ap.error("--trace starts ours: give MODEL, not --url")
     levels = [int(s) for s in args.streams.split(",")]
     n_ctx = args.prompt + args.gen + 16
     ours, peer = free_port(), free_port()
     # (name, the URL of a running server, or the command that starts one on its port), measured one after the other
     servers: list[tuple[str, str | tuple[list[str], int]]] = [("moerun", args.url or (moerun_command(
-        args.model, max(levels), n_ctx, args.device, args.threads, args.serve_args, ours), ours))]
+        args.model, max(levels), n_ctx, args.device, args.threads, args.serve_args, ours, args.trace), ours))]
     if args.peer_url or args.llama_server:
         servers.append(("llama-server", args.peer_url or (llama_server_command(
             args.llama_server, args.model, max(levels), n_ctx, args.device, args.threads, args.peer_args, peer), peer)))
