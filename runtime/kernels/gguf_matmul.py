@@ -579,7 +579,8 @@ _split_counters: dict[torch.device, torch.Tensor] = {}
 def split_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
     """The device's int32 zeros that the split 8-bit GEMM's programs count their arrivals in, one per output tile
     (each tile's last program sets its count back to 0). Made, or grown, outside a CUDA graph capture: a captured
-    step runs once eagerly first, with the same shapes."""
+    step runs once eagerly first, with the same shapes. One set per device serves products that run one after the
+    other, as a model's do on its device's stream; two at once on two streams of one device would mix their counts."""
     counters = _split_counters.get(device)
     if counters is None or counters.numel() < n_tiles:
         assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), "grown during a capture"
