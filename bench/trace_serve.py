@@ -36,9 +36,9 @@ def traced_step(step):
 
 
 def traced_pass(one_pass):
-    def run(scheduler: Scheduler, chunks: list[tuple[int, list[int]]]):
+    def run(scheduler: Scheduler, chunks: list[tuple[int, list[int]]], *args):
         start = time.perf_counter()
-        outputs = one_pass(scheduler, chunks)
+        outputs = one_pass(scheduler, chunks, *args)
         passes.append((start, time.perf_counter(), len(chunks), sum(len(chunk) for _, chunk in chunks)))
         return outputs
     return run
