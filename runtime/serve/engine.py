@@ -27,6 +27,7 @@ class Engine:
         self._tickets = itertools.count()
         self._job_of: dict[int, int] = {}  # ticket -> scheduler job id
         self._replies: dict[int, tuple[int, Reply]] = {}  # scheduler job id -> (ticket, reply)
+        self._pending: list[Output] = []  # the last step's outputs, sent once the next step is launched
         self.cancelled = 0  # jobs dropped before they finished (their clients went away)
         self.status = self._status()  # replaced, never mutated, so that other threads may read it
         self._thread = threading.Thread(target=self._run, name="moerun-engine", daemon=True)
@@ -52,6 +53,7 @@ class Engine:
         while True:
             for command in self._commands():
                 if not self._apply(*command):
+                    self._reply()
                     return
             if self.scheduler.busy:
                 self._step()
@@ -88,16 +90,28 @@ class Engine:
         return True
 
     def _step(self) -> None:
+        """One scheduler step. The previous step's outputs go to their requests once this step is on its way on the
+        device (`Scheduler.step`'s `launched`), so that the HTTP side's work on them runs while the GPU does instead
+        of between two steps; they go at once when no step follows."""
         try:
-            outputs = self.scheduler.step()
+            outputs = self.scheduler.step(launched=self._reply)
         except Exception as e:  # a bug or a device error: fail the jobs in flight, keep serving
             log.exception("engine step failed; dropping the requests in flight")
+            self._reply()
             for job_id in self.scheduler.reset():
                 self._finish(job_id)[1](e)
             return
-        for out in outputs:
-            reply = self._finish(out.job)[1] if out.finish_reason else self._replies[out.job][1]
-            reply(out)
+        self._pending = outputs
+        if not self.scheduler.busy:
+            self._reply()
+
+    def _reply(self) -> None:
+        """Send the outputs held back; those of a job cancelled meanwhile are dropped."""
+        pending, self._pending = self._pending, []
+        for out in pending:
+            if out.job in self._replies:
+                reply = self._finish(out.job)[1] if out.finish_reason else self._replies[out.job][1]
+                reply(out)
 
     def _finish(self, job_id: int) -> tuple[int, Reply]:
         ticket, reply = self._replies.pop(job_id)

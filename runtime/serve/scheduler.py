@@ -22,6 +22,7 @@ from __future__ import annotations
 import codecs
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -147,11 +148,13 @@ class Scheduler:
         self.sequences = [_Sequence() for _ in self.sequences]
         return dropped
 
-    def step(self) -> list[Output]:
+    def step(self, launched: Callable[[], None] = lambda: None) -> list[Output]:
         """Admit waiting jobs to free sequences, then run a token of every decoding job and the next prompt chunks
         of the prefilling ones, within prefill_chunk prompt tokens: in one pass, or where the model runs prompt
         chunks as CUDA graphs (Model.capture_prompt_steps), the decode tokens in one pass and the prompt chunks in
-        another (two graph replays cost less than one eager pass)."""
+        another (two graph replays cost less than one eager pass). `launched` is called once the first pass is on
+        its way on the device, before the step waits for it (on the CPU: once it has run): the caller's work there
+        overlaps the step's."""
         self._admit()
         runs = sorted((seq.job.id, s) for s, seq in enumerate(self.sequences) if seq.job)
         budget = self.prefill_chunk
@@ -169,9 +172,12 @@ class Scheduler:
         else:  # the decode tokens, then the prompt chunks (Model.prefill_chunks runs them together where they fit)
             single, prompts = [c for c in chunks if len(c[1]) == 1], [c for c in chunks if len(c[1]) > 1]
             passes = [p for p in (single, prompts) if p]
-        return [out for part in passes for out in self._pass(part)]
+        outputs = [out for i, part in enumerate(passes) for out in self._pass(part, launched if i == 0 else None)]
+        if not passes:
+            launched()
+        return outputs
 
-    def _pass(self, chunks: list[tuple[int, list[int]]]) -> list[Output]:
+    def _pass(self, chunks: list[tuple[int, list[int]]], launched: Callable[[], None] | None) -> list[Output]:
         """One pass through the model of these sequences' tokens; a token for each that finished its feed."""
         starts: list[int] = []
         ready: list[tuple[int, int]] = []  # (chunk, sequence) of the chunks whose last logits give a token
@@ -183,6 +189,8 @@ class Scheduler:
             if not seq.job.feed:
                 ready.append((i, s))
         logits = self._forward(chunks, starts, [i for i, _ in ready])
+        if launched is not None:
+            launched()
         picked = self._sample([self.sequences[s].job for _, s in ready], logits)
         return [self._emit(self.sequences[s], token) for (_, s), token in zip(ready, picked)]
 
@@ -191,7 +199,8 @@ class Scheduler:
         one token (CUDA graphs where they run); one prompt chunk, or the prompt chunks of a model running prompt
         graphs, through Model.prefill_chunks; otherwise one forward_batch of them all."""
         if all(len(chunk) == 1 for _, chunk in chunks):
-            return self.model.decode_batch([c[0] for _, c in chunks], starts, [s for s, _ in chunks])[rows]
+            logits = self.model.decode_batch([c[0] for _, c in chunks], starts, [s for s, _ in chunks])
+            return logits if len(rows) == len(chunks) else logits[rows]  # (a list index waits for the device)
         if len(chunks) == 1 or self.model.prompt_graphs is not None:  # (step() gave this pass prompt chunks only)
             return self.model.prefill_chunks([(c, p, s) for (s, c), p in zip(chunks, starts)])[rows]
         tokens = [t for _, chunk in chunks for t in chunk]
