@@ -1,17 +1,17 @@
 """Where `moerun serve`'s time goes, without HTTP: the scheduler's steps timed one by one, and prompts of several
 lengths.
 
-    python bench/profile_serve_steps.py MODEL [--device cuda] [--prefill-chunk N] [--profile]
+    python bench/profile_serve_steps.py MODEL [--device cuda] [--prefill-chunk N] [--profile [--profile-tokens 64,512]]
 
 Loads MODEL with 8 sequences, captures the decode and prompt steps as the server does at start with --prefill-chunk
-(and compiles its prompt kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time
-of a length shows a compile or capture, if any), with the prompt graphs and eagerly, 8 prompt chunks of 64 tokens as
-one step (`prefill_chunks`, as 8 requests that come together), and a decode step of 1 to 8 sequences
-(`decode_batch`: CUDA graphs where they run); with --profile it prints torch.profiler's tables for a 512-token
-forward and for a decode step of 8. Then it drives the scheduler (serve/scheduler.py) with waves of 64-token prompts
-and 32-token answers at 1, 4 and 8 streams, a second wave joining after ten steps as bench_serve.py's clients do, and
-prints each level's slowest passes: (kind, tokens, sequences, ms), kind being a decode batch, prompt chunks (of one
-or several sequences), or a pass mixing both.
+(and compiles its prompt kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time of
+a length shows a compile or capture, if any), with the prompt graphs and eagerly, 8 prompt chunks of 64 tokens as one
+step (`prefill_chunks`, as 8 requests that come together), and a decode step of 1 to 8 sequences (`decode_batch`: CUDA
+graphs where they run); with --profile it prints torch.profiler's tables for a forward of each of --profile-tokens
+(512) tokens and for a decode step of 8. Then it drives the scheduler (serve/scheduler.py) with waves of 64-token
+prompts and 32-token answers at 1, 4 and 8 streams, a second wave joining after ten steps as bench_serve.py's clients
+do, and prints each level's slowest passes: (kind, tokens, sequences, ms), kind being a decode batch, prompt chunks
+(of one or several sequences), or a pass mixing both.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler's tables for a 512-token forward")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's tables for forwards and a decode step")
+    ap.add_argument("--profile-tokens", default="512", help="the forwards --profile profiles, tokens, comma-separated")
     ap.add_argument("--prefill-chunk", type=int, help="as moerun serve's (default: its default on the device)")
     args = ap.parse_args()
     model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8)
@@ -91,7 +92,8 @@ def main() -> None:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        for what, run in (("a 512-token forward", lambda: forward_ms(512)), ("a decode step of 8", lambda: decode_ms(8))):
+        runs = [(f"a {n}-token forward", lambda n=n: forward_ms(n)) for n in map(int, args.profile_tokens.split(","))]
+        for what, run in runs + [("a decode step of 8", lambda: decode_ms(8))]:
             with profile(activities=activities) as prof:
                 run()
             print(f"== {what}")

@@ -461,22 +461,35 @@ def test_no_tokens() -> None:
     assert gguf_moe(torch.zeros(0, 256, device=DEVICE), QWeight(data, Q.Q4_K, 8, 256), no_slots).shape == (0, 2, 8)
 
 
-def test_group_by_slot_shapes_and_contents() -> None:
-    """Every kept pair exactly once, in blocks of one slot; sizes from T*K, E and BM alone (no host sync needed)."""
-    rng = np.random.default_rng(7)
-    n_slots, block_m = 9, 4
+def grouped_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[list[int], list[int]]:
+    """group_by_slot's answer built the plain way: each slot's pair ids in order, padded with -1 to a multiple of
+    block_m, the slots in order, then spare blocks of -1 up to the size that T*K, n_slots and block_m give."""
+    flat = slots.reshape(-1).tolist()
+    ids: list[int] = []
+    block_slot: list[int] = []
+    for slot in range(n_slots):
+        run = [i for i, s in enumerate(flat) if s == slot]
+        padded = -(-len(run) // block_m) * block_m
+        ids += run + [-1] * (padded - len(run))
+        block_slot += [slot] * (padded // block_m)
+    n_blocks = -(-len(flat) // block_m) + min(n_slots, len(flat))
+    return ids + [-1] * (n_blocks * block_m - len(ids)), block_slot + [-1] * (n_blocks - len(block_slot))
+
+
+@pytest.mark.parametrize("n_tokens, k, n_slots, block_m, dtype", [
+    (13, 3, 9, 4, torch.int32), (1, 1, 1, 16, torch.int64), (5, 2, 3, 16, torch.int32),
+    (160, 8, 130, 32, torch.int64),  # more pairs than one chunk of the kernel, a bank size that is no power of 2
+])
+def test_group_by_slot(n_tokens: int, k: int, n_slots: int, block_m: int, dtype: torch.dtype) -> None:
+    """Every kept pair exactly once, in pair order within its slot's run, the runs padded to blocks of one slot;
+    slot -1 and a second bank's -2 - e left out; sizes from T*K, E and BM alone (no host sync needed)."""
+    rng = np.random.default_rng([n_tokens, n_slots])
     shapes = set()
-    for _ in range(5):
-        slots = torch.from_numpy(rng.integers(-1, n_slots, (13, 3))).to(torch.int32)
+    for _ in range(2):
+        slots = torch.from_numpy(rng.integers(-3, n_slots, (n_tokens, k))).to(dtype).to(DEVICE)
         ids, block_slot = group_by_slot(slots, n_slots, block_m)
         shapes.add((ids.shape, block_slot.shape))
-        flat = slots.reshape(-1)
-        kept = ids[ids >= 0]
-        assert sorted(kept.tolist()) == (flat >= 0).nonzero().reshape(-1).tolist()
-        for b, slot in enumerate(block_slot.tolist()):
-            members = ids[b * block_m:(b + 1) * block_m]
-            members = members[members >= 0]
-            assert (flat[members] == slot).all() and (slot >= 0 or len(members) == 0)
+        assert (ids.tolist(), block_slot.tolist()) == grouped_by_slot(slots.cpu(), n_slots, block_m)
     assert len(shapes) == 1
 
 
