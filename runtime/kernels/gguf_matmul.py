@@ -701,8 +701,8 @@ def group_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[torc
     n_blocks = triton.cdiv(n_pairs, block_m) + min(n_slots, n_pairs)
     ids = torch.empty(n_blocks * block_m, dtype=torch.int32, device=slots.device)
     block_slot = torch.empty(n_blocks, dtype=torch.int32, device=slots.device)
-    _group_kernel[(n_slots,)](pairs, ids, block_slot, n_pairs, n_slots, n_blocks, BM=block_m,
-                              CHUNK=min(1024, triton.next_power_of_2(max(n_pairs, block_m))),
+    # one chunk size for any number of pairs: a step of another size compiles nothing
+    _group_kernel[(n_slots,)](pairs, ids, block_slot, n_pairs, n_slots, n_blocks, BM=block_m, CHUNK=1024,
                               BINS=triton.next_power_of_2(n_slots + 1))
     return ids, block_slot
 
@@ -730,7 +730,8 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
         i8 = moe_gemm_i8(bt, n_tokens)
-        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=i8)
+        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=i8,
+                                  n_tokens=n_tokens)
         key, groups = (w.data.shape[0], tiles.block_m), {} if groups is None else groups
         if key not in groups:
             groups[key] = group_by_slot(slots, *key)

@@ -17,14 +17,15 @@ from gguf import GGMLQuantizationType as Q
 # DENSE_I8_MIN_TOKENS) run the matrix-vector kernel; more tokens go through a GEMM.
 GEMV_MAX_TOKENS = 8
 # The routed experts run the matrix-vector kernel, one program group per (token, expert) pair, up to this many tokens
-# (a decode batch, a short prompt, two 64-token prompts), the grouped prefill GEMM past it: a pair reads its expert's
+# (a decode batch, a 64-token prompt), the grouped 8-bit GEMM past it (GEMM_I8_MIN_TOKENS): a pair reads its expert's
 # rows whole at the kernel's bandwidth, where the GEMM decodes each expert's tiles in every program for the few pairs
-# each expert gets. H200, 2026-12-02, the 30B shapes (bench_gguf_matmul.py --sweep routes, docs/BENCHMARKS.md), us
-# for gate+up and down at T = 64 / 128 / 256: pairs 181 + 123 / 357 + 236 / 712 + 457, the 8-bit GEMM (its best of
-# 9 tiles) 452 + 200 / 511 + 213 / 606 + 260, the bfloat16 GEMM 520 + 238 / 550 + 257 / 724 + 328. (The limit was 64
-# until then: a 65-token prompt's 128-row step took 41.0 ms on the bfloat16 GEMM.) Model.warm_up runs a prompt past
-# it to compile the GEMM.
-MOE_GEMV_MAX_TOKENS = 128
+# each expert gets. H200, 2026-12-02 evening, the 30B shapes, one layer's experts (gate and up, down, and the
+# pairs' grouping by expert, made once a layer), us at T = 64 / 128 / 256: the matrix-vector kernel 180 + 126 /
+# 365 + 241 / 545 + 265, the 8-bit GEMM on the few-token tiles below 2 x 126 + 101 + 3 / 2 x 153 + 109 + 6, on its
+# T = 512 tiles at 256 2 x 210 + 155 + 6 (docs/BENCHMARKS.md). (The limit was 128 while the grouping took ~20 torch
+# kernels, 88-93 us a layer; gguf_matmul.group_by_slot is one launch since.) Model.warm_up runs a prompt past it to
+# compile the GEMM.
+MOE_GEMV_MAX_TOKENS = 64
 # From this many tokens a dense product on a GPU decodes its weight to bfloat16 once and multiplies on cuBLAS
 # (gguf_matmul.decode_bf16). H200, 2026-12-01 evening (bench_gguf_matmul.py, docs/BENCHMARKS.md): 4096x4096 Q4_K at
 # T = 512 took 410 us on the GEMM over the blocks and 43 decoded (25 for the bfloat16 product alone), at T = 64 265
@@ -37,13 +38,13 @@ MOE_GEMV_MAX_TOKENS = 128
 DECODED_GEMM_MIN_TOKENS = 4
 # A prompt step of at least GEMM_I8_MIN_TOKENS tokens runs its experts on the 8-bit GEMM (gguf_matmul._gemm_i8_kernel:
 # activations rounded to int8 per 32 values as on the GEMV's 8-bit route, the weights' quants as int8 tiles on tensor
-# cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes
-# above, the shipped tiles): on the 30B shapes at T = 256 gate/up 317.7 against 367.4 us a bank, down 265.1 against
-# 332.1, so it takes every step the GEMM takes (past MOE_GEMV_MAX_TOKENS); at T = 512 20-36% faster on the four
-# expert shapes (--sweep gemm8). MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the experts and for the dense
-# products below.
+# cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes,
+# the shipped tiles): on the 30B shapes at T = 256 gate/up 317.7 against 367.4 us a bank, down 265.1 against 332.1
+# (with the grouping in each time), so it takes every step the GEMM takes (past MOE_GEMV_MAX_TOKENS); at T = 512
+# 20-36% faster on the four expert shapes (--sweep gemm8). MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the
+# experts and for the dense products below.
 GEMM_INT8 = os.environ.get("MOERUN_GEMM_INT8", "1") != "0"
-GEMM_I8_MIN_TOKENS = 128
+GEMM_I8_MIN_TOKENS = MOE_GEMV_MAX_TOKENS + 1
 DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
 # A weight larger than this decodes in row chunks of this size, one scratch buffer reused: the output head of a
 # 152k-token vocabulary would otherwise take 620 MB of scratch in a decode step of several sequences.
@@ -145,6 +146,16 @@ GEMM_I8_GROUPED_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
     (Q.Q4_K, 16): GemmTiles(64, 128, 1, num_warps=4, num_stages=3),
     (Q.Q4_0, 44): GemmTiles(32, 128, 1, num_warps=4, num_stages=3),
 }
+# Steps of at most GEMM_I8_FEW_TOKENS tokens (about 8 pairs per expert or fewer) take these tiles where listed: a tile
+# of 16 pairs wastes less on the experts' short runs, and narrower weight tiles make more programs. H200, 2026-12-02
+# evening, the 30B shapes (12 tiles each, the grouping made once outside the time), us at T = 64 / 128 against the
+# T = 512 tiles above: gate/up 126.4 / 152.5 (149.2 / 195.1, 32 x 128 on 4 warps), down 101.1 / 108.9 (135.7 /
+# 142.5). Both take 16 pairs a tile, so that a layer's banks share one grouping.
+GEMM_I8_FEW_TOKENS = 128
+GEMM_I8_FEW_TOKENS_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
+    (Q.Q4_K, 8): GemmTiles(16, 32, 1, num_warps=2, num_stages=3),
+    (Q.Q4_K, 3): GemmTiles(16, 64, 1, num_warps=2, num_stages=3),
+}
 # A dense product of DENSE_I8_MIN_TOKENS .. DENSE_I8_MAX_TOKENS tokens (a `moerun serve` decode batch, a short
 # prompt) runs on the 8-bit GEMM too, where the type has a gemm8 decoder: one tile of BM = 16 tokens costs a
 # tensor-core dot what one token does, and a weight tile is read once for all of them, where the matrix-vector
@@ -184,11 +195,14 @@ def dense_i8_tiles(qtype: Q) -> GemmTiles:
     return DENSE_I8_OVERRIDES.get(qtype, DENSE_I8_TILES)
 
 
-def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0, i8: bool = False) -> GemmTiles:
-    """The GEMM's tiles: with `i8` the 8-bit (grouped) GEMM's, else the grouped kernel's for rows of
-    `grouped_blocks` blocks where swept, the dense ones' where swept, else the block size's."""
+def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0, i8: bool = False,
+               n_tokens: int = 0) -> GemmTiles:
+    """The GEMM's tiles: with `i8` the 8-bit (grouped) GEMM's (for a step of at most GEMM_I8_FEW_TOKENS tokens the
+    few-token ones where swept), else the grouped kernel's for rows of `grouped_blocks` blocks where swept, the dense
+    ones' where swept, else the block size's."""
     if i8:
-        return GEMM_I8_GROUPED_OVERRIDES.get((qtype, grouped_blocks), GEMM_I8_GROUPED_TILES)
+        few = GEMM_I8_FEW_TOKENS_OVERRIDES.get((qtype, grouped_blocks)) if n_tokens <= GEMM_I8_FEW_TOKENS else None
+        return few or GEMM_I8_GROUPED_OVERRIDES.get((qtype, grouped_blocks), GEMM_I8_GROUPED_TILES)
     swept = GROUPED_GEMM_OVERRIDES.get((qtype, grouped_blocks)) if grouped else DENSE_GEMM_OVERRIDES.get(qtype)
     return swept or GEMM_BY_BLOCK_VALUES[block_values]
 
