@@ -294,7 +294,8 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
                        i8: bool = False, n_tokens: int = PREFILL_T) -> tuple[tuning.GemmTiles, list]:
     """Tiles of the grouped prefill GEMM on one expert shape at T = n_tokens (512: about 32 pairs per expert): fewer
     rows per tile than the dense kernel's, wider weight tiles. Sets tuning.GROUPED_GEMM_OVERRIDES for the shape; with
-    `i8` those of the 8-bit GEMM (gemm8_candidates, tuning.GEMM_I8_GROUPED_OVERRIDES)."""
+    `i8` those of the 8-bit GEMM (gemm8_candidates, tuning.GEMM_I8_GROUPED_OVERRIDES, or GEMM_I8_FEW_TOKENS_OVERRIDES
+    for a step of at most GEMM_I8_FEW_TOKENS tokens)."""
     rows, cols = shape
     bt = BLOCK_TYPES[qtype]
     key = (qtype, cols // bt.values)
@@ -302,9 +303,14 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
     candidates = gemm8_candidates() if i8 else (
         [tuning.GemmTiles(bm, bn, b, warps, stages) for bm in (16, 32, 64) for bn in (64, 128)
          for warps, stages in ((4, 2), (4, 3), (8, 3))] + [tuning.GemmTiles(32, 64, 2 * b, 4, 3)])
-    table = tuning.GEMM_I8_GROUPED_OVERRIDES if i8 else tuning.GROUPED_GEMM_OVERRIDES
+    if i8:
+        few = n_tokens <= tuning.GEMM_I8_FEW_TOKENS
+        table = tuning.GEMM_I8_FEW_TOKENS_OVERRIDES if few else tuning.GEMM_I8_GROUPED_OVERRIDES
+    else:
+        table = tuning.GROUPED_GEMM_OVERRIDES
     results = []
-    with tuned(GEMM_INT8=i8):
+    # the GEMM at any size: the experts of a step of up to MOE_GEMV_MAX_TOKENS would take the matrix-vector kernel
+    with tuned(GEMM_INT8=i8, MOE_GEMV_MAX_TOKENS=0, GEMM_I8_MIN_TOKENS=0 if i8 else 1 << 30):
         for tiles in candidates:
             table[key] = tiles
             results.append((guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["TFLOP/s"], tiles))
@@ -328,7 +334,7 @@ def sweep_gemm8(repeat: int, shapes: str, n_tokens: int = PREFILL_T) -> dict:
     for name, qtype, shape, per_pair in MOE_SHAPES:
         if shapes not in name or BLOCK_TYPES[qtype].gemm8 is None:
             continue
-        with tuned(GEMM_INT8=False):
+        with tuned(GEMM_INT8=False, MOE_GEMV_MAX_TOKENS=0):
             before = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["TFLOP/s"]
         best, table = sweep_grouped_gemm(qtype, shape, per_pair, repeat, i8=True, n_tokens=n_tokens)
         key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
