@@ -655,9 +655,9 @@ def _group_kernel(slots_ptr, ids_ptr, block_slot_ptr, n_pairs, n_slots, n_blocks
                   CHUNK: tl.constexpr, BINS: tl.constexpr):
     """Program s writes slot s's run of group_by_slot's ids and block_slot; the last program also the spare blocks.
 
-    Every program counts the pairs of every slot (BINS >= n_slots + 1 bins, the last kept pairs' slot n_slots: -1
-    and the second banks' -2 - e, which the GEMM does not run), so that it knows where its run starts without
-    waiting for the others: the runs of the slots before it, each padded to a multiple of BM."""
+    Every program counts the pairs of every slot (BINS >= n_slots + 1 bins; the pairs the GEMM does not run, slot -1
+    and a second bank's -2 - e, count in bin n_slots), so that it knows where its run starts without waiting for the
+    others: after the runs of the slots before it, each padded to a multiple of BM."""
     s = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     bins = tl.arange(0, BINS)
