@@ -278,14 +278,19 @@ def test_moe_prefill_on_the_8bit_gemm(wide_tiles, prefill_gemm, monkeypatch, qty
     check_moe_glu(qtype, 21, np.random.default_rng([int(qtype), shared_input, 13]))
 
 
-@pytest.mark.parametrize("n_tokens,gemm8", [(3, False), (21, False), (21, True)],
-                         ids=["decode", "prefill", "prefill-8bit"])
-def test_moe_on_shipped_tiles(prefill_gemm, monkeypatch, n_tokens: int, gemm8: bool) -> None:
+@pytest.mark.parametrize("n_tokens,gemm8,few", [(3, False, True), (21, False, True), (21, True, True),
+                                                 (21, True, False)],
+                         ids=["decode", "prefill", "prefill-8bit-few-tokens", "prefill-8bit"])
+def test_moe_on_shipped_tiles(prefill_gemm, monkeypatch, n_tokens: int, gemm8: bool, few: bool) -> None:
     """tuning.py's own grouped tiles where the test's rows of 3 Q4_K blocks have them (the 30B down projection's
-    GEMV_GROUPED_OVERRIDES, GROUPED_GEMM_OVERRIDES and GEMM_I8_GROUPED_OVERRIDES entries)."""
+    GEMV_GROUPED_OVERRIDES, GROUPED_GEMM_OVERRIDES, and the 8-bit GEMM's GEMM_I8_FEW_TOKENS_OVERRIDES and, with
+    GEMM_I8_FEW_TOKENS lowered below the test's 21 tokens, GEMM_I8_GROUPED_OVERRIDES)."""
     assert (Q.Q4_K, 3) in tuning.GEMV_GROUPED_OVERRIDES and (Q.Q4_K, 3) in tuning.GROUPED_GEMM_OVERRIDES
-    assert (Q.Q4_K, 3) in tuning.GEMM_I8_GROUPED_OVERRIDES
+    assert (Q.Q4_K, 3) in tuning.GEMM_I8_GROUPED_OVERRIDES and (Q.Q4_K, 3) in tuning.GEMM_I8_FEW_TOKENS_OVERRIDES
     monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21 if gemm8 else 1 << 30)
+    monkeypatch.setattr(tuning, "GEMM_I8_FEW_TOKENS", 128 if few else 0)
+    expected = (tuning.GEMM_I8_FEW_TOKENS_OVERRIDES if few else tuning.GEMM_I8_GROUPED_OVERRIDES)[Q.Q4_K, 3]
+    assert tuning.gemm_tiles(Q.Q4_K, 256, grouped=True, grouped_blocks=3, i8=True, n_tokens=n_tokens) == expected
     check_moe(Q.Q4_K, n_tokens, shared_input=False, gemm=n_tokens > tuning.MOE_GEMV_MAX_TOKENS)
 
 
