@@ -713,7 +713,7 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
     w.data: (E, N, row_bytes); slots (T, K) int32 or int64: the bank slot of token t's k-th expert, -1 to skip it
     (zeros out). x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
     `groups`: where the prefill path keeps its group_by_slot of these slots for the other banks of the same layer
-    (about 20 small kernels each: a third of a prefill layer's launches when run for gate, up and down).
+    (made once a layer, not once a bank).
     """
     bt = _block_type(w)
     assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype in (torch.int32, torch.int64), (
