@@ -348,14 +348,14 @@ def sweep_moe_routes(repeat: int, shapes: str, token_counts: list[int]) -> dict:
     """The experts' three routes at prompt sizes, us a call, each on its shipped tiles: the matrix-vector kernel over
     every (token, expert) pair (gate/up: both banks in one gguf_moe_glu launch, as decode and short prompts run them,
     and one bank), the bfloat16 grouped GEMM and the 8-bit grouped GEMM (one bank; gate/up takes two of them). Where
-    tuning.MOE_GEMV_MAX_TOKENS and GEMM_I8_MIN_TOKENS come from."""
+    tuning.MOE_GEMV_MAX_TOKENS, MOE_GLU_GEMV_MAX_TOKENS and GEMM_I8_MIN_TOKENS come from."""
     found = {}
     for name, qtype, shape, per_pair in MOE_SHAPES:
         if shapes not in name:
             continue
         for n_tokens in token_counts:
             row = {}
-            with tuned(MOE_GEMV_MAX_TOKENS=1 << 30):
+            with tuned(MOE_GEMV_MAX_TOKENS=1 << 30, MOE_GLU_GEMV_MAX_TOKENS=1 << 30):
                 row["gemv"] = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["us"]
                 if not per_pair:
                     row["gemv glu, both banks"] = guarded(moe_glu, qtype, shape, n_tokens, repeat)["us"]

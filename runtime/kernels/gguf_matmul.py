@@ -2,7 +2,8 @@
 
 Two kernels (and a variant), generic over the block type through qtypes.BLOCK_TYPES (the decoder is a compile-time
 argument):
-- `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens; the experts of up to MOE_GEMV_MAX_TOKENS) streams a
+- `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens; the experts of up to MOE_GEMV_MAX_TOKENS, gate and
+  up together of up to MOE_GLU_GEMV_MAX_TOKENS) streams a
   tile of R weight rows x B blocks per step and multiplies each decoded value with every token's input in float32, so
   the weight bytes are read once for all tokens; on its 8-bit route (tuning.GEMV_INT8, the types with a qtypes dot8
   decoder) the inputs are rounded to int8 first (`quantize_i8`, or by the kernel that wrote them: `carry_i8`), a
@@ -123,13 +124,15 @@ def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, wo
 # Integer arguments that change with a step's size (tokens, pairs; in fused.py rows and KV slots) are not specialized:
 # Triton compiles a kernel again for each new pattern of "divisible by 16" among its integer arguments, 1-3 s each on
 # the H200 machine, which `moerun serve` met as multi-second stalls on its first prompts of new lengths.
-@triton.jit(do_not_specialize=["n_tokens", "second_delta", "second2_delta"])
-def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows, n_blocks, row_bytes, slot_bytes,
-                 cols, x_div, n_tokens, second_delta, second2_delta,
+@triton.jit(do_not_specialize=["n_groups", "n_tokens", "second_delta", "second2_delta"])
+def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_groups, n_rows, n_blocks, row_bytes,
+                 slot_bytes, cols, x_div, n_tokens, second_delta, second2_delta,
                  DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
                  R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr, I8: tl.constexpr,
                  EMULATE: tl.constexpr, ALIGN: tl.constexpr):
-    """Program (g, i): rows i*R .. i*R+R-1 for the TG input rows of group g.
+    """Program g + i * n_groups: rows i*R .. i*R+R-1 for the TG input rows of group g. (One grid axis: a second
+    one holds at most 65535 programs, and an output head of 152k rows makes 152k row tiles on one-row tiles; groups
+    vary fastest, so that the pairs of one expert read its rows at about the same time, from L2 after the first.)
 
     I8: the 8-bit route (quantize_i8's activations at x_ptr, xd_ptr, xs_ptr; DECODE a qtypes dot8 decoder, P unused);
     otherwise x_ptr holds float32 or bfloat16 activations and xd_ptr, xs_ptr are unused.
@@ -144,8 +147,8 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_rows
     see it through the loaded slot and the unspecialized deltas, and without it loads the 16-byte aligned words of
     Q4_K/Q5_K blocks 4 bytes at a time (the dense weights' come 16 at a time from the arguments' specialization).
     """
-    g = tl.program_id(0)
-    r = tl.program_id(1) * R + tl.arange(0, R)
+    g = tl.program_id(0) % n_groups
+    r = tl.program_id(0) // n_groups * R + tl.arange(0, R)
     w_base = w_ptr
     w2_base = w2_ptr
     n_steps = n_blocks
@@ -361,9 +364,9 @@ def _gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups:
     deltas = (_second_delta(w), _second_delta(w if up is None else up))
     # 16-byte loads of the experts' words: the 60 GB model's gate+up 1555 -> 1766 GB/s on the H200 (kernels.md)
     align = 16 if slots is not None and all(n % 16 == 0 for n in (w.rows * row_bytes, *deltas)) else 1
-    grid = (groups, triton.cdiv(w.rows, tiles.rows))
+    grid = (groups * triton.cdiv(w.rows, tiles.rows),)
     _gemv_kernel[grid](
-        x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, w.rows,
+        x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, groups, w.rows,
         w.cols // values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, *deltas,
         DECODE=bt.dot8 if i8 else bt.decode, V=values, S=bt.nbytes, P=bt.part, TG=group,
         R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=i8, EMULATE=INTERPRETED,
@@ -754,7 +757,7 @@ def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tenso
     """
     assert glu_supports(gate, up), (Q(gate.qtype).name, Q(up.qtype).name, tuple(gate.data.shape))
     n_tokens, k = slots.shape
-    if n_tokens * k == 0 or n_tokens > tuning.MOE_GEMV_MAX_TOKENS:
+    if n_tokens * k == 0 or n_tokens > tuning.MOE_GLU_GEMV_MAX_TOKENS:
         groups = {} if groups is None else groups
         g, u = gguf_moe(x, gate, slots, groups), gguf_moe(x, up, slots, groups)
         return torch.nn.functional.silu(g) * u

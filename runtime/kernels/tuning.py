@@ -16,16 +16,19 @@ from gguf import GGMLQuantizationType as Q
 # Up to this many tokens a step is decode-sized: dense products below DECODED_GEMM_MIN_TOKENS (and
 # DENSE_I8_MIN_TOKENS) run the matrix-vector kernel; more tokens go through a GEMM.
 GEMV_MAX_TOKENS = 8
-# The routed experts run the matrix-vector kernel, one program group per (token, expert) pair, up to this many tokens
-# (a decode batch, a 64-token prompt), the grouped 8-bit GEMM past it (GEMM_I8_MIN_TOKENS): a pair reads its expert's
+# The routed experts run the matrix-vector kernel, one program group per (token, expert) pair, up to these many tokens
+# (a decode batch, a short prompt), the grouped 8-bit GEMM past them (GEMM_I8_MIN_TOKENS): a pair reads its expert's
 # rows whole at the kernel's bandwidth, where the GEMM decodes each expert's tiles in every program for the few pairs
-# each expert gets. H200, 2026-12-02 evening, the 30B shapes, one layer's experts (gate and up, down, and the
-# pairs' grouping by expert, made once a layer), us at T = 64 / 128 / 256: the matrix-vector kernel 180 + 126 /
-# 365 + 241 / 545 + 265, the 8-bit GEMM on the few-token tiles below 2 x 126 + 101 + 3 / 2 x 153 + 109 + 6, on its
-# T = 512 tiles at 256 2 x 210 + 155 + 6 (docs/BENCHMARKS.md). (The limit was 128 while the grouping took ~20 torch
-# kernels, 88-93 us a layer; gguf_matmul.group_by_slot is one launch since.) Model.warm_up runs a prompt past it to
-# compile the GEMM.
-MOE_GEMV_MAX_TOKENS = 64
+# each expert gets. Gate and up in one launch (gguf_moe_glu: the input read once for both banks) keep the pairs
+# longer than one bank alone (down, or gate and up apart). H200, 2026-12-02 night, the 30B shapes, us for gate+up on
+# the pairs / on two 8-bit GEMM launches, then down on the pairs / the GEMM (few-token tiles below; the grouping made
+# once, ~3 us, outside the time) at T = 32: 94 / 213, 64 / 88; 48: 137 / 243, 96 / 98; 64: 182 / 261, 128 / 102;
+# 80: 224 / 278, 153 / 106; 96: 267 / 290, 182 / 108; 128: 349 / 315, 239 / 113 (docs/BENCHMARKS.md). (One limit of
+# 64 for both before: a 64-token prompt's down ran 26 us a layer slower on the pairs. The limit was 128 while the
+# grouping took ~20 torch kernels, 88-93 us a layer; gguf_matmul.group_by_slot is one launch since.)
+# Model.warm_up runs a prompt past each to compile the GEMM.
+MOE_GLU_GEMV_MAX_TOKENS = 96
+MOE_GEMV_MAX_TOKENS = 48
 # From this many tokens a dense product on a GPU decodes its weight to bfloat16 once and multiplies on cuBLAS
 # (gguf_matmul.decode_bf16). H200, 2026-12-01 evening (bench_gguf_matmul.py, docs/BENCHMARKS.md): 4096x4096 Q4_K at
 # T = 512 took 410 us on the GEMM over the blocks and 43 decoded (25 for the bfloat16 product alone), at T = 64 265
@@ -40,7 +43,7 @@ DECODED_GEMM_MIN_TOKENS = 4
 # activations rounded to int8 per 32 values as on the GEMV's 8-bit route, the weights' quants as int8 tiles on tensor
 # cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes,
 # the shipped tiles): on the 30B shapes at T = 256 gate/up 317.7 against 367.4 us a bank, down 265.1 against 332.1
-# (with the grouping in each time), so it takes every step the GEMM takes (past MOE_GEMV_MAX_TOKENS); at T = 512
+# (with the grouping in each time), so it takes every step the GEMM takes (past the limits above); at T = 512
 # 20-36% faster on the four expert shapes (--sweep gemm8). MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the
 # experts and for the dense products below.
 GEMM_INT8 = os.environ.get("MOERUN_GEMM_INT8", "1") != "0"

@@ -72,6 +72,7 @@ def prefill_gemm(monkeypatch):
     """The experts of the tests' 21-token prompts on the grouped GEMM (it takes steps past MOE_GEMV_MAX_TOKENS):
     a smaller step than the matrix-vector kernel's limit keeps the interpreter's work small."""
     monkeypatch.setattr(tuning, "MOE_GEMV_MAX_TOKENS", tuning.GEMV_MAX_TOKENS)
+    monkeypatch.setattr(tuning, "MOE_GLU_GEMV_MAX_TOKENS", tuning.GEMV_MAX_TOKENS)
 
 
 def random_weights(qtype: Q, lead: tuple[int, ...], cols: int, rng: np.random.Generator) -> torch.Tensor:
@@ -345,7 +346,7 @@ def check_moe_glu(qtype: Q, n_tokens: int, rng: np.random.Generator) -> None:
     y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
                      QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
     assert y.shape == (n_tokens, k, rows)
-    assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=n_tokens > tuning.MOE_GEMV_MAX_TOKENS)
+    assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=n_tokens > tuning.MOE_GLU_GEMV_MAX_TOKENS)
 
 
 @pytest.mark.parametrize("host_offset", [0, 4], ids=["aligned", "4-bytes-past"])
@@ -522,3 +523,14 @@ def test_decoded_route_in_row_chunks(monkeypatch, qtype: Q) -> None:
     # room for 13 rows: chunks of 12 (a multiple of 4, aligned for any row size), 40 rows = 3 x 12 + 4
     monkeypatch.setattr(tuning, "DECODED_CHUNK_BYTES", 2 * COLS[BLOCK_TYPES[qtype].values] * 13)
     run_mm(qtype, 8, rows=40, rng=np.random.default_rng([int(qtype), 9]))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA's limit on a grid's second axis (the interpreter has none)")
+@pytest.mark.parametrize("n_tokens", [1, 2])
+def test_more_row_tiles_than_a_grid_axis_holds(n_tokens: int) -> None:
+    """The matrix-vector kernel on more row tiles than a CUDA grid's second axis takes (65535): an output head of a
+    152k-token vocabulary in Q8_0 makes 152k one-row tiles at T = 1. Its programs run on one axis."""
+    bt = BLOCK_TYPES[Q.Q8_0]
+    tile_rows = tuning.gemv_tiles(Q.Q8_0, bt.values, 8 if on_i8(Q.Q8_0) else bt.part, n_tokens,
+                                  i8=on_i8(Q.Q8_0)).rows
+    run_mm(Q.Q8_0, n_tokens, rows=65535 * tile_rows + 3, rng=np.random.default_rng([n_tokens, 21]))
