@@ -73,7 +73,8 @@ def rounded_rows() -> int:
     """The most rows of activations that the kernels writing them round for the 8-bit routes as well (gguf_matmul.
     carry_i8): as many as the products reading them take on one (the matrix-vector kernel's, for a decode step's
     tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
-    return max(max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GLU_GEMV_MAX_TOKENS) if tuning.GEMV_INT8 else 0,
+    return max(max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GEMV_MAX_TOKENS, tuning.MOE_GLU_GEMV_MAX_TOKENS)
+               if tuning.GEMV_INT8 else 0,
                tuning.DENSE_I8_MAX_TOKENS if tuning.GEMM_INT8 else 0)
 
 

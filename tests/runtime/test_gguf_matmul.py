@@ -238,10 +238,14 @@ def test_bfloat16_input(wide_tiles, n_tokens: int) -> None:
 def test_production_tiles(qtype: Q, n_tokens: int) -> None:
     """tuning.py's own tiles: several programs per matrix, a partial last row tile and a partial last K step, for the
     matrix-vector kernel (1, 2, 8) and the prefill GEMM (20) on a part of one row tile."""
-    bt = BLOCK_TYPES[qtype]
-    tile_rows = tuning.gemv_tiles(qtype, bt.values, 8 if on_i8(qtype) else bt.part,
-                                 min(n_tokens, tuning.GEMV_MAX_TOKENS), i8=on_i8(qtype)).rows
+    tile_rows = gemv_tile_rows(qtype, min(n_tokens, tuning.GEMV_MAX_TOKENS))
     run_mm(qtype, n_tokens, rows=tile_rows * 2 + 3, rng=np.random.default_rng([int(qtype), n_tokens, 2]))
+
+
+def gemv_tile_rows(qtype: Q, n_tokens: int) -> int:
+    """Rows per program of the matrix-vector kernel's dense tiles for n_tokens (as gguf_matmul._gemv picks them)."""
+    bt = BLOCK_TYPES[qtype]
+    return tuning.gemv_tiles(qtype, bt.values, 8 if on_i8(qtype) else bt.part, n_tokens, i8=on_i8(qtype)).rows
 
 
 @pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
@@ -530,7 +534,5 @@ def test_decoded_route_in_row_chunks(monkeypatch, qtype: Q) -> None:
 def test_more_row_tiles_than_a_grid_axis_holds(n_tokens: int) -> None:
     """The matrix-vector kernel on more row tiles than a CUDA grid's second axis takes (65535): an output head of a
     152k-token vocabulary in Q8_0 makes 152k one-row tiles at T = 1. Its programs run on one axis."""
-    bt = BLOCK_TYPES[Q.Q8_0]
-    tile_rows = tuning.gemv_tiles(Q.Q8_0, bt.values, 8 if on_i8(Q.Q8_0) else bt.part, n_tokens,
-                                  i8=on_i8(Q.Q8_0)).rows
-    run_mm(Q.Q8_0, n_tokens, rows=65535 * tile_rows + 3, rng=np.random.default_rng([n_tokens, 21]))
+    run_mm(Q.Q8_0, n_tokens, rows=65535 * gemv_tile_rows(Q.Q8_0, n_tokens) + 3,
+           rng=np.random.default_rng([n_tokens, 21]))
