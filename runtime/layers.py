@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from moerun.cache.kv import KVCache
@@ -37,6 +38,7 @@ from moerun.config import (
 from moerun.hooks import Hooks
 from moerun.kernels.dequant import dequantize
 from moerun.kernels.dequant import supports as dequantizes
+from moerun.kernels.tuning import GEMV_MAX_TOKENS
 from moerun.rounding import Rounding, input_rounding
 from moerun.step import Step
 from moerun.weights import ExpertTensor, Weights, device_bytes
@@ -86,7 +88,16 @@ class Linear(nn.Module):
             x = self.round_input(x)
         x = x.to(self.weight.dtype)
         rows = x.shape[0]
-        if x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and rows > 1 and rows % 8:
+        if (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and 0 < rows <= GEMV_MAX_TOKENS
+                and x.shape[1] % 32 == 0 and self.weight.is_contiguous()):
+            # the router of a decode step, on the matrix-vector kernel over its float32 values: the 30B shape's
+            # (128 x 2048) took 2.4 / 4.3 us at 1 / 8 rows there against cuBLAS's 4.5 / 7.6 (a GEMM and its split-K
+            # reduce past one row), and a decode step of 2-7 sequences 0.25-0.3 ms less (H200, docs/BENCHMARKS.md)
+            from moerun.kernels.gguf_matmul import QWeight, gguf_mv  # needs Triton, which CUDA builds of torch bring
+
+            n, k = self.weight.shape
+            y = gguf_mv(x, QWeight(self.weight.view(torch.uint8).view(n, 4 * k), GGMLQuantizationType.F32, n, k))
+        elif x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and rows > 1 and rows % 8:
             # cuBLAS (torch 2.11, H200) ran 7 rows of the 30B model's float32 router on a kernel ten times slower
             # than the one it takes for 6 or 8 (52 us against 5 a layer: 2.5 ms of a decode step of 7 sequences,
             # docs/BENCHMARKS.md); rows padded to a multiple of 8 take the fast one.

@@ -623,6 +623,17 @@ def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return out
 
 
+def gguf_mv(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x (T, C) @ w.T -> (T, N) float32 on the matrix-vector kernel alone, T <= tuning.GEMV_MAX_TOKENS: products in
+    float32 for a float32 weight, where gguf_mm takes bfloat16 routes from DECODED_GEMM_MIN_TOKENS tokens (a router,
+    whose near-ties decide the experts)."""
+    bt = _block_type(w)
+    assert x.dim() == 2 and x.shape[1] == w.cols and 0 < x.shape[0] <= tuning.GEMV_MAX_TOKENS, tuple(x.shape)
+    out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
+    _gemv(x.contiguous(), w, bt, out, groups=1, tokens=x.shape[0], x_div=1, slots=None)
+    return out
+
+
 def _decoded_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """x @ w.T through the weight decoded to bfloat16 and cuBLAS, in row chunks of at most
     tuning.DECODED_CHUNK_BYTES of bfloat16 (one scratch at a time) -> (T, N) float32. A chunk is a multiple of 4

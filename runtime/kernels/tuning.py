@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as Q
 
 # Up to this many tokens a step is decode-sized: dense products below DECODED_GEMM_MIN_TOKENS (and
-# DENSE_I8_MIN_TOKENS) run the matrix-vector kernel; more tokens go through a GEMM.
+# DENSE_I8_MIN_TOKENS) run the matrix-vector kernel, and so does a float32 router (layers.Linear, gguf_mv); more
+# tokens go through a GEMM.
 GEMV_MAX_TOKENS = 8
 # The routed experts run the matrix-vector kernel, one program group per (token, expert) pair, up to these many tokens
 # (a decode batch, a short prompt), the grouped 8-bit GEMM past them (GEMM_I8_MIN_TOKENS): a pair reads its expert's
@@ -78,8 +79,11 @@ class GemmTiles:
 # 1368 (8 x 16: 1008), Q4_0 4 x 16 on 2 warps 958 (its former 8 x 16 on 8 warps was not in the sweep; the best 8-row
 # tile made 803). Q6_K keeps 4 x 4 on 4 warps: 1130, within 4% of the sweep's best (4 x 8 on 2 warps, 1167).
 GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=4), 32: GemvTiles(rows=8, blocks=16)}
+# F32 (a router, gguf_mv): 1 x 32 on 2 warps, 2.4 / 4.3 us at 1 / 8 rows of the 30B router against 4.5 / 11.3 on the
+# block size's tiles (H200, 2026-12-02, 9 tiles).
 GEMV_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=4, blocks=8), Q.Q8_0: GemvTiles(rows=4, blocks=16),
-                                      Q.Q4_0: GemvTiles(rows=4, blocks=16, num_warps=2)}
+                                      Q.Q4_0: GemvTiles(rows=4, blocks=16, num_warps=2),
+                                      Q.F32: GemvTiles(rows=1, blocks=32, num_warps=2)}
 # The grouped decode (gguf_moe, gguf_moe_glu: a program per (token, expert) pair and row tile) runs short rows in many
 # small programs; its tiles, keyed by (type, blocks per row), come from bench_gguf_matmul.py --sweep on the expert
 # shapes (4-32 rows x 1-4 blocks (4-16 of 32 values), 1-4 warps; gate/up timed as gguf_moe_glu). Shapes not listed

@@ -35,8 +35,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
-from moerun.kernels.gguf_matmul import (QWeight, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, group_by_slot,
-                                        moe_gemm_i8, quantize_i8, split_counters, stage_second, supports)
+from moerun.kernels.gguf_matmul import (QWeight, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, gguf_mv,
+                                        group_by_slot, moe_gemm_i8, quantize_i8, split_counters, stage_second,
+                                        supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,6 +241,18 @@ def test_production_tiles(qtype: Q, n_tokens: int) -> None:
     matrix-vector kernel (1, 2, 8) and the prefill GEMM (20) on a part of one row tile."""
     tile_rows = gemv_tile_rows(qtype, min(n_tokens, tuning.GEMV_MAX_TOKENS))
     run_mm(qtype, n_tokens, rows=tile_rows * 2 + 3, rng=np.random.default_rng([int(qtype), n_tokens, 2]))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, tuning.GEMV_MAX_TOKENS])
+def test_float32_rows_on_the_matrix_vector_kernel(n_tokens: int) -> None:
+    """gguf_mv, a float32 router's route on the GPU (layers.Linear), on the shipped F32 tiles: 40 rows of 800 float32
+    columns, each product within the float32 bound at every row count it takes."""
+    rng = np.random.default_rng([n_tokens, 31])
+    data = random_weights(Q.F32, (40,), 800, rng)
+    x = torch.from_numpy(rng.standard_normal((n_tokens, 800), dtype=np.float32))
+    y = gguf_mv(x.to(DEVICE), QWeight(data.to(DEVICE), Q.F32, 40, 800))
+    assert y.shape == (n_tokens, 40)
+    assert_close(y, *operands(x, data, Q.F32, 800, gemm=False))
 
 
 def gemv_tile_rows(qtype: Q, n_tokens: int) -> int:

@@ -60,8 +60,9 @@ def test_gpu_path_matches_the_cpu_reference(synth_model, arch, experts, attn):
 
 
 def test_float32_products_of_any_row_count_agree_with_float64():
-    """A float32 Linear (the router) pads its rows to a multiple of 8 on the GPU, where cuBLAS picked a slow kernel
-    for 7: each row's product is still its own, for every count around that."""
+    """A float32 Linear (the router) runs up to tuning.GEMV_MAX_TOKENS rows on the matrix-vector kernel on the GPU
+    (gguf_mv) and pads more rows to a multiple of 8 for cuBLAS, which picked a slow kernel for 7: each row's product
+    is still its own, for every count on both routes."""
     from moerun.hooks import Hooks
     from moerun.layers import Linear
 
