@@ -285,9 +285,13 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, thre
 @click.option("--prefill-chunk", type=click.IntRange(min=1),
               help="Prompt tokens one step runs beside the decoding sequences' tokens (a long prompt takes several "
               "steps, and the other streams keep going meanwhile; default: 512 on a GPU, 256 on the CPU).")
+@click.option("--gather-ms", type=click.FloatRange(min=0),
+              help="How long a new prompt may wait for the next requests of clients just answered, so that their "
+              "prompts start in one step (0: never; default: 20 on a GPU, 0 on the CPU).")
 def serve(model_opts: ModelOptions, host: str, port: int, api_key: str | None, parallel: int, max_queue: int,
-          prefill_chunk: int | None) -> None:
+          prefill_chunk: int | None, gather_ms: float | None) -> None:
     """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     from moerun.serve import serve as serve_model
 
-    serve_model(model_opts.load(n_seq=parallel), host, port, api_key, max_queue, prefill_chunk)
+    serve_model(model_opts.load(n_seq=parallel), host, port, api_key, max_queue, prefill_chunk,
+                None if gather_ms is None else gather_ms / 1000)

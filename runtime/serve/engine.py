@@ -63,8 +63,16 @@ class Engine:
         return {**self.scheduler.counts(), "cancelled": self.cancelled}
 
     def _commands(self) -> list[tuple[str, int, Job | None, Reply | None]]:
-        """What the inbox holds; with nothing to run, waits for the first command instead of spinning."""
-        commands = [] if self.scheduler.busy else [self._inbox.get()]
+        """What the inbox holds; with nothing to run, waits for the first command instead of spinning (while the
+        scheduler holds prompts back for more to come, at most until it lets them go)."""
+        commands = []
+        if not self.scheduler.busy:
+            commands.append(self._inbox.get())
+        elif not self.scheduler.running and (held := self.scheduler.held_s()):
+            try:
+                commands.append(self._inbox.get(timeout=held))
+            except queue.Empty:
+                pass
         while True:
             try:
                 commands.append(self._inbox.get_nowait())

@@ -182,11 +182,12 @@ async def _json_body(request: web.Request) -> Any:
 
 
 def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_queue: int = MAX_QUEUE, prefill_chunk: int | None = None) -> None:
+          max_queue: int = MAX_QUEUE, prefill_chunk: int | None = None, gather_s: float | None = None) -> None:
     """Serve the model until interrupted; the engine thread runs batches of up to model.n_seq sequences, each step
     with at most `prefill_chunk` prompt tokens (default: scheduler.PREFILL_CHUNK for the model's device) beside the
-    decoding sequences' tokens."""
-    scheduler = Scheduler(model, max_queue=max_queue, prefill_chunk=prefill_chunk)
+    decoding sequences' tokens, new prompts held back up to `gather_s` for others to come (default:
+    scheduler.GATHER_S for the device)."""
+    scheduler = Scheduler(model, max_queue=max_queue, prefill_chunk=prefill_chunk, gather_s=gather_s)
     logging.basicConfig(format="moerun: %(message)s", level=logging.WARNING)
     start = time.perf_counter()
     captured = model.capture_decode_steps()

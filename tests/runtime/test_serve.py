@@ -506,6 +506,76 @@ def test_a_long_prompt_prefills_in_chunks_while_a_stream_keeps_decoding(chat_mod
         assert ("".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_tokens) == expected[name]
 
 
+class FakeClock:
+    """The scheduler's `now`: seconds that move only when a test moves them."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_prompts_of_clients_just_answered_are_gathered_into_one_step(chat_model, alone):
+    """With gather_s, a prompt that arrives while the clients just answered may still send theirs is held back (no
+    pass runs it) until as many wait as may come, then they start in one step; a prompt nobody joins goes when the
+    hold ends; a prompt with no other client answered lately (none, or its own alone), and one beside a stream with
+    many tokens to go, wait for nothing. Every answer is the prompt's answer alone."""
+    model = moerun.load_model(chat_model, n_ctx=N_CTX, n_seq=4)
+    clock = FakeClock()
+    sched = Scheduler(model, gather_s=0.02, now=clock)
+    ids = [alone.model.tokenizer.encode(p) for p in PROMPTS[:8]]
+    got: dict[int, list] = {}
+
+    def step(dt: float = 0.001) -> set[int]:
+        clock.t += dt
+        outputs = sched.step()
+        for o in outputs:
+            got.setdefault(o.job, []).append(o)
+        return {o.job for o in outputs}
+
+    def answer(job: int) -> tuple[str, str, int]:
+        outs = got[job]
+        return "".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_tokens
+
+    first = [sched.add(Job(ids[0], 3)), sched.add(Job(ids[1], 3))]  # nothing ran before: no hold
+    assert sched.held_s() == 0 and step() == set(first)
+    while sched.busy:
+        step()
+    late = sched.add(Job(ids[2], 3))  # both clients were just answered: the first of their next prompts waits
+    assert sched.held_s() == pytest.approx(0.02)
+    assert step(0.005) == set() and sched.counts()["waiting"] == 1
+    later = sched.add(Job(ids[3], 3))  # the second one: as many wait as may come
+    assert sched.held_s() == 0 and step() == {late, later}  # both prompts in one step, each gives a token
+    while sched.busy:
+        step()
+    lonely = sched.add(Job(ids[4], 3))  # held as before, but no second prompt comes: it goes when the hold ends
+    assert step(0.01) == set() and step(0.015) == {lonely}
+    while sched.busy:
+        step()
+    clock.t += 1  # the clients went away
+    at_once = sched.add(Job(ids[5], 3))  # nobody was answered lately: it starts at once
+    assert sched.held_s() == 0 and step() == {at_once}
+    while sched.busy:
+        step()
+    again = sched.add(Job(ids[1], 3))  # its client, just answered, is the only one: its next prompt starts at once
+    assert sched.held_s() == 0 and step() == {again}
+    while sched.busy:
+        step()
+    clock.t += 1
+    stream = sched.add(Job(ids[6], 40))  # a stream with many tokens to go sends nothing soon ...
+    step()
+    step()
+    beside = sched.add(Job(ids[7], 3))  # ... so a prompt beside it starts at once
+    assert sched.held_s() == 0 and step() == {stream, beside}
+    while sched.busy:
+        step()
+    for job, prompt, limit in [(first[0], ids[0], 3), (first[1], ids[1], 3), (late, ids[2], 3), (later, ids[3], 3),
+                               (lonely, ids[4], 3), (at_once, ids[5], 3), (again, ids[1], 3), (stream, ids[6], 40),
+                               (beside, ids[7], 3)]:
+        assert answer(job) == alone(prompt, limit)
+
+
 class NoPromptFits:
     """A stand-in for graphs.PromptGraphs on the CPU: the scheduler splits its passes as with prompt graphs, and
     Model.forward, finding that no chunk fits a graph, runs each pass eagerly."""
