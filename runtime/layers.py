@@ -88,8 +88,8 @@ class Linear(nn.Module):
             x = self.round_input(x)
         x = x.to(self.weight.dtype)
         rows = x.shape[0]
-        if (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and 0 < rows <= GEMV_MAX_TOKENS
-                and x.shape[1] % 32 == 0 and self.weight.is_contiguous()):
+        float32_rows = x.is_cuda and x.dtype == torch.float32 and x.dim() == 2  # a router on a GPU
+        if float32_rows and 0 < rows <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and self.weight.is_contiguous():
             # the router of a decode step, on the matrix-vector kernel over its float32 values: the 30B shape's
             # (128 x 2048) took 2.4 / 4.3 us at 1 / 8 rows there against cuBLAS's 4.5 / 7.6 (a GEMM and its split-K
             # reduce past one row), and a decode step of 2-7 sequences 0.25-0.3 ms less (H200, docs/BENCHMARKS.md)
@@ -97,7 +97,7 @@ class Linear(nn.Module):
 
             n, k = self.weight.shape
             y = gguf_mv(x, QWeight(self.weight.view(torch.uint8).view(n, 4 * k), GGMLQuantizationType.F32, n, k))
-        elif x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and rows > 1 and rows % 8:
+        elif float32_rows and rows > 1 and rows % 8:
             # cuBLAS (torch 2.11, H200) ran 7 rows of the 30B model's float32 router on a kernel ten times slower
             # than the one it takes for 6 or 8 (52 us against 5 a layer: 2.5 ms of a decode step of 7 sequences,
             # docs/BENCHMARKS.md); rows padded to a multiple of 8 take the fast one.
