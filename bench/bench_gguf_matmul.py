@@ -1,7 +1,8 @@
 """Speed of moerun's GGUF matmul kernels (runtime/kernels/gguf_matmul.py) on one GPU, next to torch's bfloat16 peer.
 
-    python bench/bench_gguf_matmul.py [--sweep [grouped | batch | gemm8 | dense8 | routes]] [--decode-only | --quick]
-                                      [--carried] [--shapes TEXT] [--tokens N] [--token-counts 16,32,...] [--json FILE]
+    python bench/bench_gguf_matmul.py [--sweep [grouped | batch | gemm8 | dense8 | routes | bf16]]
+                                      [--decode-only | --quick] [--carried] [--shapes TEXT] [--tokens N]
+                                      [--token-counts 16,32,...] [--json FILE]
 
 Prints, from one run:
 - the HBM copy bandwidth (a 2 GiB device-to-device copy, bytes read + written over time): the ceiling;
@@ -41,7 +42,7 @@ import triton
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import fused, tuning
-from moerun.kernels.gguf_matmul import QWeight, carry_i8, gguf_mm, gguf_moe, gguf_moe_glu, quantize_i8
+from moerun.kernels.gguf_matmul import QWeight, bf16_mm, carry_i8, gguf_mm, gguf_moe, gguf_moe_glu, quantize_i8
 from moerun.kernels.qtypes import BLOCK_TYPES
 from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
@@ -414,6 +415,35 @@ def sweep_dense8(repeat: int, dump_to: str | None = None) -> dict:
     return found
 
 
+BF16_SHAPES = DENSE8_SHAPES + ((151936, 2048),)  # ... and the 30B model's output head
+
+
+def bf16_product(n_tokens: int, repeat: int, shape: tuple[int, int]) -> dict:
+    """One dense product of n_tokens over a kept bfloat16 copy of a weight (quantized.keep_decoded_copies):
+    gguf_matmul.bf16_mm, cuBLAS to float32."""
+    rows, cols = shape
+    weight = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+    weights = [weight.clone() for _ in range(copies_for(2 * weight.numel()))]
+    x = torch.randn(n_tokens, cols, device="cuda")
+    t = graph_seconds([lambda w=w: bf16_mm(x, w) for w in weights], repeat)
+    return {"us": t * 1e6, "GB/s": 2 * weight.numel() / t / 1e9}
+
+
+def bf16_routes(repeat: int) -> dict:
+    """1-16 tokens on each of BF16_SHAPES over a kept bfloat16 copy against the Q8_0 blocks' route (gguf_mm, what
+    runs without the copies), us per product (tuning.KEPT_DECODED_MIN_TOKENS)."""
+    found = {}
+    for shape in BF16_SHAPES:
+        for n_tokens in (1, 2, 3, 4, 8, 16):
+            copy = guarded(bf16_product, n_tokens, repeat, shape)
+            blocks = guarded(dense_decode, Q.Q8_0, n_tokens, repeat, shape)
+            name = f"{shape[0]}x{shape[1]} T={n_tokens}"
+            print(f"{name}: bfloat16 copy on cuBLAS {copy['us']:.1f} us ({copy['GB/s']:.0f} GB/s), Q8_0 blocks "
+                  f"{blocks['us']:.1f} ({blocks['GB/s']:.0f})", flush=True)
+            found[name] = {"bfloat16 copy": copy, "Q8_0 blocks": blocks}
+    return found
+
+
 def gemm(qtype: Q, repeat: int, n_tokens: int = PREFILL_T) -> dict:
     rows, cols = DENSE
     bank = random_bank(qtype, 1, rows, cols)[0]
@@ -435,12 +465,13 @@ ON_I8 = {"DENSE_I8_MIN_TOKENS": 1, "DENSE_I8_MAX_TOKENS": 1 << 30}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch", "gemm8", "dense8",
-                                                                         "routes"],
+                                                                         "routes", "bf16"],
                         help="time tile candidates first (grouped: the grouped decode's only; batch: only the dense "
                              "8-bit tiles at T = 4 and 8, against the decoded route, then stop; gemm8: only the 8-bit "
                              "GEMM's tiles on the expert shapes at T = 512, then stop; dense8: only its tiles for "
                              "dense products of 8 tokens, then 2-32 tokens against the route taken without it, then "
-                             "stop; routes: the experts' routes at --token-counts, then stop)")
+                             "stop; routes: the experts' routes at --token-counts, then stop; bf16: dense products of "
+                             "1-16 tokens over a kept bfloat16 copy against the Q8_0 blocks, then stop)")
     parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
     parser.add_argument("--tokens", type=int, default=PREFILL_T, help="the tokens of --sweep gemm8's prompt")
     parser.add_argument("--token-counts", default="16,32,64,128,256", help="the prompt sizes of --sweep routes")
@@ -463,6 +494,10 @@ def main() -> None:
     print(f"{results['device']}  torch {torch.__version__}  triton {triton.__version__}  HBM copy {copy:.0f} GB/s")
     if args.sweep == "gemm8":  # the 8-bit GEMM's tiles on the expert shapes, then stop
         results["sweep gemm8"] = sweep_gemm8(r, args.shapes, args.tokens)
+        dump(results, args.json)
+        return
+    if args.sweep == "bf16":
+        results["bf16 routes"] = bf16_routes(r)
         dump(results, args.json)
         return
     if args.sweep == "routes":

@@ -3,7 +3,7 @@ client against llama.cpp's llama-server on the same file (--llama-server PATH st
 running one).
 
     python bench/bench_serve.py MODEL [--device cpu|cuda] [--streams 1,4,8] [--requests 2] [--rounds 1] [--prompt 64]
-                                      [--gen 32] [-t THREADS] [--chat] [--serve-args "--vram-budget 20G"]
+                                      [--gen 32] [-t THREADS] [--chat] [--ignore-eos] [--serve-args "--vram-budget 20G"]
                                       [--llama-server PATH [--peer-args "..."] | --peer-url URL] [--json OUT]
                                       [--trace FILE]
     python bench/bench_serve.py --url http://127.0.0.1:8080 ...        # a moerun serve already running
@@ -16,9 +16,12 @@ sequences); or start it yourself the same way and pass --peer-url.
 Each level runs N clients at once, each sending --requests streamed /v1/completions requests one after another
 (--chat: /v1/chat/completions, for models with a chat template), greedy, with a prompt of --prompt seeded random
 token ids of its own (token-id prompts: no tokenizer or template differences between servers) and max_tokens
---gen. Measured on the client: time to first token (request sent -> first text chunk), per-token latency (gaps
-between text chunks; both servers send one token per chunk), and aggregate tok/s (completion tokens of all
-requests, from the servers' usage counts, over the level's wall time, prefills included). Before each level, N
+--gen (with --ignore-eos each answer runs to --gen tokens: the request's `ignore_eos`, which both servers take, as
+serving benchmarks send it for random prompts; without it a random prompt's answer may end early, at a different
+step in each stream, and the token counts differ between rounds). Measured on the client: time to first token
+(request sent -> first text chunk), per-token latency (gaps between text chunks; both servers send one token per
+chunk), and aggregate tok/s (completion tokens of all requests, from the servers' usage counts, over the level's
+wall time, prefills included). Before each level, N
 warm-up requests at once (prompts and max_tokens as measured, so the batch sizes met while requests finish come
 too) let either server compile or capture what those batch sizes need (moerun: a CUDA graph per batch size).
 A level's few seconds make one run's ratio of the most streams to the fewest move by a tenth or two on the GPU:
@@ -53,8 +56,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], gen: int, chat: bool) -> dict:
-    body = {"max_tokens": gen, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], gen: int, chat: bool,
+                      extra: dict) -> dict:
+    body = {"max_tokens": gen, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     if chat:  # token ids cannot be sent as a message: the ids' text instead, the same for both servers
         body["messages"] = [{"role": "user", "content": " ".join(map(str, prompt))}]
     else:
@@ -79,18 +83,18 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
 
 
 async def run_level(url: str, streams: int, requests: int, prompt_len: int, gen: int, vocab: int, chat: bool,
-                    seed: int) -> dict:
+                    extra: dict, seed: int) -> dict:
     rng = random.Random(seed)
     prompts = [[[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(requests)] for _ in range(streams)]
 
     async def client(session: aiohttp.ClientSession, i: int) -> list[dict]:
-        return [await one_request(session, url, p, gen, chat) for p in prompts[i]]
+        return [await one_request(session, url, p, gen, chat, extra) for p in prompts[i]]
 
     warm_up = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(streams)]
     # a new connection per request: llama-server closes idle keep-alive connections the pool would reuse
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
-        await asyncio.gather(*(one_request(session, url, p, gen, chat) for p in warm_up))
+        await asyncio.gather(*(one_request(session, url, p, gen, chat, extra) for p in warm_up))
         start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(client(session, i) for i in range(streams))) for r in rs]
         wall = time.perf_counter() - start
@@ -178,6 +182,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32, help="max_tokens")
     ap.add_argument("--vocab", type=int, default=2000, help="prompt token ids are drawn below this")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (both servers take it): every answer "
+                    "runs to --gen tokens, none ends early on an end-of-generation token")
     ap.add_argument("--json", help="write the numbers here")
     ap.add_argument("--trace", help="start ours through trace_serve.py: its steps' and passes' times go to this file")
     args = ap.parse_args()
@@ -196,7 +202,7 @@ def main() -> None:
     if args.peer_url or args.llama_server:
         servers.append(("llama-server", args.peer_url or (llama_server_command(
             args.llama_server, args.model, max(levels), n_ctx, args.device, args.threads, args.peer_args, peer), peer)))
-    rows = []
+    rows, extra = [], {"ignore_eos": True} if args.ignore_eos else {}
     for name, where in servers:
         proc, url = (None, where) if isinstance(where, str) else start_server(name, *where)
         try:
@@ -204,7 +210,7 @@ def main() -> None:
             for round_ in range(args.rounds):
                 for streams in levels:
                     row = asyncio.run(run_level(url, streams, args.requests, args.prompt, args.gen, args.vocab,
-                                                args.chat, seed=streams + 1000 * round_))
+                                                args.chat, extra, seed=streams + 1000 * round_))
                     rows.append(report(name, {"round": round_, **row}))
         finally:
             if proc is not None:

@@ -2,6 +2,7 @@
 lengths.
 
     python bench/profile_serve_steps.py MODEL [--device cuda] [--prefill-chunk N] [--profile [--profile-tokens 64,512]]
+                                              [--no-dense-bf16]
 
 Loads MODEL with 8 sequences, captures the decode and prompt steps as the server does at start with --prefill-chunk
 (and compiles its prompt kernels), then times `model.forward` of 16 to 512 tokens three times each (the first time of
@@ -38,8 +39,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="torch.profiler's tables for forwards and a decode step")
     ap.add_argument("--profile-tokens", default="512", help="the forwards --profile profiles, tokens, comma-separated")
     ap.add_argument("--prefill-chunk", type=int, help="as moerun serve's (default: its default on the device)")
+    ap.add_argument("--no-dense-bf16", action="store_true", help="as moerun serve's: no bfloat16 copies of the dense "
+                    "weights")
     args = ap.parse_args()
-    model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8)
+    model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8, dense_bf16=not args.no_dense_bf16)
+    print(f"dense weights' bfloat16 copies: {model.decoded_bytes / 2**30:.2f} GiB")
     scheduler = Scheduler(model, prefill_chunk=args.prefill_chunk)  # (its default on the model's device)
     prefill_chunk = scheduler.prefill_chunk
     start = time.perf_counter()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from moeprep.errors import MoeprepError
+from moeprep.gguf.anatomy import DEFAULT_RESERVE
 from moeprep.gguf.reader import GGUFModel, open_gguf
 from moerun.cache.expert_cache import CacheConfig, ExpertCache, open_cache
 from moerun.config import ModelArgs
@@ -33,10 +34,12 @@ class Model:
     device); on several devices the logits come from the last block's (`net.layout`)."""
 
     def __init__(self, g: GGUFModel, args: ModelArgs, net: Transformer, tokenizer: Tokenizer, hooks: Hooks,
-                 n_ctx: int, device: torch.device, n_seq: int = 1, expert_cache: ExpertCache | None = None) -> None:
+                 n_ctx: int, device: torch.device, n_seq: int = 1, expert_cache: ExpertCache | None = None,
+                 decoded_bytes: int = 0) -> None:
         self.gguf, self.args, self.net, self.tokenizer = g, args, net, tokenizer
         self.hooks, self.n_ctx, self.device, self.n_seq = hooks, n_ctx, device, n_seq
         self.expert_cache = expert_cache
+        self.decoded_bytes = decoded_bytes  # VRAM of the dense weights' bfloat16 copies (load_model's dense_bf16)
         self.decode_graphs = DecodeGraphs(self) if device.type == "cuda" else None
         self.prompt_graphs: PromptGraphs | None = None  # made by capture_prompt_steps (a server's choice)
 
@@ -197,10 +200,14 @@ class Model:
 
 
 def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: torch.dtype | None = None,
-               n_ctx: int | None = None, n_seq: int = 1, cache: CacheConfig | None = None) -> Model:
+               n_ctx: int | None = None, n_seq: int = 1, cache: CacheConfig | None = None,
+               dense_bf16: bool = True) -> Model:
     """Open a GGUF MoE model (file or first shard) with a KV cache of n_seq sequences of n_ctx positions each.
     dtype defaults to float32 on CPU and bfloat16 on CUDA. With `cache`, routed experts stay in host RAM and run
-    through the expert cache (cache/expert_cache.py); otherwise they all go to the device.
+    through the expert cache (cache/expert_cache.py); otherwise they all go to the device, and with `dense_bf16` the
+    quantized dense weights (attention, dense and shared FFNs, the output head) also keep a bfloat16 copy there for
+    products of several tokens, if all the copies fit the free VRAM with DEFAULT_RESERVE to spare
+    (quantized.keep_decoded_copies; without the cache no expert slot wants that memory).
 
     device: "cpu", "cuda", "cuda:1", or several ("cuda:0,cuda:1" or a list): the blocks are split over them
     (devices.py), by the cache's placement or else by bytes. A cache with N budgets runs on N devices: "cuda" then
@@ -221,4 +228,9 @@ def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: 
     ctx = BuildContext(args, Weights(g, dtype, layout.first), hooks, n_ctx, n_seq, expert_cache)
     blocks = [arch.build_block(ctx.on(layout.device_of(layer)), layer) for layer in range(args.n_layers)]
     net = Transformer(ctx, blocks, layout)
-    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, layout.first, n_seq, expert_cache)
+    decoded = 0
+    if dense_bf16 and expert_cache is None and layout.first.type == "cuda":
+        from moerun.quantized import keep_decoded_copies  # needs Triton, which CUDA builds of torch bring
+
+        decoded = keep_decoded_copies(net, DEFAULT_RESERVE)
+    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, layout.first, n_seq, expert_cache, decoded)

@@ -1,9 +1,11 @@
-"""Layers that compute straight from GGUF blocks on the GPU (kernels/gguf_matmul.py): no dequantized copy is kept.
+"""Layers that compute straight from GGUF blocks on the GPU (kernels/gguf_matmul.py).
 
 `QuantLinear` replaces a Linear whose weight type the kernels decode, `DeviceExperts` the reference expert path:
 the selected experts' blocks are decoded in registers, so VRAM holds the weights at their GGUF size (a Q4_K matrix
 takes a quarter of its bfloat16 copy) and each decode step reads every weight byte once. Imported only where the
-device is CUDA (Triton comes with CUDA builds of torch).
+device is CUDA (Triton comes with CUDA builds of torch). Where VRAM is left over (no expert cache wants it), a
+QuantLinear may also keep its weight decoded to bfloat16 (`keep_decoded`, `keep_decoded_copies`) for products of
+several tokens.
 
 Inputs are rounded as llama.cpp's GPU products round theirs, not as its CPU does: on the matrix-vector kernel's
 8-bit route (decode steps, the types with an 8-bit decoder) to int8 per 32 values with a scale each
@@ -23,7 +25,9 @@ from gguf import GGMLQuantizationType as Q
 from moerun.hooks import Hooks
 from moerun.kernels.dequant import supports as device_dequantizes
 from moerun.kernels import fused
-from moerun.kernels.gguf_matmul import QWeight, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu, supports
+from moerun.kernels import tuning
+from moerun.kernels.gguf_matmul import QWeight, bf16_mm, decode_bf16, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu, \
+    supports
 from moerun.layers import GGUFExperts, Linear, swiglu
 from moerun.weights import ExpertTensor, Weights
 
@@ -31,18 +35,36 @@ __all__ = ["DeviceExperts", "QuantLinear", "QWeight", "supports"]
 
 
 class QuantLinear(Linear):
-    """y = x W^T (+ b) with W in its GGUF blocks on the GPU."""
+    """y = x W^T (+ b) with W in its GGUF blocks on the GPU, and optionally also decoded to bfloat16 (`decoded`):
+    products of tuning.KEPT_DECODED_MIN_TOKENS or more tokens then run on cuBLAS over that copy."""
 
     def __init__(self, qweight: QWeight, bias: torch.Tensor | None, name: str, hooks: Hooks) -> None:
         torch.nn.Module.__init__(self)
         self.qweight, self.bias, self.name, self.hooks = qweight, bias, name, hooks
         self.register_buffer("blocks", qweight.data, persistent=False)  # so .to()/memory accounting see the bytes
+        self.register_buffer("decoded", None, persistent=False)
+        self.parts: list[QuantLinear] = []  # the QuantLinears whose rows stack_rows stacked into this one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hooks.activation:
             self.hooks.fire_activation(self.name, x)
-        y = gguf_mm(x, self.qweight)
+        if self.decoded is not None and x.shape[0] >= tuning.KEPT_DECODED_MIN_TOKENS:
+            y = bf16_mm(x, self.decoded)
+        else:
+            y = gguf_mm(x, self.qweight)
         return y if self.bias is None else y + self.bias
+
+    @property
+    def decoded_bytes(self) -> int:
+        return 2 * self.qweight.rows * self.qweight.cols
+
+    def keep_decoded(self) -> None:
+        """Decode the weight to bfloat16 once and keep it; the stacked parts get their rows of it as views."""
+        self.decoded = decode_bf16(self.qweight)
+        start = 0
+        for p in self.parts:
+            p.decoded = self.decoded[start:start + p.qweight.rows]
+            start += p.qweight.rows
 
     @classmethod
     def stack_rows(cls, parts: list[Linear]) -> QuantLinear | None:
@@ -64,7 +86,31 @@ class QuantLinear(Linear):
             bias = torch.cat([p.bias if p.bias is not None else data.new_zeros(p.qweight.rows, dtype=torch.float32)
                               for p in parts])
         first = parts[0].qweight
-        return cls(QWeight(data, first.qtype, start, first.cols), bias, "+".join(p.name for p in parts), parts[0].hooks)
+        stacked = cls(QWeight(data, first.qtype, start, first.cols), bias, "+".join(p.name for p in parts),
+                      parts[0].hooks)
+        stacked.parts = list(parts)
+        return stacked
+
+
+def keep_decoded_copies(net: torch.nn.Module, reserve: int) -> int:
+    """Give every QuantLinear of `net` a bfloat16 copy of its weight (QuantLinear.keep_decoded) if all the copies fit
+    in the free memory of their GPUs with `reserve` bytes to spare on each; -> the bytes kept, 0 if they do not fit.
+
+    Why: a dense product of a few tokens on the blocks (a decode batch of `moerun serve`) runs at about 1 TB/s of
+    the weight's bytes where one token's runs at 2 (docs/kernels.md), while cuBLAS reads a bfloat16 weight near the
+    memory's speed for any number of tokens; and a prompt's products then skip decoding the weight each time. All or
+    none, so a step's time does not depend on which layers happened to fit."""
+    linears = [m for m in net.modules() if isinstance(m, QuantLinear)]
+    stacked = {id(p) for m in linears for p in m.parts}
+    owners = [m for m in linears if id(m) not in stacked]  # a stacked part gets a view of its stack's copy
+    need: dict[torch.device, int] = {}
+    for m in owners:
+        need[m.qweight.data.device] = need.get(m.qweight.data.device, 0) + m.decoded_bytes
+    if not owners or any(torch.cuda.mem_get_info(device)[0] < n + reserve for device, n in need.items()):
+        return 0
+    for m in owners:
+        m.keep_decoded()
+    return sum(need.values())
 
 
 def expert_bank(t: ExpertTensor) -> QWeight:

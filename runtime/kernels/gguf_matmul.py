@@ -641,12 +641,22 @@ def _decoded_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     x = x.to(torch.bfloat16)
     chunk = max(4, tuning.DECODED_CHUNK_BYTES // (2 * w.cols) // 4 * 4)
     if chunk >= w.rows:
-        return torch.mm(x, decode_bf16(w).t(), out_dtype=torch.float32)
+        return bf16_mm(x, decode_bf16(w))
     out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
     for start in range(0, w.rows, chunk):
         part = dataclasses.replace(w, data=w.data[start:start + chunk], rows=min(chunk, w.rows - start))
-        out[:, start:start + part.rows] = torch.mm(x, decode_bf16(part).t(), out_dtype=torch.float32)
+        out[:, start:start + part.rows] = bf16_mm(x, decode_bf16(part))
     return out
+
+
+def bf16_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (T, C) rounded to bfloat16 @ weight (N, C) bfloat16 .T -> (T, N), accumulated and returned in float32: on
+    cuBLAS (a Triton kernel for a few tokens lost to it: docs/kernels.md), on the CPU, which has no bfloat16 product
+    with a float32 result, through float32 (the same products and sums)."""
+    x = x.to(torch.bfloat16)
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return x.float() @ weight.float().t()
 
 
 def decode_bf16(w: QWeight) -> torch.Tensor:

@@ -40,6 +40,13 @@ MOE_GEMV_MAX_TOKENS = 48
 # T = 4 29-32 against 30-31 for Q4_K, Q8_0 and Q4_0 (a tie; Q6_K 47 against 34), T = 8 63-80 against 29-34.
 # (Expert banks stay on the grouped GEMM: ~32 tokens per expert in a prompt do not repay a decoded copy.)
 DECODED_GEMM_MIN_TOKENS = 4
+# A dense weight kept decoded to bfloat16 as well (quantized.keep_decoded_copies: on a GPU without the expert cache,
+# where the copies fit) takes cuBLAS over that copy from this many tokens. H200, 2026-12-03 (bench_gguf_matmul.py
+# --sweep bf16), us at T = 1 / 2 / 8, Q8_0 blocks against cuBLAS over the copy: 4096x4096 9.1 / 19.5 / 17.6 against
+# 14.1 / 13.8 / 14.2; 5120x2048 7.9 / 13.4 / 12.6 against 10.1 / 10.0 / 9.7; 2048x4096 6.6 / 10.5 / 14.0 against
+# 9.9 / 9.9 / 9.8; the 151936x2048 output head 99.0 / 237.6 / 239.6 against 147.5 / 149.3 / 151.9. One token stays on
+# the matrix-vector kernel over the blocks, which reads fewer bytes (Q8_0: 1.06 a value against 2).
+KEPT_DECODED_MIN_TOKENS = 2
 # A prompt step of at least GEMM_I8_MIN_TOKENS tokens runs its experts on the 8-bit GEMM (gguf_matmul._gemm_i8_kernel:
 # activations rounded to int8 per 32 values as on the GEMV's 8-bit route, the weights' quants as int8 tiles on tensor
 # cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes,

@@ -107,7 +107,7 @@ class Server:
                            "(start the server with a larger -c)", param="messages" if shape is CHAT else "prompt",
                            code="context_length_exceeded")
         s = req.sampling
-        job = Job(prompt, s.max_tokens, make_sampler(s.temperature, s.top_p, s.seed), s.stop)
+        job = Job(prompt, s.max_tokens, make_sampler(s.temperature, s.top_p, s.seed), s.stop, s.ignore_eos)
         outputs: asyncio.Queue[Output | Exception] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         ticket = self.engine.submit(job, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))

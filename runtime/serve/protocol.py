@@ -2,7 +2,9 @@
 
 A field is checked by a small function from the table of its endpoint; an absent field takes the API's default.
 Fields the server does not know are ignored (as llama.cpp's and vLLM's servers do); fields it knows but does not
-implement are accepted only with their default value (`n` other than 1 is a 400, not a silent single answer).
+implement are accepted only with their default value (`n` other than 1 is a 400, not a silent single answer). One
+field is not the API's: `ignore_eos`, which llama.cpp's and vLLM's servers take too (benchmarks use it for answers
+of a fixed length).
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class Sampling:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    ignore_eos: bool = False  # never end on an end-of-generation token: it is not sampled (as llama.cpp's server)
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ SAMPLING_FIELDS: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
     "top_p": (_number(0.0, 1.0, low_open=True), 1.0),
     "seed": (_integer(-(2**63), 2**63 - 1), None),
     "stop": (_stops, ()),
+    "ignore_eos": (_boolean, False),
 }
 COMMON_FIELDS: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
     **SAMPLING_FIELDS,
@@ -206,7 +210,8 @@ def _check_fields(body: Any, table: dict[str, tuple[Callable[[str, Any], Any], A
 
 
 def _sampling(fields: dict[str, Any], max_tokens: int | None) -> Sampling:
-    return Sampling(max_tokens, fields["temperature"], fields["top_p"], fields["seed"], fields["stop"])
+    return Sampling(max_tokens, fields["temperature"], fields["top_p"], fields["seed"], fields["stop"],
+                    fields["ignore_eos"])
 
 
 def parse_completion(body: Any) -> GenerationRequest:

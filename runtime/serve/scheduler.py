@@ -62,6 +62,7 @@ class Job:
     max_tokens: int | None  # None: until the context is full
     sampler: Sampler = greedy
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # the end-of-generation tokens are never sampled: the job ends on its limit or a stop
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,15 @@ class Scheduler:
             seq.job = _Running(job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep,
                                TextStream(job.stop))
 
-    @staticmethod
-    def _sample(runs: list[_Running], logits: torch.Tensor) -> list[int]:
-        """One token per row; the greedy rows with one argmax (one host sync) for all."""
+    def _sample(self, runs: list[_Running], logits: torch.Tensor) -> list[int]:
+        """One token per row; the greedy rows with one argmax (one host sync) for all. The rows of ignore_eos jobs
+        have their end-of-generation logits set to -inf first (a copy: `logits` may be a graph's output buffer)."""
+        eog = sorted(self.model.tokenizer.eog_ids)
+        ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos] if eog else []
+        if ignoring:
+            logits = logits.clone()
+            logits[torch.tensor(ignoring, device=logits.device)[:, None], torch.tensor(eog, device=logits.device)] = \
+                -math.inf
         best = logits.argmax(-1).tolist()
         return [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
 

@@ -348,6 +348,39 @@ def test_stacked_qkv(gen):
     assert QuantLinear.stack_rows([parts[0], other]) is None  # types differ
 
 
+def test_kept_decoded_copies(gen, monkeypatch):
+    """keep_decoded_copies: every QuantLinear of a module keeps its weight decoded to bfloat16 when all the copies
+    fit the free memory with the reserve to spare, none when they do not; a stacked q/k/v is decoded once and its
+    parts take views of their rows. One token still runs on the blocks; from KEPT_DECODED_MIN_TOKENS tokens the
+    product is the bfloat16 copy's, exactly."""
+    from moerun.quantized import keep_decoded_copies
+
+    rng = np.random.default_rng(4)
+    cols, hooks = 64, Hooks()
+    parts = [QuantLinear(random_q8_0(rng, 1, n, cols), None, name, hooks)
+             for n, name in ((16, "q"), (8, "k"), (8, "v"))]
+    net = torch.nn.ModuleList([*parts, QuantLinear.stack_rows(parts), QuantLinear(random_q8_0(rng, 1, 24, cols),
+                                                                                 randn(24, gen=gen), "o", hooks)])
+    x1, x3 = randn(1, cols, gen=gen), randn(tuning.KEPT_DECODED_MIN_TOKENS + 1, cols, gen=gen)
+    on_blocks = [(m(x1), m(x3)) for m in net]
+    need = 2 * (32 + 24) * cols
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need + 99, 1 << 40))
+    assert keep_decoded_copies(net, reserve=100) == 0
+    assert all(m.decoded is None for m in net)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need + 100, 1 << 40))
+    assert keep_decoded_copies(net, reserve=100) == need
+    stacked, o = net[3], net[4]
+    for p, rows in zip(parts, stacked.decoded.split([16, 8, 8])):
+        assert p.decoded.data_ptr() == rows.data_ptr() and p.decoded.shape == (p.qweight.rows, cols)
+    for m, (one, three) in zip(net, on_blocks):
+        assert m.decoded.dtype == torch.bfloat16
+        assert torch.equal(m(x1), one)  # one token: the blocks, as before
+        want = x3.bfloat16().float() @ m.decoded.float().T + (0 if m.bias is None else m.bias)
+        close(m(x3), want)
+        close(m(x3), three, rtol=1e-2)  # the copy holds the blocks' values to bfloat16's 8 bits
+    close(o.decoded, gguf_matmul.decode_bf16(o.qweight))
+
+
 @pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "autograd-mode"])
 def test_products_take_the_rounding_their_input_carries(inference, gen, monkeypatch):
     """The products a decode step runs on a norm's or attention's output (q/k/v, the experts' gate and up, the

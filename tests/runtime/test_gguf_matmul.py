@@ -35,7 +35,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
-from moerun.kernels.gguf_matmul import (QWeight, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, gguf_mv,
+from moerun.kernels.gguf_matmul import (QWeight, bf16_mm, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, gguf_mv,
                                         group_by_slot, moe_gemm_i8, quantize_i8, split_counters, stage_second,
                                         supports)
 from moerun.kernels.qtypes import BLOCK_TYPES
@@ -203,6 +203,19 @@ def test_split_8bit_products_add_up_the_same_way_every_time(qtype: Q) -> None:
     assert torch.equal(first, again)
     assert not split_counters(first.device, 1).any()
     assert_close(first, *operands(x, data, qtype, cols, gemm=True, gemm8=True))
+
+
+def test_products_over_a_bfloat16_weight() -> None:
+    """bf16_mm, a kept bfloat16 copy's product (cuBLAS on a GPU, float32 on the CPU): 1 to 17 tokens equal the
+    bfloat16-rounded input times the weight, summed in float32."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 2048, generator=gen).to(torch.bfloat16)
+    for n_tokens in range(1, 18):
+        x = torch.randn(n_tokens, 2048, generator=gen)
+        want = x.to(torch.bfloat16).double() @ weight.double().T
+        got = bf16_mm(x.to(DEVICE), weight.to(DEVICE))
+        assert got.dtype == torch.float32 and got.shape == (n_tokens, 40)
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -332,6 +333,7 @@ HOSTILE: list[tuple[str, str, bytes | dict | None, int]] = [
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "ignore_eos": 1}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "stream_options": []}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 5}, 400),
@@ -457,6 +459,31 @@ def test_scheduler_queue_limit_and_cancel(chat_model):
     assert {o.job for o in outputs} == {waiting} and sched.counts()["running"] == 1
     sched.cancel(waiting)
     assert not sched.busy
+
+
+def test_ignore_eos_never_samples_an_end_of_generation_token(chat_model):
+    """Two jobs of one prompt in one batch, greedy, the first token they would pick made an end-of-generation token:
+    the plain job ends on it ("stop", one token), the ignore_eos one takes the best other token and runs to its limit
+    ("length"); its text equals the first token picked with the end-of-generation tokens left out."""
+    model = moerun.load_model(chat_model, n_ctx=N_CTX, n_seq=2)
+    prompt = model.tokenizer.encode(PROMPTS[0])
+    logits = model.forward(torch.tensor(prompt))[-1]
+    model.tokenizer.eog_ids = model.tokenizer.eog_ids | {int(logits.argmax())}
+    masked = logits.clone()
+    masked[sorted(model.tokenizer.eog_ids)] = -math.inf
+    top = torch.topk(masked, 2)
+    assert top.values[0] - top.values[1] > 1e-4, "a near-tie: pick another prompt"
+    first = int(top.indices[0])
+    sched = Scheduler(model)
+    plain, ignoring = sched.add(Job(prompt, 6)), sched.add(Job(prompt, 6, ignore_eos=True))
+    outputs: dict[int, list] = {plain: [], ignoring: []}
+    while sched.busy:
+        for o in sched.step():
+            outputs[o.job].append(o)
+    assert [(o.finish_reason, o.completion_tokens) for o in outputs[plain]] == [("stop", 1)]
+    assert [o.completion_tokens for o in outputs[ignoring]] == [1, 2, 3, 4, 5, 6]
+    assert outputs[ignoring][-1].finish_reason == "length"
+    assert outputs[ignoring][0].text == model.tokenizer.decode([first])
 
 
 def test_a_long_prompt_prefills_in_chunks_while_a_stream_keeps_decoding(chat_model, alone):
