@@ -10,6 +10,8 @@
 # already there, so a second call on the same warm machine goes on where a first one ran out of time (the build
 # resumes). Without .peer, moerun alone is measured.
 # MODELS overrides the models, DEVICE the device (a dry run: SKIP_WHEELS=1 DEVICE=cpu MODELS=bench/models/...gguf).
+# Answers run to 32 tokens (bench_serve.py --ignore-eos, both servers); IGNORE_EOS="" lets them end early on an
+# end-of-generation token as the runs before 2026-12-03 did.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$SECONDS
@@ -46,7 +48,8 @@ for MODEL in $MODELS; do
   [ -f "$MODEL" ] || { echo "$MODEL is missing (see $OUT/synth.log)"; continue; }
   NAME=$(basename "$MODEL" .gguf)
   python3 bench/bench_serve.py "$MODEL" --device "${DEVICE:-cuda}" --streams 1,4,8 --requests 8 --rounds 3 --prompt 64 \
-      --gen 32 $([ -x "$PEER" ] && echo --llama-server "$PEER") --json "$OUT/serve-$NAME.json" 2>&1 \
+      --gen 32 ${IGNORE_EOS---ignore-eos} $([ -x "$PEER" ] && echo --llama-server "$PEER") \
+      --json "$OUT/serve-$NAME.json" 2>&1 \
       | tee "$OUT/serve-$NAME.log"
 done
 echo "total $((SECONDS - START)) s"
