@@ -24,10 +24,9 @@ from gguf import GGMLQuantizationType as Q
 
 from moerun.hooks import Hooks
 from moerun.kernels.dequant import supports as device_dequantizes
-from moerun.kernels import fused
-from moerun.kernels import tuning
-from moerun.kernels.gguf_matmul import QWeight, bf16_mm, decode_bf16, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu, \
-    supports
+from moerun.kernels import fused, tuning
+from moerun.kernels.gguf_matmul import (QWeight, bf16_mm, decode_bf16, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu,
+                                        supports)
 from moerun.layers import GGUFExperts, Linear, swiglu
 from moerun.weights import ExpertTensor, Weights
 
@@ -97,9 +96,10 @@ def keep_decoded_copies(net: torch.nn.Module, reserve: int) -> int:
     in the free memory of their GPUs with `reserve` bytes to spare on each; -> the bytes kept, 0 if they do not fit.
 
     Why: a dense product of a few tokens on the blocks (a decode batch of `moerun serve`) runs at about 1 TB/s of
-    the weight's bytes where one token's runs at 2 (docs/kernels.md), while cuBLAS reads a bfloat16 weight near the
-    memory's speed for any number of tokens; and a prompt's products then skip decoding the weight each time. All or
-    none, so a step's time does not depend on which layers happened to fit."""
+    the weight's bytes where one token's runs at 2, while cuBLAS reads a bfloat16 copy at about 2 whatever the
+    number of tokens (H200: 1.7-2.4 TB/s on the 30B model's attention shapes, so fewer microseconds from 2 tokens on
+    despite twice the bytes; docs/kernels.md); and a prompt's products then skip decoding the weight each time. All
+    or none, so a step's time does not depend on which layers happened to fit."""
     linears = [m for m in net.modules() if isinstance(m, QuantLinear)]
     stacked = {id(p) for m in linears for p in m.parts}
     owners = [m for m in linears if id(m) not in stacked]  # a stacked part gets a view of its stack's copy
