@@ -291,7 +291,8 @@ def test_serve_takes_the_expert_cache_options(chat_model, alone, tmp_path):
     the GPU, its kernels in Triton's interpreter, tests/conftest.py) two requests batched together get what they get
     alone without it."""
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
-    assert all(o in help_text for o in ("--vram-budget", "--cache-slots", "--expert-profile", "--cache-policy"))
+    assert all(o in help_text for o in ("--vram-budget", "--cache-slots", "--expert-profile", "--cache-policy",
+                                        "--no-dense-bf16"))
     server = Server(chat_model, tmp_path / "cache.log", "-np", "2", "--vram-budget", "8G", "--cache-slots", "4")
     try:
         server.wait_ready()
