@@ -280,9 +280,9 @@ class Scheduler:
     def _sample(self, runs: list[_Running], logits: torch.Tensor) -> list[int]:
         """One token per row; the greedy rows with one argmax (one host sync) for all. The rows of ignore_eos jobs
         have their end-of-generation logits set to -inf first (a copy: `logits` may be a graph's output buffer)."""
-        eog = sorted(self.model.tokenizer.eog_ids)
-        ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos] if eog else []
-        if ignoring:
+        ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos]
+        eog = sorted(self.model.tokenizer.eog_ids) if ignoring else []
+        if eog:
             logits = logits.clone()
             logits[torch.tensor(ignoring, device=logits.device)[:, None], torch.tensor(eog, device=logits.device)] = \
                 -math.inf
