@@ -27,7 +27,8 @@ import torch
 import moerun
 from moeprep.units import parse_size
 from moerun.bench import format_result, run_bench
-from moerun.cache.expert_cache import CacheConfig, describe_cache
+from moerun.cache.config import CacheConfig
+from moerun.cache.controller import describe_cache
 
 
 def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -> np.ndarray:

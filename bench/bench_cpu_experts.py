@@ -27,7 +27,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from moeprep.synth.weights import random_blocks
-from moerun.kernels.cpu_experts import ExpertBytes, moe_rows
+from moerun.kernels.cpu.formats import ExpertBytes
+from moerun.kernels.cpu.moe_rows import moe_rows
 
 # name -> (D hidden, I expert hidden, experts in the stack)
 SHAPES = {"60gb": (4096, 1408, 32), "30b": (2048, 768, 64)}

@@ -29,9 +29,11 @@ from torch.profiler import ProfilerActivity, profile
 import moerun
 from moeprep.gguf.reader import open_gguf
 from moerun import layers
-from moerun.cache.kv import KVCache
+from moerun.kv_cache import KVCache
 from moerun.config import GATING_SOFTMAX
+from moerun import backend
 from moerun.kernels import fused
+from moerun.options import RuntimeOptions
 from moerun.kernels.gguf_matmul import QWeight, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
 from moerun.models import arch_module
@@ -74,16 +76,16 @@ def op_pairs(args, ctx: int, dev: str = "cuda") -> dict[str, tuple[Callable, Cal
     x, delta, w = torch.randn(1, D, device=dev), torch.randn(1, D, device=dev), torch.randn(D, device=dev)
     rope = layers.Rope(args, 4096, torch.device(dev))
     q, k, v = torch.randn(1, H, DH, device=dev), torch.randn(1, G, DH, device=dev), torch.randn(1, G, DH, device=dev)
-    qn, kn = layers.RMSNorm(torch.randn(DH, device=dev), 1e-6), layers.RMSNorm(torch.randn(DH, device=dev), 1e-6)
+    qn, kn = (layers.RMSNorm(torch.randn(DH, device=dev), 1e-6, layers.TORCH_KERNELS) for _ in range(2))
     pos = torch.tensor([ctx - 1], device=dev)
     step, cache = Step(pos, n_slots=ctx), KVCache(4096, G, DH, DH, torch.bfloat16, torch.device(dev))
-    fused_kernels = layers.fused_kernels()
+    fused_kernels = backend.fused_kernels()
     cache_k, cache_v = (torch.randn(4096, G, DH, device=dev, dtype=torch.bfloat16) for _ in range(2))
     allowed = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]
     logits = torch.randn(1, E, device=dev)
     router_args = dataclasses.replace(args, n_experts_used=K, gating=GATING_SOFTMAX, expert_weights_norm=True,
                                       expert_weights_scale=0.0)
-    router = layers.Router(layers.Linear(torch.zeros(1, 1), None, "gate", None), router_args)
+    router = layers.Router(layers.Linear(torch.zeros(1, 1), None, "gate", None), router_args, layers.TORCH_KERNELS)
     gate_h, up_h = torch.randn(1, K, I, device=dev), torch.randn(1, K, I, device=dev)
     y, weights = torch.randn(1, K, D, device=dev), torch.rand(1, K, device=dev)
     slots = torch.randperm(E, device=dev)[:K][None]
@@ -124,13 +126,8 @@ def bench_ops(pairs: dict[str, tuple[Callable, Callable]], repeat: int) -> list[
 
 def bench_step(path: str, kernels: str, ctx: int, steps: int) -> tuple[dict, torch.Tensor]:
     """ms per CUDA-graph decode step with the layers on `kernels`, and the logits of the steps."""
-    chosen = layers.fused_kernels() if kernels == "fused" else layers.TORCH_KERNELS
-    original = layers.kernels_for
-    layers.kernels_for = lambda device: chosen
-    try:
-        model = moerun.load_model(path, device="cuda", n_ctx=ctx + steps + 8)
-    finally:
-        layers.kernels_for = original
+    model = moerun.load_model(path, device="cuda", n_ctx=ctx + steps + 8,
+                              options=RuntimeOptions(fused=kernels == "fused"))
     prompt = torch.randint(1, model.args.n_vocab, (ctx,), generator=torch.Generator().manual_seed(0))
     model.forward(prompt, 0)
     tokens = torch.randint(1, model.args.n_vocab, (steps + 1,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -10,11 +10,11 @@ call takes experts the call before did not (disjoint sets in turn for one token,
 their bytes come from RAM. Times are the best of --repeat calls (the machine is shared: the best call is the one
 nothing else interrupted), the median beside it.
 
-Breakdown: the same calls again with moerun.kernels.cpu_experts' numba entry points wrapped by a timer; "numba" is
+Breakdown: the same calls again with moerun.kernels.cpu.moe_rows' numba entry points wrapped by a timer; "numba" is
 the time inside them (their argument dispatch included), "Python" the rest of the call. "RAM bound" is the expert
 bytes of the call over the host-RAM read bandwidth measured in the same run (bench_cpu_experts.ram_read_gbps: a
 numba parallel sum over 1 GiB).
---impl PATH times another copy of cpu_experts.py (say `git show REV:runtime/kernels/cpu_experts.py > old.py`)
+--impl PATH times another copy of moe_rows.py (say `git show REV:runtime/kernels/cpu/moe_rows.py > old.py`)
 next to the current one, for a before/after under the same load.
 """
 
@@ -33,7 +33,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from moeprep.synth.weights import random_blocks
-from moerun.kernels import cpu_experts
+from moerun.kernels.cpu import moe_rows as cpu_experts
+from moerun.kernels.cpu.formats import ExpertBytes
 
 from bench_cpu_experts import ram_read_gbps  # bench/bench_cpu_experts.py: the RAM bound's clock
 
@@ -90,8 +91,8 @@ class Timer:
         return timed
 
 
-def stack(rng: np.random.Generator, n_experts: int, d: int, i: int) -> list[cpu_experts.ExpertBytes]:
-    return [cpu_experts.ExpertBytes(random_blocks(rng, (n_experts, rows, cols), QTYPE, 0.02), QTYPE, rows, cols)
+def stack(rng: np.random.Generator, n_experts: int, d: int, i: int) -> list[ExpertBytes]:
+    return [ExpertBytes(random_blocks(rng, (n_experts, rows, cols), QTYPE, 0.02), QTYPE, rows, cols)
             for rows, cols in ((i, d), (i, d), (d, i))]
 
 
@@ -130,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeat", type=int, default=30)
-    ap.add_argument("--impl", help="another cpu_experts.py to time beside the current one")
+    ap.add_argument("--impl", help="another kernels/cpu/moe_rows.py to time beside the current one")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     threads = sorted({int(n) for n in args.threads.split(",")})

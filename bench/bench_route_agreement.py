@@ -36,8 +36,8 @@ import torch
 
 import moerun
 from moeprep.gguf.reader import open_gguf
-from moerun import layers
 from moerun.kernels import tuning
+from moerun.options import RuntimeOptions
 from moerun.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +56,6 @@ def interpreted_gpu_path() -> None:
     for name in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "GEMV_I8_OVERRIDES", "GEMV_I8_GROUPED_OVERRIDES",
                  "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES"):
         setattr(tuning, name, {})
-    chosen = layers.fused_kernels()
-    layers.kernels_for = lambda device: chosen
 
 
 def decoded_logits(model: moerun.Model, tokens: list[int], prompt: int, positions: int) -> torch.Tensor:
@@ -126,7 +124,8 @@ def chunk_perplexities(args: argparse.Namespace, error: Callable[[str], None]) -
                                                              moerun.perplexity)]:
         tuning.GEMV_INT8 = int8
         # anew for each path: a CUDA model keeps the decode graphs it captured first
-        model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.ctx)
+        model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.ctx,
+                                  options=RuntimeOptions(triton_on_cpu=args.device == "cpu"))
         start = time.time()
         ppl = score(model, tokens, args.ctx)
         print(f"moerun {name}: perplexity {ppl:.4f} ({time.time() - start:.0f} s)", flush=True)
@@ -146,7 +145,8 @@ def main() -> None:
         return
     if args.device == "cpu":
         interpreted_gpu_path()
-    model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.prompt + args.positions + 8)
+    model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.prompt + args.positions + 8,
+                              options=RuntimeOptions(triton_on_cpu=args.device == "cpu"))
     text = (ROOT / "bench" / "data" / "heldout.txt").read_text()[20000:30000]
     tokens = model.tokenizer.encode(text)[: args.prompt + args.positions]
     target = torch.tensor(tokens[args.prompt: args.prompt + args.positions])

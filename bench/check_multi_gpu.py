@@ -40,7 +40,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import DEFAULT_RESERVE, describe_model
 from moeprep.gguf.reader import open_gguf
 from moeprep.synth import write_synth_model
-from moerun.cache.expert_cache import CacheConfig
+from moerun.cache.config import CacheConfig
 
 ROOT = Path(__file__).resolve().parent
 PROMPT_CHARS = 400

@@ -11,7 +11,7 @@ replays.
 Without MODEL it writes a small synthetic qwen3moe (Q4_K experts, Q8_0 attention). On a machine without a GPU,
 `--device cpu --as-gpu` runs the GPU path's code on the CPU (GGUF blocks through Triton's interpreter, bfloat16
 activations, the fused kernels unless --kernels torch), so the op list is the GPU's; plain `--device cpu` counts
-the CPU path's (its fused kernels are numba's, kernels/cpu_fused.py: they launch no aten op). E.g.
+the CPU path's (its fused kernels are numba's, kernels/cpu/fused.py: they launch no aten op). E.g.
 
     TRITON_INTERPRET=1 python bench/count_decode_ops.py --device cpu --as-gpu --kernels torch
     TRITON_INTERPRET=1 python bench/count_decode_ops.py --device cpu --as-gpu --kernels fused
@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moerun
-from moerun import layers
+from moerun.options import RuntimeOptions
 
 # aten ops that allocate: they launch no kernel.
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh"}
@@ -103,10 +103,11 @@ def mark_blocks(net: torch.nn.Module, log: OpLog) -> None:
 
 def emulate_gpu_path() -> None:
     """Build the CUDA path's modules on the CPU: QuantLinear and DeviceExperts on the GGUF bytes (their kernels run
-    in Triton's interpreter). Patches the two device checks of model building, nothing else."""
+    in Triton's interpreter). Patches the two device checks of model building, nothing else; load with
+    RuntimeOptions(triton_on_cpu=True) for the GPU's fused kernels too."""
     from moerun.kernels.gguf_matmul import QWeight, supports
-    from moerun.models.base import BuildContext
-    from moerun.quantized import DeviceExperts
+    from moerun.backend import Backend
+    from moerun.layers.gguf_gpu import DeviceExperts
     from moerun.weights import Weights, device_bytes
 
     def blocks(self, name):
@@ -118,7 +119,8 @@ def emulate_gpu_path() -> None:
                        rows, cols)
 
     Weights.blocks = blocks
-    BuildContext.expert_compute = lambda self, layer: DeviceExperts
+    Backend.experts = lambda self, w, hooks, layer, activation: DeviceExperts.load(w, hooks, layer, activation,
+                                                                                 self.kernels)
 
 
 def split_layers(events: list[str]) -> tuple[list[list[str]], list[str]]:
@@ -162,11 +164,10 @@ def main() -> None:
     gpu_like = args.device == "cuda" or args.as_gpu
     if args.as_gpu:
         emulate_gpu_path()
-    fused = layers.fused_kernels if gpu_like else layers.cpu_kernels  # the GPU's Triton kernels, or numba's
-    chosen = fused() if args.kernels == "fused" else layers.TORCH_KERNELS
-    layers.kernels_for = lambda device: chosen
+    # the GPU's Triton kernels (in the interpreter on the CPU), or numba's; or torch's alone
+    options = RuntimeOptions(fused=args.kernels == "fused", triton_on_cpu=gpu_like)
     model = moerun.load_model(path, device=args.device, dtype=torch.bfloat16 if gpu_like else None,
-                              n_ctx=args.ctx + 8)
+                              n_ctx=args.ctx + 8, options=options)
     model.forward(torch.randint(1, model.args.n_vocab, (args.ctx,)), 0)
     log = OpLog()
     log_triton_launches(log)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moeprep.errors import MoeprepError
-from moerun.cache.expert_cache import TIMED
+from moerun.cache.stats import TIMED
 
 WARMUP_TOKENS = 8
 

@@ -27,6 +27,7 @@ from moeprep.cli_groups import DefaultCommandGroup, UserErrorGroup
 from moeprep.errors import MoeprepError
 from moeprep.profile.policy import DEFAULT_POLICY, POLICIES
 from moeprep.units import format_size
+from moerun.options import RuntimeOptions
 
 
 class MoerunGroup(DefaultCommandGroup, UserErrorGroup):
@@ -100,7 +101,7 @@ class ModelOptions:
     def cache_config(self, g):
         """The expert cache's configuration, or None for every expert on the device: the cache is on when a cache
         option asks for it, or on CUDA when the model does not fit the free VRAM."""
-        from moerun.cache.expert_cache import CacheConfig
+        from moerun.cache.config import CacheConfig
         from moerun.cache.host import fits_device
 
         slots = None if self.cache_slots == "auto" else _slot_count(self.cache_slots)
@@ -118,10 +119,10 @@ class ModelOptions:
         set_threads(self.threads)
         cache = self.cache_config(g)
         import moerun
-        from moerun.cache.expert_cache import describe_cache
+        from moerun.cache.controller import describe_cache
 
         model = moerun.load_model(g, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq, cache=cache,
-                                  dense_bf16=self.dense_bf16)
+                                  dense_bf16=self.dense_bf16, options=RuntimeOptions.from_environment())
         if model.expert_cache is not None:
             click.echo(describe_cache(model.expert_cache), err=True)
         if model.decoded_bytes:
@@ -249,7 +250,8 @@ def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | 
     if model.device.type == "cpu" or model.expert_cache is not None:  # whose dot products the CPU's experts ran
         from moerun.kernels.ggml_cpu import describe
 
-        click.echo(describe())
+        options = model.options
+        click.echo(describe(options.ggml_library(), turned_off=not options.ggml_cpu))
     if json_path:
         with atomic_output(json_path) as tmp:
             tmp.write_text(json.dumps(result.as_dict(), indent=1))
@@ -275,7 +277,7 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, thre
 
     g = open_model_file(model_path)
     set_threads(threads)
-    model = moerun.load_model(g, device=device, n_ctx=ctx_size)
+    model = moerun.load_model(g, device=device, n_ctx=ctx_size, options=RuntimeOptions.from_environment())
     tokens = model.tokenizer.encode(read_text(text_file))
     start = time.perf_counter()
     ppl = moerun.perplexity(model, tokens, ctx_size)

@@ -11,12 +11,12 @@ A step of one sequence reads that sequence's slots where they lie (its graph is 
 several sequences' tokens (`moerun serve --parallel`) reads each token's own sequence through static sequence ids,
 so one graph per batch size serves any set of sequences.
 
-With the expert cache streaming its misses (cache/expert_cache.py) the step is one graph too, and the host reads the
+With the expert cache streaming its misses (cache/) the step is one graph too, and the host reads the
 step's routing after it (`Capture.after`). Where the misses are the CPU's instead, the host must act inside the
 step: each cached layer's routing goes to the host, which looks the experts up, sends the slot table, and computes
 the misses on the CPU while the GPU runs the hits. So the step is captured as a `Program`: graphs with host work
 between them. A layer asks for the cut where its host work
-goes (`active_capture().cut(work)`); a model without the cache is one graph. The graphs share one memory pool and
+goes (`step.capture.cut(work)`); a model without the cache is one graph. The graphs share one memory pool and
 always replay in the order they were captured, so a tensor one graph writes is where the next one reads it.
 A model over several GPUs (devices.py) is cut at each change of GPU too: a graph is captured on one device, and the
 host work between two devices' graphs copies the hidden state and the step's positions to the next one.
@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from moerun.capture import Capture, Program
 from moerun.layers import GGUFExperts
 from moerun.step import Step
 
@@ -76,105 +77,6 @@ def host_expert_tensors(net: torch.nn.Module) -> list[str]:
             for t in (m.gate, m.up, m.down) if not t.on_device]
 
 
-class Program:
-    """A captured step: CUDA graphs and the host work between them, replayed in order, then the host work that
-    follows the whole step (`after`)."""
-
-    def __init__(self) -> None:
-        self.parts: list[torch.cuda.CUDAGraph | Callable[[], None]] = []
-        self.after: list[Callable[[], None]] = []
-
-    def replay(self) -> None:
-        for part in self.parts:
-            part.replay() if isinstance(part, torch.cuda.CUDAGraph) else part()
-        for work in self.after:
-            work()
-
-
-class Capture:
-    """Records a Program: the graph being captured ends at each `cut`, the host work is appended, a new graph
-    begins. Use as a context manager on a side stream (CUDA cannot capture the default stream)."""
-
-    def __init__(self, pool) -> None:
-        self.pool, self.program, self.graph = pool, Program(), None
-        self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}  # (capturing, previous)
-
-    def __enter__(self) -> Capture:
-        global _active
-        _active = self
-        self._begin()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _active
-        _active = None
-        self.program.parts.append(self._end())
-        for device, (_, previous) in self.streams.items():
-            with torch.cuda.device(device):
-                torch.cuda.set_stream(previous)
-
-    def after(self, host_work: Callable[[], None]) -> None:
-        """Host work once the whole step is launched (the expert cache's streamed steps: read the step's routing,
-        plan uploads)."""
-        self.program.after.append(host_work)
-
-    def cut(self, host_work: Callable[[], None]) -> None:
-        self.program.parts += [self._end(), on_current_device(host_work)]
-        self._begin()
-
-    def cross(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        """Go on on another GPU: end this GPU's graph, and begin one on `device` (on a capture stream of its own,
-        current there until the capture ends). At replay, between the two, the host copies `tensors` into buffers on
-        `device`, each copy ordered after the first GPU's work and before the second's (as Tensor.to orders them);
-        returns those buffers, for the rest of the step to read."""
-        graph = self._end()
-        buffers = [torch.empty_like(t, device=device) for t in tensors]
-
-        def copy() -> None:
-            for buffer, t in zip(buffers, tensors):
-                buffer.copy_(t, non_blocking=True)
-
-        self.program.parts += [graph, copy]
-        with torch.cuda.device(device):
-            if device not in self.streams:
-                self.streams[device] = torch.cuda.Stream(device), torch.cuda.current_stream(device)
-                torch.cuda.set_stream(self.streams[device][0])
-            self._begin()
-        return buffers
-
-    def _begin(self) -> None:
-        self.device = torch.cuda.current_device()  # a graph begins and ends on its GPU's current stream
-        self.graph = torch.cuda.CUDAGraph()
-        self.graph.capture_begin(pool=self.pool)
-
-    def _end(self) -> torch.cuda.CUDAGraph:
-        with torch.cuda.device(self.device):
-            self.graph.capture_end()
-        return self.graph
-
-
-def on_current_device(work: Callable[[], None]) -> Callable[[], None]:
-    """`work` replayed under the GPU current now (a layer's host work syncs and records on its own GPU's stream);
-    as it is where one GPU is visible (the switch costs a few microseconds, twice per cached layer and step)."""
-    if torch.cuda.device_count() == 1:
-        return work
-    device = torch.cuda.current_device()
-
-    def run() -> None:
-        with torch.cuda.device(device):
-            work()
-
-    return run
-
-
-_active: Capture | None = None
-
-
-def active_capture() -> Capture | None:
-    """The Capture recording now, if any: a layer with host work inside the step cuts it there."""
-    return _active
-
-
 class DecodeGraphs:
     """Captured decode steps of `model`, sharing one memory pool: a step of one sequence keyed by (sequence, 1, KV
     bucket), a batch of B > 1 sequences by (-1, B, KV bucket).
@@ -210,10 +112,10 @@ class DecodeGraphs:
     def _capture(self, seq: int, B: int, bucket: int) -> tuple[Program, torch.Tensor]:
         tokens, positions, seqs = self.inputs[B]
 
-        def step() -> torch.Tensor:
+        def step(capture: Capture | None) -> torch.Tensor:
             if B == 1:
-                return self.model.net(tokens, Step(positions, n_slots=bucket, seq=seq))
-            return self.model.net(tokens, Step(positions, n_slots=bucket, seqs=seqs))
+                return self.model.net(tokens, Step(positions, n_slots=bucket, seq=seq, capture=capture))
+            return self.model.net(tokens, Step(positions, n_slots=bucket, seqs=seqs, capture=capture))
 
         for module in self.model.net.modules():
             if hasattr(module, "prepare_capture"):
@@ -221,18 +123,18 @@ class DecodeGraphs:
         return capture_program(self.model, step, self.pool)
 
 
-def capture_program(model, step: Callable[[], torch.Tensor], pool) -> tuple[Program, torch.Tensor]:
-    """Run `step` once (lazy allocations, kernel selection and compiles happen outside the capture), then capture it
-    on a side stream: -> the Program and its static output."""
+def capture_program(model, step: Callable[[Capture | None], torch.Tensor], pool) -> tuple[Program, torch.Tensor]:
+    """Run `step` once uncaptured (lazy allocations, kernel selection and compiles happen outside the capture), then
+    capture it on a side stream, the Capture handed to the step: -> the Program and its static output."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()
+        step(None)
     torch.cuda.current_stream().wait_stream(side)
     for device in set(model.net.layout.devices):
         torch.cuda.synchronize(device)
     with torch.cuda.stream(side), Capture(pool) as capture:
-        out = step()
+        out = step(capture)
     return capture.program, out
 
 
@@ -320,7 +222,7 @@ class PromptGraphs:
         tokens, positions = self.inputs[B, tb]
         seqs, last = self.blocks[B, tb]
 
-        def step() -> torch.Tensor:
-            return self.model.net(tokens, Step(positions, n_slots=kvb, seq=seqs), outputs=last)
+        def step(capture: Capture | None) -> torch.Tensor:
+            return self.model.net(tokens, Step(positions, n_slots=kvb, seq=seqs, capture=capture), outputs=last)
 
         return capture_program(self.model, step, self.pool)

@@ -12,7 +12,8 @@ import torch
 from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import DEFAULT_RESERVE
 from moeprep.gguf.reader import GGUFModel, open_gguf
-from moerun.cache.expert_cache import CacheConfig, ExpertCache, open_cache
+from moerun.cache.config import CacheConfig
+from moerun.cache.controller import ExpertCache, open_cache
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
 from moerun.graphs import Chunk, DecodeGraphs, PromptGraphs, graph_blockers, prompt_graph_blockers
@@ -21,6 +22,7 @@ from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
 from moerun.step import Step, group_rows
 from moerun.models import arch_module
 from moerun.models.base import BuildContext, Transformer
+from moerun.options import RuntimeOptions, process_options
 from moerun.tokenizer import Tokenizer
 from moerun.weights import Weights
 
@@ -35,8 +37,9 @@ class Model:
 
     def __init__(self, g: GGUFModel, args: ModelArgs, net: Transformer, tokenizer: Tokenizer, hooks: Hooks,
                  n_ctx: int, device: torch.device, n_seq: int = 1, expert_cache: ExpertCache | None = None,
-                 decoded_bytes: int = 0) -> None:
+                 decoded_bytes: int = 0, options: RuntimeOptions | None = None) -> None:
         self.gguf, self.args, self.net, self.tokenizer = g, args, net, tokenizer
+        self.options = options or process_options()  # the switches it was built with (options.py)
         self.hooks, self.n_ctx, self.device, self.n_seq = hooks, n_ctx, device, n_seq
         self.expert_cache = expert_cache
         self.decoded_bytes = decoded_bytes  # VRAM of the dense weights' bfloat16 copies (load_model's dense_bf16)
@@ -201,13 +204,14 @@ class Model:
 
 def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: torch.dtype | None = None,
                n_ctx: int | None = None, n_seq: int = 1, cache: CacheConfig | None = None,
-               dense_bf16: bool = True) -> Model:
+               dense_bf16: bool = True, options: RuntimeOptions | None = None) -> Model:
     """Open a GGUF MoE model (file or first shard) with a KV cache of n_seq sequences of n_ctx positions each.
     dtype defaults to float32 on CPU and bfloat16 on CUDA. With `cache`, routed experts stay in host RAM and run
-    through the expert cache (cache/expert_cache.py); otherwise they all go to the device, and with `dense_bf16` the
+    through the expert cache (cache/); otherwise they all go to the device, and with `dense_bf16` the
     quantized dense weights (attention, dense and shared FFNs, the output head) also keep a bfloat16 copy there for
     products of several tokens, if all the copies fit the free VRAM with DEFAULT_RESERVE to spare
-    (quantized.keep_decoded_copies; without the cache no expert slot wants that memory).
+    (layers/gguf_gpu.keep_decoded_copies; without the cache no expert slot wants that memory). `options`: the
+    runtime's switches (options.py; default: this process's environment).
 
     device: "cpu", "cuda", "cuda:1", or several ("cuda:0,cuda:1" or a list): the blocks are split over them
     (devices.py), by the cache's placement or else by bytes. A cache with N budgets runs on N devices: "cuda" then
@@ -219,18 +223,20 @@ def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: 
     dtype = dtype or (torch.bfloat16 if devices[0].type == "cuda" else torch.float32)
     args = arch.read_args(g)
     n_ctx = n_ctx or min(args.n_ctx_train, DEFAULT_MAX_CTX)
-    hooks = Hooks()
-    expert_cache = None if cache is None else open_cache(g, cache, args.n_layers, args.n_experts_used, devices)
+    hooks, options = Hooks(), options or process_options()
+    expert_cache = None if cache is None else open_cache(g, cache, args.n_layers, args.n_experts_used, devices,
+                                                         options)
     if expert_cache is None:
         layout = split_by_bytes(g, devices, args.n_layers)
     else:
         layout = DeviceMap(expert_cache.devices, expert_cache.placement.device[: args.n_layers])
-    ctx = BuildContext(args, Weights(g, dtype, layout.first), hooks, n_ctx, n_seq, expert_cache)
+    ctx = BuildContext(args, Weights(g, dtype, layout.first), hooks, n_ctx, n_seq, expert_cache, options)
     blocks = [arch.build_block(ctx.on(layout.device_of(layer)), layer) for layer in range(args.n_layers)]
     net = Transformer(ctx, blocks, layout)
     decoded = 0
     if dense_bf16 and expert_cache is None and layout.first.type == "cuda":
-        from moerun.quantized import keep_decoded_copies  # needs Triton, which CUDA builds of torch bring
+        from moerun.layers.gguf_gpu import keep_decoded_copies  # Triton: present where CUDA is
 
         decoded = keep_decoded_copies(net, DEFAULT_RESERVE)
-    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, layout.first, n_seq, expert_cache, decoded)
+    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, layout.first, n_seq, expert_cache, decoded,
+                 options)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moerun.capture import Capture
 
 
 @dataclass
@@ -21,7 +25,8 @@ class Step:
     that its shapes never change.
 
     A model spread over several devices reads the step on each of them: `on(device)` gives the step's copy there,
-    made once per step and device.
+    made once per step and device. A step being captured as CUDA graphs carries its `capture`, where layers with
+    host work inside the step cut the graph.
     """
 
     positions: torch.Tensor  # (T,) int64
@@ -29,6 +34,7 @@ class Step:
     seq: int | torch.Tensor = 0  # a (B,) int64 device tensor in a captured prompt step: B blocks of tokens
     seqs: torch.Tensor | None = None  # (T,) int64, or None: every token is in `seq`
     groups: tuple[tuple[int, int, int, int], ...] = ()  # a mixed step's row groups, see group_rows and parts
+    capture: Capture | None = None  # the CUDA-graph capture recording this step, if any (capture.py)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _copies: dict[torch.device, Step] = field(default_factory=dict)  # shared by the step and all its copies
     _parts: list[tuple[slice, Step]] = field(default_factory=list)
@@ -66,8 +72,9 @@ class Step:
         step of its sequence (reading the slots as they lie, not a copy per token), the single tokens of several
         sequences between chunks as a mixed step. Made once, so that every layer reuses the parts' masks."""
         if not self._parts:
-            self._parts = [(slice(a, b), Step(self.positions[a:b], n, seq=s) if s >= 0 else
-                            Step(self.positions[a:b], n, seqs=self.seqs[a:b])) for a, b, s, n in self.groups]
+            self._parts = [(slice(a, b), Step(self.positions[a:b], n, seq=s, capture=self.capture) if s >= 0 else
+                            Step(self.positions[a:b], n, seqs=self.seqs[a:b], capture=self.capture))
+                           for a, b, s, n in self.groups]
         return self._parts
 
     def mask(self, window: int = 0) -> torch.Tensor:

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, TensorInfo, dequantize_raw
 from moerun.kernels.dequant import dequantize, supports
-from moerun.rounding import input_rounding
+from moerun.kernels.rounding import input_rounding
 
 
 

@@ -31,7 +31,7 @@ import torch
 import moerun
 from moeprep.gguf.roles import parse_tensor_name
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
-from moerun.layers import GATING_PROBS, Router
+from moerun.layers.moe import GATING_PROBS, Router
 
 TIE_BOUND = 1e-3
 MIN_JUDGED = 0.9

@@ -31,7 +31,7 @@ from moeprep.quant.plan import plan_requant
 from moeprep.synth import synth_config, write_synth_model
 from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
-from moerun.cache.expert_cache import CacheConfig
+from moerun.cache.config import CacheConfig
 from moerun.cache.placement import place
 from moerun.models.glm5_next import KDA_CHUNK, KDA_SUBCHUNK, kda_chunked, kda_recurrent
 from moerun.step import Step

@@ -18,7 +18,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import DEFAULT_RESERVE
 from moeprep.gguf.reader import GGUFModel
 from moeprep.units import format_size
-from moerun.kernels.cpu_experts import ExpertBytes
+from moerun.kernels.cpu.formats import ExpertBytes
 
 PARTS = ("gate", "up", "down")
 PIN_SPARE = 8 << 30  # RAM left free after pinning the experts

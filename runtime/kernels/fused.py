@@ -1,7 +1,7 @@
 """Fused elementwise and normalization kernels of the decode step: each replaces a chain of small torch ops.
 
 A captured decode step is bound by its kernel count (about 78 per layer in torch ops), not by arithmetic, so each
-entry point here does in one launch what layers.py's torch reference does in several:
+entry point here does in one launch what the layers' torch reference (layers/) does in several:
 
 - `rms_norm` (+ `add_rms_norm`, the residual add folded in): 1 kernel instead of 6-7;
 - `qkv_rope`: per-head Q/K RMSNorm, RoPE of q and k, and k/v cast to the KV cache's dtype, in one launch for q, k
@@ -14,7 +14,7 @@ entry point here does in one launch what layers.py's torch reference does in sev
 The norms and attention's output also round what they write to int8 blocks for the products that read it on the
 8-bit route (gguf_matmul.carry_i8), which then skip a launch of their own.
 
-Every function is tested against the torch reference in layers.py (tests/runtime/test_fused.py, on the CPU in
+Every function is tested against the torch reference of layers/ (tests/runtime/test_fused.py, on the CPU in
 Triton's interpreter). Shapes: T tokens, H query heads, G KV heads, Dh head size, S KV slots, E experts, K experts
 per token, D hidden size.
 """

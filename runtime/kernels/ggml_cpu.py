@@ -1,4 +1,4 @@
-"""ggml's CPU dot products through libggml-cpu's public C API, for the CPU expert kernels (cpu_experts.py).
+"""ggml's CPU dot products through libggml-cpu's public C API, for the CPU expert kernels (kernels/cpu/).
 
 Where llama-cpp-python is installed (the `ggml` extra; the test extra has it too), its libggml-cpu is there, built
 for the machine's CPU: `ggml_get_type_traits_cpu(type)` gives each GGUF type's row dot product (`vec_dot`: one
@@ -10,17 +10,17 @@ row dot runs 19-21 GB/s per core there against 4-6 for moerun's own numba kernel
 as the fallback and the reference. The activations are rounded as llama.cpp rounds them (by its own quantizer), so
 the products are llama.cpp's.
 
-`MOERUN_GGML_CPU=0` turns it off (the tests run both ways); `MOERUN_GGML_CPU_LIB=PATH` takes the libggml-cpu.so of
-a llama.cpp build instead (its build/bin, or an install's lib: the same llama.cpp release line as the pinned
-llama-cpp-python, whose `ggml_type_traits_cpu` layout this module reads), for machines where llama.cpp is built but
-llama-cpp-python is not installed.
+`open_library(path)` loads it once per path and gives a `GgmlCPU`, the value the CPU kernels take (moe_rows'
+`ggml`; None: moerun's numba kernels). The backend opens it from the runtime options: `MOERUN_GGML_CPU=0` turns it
+off; `MOERUN_GGML_CPU_LIB=PATH` takes the libggml-cpu.so of a llama.cpp build instead (its build/bin, or an
+install's lib: the same llama.cpp release line as the pinned llama-cpp-python, whose `ggml_type_traits_cpu` layout
+this module reads), for machines where llama.cpp is built but llama-cpp-python is not installed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 from moeprep.errors import MoeprepError
 
 
-# Activation formats whose rounding moerun.rounding reproduces bit for bit, so that a product through ggml is the one
+# Activation formats whose rounding kernels/rounding.py reproduces bit for bit, so that a product through ggml is the one
 # the numba kernels compute, up to the order of float32 sums. (Q8_1, Q4_1/Q5_1's, also carries each block's sum as an
 # fp16, which moerun's rounding keeps exact: those types keep the numba kernels.)
 ROUNDED_AS_MOERUN = {Q.Q8_K, Q.Q8_0, Q.F32, Q.F16, Q.BF16}
@@ -58,13 +58,28 @@ class _Traits(ctypes.Structure):  # struct ggml_type_traits_cpu (ggml-cpu.h)
                 ("nrows", ctypes.c_int64)]
 
 
+@dataclass(frozen=True, eq=False)
+class GgmlCPU:
+    """A loaded, initialised libggml-cpu: where it came from, and its row dots by GGUF type."""
+
+    lib: ctypes.CDLL
+    path: str
+    named: bool  # named by the user (MOERUN_GGML_CPU_LIB), rather than llama-cpp-python's own
+
+    def row_dot(self, qtype: Q) -> RowDot | None:
+        """ggml's row dot for weights of `qtype`, or None (no single-row dot for the type, or one whose input
+        rounding moerun does not reproduce)."""
+        return _row_dot(self, qtype)
+
+
+def open_library(named: str | None = None) -> GgmlCPU | None:
+    """libggml-cpu at the path `named`, else the installed llama-cpp-python's, initialised, once per path; None where
+    neither is there. A library named by the user that does not load is the user's error (named after its switch)."""
+    return _open_library(named or None)
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """libggml-cpu (MOERUN_GGML_CPU_LIB's, else the installed llama-cpp-python's), initialised; None without it or
-    with MOERUN_GGML_CPU=0. A library named by MOERUN_GGML_CPU_LIB that does not load is the user's error."""
-    if os.environ.get("MOERUN_GGML_CPU", "1") == "0":
-        return None
-    named = os.environ.get("MOERUN_GGML_CPU_LIB")
+def _open_library(named: str | None) -> GgmlCPU | None:
     if named:
         path = Path(named)
         if not path.is_file():
@@ -85,32 +100,30 @@ def _library() -> ctypes.CDLL | None:
             raise MoeprepError(f"MOERUN_GGML_CPU_LIB={named}: not a libggml-cpu that loads here ({e})") from e
         return None
     lib.ggml_cpu_init()  # its fp16 tables, which the dot products read
-    return lib
+    return GgmlCPU(lib, str(path), bool(named))
 
 
 @functools.cache
-def row_dot(qtype: Q) -> RowDot | None:
-    """ggml's row dot for weights of `qtype`, or None (no library, or no single-row dot for the type)."""
-    lib = _library()
-    if lib is None or qtype not in GGML_QUANT_SIZES:
+def _row_dot(ggml: GgmlCPU, qtype: Q) -> RowDot | None:
+    if qtype not in GGML_QUANT_SIZES:
         return None
-    traits = lib.ggml_get_type_traits_cpu(int(qtype)).contents
+    traits = ggml.lib.ggml_get_type_traits_cpu(int(qtype)).contents
     if not traits.vec_dot or traits.nrows != 1:
         return None
     act = Q(traits.vec_dot_type)
-    quantize = lib.ggml_get_type_traits_cpu(int(act)).contents.from_float
+    quantize = ggml.lib.ggml_get_type_traits_cpu(int(act)).contents.from_float
     if not quantize or act not in ROUNDED_AS_MOERUN:
         return None
     block_values, block_bytes = GGML_QUANT_SIZES[act]
     return RowDot(traits.vec_dot, quantize, block_values, block_bytes)
 
 
-def describe() -> str:
-    """What `moerun bench` prints where the CPU computed experts: whose dot products it ran."""
-    if row_dot(Q.Q4_K) is not None:
-        named = os.environ.get("MOERUN_GGML_CPU_LIB")
-        return f"CPU kernels: ggml's row dots (libggml-cpu from {named or 'llama-cpp-python'})"
-    if os.environ.get("MOERUN_GGML_CPU", "1") == "0":
+def describe(ggml: GgmlCPU | None, turned_off: bool = False) -> str:
+    """What `moerun bench` prints where the CPU computed experts: whose dot products it ran (`turned_off`: the user
+    turned ggml's off)."""
+    if ggml is not None:
+        return f"CPU kernels: ggml's row dots (libggml-cpu from {ggml.path if ggml.named else 'llama-cpp-python'})"
+    if turned_off:
         return "CPU kernels: moerun's numba kernels (MOERUN_GGML_CPU=0)"
     return "CPU kernels: moerun's numba kernels (pip install 'moeprep[ggml]' for ggml's, ~2.7x on the experts)"
 

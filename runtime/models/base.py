@@ -10,19 +10,22 @@ them (devices.py); block builders never see more than one device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from moerun.cache.expert_cache import CachedExperts, ExpertCache
-from moerun.cache.kv import KVCache
+from moerun.backend import Backend, backend_for
+from moerun.cache.experts import CachedExperts
+from moerun.cache.controller import ExpertCache
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, on_device
-from moerun.graphs import active_capture
 from moerun.hooks import Hooks
-from moerun.kernels.cpu_experts import CPUExperts
-from moerun.layers import Attention, Block, Embedding, FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Rope, Router
+from moerun.kv_cache import KVCache
+from moerun.layers import (SWIGLU, Activation, Attention, Block, Embedding, FeedForward, Linear, MoE, RMSNorm, Rope,
+                           Router)
+from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
 from moerun.weights import Weights
 
@@ -35,6 +38,9 @@ class BuildContext:
     n_ctx: int  # S: KV cache slots per sequence and RoPE table length
     n_seq: int = 1  # sequences the KV cache holds side by side
     cache: ExpertCache | None = None  # routed experts through the expert cache instead of all on the device
+    options: RuntimeOptions = field(default_factory=process_options)
+    shared: dict = field(default_factory=dict)  # what the blocks of the model being built share, by key (the same
+    # dict on every device's context; glm5-next's DSA selections)
     _ropes: dict = field(default_factory=dict)
     _contexts: dict = field(default_factory=dict)  # device -> the context building there, shared by all of them
 
@@ -48,6 +54,28 @@ class BuildContext:
                                              _contexts=self._contexts)
         return self._contexts[device]
 
+    @property
+    def backend(self) -> Backend:
+        """The implementations of this context's device (backend.py)."""
+        return backend_for(self.weights.device, self.options)
+
+    def linear(self, prefix: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> Linear:
+        """GGUF tensor `prefix`.weight (+ its bias) as the backend's Linear (see Backend.linear)."""
+        return self.backend.linear(self.weights, prefix, self.hooks, dtype, shape)
+
+    def norm(self, name: str) -> RMSNorm:
+        """The RMSNorm of GGUF tensor `name` with the model's epsilon."""
+        return RMSNorm.load(self.weights, name, self.args.norm_eps, self.backend.kernels)
+
+    def feed_forward(self, layer: int, suffix: str = "", activation: Activation = SWIGLU) -> FeedForward:
+        """The dense FFN ffn_{gate,up,down}`suffix` of `layer`."""
+        p = f"blk.{layer}"
+        return FeedForward(*(self.linear(f"{p}.ffn_{part}{suffix}") for part in ("gate", "up", "down")),
+                           self.backend.kernels, activation)
+
+    def router(self, layer: int) -> Router:
+        return Router.load(self.args, self.weights, self.hooks, layer, self.backend.kernels)
+
     def rope(self, *, freq_factors: str | None = None, **options) -> Rope:
         """A RoPE table, shared by all layers that ask with the same options (see Rope for them);
         `freq_factors` names the tensor of per-channel-pair frequency divisors, if the model has one."""
@@ -60,45 +88,46 @@ class BuildContext:
     def kv_cache(self, n_kv_heads: int, k_dim: int, v_dim: int) -> KVCache:
         return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device, self.n_seq)
 
-    def attention(self, layer: int, rope: Rope | None = None, **options) -> Attention:
-        """The standard attention of `layer` (GQA, with whatever biases, norms and sinks the file has)."""
-        a = self.args
+    def attention(self, layer: int, rope: Rope | None = None, scale: float | None = None) -> Attention:
+        """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v/output (+ biases), optional
+        attn_q_norm/k_norm (per head or over the whole projection) and attn_sinks, a sliding window on the layers
+        that have one."""
+        a, w, p = self.args, self.weights, f"blk.{layer}"
         cache = self.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim)
-        return Attention.load(a, self.weights, self.hooks, layer, rope or self.rope(), cache, **options)
+        q_norm = self.norm(f"{p}.attn_q_norm.weight") if f"{p}.attn_q_norm.weight" in w else None
+        k_norm = self.norm(f"{p}.attn_k_norm.weight") if f"{p}.attn_k_norm.weight" in w else None
+        return Attention(
+            wq=self.linear(f"{p}.attn_q"), wk=self.linear(f"{p}.attn_k"), wv=self.linear(f"{p}.attn_v"),
+            wo=self.linear(f"{p}.attn_output"), rope=rope or self.rope(), cache=cache, n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, v_head_dim=a.v_head_dim,
+            scale=scale or a.attn_scale or 1.0 / math.sqrt(a.head_dim), q_norm=q_norm, k_norm=k_norm,
+            window=a.sliding_window if a.swa_layers[layer] else 0,
+            sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32), kernels=self.backend.kernels)
 
-    def routed_experts(self, layer: int, activation: str | None = None, shared: bool = False, **moe_options) -> MoE:
-        """The MoE block of `layer`: router, routed experts and, with `shared`, the *_shexp shared expert."""
-        w, hooks = self.weights, self.hooks
+    def experts(self, layer: int, activation: Activation = SWIGLU) -> nn.Module:
+        """The routed experts of `layer`: through the expert cache where there is one, else the backend's."""
         if self.cache is not None:
-            experts = CachedExperts.for_layer(w.gguf, layer, self.cache, hooks, activation or "swiglu")
-        else:
-            experts = self.expert_compute(layer).load(w, hooks, layer, **({"activation": activation} if activation else {}))
+            return CachedExperts.for_layer(self.weights.gguf, layer, self.cache, self.hooks, activation,
+                                           self.backend.kernels)
+        return self.backend.experts(self.weights, self.hooks, layer, activation)
+
+    def routed_experts(self, layer: int, activation: Activation = SWIGLU, shared: bool = False,
+                       **moe_options) -> MoE:
+        """The MoE block of `layer`: router, routed experts and, with `shared`, the *_shexp shared expert."""
         if shared:
-            moe_options["shared"] = FeedForward.load(w, hooks, layer, "_shexp")
-        return MoE(layer, Router.load(self.args, w, hooks, layer), experts, hooks, **moe_options)
-
-    def expert_compute(self, layer: int) -> type[GGUFExperts]:
-        """The ExpertCompute for `layer` on this device: on a GPU, DeviceExperts where the kernels decode the
-        experts' types; on the CPU, CPUExperts where its kernels do; otherwise the reference path."""
-        if self.weights.device.type == "cpu" and CPUExperts.can_run(self.weights, layer):
-            return CPUExperts
-        if self.weights.device.type == "cuda":
-            from moerun.quantized import DeviceExperts  # needs Triton, which CUDA builds of torch bring
-
-            if DeviceExperts.can_run(self.weights, layer):
-                return DeviceExperts
-        return GGUFExperts
+            moe_options["shared"] = self.feed_forward(layer, "_shexp")
+        return MoE(layer, self.router(layer), self.experts(layer, activation), self.hooks, **moe_options)
 
     def ffn(self, layer: int, **moe_options) -> nn.Module:
         """A dense FFN for the leading dense layers, else routed experts with the shared expert."""
         if layer < self.args.n_dense_lead:
-            return FeedForward.load(self.weights, self.hooks, layer)
+            return self.feed_forward(layer)
         return self.routed_experts(layer, shared=True, **moe_options)
 
     def block(self, layer: int, attn: nn.Module, ffn: nn.Module, ffn_norm: str = "ffn_norm") -> Block:
         """Pre-norm residual block: attn_norm -> attn, then `ffn_norm` -> ffn."""
-        norm = lambda name: RMSNorm.load(self.weights, f"blk.{layer}.{name}.weight", self.args.norm_eps)  # noqa: E731
-        return Block(norm("attn_norm"), attn, norm(ffn_norm), ffn)
+        return Block(self.norm(f"blk.{layer}.attn_norm.weight"), attn, self.norm(f"blk.{layer}.{ffn_norm}.weight"),
+                     ffn)
 
 
 class ByGroups(nn.Module):
@@ -125,21 +154,20 @@ class Transformer(nn.Module):
         super().__init__()
         self.layout = layout or DeviceMap((ctx.weights.device,), (0,) * len(blocks))
         self.runs = self.layout.runs()  # [(device, slice of blocks)]
-        w, args = ctx.on(self.layout.first).weights, ctx.args
+        w = ctx.on(self.layout.first).weights
         self.embed = Embedding(w, "token_embd.weight")
         for block in blocks:
             block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
-        w = ctx.on(self.layout.last).weights
-        self.norm = RMSNorm.load(w, "output_norm.weight", args.norm_eps)
-        head = "output" if "output.weight" in w else "token_embd"
-        self.output = Linear.load(w, head, ctx.hooks)
+        last = ctx.on(self.layout.last)
+        self.norm = last.norm("output_norm.weight")
+        self.output = last.linear("output" if "output.weight" in last.weights else "token_embd")
 
     def forward(self, tokens: torch.Tensor, step: Step, outputs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the
         final norm and the output head, the largest matmul of a prompt chunk, run only where logits are wanted."""
         x, delta = self.embed(tokens), None  # the residual stream is x + delta (T, D): see Block
-        capture = active_capture() if self.layout.spans_devices else None
+        capture = step.capture if self.layout.spans_devices else None
         for device, run in self.runs:
             if delta is not None:  # a boundary between runs: the stream crosses as one tensor
                 x, delta = x + delta, None

@@ -16,21 +16,12 @@ import torch
 from torch import nn
 
 from moeprep.gguf.reader import GGUFModel
-from moerun.cache.kv import KVCache
 from moerun.config import GATING_SOFTMAX, ModelArgs
-from moerun.hooks import Hooks
-from moerun.layers import (
-    Block,
-    Linear,
-    RMSNorm,
-    Rope,
-    Step,
-    attend,
-    yarn_attn_factor,
-)
+from moerun.kernels.rounding import input_rounding
+from moerun.kv_cache import KVCache
+from moerun.layers import Block, Rope, attend, yarn_attn_factor
 from moerun.models.base import BuildContext
-from moerun.rounding import input_rounding
-from moerun.weights import Weights
+from moerun.step import Step
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
@@ -43,21 +34,21 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, rope: Rope, cache: KVCache) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, rope: Rope, cache: KVCache) -> None:
         super().__init__()
-        p = f"blk.{layer}"
+        args, w, hooks, p = ctx.args, ctx.weights, ctx.hooks, f"blk.{layer}"
         self.n_heads, self.rank, self.rope_dim = args.n_heads, args.kv_lora_rank, args.rope_dim
         self.nope_dim, self.v_dim = args.head_dim_mla - args.rope_dim, args.v_head_dim_mla
         if args.q_lora_rank:
-            self.wq_a = Linear.load(w, f"{p}.attn_q_a", hooks)
-            self.q_a_norm = RMSNorm.load(w, f"{p}.attn_q_a_norm.weight", args.norm_eps)
-            self.wq = Linear.load(w, f"{p}.attn_q_b", hooks)
+            self.wq_a = ctx.linear(f"{p}.attn_q_a")
+            self.q_a_norm = ctx.norm(f"{p}.attn_q_a_norm.weight")
+            self.wq = ctx.linear(f"{p}.attn_q_b")
         else:
             self.wq_a = self.q_a_norm = None
-            self.wq = Linear.load(w, f"{p}.attn_q", hooks)
-        self.wkv_a = Linear.load(w, f"{p}.attn_kv_a_mqa", hooks)
-        self.kv_a_norm = RMSNorm.load(w, f"{p}.attn_kv_a_norm.weight", args.norm_eps)
-        # llama.cpp rounds the input of each matmul for its weight type (rounding.py): with attn_kv_b that is the
+            self.wq = ctx.linear(f"{p}.attn_q")
+        self.wkv_a = ctx.linear(f"{p}.attn_kv_a_mqa")
+        self.kv_a_norm = ctx.norm(f"{p}.attn_kv_a_norm.weight")
+        # llama.cpp rounds the input of each matmul for its weight type (kernels/rounding.py): with attn_kv_b that is the
         # latent it decompresses, with attn_k_b/attn_v_b the non-roped query and the attention output.
         self.round_latent = self.round_q = self.round_out = None
         if f"{p}.attn_kv_b.weight" in w:
@@ -74,7 +65,7 @@ class MLAttention(nn.Module):
             self.round_out = input_rounding(w.info(self.v_b_name).ggml_type)
         self.k_b = nn.Parameter(k_b.contiguous(), requires_grad=False)  # (H, C, N)
         self.v_b = nn.Parameter(v_b.contiguous(), requires_grad=False)  # (H, Dv, C)
-        self.wo = Linear.load(w, f"{p}.attn_output", hooks)
+        self.wo = ctx.linear(f"{p}.attn_output")
         self.rope, self.cache, self.hooks = rope, cache, hooks
         # llama.cpp pre-scales the softmax by YaRN's magnitude correction squared (see its deepseek2 graph).
         freq_scale = args.rope_freq_scale
@@ -125,6 +116,6 @@ def rope_attn_factor(args: ModelArgs) -> float:
 def build_block(ctx: BuildContext, layer: int) -> Block:
     args = ctx.args
     rope = ctx.rope(attn_factor=rope_attn_factor(args))
-    attn = MLAttention(args, ctx.weights, ctx.hooks, layer, rope,
+    attn = MLAttention(ctx, layer, rope,
                        ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank))
     return ctx.block(layer, attn, ctx.ffn(layer))

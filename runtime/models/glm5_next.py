@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +37,9 @@ from torch import nn
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
-from moerun.cache.expert_cache import CachedExperts
 from moerun.config import GATING_SIGMOID, ModelArgs
 from moerun.hooks import Hooks
-from moerun.kernels.cpu_experts import CPUExperts
-from moerun.layers import FeedForward, GGUFExperts, Linear, MoE, RMSNorm, Router, swiglu_clamp
+from moerun.layers import Activation, Linear, MoE, RMSNorm
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import MLAttention, rope_attn_factor
 from moerun.step import Step
@@ -197,21 +193,21 @@ class HyperBlock(nn.Module):
 class KimiDeltaAttention(nn.Module):
     seq_on_host = True  # its recurrent state is indexed by step.seq as a number: no captured prompt steps
 
-    def __init__(self, args: ModelArgs, a: Glm5NextArgs, w: Weights, hooks: Hooks, layer: int, n_seq: int) -> None:
+    def __init__(self, ctx: BuildContext, a: Glm5NextArgs, layer: int) -> None:
         super().__init__()
-        p = f"blk.{layer}"
+        args, w, n_seq, p = ctx.args, ctx.weights, ctx.n_seq, f"blk.{layer}"
         self.H, self.Hd, self.K = args.n_heads, a.kda_head_dim, a.conv_kernel
         Di = self.H * self.Hd
-        self.wq, self.wk, self.wv = (Linear.load(w, f"{p}.attn_{x}", hooks) for x in "qkv")
+        self.wq, self.wk, self.wv = (ctx.linear(f"{p}.attn_{x}") for x in "qkv")
         conv = torch.stack([w.dense(f"{p}.ssm_conv1d_{x}.weight", torch.float32).view(Di, self.K) for x in "qkv"])
         self.register_buffer("conv", conv, persistent=False)  # (3, Di, K): tap K-1 reads the current token
-        self.f_a, self.f_b = Linear.load(w, f"{p}.ssm_f_a", hooks), Linear.load(w, f"{p}.ssm_f_b", hooks)
+        self.f_a, self.f_b = ctx.linear(f"{p}.ssm_f_a"), ctx.linear(f"{p}.ssm_f_b")
         self.register_buffer("dt_bias", w.dense(f"{p}.ssm_dt.bias", torch.float32), persistent=False)  # (Di,)
         self.register_buffer("A", w.dense(f"{p}.ssm_a", torch.float32), persistent=False)  # (H,) -exp(A_log)
-        self.beta = Linear.load(w, f"{p}.ssm_beta", hooks)
-        self.g_a, self.g_b = Linear.load(w, f"{p}.ssm_g_a", hooks), Linear.load(w, f"{p}.ssm_g_b", hooks)
-        self.o_norm = RMSNorm.load(w, f"{p}.ssm_norm.weight", args.norm_eps)
-        self.wo = Linear.load(w, f"{p}.attn_output", hooks)
+        self.beta = ctx.linear(f"{p}.ssm_beta")
+        self.g_a, self.g_b = ctx.linear(f"{p}.ssm_g_a"), ctx.linear(f"{p}.ssm_g_b")
+        self.o_norm = ctx.norm(f"{p}.ssm_norm.weight")
+        self.wo = ctx.linear(f"{p}.attn_output")
         self.lower_bound = a.gate_lower_bound
         device = w.device
         self.register_buffer("conv_state", torch.zeros(n_seq, 3, self.K - 1, Di, device=device), persistent=False)
@@ -319,29 +315,6 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 # ------------------------------------------------------------------------------------------------------ FFN
 
 
-class ClampedFeedForward(FeedForward):
-    def __init__(self, gate: Linear, up: Linear, down: Linear, limit: float) -> None:
-        super().__init__(gate, up, down)
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
-        return self.down(swiglu_clamp(self.gate(x), self.up(x), self.limit))
-
-
-def clamped_ffn(w: Weights, hooks: Hooks, layer: int, limit: float, suffix: str = "") -> ClampedFeedForward:
-    base = FeedForward.load(w, hooks, layer, suffix)
-    return ClampedFeedForward(base.gate, base.up, base.down, limit)
-
-
-def clamped(experts: GGUFExperts, limit: float) -> GGUFExperts:
-    """Routed experts (the device's ExpertCompute) with the clamped SwiGLU: `act` for the torch paths (the reference
-    path, the GPU's expert banks) and, for CPUExperts, moe_rows' own swiglu_clamp."""
-    experts.act = partial(swiglu_clamp, limit=limit)
-    if isinstance(experts, CPUExperts):
-        experts.activation, experts.limit = "swiglu_clamp", limit
-    return experts
-
-
 # ---------------------------------------------------------------------------------------------------- blocks
 
 
@@ -357,13 +330,12 @@ class LightningIndexer(nn.Module):
 
     seq_on_host = True  # its key cache is indexed by step.seq as a number: no captured prompt steps
 
-    def __init__(self, w: Weights, hooks: Hooks, layer: int, a: Glm5NextArgs, q_a: Linear, q_a_norm: RMSNorm,
-                 n_ctx: int, n_seq: int) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, a: Glm5NextArgs, q_a: Linear, q_a_norm: RMSNorm) -> None:
         super().__init__()
-        p = f"blk.{layer}.indexer"
-        self.k, self.q = Linear.load(w, f"{p}.attn_k", hooks), Linear.load(w, f"{p}.attn_q_b", hooks)
-        self.proj = Linear.load(w, f"{p}.proj", hooks)
-        self.gate = Linear.load(w, f"blk.{layer}.indexer_compressor_gate", hooks)
+        w, n_ctx, n_seq, p = ctx.weights, ctx.n_ctx, ctx.n_seq, f"blk.{layer}.indexer"
+        self.k, self.q = ctx.linear(f"{p}.attn_k"), ctx.linear(f"{p}.attn_q_b")
+        self.proj = ctx.linear(f"{p}.proj")
+        self.gate = ctx.linear(f"blk.{layer}.indexer_compressor_gate")
         self.register_buffer("k_norm", w.dense(f"{p}.k_norm.weight", torch.float32), persistent=False)
         self.register_buffer("k_norm_bias", w.dense(f"{p}.k_norm.bias", torch.float32), persistent=False)
         self.register_buffer("ape", w.dense(f"blk.{layer}.indexer_compressor_ape.weight", torch.float32),
@@ -443,9 +415,6 @@ class Selection:
         return self._by_rows[rows]
 
 
-# The Selection of each indexer-owning DSA block, per model being built (keyed by its Hooks, one per model).
-_SELECTIONS: weakref.WeakKeyDictionary[Hooks, dict[int, Selection]] = weakref.WeakKeyDictionary()
-
 
 class SparseMLA(nn.Module):
     """DSA: MLA over the positions an indexer selects (all of them while there are few): its own indexer, which
@@ -469,25 +438,22 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     a = Glm5NextArgs.from_gguf(w.gguf)
     p = f"blk.{layer}"
     if a.dsa_layers[layer]:
-        mla = MLAttention(args, w, hooks, layer, ctx.rope(attn_factor=rope_attn_factor(args)),
+        mla = MLAttention(ctx, layer, ctx.rope(attn_factor=rope_attn_factor(args)),
                           ctx.kv_cache(1, args.kv_lora_rank, args.kv_lora_rank))
         source = a.indexer_source[layer]
-        indexer = LightningIndexer(w, hooks, layer, a, mla.wq_a, mla.q_a_norm, ctx.n_ctx, ctx.n_seq) \
+        indexer = LightningIndexer(ctx, layer, a, mla.wq_a, mla.q_a_norm) \
             if source == layer else None
-        selection = _SELECTIONS.setdefault(hooks, {}).setdefault(source, Selection())
+        selection = ctx.shared.setdefault(("dsa selection", source), Selection())  # one per indexer
         attn: nn.Module = SparseMLA(mla, indexer, selection)
     else:
-        attn = KimiDeltaAttention(args, a, w, hooks, layer, ctx.n_seq)
+        attn = KimiDeltaAttention(ctx, a, layer)
+    shared = Activation("swiglu_clamp", a.clamp_shexp[layer])  # the dense FFN's and the shared expert's clamp
     if layer < args.n_dense_lead:
-        ffn: nn.Module = clamped_ffn(w, hooks, layer, a.clamp_shexp[layer])
+        ffn: nn.Module = ctx.feed_forward(layer, activation=shared)
     else:
-        if ctx.cache is not None:
-            experts = CachedExperts.for_layer(w.gguf, layer, ctx.cache, hooks, "swiglu_clamp", a.clamp_exp[layer])
-        else:
-            experts = clamped(ctx.expert_compute(layer).load(w, hooks, layer), a.clamp_exp[layer])
-        ffn = MoE(layer, Router.load(args, w, hooks, layer), experts, hooks,
-                  shared=clamped_ffn(w, hooks, layer, a.clamp_shexp[layer], "_shexp"))
+        ffn = MoE(layer, ctx.router(layer), ctx.experts(layer, Activation("swiglu_clamp", a.clamp_exp[layer])),
+                  hooks, shared=ctx.feed_forward(layer, "_shexp", activation=shared))
     hc = lambda site: HyperConnection.load(w, hooks, f"{p}.hc_{site}", a, args.norm_eps)  # noqa: E731
-    norm = lambda name: RMSNorm.load(w, f"{p}.{name}.weight", args.norm_eps)  # noqa: E731
+    norm = lambda name: ctx.norm(f"{p}.{name}.weight")  # noqa: E731
     return HyperBlock(hc("attn"), norm("attn_norm"), attn, hc("ffn"), norm("ffn_norm"), ffn,
                       first=layer == 0, last=layer == args.n_layers - 1)

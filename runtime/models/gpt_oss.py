@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SOFTMAX_WEIGHT, PLAIN_MOE, ModelArgs
-from moerun.layers import Block
+from moerun.layers import Activation, Block
 from moerun.models.base import BuildContext
 
 
@@ -20,5 +20,5 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     args = ctx.args
     rope = ctx.rope(base=args.rope_base_swa) if args.swa_layers[layer] else ctx.rope()
     attn = ctx.attention(layer, rope, scale=args.rope_dim ** -0.5)
-    moe = ctx.routed_experts(layer, activation="swiglu_oai")
+    moe = ctx.routed_experts(layer, activation=Activation("swiglu_oai"))
     return ctx.block(layer, attn, moe, ffn_norm="post_attention_norm")

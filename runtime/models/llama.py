@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import PLAIN_MOE, ModelArgs
-from moerun.layers import Block, FeedForward
+from moerun.layers import Block
 from moerun.models.base import BuildContext
 
 
@@ -16,5 +16,5 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
     rope = ctx.rope(freq_factors="rope_freqs.weight") if "rope_freqs.weight" in ctx.weights else ctx.rope()
-    ffn = ctx.routed_experts(layer) if ctx.args.n_experts else FeedForward.load(ctx.weights, ctx.hooks, layer)
+    ffn = ctx.routed_experts(layer) if ctx.args.n_experts else ctx.feed_forward(layer)
     return ctx.block(layer, ctx.attention(layer, rope), ffn)

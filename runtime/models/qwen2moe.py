@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import PLAIN_MOE, ModelArgs
-from moerun.layers import Block, Linear
+from moerun.layers import Block
 from moerun.models.base import BuildContext
 
 
@@ -15,6 +15,6 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    shared_gate = Linear.load(ctx.weights, f"blk.{layer}.ffn_gate_inp_shexp", ctx.hooks, shape=(1, ctx.args.dim))  # stored as (D,)
+    shared_gate = ctx.linear(f"blk.{layer}.ffn_gate_inp_shexp", shape=(1, ctx.args.dim))  # stored as (D,)
     moe = ctx.routed_experts(layer, shared=True, shared_gate=shared_gate)
     return ctx.block(layer, ctx.attention(layer), moe)

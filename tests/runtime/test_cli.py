@@ -110,7 +110,7 @@ def test_a_second_run_compiles_no_kernel_again(synth_model, tmp_path):
 
     script = f"""
 import torch
-from moerun import rounding
+from moerun.kernels import rounding
 from moerun.cli import main
 for rounding_of_type in set(rounding.INPUT_ROUNDING.values()):
     rounding_of_type(torch.randn(2, 512))

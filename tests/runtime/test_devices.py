@@ -10,7 +10,8 @@ import torch
 
 import moerun
 from moeprep.errors import MoeprepError
-from moerun.cache.expert_cache import CacheConfig, CachedExperts
+from moerun.cache.config import CacheConfig
+from moerun.cache.experts import CachedExperts
 from moerun.devices import DeviceMap, resolve_devices, split_blocks
 from moerun.step import Step
 

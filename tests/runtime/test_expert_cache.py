@@ -15,8 +15,12 @@ from click.testing import CliRunner
 import moerun
 from moeprep.cli import main as moeprep_main
 from moeprep.errors import MoeprepError
-from moerun.cache.expert_cache import CacheConfig, CachedExperts
+from moerun.cache.config import CacheConfig
+from moerun.cache.experts import CachedExperts
 from moeprep.synth.corpus import CALIBRATION_PATH
+from moerun.options import RuntimeOptions
+
+CPU_TOO = frozenset({"cuda", "cpu"})  # a CPU standing in for a GPU stages or streams as a GPU would
 
 BUDGET = [8 << 30]  # more than the synthetic models need: --cache-slots sets the slots
 
@@ -125,13 +129,10 @@ def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch, bank
     """A prompt's missed experts chosen by several tokens run from the staging bank, in rounds of what it holds (on
     the GPU there; here the CPU stands in, with the CPU's kernel, so the sum is the resident model's up to summation
     order), the rest on the CPU for just the tokens that chose them."""
-    import moerun.cache.expert_cache as expert_cache
-
-    monkeypatch.setattr(expert_cache, "STAGING_DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr(expert_cache, "STAGE_BYTES", bank_bytes)
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     reference = moerun.load_model(path)
-    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=1))
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=1, stage_bytes=bank_bytes),
+                               options=RuntimeOptions(staging_devices=CPU_TOO))
     prompt = torch.tensor(reference.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)\n    while lo < hi:"))
     ours, ref = cached.forward(prompt), reference.forward(prompt)
     stats = cached.expert_cache.stats
@@ -159,12 +160,9 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     the uploads; a prompt (more than GEMV_MAX_TOKENS tokens) still computes its misses on the CPU. `stage`: as on a
     GPU, the step's misses are first copied to the staging bank (gguf_matmul.stage_second, in the interpreter here)
     and run from there."""
-    import moerun.cache.expert_cache as expert_cache
-    from moerun.kernels import gguf_matmul
+    from moerun.kernels import gguf_matmul, tuning
 
-    monkeypatch.setattr(expert_cache, "STREAM_DEVICES", {"cuda", "cpu"})
-    if stage:
-        monkeypatch.setattr(expert_cache, "STAGING_DEVICES", {"cuda", "cpu"})
+    options = RuntimeOptions(stream_devices=CPU_TOO, staging_devices=CPU_TOO if stage else frozenset({"cuda"}))
     copies = []
     monkeypatch.setattr(gguf_matmul, "stage_second",
                         lambda *a, stage=gguf_matmul.stage_second: copies.append(a[0].numel()) or stage(*a))
@@ -173,12 +171,12 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     n_expert, k = reference.args.n_experts, reference.args.n_experts_used
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, 2, ... hottest first
     cached = moerun.load_model(path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage,
-                                                               policy=policy))
+                                                               policy=policy), options=options)
     cache, layers = cached.expert_cache, cached_layers(cached)
     assert cache.streamed and all(b.second is not None for b in layers[0].banks)
     check_streaming_tables(cached)
     prompts = [reference.tokenizer.encode(text) for text in ("def bisect(a, x):\n    lo, hi = 0, len(a)", "import os", "class A:")]
-    assert len(prompts[0]) > expert_cache.GEMV_MAX_TOKENS
+    assert len(prompts[0]) > tuning.GEMV_MAX_TOKENS
     for seq, prompt in enumerate(prompts):
         torch.testing.assert_close(cached.forward(torch.tensor(prompt), 0, seq),
                                    reference.forward(torch.tensor(prompt), 0, seq), rtol=1e-4, atol=1e-4)
@@ -219,13 +217,11 @@ def test_streamed_uploads_reach_the_table_once_copied(synth_model, monkeypatch):
     """On a GPU an upload's copy runs on the copy stream while the next step may already run: the evicted expert
     leaves the table at once (no step reads a slot being written), the new one enters it only once its copy is
     complete, and not if a later plan took the slot again."""
-    import moerun.cache.expert_cache as expert_cache
-
-    monkeypatch.setattr(expert_cache, "STREAM_DEVICES", {"cuda", "cpu"})
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     n_expert = moerun.load_model(path).args.n_experts
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))
-    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage))
+    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage),
+                              options=RuntimeOptions(stream_devices=CPU_TOO))
     layer = cached_layers(model)[0]
 
     class Copy:  # a copy stream's event, complete when the test says
@@ -259,14 +255,11 @@ def test_streamed_uploads_reach_the_table_once_copied(synth_model, monkeypatch):
 def test_paused_steps_leave_the_warm_cache_alone(synth_model, monkeypatch, stream):
     """Steps run under ExpertCache.pause (a server's warm-up on made-up tokens) neither upload nor count; the policy
     acts again afterwards."""
-    import moerun.cache.expert_cache as expert_cache
-
-    if stream:
-        monkeypatch.setattr(expert_cache, "STREAM_DEVICES", {"cuda", "cpu"})
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     n_expert = moerun.load_model(path).args.n_experts
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, ... hottest first
-    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage, policy="lru"))
+    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage, policy="lru"),
+                              options=RuntimeOptions(stream_devices=CPU_TOO if stream else frozenset({"cuda"})))
     warm = [layer.resident.copy() for layer in cached_layers(model)]
     with model.expert_cache.pause():
         for i in range(6):
@@ -341,7 +334,7 @@ def test_glm5_next_through_the_cache(synth_model):
     plain = moerun.load_model(path)
     cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=2))
     layers = cached_layers(cached)
-    assert layers and {(layer.activation, layer.limit) for layer in layers} == {("swiglu_clamp", SWIGLU_CLAMP)}
+    assert layers and {(layer.activation.name, layer.activation.limit) for layer in layers} == {("swiglu_clamp", SWIGLU_CLAMP)}
     prompt = torch.tensor(plain.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)"))
     torch.testing.assert_close(cached.forward(prompt), plain.forward(prompt), rtol=1e-4, atol=1e-4)
     for i, token in enumerate([5, 17, 99, 5]):

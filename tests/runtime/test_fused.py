@@ -1,4 +1,4 @@
-"""moerun.kernels.fused (Triton) and moerun.kernels.cpu_fused (numba, the CPU's) against the torch reference of
+"""moerun.kernels.fused (Triton) and moerun.kernels.cpu.fused (numba, the CPU's) against the torch reference of
 moerun.layers, on random inputs.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the shapes are
@@ -17,14 +17,18 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moeprep.gguf.reader import open_gguf
-from moerun import layers
+from moerun import backend, layers
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
 from moerun.hooks import Hooks
-from moerun.cache.kv import KVCache
-from moerun.kernels import cpu_fused, fused, gguf_matmul, tuning
+from moerun.kv_cache import KVCache
+from moerun.layers import attention
+from moerun.layers.moe import GATING_PROBS
+from moerun.kernels import fused, gguf_matmul, tuning
+from moerun.kernels.cpu import fused as cpu_fused
 from moerun.kernels.gguf_matmul import QWeight, carried_i8, gguf_mm, gguf_moe_glu, quantize_i8
-from moerun.quantized import QuantLinear
+from moerun.layers.gguf_gpu import QuantLinear
 from moerun.models import arch_module
+from moerun.options import RuntimeOptions
 from moerun.step import Step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,8 +132,8 @@ def test_qkv_rope(qwen3_args, style, rope_dim, norm, gen):
     rope = layers.Rope(args, 64, torch.device(DEVICE))
     T, H, G, Dh, Dv = 3, 4, 2, 16, 24
     q, k, v = randn(T, H, Dh, gen=gen), randn(T, G, Dh, gen=gen), randn(T, G, Dv, gen=gen)
-    q_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6) if norm else None
-    k_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6) if norm else None
+    q_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6, layers.TORCH_KERNELS) if norm else None
+    k_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6, layers.TORCH_KERNELS) if norm else None
     positions = torch.tensor([5, 17, 63], device=DEVICE)
     got = fused.qkv_rope(q, k, v, q_norm.weight if norm else None, k_norm.weight if norm else None, 1e-6, rope.cos,
                          rope.sin, positions, style == "neox", torch.bfloat16)
@@ -165,13 +169,14 @@ def test_norm_rope_store(qwen3_args, norms, mixed, gen):
     T, H, G, Dh = 2, 4, 2, 16
     q, k, v = randn(T, H, Dh, gen=gen), randn(T, G, Dh, gen=gen), randn(T, G, Dh, gen=gen)
     widths = {"per-head": (Dh, Dh), "whole-projection": (H * Dh, G * Dh), "none": None}[norms]
-    q_norm, k_norm = (None, None) if widths is None else (layers.RMSNorm(randn(widths[0], gen=gen), 1e-6),
-                                                          layers.RMSNorm(randn(widths[1], gen=gen), 1e-6))
+    q_norm, k_norm = (None, None) if widths is None else (
+        layers.RMSNorm(randn(widths[0], gen=gen), 1e-6, layers.TORCH_KERNELS),
+        layers.RMSNorm(randn(widths[1], gen=gen), 1e-6, layers.TORCH_KERNELS))
     positions = torch.tensor([3, 4], device=DEVICE)
     step = (Step(positions, n_slots=8, seqs=torch.tensor([1, 0], device=DEVICE)) if mixed
             else Step(positions, n_slots=8, seq=1))
     results = []
-    for kernels in (layers.fused_kernels(), layers.TORCH_KERNELS):
+    for kernels in (backend.fused_kernels(), layers.TORCH_KERNELS):
         cache = KVCache(16, G, Dh, Dh, torch.bfloat16, torch.device(DEVICE), n_seq=2)
         out = kernels.norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
         results.append((*out, cache.k, cache.v))
@@ -227,7 +232,7 @@ def test_attend_decode_batch_of_sequences(sinks, gen):
 
 @pytest.mark.parametrize("window,sinks", [(0, False), (24, True)])
 def test_long_prompts_attend_in_blocks_of_queries(window, sinks, gen, monkeypatch):
-    """A prompt whose scores would pass ATTEND_SCORE_BYTES attends in blocks of query tokens (the last one partial)
+    """A prompt whose scores would pass `score_bytes` (ATTEND_SCORE_BYTES by default) attends in blocks of query tokens (the last one partial)
     with the result of attending at once."""
     T, H, G, D = 40, 4, 2, 16
     q, k, v = randn(T, H, D, gen=gen), randn(T, G, D, gen=gen), randn(T, G, D, gen=gen)
@@ -238,12 +243,11 @@ def test_long_prompts_attend_in_blocks_of_queries(window, sinks, gen, monkeypatc
         allowed &= slots > positions[:, None] - window
     sink = randn(H, gen=gen) if sinks else None
     at_once = layers.attend(q, k, v, allowed, 0.3, sink)
-    monkeypatch.setattr(layers, "ATTEND_SCORE_BYTES", 7 * 4 * H * T)  # blocks of 7 query tokens
     calls = []
     attend = layers.attend
-    monkeypatch.setattr(layers, "attend", lambda *args: calls.append(args[0].shape[0]) or attend(*args))
-    close(layers.attend(q, k, v, allowed, 0.3, sink), at_once)
-    assert calls == [T, 7, 7, 7, 7, 7, 5]
+    monkeypatch.setattr(attention, "attend", lambda *args, **kw: calls.append(args[0].shape[0]) or attend(*args, **kw))
+    close(layers.attend(q, k, v, allowed, 0.3, sink, score_bytes=7 * 4 * H * T), at_once)  # blocks of 7 queries
+    assert calls == [7, 7, 7, 7, 7, 5]
 
 
 def test_attend_hands_prefill_and_prompts_to_torch(gen):
@@ -259,7 +263,7 @@ def test_attend_hands_prefill_and_prompts_to_torch(gen):
 def router(args, gating: int, normalize: bool, scale: float, k: int) -> layers.Router:
     args = dataclasses.replace(args, gating=gating, expert_weights_norm=normalize, expert_weights_scale=scale,
                                n_experts_used=k)
-    return layers.Router(layers.Linear(torch.zeros(1, 1), None, "gate", None), args)
+    return layers.Router(layers.Linear(torch.zeros(1, 1), None, "gate", None), args, layers.TORCH_KERNELS)
 
 
 ROUTINGS = pytest.mark.parametrize("gating,normalize,scale", [(GATING_SOFTMAX, True, 0.0), (GATING_SOFTMAX, False, 2.5),
@@ -292,7 +296,7 @@ def test_route_ties_go_to_the_lowest_id(qwen3_args, gen):
     for gating in (GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT):
         ids, weights = fused.route(logits, K, gating, True, 0.0)
         assert torch.equal(ids, lowest_index_topk(logits, K))
-        probs = layers.GATING_PROBS[gating](logits)
+        probs = GATING_PROBS[gating](logits)
         assert torch.equal(ids, lowest_index_topk(probs, K))
         if DEVICE == "cuda":
             assert torch.equal(ids.sort(-1).values, torch.topk(probs, K, dim=-1).indices.sort(-1).values)
@@ -353,7 +357,7 @@ def test_kept_decoded_copies(gen, monkeypatch):
     fit the free memory with the reserve to spare, none when they do not; a stacked q/k/v is decoded once and its
     parts take views of their rows. One token still runs on the blocks; from KEPT_DECODED_MIN_TOKENS tokens the
     product is the bfloat16 copy's, exactly."""
-    from moerun.quantized import keep_decoded_copies
+    from moerun.layers.gguf_gpu import keep_decoded_copies
 
     rng = np.random.default_rng(4)
     cols, hooks = 64, Hooks()
@@ -419,11 +423,12 @@ def test_model_with_fused_kernels(synth_model, monkeypatch):
 
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     tokens = torch.tensor([3, 17, 99, 5, 250, 1000, 42, 7, 8, 9, 10, 11])
-    monkeypatch.setattr(layers, "kernels_for", lambda device: layers.TORCH_KERNELS)
-    reference = moerun.load_model(path, device=DEVICE, dtype=torch.float32)
-    monkeypatch.setattr(layers, "kernels_for", lambda device: layers.fused_kernels())
-    model = moerun.load_model(path, device=DEVICE, dtype=torch.float32)
-    assert model.net.blocks[0].attn_norm.kernels is layers.fused_kernels()
+    reference = moerun.load_model(path, device=DEVICE, dtype=torch.float32, options=RuntimeOptions(fused=False))
+    options = RuntimeOptions(triton_on_cpu=True)
+    model = moerun.load_model(path, device=DEVICE, dtype=torch.float32, options=options)
+    assert reference.net.blocks[0].attn_norm.kernels is layers.TORCH_KERNELS
+    fused_kernels = backend.backend_for(torch.device(DEVICE), options).kernels
+    assert model.net.blocks[0].attn_norm.kernels is fused_kernels and fused_kernels.rms_norm is fused.rms_norm
     for m in (reference, model):
         m.logits = [m.forward(tokens, 0)[-1]] + [m.forward(torch.tensor([t]), len(tokens) + i)[0]
                                                   for i, t in enumerate([20, 21])]
@@ -431,7 +436,7 @@ def test_model_with_fused_kernels(synth_model, monkeypatch):
         close(got, ref, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------ the CPU's numba kernels (cpu_fused.py)
+# ------------------------------------------------------------------------ the CPU's numba kernels (kernels/cpu/fused.py)
 
 
 @pytest.mark.parametrize("style,rope_dim", [("neox", 16), ("normal", 16), ("neox", 8), ("normal", 12)])
@@ -447,15 +452,16 @@ def test_cpu_norm_rope_store(qwen3_args, style, rope_dim, norms, step_kind, gen)
     T, H, G, Dh = 2, 4, 2, 16
     q, k, v = (randn(T, n, Dh, gen=gen).cpu() for n in (H, G, G))
     widths = {"per-head": (Dh, Dh), "whole-projection": (H * Dh, G * Dh), "none": None}[norms]
-    q_norm, k_norm = (None, None) if widths is None else (layers.RMSNorm(randn(widths[0], gen=gen).cpu(), 1e-6),
-                                                          layers.RMSNorm(randn(widths[1], gen=gen).cpu(), 1e-6))
+    q_norm, k_norm = (None, None) if widths is None else (
+        layers.RMSNorm(randn(widths[0], gen=gen).cpu(), 1e-6, layers.TORCH_KERNELS),
+        layers.RMSNorm(randn(widths[1], gen=gen).cpu(), 1e-6, layers.TORCH_KERNELS))
     positions = torch.tensor([3, 11])
     step = (Step(positions, n_slots=12, seqs=torch.tensor([1, 0])) if step_kind == "mixed-seqs"
             else Step(positions, n_slots=12, seq=1))
     dtype = torch.bfloat16 if step_kind == "bf16-cache" else torch.float32
     held = randn(2, 2, 16, G, Dh, gen=gen).cpu()  # what the cache rows held: the rows the step does not write keep it
     results = []
-    for norm_rope_store in (cpu_fused.norm_rope_store, layers.norm_rope_store):
+    for norm_rope_store in (backend.cpu_kernels().norm_rope_store, layers.norm_rope_store):
         cache = KVCache(16, G, Dh, Dh, dtype, torch.device("cpu"), n_seq=2)
         cache.k.copy_(held[0])
         cache.v.copy_(held[1])
@@ -485,10 +491,9 @@ def test_cpu_model_with_fused_kernels(synth_model, monkeypatch):
 
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     tokens = torch.tensor([3, 17, 99, 5, 250, 1000, 42, 7, 8, 9, 10, 11])
-    model = moerun.load_model(path, device="cpu")
-    assert model.net.blocks[0].attn_norm.kernels is layers.cpu_kernels()
-    monkeypatch.setenv("MOERUN_FUSED", "0")
-    reference = moerun.load_model(path, device="cpu")
+    model = moerun.load_model(path, device="cpu", options=RuntimeOptions())
+    assert model.net.blocks[0].attn_norm.kernels.route is cpu_fused.route
+    reference = moerun.load_model(path, device="cpu", options=RuntimeOptions(fused=False))
     assert reference.net.blocks[0].attn_norm.kernels is layers.TORCH_KERNELS
     for m in (reference, model):
         m.logits = [m.forward(tokens, 0)[-1]] + [m.forward(torch.tensor([t]), len(tokens) + i)[0]

@@ -3,7 +3,7 @@ GGUF blocks and the kernels multiply them (QuantLinear, DeviceExperts), and deco
 
 Self-contained (no conftest: the GPU machine runs it with --noconftest, since it has no llama.cpp to import).
 The CPU path is the reference here: it agrees with llama.cpp (test_models.py). The GPU path does not round inputs to
-llama.cpp's 8-bit activation blocks (quantized.py says why), so on quantized models the two differ by that rounding;
+llama.cpp's 8-bit activation blocks (layers/gguf_gpu.py says why), so on quantized models the two differ by that rounding;
 on F16/F32 models only by summation order.
 """
 
@@ -237,7 +237,7 @@ def test_hooks_turn_graphs_off(synth_model):
 
 
 def cached_model(path, n_seq: int = 1, **config):
-    from moerun.cache.expert_cache import CacheConfig
+    from moerun.cache.config import CacheConfig
 
     return moerun.load_model(path, device="cuda", n_ctx=600, n_seq=n_seq,
                              cache=CacheConfig(budgets=[8 << 30], **config))

@@ -28,7 +28,7 @@ from gguf import GGUFValueType
 import moerun
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
-from moerun.layers import Step
+from moerun.step import Step
 from moerun.models import ARCHS
 from tests.near_ties import MIN_JUDGED, judged, router_inputs, routing_margins, top1_margins
 from tests.oracle import llama_eval
@@ -147,7 +147,7 @@ def test_matches_llama_cpp(arch, weights, synth_model, calibration_text):
     assert c.expert_agreement >= 0.999, f"experts agree at only {c.expert_agreement:.2%} of (token, layer) pairs"
 
 
-# Quantized weights: llama.cpp rounds activations to 8 bits and we round the same way (moerun/rounding.py), but the
+# Quantized weights: llama.cpp rounds activations to 8 bits and we round the same way (moerun/kernels/rounding.py), but the
 # last bits of a float32 sum still differ, so now and then an 8-bit rounding lands the other way. Layer by layer
 # (each layer fed llama.cpp's input) that changes nothing that matters: every case below picks the same experts
 # and the same top-1 token at 100% of positions, with layer outputs within 3e-3 of llama.cpp's. End to end, one

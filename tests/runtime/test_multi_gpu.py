@@ -12,7 +12,7 @@ import torch
 
 import moerun
 from moeprep.synth import write_synth_model
-from moerun.cache.expert_cache import CacheConfig
+from moerun.cache.config import CacheConfig
 from moerun.graphs import graph_blockers
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

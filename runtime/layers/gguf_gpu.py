@@ -1,4 +1,5 @@
-"""Layers that compute straight from GGUF blocks on the GPU (kernels/gguf_matmul.py).
+"""Layers that compute straight from GGUF blocks on the GPU (kernels/gguf_matmul.py): the GPU twins of the reference
+layers, which the backend (backend.py) picks where the kernels decode a tensor's type.
 
 `QuantLinear` replaces a Linear whose weight type the kernels decode, `DeviceExperts` the reference expert path:
 the selected experts' blocks are decoded in registers, so VRAM holds the weights at their GGUF size (a Q4_K matrix
@@ -21,13 +22,23 @@ import dataclasses
 
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from moerun.hooks import Hooks
-from moerun.kernels.dequant import supports as device_dequantizes
 from moerun.kernels import fused, tuning
-from moerun.kernels.gguf_matmul import (QWeight, bf16_mm, decode_bf16, glu_supports, gguf_mm, gguf_moe, gguf_moe_glu,
-                                        supports)
-from moerun.layers import GGUFExperts, Linear, swiglu
+from moerun.kernels.dequant import supports as device_dequantizes
+from moerun.kernels.gguf_matmul import (
+    QWeight,
+    bf16_mm,
+    decode_bf16,
+    gguf_mm,
+    gguf_moe,
+    gguf_moe_glu,
+    glu_supports,
+    supports,
+)
+from moerun.layers.ffn import Activation
+from moerun.layers.linear import Linear
+from moerun.layers.moe import GGUFExperts
+from moerun.step import Step
 from moerun.weights import ExpertTensor, Weights
 
 __all__ = ["DeviceExperts", "QuantLinear", "QWeight", "supports"]
@@ -134,20 +145,22 @@ class DeviceExperts(GGUFExperts):
         types = [w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type for part in ("gate", "up", "down")]
         return all(supports(t) and device_dequantizes(t) for t in types)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                step: Step | None = None) -> torch.Tensor:
         if self.hooks.activation:
             return super().forward(x, ids, weights)
-        return bank_moe(x, ids, weights, self.banks, self.act, (self.gate_bias, self.up_bias, self.down_bias),
-                        ids)
+        return bank_moe(x, ids, weights, self.banks, self.activation, self.act,
+                        (self.gate_bias, self.up_bias, self.down_bias), ids)
 
 
 def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks: tuple[QWeight, QWeight, QWeight],
-             act, biases: tuple, ids: torch.Tensor) -> torch.Tensor:
+             activation: Activation, act, biases: tuple, ids: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * expert(x[t]) over the (t, k) whose slot is not -1; the expert's weights are slot
-    slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]. x (T, D) -> (T, D) float32."""
+    slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]; `act` computes `activation`.
+    x (T, D) -> (T, D) float32."""
     gate_b, up_b, down_b = (None if b is None else b[ids] for b in biases)  # (T, K, rows) each
     groups: dict = {}  # a prompt's grouping of the pairs by slot, made once for the three banks
-    if act in (swiglu, fused.swiglu) and gate_b is None and up_b is None and glu_supports(banks[0], banks[1]):
+    if activation.name == "swiglu" and gate_b is None and up_b is None and glu_supports(banks[0], banks[1]):
         h = gguf_moe_glu(x, banks[0], banks[1], slots, groups)  # (T, K, I): gate, up, SwiGLU: one decode launch
     else:
         gate, up = gguf_moe(x, banks[0], slots, groups), gguf_moe(x, banks[1], slots, groups)

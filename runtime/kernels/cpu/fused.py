@@ -3,17 +3,17 @@ what a chain of torch ops did (kernels/fused.py is the GPU's counterpart, in Tri
 
 On the CPU a torch op costs a few microseconds of dispatch whatever its size. Measured on the 2-core VM for one
 token of a 30B-wide layer (32 query and 4 KV heads of 128): layers.norm_rope_store's ~34 ops took 118 us and
-`norm_rope_store` here 38; the router's top-k and weights 11 us in torch and 5 in `route`. The rest stays on torch
+`norm_rope_rows` here 38; the router's top-k and weights 11 us in torch and 5 in `route`. The rest stays on torch
 ops, which were as fast or faster there: an RMSNorm's six ops (12 us against 16 through a numba call) and attention
 (torch's batched matmuls: 58 against 91 us over 64 slots, 2.3 against 6.7 ms over 4096, for a numba loop).
 
-- `norm_rope_store`: per-head Q/K RMSNorm (the sum of squares in float64, as ggml sums it) and RoPE of q and k,
+- `norm_rope_rows`: per-head Q/K RMSNorm (the sum of squares in float64, as ggml sums it) and RoPE of q and k,
   the same arithmetic for every kind of step (a prompt, a decode batch across sequences), so that a token's q and
-  k do not depend on the step it came in; KVCache.update stores k and v;
+  k do not depend on the step it came in;
 - `route`: router softmax (or sigmoid, or softmax over the chosen logits), top-k and renormalisation.
 
-olmoe's whole-projection Q/K norms go to the torch reference in layers.py, which tests/runtime/test_fused.py checks
-these against.
+olmoe's whole-projection Q/K norms go to the torch reference (layers/attention.py), which tests/runtime/test_fused.py
+checks these against; backend.py joins these kernels to the layers.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 
 from moeprep.quant.kquants import F32, JIT
-from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 
 
 def _rows(x: torch.Tensor) -> np.ndarray:
@@ -67,21 +67,15 @@ def _norm_rope_rows(x, heads, w, eps, cos, sin, positions, neox, out):
             dst[b] = row[a] * s + row[b] * c
 
 
-def norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache):
-    """layers.norm_rope_store with the Q/K norms per head (or absent) and RoPE in numba, k and v then stored by
-    KVCache.update. olmoe's whole-projection norms take the torch reference."""
-    from moerun import layers
-
-    per_head = layers.qk_norms_per_head(q, q_norm, k_norm)
-    if per_head is None:
-        return layers.norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
-    positions, cos, sin, neox = step.positions.numpy(), rope.cos.numpy(), rope.sin.numpy(), rope.style == "neox"
-    no_norm = np.zeros(0, np.float32)
-    q_out, k_out = (torch.empty(x.shape, dtype=torch.float32) for x in (q, k))
-    for x, norm, out in ((q, q_norm, q_out), (k, k_norm, k_out)):
-        _norm_rope_rows(_rows(x), x.shape[1], norm.weight.detach().numpy() if per_head else no_norm,
-                        norm.eps if per_head else 0.0, cos, sin, positions, neox, out.view(-1, x.shape[2]).numpy())
-    return q_out, *cache.update(step, k_out, v)
+def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x (T, heads, Dh) -> the same, float32: each head's RMSNorm by `weight` (Dh,) (None: no norm), then RoPE of
+    its first channels by the cos/sin tables (S, d/2) at the tokens' positions (T,)."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    w = np.zeros(0, np.float32) if weight is None else weight.detach().numpy()
+    _norm_rope_rows(_rows(x), x.shape[1], w, eps, cos.numpy(), sin.numpy(), positions.numpy(), neox,
+                    out.view(-1, x.shape[2]).numpy())
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------- router

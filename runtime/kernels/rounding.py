@@ -7,7 +7,7 @@ llama.cpp breaks them; without it, quantized models pick a different expert at a
 
 Each 8-bit rounding is written twice with the same float32 operations in the same order: in torch (any device), and
 as a numba kernel (`q8_0_blocks`, `q8_k_blocks`) that runs on CPU tensors in one pass instead of about ten torch
-ops, and that also hands the 8-bit values and scales to moerun.kernels.cpu_experts' integer dot products. The two
+ops, and that also hands the 8-bit values and scales to the CPU expert kernels' integer dot products (kernels/cpu/). The two
 agree bit for bit (tests/runtime/test_cpu_experts.py); the comments on the torch versions name the operations the
 kernels reproduce.
 """

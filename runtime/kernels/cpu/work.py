@@ -1,0 +1,193 @@
+"""What the CPU expert kernels share, whichever row dots they run (moe_rows.py's own or ggml's, ggml_rows.py):
+grouping (token, k) pairs by expert, splitting the work into items, the activations, summing each token's pairs, and
+launching a kernel on numba's threads."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+
+import numba
+import numpy as np
+from numba import literal_unroll
+
+from moeprep.quant.kquants import F32, JIT
+
+# Calling a table's function through literal_unroll is what numba's warning calls its first-class function feature.
+warnings.filterwarnings("ignore", ".*First-class function type feature is experimental",
+                        numba.core.errors.NumbaExperimentalFeatureWarning)
+
+# numba's workqueue threading layer (its fallback where neither TBB nor OpenMP is there) aborts the process on two
+# launches at once, so launches hold _LAUNCH. (The OpenMP layer it picks otherwise starts a parallel region in about
+# 5 us against workqueue's 80-100 us, which made a 4-layer decode step 1.8x slower, docs/BENCHMARKS.md.)
+_LAUNCH = threading.Lock()
+
+
+# Fewest weight rows per work item: below this the per-item setup outweighs the rows.
+MIN_ROWS_PER_ITEM = 16
+
+
+# Work items per thread for each tensor, so that uneven items (experts chosen by more tokens) still balance.
+ITEMS_PER_THREAD = 4
+
+
+# Below this many rows (tokens or pairs to round, tokens to combine) a step runs on the calling thread: a parallel
+# region costs more than the rows.
+PARALLEL_MIN_ROWS = 8
+
+
+@numba.njit(**JIT)
+def _pairs(ids, n_experts):
+    """Pairs (t, k) with ids[t, k] >= 0, numbered in (t, k) order, grouped by expert (a counting sort, stable).
+    Returns the first expert id past the stack or -1 (the kernels index without bounds checks: the callers return
+    it, and the other results are then empty), the token of each pair (P,), the pairs in expert order (P,), each
+    expert's first index into that order (E + 1,), and whether each token has a pair (T,)."""
+    T, K = ids.shape
+    for t in range(T):
+        for k in range(K):
+            if ids[t, k] >= n_experts:
+                empty = np.empty(0, np.int64)
+                return ids[t, k], empty, empty, empty, np.zeros(0, np.bool_)
+    start = np.zeros(n_experts + 1, np.int64)
+    for t in range(T):
+        for k in range(K):
+            if ids[t, k] >= 0:
+                start[ids[t, k] + 1] += 1
+    for e in range(n_experts):
+        start[e + 1] += start[e]
+    P = start[n_experts]
+    token, order = np.empty(P, np.int64), np.empty(P, np.int64)
+    used = np.zeros(T, np.bool_)
+    fill = start[:-1].copy()
+    p = 0
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            if e >= 0:
+                token[p] = t
+                order[fill[e]] = p
+                fill[e] += 1
+                used[t] = True
+                p += 1
+    return np.int64(-1), token, order, start, used
+
+
+@numba.njit(**JIT)
+def _items(start, n_rows, items_wanted):
+    """Work items (n, 5) over the experts with pairs: expert, first and end index into the ordered pairs, first and
+    end row; each expert's rows split into the same number of ranges, of at least MIN_ROWS_PER_ITEM rows."""
+    n_experts = start.shape[0] - 1
+    n_seg = 0
+    for e in range(n_experts):
+        n_seg += start[e + 1] > start[e]
+    chunks = max(1, min(-(-items_wanted // max(n_seg, 1)), -(-n_rows // MIN_ROWS_PER_ITEM)))
+    items = np.empty((n_seg * chunks, 5), np.int64)
+    i = 0
+    for e in range(n_experts):
+        if start[e + 1] > start[e]:
+            for c in range(chunks):
+                items[i, 0], items[i, 1], items[i, 2] = e, start[e], start[e + 1]
+                items[i, 3], items[i, 4] = n_rows * c // chunks, n_rows * (c + 1) // chunks
+                i += 1
+    return items
+
+
+# An activation is act(g, u, limit) (float32 each); `limit` is moe_rows' argument, read by those that have one.
+
+
+@numba.njit(**JIT)
+def _swiglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    return g / (F32(1) + np.exp(-g)) * u
+
+
+@numba.njit(**JIT)
+def _swiglu_oai(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """gpt-oss (alpha 1.702, its limit 7, not the argument): the gate capped at the limit, up clamped to +-limit and
+    shifted by 1."""
+    g = min(g, F32(7))
+    u = max(min(u, F32(7)), F32(-7))
+    return g / (F32(1) + np.exp(-F32(1.702) * g)) * (u + F32(1))
+
+
+@numba.njit(**JIT)
+def _swiglu_clamp(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """glm5-next (`swiglu_clamp_exp` in its GGUF): the gate capped at `limit` before SiLU, up clamped to +-limit."""
+    g = min(g, limit)
+    u = max(min(u, limit), -limit)
+    return g / (F32(1) + np.exp(-g)) * u
+
+
+# Expert activations by name: moerun.layers.ACTIVATIONS' and moerun.models.glm5_next.swiglu_clamp.
+ACTIVATIONS: dict[str, Callable] = {"swiglu": _swiglu, "swiglu_oai": _swiglu_oai, "swiglu_clamp": _swiglu_clamp}
+
+
+_ACTIVATION_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
+
+
+_ACTIVATIONS = tuple(ACTIVATIONS.values())
+
+
+@numba.njit(**JIT)
+def _activate_item(code, limit, item, order, g, u, h):
+    """h = act(g, u, limit) on the pairs and rows of a work item."""
+    i = 0
+    for act in literal_unroll(_ACTIVATIONS):
+        if i == code:
+            for j in range(item[1], item[2]):
+                p = order[j]
+                for r in range(item[3], item[4]):
+                    h[p, r] = act(g[p, r], u[p, r], limit)
+        i += 1
+
+
+@numba.njit(**JIT)
+def _combine_token(t, first, ids, weights, y, acc, out):
+    """out[t] += sum over k (in order) of weights[t, k] * y[pair of (t, k)], the pairs of t numbered from first;
+    acc (D,) is scratch. (Each value is a running float32 sum from zero, k by k, as in a loop over k per value.)"""
+    acc[:] = F32(0)
+    p = first
+    for k in range(ids.shape[1]):
+        if ids[t, k] >= 0:
+            w = weights[t, k]
+            for i in range(out.shape[1]):
+                acc[i] += w * y[p, i]
+            p += 1
+    for i in range(out.shape[1]):
+        out[t, i] += acc[i]
+
+
+@numba.njit(parallel=True, **JIT)
+def _combine(ids, weights, token, y, out):
+    T = ids.shape[0]
+    first = np.zeros(T + 1, np.int64)  # first[t]: token t's first pair (pairs are numbered in (t, k) order)
+    for p in range(token.shape[0]):
+        first[token[p] + 1] += 1
+    for t in range(T):
+        first[t + 1] += first[t]
+    if T < PARALLEL_MIN_ROWS:
+        acc = np.empty(out.shape[1], F32)
+        for t in range(T):
+            _combine_token(t, first[t], ids, weights, y, acc, out)
+    else:
+        for t in numba.prange(T):
+            _combine_token(t, first[t], ids, weights, y, np.empty(out.shape[1], F32), out)
+
+
+def _out_of_range(bad: int, n_experts: int) -> ValueError:
+    return ValueError(f"expert id {bad} out of range: the tensors hold {n_experts} experts")
+
+
+def _launch(kernel: Callable, threads: int | None, *args) -> int:
+    """kernel(items wanted, *args), holding _LAUNCH, on `threads` numba threads (None: the calling thread's
+    setting; numba's setting is changed, and put back, only when it differs)."""
+    with _LAUNCH:
+        previous = numba.get_num_threads()
+        n = threads or previous
+        if n == previous:
+            return kernel(ITEMS_PER_THREAD * n, *args)
+        numba.set_num_threads(n)
+        try:
+            return kernel(ITEMS_PER_THREAD * n, *args)
+        finally:
+            numba.set_num_threads(previous)

@@ -1,0 +1,127 @@
+"""Softmax attention over the KV cache (`attend`), the Q/K norms and RoPE before it, and grouped-query `Attention`."""
+
+from __future__ import annotations
+
+import torch
+from moerun.kv_cache import KVCache
+from moerun.layers.linear import Linear
+from moerun.layers.norm import RMSNorm
+from moerun.layers.ops import Kernels
+from moerun.layers.rope import Rope
+from moerun.step import Step
+from torch import nn
+
+# Float32 attention scores (all query heads) `attend` holds at once: a long prompt attends in blocks of query tokens,
+# as its rows are independent. At once, a 4096-token prompt of 32 heads held 2 GiB of scores and twice that again in
+# their masked and softmaxed copies; a 32k-token one, 128 GiB.
+ATTEND_SCORE_BYTES = 256 << 20
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
+           score_bytes: int = ATTEND_SCORE_BYTES) -> torch.Tensor:
+    """Softmax attention of q (T, H, Dk) over one sequence's k (S, G, Dk), v (S, G, Dv), or, given `seqs` (B,), over
+    every sequence's k (n_seq, S, G, Dk), v (n_seq, S, G, Dv) when the tokens are B blocks of T/B consecutive rows,
+    block b reading sequence seqs[b] (Step.blocks: B = T in a decode batch, one token per sequence; B prompt chunks in
+    a captured prompt step); query head h reads KV head h // (H/G). `allowed` (T, S) masks each token's slots.
+
+    `sinks` (H,) are per-head logits that join each softmax's denominator without a value (gpt-oss). A long prompt
+    of one sequence attends in blocks of query tokens whose float32 scores take at most `score_bytes`.
+    Returns (T, H, Dv) float32.
+    """
+    if seqs is not None:  # each block's sequence
+        k, v = k[seqs], v[seqs]
+    T, H, Dk = q.shape
+    G, Dv = v.shape[-2:]
+    rows = max(1, score_bytes // (4 * H * k.shape[-3]))
+    if k.dim() == 3 and T > rows:  # one sequence's long prompt: blocks of query tokens
+        return torch.cat([attend(q[i : i + rows], k, v, allowed[i : i + rows], scale, sinks, score_bytes=score_bytes)
+                          for i in range(0, T, rows)])
+    if k.dim() == 3:  # one sequence: one block
+        k, v = k[None], v[None]
+    B, S = k.shape[:2]
+    Tb, HG = T // B, H // G
+    # The H/G query heads of a KV head are rows of one product with that head's keys: a broadcast matmul would copy
+    # the keys and values out for every query head (on the CPU, a third of a small model's decode step). Row
+    # h * Tb + t of a block's (KV head) product is its token t's query head h.
+    qg = q.float().reshape(B, Tb, G, HG, Dk).permute(0, 2, 3, 1, 4).reshape(B, G, HG * Tb, Dk)
+    kt, vt = k.float().permute(0, 2, 3, 1), v.float().permute(0, 2, 1, 3)  # (B, G, Dk, S), (B, G, S, Dv)
+    mask = ~allowed.reshape(B, 1, 1, Tb, S).expand(B, 1, HG, Tb, S).reshape(B, 1, HG * Tb, S)
+    scores = (torch.matmul(qg, kt) * scale).masked_fill(mask, float("-inf"))  # (B, G, HG * Tb, S)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, G, HG, 1, 1).expand(1, G, HG, Tb, 1).reshape(1, G, HG * Tb, 1)
+        probs = torch.softmax(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vt)  # (B, G, HG * Tb, Dv)
+    return out.reshape(B, G, HG, Tb, Dv).permute(0, 3, 1, 2, 4).reshape(T, H, Dv)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks and a sliding window."""
+
+    def __init__(self, *, wq: Linear, wk: Linear, wv: Linear, wo: Linear, rope: Rope, cache: KVCache,
+                 n_heads: int, n_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int = 0,
+                 sinks: torch.Tensor | None = None, kernels: Kernels) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.rope, self.cache = rope, cache
+        self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = n_heads, n_kv_heads, head_dim, v_head_dim
+        self.scale, self.window = scale, window
+        self.register_buffer("sinks", sinks, persistent=False)
+        self.kernels = kernels
+        self.wqkv = self.kernels.stack_rows([wq, wk, wv])  # q, k and v in one product where the kernels can
+        self.qkv_rows = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * v_head_dim)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.project(x)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.v_head_dim)
+        # k_all, v_all: (S, G, Dh), or (n_seq, S, G, Dh) that the step's blocks index
+        q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
+        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks,
+                                  step.blocks)  # (T, H, Dv)
+        return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, D) -> q (T, H*Dh), k (T, G*Dh), v (T, G*Dv): one stacked product, or three where the weights
+        differ in type or activation hooks must see each tensor's input under its own name."""
+        if self.wqkv is None or self.wqkv.hooks.activation:
+            return self.wq(x), self.wk(x), self.wv(x)
+        return self.wqkv(x).split(self.qkv_rows, dim=-1)
+
+
+def norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
+              rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q/K RMSNorm (per head, or over the whole projection as in olmoe: as long as its weight), then RoPE.
+    q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) -> q, k float32 and v as it came."""
+    T = q.shape[0]
+    if q_norm is not None:
+        q = q_norm(q.reshape(T, -1, q_norm.weight.numel())).view_as(q)
+    if k_norm is not None:
+        k = k_norm(k.reshape(T, -1, k_norm.weight.numel())).view_as(k)
+    return rope(q, positions), rope(k, positions), v
+
+
+def qk_norms_per_head(q: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool | None:
+    """What the fused kernels take of norm_rope's Q/K norms: True, one weight per head for q and k; False, none;
+    None, anything else (olmoe's over the whole projection), which only the torch reference does."""
+    if q_norm is None and k_norm is None:
+        return False
+    if (q_norm is not None and k_norm is not None
+            and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1]):
+        return True
+    return None
+
+
+def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None,
+                    k_norm: RMSNorm | None, rope: Rope, step: Step, cache: KVCache,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm_rope, then k and v into the KV cache: -> q (T, H, Dh) float32 and the slots attention reads
+    (KVCache.update)."""
+    q, k, v = norm_rope(q, k, v, q_norm, k_norm, rope, step.positions)
+    return q, *cache.update(step, k, v)

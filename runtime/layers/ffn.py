@@ -1,0 +1,77 @@
+"""Gated activations and the dense feed-forward block (leading dense layers, shared experts)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from moerun.layers.linear import Linear
+from moerun.layers.ops import Kernels
+from moerun.step import Step
+from torch import nn
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss: the gate is capped at `limit`, up clamped to +-limit, and up gets +1."""
+    gate = gate.clamp(max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1)
+
+
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """glm5-next's clamped SwiGLU (llama.cpp's swiglu_clamp): the gate capped at `limit` before SiLU, up clamped to
+    +-limit."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+# The torch reference of each activation by name: act(gate, up, limit); `limit` is read only by those with a clamp
+# that varies per model or block (gpt-oss's is fixed).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "swiglu": lambda gate, up, limit: swiglu(gate, up),
+    "swiglu_oai": lambda gate, up, limit: swiglu_oai(gate, up),
+    "swiglu_clamp": swiglu_clamp,
+}
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An FFN's or experts' gated activation, act(gate, up): a name of ACTIVATIONS and, for swiglu_clamp, its clamp
+    (glm5-next sets one per block). One value that every implementation reads: the torch reference (`__call__`),
+    the fused kernels (`Kernels.activations`) and the CPU experts (moe_rows' activation and limit)."""
+
+    name: str = "swiglu"
+    limit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.name!r} (known: {', '.join(ACTIVATIONS)})")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return ACTIVATIONS[self.name](gate, up, self.limit)
+
+    def on(self, kernels: Kernels) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The function computing it with `kernels`: their fused one where they have it (never for a clamp that
+        varies), else this torch reference."""
+        fused = kernels.activations.get(self.name)
+        return fused if fused is not None and self.name != "swiglu_clamp" else self
+
+
+SWIGLU = Activation()
+
+
+class FeedForward(nn.Module):
+    """Dense gated FFN: down(act(gate(x), up(x))); leading dense layers and shared experts."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear, kernels: Kernels,
+                 activation: Activation = SWIGLU) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+        self.activation, self.act = activation, activation.on(kernels)
+
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        return self.down(self.act(self.gate(x), self.up(x)))
