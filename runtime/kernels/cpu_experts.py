@@ -58,7 +58,8 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from moeprep.errors import MoeprepError
-from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
+from moeprep.quant.jit import F32, JIT
+from moeprep.quant.scalars import fp16_bits, fp16_value
 from moerun.hooks import Hooks
 from moerun.kernels import ggml_cpu
 from moerun.layers import GGUFExperts, Linear

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 import torch
 
-from moeprep.quant.kquants import F32, JIT
+from moeprep.quant.jit import F32, JIT
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 
 
