@@ -194,6 +194,51 @@ def test_quantize_in_a_background_job(model: Path, tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["q.gguf"]
 
 
+def run_background_job(setup: str, *args: str | Path) -> subprocess.CompletedProcess:
+    """`moeprep ARGS` in a child started as a script's `cmd &` starts it (SIGINT ignored), after `setup` (Python
+    that patches a step to send the child a signal)."""
+    code = ("import itertools, os, signal\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            f"{setup}\n"
+            "from moeprep.cli import main\n"
+            "main(prog_name='moeprep')\n")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def sigterm_at(module: str, name: str, call: int) -> str:
+    """Setup for run_background_job: the `call`-th call of module.name sends the process SIGTERM (as `kill PID`)."""
+    return (f"import {module} as owner\n"
+            f"real, calls = owner.{name}, itertools.count(1)\n"
+            "def pressed(*a, **k):\n"
+            f"    if next(calls) == {call}: os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(*a, **k)\n"
+            f"owner.{name} = pressed")
+
+
+def test_kill_stops_a_background_job_cleanly(tmp_path: Path) -> None:
+    """SIGTERM, the way to stop a job that ignores SIGINT, cleans up as Ctrl-C does: exit 143 and the one line."""
+    out = tmp_path / "s.gguf"
+    done = run_background_job(sigterm_at("moeprep.synth.model", "tensor_bytes", N_TENSORS // 2), "synth", out)
+    assert done.returncode == 143, done.stderr
+    lines = [line for line in re.split(r"[\r\n]", done.stderr) if line.strip() and not PROGRESS_BAR.search(line)]
+    assert lines == [f"moeprep: terminated: {out} not written (no temp files left); the inputs are unchanged"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kill_during_the_renames_takes_effect_after_them(model: Path, tmp_path: Path) -> None:
+    """SIGTERM while the verified shards move out of their stage (the 2nd of 4): all four are moved first."""
+    inputs = snapshot(model)
+    out = tmp_path / "q.gguf"
+    done = run_background_job(sigterm_at("os", "replace", 4 + 2), "quantize", model, out, "--attn", "Q8_0",
+                              "--threads", "2", "--split-max-size", SPLIT)
+    assert done.returncode == 143, done.stderr
+    shards = sorted(tmp_path.iterdir())
+    assert [p.name for p in shards] == [f"q-{i:05d}-of-00004.gguf" for i in (1, 2, 3, 4)]
+    assert verify_model(open_gguf(shards[0]), open_gguf(model)).ok and snapshot(model) == inputs
+    assert done.stderr.strip().splitlines()[-1].startswith(f"moeprep: terminated: {shards[0]}")
+    assert "written complete" in done.stderr
+
+
 # --- profile: run, merge, export, bake ---------------------------------------------------------------------------
 
 
