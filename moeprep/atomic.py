@@ -1,11 +1,15 @@
 """Outputs that appear whole or not at all: write to temp files beside the destinations, rename at the end.
 
 Every file or folder moeprep writes (models, profiles, exports, importance matrices, prepare's state, publish
-folders) goes through here, so an error or Ctrl-C never leaves a partial or clobbered output. The renames of one
-output set are shielded from Ctrl-C (it takes effect right after them), so a split model never appears in part.
+folders) goes through here, so an error, Ctrl-C or SIGTERM never leaves a partial or clobbered output. The renames of
+one output set are shielded from both signals (they take effect right after them), so a split model never appears in
+part.
 
-While a command runs under `logged_outputs`, what happened to each output is logged; after a Ctrl-C the CLIs print
-the log's one-line summary (cli_groups.UserErrorGroup).
+While a command runs under `logged_outputs`, what happened to each output is logged; after a Ctrl-C or SIGTERM the
+CLIs print the log's one-line summary (cli_groups.UserErrorGroup). SIGTERM matters for background jobs: a shell
+script's `cmd &` starts cmd with SIGINT ignored, and Python keeps it so (a terminal's Ctrl-C is the foreground's),
+so `kill PID` is how such a job is stopped; `sigterm_raises` turns it into an exception that cleans up on the way
+out, as Ctrl-C's KeyboardInterrupt does.
 """
 
 from __future__ import annotations
@@ -44,6 +48,30 @@ class OutputLog:
 
 
 _log: OutputLog | None = None
+SHIELDED = (signal.SIGINT, signal.SIGTERM)  # held back while an output set is renamed into place
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so every cleanup path handles it."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated inside the block, where its default action would kill the process at once and
+    leave temp files behind. A SIGTERM handler someone else set, or an ignored SIGTERM, is left as it is."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -71,18 +99,24 @@ def _remove(path: Path) -> None:
 
 @contextlib.contextmanager
 def _interrupts_after() -> Iterator[None]:
-    """A Ctrl-C during the block takes effect when it ends, so a set of renames is never left half done."""
+    """A Ctrl-C or SIGTERM during the block takes effect when it ends, so a set of renames is never left half done.
+    An ignored signal stays ignored."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets Python's signals
         yield
         return
-    caught: list[tuple] = []
-    previous = signal.signal(signal.SIGINT, lambda *sig: caught.append(sig))
+    caught: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum)) for signum in SHIELDED}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(*caught[0])  # the default handler raises KeyboardInterrupt
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if caught:
+        handler = previous[caught[0]]
+        if callable(handler):
+            handler(caught[0], None)  # Python's SIGINT handler raises KeyboardInterrupt, sigterm_raises' Terminated
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(caught[0])  # the default action, now that the renames are done
 
 
 @contextlib.contextmanager

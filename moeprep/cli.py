@@ -15,11 +15,11 @@ from pathlib import Path
 import click
 
 from moeprep import __version__
-from moeprep.cli_groups import UserErrorGroup
+from moeprep.cli_groups import MoeprepGroup
 from moeprep.profile.cli import profile
 
 
-@click.group(cls=UserErrorGroup)
+@click.group(cls=MoeprepGroup)
 @click.version_option(__version__, prog_name="moeprep")
 def main() -> None:
     """Prepare Mixture-of-Experts GGUF models for expert-cached inference."""

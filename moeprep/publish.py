@@ -354,7 +354,9 @@ def _types_table(anatomy: Anatomy) -> list[str]:
 def _profile_section(profile: Profile, name: str) -> list[str]:
     texts = [f"{' '.join(x for x in (public_dataset_name(s.dataset), s.config, s.split) if x)}: "
              f"{s.chunks} chunks x {s.ctx} tokens "
-             f"counted, {s.heldout_chunks} held out" for s in profile.sources]
+             f"counted, {s.heldout_chunks} held out"
+             + (f" (the text gave only these, of the {s.chunks_asked} chunks asked)" if s.short_of_text else "")
+             for s in profile.sources]
     return ["## Expert-usage profile", "",
             f"`{name}` records which experts each MoE layer chose on " + "; ".join(texts) + ". The held-out chunks "
             "were never counted: they were replayed through simulated per-layer expert caches (sizes as shares of a "

@@ -38,7 +38,8 @@ class MoerunGroup(DefaultCommandGroup, UserErrorGroup):
 
 model_option = click.option("-m", "--model", "model_path", required=True, type=click.Path(),
                             help="GGUF model file (or the first shard of a split set).")
-device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]),
+                             help="Where the model runs (default: cuda when torch sees a GPU, else cpu).")
 threads_option = click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's).")
 ctx_option = click.option("-c", "--ctx-size", type=click.IntRange(min=1),
                           help="Context size of a sequence (default: the model's, at most 4096).")
@@ -49,6 +50,35 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def resolve_device(asked: str | None) -> str:
+    """--device as given; without it a GPU when torch sees one, as llama.cpp's CUDA builds and vLLM do, else the CPU."""
+    if asked is not None:
+        return asked
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_line(device: str, asked: str | None) -> str | None:
+    """The line saying which device runs and why; None for --device cuda without a GPU, which loading refuses."""
+    import torch
+
+    if device == "cpu":
+        return f"moerun: running on cpu ({'--device cpu' if asked else 'no GPU found'})"
+    if not torch.cuda.is_available():
+        return None
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    gpus = ", ".join(names) if len(set(names)) > 1 else names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
+    return f"moerun: running on cuda ({gpus})"
+
+
+def announce_device(device: str, asked: str | None) -> None:
+    """device_line on stderr, just before the model loads: a big model takes a while, and the user sees where."""
+    line = device_line(device, asked)
+    if line is not None:
+        click.echo(line, err=True)
 
 
 def open_model_file(model_path: str):
@@ -90,7 +120,7 @@ class ModelOptions:
 
     model_path: str
     ctx_size: int | None
-    device: str
+    device: str | None  # None until load(): cuda when torch sees a GPU, else cpu
     threads: int | None
     vram_budget: str | None = None
     cache_slots: str = "auto"
@@ -117,11 +147,13 @@ class ModelOptions:
     def load(self, n_seq: int = 1):
         g = open_model_file(self.model_path)
         set_threads(self.threads)
-        cache = self.cache_config(g)
+        device = resolve_device(self.device)
+        cache = replace(self, device=device).cache_config(g)  # its option errors come before the device line
         import moerun
         from moerun.cache.controller import describe_cache
 
-        model = moerun.load_model(g, device=self.device, n_ctx=self.ctx_size, n_seq=n_seq, cache=cache,
+        announce_device(device, self.device)
+        model = moerun.load_model(g, device=device, n_ctx=self.ctx_size, n_seq=n_seq, cache=cache,
                                   dense_bf16=self.dense_bf16, options=RuntimeOptions.from_environment())
         if model.expert_cache is not None:
             click.echo(describe_cache(model.expert_cache), err=True)
@@ -271,13 +303,15 @@ def read_text(path: str) -> str:
 @click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Chunk size in tokens.")
 @device_option
 @threads_option
-def perplexity(model_path: str, text_file: str, ctx_size: int, device: str, threads: int | None) -> None:
+def perplexity(model_path: str, text_file: str, ctx_size: int, device: str | None, threads: int | None) -> None:
     """Perplexity over non-overlapping chunks, scored like llama-perplexity (second half of each chunk)."""
     import moerun
 
     g = open_model_file(model_path)
     set_threads(threads)
-    model = moerun.load_model(g, device=device, n_ctx=ctx_size, options=RuntimeOptions.from_environment())
+    chosen = resolve_device(device)
+    announce_device(chosen, device)
+    model = moerun.load_model(g, device=chosen, n_ctx=ctx_size, options=RuntimeOptions.from_environment())
     tokens = model.tokenizer.encode(read_text(text_file))
     start = time.perf_counter()
     ppl = moerun.perplexity(model, tokens, ctx_size)

@@ -2,8 +2,10 @@
 no traceback, every output either absent or complete (a quantized model: verified), no temp files, inputs unchanged.
 
 The interrupt is a real SIGINT sent to the main thread (as a terminal's Ctrl-C reaches Python) from inside a
-patched step, at its first, a middle or its last call, so where it lands is the same on every run. Also: a quantize
-whose output fails verification writes no OUT."""
+patched step, at its first, a middle or its last call, so where it lands is the same on every run. Every test runs
+with Python's own SIGINT handler, as a command in a terminal does, also when the tests themselves run in a
+background job, which starts with SIGINT ignored. Such a job's commands keep it ignored, as Python and every Unix
+tool do: a terminal's Ctrl-C is not theirs. Also: a quantize whose output fails verification writes no OUT."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +44,15 @@ PROFILE = ["--dataset", str(CALIBRATION), "-c", "16", "--chunks", "3", "--holdou
 PROGRESS_BAR = re.compile(r"\[\d\d:\d\d[<,\]]")  # tqdm's lines on stderr (ours, and the datasets library's)
 TEMP = re.compile(r"\.(tmp|stage)-\d+$")
 SPLIT = "400K"  # the tiny model (1.2 MiB) as four shards
+
+
+@pytest.fixture(autouse=True)
+def sigint_raises_keyboard_interrupt() -> Iterator[None]:
+    """Python's SIGINT handler for the test, as a terminal's command has it: where SIGINT starts ignored (pytest run
+    from a background job or a script's `&`) Python leaves it ignored, and the pressed Ctrl-C would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def ctrl_c_at(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, call: int) -> None:
@@ -139,6 +151,7 @@ def test_quantize_in_a_terminal(model: Path, tmp_path: Path) -> None:
     """The whole process gets SIGINT (as a terminal sends it) during verification: exit 130 and the line, not
     click's 'Aborted!' and exit 1."""
     press = ("import itertools, os, signal, moeprep.quant.verify as v\n"
+             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # a terminal's command, as above
              "real, calls = v._check_tensor, itertools.count(1)\n"
              "def check(*a):\n"
              f"    if next(calls) == {N_TENSORS}: os.kill(os.getpid(), signal.SIGINT)\n"
@@ -154,6 +167,76 @@ def test_quantize_in_a_terminal(model: Path, tmp_path: Path) -> None:
     assert lines == [f"moeprep: interrupted: {tmp_path / 'q.gguf'} not written (no temp files left); "
                      "the inputs are unchanged"], done.stderr
     assert list(tmp_path.iterdir()) == [] and snapshot(model) == inputs
+
+
+def test_quantize_in_a_background_job(model: Path, tmp_path: Path) -> None:
+    """Started with SIGINT ignored (a script's `cmd &`), a command leaves it ignored, as the shell asked: SIGINTs
+    during verification and while OUT is renamed into place change nothing, and OUT is written whole."""
+    press = ("import itertools, os, signal, moeprep.atomic, moeprep.quant.verify as v\n"
+             "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"  # what the shell hands a background job
+             "real_check, real_replace = v._check_tensor, os.replace\n"
+             "def check(*a):\n"
+             "    os.kill(os.getpid(), signal.SIGINT)\n"
+             "    return real_check(*a)\n"
+             "def replace(*a):\n"
+             "    os.kill(os.getpid(), signal.SIGINT)\n"
+             "    return real_replace(*a)\n"
+             "v._check_tensor, moeprep.atomic.os.replace = check, replace\n"
+             "from moeprep.cli import main\n"
+             "main(prog_name='moeprep')\n")
+    inputs = snapshot(model)
+    out = tmp_path / "q.gguf"
+    done = subprocess.run([sys.executable, "-c", press, "quantize", str(model), str(out), "--attn", "Q8_0",
+                           "--threads", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "interrupted" not in done.stderr and f"wrote {out}" in done.stdout, done.stdout
+    assert verify_model(open_gguf(out), open_gguf(model)).ok and snapshot(model) == inputs
+    assert [p.name for p in tmp_path.iterdir()] == ["q.gguf"]
+
+
+def run_background_job(setup: str, *args: str | Path) -> subprocess.CompletedProcess:
+    """`moeprep ARGS` in a child started as a script's `cmd &` starts it (SIGINT ignored), after `setup` (Python
+    that patches a step to send the child a signal)."""
+    code = ("import itertools, os, signal\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            f"{setup}\n"
+            "from moeprep.cli import main\n"
+            "main(prog_name='moeprep')\n")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def sigterm_at(module: str, name: str, call: int) -> str:
+    """Setup for run_background_job: the `call`-th call of module.name sends the process SIGTERM (as `kill PID`)."""
+    return (f"import {module} as owner\n"
+            f"real, calls = owner.{name}, itertools.count(1)\n"
+            "def pressed(*a, **k):\n"
+            f"    if next(calls) == {call}: os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(*a, **k)\n"
+            f"owner.{name} = pressed")
+
+
+def test_kill_stops_a_background_job_cleanly(tmp_path: Path) -> None:
+    """SIGTERM, the way to stop a job that ignores SIGINT, cleans up as Ctrl-C does: exit 143 and the one line."""
+    out = tmp_path / "s.gguf"
+    done = run_background_job(sigterm_at("moeprep.synth.model", "tensor_bytes", N_TENSORS // 2), "synth", out)
+    assert done.returncode == 143, done.stderr
+    lines = [line for line in re.split(r"[\r\n]", done.stderr) if line.strip() and not PROGRESS_BAR.search(line)]
+    assert lines == [f"moeprep: terminated: {out} not written (no temp files left); the inputs are unchanged"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kill_during_the_renames_takes_effect_after_them(model: Path, tmp_path: Path) -> None:
+    """SIGTERM while the verified shards move out of their stage (the 2nd of 4): all four are moved first."""
+    inputs = snapshot(model)
+    out = tmp_path / "q.gguf"
+    done = run_background_job(sigterm_at("os", "replace", 4 + 2), "quantize", model, out, "--attn", "Q8_0",
+                              "--threads", "2", "--split-max-size", SPLIT)
+    assert done.returncode == 143, done.stderr
+    shards = sorted(tmp_path.iterdir())
+    assert [p.name for p in shards] == [f"q-{i:05d}-of-00004.gguf" for i in (1, 2, 3, 4)]
+    assert verify_model(open_gguf(shards[0]), open_gguf(model)).ok and snapshot(model) == inputs
+    assert done.stderr.strip().splitlines()[-1].startswith(f"moeprep: terminated: {shards[0]}")
+    assert "written complete" in done.stderr
 
 
 # --- profile: run, merge, export, bake ---------------------------------------------------------------------------

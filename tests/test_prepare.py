@@ -154,3 +154,21 @@ def test_upload_folder_of_someone_else_is_kept(model: Path, text: Path, tmp_path
     assert "was not written by moeprep prepare" in moeprep("prepare", RECIPE, model, tmp_path / "out", "--dataset",
                                                            text, *FAST, code=2)
     assert (tmp_path / "out" / "upload" / "mine.txt").read_text() == "keep me"
+
+
+def test_short_text_is_reported_on_stderr_and_in_the_card(model: Path, text: Path, tmp_path: Path) -> None:
+    """A recipe asking more chunks than the text has: both calibration passes say so on stderr before running, and
+    the published profile and card record how many were asked."""
+    short = tmp_path / "short.txt"
+    short.write_text(text.read_text()[:2000])
+    args = ["--ctx", "32", "--chunks", "200", "--threads", "1", "--base-model", "Qwen/Qwen3-30B-A3B"]
+    result = CliRunner().invoke(main, ["prepare", str(RECIPE), str(model), str(tmp_path / "out"), "--dataset",
+                                       str(short), *args])
+    assert result.exit_code == 0, (result.output, result.exception)
+    upload = tmp_path / "out" / "upload"
+    source = read_profile(upload / "tiny-moe-attn-Q4_K.moeprof").sources[0]
+    got = source.chunks + source.heldout_chunks
+    assert 2 <= got < 200 and source.chunks_asked == 200
+    warning = f"moeprep: warning: dataset {short} gave {got} chunks of 32 tokens, fewer than the 200 asked"
+    assert result.stderr.count(warning) == 2  # the calibration pass over the source, the profile of the result
+    assert "(the text gave only these, of the 200 chunks asked)" in (upload / CARD_FILE).read_text()

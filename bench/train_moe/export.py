@@ -3,7 +3,7 @@
     python -m bench.train_moe.export --weights RUN_FOLDER --tokenizer work/tokenizer.json --out bench/models
 
 Tensor names, order and shapes and the qwen3moe metadata keys come from the synthetic-model generator
-(moeprep.synth.archs.model_tensors / model_metadata with the bench sizes), the tokenizer keys from
+(moeprep.synth.parts.model_tensors / model_metadata with the bench sizes), the tokenizer keys from
 moeprep.synth.tokenizer.vocab_metadata, so the bench model and the synthetic ones are laid out identically.
 
   bench-qwen3moe-f16.gguf     matrices F16, router and norms F32 (as llama.cpp's converter writes them)
@@ -31,8 +31,9 @@ from moeprep.gguf.roles import TensorRole, role_table, tensor_role
 from moeprep.atomic import atomic_outputs
 from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, write_gguf
 from moeprep.quant.registry import choose_type, quantize_rows
-from moeprep.synth.archs import ARCHS, model_metadata, model_tensors
+from moeprep.synth.archs import ARCHS
 from moeprep.synth.model import synth_config
+from moeprep.synth.parts import model_metadata, model_tensors
 from moeprep.synth.tokenizer import load_vocab, vocab_metadata
 
 Q = GGMLQuantizationType

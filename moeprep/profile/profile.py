@@ -7,7 +7,7 @@ it from the merged counts, so a merged profile is judged the same way a single r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from moeprep.errors import MoeprepError
@@ -30,13 +30,22 @@ class Provenance:
     heldout_chunks: int
     tokens: int  # counted tokens
     weight: int = 1
+    # chunks the run asked for, held-out ones included (None: all of the text); above chunks + heldout_chunks when
+    # the text ran out first
+    chunks_asked: int | None = None
+
+    @property
+    def short_of_text(self) -> bool:
+        return self.chunks_asked is not None and self.chunks + self.heldout_chunks < self.chunks_asked
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Provenance:
-        return cls(**d)
+        """Keys this version does not know are skipped, so a profile from a newer moeprep still reads."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclass

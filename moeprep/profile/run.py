@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import numpy as np
 
 from moeprep.errors import MoeprepError
@@ -51,6 +52,15 @@ def heldout_mask(n_chunks: int, holdout: float, where: str) -> np.ndarray:
     return mask
 
 
+def short_text_warning(dataset: str, n_chunks: int, ctx: int, asked: int | None) -> str | None:
+    """The line saying the text gave fewer chunks than asked, or None when it gave them all."""
+    if asked is None or n_chunks >= asked:
+        return None
+    return (f"moeprep: warning: dataset {dataset} gave {n_chunks} chunk{'s' if n_chunks != 1 else ''} of {ctx} "
+            f"tokens, fewer than the {asked} asked; the results rest on only that much text (give more text, a "
+            "smaller --ctx, or ask fewer chunks)")
+
+
 def profile_model(req: ProfileRequest) -> Profile:
     import moerun
 
@@ -60,6 +70,9 @@ def profile_model(req: ProfileRequest) -> Profile:
     tok = model.tokenizer
     chunks = calibration_chunks(req.dataset, tok.encode, tok.bos_id if tok.add_bos else None, req.ctx,
                                 req.max_chunks)
+    warning = short_text_warning(req.dataset.name, len(chunks), req.ctx, req.max_chunks)
+    if warning is not None:  # before the pass, which can take hours: the user may stop it and give more text
+        click.echo(warning, err=True)
     heldout = heldout_mask(len(chunks), req.holdout, req.dataset.name)
     imatrix = None
     if req.imatrix_out is not None:
@@ -76,7 +89,8 @@ def profile_model(req: ProfileRequest) -> Profile:
     local_file = spec.local is not None and spec.local.is_file()
     source = Provenance(dataset=spec.name, config=spec.resolved_config, split=None if local_file else spec.split,
                         text_column=spec.text_column, ctx=req.ctx, chunks=int((~heldout).sum()),
-                        heldout_chunks=int(heldout.sum()), tokens=int(chunks[~heldout].size))
+                        heldout_chunks=int(heldout.sum()), tokens=int(chunks[~heldout].size),
+                        chunks_asked=req.max_chunks)
     if imatrix is not None:
         from moeprep.quant.imatrix import write_imatrix_gguf
 

@@ -1,27 +1,27 @@
 """Q4_K, Q5_K and Q6_K in torch, on the CPU or a GPU, with the same bytes as moeprep.quant.kquants (and so as ggml).
 
-It implements the same ggml algorithms as kquants.py's numba kernels, in the same float32 operations and order,
-with the constants and type table imported from there; where kquants.py walks blocks in loops, this module is
-vectorised over every block of a chunk at once (element-major search arrays, masks for what the C decides per block).
-A change to one is a change to both; tests/quant/test_kquants_torch.py checks kquants == torch == libggml bytes on
-the same inputs.
+It implements the same ggml algorithms as the numba kernels (q4_k_q5_k.py, q6_k.py, searches.py), in the same
+float32 operations and order, with their constants and type table imported; where those walk blocks in loops, this
+module is vectorised over every block of a chunk at once (element-major search arrays, masks for what the C decides
+per block). A change to one is a change to both; tests/quant/test_kquants_torch.py checks kquants == torch ==
+libggml bytes on the same inputs.
 
-Besides kquants.py's habits (float32 in C's order, no fused multiply-add, running sums in order, ggml's nearest_int,
-C-like narrowing, round-to-nearest-even fp16), torch needs these:
+Besides the numba kernels' habits (jit.py: float32 in C's order, no fused multiply-add, running sums in order,
+ggml's nearest_int, C-like narrowing, round-to-nearest-even fp16), torch needs these:
   * every division goes through `_div`, with both operands tensors of the full shape: torch computes
     `scalar / tensor` as `reciprocal() * scalar`, and on CUDA `tensor / python_scalar` as a multiplication by the
     reciprocal; neither is C's correctly rounded division;
   * no fused or reducing ops (addcmul, lerp, matmul, sum): one C operation is one torch op, and a running sum is
     a sequence of adds;
-  * scalar constants are computed in numpy float32, as kquants.py's `F32(...)` constants, and passed as Python floats
-    (exactly representable, so torch casts them back without rounding);
+  * scalar constants are computed in numpy float32, as the numba kernels' `F32(...)` constants, and passed as Python
+    floats (exactly representable, so torch casts them back without rounding);
   * `nearest_int` maps NaN to 0, as x86 does for its default NaN (0xFFC00000) that ggml and numpy see; a GPU's
     canonical NaN has other mantissa bits. NaN appears in lanes whose result is then discarded (a constant
     sub-block divides 0 by 0), so only this function sees its bits;
   * square roots go through float64 (`_sqrt`): torch's CPU sqrt is not correctly rounded;
   * integers narrow to uint8 through `& 0xFF`, so the wrap of a C cast does not rest on a backend's conversion;
   * a NaN fp16 scale keeps the bits of the NaN the hardware made, which differ between x86 and a GPU:
-    `quantizers_on` quantizes such rows (|x| > 1.8e19 only) again with kquants.py.
+    `quantizers_on` quantizes such rows (|x| > 1.8e19 only) again with the numba kernels.
 
 The code is device-agnostic: tensors stay on the device of the rows, and only `quantizers_on` crosses to numpy.
 Shapes: R rows, P values per row, B super-blocks of QK_K = 256, S sub-blocks, n values per sub-block; search arrays
@@ -37,7 +37,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 from moeprep.quant import kquants
-from moeprep.quant.kquants import F32, GROUP_MAX_EPS, MAGIC
+from moeprep.quant.jit import F32
+from moeprep.quant.scalars import MAGIC
+from moeprep.quant.searches import GROUP_MAX_EPS
 
 FT = torch.float32
 EPS = float(GROUP_MAX_EPS)
@@ -76,7 +78,7 @@ def _to_u8(v: torch.Tensor) -> torch.Tensor:
 
 
 def nearest_int(v: torch.Tensor) -> torch.Tensor:
-    """kquants.nearest_int, elementwise: ggml's magic-number trick on the float32 bits. [...] float32 -> [...] int32."""
+    """scalars.nearest_int, elementwise: ggml's magic-number trick on the float32 bits. [...] float32 -> [...] int32."""
     bits = (v + float(MAGIC)).view(torch.int32)
     r = (bits & 0x007FFFFF) - 0x00400000
     return torch.where(torch.isnan(v), 0, r)
@@ -111,7 +113,7 @@ def _first_along(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def search_min_scale(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
                      nstep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kquants.search_min_scale (make_qkx2/qkx3_quants). x, w [n, S] -> scale [S], -min [S], L [n, S] uint8.
+    """searches.search_min_scale (make_qkx2/qkx3_quants). x, w [n, S] -> scale [S], -min [S], L [n, S] uint8.
 
     The lanes where C returns early (max == min) are searched too and overwritten at the end."""
     nmax_f = F32(nmax)
@@ -154,7 +156,7 @@ def search_min_scale(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
 
 def search_symmetric_scale(x: torch.Tensor, nmax: int,
                            qw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """kquants.search_symmetric_scale (make_qx_quants, rmse_type 1). x, qw [n, S] -> scale [S], L [n, S] uint8."""
+    """searches.search_symmetric_scale (make_qx_quants, rmse_type 1). x, qw [n, S] -> scale [S], L [n, S] uint8."""
     nmax_f = F32(nmax)
     w = x * x if qw is None else qw
     wx = w * x
@@ -186,7 +188,7 @@ def search_symmetric_scale(x: torch.Tensor, nmax: int,
 
 
 def _search_block_scale(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """make_qp_quants on the sub-block scales (or mins) of every super-block, as kquants._search_block_scale.
+    """make_qp_quants on the sub-block scales (or mins) of every super-block, as q4_k_q5_k._search_block_scale.
     x, qw [n, B] -> block scale [B], L [n, B] uint8."""
     n = x.shape[0]
     nmax_f = F32(nmax)
@@ -267,7 +269,7 @@ def _fp16_bytes(h: torch.Tensor) -> torch.Tensor:
 
 def _quantize_k_min(xb: torch.Tensor, qw: torch.Tensor | None, nmax: int, ref_search: tuple[float, float, int],
                     clamp_weighted_levels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The shared half of Q4_K and Q5_K (kquants._k_min_rows): eight sub-blocks of 32, 6-bit scales and mins.
+    """The shared half of Q4_K and Q5_K (q4_k_q5_k.k_min_rows): eight sub-blocks of 32, 6-bit scales and mins.
     xb, qw [B, 256] -> d [B] fp16, dmin [B] fp16, packed scales [B, 12], L [B, 256] uint8."""
     B = xb.shape[0]
     x = xb.reshape(B * 8, 32).T.contiguous()  # [32, S], S = 8B

@@ -3,8 +3,8 @@
 A quantizer maps rows [R, P] float32 and an optional importance matrix [P] (or [R, P]) to bytes [R, row_bytes],
 equal to libggml's `ggml_quantize_chunk` for the same input:
   * Q4_K, Q5_K, Q6_K: moeprep.quant.kquants, both ggml paths;
-  * Q4_0, Q4_1, Q5_0, Q5_1: below, both ggml paths, as numba kernels on kquants' searches and habits (its module
-    docstring says how they keep ggml's bytes). gguf-py has only the reference path, and it differs from ggml
+  * Q4_0, Q4_1, Q5_0, Q5_1: below, both ggml paths, as numba kernels on moeprep.quant.searches' scale searches
+    (moeprep.quant.jit says how they keep ggml's bytes). gguf-py has only the reference path, and it differs from ggml
     in the sign of zero: ggml stores d = -0.0 for an all-zero Q4_0 block, and the first of equal minima as a
     Q4_1 min, where gguf-py's numpy min/argmax pick other signed zeros;
   * Q8_0, F16, BF16, F32: gguf-py (byte-exact); ggml ignores an imatrix for these, and so do we.
@@ -27,8 +27,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moeprep.errors import MoeprepError
 from moeprep.quant import kquants
-from moeprep.quant.kquants import (F32, JIT, LANES, fp16_bits, gather_lanes, quantize_with, search_min_scale,
-                                   search_symmetric_scale, search_work)
+from moeprep.quant.jit import F32, JIT, quantize_with
+from moeprep.quant.scalars import fp16_bits
+from moeprep.quant.searches import LANES, gather_lanes, search_min_scale, search_symmetric_scale, search_work
 
 Quantizer = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 T = GGMLQuantizationType

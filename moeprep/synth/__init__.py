@@ -2,8 +2,9 @@
 
     write_synth_model(path, arch="qwen3moe", preset="tiny", seed=0, expert_type=..., skew=0.3) -> Path
 
-Modules: config (SynthConfig, PRESETS), archs (the architecture table), weights (value draws, bias channel and
-skew, quantized bytes), tokenizer (the shipped byte-level BPE), model (writing), corpus (rebuilds package data).
+Modules: config (SynthConfig, PRESETS), parts (what architectures are built from), archs (the architecture table),
+glm5_next (glm5-next's own parts), weights (value draws, bias channel and skew, quantized bytes), tokenizer (the
+shipped byte-level BPE), model (writing), corpus (rebuilds package data).
 """
 
 from moeprep.synth.archs import ARCHS

@@ -86,7 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
                           n_expert_used=8, n_ff_exp=768, n_ff=6144, n_ctx=40960, sliding_window=128,
                           rope_freq_base=1_000_000.0, expert_type="Q4_K", attn_type="Q4_K"),
-    # The 60 GB benchmark shape of issues 12/13 (9.28 MiB per expert), with routing that follows the text so an
+    # The 60 GB benchmark shape (9.28 MiB per expert), with routing that follows the text so an
     # expert cache meets real skew and reuse; meant for fast_random_blocks=True.
     "bench-60g": dict(n_layer=46, n_embd=4096, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
                       n_expert_used=8, n_ff_exp=1408, n_ff=11264, n_ctx=32768, sliding_window=128,

@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash (`glm5-next`) as a synthetic architecture: the parts moeprep/synth/archs.py does not have.
+"""GLM-5.3-Flash (`glm5-next`) as a synthetic architecture: its own parts, beside the shared ones of parts.py.
 
 Every trunk block mixes 4 residual streams through hyper-connections (hc_attn_* before attention, hc_ffn_* before
 the FFN) and runs one of two attentions, chosen per layer by `attention.head_count_kv`:
@@ -11,7 +11,7 @@ The last block is the NextN (multi-token prediction) block: a DSA block without 
 llama.cpp loads it and its trunk graph skips it. Shapes and keys follow the llama.cpp vendored by llama-cpp-python
 0.3.36 (src/models/glm5-next.cpp). Shapes are numpy order (row length last), the reverse of ggml's ne[].
 
-Letters as in archs.py, plus Hd the KDA head size (head_dim), Di = H Hd, Hi/di the indexer's heads and key size.
+Letters as in parts.py, plus Hd the KDA head size (head_dim), Di = H Hd, Hi/di the indexer's heads and key size.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 from gguf import Keys
 
-from moeprep.synth.archs import (EXPERT_FF, SIGMOID, SIGMOID_ROUTING, T, ArchSpec, Moe, SharedExpert, TensorSpec,
-                                 bias, matrix_in, matrix_out, norm, tensor_name, _mla_split)
 from moeprep.synth.config import SynthConfig
+from moeprep.synth.parts import (EXPERT_FF, SIGMOID, SIGMOID_ROUTING, T, ArchSpec, Moe, SharedExpert, TensorSpec, bias,
+                                 matrix_in, matrix_out, mla_split_kv_b, norm, tensor_name)
 from moeprep.synth.weights import NORM_NOISE, Normal
 
 ARCH = "glm5-next"
@@ -85,7 +85,7 @@ def dsa(c: SynthConfig, il: int) -> list[TensorSpec]:
     return [matrix_in(T.ATTN_Q_A, il, (Cq, D)), norm(T.ATTN_Q_A_NORM, il, Cq),
             matrix_in(T.ATTN_Q_B, il, (H * c.qk_nope_dim, Cq)),
             matrix_in(T.ATTN_KV_A_MQA, il, (C, D)), norm(T.ATTN_KV_A_NORM, il, C),
-            *_mla_split(c, il),
+            *mla_split_kv_b(c, il),
             matrix_out(c, T.ATTN_OUT, il, (D, H * c.v_head_dim)),
             norm(T.INDEXER_K_NORM, il, di), bias(T.INDEXER_K_NORM, il, (di,)),
             matrix_in(T.INDEXER_PROJ, il, (Hi, D)), matrix_in(T.INDEXER_ATTN_K, il, (di, D)),

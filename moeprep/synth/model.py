@@ -17,8 +17,9 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.roles import TensorRole, parse_tensor_name, role_table, tensor_role
 from moeprep.gguf.writer import KVValue
 from moeprep.quant import registry
-from moeprep.synth.archs import ARCHS, ArchSpec, TensorSpec, model_metadata, model_tensors
+from moeprep.synth.archs import ARCHS
 from moeprep.synth.config import SynthConfig, resolve_config
+from moeprep.synth.parts import ArchSpec, TensorSpec, model_metadata, model_tensors
 from moeprep.synth.routing import shape_routing
 from moeprep.synth.tokenizer import load_vocab, padded_vocab, vocab_metadata
 from moeprep.synth.weights import BIAS_CHANNEL, RANDOM_BLOCKS, byte_shape, quantize, random_blocks, tensor_rng

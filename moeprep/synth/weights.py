@@ -11,7 +11,7 @@ RMSNorm. Router column BIAS_CHANNEL therefore acts as a per-expert logit offset,
 puts a Zipf-like ranking there: expert e of rank r (a seeded permutation per layer) gets the offset
 -skew * scale * ln(1 + r), the log of a Zipf weight (1 + r)^(-skew * scale), so low ranks win far more often.
 Sigmoid-gated archs put the same offsets into exp_probs_b instead (scale in score units), which moves only the
-choice of experts, not their weights. The scales live with the gating kinds in moeprep/synth/archs.py.
+choice of experts, not their weights. The scales live with the gating kinds in moeprep/synth/parts.py.
 
 Quantized types come from `quantize` (float weights through a real quantizer) or `random_blocks`
 (fast_random_blocks: valid blocks written directly as bytes, scale fields set so the values have the intended std).

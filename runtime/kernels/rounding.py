@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
+from moeprep.quant.jit import F32, JIT
+from moeprep.quant.scalars import fp16_bits, fp16_value
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
 

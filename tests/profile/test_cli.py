@@ -46,8 +46,38 @@ def test_run_writes_profile_and_imatrix(profiled: tuple[Path, Path, Path]) -> No
     p = read_profile(path)
     assert p.model.name == "synth-qwen3moe-tiny" and p.model.file_size == model.stat().st_size
     assert p.sources[0].chunks == 4 and p.sources[0].heldout_chunks == 2 and p.sources[0].tokens == 4 * 64
+    assert p.sources[0].chunks_asked == 6 and not p.sources[0].short_of_text
     assert p.trace.n_chunks == 6 and p.heldout is not None
     assert imatrix.read_bytes()[:4] == b"GGUF"
+
+
+def test_run_warns_when_the_text_gives_fewer_chunks_than_asked(synth, tmp_path: Path) -> None:  # noqa: ANN001
+    """A short text and --chunks 200: one warning line on stderr saying how many chunks the text gave, the run
+    goes on with them, and the profile records the number asked."""
+    model = synth("tiny-skewed", skew=1.0)
+    short = tmp_path / "short.txt"
+    short.write_text(CALIBRATION.read_text()[:3000])
+    result = CliRunner().invoke(main, ["profile", str(model), "--dataset", str(short), "-c", "64", "--chunks", "200",
+                                       "-o", str(tmp_path / "s.moeprof")])
+    assert result.exit_code == 0, (result.output, result.exception)
+    source = read_profile(tmp_path / "s.moeprof").sources[0]
+    got = source.chunks + source.heldout_chunks
+    assert 2 <= got < 200 and source.chunks_asked == 200 and source.short_of_text
+    assert result.stderr.count("warning") == 1
+    assert (f"moeprep: warning: dataset {short} gave {got} chunks of 64 tokens, fewer than the 200 asked"
+            in result.stderr)
+    # --tokens asks for ceil(tokens / ctx) chunks
+    result = CliRunner().invoke(main, ["profile", str(model), "--dataset", str(short), "-c", "64", "--tokens",
+                                       "6401", "-o", str(tmp_path / "t.moeprof")])
+    assert result.exit_code == 0 and f"gave {got} chunks of 64 tokens, fewer than the 101 asked" in result.stderr
+    assert read_profile(tmp_path / "t.moeprof").sources[0].chunks_asked == 101
+
+
+def test_no_warning_when_the_text_is_long_enough(synth, tmp_path: Path) -> None:  # noqa: ANN001
+    model = synth("tiny-skewed", skew=1.0)
+    result = CliRunner().invoke(main, ["profile", str(model), "--dataset", str(CALIBRATION), "-c", "64", "--chunks", "3",
+                                       "-o", str(tmp_path / "a.moeprof")])
+    assert result.exit_code == 0 and "warning" not in result.stderr
 
 
 def test_run_option_errors(synth, tmp_path: Path) -> None:  # noqa: ANN001

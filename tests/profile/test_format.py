@@ -12,7 +12,7 @@ import zstandard
 
 from moeprep.errors import MoeprepError
 from moeprep.profile.format import MAGIC, PREAMBLE, VERSION, decode_profile, encode_profile, read_profile, write_profile
-from moeprep.profile.profile import Profile
+from moeprep.profile.profile import Profile, Provenance
 from tests.profile.conftest import make_profile
 
 
@@ -39,6 +39,18 @@ def test_round_trip_without_heldout() -> None:
     p = make_profile(heldout=0)
     assert p.heldout is None
     assert_same(decode_profile(encode_profile(p), "p"), p)
+
+
+def test_chunks_asked_round_trips_and_older_or_newer_sources_read() -> None:
+    """chunks_asked survives the file; a source written before it existed reads as None, and a key this version
+    does not know is skipped."""
+    p = make_profile()
+    short = Provenance(**{**p.sources[0].to_dict(), "chunks_asked": 200})
+    p.sources[0] = short
+    assert decode_profile(encode_profile(p), "p").sources == [short] and short.short_of_text
+    older = {k: v for k, v in short.to_dict().items() if k != "chunks_asked"}
+    assert Provenance.from_dict(older).chunks_asked is None and not Provenance.from_dict(older).short_of_text
+    assert Provenance.from_dict({**older, "a_later_key": 1}) == Provenance.from_dict(older)
 
 
 def test_bytes_are_deterministic() -> None:

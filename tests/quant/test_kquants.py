@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import struct
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -79,7 +74,7 @@ def test_adversarial_rows_match_ggml(ggml, qtype, imatrix):
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
 def test_lane_groups_and_per_row_importance(ggml, qtype):
-    """15 super-blocks fill several lane groups and part of the last (kquants.LANES); an [R, P] importance equals
+    """15 super-blocks fill several lane groups and part of the last (moeprep.quant.searches.LANES); an [R, P] importance equals
     quantizing each row with its own [P] one."""
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((5, 768)).astype(np.float32)
@@ -103,56 +98,6 @@ def test_threads_give_the_bytes_of_one_call(qtype):
         with ThreadPoolExecutor(max_workers=4) as pool:
             parts = list(pool.map(lambda r0, w=imatrix: quantize(rows[r0:r0 + 8], w), range(0, 64, 8)))
         assert np.array_equal(np.concatenate(parts), quantize(rows, imatrix))
-
-
-def test_nearest_int_wraps_like_c():
-    """In range it rounds half to even; out of range it returns the C bit trick's value, not a rounded one."""
-    def c_nearest_int(v: float) -> int:
-        bits = struct.unpack("<i", struct.pack("<f", np.float32(np.float32(v) + np.float32(12582912.0))))[0]
-        return (bits & 0x007FFFFF) - 0x00400000
-
-    values = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 3.49, 4194303.0, -4194303.0, 5e6, -9e6, 1e20, np.inf, -np.inf,
-                       np.nan], np.float32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        got = [kquants.nearest_int(v) for v in values]
-    assert got == [c_nearest_int(v) for v in values]
-    assert got[:6] == [0, 2, 2, 0, -2, 3]
-
-
-def test_fp16_conversion_matches_numpy():
-    """fp16_bits rounds to nearest even as numpy's float16 cast does (normals, subnormals, ties, overflow to inf,
-    signed zeros), keeps x86's default NaN as 0xFE00; fp16_value reads every non-NaN fp16 back exactly."""
-    rng = np.random.default_rng(0)
-    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-    every = every[~np.isnan(every)]
-    values = np.concatenate([
-        (rng.standard_normal(20000) * np.exp(rng.standard_normal(20000) * 8)).astype(np.float32),
-        every, np.nextafter(every, np.float32(np.inf)),  # every fp16 value, and the float32 just above it
-        np.array([0.0, -0.0, 65504.0, 65519.996, 65520.0, 1e30, -np.inf, 2.0 ** -25, 2.0 ** -26, 3 * 2.0 ** -26],
-                 np.float32),
-    ])
-    with np.errstate(over="ignore"):
-        expected = values.astype(np.float16).view(np.uint16)
-    assert [kquants.fp16_bits(v) for v in values] == expected.tolist()
-    assert kquants.fp16_bits(np.uint32(0xFFC00000).view(np.float32)) == 0xFE00
-    halves = np.arange(1 << 16, dtype=np.uint16)
-    finite = halves[~np.isnan(halves.view(np.float16))]
-    back = np.array([kquants.fp16_value(int(h)) for h in finite], np.float32)
-    assert np.array_equal(back.view(np.uint32), finite.view(np.float16).astype(np.float32).view(np.uint32))
-
-
-def test_numba_cache_falls_back_to_the_temp_dir(tmp_path: Path, monkeypatch):
-    """With the package folder and numba's user cache read-only the kernels' cache goes to the temp dir, where numba
-    alone would fail at import; with no writable folder at all they compile in memory (see _numba_cache_usable)."""
-    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(kquants, "_writable", lambda folder: folder.parent == tmp_path)
-    assert kquants._numba_cache_usable()
-    assert Path(numba.config.CACHE_DIR).parent == tmp_path and os.environ["NUMBA_CACHE_DIR"] == numba.config.CACHE_DIR
-    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
-    monkeypatch.setattr(kquants, "_writable", lambda folder: False)
-    assert not kquants._numba_cache_usable()
 
 
 def test_output_shape_and_type_sizes():

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from moeprep.cli import main
 from moeprep.errors import MoeprepError
-from moeprep.quant import kquants, kquants_torch, registry
+from moeprep.quant import kquants, kquants_torch, registry, scalars
 from tests.quant.test_kquants import IMATRIX, KTYPES, adversarial_rows, make_imatrix
 
 
@@ -63,11 +63,11 @@ def test_chunk_boundaries_and_per_row_importance(ggml, qtype):
     ggml.assert_same_blocks(ours, theirs, qtype, "per-row importance over chunks of 3 blocks")
 
 
-def test_nearest_int_matches_kquants_and_maps_nan_to_zero():
+def test_nearest_int_matches_the_numba_one_and_maps_nan_to_zero():
     values = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 3.49, 4194303.0, -4194303.0, 5e6, -9e6, 1e20, np.inf, -np.inf,
                        np.nan, -np.nan], np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        expected = [kquants.nearest_int(v) for v in values]
+        expected = [scalars.nearest_int(v) for v in values]
     assert kquants_torch.nearest_int(torch.from_numpy(values)).tolist() == expected
     # a GPU's canonical NaN (0x7FFFFFFF) gives 0 too, as x86's default NaN does
     assert kquants_torch.nearest_int(torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)).item() == 0

@@ -43,7 +43,7 @@ def test_table_matches_ggml(ggml, qtype, with_imatrix, n_per_row):
 
 @pytest.mark.parametrize("qtype", LEGACY, ids=lambda t: t.name)
 def test_legacy_per_row_importance_across_lane_groups(ggml, qtype):
-    """Rows of 45 blocks: the weighted search's lane groups (kquants.LANES blocks) cross row ends, each block with
+    """Rows of 45 blocks: the weighted search's lane groups (moeprep.quant.searches.LANES blocks) cross row ends, each block with
     its own row's sigma2 and importance row; equal to quantizing each row with its own [P] importance."""
     rng = np.random.default_rng(4)
     rows = (rng.standard_normal((5, 1440)) * rng.exponential(1.0, (5, 1))).astype(np.float32)

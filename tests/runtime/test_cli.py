@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from click.testing import CliRunner
 from gguf import GGUFValueType
 
+import moerun
+from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
+from moerun.cache import host
 from moerun.cli import main
 
 
@@ -33,11 +38,73 @@ def test_perplexity_command(synth_model, tmp_path, calibration_text):
 
 
 def _assert_one_line_error(result, *fragments: str) -> None:
+    """One error line, after at most the line naming the device (errors found once the model is loading)."""
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
+    if lines and lines[0].startswith("moerun: running on "):
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("moerun: error: "), result.stderr
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The device each command asks moerun.load_model for; the load itself stops there with an error."""
+    devices = []
+
+    def load_model(g, device, **kwargs):
+        devices.append(device)
+        raise MoeprepError("stopped before loading")
+
+    monkeypatch.setattr(moerun, "load_model", load_model)
+    return devices
+
+
+def pretend_gpus(monkeypatch, names: list[str]) -> None:
+    """torch sees these GPUs (nothing touches CUDA: only is_available, device_count and the names answer)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(names))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
+    monkeypatch.setattr(host, "fits_device", lambda g, device: True)  # would ask the GPU for its free memory
+
+
+COMMANDS = {  # every command that loads a model, with the rest of its arguments
+    "run": ["-p", "x", "-n", "1"],
+    "bench": ["-p", "8", "-n", "4"],
+    "serve": ["--port", "1"],
+    "perplexity": ["-f", __file__],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_device_defaults_to_the_gpu_when_torch_sees_one(command, synth_model, monkeypatch, loads):
+    pretend_gpus(monkeypatch, ["NVIDIA H200"])
+    model = str(synth_model("qwen3moe"))
+    result = run(command, "-m", model, *COMMANDS[command])
+    assert loads == ["cuda"], result.output
+    assert result.stderr.splitlines()[0] == "moerun: running on cuda (NVIDIA H200)"
+    result = run(command, "-m", model, *COMMANDS[command], "--device", "cpu")  # still forces the CPU
+    assert loads == ["cuda", "cpu"] and result.stderr.splitlines()[0] == "moerun: running on cpu (--device cpu)"
+
+
+def test_device_defaults_to_the_cpu_without_a_gpu(synth_model, monkeypatch, loads):
+    pretend_gpus(monkeypatch, [])
+    result = run("-m", str(synth_model("qwen3moe")), "-p", "x", "-n", "1")
+    assert loads == ["cpu"]
+    assert result.stderr.splitlines() == ["moerun: running on cpu (no GPU found)",
+                                          "moerun: error: stopped before loading"]
+
+
+def test_device_line_names_every_gpu(monkeypatch):
+    from moerun.cli import device_line
+
+    pretend_gpus(monkeypatch, ["NVIDIA H200", "NVIDIA H200"])
+    assert device_line("cuda", None) == "moerun: running on cuda (2 x NVIDIA H200)"
+    pretend_gpus(monkeypatch, ["NVIDIA H200", "NVIDIA L4"])
+    assert device_line("cuda", "cuda") == "moerun: running on cuda (NVIDIA H200, NVIDIA L4)"
+    pretend_gpus(monkeypatch, [])
+    assert device_line("cuda", "cuda") is None  # loading says there is no GPU, in one line of its own
 
 
 def test_bad_inputs_exit_2_with_one_line(synth_model, tmp_path):
@@ -69,8 +136,8 @@ def test_bench_with_the_expert_cache(synth_model, tmp_path, calibration_text):
     text = tmp_path / "text.txt"
     text.write_text(calibration_text[:4000])
     out = tmp_path / "bench.json"
-    result = run("bench", "-m", str(synth_model("qwen3moe")), "--vram-budget", "1540M", "--cache-slots", "2",
-                 "-p", "16", "-n", "8", "-f", str(text), "--json", str(out), "-t", "1")
+    result = run("bench", "-m", str(synth_model("qwen3moe")), "--device", "cpu", "--vram-budget", "1540M",
+                 "--cache-slots", "2", "-p", "16", "-n", "8", "-f", str(text), "--json", str(out), "-t", "1")
     assert result.exit_code == 0, result.output
     assert "expert cache: " in result.stderr and "slots per layer 2 2 2" in result.stderr  # printed at start
     assert "| pp16 | 16 |" in result.stdout and "| tg8 | 8 |" in result.stdout
@@ -80,23 +147,23 @@ def test_bench_with_the_expert_cache(synth_model, tmp_path, calibration_text):
     decode = report["cache_decode"]
     assert 0 < decode["hit_rate"] < 1 and len(decode["hit_rate_per_layer"]) == 3
     # without cache options on the CPU every expert stays where the model is: no cache lines
-    plain = run("bench", "-m", str(synth_model("qwen3moe")), "-p", "8", "-n", "4")
+    plain = run("bench", "-m", str(synth_model("qwen3moe")), "--device", "cpu", "-p", "8", "-n", "4")
     assert plain.exit_code == 0, plain.output
     assert "| tg4 | 4 |" in plain.stdout and "expert cache" not in plain.stdout + plain.stderr
 
 
 def test_cache_options_refuse_bad_input(synth_model, tmp_path, calibration_text):
-    model = str(synth_model("qwen3moe"))
-    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "lots"), "--vram-budget")
-    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "1540M", "--cache-slots", "0"), "--cache-slots")
-    _assert_one_line_error(run("-m", model, "-p", "x", "--cache-slots", "3"), "--vram-budget")  # cpu needs a budget
-    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "64M"), "larger --vram-budget")
-    _assert_one_line_error(run("bench", "-m", model, "-p", "0", "-n", "0"), "nothing to measure")
-    _assert_one_line_error(run("bench", "-m", model, "--json", str(tmp_path / "no" / "b.json")), "does not exist")
+    model = ["-m", str(synth_model("qwen3moe")), "--device", "cpu"]  # the CPU standing in for the GPU
+    _assert_one_line_error(run("bench", *model, "--vram-budget", "lots"), "--vram-budget")
+    _assert_one_line_error(run("bench", *model, "--vram-budget", "1540M", "--cache-slots", "0"), "--cache-slots")
+    _assert_one_line_error(run(*model, "-p", "x", "--cache-slots", "3"), "--vram-budget")  # cpu needs a budget
+    _assert_one_line_error(run("bench", *model, "--vram-budget", "64M"), "larger --vram-budget")
+    _assert_one_line_error(run("bench", *model, "-p", "0", "-n", "0"), "nothing to measure")
+    _assert_one_line_error(run("bench", *model, "--json", str(tmp_path / "no" / "b.json")), "does not exist")
     short = tmp_path / "short.txt"
     short.write_text("two words")
-    _assert_one_line_error(run("bench", "-m", model, "-p", "64", "-n", "8", "-f", str(short)), "longer -f")
-    _assert_one_line_error(run("bench", "-m", model, "--vram-budget", "1540M", "--expert-profile",
+    _assert_one_line_error(run("bench", *model, "-p", "64", "-n", "8", "-f", str(short)), "longer -f")
+    _assert_one_line_error(run("bench", *model, "--vram-budget", "1540M", "--expert-profile",
                                str(tmp_path / "missing.moeprof")), "missing.moeprof")
 
 

@@ -26,6 +26,7 @@ def gpus(monkeypatch):
     def visible(n: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "a pretended GPU")
     return visible
 
 
@@ -204,4 +205,5 @@ def test_cli_refuses_more_budgets_than_gpus_with_exit_2(gpus, synth_model) -> No
     result = CliRunner().invoke(main, ["-m", str(synth_model("qwen3moe")), "--device", "cuda",
                                        "--vram-budget", "24G,24G", "-p", "hi", "-n", "1"])
     assert result.exit_code == 2, result.output
-    assert "2 budgets" in result.stderr and result.stderr.count("\n") == 1
+    assert result.stderr.splitlines()[0] == "moerun: running on cuda (a pretended GPU)"
+    assert "2 budgets" in result.stderr and result.stderr.count("\n") == 2  # the device line, then the error

@@ -77,10 +77,11 @@ def test_a_bad_named_library_is_one_line_and_exit_2(monkeypatch, tmp_path, synth
         path.write_text("not an ELF file")
     monkeypatch.setenv("MOERUN_GGML_CPU_LIB", str(path))
     result = CliRunner().invoke(main, ["-m", str(synth_model("qwen3moe", expert_type="Q4_K")), "-p", "hi",
-                                       "-n", "1"])
+                                       "-n", "1", "--device", "cpu"])
     assert result.exit_code == 2, result.output
     assert f"MOERUN_GGML_CPU_LIB={path}" in result.output and "Traceback" not in result.output
-    assert len(result.output.strip().splitlines()) == 1
+    lines = result.output.strip().splitlines()  # the device line, then the error
+    assert len(lines) == 2 and lines[0] == "moerun: running on cpu (--device cpu)"
 
 
 def test_moerun_bench_says_whose_cpu_kernels_run(synth_model):

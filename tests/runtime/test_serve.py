@@ -62,7 +62,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.log = log
         self.proc = subprocess.Popen([sys.executable, "-m", "moerun", "serve", "-m", str(model), "-c", str(N_CTX),
-                                      "-t", "1", "--port", str(self.port), *args],
+                                      "--device", "cpu", "-t", "1", "--port", str(self.port), *args],
                                      stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
     def wait_ready(self, timeout: float = 300) -> None:
@@ -401,10 +401,12 @@ def test_full_queue_503_and_a_client_that_disconnects_mid_stream(servers, alone)
 
 
 def test_serve_refuses_a_port_in_use_with_one_line(servers, chat_model):
-    result = CliRunner().invoke(main, ["serve", "-m", str(chat_model), "-c", "64", "--port", str(servers["main"].port)])
+    result = CliRunner().invoke(main, ["serve", "-m", str(chat_model), "-c", "64", "--device", "cpu", "--port",
+                                       str(servers["main"].port)])
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("moerun: error: cannot listen on 127.0.0.1:")
-    assert len(result.stderr.splitlines()) == 1
+    lines = result.stderr.splitlines()  # the device line, then the error
+    assert len(lines) == 2 and lines[0] == "moerun: running on cpu (--device cpu)"
+    assert lines[1].startswith("moerun: error: cannot listen on 127.0.0.1:")
 
 
 # ------------------------------------------------------------------------------- the pieces, in this process

@@ -13,7 +13,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from moeprep.quant.kquants import JIT, fp16_value
+from moeprep.quant.jit import JIT
+from moeprep.quant.scalars import fp16_value
 
 # ------------------------------------------------------------------------------------------------ block decoders
 # unpack(row, wq, wf, sc, mn, dd): one weight row's bytes -> for the integer types wq (cols,) int16, each value

@@ -10,7 +10,7 @@ import numba
 import numpy as np
 from moerun.kernels.cpu.blocks import _f16, _opaque, _u32
 
-from moeprep.quant.kquants import F32, JIT
+from moeprep.quant.jit import F32, JIT
 
 # --------------------------------------------------------------------------------------------- dot products
 

@@ -40,7 +40,8 @@ from moerun.kernels.cpu.dots import (
 )
 from moerun.kernels.rounding import q8_0_blocks, q8_k_blocks
 
-from moeprep.quant.kquants import F32, JIT, fp16_bits, fp16_value
+from moeprep.quant.jit import F32, JIT
+from moeprep.quant.scalars import fp16_bits, fp16_value
 
 
 @dataclass(frozen=True)

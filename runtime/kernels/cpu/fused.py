@@ -21,9 +21,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 
-from moeprep.quant.kquants import F32, JIT
+from moeprep.quant.jit import F32, JIT
+from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 
 
 def _rows(x: torch.Tensor) -> np.ndarray:

@@ -15,7 +15,7 @@ from moerun.kernels.cpu.work import (
     _pairs,
 )
 
-from moeprep.quant.kquants import F32, JIT
+from moeprep.quant.jit import F32, JIT
 
 # ---------------------------------------------------- the same, on ggml's row dot products where they are there
 

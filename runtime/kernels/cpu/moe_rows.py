@@ -68,7 +68,7 @@ from moerun.kernels.ggml_cpu import GgmlCPU
 from numba import literal_unroll
 
 from moeprep.errors import MoeprepError
-from moeprep.quant.kquants import F32, JIT
+from moeprep.quant.jit import F32, JIT
 
 
 @numba.njit(**JIT)

@@ -12,7 +12,7 @@ import numba
 import numpy as np
 from numba import literal_unroll
 
-from moeprep.quant.kquants import F32, JIT
+from moeprep.quant.jit import F32, JIT
 
 # Calling a table's function through literal_unroll is what numba's warning calls its first-class function feature.
 warnings.filterwarnings("ignore", ".*First-class function type feature is experimental",
