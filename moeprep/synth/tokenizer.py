@@ -87,12 +87,59 @@ def padded_vocab(vocab: Vocab, size: int) -> Vocab:
                  vocab.token_types + [int(TokenType.UNUSED)] * len(extra), vocab.merges, vocab.eos_id)
 
 
-def vocab_metadata(vocab: Vocab) -> dict[str, KVValue]:
-    """tokenizer.ggml.* keys. <|endoftext|> is bos, eos and padding, as in Qwen base models; no BOS is added."""
+def with_user_defined(vocab: Vocab, texts: tuple[str, ...]) -> Vocab:
+    """`vocab` with USER_DEFINED tokens appended: text the tokenizer matches whole before any splitting (tool-call
+    markers and the like in real vocabularies)."""
+    return Vocab(vocab.tokens + list(texts), vocab.token_types + [int(TokenType.USER_DEFINED)] * len(texts),
+                 vocab.merges, vocab.eos_id)
+
+
+SPACE = "\u2581"
+
+
+def sentencepiece_style(vocab: Vocab) -> Vocab:
+    """The byte-level vocabulary recast as the BPE vocabularies of Gemma 4 (tokenizer model "gemma4"): tokens are
+    raw UTF-8 text with spaces written "\u2581", the 256 byte tokens <0xXX> catch what no token covers, and merges
+    keep their order. Tokens (and merges) that are not whole UTF-8 text have no such form and are left out."""
+    byte_of = {c: b for b, c in _byte_chars().items()}
+
+    def raw(token: str) -> str | None:
+        try:
+            return bytes(byte_of[c] for c in token).decode("utf-8").replace(" ", SPACE)
+        except (KeyError, UnicodeDecodeError):
+            return None
+
+    tokens, types, known = [], [], set()
+    for token, kind in zip(vocab.tokens, vocab.token_types):
+        text = token if kind != TokenType.NORMAL else raw(token)
+        if text is not None and text not in known:
+            tokens.append(text)
+            types.append(kind)
+            known.add(text)
+    merges = []
+    for m in vocab.merges:
+        left, right = (raw(side) for side in m.split(" ", 1))
+        if left is not None and right is not None and left + right in known:
+            merges.append(f"{left} {right}")
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [int(TokenType.BYTE)] * 256
+    return Vocab(tokens, types, merges, tokens.index(ENDOFTEXT))
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character alphabet (the same map as the runtime's, which moeprep does not import)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def vocab_metadata(vocab: Vocab, model: str = "gpt2", pre: str | None = PRE_TOKENIZER) -> dict[str, KVValue]:
+    """tokenizer.ggml.* keys. <|endoftext|> is bos, eos and padding, as in Qwen base models; no BOS is added
+    unless the tokenizer always adds one (Gemma 4's). `pre=None` leaves tokenizer.ggml.pre out."""
     T, S, U32, B = GGUFValueType.ARRAY, GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
     return {
-        Keys.Tokenizer.MODEL: KVValue("gpt2", S),
-        Keys.Tokenizer.PRE: KVValue(PRE_TOKENIZER, S),
+        Keys.Tokenizer.MODEL: KVValue(model, S),
+        **({Keys.Tokenizer.PRE: KVValue(pre, S)} if pre is not None else {}),
         Keys.Tokenizer.LIST: KVValue(vocab.tokens, T, S),
         Keys.Tokenizer.TOKEN_TYPE: KVValue(vocab.token_types, T, GGUFValueType.INT32),
         Keys.Tokenizer.MERGES: KVValue(vocab.merges, T, S),
