@@ -148,3 +148,63 @@ def vocab_metadata(vocab: Vocab, model: str = "gpt2", pre: str | None = PRE_TOKE
         Keys.Tokenizer.PAD_ID: KVValue(vocab.eos_id, U32),
         Keys.Tokenizer.ADD_BOS: KVValue(False, B),
     }
+
+
+# A few of SentencePiece's NFKC rules, for the unigram ("t5") vocabulary's normalization map.
+NFKC_SAMPLE = {"ﬁ": "fi", "ﬀ": "ff", "Ａ": "A", "１": "1", "①": "1", "\u3000": " ", "\u00a0": " ", "\t": " ",
+               "\n": " ", "e\u0301": "é", "…": "...", "™": "TM", "ｶﾞ": "ガ"}
+
+
+def precompiled_charsmap(rules: dict[str, str]) -> bytes:
+    """SentencePiece's precompiled character map for `rules` (input text -> replacement): a u32 byte count, a
+    double-array trie over the UTF-8 bytes of the inputs, then the NUL-terminated replacements. In the array (of
+    u32), the node at index p has children at (p XOR base(p)) XOR byte, each entry packing base << 10, a leaf flag
+    (bit 8) and the byte that leads to it (bits 0-7); a leaf's value entry, at p XOR base(p), is bit 31 plus the
+    offset of its replacement."""
+    replacements, offsets = bytearray(), {}
+    for out in rules.values():
+        if out not in offsets:
+            offsets[out] = len(replacements)
+            replacements += out.encode() + b"\0"
+    trie: dict = {}
+    for key, out in rules.items():
+        node = trie
+        for b in key.encode():
+            node = node.setdefault(b, {})
+        node[None] = offsets[out]  # None: this node ends a key
+    entries: dict[int, int] = {}
+    used = {0}
+    pending = [(0, trie)]  # (index, trie node): place each node's children and value
+    while pending:
+        index, node = pending.pop(0)
+        children = sorted(b for b in node if b is not None)
+        offset = next(o for o in range(1, 1 << 20) if all(o ^ c not in used for c in children)
+                      and (None not in node or o not in used))
+        entries[index] = entries.get(index, 0) | ((index ^ offset) << 10)
+        if None in node:
+            entries[offset] = (1 << 31) | node[None]
+            used.add(offset)
+        for c in children:
+            child = offset ^ c
+            used.add(child)
+            entries[child] = c | ((1 << 8) if None in node[c] else 0)
+            pending.append((child, node[c]))
+    # every index a lookup can reach (an offset XOR any byte) lies inside the array, as readers index it unchecked
+    array = [entries.get(i, 0) for i in range((max(entries) | 0xFF) + 1)]
+    blob = b"".join(x.to_bytes(4, "little") for x in array)
+    return len(blob).to_bytes(4, "little") + blob + bytes(replacements)
+
+
+def unigram_style(vocab: Vocab) -> tuple[Vocab, list[float]]:
+    """The byte-level vocabulary recast as a SentencePiece unigram one (tokenizer model "t5", XLM-R style):
+    <s> <pad> </s> <unk>, then every token that is whole UTF-8 text with spaces as "\\u2581", scored by id so that
+    earlier (more frequent) merges score higher. Returns the vocabulary and the scores."""
+    raw = sentencepiece_style(vocab)
+    tokens = ["<s>", "<pad>", "</s>", "<unk>"]
+    types = [int(TokenType.CONTROL)] * 3 + [int(TokenType.UNKNOWN)]
+    for token, kind in zip(raw.tokens, raw.token_types):
+        if kind == TokenType.NORMAL:
+            tokens.append(token)
+            types.append(kind)
+    scores = [0.0] * 4 + [-1.0 - i / 64 for i in range(len(tokens) - 4)]
+    return Vocab(tokens, types, [], eos_id=2), scores

@@ -1,10 +1,11 @@
 """The model's tokenizer, rebuilt from GGUF metadata so that it splits text exactly as llama.cpp does.
 
-Two tokenizer models cover the text vocabularies of MoE releases:
+Three tokenizer models cover the text vocabularies of MoE releases:
 - BPE ("gpt2", and "gemma4", which is BPE over SentencePiece-style pieces): the pre-tokenizer named by
   `tokenizer.ggml.pre` cuts text into words (pretokenizers.py: the table; split.py: llama.cpp's splitting rules),
   and each word is merged pair by pair in the order of the file's merge list;
-- SentencePiece ("llama"): pieces merged by score, characters outside the vocabulary as their <0xXX> byte tokens.
+- SentencePiece ("llama"): pieces merged by score, characters outside the vocabulary as their <0xXX> byte tokens;
+- SentencePiece unigram ("t5", unigram.py): normalization by the file's character map, best-scoring segmentation.
 User-defined tokens written in the text are matched first (longest first); control tokens never are, as with
 llama.cpp's tokenize(special=False). Decoding maps tokens to bytes, so control tokens print nothing and a streamed
 UTF-8 character split over tokens is reassembled.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from gguf import Keys, TokenType
 
@@ -21,6 +23,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.tokenizer.pretokenizers import PRE_TOKENIZERS, PreTokenizer
 from moerun.tokenizer.split import split
+from moerun.tokenizer.unigram import Unigram
 
 TOK = Keys.Tokenizer
 SPACE = "\u2581"  # SentencePiece's visible space
@@ -150,15 +153,25 @@ class SentencePieceBPE:
         return ids
 
 
-# tokenizer.ggml.model -> (implementation, default BOS id, default EOS id, add BOS unless the file says); the
-# defaults are llama.cpp's, used when the file names no id.
-TOKENIZER_MODELS: dict[str, tuple[type, int | None, int | None, bool]] = {
-    "gpt2": (BPE, 11, 11, False),
-    "gemma4": (BPE, None, None, False),
-    "llama": (SentencePieceBPE, 1, 2, True),
+@dataclass(frozen=True)
+class TokenizerModel:
+    """A tokenizer.ggml.model value: its implementation and llama.cpp's defaults where the file says nothing."""
+
+    implementation: type
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    add_eos: bool = False
+
+
+TOKENIZER_MODELS: dict[str, TokenizerModel] = {
+    "gpt2": TokenizerModel(BPE, 11, 11, add_bos=False),
+    "gemma4": TokenizerModel(BPE, None, None, add_bos=False),
+    "llama": TokenizerModel(SentencePieceBPE, 1, 2, add_bos=True),
+    "t5": TokenizerModel(Unigram, None, 1, add_bos=False, add_eos=True),
 }
-# tokenizer models llama.cpp knows that are not text-generation vocabularies of MoE releases
-OTHER_LLAMA_CPP_MODELS = ("bert", "t5", "rwkv", "plamo2", "hybriddna", "whitespace", "no_vocab", "none", "test")
+# tokenizer models llama.cpp knows that no MoE release uses (BERT word pieces, RWKV, PLaMo 2, DNA, none)
+OTHER_LLAMA_CPP_MODELS = ("bert", "rwkv", "plamo2", "hybriddna", "whitespace", "no_vocab", "none", "test")
 
 
 def pre_tokenizer(g: GGUFModel, kind: str) -> PreTokenizer | None:
@@ -183,21 +196,22 @@ class Tokenizer:
             known = "a tokenizer model moerun does not run" if kind in OTHER_LLAMA_CPP_MODELS else "an unknown tokenizer"
             raise MoeprepError(f"{g.path}: tokenizer model '{kind}' (tokenizer.ggml.model) is {known}; "
                                f"supported: {', '.join(TOKENIZER_MODELS)}")
-        implementation, bos, eos, add_bos = TOKENIZER_MODELS[kind]
+        spec = TOKENIZER_MODELS[kind]
+        bos, add_bos = spec.bos_id, spec.add_bos
         pre = pre_tokenizer(g, kind)
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(g.get(TOK.LIST))]  # llama.cpp's name for empty tokens
         types = [TOKEN_TYPES.get(t, TokenType.UNUSED) for t in (g.get(TOK.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens))]
-        self._model = implementation(g, tokens, types, pre)
+        self._model = spec.implementation(g, tokens, types, pre)
         self._user_defined = sorted(((t, i) for i, (t, ty) in enumerate(zip(tokens, types))
                                      if ty == TokenType.USER_DEFINED), key=lambda ti: -len(ti[0].encode()))
         if pre is not None:
             bos = bos if pre.bos_token else None
             add_bos = pre.add_bos
         self.bos_id = _special_id(g, TOK.BOS_ID, bos, len(tokens))
-        self.eos_id = _special_id(g, TOK.EOS_ID, eos, len(tokens))
+        self.eos_id = _special_id(g, TOK.EOS_ID, spec.eos_id, len(tokens))
         add_bos = bool(g.get(TOK.ADD_BOS, add_bos)) or bool(pre and pre.gemma4)  # llama.cpp forces it for Gemma 4
         self.add_bos: bool = add_bos and self.bos_id is not None
-        self.add_eos: bool = bool(g.get(TOK.ADD_EOS, False)) and self.eos_id is not None
+        self.add_eos: bool = bool(g.get(TOK.ADD_EOS, spec.add_eos)) and self.eos_id is not None
         self.eog_ids = {i for i in (self.eos_id, g.get(TOK.EOT_ID), g.get(TOK.EOM_ID)) if i is not None}
 
     @property

@@ -17,7 +17,8 @@ import moerun
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
-from moeprep.synth.tokenizer import load_vocab, sentencepiece_style, vocab_metadata, with_user_defined
+from moeprep.synth.tokenizer import (NFKC_SAMPLE, load_vocab, precompiled_charsmap, sentencepiece_style,
+                                     unigram_style, vocab_metadata, with_user_defined)
 from moerun.cli import main as moerun_main
 from moerun.tokenizer import Tokenizer, bytes_to_unicode
 from moerun.tokenizer.pretokenizers import PRE_TOKENIZERS
@@ -91,6 +92,35 @@ def test_gemma4_tokenizer_model_matches_llama_cpp(vocab_file, tmp_path):
     assert tokenizer.decode(ids) == TEXT
 
 
+@pytest.mark.parametrize("extra_spaces", ["merged", "kept"])
+def test_unigram_tokenizer_model_matches_llama_cpp(extra_spaces, synth_model, tmp_path):
+    """"t5" (SentencePiece unigram, XLM-R style as in nomic-bert-moe): the character map normalizes (NFKC rules),
+    spaces become "\u2581", the best-scoring segmentation wins, unknown characters merge into one <unk>."""
+    vocab, scores = unigram_style(load_vocab())
+    vocab = with_user_defined(vocab, USER_DEFINED)
+    V = GGUFValueType
+    path = tmp_path / "t5.gguf"
+    base = open_gguf(synth_model("qwen3moe"))
+    write_gguf(path, base, tensors=[], kv_remove=[k for k in base.fields if k.startswith("tokenizer.")], kv_set={
+        "tokenizer.ggml.model": KVValue("t5", V.STRING),
+        "tokenizer.ggml.tokens": KVValue(vocab.tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.scores": KVValue(scores + [0.0] * len(USER_DEFINED), V.ARRAY, V.FLOAT32),
+        "tokenizer.ggml.token_type": KVValue(vocab.token_types, V.ARRAY, V.INT32),
+        "tokenizer.ggml.precompiled_charsmap": KVValue(list(precompiled_charsmap(NFKC_SAMPLE)), V.ARRAY, V.UINT8),
+        "tokenizer.ggml.add_space_prefix": KVValue(True, V.BOOL),
+        "tokenizer.ggml.remove_extra_whitespaces": KVValue(extra_spaces == "merged", V.BOOL),
+        "tokenizer.ggml.bos_token_id": KVValue(0, V.UINT32),
+        "tokenizer.ggml.eos_token_id": KVValue(2, V.UINT32),
+        "tokenizer.ggml.unknown_token_id": KVValue(3, V.UINT32),
+        "tokenizer.ggml.add_bos_token": KVValue(True, V.BOOL),
+    })
+    text = TEXT + "".join(NFKC_SAMPLE) + " ﬁnal ＡＢ１ …"
+    tokenizer = _assert_same_as_llama_cpp(path, (text, *TEXTS[1:]))
+    ids = tokenizer.encode(text)
+    assert ids[0] == 0 and ids[-1] == 2 and 3 in ids  # BOS, EOS (t5's default), and some unknown characters
+    assert "fi" in tokenizer.decode(tokenizer.encode("ﬁ", add_bos=False))  # normalized by the map
+
+
 def test_missing_pre_tokenizer_is_default_as_in_llama_cpp(vocab_file, tmp_path):
     _assert_same_as_llama_cpp(vocab_file(tmp_path / "none.gguf", pre=None))
 
@@ -117,7 +147,7 @@ def test_unknown_pre_tokenizer_is_refused_like_llama_cpp(vocab_file, synth_model
     assert len(lines) == 1 and "unknown pre-tokenizer type 'no-such'" in lines[0]
 
 
-@pytest.mark.parametrize("model", ["no-such", "bert"])
+@pytest.mark.parametrize("model", ["no-such", "bert", "rwkv"])
 def test_tokenizer_models_moerun_does_not_run_are_one_line_errors(model, vocab_file, tmp_path):
     path = vocab_file(tmp_path / "model.gguf", model=model, pre=None)
     with pytest.raises(MoeprepError, match=f"tokenizer model '{model}'"):
