@@ -58,19 +58,28 @@ DEEPSEEK_LLM = (
     r"\p{N}+",
 )
 DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}")
-# Case-aware words (GPT-4o's o200k split). llama.cpp spells "uppercase" and "lowercase" letters as a letter that
-# is not a-z / not A-Z, which (on its stand-in text) only tells cases apart for ASCII.
+# Case-aware words (GPT-4o's o200k split): uppercase letters then lowercase ones, or the other way round, with one
+# optional leading non-letter and an optional contraction; numbers; punctuation with trailing newlines or slashes.
+# llama.cpp spells the letter classes either with \p{Lu}-style names or as "a letter that is not a-z / not A-Z";
+# on its stand-in text both only tell cases apart for ASCII, but each name keeps its own spelling, as llama.cpp does.
 _UPPER, _LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
-_NOT_WORD = r"[^\r\n\p{L}\p{N}]?"
-GPT4O = (rf"{_NOT_WORD}{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|{_NOT_WORD}{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
-         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|" + _TAIL)
-TEKKEN = rf"{_NOT_WORD}{_UPPER}*{_LOWER}+|{_NOT_WORD}{_UPPER}+{_LOWER}*|\p{{N}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|" + _TAIL
 _UPPER_M, _LOWER_M = r"((?=[\p{L}\p{M}])([^a-z]))", r"((?=[\p{L}\p{M}])([^A-Z]))"
-GRANITE_EMB_MULTI = (rf"{_NOT_WORD}{_UPPER_M}*{_LOWER_M}+{_CONTRACTIONS}?|{_NOT_WORD}{_UPPER_M}+{_LOWER_M}*"
-                     rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|" + _TAIL)
 _CASED_UPPER, _CASED_LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-TINY_AYA = (rf"{_NOT_WORD}{_CASED_UPPER}*{_CASED_LOWER}+{_CONTRACTIONS}?|{_NOT_WORD}{_CASED_UPPER}+{_CASED_LOWER}*"
-            rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|" + _TAIL)
+_NOT_WORD = r"[^\r\n\p{L}\p{N}]?"
+
+
+def _cased_words(upper: str, lower: str, numbers: str, contraction: str = _CONTRACTIONS + "?") -> str:
+    return (f"{_NOT_WORD}{upper}*{lower}+{contraction}|{_NOT_WORD}{upper}+{lower}*{contraction}"
+            f"|{numbers}| ?[^\\s\\p{{L}}\\p{{N}}]+[\\r\\n/]*|" + _TAIL)
+
+
+GPT4O = _cased_words(_UPPER, _LOWER, r"\p{N}{1,3}")
+TEKKEN = _cased_words(_UPPER, _LOWER, r"\p{N}", contraction="")
+GRANITE_EMB_MULTI = _cased_words(_UPPER_M, _LOWER_M, r"\p{N}{1,3}")
+TINY_AYA = _cased_words(_CASED_UPPER, _CASED_LOWER, r"\p{N}{1,3}")
+YOUTU = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+         "\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + _CJK_KANA,  # Hangul, CJK punctuation, Bopomofo, CJK and kana runs
+         _cased_words(_CASED_UPPER, _CASED_LOWER, r"\p{N}"))
 STARCODER = (r"\p{N}", GPT2)
 FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]")
 DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
@@ -113,9 +122,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_names("deepseek-v3 hunyuan-dense joyai-llm hy_v4", _DEEPSEEK3),
     "spark2_5": PreTokenizer((r"\p{N}{1,3}", _CJK_KANA, _ASCII_PUNCT_WORD
                               + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}")),
-    "youtu": PreTokenizer(("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + _CJK_KANA,
-                           GPT4O.replace(r"\p{N}{1,3}", r"\p{N}").replace(_UPPER, r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]")
-                           .replace(_LOWER, r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]")), ignore_merges=True),
+    "youtu": PreTokenizer(YOUTU, ignore_merges=True),
     "falcon": PreTokenizer(FALCON),
     **_names("mpt gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert olmo jais "
              "trillion granite-docling exaone4 jina-v1-en jina-v2-code roberta-bpe", _GPT2),
