@@ -90,8 +90,10 @@ BAILINGMOE = ("'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+")
 SEED_CODER = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|" + _TAIL
 UFAKZEKA = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _TAIL  # Qwen2's without contractions
+# runs of CJK, kana, Thai, Lao, Khmer, Myanmar and Hangul
 AFMOE_SCRIPTS = ("[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf"
-                 "\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+")  # CJK and Southeast Asian scripts
+                 "\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af"
+                 "\u1100-\u11ff]+")
 LINES = r"[^\n]+|[\n]+"
 EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
               r"|\s*[\r\n]|\s+(?!\S)|\s+")
@@ -105,7 +107,6 @@ _STARCODER = PreTokenizer(STARCODER)
 _DEEPSEEK3 = PreTokenizer(DEEPSEEK3)
 _SPM_STYLE = PreTokenizer((LINES,), byte_level=False, escape_spaces=True)  # spaces as "\u2581", lines whole
 _GEMMA4 = PreTokenizer((LINES,), byte_level=False, escape_spaces=True, gemma4=True)
-_CHATGLM = PreTokenizer((LLAMA3,), bos_token=False)
 
 
 def _names(names: str, pre: PreTokenizer) -> dict[str, PreTokenizer]:
@@ -135,7 +136,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "qwen35": PreTokenizer((QWEN35,)),
     **_names("dbrx smaug-bpe", PreTokenizer((LLAMA3,))),
     **_names("poro-chat bloom gpt3-finnish", PreTokenizer((BLOOM,))),
-    "chatglm-bpe": _CHATGLM,
+    "chatglm-bpe": PreTokenizer((LLAMA3,), bos_token=False),
     **_names("glm4 glm5", PreTokenizer((LLAMA3,), ignore_merges=True, bos_token=False)),
     "viking": PreTokenizer((BLOOM, r"\p{N}")),
     "tekken": PreTokenizer((TEKKEN,), ignore_merges=True, add_bos=True),
