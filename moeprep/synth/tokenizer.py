@@ -3,8 +3,12 @@
 GGUF stores it as llama.cpp's "gpt2" tokenizer model: the token strings (in the GPT-2 byte-to-unicode alphabet),
 their types, the merges as "left right" strings, and the special token ids. The pre-tokenizer is named by
 `tokenizer.ggml.pre`; we use "qwen2" for every architecture: llama.cpp knows the name, and its split pattern is
-the public Qwen2 regex below, which the `tokenizers` library (and so our runtime) applies identically. Training
-uses that same split, so both sides agree on every token boundary.
+the public Qwen2 regex below, which the `tokenizers` library and llama.cpp apply identically. Training uses that
+same split, so both sides agree on every token boundary.
+
+The same vocabulary recast for the other tokenizer models, for tests against llama.cpp: SentencePiece-style BPE
+over raw UTF-8 (`sentencepiece_style`, Gemma 4's "gemma4"), and a unigram vocabulary with a precompiled
+normalization map (`unigram_style`, `precompiled_charsmap`: "t5").
 """
 
 from __future__ import annotations
