@@ -182,9 +182,9 @@ def _kimi_k2(text: str, start: int, end: int) -> list[int]:
                 pos += 1
             cuts.append(pos)
             continue
-        lead = ch not in "\r\n" and c not in ("L", "N")
-        if letter(pos) or (lead and letter(pos + 1)):
-            pos += 1 if lead else 0
+        prefixed = ch not in "\r\n" and c not in ("L", "N")  # may lead a word
+        if letter(pos) or (prefixed and letter(pos + 1)):
+            pos += 1 if prefixed else 0
             while letter(pos):
                 pos += 1
             if pos < end:
