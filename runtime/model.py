@@ -218,6 +218,7 @@ def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: 
     means the first N GPUs (without budgets, every visible GPU with its free memory), "cpu" N CPU stand-ins."""
     g = path if isinstance(path, GGUFModel) else open_gguf(path)  # an opened model is not parsed again
     arch = arch_module(g.arch, g.path)  # an architecture moerun does not run is refused before any weight loads
+    tokenizer = Tokenizer(g)  # and so is a tokenizer it does not know
     budgets = None if cache is None else cache.budgets
     devices = resolve_devices(device, len(budgets) if budgets else None, every_gpu=cache is not None)
     dtype = dtype or (torch.bfloat16 if devices[0].type == "cuda" else torch.float32)
@@ -238,5 +239,5 @@ def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: 
         from moerun.layers.gguf_gpu import keep_decoded_copies  # Triton: present where CUDA is
 
         decoded = keep_decoded_copies(net, DEFAULT_RESERVE)
-    return Model(g, args, net.eval(), Tokenizer(g), hooks, n_ctx, layout.first, n_seq, expert_cache, decoded,
+    return Model(g, args, net.eval(), tokenizer, hooks, n_ctx, layout.first, n_seq, expert_cache, decoded,
                  options)

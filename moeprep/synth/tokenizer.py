@@ -3,8 +3,12 @@
 GGUF stores it as llama.cpp's "gpt2" tokenizer model: the token strings (in the GPT-2 byte-to-unicode alphabet),
 their types, the merges as "left right" strings, and the special token ids. The pre-tokenizer is named by
 `tokenizer.ggml.pre`; we use "qwen2" for every architecture: llama.cpp knows the name, and its split pattern is
-the public Qwen2 regex below, which the `tokenizers` library (and so our runtime) applies identically. Training
-uses that same split, so both sides agree on every token boundary.
+the public Qwen2 regex below, which the `tokenizers` library and llama.cpp apply identically. Training uses that
+same split, so both sides agree on every token boundary.
+
+The same vocabulary recast for the other tokenizer models, for tests against llama.cpp: SentencePiece-style BPE
+over raw UTF-8 (`sentencepiece_style`, Gemma 4's "gemma4"), and a unigram vocabulary with a precompiled
+normalization map (`unigram_style`, `precompiled_charsmap`: "t5").
 """
 
 from __future__ import annotations
@@ -87,12 +91,59 @@ def padded_vocab(vocab: Vocab, size: int) -> Vocab:
                  vocab.token_types + [int(TokenType.UNUSED)] * len(extra), vocab.merges, vocab.eos_id)
 
 
-def vocab_metadata(vocab: Vocab) -> dict[str, KVValue]:
-    """tokenizer.ggml.* keys. <|endoftext|> is bos, eos and padding, as in Qwen base models; no BOS is added."""
+def with_user_defined(vocab: Vocab, texts: tuple[str, ...]) -> Vocab:
+    """`vocab` with USER_DEFINED tokens appended: text the tokenizer matches whole before any splitting (tool-call
+    markers and the like in real vocabularies)."""
+    return Vocab(vocab.tokens + list(texts), vocab.token_types + [int(TokenType.USER_DEFINED)] * len(texts),
+                 vocab.merges, vocab.eos_id)
+
+
+SPACE = "\u2581"
+
+
+def sentencepiece_style(vocab: Vocab) -> Vocab:
+    """The byte-level vocabulary recast as the BPE vocabularies of Gemma 4 (tokenizer model "gemma4"): tokens are
+    raw UTF-8 text with spaces written "\u2581", the 256 byte tokens <0xXX> catch what no token covers, and merges
+    keep their order. Tokens (and merges) that are not whole UTF-8 text have no such form and are left out."""
+    byte_of = {c: b for b, c in _byte_chars().items()}
+
+    def raw(token: str) -> str | None:
+        try:
+            return bytes(byte_of[c] for c in token).decode("utf-8").replace(" ", SPACE)
+        except (KeyError, UnicodeDecodeError):
+            return None
+
+    tokens, types, known = [], [], set()
+    for token, kind in zip(vocab.tokens, vocab.token_types):
+        text = token if kind != TokenType.NORMAL else raw(token)
+        if text is not None and text not in known:
+            tokens.append(text)
+            types.append(kind)
+            known.add(text)
+    merges = []
+    for m in vocab.merges:
+        left, right = (raw(side) for side in m.split(" ", 1))
+        if left is not None and right is not None and left + right in known:
+            merges.append(f"{left} {right}")
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [int(TokenType.BYTE)] * 256
+    return Vocab(tokens, types, merges, tokens.index(ENDOFTEXT))
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character alphabet (the same map as the runtime's, which moeprep does not import)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def vocab_metadata(vocab: Vocab, model: str = "gpt2", pre: str | None = PRE_TOKENIZER) -> dict[str, KVValue]:
+    """tokenizer.ggml.* keys. <|endoftext|> is bos, eos and padding, as in Qwen base models; no BOS is added
+    unless the tokenizer always adds one (Gemma 4's). `pre=None` leaves tokenizer.ggml.pre out."""
     T, S, U32, B = GGUFValueType.ARRAY, GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
     return {
-        Keys.Tokenizer.MODEL: KVValue("gpt2", S),
-        Keys.Tokenizer.PRE: KVValue(PRE_TOKENIZER, S),
+        Keys.Tokenizer.MODEL: KVValue(model, S),
+        **({Keys.Tokenizer.PRE: KVValue(pre, S)} if pre is not None else {}),
         Keys.Tokenizer.LIST: KVValue(vocab.tokens, T, S),
         Keys.Tokenizer.TOKEN_TYPE: KVValue(vocab.token_types, T, GGUFValueType.INT32),
         Keys.Tokenizer.MERGES: KVValue(vocab.merges, T, S),
@@ -101,3 +152,63 @@ def vocab_metadata(vocab: Vocab) -> dict[str, KVValue]:
         Keys.Tokenizer.PAD_ID: KVValue(vocab.eos_id, U32),
         Keys.Tokenizer.ADD_BOS: KVValue(False, B),
     }
+
+
+# A few of SentencePiece's NFKC rules, for the unigram ("t5") vocabulary's normalization map.
+NFKC_SAMPLE = {"ﬁ": "fi", "ﬀ": "ff", "Ａ": "A", "１": "1", "①": "1", "\u3000": " ", "\u00a0": " ", "\t": " ",
+               "\n": " ", "e\u0301": "é", "…": "...", "™": "TM", "ｶﾞ": "ガ"}
+
+
+def precompiled_charsmap(rules: dict[str, str]) -> bytes:
+    """SentencePiece's precompiled character map for `rules` (input text -> replacement): a u32 byte count, a
+    double-array trie over the UTF-8 bytes of the inputs, then the NUL-terminated replacements. In the array (of
+    u32), the node at index p has children at (p XOR base(p)) XOR byte, each entry packing base << 10, a leaf flag
+    (bit 8) and the byte that leads to it (bits 0-7); a leaf's value entry, at p XOR base(p), is bit 31 plus the
+    offset of its replacement."""
+    replacements, offsets = bytearray(), {}
+    for out in rules.values():
+        if out not in offsets:
+            offsets[out] = len(replacements)
+            replacements += out.encode() + b"\0"
+    trie: dict = {}
+    for key, out in rules.items():
+        node = trie
+        for b in key.encode():
+            node = node.setdefault(b, {})
+        node[None] = offsets[out]  # None: this node ends a key
+    entries: dict[int, int] = {}
+    used = {0}
+    pending = [(0, trie)]  # (index, trie node): place each node's children and value
+    while pending:
+        index, node = pending.pop(0)
+        children = sorted(b for b in node if b is not None)
+        offset = next(o for o in range(1, 1 << 20) if all(o ^ c not in used for c in children)
+                      and (None not in node or o not in used))
+        entries[index] = entries.get(index, 0) | ((index ^ offset) << 10)
+        if None in node:
+            entries[offset] = (1 << 31) | node[None]
+            used.add(offset)
+        for c in children:
+            child = offset ^ c
+            used.add(child)
+            entries[child] = c | ((1 << 8) if None in node[c] else 0)
+            pending.append((child, node[c]))
+    # every index a lookup can reach (an offset XOR any byte) lies inside the array, as readers index it unchecked
+    array = [entries.get(i, 0) for i in range((max(entries) | 0xFF) + 1)]
+    blob = b"".join(x.to_bytes(4, "little") for x in array)
+    return len(blob).to_bytes(4, "little") + blob + bytes(replacements)
+
+
+def unigram_style(vocab: Vocab) -> tuple[Vocab, list[float]]:
+    """The byte-level vocabulary recast as a SentencePiece unigram one (tokenizer model "t5", XLM-R style):
+    <s> <pad> </s> <unk>, then every token that is whole UTF-8 text with spaces as "\\u2581", scored by id so that
+    earlier (more frequent) merges score higher. Returns the vocabulary and the scores."""
+    raw = sentencepiece_style(vocab)
+    tokens = ["<s>", "<pad>", "</s>", "<unk>"]
+    types = [int(TokenType.CONTROL)] * 3 + [int(TokenType.UNKNOWN)]
+    for token, kind in zip(raw.tokens, raw.token_types):
+        if kind == TokenType.NORMAL:
+            tokens.append(token)
+            types.append(kind)
+    scores = [0.0] * 4 + [-1.0 - i / 64 for i in range(len(tokens) - 4)]
+    return Vocab(tokens, types, [], eos_id=2), scores
