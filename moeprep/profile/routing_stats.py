@@ -94,11 +94,13 @@ def reuse(ids: np.ndarray, starts: np.ndarray, window: int) -> np.ndarray:
 
 
 def hit_rates(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tuple[str, ...] = STAT_POLICIES,
-              free: int | None = None, progress=None) -> tuple[tuple[int, ...], np.ndarray]:
-    """-> slots [S], hit rates [P, S, 2, M] (windows cold, warm) of every policy on every chunk of the trace."""
+              free: int | None = None, progress=None) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """-> slots [S], hit rates [P, S, 2, M] (windows cold, warm) and uploads per token [P, S, M] (every token) of
+    every policy on every chunk of the trace; at most `free` uploads per layer per token (None: no cap)."""
     slots = np.array([cache_slots(s, t.n_expert) for s in sizes])
     n_m, n_k = t.n_layers, t.top_k
     hits = np.zeros((len(policies), len(sizes), 2, n_m))
+    uploads = np.zeros((len(policies), len(sizes), n_m))
     lookups = np.zeros(2)
     trace = t.routing_trace()
     counts = np.stack([np.bincount(t.ids[:, m].ravel(), minlength=t.n_expert) for m in range(n_m)])  # oracle's
@@ -109,16 +111,18 @@ def hit_rates(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tuple[st
         windows = np.stack([valid, warm]).astype(np.int64)  # [2, C, T]
         lookups += windows.sum(axis=(1, 2)) * n_k
         for pi, name in enumerate(policies):
-            hit = _replay_rows(name, ids, valid, slots, t.n_expert, counts, free)  # [C, S, M, T]
+            hit, up = _replay_rows(name, ids, valid, slots, t.n_expert, counts, free)  # [C, S, M, T] each
             hits[pi] += np.einsum("wct,csmt->swm", windows, hit)
+            uploads[pi] += up.sum(axis=(0, 3))
             if progress is not None:
                 progress(len(chunks) / len(policies))
-    return tuple(int(s) for s in slots), hits / np.maximum(lookups, 1)[None, None, :, None]
+    return (tuple(int(s) for s in slots), hits / np.maximum(lookups, 1)[None, None, :, None],
+            uploads / max(t.n_tokens, 1))
 
 
 def _replay_rows(name: str, ids: np.ndarray, valid: np.ndarray, slots: np.ndarray, n_expert: int,
-                 counts: np.ndarray, free: int | None) -> np.ndarray:
-    """[C, S, M, T] hits of one policy: rows are (chunk, size, layer), each a cache of its own."""
+                 counts: np.ndarray, free: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """[C, S, M, T] hits and uploads of one policy: rows are (chunk, size, layer), each a cache of its own."""
     n_c, n_t, n_m, n_k = ids.shape
     shape = (n_c, len(slots), n_m)
     rows_ids = np.ascontiguousarray(np.broadcast_to(ids.transpose(0, 2, 1, 3)[:, None],
@@ -136,12 +140,13 @@ def _replay_rows(name: str, ids: np.ndarray, valid: np.ndarray, slots: np.ndarra
         cache.plan_rows(np.arange(len(rows_slots)))  # the hottest experts, before the first token
     else:
         cache = make_policy(name, rows_slots, n_expert, n_k)
-    return replay(cache, rows_ids, rows_valid, free).hits.reshape(*shape, n_t).astype(np.int64)
+    r = replay(cache, rows_ids, rows_valid, free)
+    return (r.hits.reshape(*shape, n_t).astype(np.int64), r.uploads.reshape(*shape, n_t).astype(np.int64))
 
 
 def routing_stats(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tuple[str, ...] = STAT_POLICIES,
                   hot_fraction: float = 0.10, progress=None) -> RoutingStats:
-    slots, hits = hit_rates(t, sizes, policies, progress=progress)
+    slots, hits, _ = hit_rates(t, sizes, policies, progress=progress)
     return RoutingStats(t.n_expert, t.top_k, t.n_tokens, t.n_chunks, hot_share(t.ids, t.n_expert, hot_fraction),
                         reuse(t.ids, t.starts, 1), reuse(t.ids, t.starts, REUSE_WINDOW), tuple(sizes), slots,
                         tuple(policies), hits, hot_fraction)

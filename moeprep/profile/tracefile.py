@@ -61,6 +61,13 @@ class TraceFile:
     def shape_text(self) -> str:
         return f"{self.n_layers} MoE layers, {self.n_expert} experts, top-{self.top_k}"
 
+    def check_shape(self, n_layers: int, n_expert: int, top_k: int, where: str) -> None:
+        """Refuse, in one line, to replay on a model of another shape: nothing is stretched to fit."""
+        if (self.n_layers, self.n_expert, self.top_k) != (n_layers, n_expert, top_k):
+            raise MoeprepError(f"{where}: the trace has {self.shape_text()}; the model has {n_layers} MoE layers, "
+                               f"{n_expert} experts, top-{top_k}: generate one of the model's shape (moeprep routing "
+                               "generate --layers/--experts/--top-k) or record one on a model of this shape")
+
 
 def write_trace(path: str | Path, t: TraceFile) -> None:
     """Write atomically (a temp file renamed into place); an invalid trace is a bug of the caller."""
