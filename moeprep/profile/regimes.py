@@ -258,7 +258,7 @@ REGIMES: dict[str, Regime] = {r.name: r for r in (
            "neurall/llama.cpp README and release b11399 (usage decay and pay-back eviction at about 35%: 85-88% "
            "after warm-up on long text, 69.8% in a chat regression check)", labels=("chat", "long")),
     Regime("trained", "the trained bench model's own routing, recorded", TRAINED_SHAPE,
-           (Target("lru", 0.46, 0.54, size=0.25), Target("lru", 0.745, 0.825, size=0.50)),
+           (Target("lru", 0.45, 0.55, size=0.25), Target("lru", 0.735, 0.835, size=0.50)),
            _trained,
            "`moeprep profile` of bench/models/bench-qwen3moe-f16.gguf on held-out text (LRU 50.0% at 25% and 78.5% "
            "at 50% cached)", target_chunk=512),
