@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeprep.profile.heldout import cache_slots
-from moeprep.profile.policy import Belady, make_policy, next_uses, replay
+from moeprep.profile.policy import POLICIES, Belady, UploadCost, make_policy, next_uses, replay
 from moeprep.profile.tracefile import TraceFile
 
 SIZES = (0.10, 0.25, 0.38, 0.50)  # cache size as a share of a layer's experts
@@ -46,6 +46,7 @@ class RoutingStats:
     slots: tuple[int, ...]
     policies: tuple[str, ...]
     hits: np.ndarray  # [P, S, 2, M] hit rate: windows cold (every token), warm (after WARM_AFTER)
+    uploads: np.ndarray  # [P, S, M] uploads per token
     hot_fraction: float = 0.10
 
     def rate(self, policy: str, size: float, warm: bool = True, layer: int | None = None) -> float:
@@ -53,8 +54,21 @@ class RoutingStats:
         h = self.hits[self.policies.index(policy), self.sizes.index(size), int(warm)]
         return float(h.mean() if layer is None else h[layer])
 
+    def net_saving(self, policy: str, size: float) -> float:
+        """Expert reads a layer saves per token (warm): hits x K - uploads x what an upload costs in reads (the
+        payback policy's UploadCost). Belady and the oracle are not online policies: their uploads are not real."""
+        cost = UploadCost()
+        uploads = self.uploads[self.policies.index(policy), self.sizes.index(size)].mean()
+        return self.rate(policy, size) * self.top_k - uploads * cost.upload_s / cost.hit_saves_s
+
+    def best(self, size: float) -> tuple[str, str]:
+        """(the online policy of most hits, the one of most net saving) at `size`."""
+        online = [p for p in self.policies if p in POLICIES]
+        return (max(online, key=lambda p: self.rate(p, size)), max(online, key=lambda p: self.net_saving(p, size)))
+
     def to_dict(self) -> dict:
         per = {p: {f"{s:g}": {"cold": round(self.rate(p, s, False), 4), "warm": round(self.rate(p, s, True), 4),
+                              "uploads_per_token": round(float(self.uploads[pi, si].mean()), 4),
                               "warm_per_layer": [round(float(v), 4) for v in self.hits[pi, si, 1]]}
                    for si, s in enumerate(self.sizes)} for pi, p in enumerate(self.policies)}
         return {"experts": self.n_expert, "top_k": self.top_k, "layers": len(self.hot_share), "tokens": self.tokens,
@@ -66,7 +80,8 @@ class RoutingStats:
                 "per_layer": {"hot_share": [round(float(v), 4) for v in self.hot_share],
                               "next_token_reuse": [round(float(v), 4) for v in self.next_reuse],
                               "reuse_within_window": [round(float(v), 4) for v in self.window_reuse]},
-                "sizes": list(self.sizes), "slots": list(self.slots), "hit_rates": per}
+                "sizes": list(self.sizes), "slots": list(self.slots), "hit_rates": per,
+                "best": {f"{s:g}": dict(zip(("hit_rate", "net_saving"), self.best(s))) for s in self.sizes}}
 
 
 def hot_share(ids: np.ndarray, n_expert: int, fraction: float) -> np.ndarray:
@@ -146,10 +161,10 @@ def _replay_rows(name: str, ids: np.ndarray, valid: np.ndarray, slots: np.ndarra
 
 def routing_stats(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tuple[str, ...] = STAT_POLICIES,
                   hot_fraction: float = 0.10, progress=None) -> RoutingStats:
-    slots, hits, _ = hit_rates(t, sizes, policies, progress=progress)
+    slots, hits, uploads = hit_rates(t, sizes, policies, progress=progress)
     return RoutingStats(t.n_expert, t.top_k, t.n_tokens, t.n_chunks, hot_share(t.ids, t.n_expert, hot_fraction),
                         reuse(t.ids, t.starts, 1), reuse(t.ids, t.starts, REUSE_WINDOW), tuple(sizes), slots,
-                        tuple(policies), hits, hot_fraction)
+                        tuple(policies), hits, uploads, hot_fraction)
 
 
 def format_stats(s: RoutingStats, per_layer: bool = False) -> str:
@@ -163,6 +178,11 @@ def format_stats(s: RoutingStats, per_layer: bool = False) -> str:
     for p in s.policies:
         lines.append(f"| {p} | " + " | ".join(f"{s.rate(p, size, False):.1%} / {s.rate(p, size, True):.1%}"
                                               for size in s.sizes) + " |")
+    if any(p in POLICIES for p in s.policies):
+        cost = UploadCost()
+        lines += ["", f"best online policy (--cache-policy) at each share, by hit rate / by net saving (hits x K - "
+                  f"uploads x {cost.upload_s / cost.hit_saves_s:.2f}, an upload's cost in expert reads): "
+                  + ", ".join(f"{size:.0%} {'/'.join(s.best(size))}" for size in s.sizes)]
     if per_layer:
         lines += ["", "| layer | hot share | next-token reuse | reuse within 8 | LRU warm at each size |",
                   "|---:|---:|---:|---:|---|"]
