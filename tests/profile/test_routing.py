@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from moeprep.cli import main
 from moeprep.errors import MoeprepError
+from moeprep.profile.format import write_profile
 from moeprep.profile.policy import make_policy, replay
 from moeprep.profile.regimes import (REGIMES, TRAINED_SHAPE, TRAINED_TRACE, Shape, check_targets, generate,
                                      target_shape_trace)
@@ -94,10 +95,16 @@ def test_trace_file_round_trip_and_refusals(tmp_path) -> None:
         read_trace(truncated)
 
 
-def test_trace_from_a_profile(profile) -> None:
+def test_trace_from_a_profile(profile, tmp_path) -> None:
     t = trace_from_profile(profile, "p.moeprof")
     assert t.ids.shape == profile.trace.ids.shape and t.n_expert == profile.model.n_expert
     assert t.weights is None and t.n_chunks == profile.trace.n_chunks
+    write_profile(tmp_path / "p.moeprof", profile)
+    direct = read_trace(tmp_path / "p.moeprof")  # every trace reader takes a profile too
+    assert (direct.ids == profile.trace.ids).all() and (direct.starts == profile.trace.starts).all()
+    r = CliRunner().invoke(main, ["routing", "extract", str(tmp_path / "p.moeprof"), "-o", str(tmp_path / "t.npz")])
+    assert r.exit_code == 0, r.output
+    assert (read_trace(tmp_path / "t.npz").ids == profile.trace.ids).all()
 
 
 def test_stats_hit_rates_are_the_policy_replay() -> None:
