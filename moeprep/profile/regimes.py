@@ -26,7 +26,7 @@ Letters: T tokens of a chunk, M MoE layers, E experts, K experts per token, D co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

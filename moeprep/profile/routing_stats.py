@@ -168,10 +168,10 @@ def routing_stats(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tupl
 
 
 def format_stats(s: RoutingStats, per_layer: bool = False) -> str:
-    lines = [f"{s.tokens} tokens in {s.chunks} chunks; {len(s.hot_share)} MoE layers, {s.n_expert} experts, "
-             f"top-{s.top_k}",
-             f"top {s.hot_fraction:.0%} of experts take {s.hot_share.mean():.1%} of the choices; next-token reuse "
-             f"{s.next_reuse.mean():.1%}; reuse within {REUSE_WINDOW} tokens {s.window_reuse.mean():.1%}",
+    lines = [(f"{s.tokens} tokens in {s.chunks} chunks; {len(s.hot_share)} MoE layers, {s.n_expert} experts, "
+              f"top-{s.top_k}"),
+             (f"top {s.hot_fraction:.0%} of experts take {s.hot_share.mean():.1%} of the choices; next-token reuse "
+              f"{s.next_reuse.mean():.1%}; reuse within {REUSE_WINDOW} tokens {s.window_reuse.mean():.1%}"),
              "", f"hit rates, caches starting empty per chunk (cold: every token / warm: after {WARM_AFTER} tokens)",
              "| policy | " + " | ".join(f"{size:.0%} ({n})" for size, n in zip(s.sizes, s.slots)) + " |",
              "|---|" + "---:|" * len(s.sizes)]
