@@ -176,13 +176,15 @@ def chunk_lengths(tokens: int, chunk: int) -> list[int]:
     return [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
 
 
-def _latent_generator(name: str, p: Latent, labels: tuple[str, ...] = (), turns: dict[str, int] | None = None):
+def _latent_generator(name: str, p: Latent, source: str, labels: tuple[str, ...] = (),
+                      turns: dict[str, int] | None = None):
     def generate(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
         chunk_labels = [labels[c % len(labels)] for c in range(len(lengths))] if labels else None
         ids, weights = latent_routing(p, shape, lengths, seed, chunk_labels, turns)
         return TraceFile(ids, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), shape.experts, weights,
                          regime=name, source=f"moeprep routing generate --regime {name} --seed {seed}",
                          labels=None if chunk_labels is None else np.array(chunk_labels))
+    generate.__doc__ = f"A `{name}` trace: latent_routing with {p}. Targets from {source}."
     return generate
 
 
@@ -199,7 +201,8 @@ def _trained(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
     j*E/32 .. (j+1)*E/32 - 1 (its split into finer experts), and a choice of j becomes K/4 of them: the block of
     K/4 starting at ((rank // 2) * K/4) mod (E/32), rank the choice's place in the router's order (0: the most
     probable), so a token's first two choices take their experts' first part and its last two the next. E must be
-    a multiple of 32 and K of 4, with K/4 <= E/32."""
+    a multiple of 32 and K of 4, with K/4 <= E/32. Targets from `moeprep profile` of that model on held-out text
+    (LRU 50.0% at 25% and 78.5% at 50% cached)."""
     with np.load(TRAINED_TRACE) as z:
         recorded = z["experts"].astype(np.int64)  # [N, 6, 4]
     if sum(lengths) > len(recorded):
@@ -230,38 +233,42 @@ QWEN3 = Latent(rho=0.985, context=3.0, token=0.5, noise=1.5, popularity=0.2)
 FINE = Latent(rho=0.85, context=1.3, token=0.4, noise=1.25, popularity=0.4)
 SKEWED = Latent(rho=0.5, context=0.3, token=0.3, noise=1.0, popularity=0.3, head=12, head_boost=1.7)
 CHAT = Latent(rho=0.99, context=3.0, token=0.5, noise=1.1, popularity=0.4)
-CHAT_TURNS = {"chat": 16, "long": 0}
+CHAT_TURNS = {"chat": 16, "long": 0}  # mean tokens between topic jumps in each kind of chunk (0: none)
+
+SOURCES = {
+    "qwen3-30b": "kekzl/imp PR #1359 (per-layer LRU at 40%: 90-95% after warm-up; 45% of choices repeat at the next "
+                 "token, 80% within 8) and the gpu-container handbook (90% of routing mass needs 45-51% of experts)",
+    "fine-512": "kekzl/imp PR #2061 (LRU at 18 / 36 / 54% of 512 experts: 43.5 / 62.0 / 72.0%) and ggml-org/llama.cpp "
+                "PR #27861 (LRU trace replay at 12.5 / 25%: about 67 / 81%)",
+    "skewed-256": "FreeToken #174 and colibri #864 (LRU at about 4.5% cached: 8-18% against a frequency oracle's 46%; "
+                  "the top 12.5% of experts take 58.5% of the choices)",
+    "chat-glm": "neurall/llama.cpp README and release b11399 (usage decay and pay-back eviction at about 35%: 85-88% "
+                "after warm-up on long text, 69.8% in a chat regression check)",
+    "trained": "`moeprep profile` of bench/models/bench-qwen3moe-f16.gguf on held-out text (LRU 50.0% at 25% and "
+               "78.5% at 50% cached)",
+}
 
 REGIMES: dict[str, Regime] = {r.name: r for r in (
     Regime("qwen3-30b", "Qwen3-30B-A3B-like: flat popularity, strong reuse from context", Shape(48, 128, 8),
            (Target("hot", 0.10, 0.22), Target("next_reuse", 0.40, 0.50), Target("window_reuse", 0.74, 0.86),
             Target("lru", 0.90, 0.96, size=0.40)),
-           _latent_generator("qwen3-30b", QWEN3),
-           "kekzl/imp PR #1359 (per-layer LRU at 40%: 90-95% after warm-up; 45% of choices repeat at the next "
-           "token, 80% within 8) and the gpu-container handbook (90% of routing mass needs 45-51% of experts)"),
+           _latent_generator("qwen3-30b", QWEN3, SOURCES["qwen3-30b"]), SOURCES["qwen3-30b"]),
     Regime("fine-512", "fine-grained, Qwen3.8-Flash-Next-like: 512 experts top-10, weaker reuse", Shape(8, 512, 10),
            (Target("lru", 0.395, 0.475, size=0.18), Target("lru", 0.58, 0.66, size=0.36),
             Target("lru", 0.68, 0.76, size=0.54)),
-           _latent_generator("fine-512", FINE),
-           "kekzl/imp PR #2061 (LRU at 18 / 36 / 54% of 512 experts: 43.5 / 62.0 / 72.0%) and ggml-org/llama.cpp "
-           "PR #27861 (LRU trace replay at 12.5 / 25%: about 67 / 81%)"),
+           _latent_generator("fine-512", FINE, SOURCES["fine-512"]), SOURCES["fine-512"]),
     Regime("skewed-256", "DeepSeek-V4-Flash-like: 256 experts, strongly skewed, little reuse", Shape(8, 256, 8),
            (Target("hot", 0.525, 0.645, fraction=0.125), Target("lru", 0.10, 0.30, size=0.045),
             Target("oracle", 0.38, 0.52, size=0.045)),
-           _latent_generator("skewed-256", SKEWED),
-           "FreeToken #174 and colibri #864 (LRU at about 4.5% cached: 8-18% against a frequency oracle's 46%; the "
-           "top 12.5% of experts take 58.5% of the choices)"),
+           _latent_generator("skewed-256", SKEWED, SOURCES["skewed-256"]), SOURCES["skewed-256"]),
     Regime("chat-glm", "GLM-5.3-Flash-like: 288 experts top-8, chat turns or long text", Shape(8, 288, 8),
            (Target("payback", 0.65, 0.75, size=0.35, label="chat"),
             Target("payback", 0.83, 0.90, size=0.35, label="long")),
-           _latent_generator("chat-glm", CHAT, ("chat", "long"), CHAT_TURNS),
-           "neurall/llama.cpp README and release b11399 (usage decay and pay-back eviction at about 35%: 85-88% "
-           "after warm-up on long text, 69.8% in a chat regression check)", labels=("chat", "long")),
+           _latent_generator("chat-glm", CHAT, SOURCES["chat-glm"], ("chat", "long"), CHAT_TURNS),
+           SOURCES["chat-glm"], labels=("chat", "long")),
     Regime("trained", "the trained bench model's own routing, recorded", TRAINED_SHAPE,
            (Target("lru", 0.45, 0.55, size=0.25), Target("lru", 0.735, 0.835, size=0.50)),
-           _trained,
-           "`moeprep profile` of bench/models/bench-qwen3moe-f16.gguf on held-out text (LRU 50.0% at 25% and 78.5% "
-           "at 50% cached)", target_chunk=512),
+           _trained, SOURCES["trained"], target_chunk=512),
 )}
 
 
