@@ -1,7 +1,8 @@
 """moerun with the expert cache at a VRAM budget, next to the same model all resident: `moerun bench`'s tests
 (runtime/bench.py) for each setting in one process, so the numbers share a machine state.
 
-    python bench/bench_cache.py MODEL --budget 8G [-p 512] [-n 128] -f TEXT [--warm-text TEXT] [--json OUT]
+    python bench/bench_cache.py MODEL --budget 8G [-p 512] [-n 128] -f TEXT [--warm-text TEXT] [--routing TRACE]
+                                [--json OUT]
 
 Settings: `resident` (every expert on the GPU), `cold` (the cache at the budget, starting empty), `warm` (the cache
 warmed by expert counts, as `--expert-profile` warms it; the counts are taken here over --warm-text with a routing
@@ -10,6 +11,10 @@ hook on the resident model, which is what `moeprep profile` records, so the GPU 
 misses not streamed from host RAM but computed on the CPU: CacheConfig.stream off). Each cached setting runs in a
 process of its own (`--setting NAME`), so one setting's pinned memory, threads and compiled kernels do not weigh
 on the next. `--settings cold` runs just that one (a model near the machine's RAM: no resident load first).
+
+`--routing TRACE` replays a routing trace in every setting (runtime/replay.py: `moerun bench --routing`): the
+routers run, the MoE layers use the trace's experts, so the cache meets that routing with the real kernels; a trace
+of another shape than the model's is refused. The warm settings' counts still come from --warm-text's own routing.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import numpy as np
 import torch
 
 import moerun
+from moeprep.errors import MoeprepError
+from moeprep.profile.tracefile import read_trace
 from moeprep.units import parse_size
 from moerun.bench import format_result, run_bench
 from moerun.cache.config import CacheConfig
@@ -58,9 +65,14 @@ def run_setting(args, name: str, text: str) -> dict:
     config = CacheConfig(budgets=[parse_size(args.budget)], usage=usage, cpu_threads=args.threads, **fields)
     model = moerun.load_model(args.model, device="cuda", n_ctx=args.prompt + args.gen + 8, cache=config)
     print(f"== {name}\n{describe_cache(model.expert_cache)}", flush=True)
-    result = run_bench(model, n_prompt, n_gen, text)
+    result = run_bench(model, n_prompt, n_gen, text, **routing_args(args))
     print(format_result(result), flush=True)
     return {**result.as_dict(), "share_cached": model.expert_cache.placement.share}
+
+
+def routing_args(args) -> dict:
+    """run_bench's routing arguments: the trace of --routing, or none."""
+    return {"routing": read_trace(args.routing), "routing_name": args.routing} if args.routing else {}
 
 
 def main() -> None:
@@ -77,7 +89,13 @@ def main() -> None:
                     "or resident,cold without --warm-text).")
     ap.add_argument("--setting", choices=SETTINGS, help="Run only this cached setting (the driver's child).")
     ap.add_argument("--usage", help="With --setting: the warm start's counts (.npy).")
+    ap.add_argument("--routing", help="Replay this routing trace (moeprep routing generate/extract) in every setting.")
     args = ap.parse_args()
+    try:
+        if args.routing:
+            read_trace(args.routing)  # a damaged or foreign trace: refused before any model is loaded
+    except MoeprepError as e:
+        sys.exit(f"error: {e}")
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
     if args.setting:
         result = run_setting(args, args.setting, text)
@@ -96,7 +114,7 @@ def main() -> None:
         resident = moerun.load_model(args.model, device="cuda", n_ctx=max(args.prompt + args.gen + 8, 520))
         usage = expert_counts(resident, Path(args.warm_text).read_text(errors="replace")) if warm else None
         if "resident" in settings:
-            result = run_bench(resident, args.prompt, args.gen, text)
+            result = run_bench(resident, args.prompt, args.gen, text, **routing_args(args))
             print("== resident\n" + format_result(result), flush=True)
             results["resident"] = result.as_dict()
             save(args.json, results)
@@ -104,7 +122,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     folder = Path(tempfile.mkdtemp())
     child = [sys.executable, __file__, args.model, "--budget", args.budget, "-p", str(args.prompt), "-n",
-             str(args.gen), "-f", args.text] + (["--threads", str(args.threads)] if args.threads else [])
+             str(args.gen), "-f", args.text] + (["--threads", str(args.threads)] if args.threads else []) \
+        + (["--routing", args.routing] if args.routing else [])
     if usage is not None:
         np.save(folder / "usage.npy", usage)
         child += ["--usage", str(folder / "usage.npy")]

@@ -2,6 +2,7 @@
 
     python bench/bench_cache_policy.py [--trace bench/data/routing-trace.npz] [--model bench/models/...gguf]
                                        [--tokens N] [--cap 1] [--json OUT]
+    python bench/bench_cache_policy.py --regimes all [--layers 8] [--tokens 8192] [--json OUT]
 
 The stream is the trained bench model's routing on held-out text (bench/train_moe/routing.py wrote it), replayed
 as one continuous decode: one token per step, every MoE layer a cache of its own of 10/25/50% of its experts,
@@ -11,6 +12,13 @@ experts needed soonest; without a cap no policy can hit more). Reported per size
 the gap to Belady in points, uploads per token per layer, and the net saving per token per layer in expert reads:
 hits - uploads * (upload time / CPU time of one expert), with the H200 machine's 55 GB/s pinned copies and 89 GB/s
 host reads. A policy pays back when its net saving beats LRU's.
+
+With --regimes, the streams are instead traces of the named routing regimes (moeprep/profile/regimes.py) at their
+own expert count and top-k, with `--layers` MoE layers (a layer's cache is independent of the others', so more
+layers only add samples), replayed as `moeprep routing stats` does: every chunk a fresh session, caches starting
+empty, at 10 / 25 / 38 / 50% of the experts cached, hit rates after the first 64 tokens of a chunk, no upload cap.
+It prints one table per regime and checks payback's targets: at every share a hit rate at least the best of LRU,
+LFU and ClassLRU, and on average at least half of the way from LRU to Belady.
 """
 
 from __future__ import annotations
@@ -26,9 +34,13 @@ from moeprep.gguf.anatomy import model_geometry
 from moeprep.gguf.reader import open_gguf
 from moeprep.profile.heldout import SIZES, cache_slots
 from moeprep.profile.policy import POLICIES, Belady, UploadCost, make_policy, next_uses, replay
+from moeprep.profile.regimes import REGIMES, Shape, generate
+from moeprep.profile.routing_stats import SIZES as REGIME_SIZES, hit_rates
 
 HERE = Path(__file__).resolve().parent
-COMPARED = ("lru", "lfu", "lfuda", "admit2", "payback")  # every policy that adapts; static needs a profile
+COMPARED = ("lru", "lfu", "lfuda", "classlru", "admit2", "payback")  # every policy that adapts; static needs a profile
+REGIME_POLICIES = ("lru", "lfu", "classlru", "payback", "belady", "oracle")
+PEERS = ("lru", "lfu", "classlru")  # what payback must match at every share
 
 
 def load_stream(path: Path, n_tokens: int | None) -> np.ndarray:
@@ -58,6 +70,45 @@ def run_policy(name: str, ids: np.ndarray, n_expert: int, caps: tuple[int | None
     return {"hit": hits, "uploads": uploads, "seconds": seconds}
 
 
+def regime_table(name: str, layers: int, tokens: int) -> dict:
+    """Hit rates (warm) and uploads per token per layer of every policy at every share on one regime's trace."""
+    r = REGIMES[name]
+    t = generate(name, Shape(layers, r.shape.experts, r.shape.top_k), tokens, r.target_chunk)
+    slots, hits, uploads = hit_rates(t, REGIME_SIZES, REGIME_POLICIES)
+    return {"experts": t.n_expert, "top_k": t.top_k, "layers": layers, "tokens": tokens, "slots": list(slots),
+            "hit": {p: [float(hits[i, s, 1].mean()) for s in range(len(REGIME_SIZES))]
+                    for i, p in enumerate(REGIME_POLICIES)},
+            "uploads": {p: [float(uploads[i, s].mean()) for s in range(len(REGIME_SIZES))]
+                        for i, p in enumerate(REGIME_POLICIES)}}
+
+
+def payback_verdict(res: dict) -> tuple[bool, float]:
+    """(payback at least the best of PEERS at every share, mean share of the way from LRU to Belady)."""
+    hit = res["hit"]
+    best_peer = np.max([hit[p] for p in PEERS], axis=0)
+    lru, belady, payback = (np.array(hit[p]) for p in ("lru", "belady", "payback"))
+    way = (payback - lru) / np.maximum(belady - lru, 1e-9)
+    return bool((np.array(payback) >= best_peer).all()), float(way.mean())
+
+
+def print_regimes(results: dict) -> None:
+    cost = UploadCost()
+    upload_in_reads = cost.upload_s / cost.hit_saves_s
+    for name, res in results.items():
+        k = res["top_k"]
+        print(f"\n{name} ({res['layers']} layers, {res['experts']} experts, top-{k}, {res['tokens']} tokens): hit rate "
+              f"after 64 tokens / uploads per token per layer / net saving in expert reads per token per layer")
+        print("| policy | " + " | ".join(f"{s:.0%} ({n})" for s, n in zip(REGIME_SIZES, res["slots"])) + " |")
+        print("|---|" + "---:|" * len(REGIME_SIZES))
+        for p in REGIME_POLICIES:
+            cells = [f"{h:.1%} / {u:.2f} / {h * k - u * upload_in_reads:.2f}"
+                     for h, u in zip(res["hit"][p], res["uploads"][p])]
+            print(f"| {p} | " + " | ".join(cells) + " |")
+        at_least, way = payback_verdict(res)
+        print(f"payback at least the best of {', '.join(PEERS)} at every share: {'yes' if at_least else 'no'}; "
+              f"of the way from LRU to Belady on average: {way:.0%}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace", type=Path, default=HERE / "data" / "routing-trace.npz")
@@ -66,7 +117,21 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=None, help="replay only the first N tokens")
     p.add_argument("--cap", type=int, default=1, help="uploads per layer per token in the capped runs")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--regimes", help=f"comma-separated regimes, or all ({', '.join(REGIMES)}): their traces instead")
+    p.add_argument("--layers", type=int, default=8, help="with --regimes: MoE layers of each trace")
     a = p.parse_args()
+    if a.regimes:
+        names = list(REGIMES) if a.regimes == "all" else a.regimes.split(",")
+        results = {}
+        for name in names:
+            t0 = time.perf_counter()
+            r = REGIMES[name]
+            results[name] = regime_table(name, a.layers, a.tokens or r.target_tokens)
+            print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        print_regimes(results)
+        if a.json:
+            a.json.write_text(json.dumps(results, indent=1))
+        return
     ids = load_stream(a.trace, a.tokens)
     n_expert = model_geometry(open_gguf(a.model)).n_expert
     n_m, n_t, n_k = ids.shape

@@ -17,6 +17,7 @@ import click
 from moeprep import __version__
 from moeprep.cli_groups import MoeprepGroup
 from moeprep.profile.cli import profile
+from moeprep.routing_cli import routing
 
 
 @click.group(cls=MoeprepGroup)
@@ -126,6 +127,7 @@ def to_mainline(source: str, out: str, split_max_size: str | None) -> None:
 
 
 main.add_command(profile)  # the `moeprep profile` group lives with its package
+main.add_command(routing)  # `moeprep routing`: traces of named regimes and their statistics
 
 
 @main.command()

@@ -5,6 +5,10 @@ Decode is teacher-forced: step i feeds token i of the stream rather than the mod
 and every cache setting sees the same tokens. The stream is a text's tokens (`-f TEXT`: routing as real text makes
 it, which is what a cache's hit rate depends on) or seeded random tokens (llama-bench's choice, fine without a
 cache). A warm-up of a few tokens first compiles the CPU kernels and captures the decode step's graph.
+
+With a routing trace (`--routing TRACE`, runtime/replay.py) every MoE layer takes its experts from the trace instead
+of its router (which still runs): position p reads row p of the trace's first chunk long enough for the test, so
+prefill, warm-up and decode see the trace's routing in its order, and the cache's hit rate is the trace's.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class BenchResult:
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "prefill_tok_s": round(self.prefill_tok_s, 2),
                 "gen_tokens": self.gen_tokens, "decode_tok_s": round(self.decode_tok_s, 2),
-                "cache_decode": self.cache, "cache_prefill": self.prefill_cache, "vram_bytes": self.vram_bytes}
+                "cache_decode": self.cache, "cache_prefill": self.prefill_cache, "vram_bytes": self.vram_bytes,
+                **self.extra}
 
 
 def token_stream(model, n: int, text: str | None, seed: int = 0) -> torch.Tensor:
@@ -56,11 +61,27 @@ def token_stream(model, n: int, text: str | None, seed: int = 0) -> torch.Tensor
     return torch.tensor(tokens[:n], dtype=torch.long)
 
 
-def run_bench(model, n_prompt: int, n_gen: int, text: str | None = None, warmup: bool = True) -> BenchResult:
-    """Prefill n_prompt tokens at position 0, then decode n_gen tokens teacher-forced after them."""
+def run_bench(model, n_prompt: int, n_gen: int, text: str | None = None, warmup: bool = True,
+              routing=None, routing_name: str = "the routing trace") -> BenchResult:
+    """Prefill n_prompt tokens at position 0, then decode n_gen tokens teacher-forced after them. routing: a
+    moeprep TraceFile every MoE layer's choice is taken from (refused if its shape is not the model's)."""
     if n_prompt + n_gen > model.n_ctx:
         raise MoeprepError(f"-p {n_prompt} plus -n {n_gen} exceed the context of {model.n_ctx}; raise -c")
     tokens = token_stream(model, n_prompt + n_gen, text)
+    replay = None
+    if routing is not None:  # for good: the decode graphs captured from here on replay the trace
+        from moerun.replay import install_replay
+
+        # the warm-up's positions too: a prompt of at least WARMUP_TOKENS, two decode steps after the prompt
+        replay = install_replay(model, routing, max(n_prompt + max(n_gen, 2), WARMUP_TOKENS), routing_name)
+    result = _run(model, n_prompt, n_gen, tokens, warmup)
+    if replay is not None:
+        result.extra["routing"] = {"trace": routing_name, "regime": routing.regime, "source": routing.source,
+                                   "chunk": replay.chunk}
+    return result
+
+
+def _run(model, n_prompt: int, n_gen: int, tokens: torch.Tensor, warmup: bool) -> BenchResult:
     cache = model.expert_cache
     if cache is not None:
         cache.timing = True
@@ -126,6 +147,11 @@ def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | No
 def format_result(result: BenchResult) -> str:
     """llama-bench's table, then the cache's lines."""
     lines = ["| test | tokens | seconds | tok/s |", "| --- | ---: | ---: | ---: |"]
+    routing = result.extra.get("routing")
+    if routing:
+        lines.insert(0, f"routing replayed from {routing['trace']} (chunk {routing['chunk']}"
+                     + (f", regime {routing['regime']}" if routing["regime"] else "") + "): the routers run, their "
+                     "choice is the trace's")
     if result.prompt_tokens:
         lines.append(f"| pp{result.prompt_tokens} | {result.prompt_tokens} | {result.prefill_s:.3f} | "
                      f"{result.prefill_tok_s:.2f} |")

@@ -262,7 +262,12 @@ def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_
               help="Teacher-force prefill and decode over this text's tokens (routing of real text); default: "
               "seeded random tokens.")
 @click.option("--json", "json_path", type=click.Path(), help="Also write the results as JSON here.")
-def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | None, json_path: str | None) -> None:
+@click.option("--routing", "routing_path", type=click.Path(),
+              help="Replay this routing trace (moeprep routing generate/extract, or a .moeprof): every MoE layer uses "
+              "the trace's experts instead of its router's (the router still runs). Its layers, experts and top-k "
+              "must be the model's.")
+def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | None, json_path: str | None,
+          routing_path: str | None) -> None:
     """llama-bench's prefill (pp) and decode (tg) tests; with the expert cache also its hit rate, uploads per token
     and where a decode step's time goes."""
     import json
@@ -276,8 +281,9 @@ def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | 
     if json_path and not Path(json_path).resolve().parent.is_dir():  # before the benchmark, not after it
         raise MoeprepError(f"{Path(json_path).parent}: output folder does not exist")
     text = read_text(text_file) if text_file else None
+    routing = read_routing(routing_path, model_opts.model_path) if routing_path else None
     model = replace(model_opts, ctx_size=model_opts.ctx_size or n_prompt + n_gen).load()
-    result = run_bench(model, n_prompt, n_gen, text)
+    result = run_bench(model, n_prompt, n_gen, text, routing=routing, routing_name=routing_path or "")
     click.echo(format_result(result))
     if model.device.type == "cpu" or model.expert_cache is not None:  # whose dot products the CPU's experts ran
         from moerun.kernels.ggml_cpu import describe
@@ -287,6 +293,17 @@ def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | 
     if json_path:
         with atomic_output(json_path) as tmp:
             tmp.write_text(json.dumps(result.as_dict(), indent=1))
+
+
+def read_routing(path: str, model_path: str):
+    """The trace, checked against the model file's shape before the model is loaded."""
+    from moeprep.gguf.anatomy import model_geometry
+    from moeprep.profile.tracefile import read_trace
+
+    t = read_trace(path)
+    geometry = model_geometry(open_model_file(model_path))
+    t.check_shape(len(geometry.moe_layers), geometry.n_expert, geometry.n_expert_used, path)
+    return t
 
 
 def read_text(path: str) -> str:

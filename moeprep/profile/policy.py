@@ -279,6 +279,32 @@ class Lfuda(Replacement):
         self.base[rows, experts] = self.age[rows]
 
 
+class ClassLru(Replacement):
+    """Recency within frequency classes (llama.cpp's upstream cache policy, as its documentation describes it): each
+    expert's use count decays with a `half_life` of tokens; class = min(classes - 1, floor(log2(1 + count))), and
+    the cache keeps one LRU list per class, evicting from the lowest non-empty class, least recent first. A miss goes
+    in when its class is at least the victim's (and it is the more recent, which a miss always is)."""
+
+    name = "classlru"
+
+    def __init__(self, slots, n_expert: int, top_k: int, classes: int = 8, half_life: float = 128.0):
+        super().__init__(slots, n_expert, top_k)
+        self.classes, self.decay = classes, 0.5 ** (1.0 / half_life)
+        self.decayed = np.zeros((len(self.slots), n_expert))
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        level = np.minimum(np.floor(np.log2(1.0 + self.decayed[rows])), self.classes - 1)
+        return level * SPAN + self.last[rows]
+
+    def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
+        self.decayed[rows] *= self.decay ** n_tok
+        np.add.at(self.decayed, (flat_rows, flat_ids), self.decay ** (n_tok - 1 - flat_tok))
+
+    def _seeded(self, shares: np.ndarray) -> None:
+        # a profile's share as the steady decayed count of an expert used at that rate
+        self.decayed += shares * self.top_k / (1.0 - self.decay)
+
+
 class AdmitAfterRepeat(Lru):
     """LRU, but a miss replaces a resident expert only when the candidate was also used within the previous
     `window` tokens (its second recent use); one-off experts stay on the CPU. Empty slots take any candidate."""
@@ -403,7 +429,8 @@ def next_uses(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-POLICIES: dict[str, type[Replacement]] = {p.name: p for p in (Static, Lru, Lfu, Lfuda, AdmitAfterRepeat, Payback)}
+POLICIES: dict[str, type[Replacement]] = {p.name: p for p in (Static, Lru, Lfu, Lfuda, ClassLru, AdmitAfterRepeat,
+                                                              Payback)}
 DEFAULT_POLICY = "payback"
 
 

@@ -38,12 +38,14 @@ class Reference:
         self.age = 0.0
         self.toks: dict[int, list[int]] = {}  # admit2: tokens of use
         self.recent: dict[int, float] = {}  # payback
+        self.decayed: dict[int, float] = {}  # classlru
         self.t = 0
 
     def prio(self, e: int) -> tuple[float, int]:
         primary = {"lru": 0.0, "static": 0.0, "lfu": self.uses.get(e, 0.0),
                    "lfuda": self.uses.get(e, 0.0) + self.base.get(e, 0.0), "admit2": 0.0,
-                   "payback": self.recent.get(e, 0.0)}[self.name]
+                   "payback": self.recent.get(e, 0.0),
+                   "classlru": min(np.floor(np.log2(1.0 + self.decayed.get(e, 0.0))), 7)}[self.name]
         return primary, self.last.get(e, 0)
 
     def admits(self, c: int, victim: int | None) -> bool:
@@ -64,12 +66,15 @@ class Reference:
         hits = sum(e in self.cache for e in row)
         for e in self.recent:
             self.recent[e] *= 1 - 1 / 32
+        for e in self.decayed:
+            self.decayed[e] *= 0.5 ** (1 / 128)
         for k, e in enumerate(row):
             self.uses[e] = self.uses.get(e, 0.0) + 1
             self.last[e] = self.t * self.k + k + 1
             self.base[e] = self.age
             self.toks.setdefault(e, []).append(self.t)
             self.recent[e] = self.recent.get(e, 0.0) + 1
+            self.decayed[e] = self.decayed.get(e, 0.0) + 1
         self.t += 1
         misses = [e for e in row if e not in self.cache]
         n_empty = self.slots - len(self.cache)
@@ -162,7 +167,8 @@ def test_a_step_of_many_tokens_counts_as_those_tokens_one_by_one(name: str) -> N
     whole.observe(0, ids)
     for row in ids:
         single.observe(0, row[None])
-    for field in ("uses", "last", "seen", "pending", "tokens", "last_tok", "prev_tok", "recent", "base"):
+    for field in ("uses", "last", "seen", "pending", "tokens", "last_tok", "prev_tok", "recent", "base",
+                  "decayed"):
         if hasattr(whole, field):
             assert np.allclose(getattr(whole, field), getattr(single, field)), field
     assert whole.plan(0, np.full(4, -1), 4) == single.plan(0, np.full(4, -1), 4)
