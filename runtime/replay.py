@@ -25,6 +25,7 @@ from torch import nn
 from moeprep.errors import MoeprepError
 from moeprep.profile.tracefile import TraceFile
 from moerun.layers import MoE, Router, device_of
+from moerun.step import Step
 
 
 class ReplayRouter(nn.Module):
@@ -36,11 +37,10 @@ class ReplayRouter(nn.Module):
         self.register_buffer("ids", ids, persistent=False)  # [N, K] int64 on the router's device
         self.register_buffer("weights", weights, persistent=False)  # [N, K] float32
         self.base = base  # trace row of position 0
-        self.positions: torch.Tensor | None = None  # the current step's (T,), set by the MoE layer's pre-hook
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.router(x)  # its cost stays in the step; its choice is not used
-        rows = self.positions.to(self.ids.device) + self.base
+    def forward(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        self.router(x, step)  # its cost stays in the step; its choice is not used
+        rows = step.positions.to(self.ids.device) + self.base
         return self.ids[rows], self.weights[rows]
 
 
@@ -78,11 +78,4 @@ def install_replay(model, t: TraceFile, n_tokens: int, where: str) -> Replay:
         wrapper = ReplayRouter(moe.router, torch.from_numpy(np.ascontiguousarray(t.ids[:, m])).long().to(device),
                                torch.from_numpy(np.ascontiguousarray(weights[:, m])).float().to(device), base)
         moe.router = wrapper
-        moe.register_forward_pre_hook(_keep_positions(wrapper))
     return Replay(chunk, int(t.chunk_lengths()[chunk]))
-
-
-def _keep_positions(wrapper: ReplayRouter):
-    def hook(module: nn.Module, args: tuple) -> None:
-        wrapper.positions = args[1].positions  # MoE.forward(x, step)
-    return hook

@@ -52,8 +52,9 @@ class Router(nn.Module):
         return cls(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, kernels,
                    selection_bias=w.optional(f"{p}.exp_probs_b.bias", torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32."""
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32. (`step`: for routers that read the positions,
+        such as a routing replay's.)"""
         return self.choose(self.gate(x).float())
 
     def choose_plain(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +183,7 @@ class MoE(nn.Module):
         self.shared, self.shared_gate = shared, shared_gate
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        ids, weights = self.router(x)  # (T, K)
+        ids, weights = self.router(x, step)  # (T, K)
         if self.hooks.routing:
             self.hooks.fire_routing(self.layer, step.positions, ids, weights)
         out = self.experts(x, ids, weights, step)

@@ -14,7 +14,7 @@ from moeprep.profile.regimes import Shape, generate
 from moeprep.profile.routing_stats import hit_rates
 from moeprep.profile.tracefile import TraceFile, write_trace
 from moerun.bench import run_bench
-from moerun.cache.expert_cache import UPLOADS_PER_LAYER_STEP, CacheConfig
+from moerun.cache.config import UPLOADS_PER_LAYER_STEP, CacheConfig
 from moerun.cli import main
 from moerun.layers import Router
 from moerun.replay import install_replay
