@@ -22,7 +22,7 @@ Every timed call reads weights that are not in L2: the calls rotate over enough 
 Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
 step), median of --repeat replays after a warm-up. The 8-bit route's decode rows include the activations' rounding
 (quantize_i8, a launch of its own); with --carried the input comes rounded already, as the decode step's norms and
-attention hand it over (gguf_matmul.carry_i8), and the kernel is timed alone. --sweep first times a few GEMV/GEMM
+attention hand it over (act_i8.carry_i8), and the kernel is timed alone. --sweep first times a few GEMV/GEMM
 tile shapes per type and uses the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles
 on each expert shape (gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, and the grouped
 prefill GEMM's at T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
@@ -42,7 +42,8 @@ import triton
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import fused, tuning
-from moerun.kernels.gguf_matmul import QWeight, bf16_mm, carry_i8, gguf_mm, gguf_moe, gguf_moe_glu, quantize_i8
+from moerun.kernels.act_i8 import carry_i8, quantize_i8
+from moerun.kernels.gguf_matmul import QWeight, bf16_mm, gguf_mm, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
 from gpu_timing import replay_seconds  # bench/gpu_timing.py
 

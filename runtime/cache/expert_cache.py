@@ -13,7 +13,7 @@ Streaming (where the experts are page-locked on a GPU): a decode-sized step (up 
 eager or captured) does not stop at the host. Each layer's bank names its experts in host RAM as its second bank
 (QWeight.second), and a device table per layer maps every expert to its slot or, for a miss, to "expert e of the
 second bank" (-2 - e). A copy kernel moves the step's missed experts from page-locked RAM into the staging bank
-(44-50 GB/s on the H200 machine; gguf_matmul.stage_second) and the matrix-vector kernel runs them in the same
+(44-50 GB/s on the H200 machine; staging.stage_second) and the matrix-vector kernel runs them in the same
 launch as the cached ones. The step is then one CUDA graph; each layer records its routing on the device, and
 after the step the host reads all layers' routing in one copy (`ExpertCache.step_done`) and counts hits, and while
 the next step runs, the policy plans the uploads. The device tables change only between steps: an evicted expert
@@ -479,7 +479,7 @@ class CachedExperts(nn.Module):
         if x.device.type in STAGING_DEVICES:
             stage = self.cache.staging(self)
             if stage[0].data.shape[0] >= slots.numel():
-                from moerun.kernels.gguf_matmul import stage_second
+                from moerun.kernels.staging import stage_second
 
                 banks, slots = stage_second(slots, self.banks, tuple(b.data for b in stage))
                 second = ids.reshape(-1)  # staging matrix p holds pair p's expert

@@ -12,7 +12,7 @@ entry point here does in one launch what layers.py's torch reference does in sev
 - `swiglu`: silu(gate) * up; `moe_combine`: the weighted sum of each token's expert outputs.
 
 The norms and attention's output also round what they write to int8 blocks for the products that read it on the
-8-bit route (gguf_matmul.carry_i8), which then skip a launch of their own.
+8-bit route (act_i8.carry_i8), which then skip a launch of their own.
 
 Every function is tested against the torch reference in layers.py (tests/runtime/test_fused.py, on the CPU in
 Triton's interpreter). Shapes: T tokens, H query heads, G KV heads, Dh head size, S KV slots, E experts, K experts
@@ -27,7 +27,7 @@ import triton.language as tl
 
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 from moerun.kernels import tuning
-from moerun.kernels.gguf_matmul import carry_i8, i8_buffers, store_i8
+from moerun.kernels.act_i8 import carry_i8, i8_buffers, store_i8
 from moerun.kernels.qtypes import INTERPRETED
 
 # KV slots per program of attend_decode; query tokens it takes (more go to the torch reference, which is a batched
@@ -44,7 +44,7 @@ ATTEND_MAX_HEAD_DIM = 256
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, d_ptr, s_ptr, D, x_stride, eps,
                      HAS_DELTA: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr):
     """Row i: h = x[i] (+ delta[i]); out[i] = h * rsqrt(mean(h^2) + eps) * w (and sum[i] = h with a delta); with
-    I8, out[i] rounded for the 8-bit route into q, d, s (gguf_matmul.store_i8)."""
+    I8, out[i] rounded for the 8-bit route into q, d, s (act_i8.store_i8)."""
     i = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < D
@@ -70,9 +70,9 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def rounded_rows() -> int:
-    """The most rows of activations that the kernels writing them round for the 8-bit routes as well (gguf_matmul.
-    carry_i8): as many as the products reading them take on one (the matrix-vector kernel's, for a decode step's
-    tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
+    """The most rows of activations that the kernels writing them round for the 8-bit routes as well
+    (act_i8.carry_i8): as many as the products reading them take on one (the matrix-vector kernel's, for a decode
+    step's tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
     return max(max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GEMV_MAX_TOKENS, tuning.MOE_GLU_GEMV_MAX_TOKENS)
                if tuning.GEMV_INT8 else 0,
                tuning.DENSE_I8_MAX_TOKENS if tuning.GEMM_INT8 else 0)
@@ -135,7 +135,7 @@ def _slot_row(pos_ptr, seq_ptr, t, g, G, n_ctx, SEQS: tl.constexpr):
 
 
 # the step's sizes, and its positions and sequences (whose alignment follows the step's token count where they are
-# rows of one tensor): see gguf_matmul._gemv_kernel
+# rows of one tensor): see gemv._gemv_kernel
 @triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "n_q_rows", "n_k_rows"])
 def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr, seq_ptr,
                      n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps, n_ctx,
@@ -310,7 +310,7 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, allowed_ptr, m_ptr, l_ptr
 def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_ptr, s_ptr, n_splits, H, Dv,
                            HAS_SINKS: tl.constexpr, I8: tl.constexpr, CS: tl.constexpr, DV: tl.constexpr):
     """Program t*H + h: out = sum_i exp(m_i - M) acc_i / (sum_i exp(m_i - M) l_i [+ exp(sink - M)]), M the max;
-    with I8 also rounded for the 8-bit route into q, d, s (gguf_matmul.store_i8; Dv a multiple of 32)."""
+    with I8 also rounded for the 8-bit route into q, d, s (act_i8.store_i8; Dv a multiple of 32)."""
     th = tl.program_id(0)
     base = th.to(tl.int64) * n_splits
     c = tl.arange(0, CS)
@@ -492,7 +492,7 @@ def _moe_combine_kernel(y_ptr, w_ptr, slot_ptr, out_ptr, D, K: tl.constexpr, BD:
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """y (T, K, D) float32, weights (T, K), slots (T, K) (-1: skipped; other negative slots name experts read from
-    host memory, gguf_matmul._gemv_kernel) -> (T, D) float32: sum_k weights * y."""
+    host memory, gemv._gemv_kernel) -> (T, D) float32: sum_k weights * y."""
     T, K, D = y.shape
     y, weights, slots = y.contiguous(), weights.float().contiguous(), slots.contiguous()
     out = torch.empty(T, D, dtype=torch.float32, device=y.device)

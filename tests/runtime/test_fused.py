@@ -21,8 +21,9 @@ from moerun import layers
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
 from moerun.hooks import Hooks
 from moerun.cache.kv import KVCache
-from moerun.kernels import cpu_fused, fused, gguf_matmul, tuning
-from moerun.kernels.gguf_matmul import QWeight, carried_i8, gguf_mm, gguf_moe_glu, quantize_i8
+from moerun.kernels import cpu_fused, fused, gemm, gemv, gguf_matmul, tuning
+from moerun.kernels.act_i8 import carried_i8, quantize_i8
+from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe_glu
 from moerun.quantized import QuantLinear
 from moerun.models import arch_module
 from moerun.step import Step
@@ -395,8 +396,8 @@ def test_products_take_the_rounding_their_input_carries(inference, gen, monkeypa
     kv = randn(40, 1, 128, gen=gen, dtype=torch.bfloat16) * 0.05
     x, norm_weight = randn(2, cols, gen=gen), randn(cols, gen=gen) * 0.05  # silu's exp in range
     rounded = []
-    quantize = gguf_matmul.quantize_i8
-    monkeypatch.setattr(gguf_matmul, "quantize_i8", lambda x: rounded.append(x) or quantize(x))
+    for launcher in (gemv, gemm):
+        monkeypatch.setattr(launcher, "quantize_i8", lambda x: rounded.append(x) or quantize_i8(x))
     with torch.inference_mode(inference):
         attended = fused.attend_decode(q, kv, kv, torch.ones(2, 40, dtype=torch.bool, device=DEVICE), 0.1)
         for carrier in (fused.rms_norm(x, norm_weight, 1e-6), attended.view(2, cols)):

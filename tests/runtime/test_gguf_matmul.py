@@ -12,7 +12,7 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   classic bound for a sum of C rounded products in any order), tested with a factor 2 to spare;
 - the GEMM rounds x to bfloat16 (to nearest, as torch's .bfloat16() does), and w too on the GPU, and accumulates in
   float32, so it is compared with the float64 product of the same operands, within the same bound (the interpreter
-  multiplies bfloat16 x with float32 w: gguf_matmul._gemm says why); on the GPU a dense product of
+  multiplies bfloat16 x with float32 w: gemm.gemm says why); on the GPU a dense product of
   tuning.DECODED_GEMM_MIN_TOKENS tokens or more multiplies the same bfloat16 operands on cuBLAS (decode_bf16).
 - the matrix-vector kernel's 8-bit route (tuning.GEMV_INT8, the types with a dot8 decoder) rounds x to int8 per 32
   values (quantize_i8, reproduced here bit for bit by `rounded_i8`) and multiplies exactly in integers, then in
@@ -35,9 +35,12 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from moerun.kernels import dequant, tuning
 from moerun.kernels.fused import moe_combine
+from moerun.kernels.act_i8 import quantize_i8
+from moerun.kernels.gemm import split_counters
 from moerun.kernels.gguf_matmul import (QWeight, bf16_mm, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, gguf_mv,
-                                        group_by_slot, moe_gemm_i8, quantize_i8, split_counters, stage_second,
-                                        supports)
+                                        moe_gemm_i8, supports)
+from moerun.kernels.moe_align import group_by_slot
+from moerun.kernels.staging import stage_second
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -269,7 +272,7 @@ def test_float32_rows_on_the_matrix_vector_kernel(n_tokens: int) -> None:
 
 
 def gemv_tile_rows(qtype: Q, n_tokens: int) -> int:
-    """Rows per program of the matrix-vector kernel's dense tiles for n_tokens (as gguf_matmul._gemv picks them)."""
+    """Rows per program of the matrix-vector kernel's dense tiles for n_tokens (as gemv.gemv picks them)."""
     bt = BLOCK_TYPES[qtype]
     return tuning.gemv_tiles(qtype, bt.values, 8 if on_i8(qtype) else bt.part, n_tokens, i8=on_i8(qtype)).rows
 
