@@ -1,21 +1,52 @@
 """Activations rounded to int8 for the 8-bit routes of the GGUF products: per block of 32 values q = round(x / d)
 with d = max |x| / 127, as llama.cpp's GPU matrix-vector products round theirs.
 
-`quantize_i8` rounds a tensor of activations in a launch of its own; `store_i8` is the same rounding as a Triton
-function, which the kernels that write activations (fused.py's norms and attention) call on the values they store,
-so that the products reading them skip that launch. The products take the rounding as quants (int8, one per value),
-their scale d per 32 values and d * (sum of the quants) per 16 (the K-quants' offsets multiply that sum).
+A rounding is a value, `QAct`: the quants (int8, one per value), their scale d per 32 values and d * (sum of the
+quants) per 16 (the K-quants' offsets multiply that sum). `quantize_i8` makes one for a tensor of activations in a
+launch of its own; `store_i8` is the same rounding as a Triton function, which the kernels that write activations
+(fused.py's norms and attention) call on the values they store and return with them, so that the products reading
+those values take it as an argument and skip that launch: three of the four per layer of a decode step.
 """
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from moerun.kernels import tuning
+
+
+@dataclass(frozen=True)
+class QAct:
+    """Activations (rows, C) rounded for the 8-bit routes, C a multiple of 32: quants q (rows, C) int8, each block of
+    32 values' scale d (rows, C / 32) float32, and d * (sum of the quants) per 16 values s (rows, C / 16) float32;
+    value c of row r is d[r, c // 32] * q[r, c].
+
+    It is the rounding of the values its maker read or wrote at that moment: whoever passes it to a product passes it
+    with those values, as the product's input `x` (gguf_matmul: the i8 arguments)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    s: torch.Tensor
+
+    def __post_init__(self) -> None:
+        rows, cols = self.q.shape
+        assert (self.q.dtype == torch.int8 and cols % 32 == 0 and self.d.shape == (rows, cols // 32)
+                and self.s.shape == (rows, cols // 16)), (tuple(self.q.shape), tuple(self.d.shape), tuple(self.s.shape))
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, device: torch.device) -> QAct:
+        """Uninitialised buffers for the rounding of (rows, cols) activations, for a kernel to store_i8 into."""
+        return cls(torch.empty(rows, cols, dtype=torch.int8, device=device),
+                   torch.empty(rows, cols // 32, dtype=torch.float32, device=device),
+                   torch.empty(rows, cols // 16, dtype=torch.float32, device=device))
+
+    def rounds(self, x: torch.Tensor, cols: int) -> bool:
+        """Is it shaped as the rounding of x read as rows of `cols` values (a product's input)?"""
+        return self.q.shape == (x.numel() // cols, cols)
 
 
 @triton.jit
@@ -48,53 +79,13 @@ def _quantize_i8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, cols, NB: tl.constexpr):
     store_i8(v, blk, ok, row, cols, q_ptr, d_ptr, s_ptr, NB)
 
 
-def quantize_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activations (rows, C) float32 or bfloat16, C a multiple of 32 -> the 8-bit route's inputs: quants (rows, C)
-    int8, their scale d per 32 values (rows, C / 32) float32 and d * (sum of the quants) per 16 (rows, C / 16)
-    float32. Each block of 32 is rounded on its own scale max |x| / 127, as llama.cpp's GPU matrix-vector products
-    round theirs; values are d * q."""
+def quantize_i8(x: torch.Tensor) -> QAct:
+    """Activations (rows, C) float32 or bfloat16, C a multiple of 32 -> their rounding for the 8-bit routes. Each
+    block of 32 is rounded on its own scale max |x| / 127, as llama.cpp's GPU matrix-vector products round theirs."""
     rows, cols = x.shape
     assert cols % 32 == 0 and x.is_contiguous(), (tuple(x.shape), x.stride())
-    q, d, s = i8_buffers(x.numel(), x.device)
+    out = QAct.empty(rows, cols, x.device)
     if rows:
         _quantize_i8_kernel[(rows, triton.cdiv(cols // 32, tuning.QUANTIZE_BLOCKS))](
-            x, q, d, s, cols, NB=tuning.QUANTIZE_BLOCKS, enable_fp_fusion=False)  # no FMA: see store_i8
-    return q.view(rows, cols), d.view(rows, cols // 32), s.view(rows, cols // 16)
-
-
-def i8_buffers(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty quants, scales and sums (store_i8) for n activation values, flat."""
-    return (torch.empty(n, dtype=torch.int8, device=device), torch.empty(n // 32, dtype=torch.float32, device=device),
-            torch.empty(n // 16, dtype=torch.float32, device=device))
-
-
-# A kernel that writes activations can round them for the 8-bit route in the same pass (fused.rms_norm,
-# add_rms_norm and attend_decode call store_i8 on the values they store) and hand the result along with its output
-# tensor: the products that read that output on the 8-bit route then skip quantize_i8's launch, three of the four
-# per layer of a decode step. The rounding is of the tensor's bytes in order, by 32, so it serves any view of the
-# whole tensor whose rows are a multiple of 32 long (attention's (T, H, Dv) output read as (T, H * Dv)); views are
-# found by address, as tensors made in inference mode record no base. It holds only while the tensor is not written
-# again: torch's version counter (shared by views) says so, except in inference mode, which keeps none; the layers
-# write no activation in place.
-_CARRIERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (device, address) -> the carrying tensor
-
-
-def _version(x: torch.Tensor) -> int | None:
-    return None if x.is_inference() else x._version
-
-
-def carry_i8(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -> None:
-    """Hand along with x (contiguous, as its writer allocated it) the flat quantize_i8 rounding of its values."""
-    assert x.is_contiguous() and 0 < q.numel() == x.numel() == 32 * d.numel() == 16 * s.numel()
-    x._moerun_i8 = (_version(x), q, d, s)
-    _CARRIERS[x.device, x.data_ptr()] = x
-
-
-def carried_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The rounding handed along with the tensor x views all of (carry_i8), flat, if unchanged since; else None.
-    (While that tensor lives, nothing else is allocated at its address.)"""
-    carrier = _CARRIERS.get((x.device, x.data_ptr()))
-    if (carrier is None or carrier._moerun_i8[0] != _version(carrier) or x.numel() != carrier.numel()
-            or x.dtype != carrier.dtype or not x.is_contiguous() or x.shape[-1] % 32):
-        return None
-    return carrier._moerun_i8[1:]
+            x, out.q, out.d, out.s, cols, NB=tuning.QUANTIZE_BLOCKS, enable_fp_fusion=False)  # no FMA: see store_i8
+    return out

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import tuning
-from moerun.kernels.act_i8 import carried_i8, carry_i8, quantize_i8
+from moerun.kernels.act_i8 import QAct, quantize_i8
 from moerun.kernels.qtypes import INTERPRETED, BlockType
 from moerun.kernels.qweight import QWeight
 
@@ -154,14 +154,17 @@ def _decode_kernel(w_ptr, out_ptr, n_rows, n_blocks, row_bytes,
 
 
 def gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: int, x_div: int,
-         grouped: tuple[torch.Tensor, torch.Tensor] | None, tiles: tuning.GemmTiles, i8: bool = False) -> None:
-    """The GEMM over the blocks: with `i8` the 8-bit one (the type's gemm8 decoder), else decoded to bfloat16."""
+         grouped: tuple[torch.Tensor, torch.Tensor] | None, tiles: tuning.GemmTiles, on_i8: bool = False,
+         i8: QAct | None = None) -> None:
+    """The GEMM over the blocks: with `on_i8` the 8-bit one (the type's gemm8 decoder) on x's rounding, `i8` where
+    given, else made here (quantize_i8); else decoded to bfloat16."""
     ids, block_slot = grouped if grouped is not None else (out, out)
     n_m = block_slot.numel() if grouped is not None else triton.cdiv(n_ids, tiles.block_m)
     row_bytes = w.data.shape[-1]
-    if i8:
-        rounding = carried_i8(x) or quantize_i8(x.reshape(-1, w.cols))
-        carry_i8(x, *rounding)  # a layer's gate and up read the same input: rounded once for both
+    if on_i8:
+        if i8 is None:
+            i8 = quantize_i8(x.reshape(-1, w.cols))
+        assert i8.rounds(x, w.cols), (tuple(i8.q.shape), tuple(x.shape))
         n_blocks = w.cols // bt.values
         step_blocks = min(tiles.blocks, n_blocks)
         split_blocks = triton.cdiv(triton.cdiv(n_blocks, tiles.split), step_blocks) * step_blocks
@@ -170,7 +173,7 @@ def gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: i
         partial = out if n_splits == 1 else torch.empty(n_splits, *out.shape, dtype=out.dtype, device=out.device)
         counters = out if n_splits == 1 else split_counters(out.device, grid[0] * grid[1])
         _gemm_i8_kernel[grid](
-            *rounding, w.data, ids, block_slot, partial, out, counters, n_ids, w.rows, n_blocks, row_bytes,
+            i8.q, i8.d, i8.s, w.data, ids, block_slot, partial, out, counters, n_ids, w.rows, n_blocks, row_bytes,
             w.rows * row_bytes, w.cols, x_div, split_blocks, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes,
             BM=tiles.block_m, BN=tiles.block_n, B=step_blocks, MINS=bt.gemm8_mins, GROUPED=grouped is not None,
             EVEN_K=n_blocks % split_blocks == 0, SPLIT=n_splits > 1, num_warps=tiles.num_warps,

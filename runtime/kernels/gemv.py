@@ -21,7 +21,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import tuning
-from moerun.kernels.act_i8 import carried_i8, quantize_i8
+from moerun.kernels.act_i8 import QAct, quantize_i8
 from moerun.kernels.qtypes import INTERPRETED, BlockType
 from moerun.kernels.qweight import QWeight
 from moerun.kernels.staging import second_delta
@@ -186,24 +186,27 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_grou
 
 
 def gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
-         slots: torch.Tensor | None, up: QWeight | None = None) -> None:
+         slots: torch.Tensor | None, up: QWeight | None = None, i8: QAct | None = None) -> None:
     """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T). On the 8-bit route where the type
-    has one (tuning.GEMV_INT8): the activations are rounded to int8 first (quantize_i8)."""
+    has one (tuning.GEMV_INT8): the activations rounded to int8, `i8` where given (x's rounding), else here
+    (quantize_i8)."""
     group = triton.next_power_of_2(tokens)
-    i8 = tuning.GEMV_INT8 and bt.dot8 is not None
+    on_i8 = tuning.GEMV_INT8 and bt.dot8 is not None
     # registers per (token, row, block) that grow with the tokens: a part's float accumulators, or a quad's four
     # accumulators and four activation words (8-bit; counting the accumulators alone, T=8 spilled: 741 us for 4096^2)
-    per_block = 8 if i8 else bt.part
+    per_block = 8 if on_i8 else bt.part
     # the GLU keeps two products per value: tiles for twice the tokens keep its accumulators in registers
     tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, per_block, group * (2 if up is not None else 1),
-                              grouped_blocks=0 if slots is None else w.cols // bt.values, i8=i8)
-    if i8:
-        xq, xd, xs = carried_i8(x) or quantize_i8(x.view(-1, w.cols))
-        x, xd_xs = xq.view(-1).view(torch.int32), (xd, xs)
+                              grouped_blocks=0 if slots is None else w.cols // bt.values, i8=on_i8)
+    if on_i8:
+        if i8 is None:
+            i8 = quantize_i8(x.view(-1, w.cols))
+        assert i8.rounds(x, w.cols), (tuple(i8.q.shape), tuple(x.shape))
+        x, xd_xs = i8.q.view(-1).view(torch.int32), (i8.d, i8.s)
     else:
         xd_xs = (x, x)
     row_bytes = w.data.shape[-1]
-    values = bt.dot8_values if i8 else bt.values  # per step of a lane: the 8-bit route's unit, or a block
+    values = bt.dot8_values if on_i8 else bt.values  # per step of a lane: the 8-bit route's unit, or a block
     deltas = (second_delta(w), second_delta(w if up is None else up))
     # 16-byte loads of the experts' words: the 60 GB model's gate+up 1555 -> 1766 GB/s on the H200 (kernels.md)
     align = 16 if slots is not None and all(n % 16 == 0 for n in (w.rows * row_bytes, *deltas)) else 1
@@ -211,7 +214,6 @@ def gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: 
     _gemv_kernel[grid](
         x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, groups, w.rows,
         w.cols // values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, *deltas,
-        DECODE=bt.dot8 if i8 else bt.decode, V=values, S=bt.nbytes, P=bt.part, TG=group,
-        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=i8, EMULATE=INTERPRETED,
-        ALIGN=align,
-        num_warps=tiles.num_warps)
+        DECODE=bt.dot8 if on_i8 else bt.decode, V=values, S=bt.nbytes, P=bt.part, TG=group,
+        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=on_i8,
+        EMULATE=INTERPRETED, ALIGN=align, num_warps=tiles.num_warps)

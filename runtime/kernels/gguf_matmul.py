@@ -8,6 +8,9 @@ The entry points, which pick a kernel by the number of tokens (the numbers, and 
 - gguf_moe and gguf_moe_glu, each token's K experts of a bank of expert matrices in one launch: the matrix-vector
   kernel, a program group per (token, expert) pair, for a decode step or a short prompt; past that the pairs grouped
   by expert (moe_align.py) on the grouped GEMM.
+The products that take an 8-bit route round their input to int8 first (act_i8.quantize_i8), unless the caller passes
+that rounding along with it (`i8`, an act_i8.QAct: made by the kernel that wrote the input, fused.py's norms and
+attention, or once for several products of one input, moe_rounding). A product on another route ignores it.
 
 Shapes: T tokens, K experts per token, N rows (output features), C columns (input features), E slots in a bank.
 Nothing here synchronises with the host, so every call can be captured in a CUDA graph.
@@ -21,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import tuning
+from moerun.kernels.act_i8 import QAct, quantize_i8
 from moerun.kernels.gemm import decode, gemm
 from moerun.kernels.gemv import gemv
 from moerun.kernels.moe_align import group_by_slot
@@ -52,22 +56,22 @@ def dense_gemm_i8(bt: BlockType, n_tokens: int) -> bool:
             and tuning.DENSE_I8_MIN_TOKENS <= n_tokens <= tuning.DENSE_I8_MAX_TOKENS)
 
 
-def gguf_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """x (T, C) float32 or bfloat16 @ w.T -> (T, N) float32."""
+def gguf_mm(x: torch.Tensor, w: QWeight, i8: QAct | None = None) -> torch.Tensor:
+    """x (T, C) float32 or bfloat16 @ w.T -> (T, N) float32; `i8`: x's rounding for the 8-bit routes, if made."""
     bt = _block_type(w)
     assert x.dim() == 2 and x.shape[1] == w.cols and w.data.dim() == 2, (tuple(x.shape), tuple(w.data.shape))
     x = x.contiguous()
     n_tokens = x.shape[0]
-    i8 = dense_gemm_i8(bt, n_tokens)
-    if not i8 and n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not INTERPRETED:
+    on_i8 = dense_gemm_i8(bt, n_tokens)
+    if not on_i8 and n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not INTERPRETED:
         return _decoded_mm(x, w)
     out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
     if n_tokens == 0:
         return out
-    if i8:
-        gemm(x, w, bt, out, n_tokens, 1, None, tuning.dense_i8_tiles(Q(w.qtype)), i8=True)
+    if on_i8:
+        gemm(x, w, bt, out, n_tokens, 1, None, tuning.dense_i8_tiles(Q(w.qtype)), on_i8=True, i8=i8)
     elif n_tokens <= tuning.GEMV_MAX_TOKENS:
-        gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None)
+        gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None, i8=i8)
     else:
         gemm(x, w, bt, out, n_tokens, 1, None, tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=False))
     return out
@@ -117,13 +121,14 @@ def decode_bf16(w: QWeight) -> torch.Tensor:
     return decode(w, _block_type(w))
 
 
-def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | None = None) -> torch.Tensor:
+def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | None = None,
+             i8: QAct | None = None) -> torch.Tensor:
     """Each token's K experts of a bank in one launch: -> (T, K, N) float32.
 
     w.data: (E, N, row_bytes); slots (T, K) int32 or int64: the bank slot of token t's k-th expert, -1 to skip it
     (zeros out). x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
     `groups`: where the prefill path keeps its group_by_slot of these slots for the other banks of the same layer
-    (made once a layer, not once a bank).
+    (made once a layer, not once a bank). `i8`: x's rounding for the 8-bit routes, if made.
     """
     bt = _block_type(w)
     assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype in (torch.int32, torch.int64), (
@@ -136,16 +141,16 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
         return torch.zeros(n_tokens, k, w.rows, dtype=torch.float32, device=x.device)
     if n_tokens <= tuning.MOE_GEMV_MAX_TOKENS:
         out = torch.empty(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)
-        gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots)
+        gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots, i8=i8)
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
-        i8 = moe_gemm_i8(bt, n_tokens)
-        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=i8,
+        on_i8 = moe_gemm_i8(bt, n_tokens)
+        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=on_i8,
                                   n_tokens=n_tokens)
         key, groups = (w.data.shape[0], tiles.block_m), {} if groups is None else groups
         if key not in groups:
             groups[key] = group_by_slot(slots, *key)
-        gemm(x, w, bt, out, n_tokens * k, x_div, groups[key], tiles, i8)
+        gemm(x, w, bt, out, n_tokens * k, x_div, groups[key], tiles, on_i8, i8)
     return out.view(n_tokens, k, w.rows)
 
 
@@ -155,23 +160,34 @@ def glu_supports(gate: QWeight, up: QWeight) -> bool:
             and gate.cols == up.cols)
 
 
+def moe_rounding(x: torch.Tensor, bank: QWeight, n_tokens: int) -> QAct | None:
+    """x (T, C)'s rounding where a prompt step of n_tokens multiplies it with the experts of `bank` on the 8-bit
+    GEMM (moe_gemm_i8), else None: made once for the banks that read the same input (gate and up)."""
+    if n_tokens > tuning.MOE_GEMV_MAX_TOKENS and moe_gemm_i8(_block_type(bank), n_tokens):
+        return quantize_i8(x.contiguous())
+    return None
+
+
 def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tensor,
-                 groups: dict | None = None) -> torch.Tensor:
-    """silu(gguf_moe(x, gate, slots)) * gguf_moe(x, up, slots): -> (T, K, N) float32, skipped slots zeros.
+                 groups: dict | None = None, i8: QAct | None = None) -> torch.Tensor:
+    """silu(gguf_moe(x, gate, slots)) * gguf_moe(x, up, slots): -> (T, K, N) float32, skipped slots zeros. `i8`:
+    x's rounding for the 8-bit routes, if made.
 
     Decode-sized steps run both banks in one matrix-vector launch (the input read once, the SwiGLU done on the
-    accumulators); prefill runs the two grouped GEMMs on one grouping, and the product.
+    accumulators); prefill runs the two grouped GEMMs on one grouping and one rounding, and the product.
     """
     assert glu_supports(gate, up), (Q(gate.qtype).name, Q(up.qtype).name, tuple(gate.data.shape))
     n_tokens, k = slots.shape
     if n_tokens * k == 0 or n_tokens > tuning.MOE_GLU_GEMV_MAX_TOKENS:
         groups = {} if groups is None else groups
-        g, u = gguf_moe(x, gate, slots, groups), gguf_moe(x, up, slots, groups)
+        if i8 is None and n_tokens * k:
+            i8 = moe_rounding(x, gate, n_tokens)
+        g, u = gguf_moe(x, gate, slots, groups, i8), gguf_moe(x, up, slots, groups, i8)
         return torch.nn.functional.silu(g) * u
     bt = _block_type(gate)
     _block_type(up)
     assert x.shape == (n_tokens, gate.cols), (tuple(x.shape), tuple(slots.shape))
     x, slots = x.contiguous(), slots.contiguous()
     out = torch.empty(n_tokens * k, gate.rows, dtype=torch.float32, device=x.device)
-    gemv(x, gate, bt, out, groups=n_tokens * k, tokens=1, x_div=k, slots=slots, up=up)
+    gemv(x, gate, bt, out, groups=n_tokens * k, tokens=1, x_div=k, slots=slots, up=up, i8=i8)
     return out.view(n_tokens, k, gate.rows)
