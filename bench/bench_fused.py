@@ -96,12 +96,12 @@ def op_pairs(args, ctx: int, dev: str = "cuda") -> dict[str, tuple[Callable, Cal
     return {
         "rms_norm": (lambda: t.rms_norm(x, w, 1e-6), lambda: fused.rms_norm(x, w, 1e-6)),
         "residual add + rms_norm": (lambda: t.add_rms_norm(x, delta, w, 1e-6),
-                                    lambda: fused.add_rms_norm(x, delta, w, 1e-6)),
+                                    lambda: fused.add_rms_norm_i8(x, delta, w, 1e-6)),  # as a step runs it
         "q/k norm + rope + kv cache write": (
             lambda: t.norm_rope_store(q, k, v, qn, kn, rope, step, cache),
             lambda: fused_kernels.norm_rope_store(q, k, v, qn, kn, rope, step, cache)),
         f"attention, {ctx} slots": (lambda: t.attend(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088),
-                                    lambda: fused.attend_decode(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088)),
+                                    lambda: fused.attend_decode_i8(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088)),
         "router softmax/top-k/normalize": (lambda: router.choose_general(logits),
                                            lambda: fused.route(logits, K, GATING_SOFTMAX, True, 0.0)),
         "swiglu": (lambda: t.activations["swiglu"](gate_h, up_h), lambda: fused.swiglu(gate_h, up_h)),

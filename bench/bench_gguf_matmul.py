@@ -22,10 +22,10 @@ Every timed call reads weights that are not in L2: the calls rotate over enough 
 Each timing replays a CUDA graph of all rotated calls (launch overhead out of the picture, as in a captured decode
 step), median of --repeat replays after a warm-up. The 8-bit route's decode rows include the activations' rounding
 (quantize_i8, a launch of its own); with --carried the input comes rounded already, as the decode step's norms and
-attention hand it over (gguf_matmul.carry_i8), and the kernel is timed alone. --sweep first times a few GEMV/GEMM
-tile shapes per type and uses the fastest (to copy into runtime/kernels/tuning.py), then the grouped decode's tiles
-on each expert shape (gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES, and the grouped
-prefill GEMM's at T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
+attention return it (an act_i8.QAct, the products' `i8`), and the kernel is timed alone. --sweep first times a few
+GEMV/GEMM tile shapes per type and uses the fastest (to copy into runtime/kernels/tuning.py), then the grouped
+decode's tiles on each expert shape (gate/up as the one-launch gguf_moe_glu), for tuning.GEMV_GROUPED_OVERRIDES,
+and the grouped prefill GEMM's at T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import triton
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels import fused, tuning
-from moerun.kernels.gguf_matmul import QWeight, bf16_mm, carry_i8, gguf_mm, gguf_moe, gguf_moe_glu, quantize_i8
+from moerun.kernels.act_i8 import QAct, quantize_i8
+from moerun.kernels.gguf_matmul import QWeight, bf16_mm, gguf_mm, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
 from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
@@ -111,12 +112,12 @@ def random_bank(qtype: Q, n: int, rows: int, cols: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, rows, cols // bt.values * bt.nbytes), dtype=torch.uint8, device="cuda")
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x, with --carried its 8-bit rounding handed along where a step's norm would hand it (fused.rms_norm), so that
-    the timed products skip quantize_i8's launch; the rounding is made here, outside the timed graph."""
+def rounded(x: torch.Tensor) -> QAct | None:
+    """With --carried, x's 8-bit rounding where a step's norm would return it (fused.add_rms_norm_i8), for the timed
+    products to take so that they skip quantize_i8's launch; made here, outside the timed graph. Else None."""
     if CARRIED and fused.rounds_i8(*x.view(-1, x.shape[-1]).shape):
-        carry_i8(x, *quantize_i8(x.view(-1, x.shape[-1])))
-    return x
+        return quantize_i8(x.view(-1, x.shape[-1]))
+    return None
 
 
 def copies_for(nbytes: int) -> int:
@@ -127,8 +128,9 @@ def dense_decode(qtype: Q, n_tokens: int, repeat: int, shape: tuple[int, int] = 
     rows, cols = shape
     bank = random_bank(qtype, 1, rows, cols)[0]
     weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
-    x = rounded(torch.randn(n_tokens, cols, device="cuda"))
-    t = graph_seconds([lambda w=w: gguf_mm(x, w) for w in weights], repeat)
+    x = torch.randn(n_tokens, cols, device="cuda")
+    i8 = rounded(x)
+    t = graph_seconds([lambda w=w: gguf_mm(x, w, i8) for w in weights], repeat)
     return {"us": t * 1e6, "GB/s": bank.numel() / t / 1e9}
 
 
@@ -140,11 +142,12 @@ def dense_peer(n_tokens: int, repeat: int) -> dict:
     return {"us": t * 1e6, "GB/s": rows * cols * 2 / t / 1e9, "TFLOP/s": 2 * n_tokens * rows * cols / t / 1e12}
 
 
-def moe_inputs(n_tokens: int, cols: int, per_pair: bool, n_calls: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    x = rounded(torch.randn((n_tokens, TOP_K, cols) if per_pair else (n_tokens, cols), device="cuda"))
+def moe_inputs(n_tokens: int, cols: int, per_pair: bool, n_calls: int,
+               ) -> tuple[torch.Tensor, QAct | None, list[torch.Tensor]]:
+    x = torch.randn((n_tokens, TOP_K, cols) if per_pair else (n_tokens, cols), device="cuda")
     slots = [torch.rand(n_tokens, N_EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].to(torch.int32)
              for _ in range(n_calls)]
-    return x, slots
+    return x, rounded(x), slots
 
 
 def distinct_experts(slots: list[torch.Tensor]) -> float:
@@ -156,8 +159,8 @@ def moe(qtype: Q, shape: tuple[int, int], per_pair: bool, n_tokens: int, repeat:
     rows, cols = shape
     w = QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols)
     expert_bytes = w.data[0].numel()
-    x, slots = moe_inputs(n_tokens, cols, per_pair, n_calls=16)
-    t = graph_seconds([lambda s=s: gguf_moe(x, w, s) for s in slots], repeat)
+    x, i8, slots = moe_inputs(n_tokens, cols, per_pair, n_calls=16)
+    t = graph_seconds([lambda s=s: gguf_moe(x, w, s, i8=i8) for s in slots], repeat)
     return {"us": t * 1e6, "GB/s": distinct_experts(slots) * expert_bytes / t / 1e9,
             "TFLOP/s": 2 * n_tokens * TOP_K * rows * cols / t / 1e12}
 
@@ -168,8 +171,8 @@ def moe_glu(qtype: Q, shape: tuple[int, int], n_tokens: int, repeat: int) -> dic
     rows, cols = shape
     gate, up = (QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols) for _ in range(2))
     expert_bytes = gate.data[0].numel()
-    x, slots = moe_inputs(n_tokens, cols, False, n_calls=16)
-    t = graph_seconds([lambda s=s: gguf_moe_glu(x, gate, up, s) for s in slots], repeat)
+    x, i8, slots = moe_inputs(n_tokens, cols, False, n_calls=16)
+    t = graph_seconds([lambda s=s: gguf_moe_glu(x, gate, up, s, i8=i8) for s in slots], repeat)
     return {"us": t * 1e6, "GB/s": 2 * distinct_experts(slots) * expert_bytes / t / 1e9}
 
 

@@ -13,7 +13,7 @@ Streaming (where the experts are page-locked on a GPU): a decode-sized step (up 
 eager or captured) does not stop at the host. Each layer's bank names its experts in host RAM as its second bank
 (QWeight.second), and a device table per layer maps every expert to its slot or, for a miss, to "expert e of the
 second bank" (-2 - e). A copy kernel moves the step's missed experts from page-locked RAM into the staging bank
-(44-50 GB/s on the H200 machine; gguf_matmul.stage_second) and the matrix-vector kernel runs them in the same
+(44-50 GB/s on the H200 machine; kernels/staging.stage_second) and the matrix-vector kernel runs them in the same
 launch as the cached ones. The step is then one CUDA graph; each layer records its routing on the device, and
 after the step the host reads all layers' routing in one copy (`ExpertCache.step_done`) and counts hits, and while
 the next step runs, the policy plans the uploads. The device tables change only between steps: an evicted expert

@@ -169,7 +169,7 @@ class CachedExperts(nn.Module):
         if x.device.type in self.cache.options.staging_devices:
             stage = self.cache.staging(self)
             if stage[0].data.shape[0] >= slots.numel():
-                from moerun.kernels.gguf_matmul import stage_second
+                from moerun.kernels.staging import stage_second
 
                 banks, slots = stage_second(slots, self.banks, tuple(b.data for b in stage))
                 second = ids.reshape(-1)  # staging matrix p holds pair p's expert

@@ -11,8 +11,9 @@ entry point here does in one launch what the layers' torch reference (layers/) d
 - `route`: router softmax (or sigmoid, or softmax over the chosen logits), top-k and renormalisation in one kernel;
 - `swiglu`: silu(gate) * up; `moe_combine`: the weighted sum of each token's expert outputs.
 
-The norms and attention's output also round what they write to int8 blocks for the products that read it on the
-8-bit route (gguf_matmul.carry_i8), which then skip a launch of their own.
+Their `_i8` forms (`add_rms_norm_i8`, `attend_decode_i8`) also round what they write to int8 blocks in the same pass
+and return that rounding (an act_i8.QAct) with it, for the products that read it on an 8-bit route, which then skip
+a launch of their own.
 
 Every function is tested against the torch reference of layers/ (tests/runtime/test_fused.py, on the CPU in
 Triton's interpreter). Shapes: T tokens, H query heads, G KV heads, Dh head size, S KV slots, E experts, K experts
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 from moerun.kernels import tuning
-from moerun.kernels.gguf_matmul import carry_i8, i8_buffers, store_i8
+from moerun.kernels.act_i8 import QAct, store_i8
 from moerun.kernels.qtypes import INTERPRETED
 
 # KV slots per program of attend_decode; query tokens it takes (more go to the torch reference, which is a batched
@@ -44,7 +45,7 @@ ATTEND_MAX_HEAD_DIM = 256
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, d_ptr, s_ptr, D, x_stride, eps,
                      HAS_DELTA: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr):
     """Row i: h = x[i] (+ delta[i]); out[i] = h * rsqrt(mean(h^2) + eps) * w (and sum[i] = h with a delta); with
-    I8, out[i] rounded for the 8-bit route into q, d, s (gguf_matmul.store_i8)."""
+    I8, out[i] rounded for the 8-bit route into q, d, s (act_i8.store_i8)."""
     i = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < D
@@ -70,9 +71,9 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def rounded_rows() -> int:
-    """The most rows of activations that the kernels writing them round for the 8-bit routes as well (gguf_matmul.
-    carry_i8): as many as the products reading them take on one (the matrix-vector kernel's, for a decode step's
-    tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
+    """The most rows of activations that the kernels writing them round for the 8-bit routes as well (the _i8
+    forms): as many as the products reading them take on one (the matrix-vector kernel's, for a decode
+    step's tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
     return max(max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GEMV_MAX_TOKENS, tuning.MOE_GLU_GEMV_MAX_TOKENS)
                if tuning.GEMV_INT8 else 0,
                tuning.DENSE_I8_MAX_TOKENS if tuning.GEMM_INT8 else 0)
@@ -85,29 +86,25 @@ def rounds_i8(rows: int, cols: int) -> bool:
 
 
 def _norm(x: torch.Tensor, x_stride: int, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-          h: torch.Tensor | None, out: torch.Tensor, result: torch.Tensor) -> None:
-    """_rms_norm_kernel over the rows of x into out (and h = x + delta with h); where its readers can use it, out
-    rounded for the 8-bit route too, handed along with `result` (out as the caller returns it: a view of out is
-    another tensor, and in inference mode one that does not keep out alive)."""
+          h: torch.Tensor | None, out: torch.Tensor, i8: bool) -> QAct | None:
+    """_rms_norm_kernel over the rows of x into out (and h = x + delta with h); with `i8`, where its readers can use
+    it (rounds_i8), out rounded for the 8-bit routes too: -> that rounding, else None."""
     rows, D = out.shape
-    i8 = rounds_i8(rows, D)
-    q, d, s = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)
-    # no FMA: store_i8 rounds as quantize_i8 does
-    _rms_norm_kernel[(rows,)](x, delta, weight, out if h is None else h, out, q, d, s, D, x_stride, eps,
-                              HAS_DELTA=h is not None, I8=i8, BLOCK=triton.next_power_of_2(D),
-                              enable_fp_fusion=False)
-    if i8:
-        carry_i8(result, q, d, s)
+    act = QAct.empty(rows, D, out.device) if i8 and rounds_i8(rows, D) else None
+    q, d, s = (out, out, out) if act is None else (act.q, act.d, act.s)
+    if rows:  # no FMA: store_i8 rounds as quantize_i8 does
+        _rms_norm_kernel[(rows,)](x, delta, weight, out if h is None else h, out, q, d, s, D, x_stride, eps,
+                                  HAS_DELTA=h is not None, I8=act is not None, BLOCK=triton.next_power_of_2(D),
+                                  enable_fp_fusion=False)
+    return act
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (..., D) float32/bfloat16, weight (D,) float32 -> (..., D) float32."""
     x2, stride = _rows(x)
     out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    result = out.view(x.shape)
-    if x2.shape[0]:
-        _norm(x2, stride, x2, weight, eps, None, out, result)
-    return result
+    _norm(x2, stride, x2, weight, eps, None, out, i8=False)
+    return out.view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -116,9 +113,23 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     assert x.shape == delta.shape and x.dim() == 2, (tuple(x.shape), tuple(delta.shape))
     x, delta = x.contiguous(), delta.contiguous()
     h, out = torch.empty_like(x, dtype=torch.float32), torch.empty_like(x, dtype=torch.float32)
-    if x.shape[0]:
-        _norm(x, x.shape[1], delta, weight, eps, h, out, out)
+    _norm(x, x.shape[1], delta, weight, eps, h, out, i8=False)
     return h, out
+
+
+def add_rms_norm_i8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    ) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
+    """The norm whose output products read: (h, normed) as add_rms_norm's (h = x, rms_norm(x) where delta is None:
+    a residual stream with nothing pending), and normed's rounding for the 8-bit routes where the products reading
+    it take one (rounds_i8; else None), made in the same pass. x, delta (T, D) -> (h, normed (T, D) float32, QAct)."""
+    assert x.dim() == 2 and (delta is None or x.shape == delta.shape), (tuple(x.shape), delta is None)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if delta is None:
+        x2, stride = _rows(x)
+        return x, out, _norm(x2, stride, x2, weight, eps, None, out, i8=True)
+    x, delta = x.contiguous(), delta.contiguous()
+    h = torch.empty_like(x, dtype=torch.float32)
+    return h, out, _norm(x, x.shape[1], delta, weight, eps, h, out, i8=True)
 
 
 # ------------------------------------------------------------------------------------------ Q/K norm, RoPE, cast
@@ -135,7 +146,7 @@ def _slot_row(pos_ptr, seq_ptr, t, g, G, n_ctx, SEQS: tl.constexpr):
 
 
 # the step's sizes, and its positions and sequences (whose alignment follows the step's token count where they are
-# rows of one tensor): see gguf_matmul._gemv_kernel
+# rows of one tensor): see gemv._gemv_kernel
 @triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "n_q_rows", "n_k_rows"])
 def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr, seq_ptr,
                      n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps, n_ctx,
@@ -310,7 +321,7 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, allowed_ptr, m_ptr, l_ptr
 def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_ptr, s_ptr, n_splits, H, Dv,
                            HAS_SINKS: tl.constexpr, I8: tl.constexpr, CS: tl.constexpr, DV: tl.constexpr):
     """Program t*H + h: out = sum_i exp(m_i - M) acc_i / (sum_i exp(m_i - M) l_i [+ exp(sink - M)]), M the max;
-    with I8 also rounded for the 8-bit route into q, d, s (gguf_matmul.store_i8; Dv a multiple of 32)."""
+    with I8 also rounded for the 8-bit route into q, d, s (act_i8.store_i8; Dv a multiple of 32)."""
     th = tl.program_id(0)
     base = th.to(tl.int64) * n_splits
     c = tl.arange(0, CS)
@@ -360,6 +371,20 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     sequence seqs[t] of every sequence's k (n_seq, S, G, Dk), v (n_seq, S, G, Dv) (any float dtype; rows of S may be
     strided: a prefix of the cache, read in place), allowed (T, S) bool, sinks (H,) or None -> (T, H, Dv) float32.
     (In a decode batch torch's attention ran a dozen small kernels per layer where these run two.)"""
+    return _attend_decode(q, k, v, allowed, scale, sinks, seqs, i8=False)[0]
+
+
+def attend_decode_i8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                     sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, QAct | None]:
+    """attend_decode, and its output read as (T, H * Dv) (the output projection's input) rounded for the 8-bit
+    routes in the same pass, where the products reading it take one (rounds_i8, Dv a multiple of 32; else None)."""
+    return _attend_decode(q, k, v, allowed, scale, sinks, seqs, i8=True)
+
+
+def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                   sinks: torch.Tensor | None, seqs: torch.Tensor | None, i8: bool,
+                   ) -> tuple[torch.Tensor, QAct | None]:
     assert attend_supports(q, k, v, seqs), (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     T, H, Dk = q.shape
     S, G, Dv = v.shape[-3:]
@@ -371,7 +396,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     acc = torch.empty(T, H, n_splits, Dv, dtype=torch.float32, device=q.device)
     out = torch.empty(T, H, Dv, dtype=torch.float32, device=q.device)
     if T == 0:
-        return out
+        return out, None
     hg = H // G
     _attend_split_kernel[(T * G, n_splits)](
         q, k, v, allowed if seqs is None else seqs, allowed, m, l, acc, S, n_splits, H, G, Dk, Dv, k.stride(-3),
@@ -380,15 +405,14 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
         HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
         DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS, SEQS=seqs is not None,
         SPLIT=k.dtype == v.dtype == torch.bfloat16 and not INTERPRETED)  # (the interpreter's tl.dot: bfloat16 as ints)
-    i8 = rounds_i8(T, H * Dv) and Dv % 32 == 0
-    q8, d8, s8 = i8_buffers(out.numel(), out.device) if i8 else (out, out, out)
+    # the rounding's rows of Dv values (one per program) are the same bytes, in order, as rows of H * Dv
+    act = QAct.empty(T, H * Dv, out.device) if i8 and rounds_i8(T, H * Dv) and Dv % 32 == 0 else None
+    q8, d8, s8 = (out, out, out) if act is None else (act.q, act.d, act.s)
     _attend_combine_kernel[(T * H,)](
         m, l, acc, sinks if sinks is not None else m, out, q8, d8, s8, n_splits, H, Dv,
-        HAS_SINKS=sinks is not None, I8=i8, CS=16, DV=triton.next_power_of_2(Dv),
+        HAS_SINKS=sinks is not None, I8=act is not None, CS=16, DV=triton.next_power_of_2(Dv),
         enable_fp_fusion=False)  # no FMA: store_i8 rounds as quantize_i8 does
-    if i8:
-        carry_i8(out, q8, d8, s8)
-    return out
+    return out, act
 
 
 # --------------------------------------------------------------------------------------------------------- router
@@ -492,7 +516,7 @@ def _moe_combine_kernel(y_ptr, w_ptr, slot_ptr, out_ptr, D, K: tl.constexpr, BD:
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """y (T, K, D) float32, weights (T, K), slots (T, K) (-1: skipped; other negative slots name experts read from
-    host memory, gguf_matmul._gemv_kernel) -> (T, D) float32: sum_k weights * y."""
+    host memory, gemv._gemv_kernel) -> (T, D) float32: sum_k weights * y."""
     T, K, D = y.shape
     y, weights, slots = y.contiguous(), weights.float().contiguous(), slots.contiguous()
     out = torch.empty(T, D, dtype=torch.float32, device=y.device)

@@ -1,4 +1,4 @@
-"""Triton decoders of GGUF blocks, one per type, shared by the GEMV and GEMM kernels of gguf_matmul.py.
+"""Triton decoders of GGUF blocks, one per type, shared by the GEMV and GEMM kernels (gemv.py, gemm.py).
 
 A decoder reads one GGUF block per (row, block) pair of a tile and returns one *part* of it: P consecutive values
 (columns part*P .. part*P + P - 1 of the block) that share a scale, so that the scale is loaded once per part rather
@@ -218,7 +218,7 @@ def _iq4_xs(blk, lane, PART: tl.constexpr):
     return (_f16(blk) * (ls - 32).to(tl.float32)) * value
 
 
-# Integer forms for the matrix-vector kernel's 8-bit route (gguf_matmul: activations rounded to int8 per 32 values,
+# Integer forms for the matrix-vector kernel's 8-bit route (gemv.py: activations rounded to int8 per 32 values,
 # dot products of four 8-bit pairs per instruction). The route walks a row in *units* of BlockType.dot8_values values,
 # one unit per lane of a tile: a 32-value block, or a quarter of a Q4_K/Q5_K block (two sub-blocks: the 32 bytes of
 # quants that hold them), so that the lanes of a warp read neighbouring pieces of a few blocks rather than one piece
@@ -319,7 +319,7 @@ def _q4_0_i8(row, u, word, PART: tl.constexpr):
     return (_words2(blk + 2, word) >> (4 * PART)) & 0x0F0F0F0F, d, -8.0 * d
 
 
-# Integer forms for the 8-bit GEMM (gguf_matmul._gemm_i8_kernel: int8 tiles multiplied on tensor cores, exact in
+# Integer forms for the 8-bit GEMM (gemm._gemm_i8_kernel: int8 tiles multiplied on tensor cores, exact in
 # int32): tl.dot takes one int8 per element, not packed words, so these give part PART of a block as 32 quants that
 # share one scale (values 32*PART .. 32*PART + 31 of the block: a K-quant's sub-block, a whole Q8_0/Q4_0 block):
 #

@@ -1,4 +1,4 @@
-"""Tile sizes of the GGUF matmul kernels (gguf_matmul.py), per block type.
+"""Tile sizes of the GGUF matmul kernels (gemv.py, gemm.py), per block type.
 
 GEMV tiles are R rows x B blocks per loop step, each thread holding a few of the R*B*P values of a part; a tile
 holds enough bytes that the loads in flight cover HBM latency without spilling registers. GEMM tiles are the usual
@@ -26,7 +26,7 @@ GEMV_MAX_TOKENS = 8
 # once, ~3 us, outside the time) at T = 32: 94 / 213, 64 / 88; 48: 137 / 243, 96 / 98; 64: 182 / 261, 128 / 102;
 # 80: 224 / 278, 153 / 106; 96: 267 / 290, 182 / 108; 128: 349 / 315, 239 / 113 (docs/BENCHMARKS.md). (One limit of
 # 64 for both before: a 64-token prompt's down ran 26 us a layer slower on the pairs. The limit was 128 while the
-# grouping took ~20 torch kernels, 88-93 us a layer; gguf_matmul.group_by_slot is one launch since.)
+# grouping took ~20 torch kernels, 88-93 us a layer; moe_align.group_by_slot is one launch since.)
 # Model.warm_up runs a prompt past each to compile the GEMM.
 MOE_GLU_GEMV_MAX_TOKENS = 96
 MOE_GEMV_MAX_TOKENS = 48
@@ -47,7 +47,7 @@ DECODED_GEMM_MIN_TOKENS = 4
 # 9.9 / 9.9 / 9.8; the 151936x2048 output head 99.0 / 237.6 / 239.6 against 147.5 / 149.3 / 151.9. One token stays on
 # the matrix-vector kernel over the blocks, which reads fewer bytes (Q8_0: 1.06 a value against 2).
 KEPT_DECODED_MIN_TOKENS = 2
-# A prompt step of at least GEMM_I8_MIN_TOKENS tokens runs its experts on the 8-bit GEMM (gguf_matmul._gemm_i8_kernel:
+# A prompt step of at least GEMM_I8_MIN_TOKENS tokens runs its experts on the 8-bit GEMM (gemm._gemm_i8_kernel:
 # activations rounded to int8 per 32 values as on the GEMV's 8-bit route, the weights' quants as int8 tiles on tensor
 # cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes,
 # the shipped tiles): on the 30B shapes at T = 256 gate/up 317.7 against 367.4 us a bank, down 265.1 against 332.1
@@ -103,7 +103,7 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
     (Q.Q4_K, 16): GemvTiles(rows=4, blocks=4, num_warps=2),  # the 60 GB bench model's gate/up, 4096 columns
     (Q.Q4_0, 44): GemvTiles(rows=4, blocks=4, num_warps=2),  # its down, 1408 columns
 }
-# The 8-bit route of the matrix-vector kernel (gguf_matmul.quantize_i8 and qtypes' dot8 decoders: activations rounded
+# The 8-bit route of the matrix-vector kernel (act_i8.quantize_i8 and qtypes' dot8 decoders: activations rounded
 # to int8 per 32 values, four products per dp4a) for the types that have it; MOERUN_GEMV_INT8=0 turns it off (float32
 # activations, as before). Its tiles where swept, else the above. H200, 2026-12-01 night (bench_gguf_matmul.py
 # --sweep, then the table on these tiles; docs/BENCHMARKS.md), 4096x4096 at T=1 with the activations' rounding in the
@@ -221,7 +221,7 @@ def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int =
     return swept or GEMM_BY_BLOCK_VALUES[block_values]
 
 
-# gguf_matmul.stage_second: words (of 8 bytes where the matrix and the addresses allow) per program and warps.
+# staging.stage_second: words (of 8 bytes where the matrix and the addresses allow) per program and warps.
 # Copying 1-8 experts of 9.3 MiB from page-locked host memory on the H200 machine: 1024 words x 4 warps 44-50 GB/s,
 # the same as 4096-16384 words (41-50), against 46-55 for the copy engine; the matrix-vector kernel reading them in
 # place reached 22-24.

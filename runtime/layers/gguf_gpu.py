@@ -10,7 +10,7 @@ several tokens.
 
 Inputs are rounded as llama.cpp's GPU products round theirs, not as its CPU does: on the matrix-vector kernel's
 8-bit route (decode steps, the types with an 8-bit decoder) to int8 per 32 values with a scale each
-(gguf_matmul.quantize_i8, or in the norm or attention kernel that wrote them); its float route multiplies the float32
+(act_i8.quantize_i8, or in the norm or attention kernel that wrote them); its float route multiplies the float32
 activations, the prefill GEMM bfloat16 ones. Agreement with llama.cpp is checked closely on the CPU path, which rounds
 as its CPU does; on the GPU path within the tolerance accepted between moerun's CPU and GPU paths, and by
 bench/bench_route_agreement.py (perplexity and top-1 on the trained bench model).

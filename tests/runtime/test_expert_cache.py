@@ -158,14 +158,14 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     missed ones read from host memory, and stops at the host only after the last layer, where the step's routing
     is counted and the policy plans its uploads in one call while the next step runs. Outputs are the resident model's; the tables follow
     the uploads; a prompt (more than GEMV_MAX_TOKENS tokens) still computes its misses on the CPU. `stage`: as on a
-    GPU, the step's misses are first copied to the staging bank (gguf_matmul.stage_second, in the interpreter here)
+    GPU, the step's misses are first copied to the staging bank (staging.stage_second, in the interpreter here)
     and run from there."""
-    from moerun.kernels import gguf_matmul, tuning
+    from moerun.kernels import staging, tuning
 
     options = RuntimeOptions(stream_devices=CPU_TOO, staging_devices=CPU_TOO if stage else frozenset({"cuda"}))
     copies = []
-    monkeypatch.setattr(gguf_matmul, "stage_second",
-                        lambda *a, stage=gguf_matmul.stage_second: copies.append(a[0].numel()) or stage(*a))
+    monkeypatch.setattr(staging, "stage_second",
+                        lambda *a, stage=staging.stage_second: copies.append(a[0].numel()) or stage(*a))
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     reference = moerun.load_model(path, n_seq=3)
     n_expert, k = reference.args.n_experts, reference.args.n_experts_used

@@ -20,13 +20,14 @@ from moeprep.gguf.reader import open_gguf
 from moerun import backend, layers
 from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
 from moerun.hooks import Hooks
+from moerun.kernels import fused, gemm, gemv, gguf_matmul, tuning
+from moerun.kernels.act_i8 import QAct, quantize_i8
+from moerun.kernels.cpu import fused as cpu_fused
+from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe_glu
 from moerun.kv_cache import KVCache
 from moerun.layers import attention
-from moerun.layers.moe import GATING_PROBS
-from moerun.kernels import fused, gguf_matmul, tuning
-from moerun.kernels.cpu import fused as cpu_fused
-from moerun.kernels.gguf_matmul import QWeight, carried_i8, gguf_mm, gguf_moe_glu, quantize_i8
 from moerun.layers.gguf_gpu import QuantLinear
+from moerun.layers.moe import GATING_PROBS
 from moerun.models import arch_module
 from moerun.options import RuntimeOptions
 from moerun.step import Step
@@ -78,38 +79,37 @@ def test_add_rms_norm(gen):
     close(normed, normed_ref)
 
 
-def assert_carries_its_rounding(out: torch.Tensor, rows: torch.Tensor) -> None:
-    """out hands along the 8-bit route's rounding of its values, equal bit for bit to quantize_i8's of `rows` (out's
-    values as the (T, C) input of a product)."""
-    carried = carried_i8(rows)
-    assert carried is not None
-    for got, want in zip(carried, quantize_i8(rows.clone())):
-        assert torch.equal(got, want.view(-1))
+def assert_rounds(rounding: QAct | None, rows: torch.Tensor) -> None:
+    """`rounding` is the 8-bit routes' rounding of `rows` (a kernel's output as the (T, C) input of a product), equal
+    bit for bit to quantize_i8's."""
+    assert rounding is not None
+    want = quantize_i8(rows.clone())
+    for part in ("q", "d", "s"):
+        assert torch.equal(getattr(rounding, part), getattr(want, part)), part
 
 
 @pytest.mark.parametrize("i8", [True, False], ids=["i8", "route-off"])
 def test_norms_round_their_output_for_the_8bit_route(i8, gen, monkeypatch):
-    """A decode step's norms write their output's int8 blocks in the same pass (with the 8-bit route on, a multiple
-    of 32 values, at most fused.rounded_rows() rows): the products reading it skip their own rounding."""
+    """A decode step's norms before its products (add_rms_norm_i8, with a delta or without) write their output's
+    int8 blocks in the same pass and return them (with the 8-bit route on, a multiple of 32 values, at most
+    fused.rounded_rows() rows): the products reading it skip their own rounding. The values are the plain norms'."""
     monkeypatch.setattr(tuning, "GEMV_INT8", i8)
     monkeypatch.setattr(tuning, "GEMM_INT8", i8)
     w = randn(4096, gen=gen) + 2
-    x = randn(3, 4096, gen=gen) * 3
+    x, delta = randn(3, 4096, gen=gen) * 3, randn(3, 4096, gen=gen)
     x[1, 64:96] = 0  # a block of zeros, after a norm too
-    normed = fused.rms_norm(x, w, 1e-6)
-    h, added = fused.add_rms_norm(x, randn(3, 4096, gen=gen), w, 1e-6)
+    same_x, normed, normed_i8 = fused.add_rms_norm_i8(x, None, w, 1e-6)
+    h, added, added_i8 = fused.add_rms_norm_i8(x, delta, w, 1e-6)
+    assert same_x is x and torch.equal(normed, fused.rms_norm(x, w, 1e-6))
+    assert all(torch.equal(a, b) for a, b in zip((h, added), fused.add_rms_norm(x, delta, w, 1e-6)))
     if not i8:
-        assert carried_i8(normed) is None and carried_i8(added) is None
+        assert normed_i8 is None and added_i8 is None
         return
-    assert_carries_its_rounding(normed, normed)
-    assert_carries_its_rounding(added, added)
-    assert carried_i8(h) is None
-    assert carried_i8(fused.rms_norm(x[:, :40], w[:40], 1e-6)) is None  # 40 values: no blocks of 32
-    assert carried_i8(fused.rms_norm(randn(fused.rounded_rows() + 1, 64, gen=gen), w[:64], 1e-6)) is None
-    # the rounding is of the values as written: not of a part of them, nor after they change
-    assert carried_i8(normed[:2]) is None and carried_i8(normed[:, :2048]) is None
-    added.mul_(2)
-    assert carried_i8(added) is None
+    assert_rounds(normed_i8, normed)
+    assert_rounds(added_i8, added)
+    assert fused.add_rms_norm_i8(x[:, :40], None, w[:40], 1e-6)[2] is None  # 40 values: no blocks of 32
+    many = randn(fused.rounded_rows() + 1, 64, gen=gen)
+    assert fused.add_rms_norm_i8(many, many, w[:64], 1e-6)[2] is None
 
 
 # ---------------------------------------------------------------------------------------------------- norm + rope
@@ -205,10 +205,12 @@ def test_attend_decode(T, H, G, D, S, window, sinks, gen):
     assert fused.attend_supports(q, k, v)
     got = fused.attend_decode(q, k, v, allowed, 0.3, sink)
     close(got, layers.attend(q, k, v, allowed, 0.3, sink))
+    same, rounding = fused.attend_decode_i8(q, k, v, allowed, 0.3, sink)
+    assert torch.equal(same, got)
     if D % 32 == 0:  # its output, read as (T, H * D) by the output projection, comes rounded for the 8-bit route
-        assert_carries_its_rounding(got, got.reshape(T, H * D))
+        assert_rounds(rounding, got.reshape(T, H * D))
     else:
-        assert carried_i8(got.reshape(T, H * D)) is None
+        assert rounding is None
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -385,12 +387,10 @@ def test_kept_decoded_copies(gen, monkeypatch):
     close(o.decoded, gguf_matmul.decode_bf16(o.qweight))
 
 
-@pytest.mark.parametrize("inference", [True, False], ids=["inference-mode", "autograd-mode"])
-def test_products_take_the_rounding_their_input_carries(inference, gen, monkeypatch):
+def test_products_take_the_rounding_their_inputs_writer_returns(gen, monkeypatch):
     """The products a decode step runs on a norm's or attention's output (q/k/v, the experts' gate and up, the
-    output projection on a reshaped view) read the 8-bit rounding handed along with it instead of rounding again:
-    one launch fewer each, the same result to the bit. Inference mode (the runtime's) keeps no version counters and
-    gives views no base."""
+    output projection on attention's (T, H * Dv) view) take the 8-bit rounding that kernel returned with it
+    instead of rounding again: one launch fewer each, the same result to the bit."""
     rng = np.random.default_rng(5)
     cols = 256
     w, bank = random_q8_0(rng, 1, 8, cols), random_q8_0(rng, 4, 8, cols)
@@ -399,16 +399,14 @@ def test_products_take_the_rounding_their_input_carries(inference, gen, monkeypa
     kv = randn(40, 1, 128, gen=gen, dtype=torch.bfloat16) * 0.05
     x, norm_weight = randn(2, cols, gen=gen), randn(cols, gen=gen) * 0.05  # silu's exp in range
     rounded = []
-    quantize = gguf_matmul.quantize_i8
-    monkeypatch.setattr(gguf_matmul, "quantize_i8", lambda x: rounded.append(x) or quantize(x))
-    with torch.inference_mode(inference):
-        attended = fused.attend_decode(q, kv, kv, torch.ones(2, 40, dtype=torch.bool, device=DEVICE), 0.1)
-        for carrier in (fused.rms_norm(x, norm_weight, 1e-6), attended.view(2, cols)):
-            assert carried_i8(carrier) is not None
-            plain = carrier.clone()
-            assert torch.equal(gguf_mm(carrier, w), gguf_mm(plain, w))
-            assert torch.equal(gguf_moe_glu(carrier, bank, bank, slots), gguf_moe_glu(plain, bank, bank, slots))
-    assert len(rounded) == 4  # the plain copies' products only
+    for launcher in (gemv, gemm):
+        monkeypatch.setattr(launcher, "quantize_i8", lambda x: rounded.append(x) or quantize_i8(x))
+    attended, attended_i8 = fused.attend_decode_i8(q, kv, kv, torch.ones(2, 40, dtype=torch.bool, device=DEVICE), 0.1)
+    for out, rounding in (fused.add_rms_norm_i8(x, None, norm_weight, 1e-6)[1:], (attended.view(2, cols), attended_i8)):
+        assert rounding is not None
+        assert torch.equal(gguf_mm(out, w, rounding), gguf_mm(out, w))
+        assert torch.equal(gguf_moe_glu(out, bank, bank, slots, i8=rounding), gguf_moe_glu(out, bank, bank, slots))
+    assert len(rounded) == 4  # the products without the rounding only
 
 
 # --------------------------------------------------------------------------------------------------- whole model

@@ -12,7 +12,7 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   classic bound for a sum of C rounded products in any order), tested with a factor 2 to spare;
 - the GEMM rounds x to bfloat16 (to nearest, as torch's .bfloat16() does), and w too on the GPU, and accumulates in
   float32, so it is compared with the float64 product of the same operands, within the same bound (the interpreter
-  multiplies bfloat16 x with float32 w: gguf_matmul._gemm says why); on the GPU a dense product of
+  multiplies bfloat16 x with float32 w: gemm.gemm says why); on the GPU a dense product of
   tuning.DECODED_GEMM_MIN_TOKENS tokens or more multiplies the same bfloat16 operands on cuBLAS (decode_bf16).
 - the matrix-vector kernel's 8-bit route (tuning.GEMV_INT8, the types with a dot8 decoder) rounds x to int8 per 32
   values (quantize_i8, reproduced here bit for bit by `rounded_i8`) and multiplies exactly in integers, then in
@@ -33,11 +33,14 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from moerun.kernels import dequant, tuning
+from moerun.kernels import dequant, gemm, gemv, gguf_matmul, tuning
+from moerun.kernels.act_i8 import QAct, quantize_i8
 from moerun.kernels.fused import moe_combine
+from moerun.kernels.gemm import split_counters
 from moerun.kernels.gguf_matmul import (QWeight, bf16_mm, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, gguf_mv,
-                                        group_by_slot, moe_gemm_i8, quantize_i8, split_counters, stage_second,
-                                        supports)
+                                        moe_gemm_i8, supports)
+from moerun.kernels.moe_align import group_by_slot
+from moerun.kernels.staging import stage_second
 from moerun.kernels.qtypes import BLOCK_TYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -226,13 +229,49 @@ def test_quantize_i8(dtype) -> None:
     x = torch.from_numpy(rng.standard_normal((5, 1056), dtype=np.float32)).to(dtype)
     x[1, 64:96] = 0
     x[2, 0:32] = torch.linspace(-1, 1, 32).to(dtype)  # max 1: values near +-0.5 sit on halves
-    q, d, s = quantize_i8(x.to(DEVICE))
-    q, d, s = q.cpu(), d.cpu(), s.cpu()
+    rounding = quantize_i8(x.to(DEVICE))
+    assert isinstance(rounding, QAct)
+    q, d, s = rounding.q.cpu(), rounding.d.cpu(), rounding.s.cpu()
     assert q.dtype == torch.int8 and d.shape == (5, 33) and s.shape == (5, 66)
     assert torch.equal(q.double() * d.double().repeat_interleave(32, 1), rounded_i8(x))
     assert q.abs().max() == 127 and (q[1, 64:96] == 0).all() and d[1, 2] == 0
     torch.testing.assert_close(s.double(), q.double().reshape(5, -1, 16).sum(-1) * d.double().repeat_interleave(2, 1),
                                rtol=2 ** -23, atol=0)
+
+
+@pytest.mark.parametrize("route", ["gemv", "dense-gemm8", "moe-gemv", "moe-gemm8"])
+def test_products_take_their_inputs_rounding(wide_tiles, prefill_gemm, monkeypatch, route: str) -> None:
+    """A product on an 8-bit route given its input's rounding (`i8`, an act_i8.QAct, as a norm or attention kernel
+    returns it) multiplies that instead of rounding again: no quantize_i8 launch, and the same bits as the product
+    that rounds inside (once for gate and up together). The routes: the matrix-vector kernel (2 tokens; the experts
+    of 3), the 8-bit GEMM (a dense product of 8 tokens; the experts of a 21-token prompt, GEMM_I8_MIN_TOKENS lowered
+    to it)."""
+    qtype, rows, n_slots = Q.Q4_K, 24, 4
+    cols = COLS[BLOCK_TYPES[qtype].values]
+    assert on_i8(qtype)
+    monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21)
+    n_tokens = {"gemv": 2, "dense-gemm8": 8, "moe-gemv": 3, "moe-gemm8": 21}[route]
+    assert dense_gemm_i8(BLOCK_TYPES[qtype], 8) and moe_gemm_i8(BLOCK_TYPES[qtype], 21)
+    rng = np.random.default_rng(17)
+    x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32)).to(DEVICE)
+    given = quantize_i8(x)
+    rounded = []
+    for module in (gemv, gemm, gguf_matmul):  # where the products round their input
+        monkeypatch.setattr(module, "quantize_i8", lambda x: rounded.append(x) or quantize_i8(x))
+    if route.startswith("moe"):
+        bank = QWeight(random_weights(qtype, (n_slots, rows), cols, rng).to(DEVICE), qtype, rows, cols)
+        up = QWeight(random_weights(qtype, (n_slots, rows), cols, rng).to(DEVICE), qtype, rows, cols)
+        slots = torch.from_numpy(rng.integers(-1, n_slots, (n_tokens, 2))).to(DEVICE)
+        products = [lambda i8: gguf_moe(x, bank, slots, i8=i8), lambda i8: gguf_moe_glu(x, bank, up, slots, i8=i8)]
+    else:
+        w = QWeight(random_weights(qtype, (rows,), cols, rng).to(DEVICE), qtype, rows, cols)
+        products = [lambda i8: gguf_mm(x, w, i8)]
+    for product in products:
+        rounded.clear()
+        with_rounding = product(given)
+        assert rounded == []
+        assert torch.equal(with_rounding, product(None))
+        assert len(rounded) == 1
 
 
 @pytest.mark.parametrize("n_tokens", [3, 8, 300])
@@ -269,7 +308,7 @@ def test_float32_rows_on_the_matrix_vector_kernel(n_tokens: int) -> None:
 
 
 def gemv_tile_rows(qtype: Q, n_tokens: int) -> int:
-    """Rows per program of the matrix-vector kernel's dense tiles for n_tokens (as gguf_matmul._gemv picks them)."""
+    """Rows per program of the matrix-vector kernel's dense tiles for n_tokens (as gemv.gemv picks them)."""
     bt = BLOCK_TYPES[qtype]
     return tuning.gemv_tiles(qtype, bt.values, 8 if on_i8(qtype) else bt.part, n_tokens, i8=on_i8(qtype)).rows
 

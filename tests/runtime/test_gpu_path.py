@@ -203,9 +203,9 @@ def compiled_kernels() -> int:
     """Kernels Triton has compiled so far, over moerun's top-level Triton kernels."""
     import triton
 
-    from moerun.kernels import fused, gguf_matmul
+    from moerun.kernels import act_i8, fused, gemm, gemv, moe_align, staging
 
-    jitted = [f for m in (fused, gguf_matmul) for f in vars(m).values() if isinstance(f, triton.runtime.JITFunction)]
+    jitted = [f for m in (act_i8, fused, gemm, gemv, moe_align, staging) for f in vars(m).values() if isinstance(f, triton.runtime.JITFunction)]
     return sum(len(cache[0]) for f in jitted for cache in f.device_caches.values())
 
 
