@@ -31,6 +31,7 @@ and the grouped prefill GEMM's at T = 512, for tuning.GROUPED_GEMM_OVERRIDES.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -73,15 +74,25 @@ def graph_seconds(calls: list[Callable[[], object]], repeat: int) -> float:
     return replay_seconds(graph, repeat) / len(calls)
 
 
+# The 8-bit routes the timed products take (the runtime's MOERUN_GEMV_INT8 / MOERUN_GEMM_INT8); `tuned` sets them.
+ROUTES = tuning.INT8_ON
+
+
 @contextmanager
 def tuned(**values) -> Iterator[None]:
-    """tuning.py's constants set to `values` inside the block: the routes that rows next to each other compare."""
+    """tuning.py's constants set to `values` inside the block, and GEMV_INT8 / GEMM_INT8 the routes the products are
+    given (ROUTES): the routes that rows next to each other compare."""
+    global ROUTES
+    saved_routes = ROUTES
+    ROUTES = dataclasses.replace(ROUTES, **{name[:4].lower(): values.pop(name)
+                                            for name in ("GEMV_INT8", "GEMM_INT8") if name in values})
     saved = {name: getattr(tuning, name) for name in values}
     for name, value in values.items():
         setattr(tuning, name, value)
     try:
         yield
     finally:
+        ROUTES = saved_routes
         for name, value in saved.items():
             setattr(tuning, name, value)
 
@@ -115,7 +126,7 @@ def random_bank(qtype: Q, n: int, rows: int, cols: int) -> torch.Tensor:
 def rounded(x: torch.Tensor) -> QAct | None:
     """With --carried, x's 8-bit rounding where a step's norm would return it (fused.add_rms_norm_i8), for the timed
     products to take so that they skip quantize_i8's launch; made here, outside the timed graph. Else None."""
-    if CARRIED and fused.rounds_i8(*x.view(-1, x.shape[-1]).shape):
+    if CARRIED and fused.rounds_i8(*x.view(-1, x.shape[-1]).shape, ROUTES):
         return quantize_i8(x.view(-1, x.shape[-1]))
     return None
 
@@ -130,7 +141,7 @@ def dense_decode(qtype: Q, n_tokens: int, repeat: int, shape: tuple[int, int] = 
     weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
     x = torch.randn(n_tokens, cols, device="cuda")
     i8 = rounded(x)
-    t = graph_seconds([lambda w=w: gguf_mm(x, w, i8) for w in weights], repeat)
+    t = graph_seconds([lambda w=w: gguf_mm(x, w, i8, ROUTES) for w in weights], repeat)
     return {"us": t * 1e6, "GB/s": bank.numel() / t / 1e9}
 
 
@@ -160,7 +171,7 @@ def moe(qtype: Q, shape: tuple[int, int], per_pair: bool, n_tokens: int, repeat:
     w = QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols)
     expert_bytes = w.data[0].numel()
     x, i8, slots = moe_inputs(n_tokens, cols, per_pair, n_calls=16)
-    t = graph_seconds([lambda s=s: gguf_moe(x, w, s, i8=i8) for s in slots], repeat)
+    t = graph_seconds([lambda s=s: gguf_moe(x, w, s, i8=i8, routes=ROUTES) for s in slots], repeat)
     return {"us": t * 1e6, "GB/s": distinct_experts(slots) * expert_bytes / t / 1e9,
             "TFLOP/s": 2 * n_tokens * TOP_K * rows * cols / t / 1e12}
 
@@ -172,7 +183,7 @@ def moe_glu(qtype: Q, shape: tuple[int, int], n_tokens: int, repeat: int) -> dic
     gate, up = (QWeight(random_bank(qtype, N_EXPERTS, rows, cols), qtype, rows, cols) for _ in range(2))
     expert_bytes = gate.data[0].numel()
     x, i8, slots = moe_inputs(n_tokens, cols, False, n_calls=16)
-    t = graph_seconds([lambda s=s: gguf_moe_glu(x, gate, up, s, i8=i8) for s in slots], repeat)
+    t = graph_seconds([lambda s=s: gguf_moe_glu(x, gate, up, s, i8=i8, routes=ROUTES) for s in slots], repeat)
     return {"us": t * 1e6, "GB/s": 2 * distinct_experts(slots) * expert_bytes / t / 1e9}
 
 
@@ -187,7 +198,7 @@ def moe_peer_decode(shape: tuple[int, int], repeat: int) -> dict:
 
 
 def i8_route(qtype: Q) -> bool:
-    return tuning.GEMV_INT8 and BLOCK_TYPES[qtype].dot8 is not None
+    return ROUTES.gemv and BLOCK_TYPES[qtype].dot8 is not None
 
 
 def i8_candidates(n_blocks: int) -> list[tuning.GemvTiles]:
@@ -452,7 +463,7 @@ def gemm(qtype: Q, repeat: int, n_tokens: int = PREFILL_T) -> dict:
     bank = random_bank(qtype, 1, rows, cols)[0]
     weights = [QWeight(bank.clone(), qtype, rows, cols) for _ in range(copies_for(bank.numel()))]
     x = torch.randn(n_tokens, cols, device="cuda", dtype=torch.bfloat16)
-    t = graph_seconds([lambda w=w: gguf_mm(x, w) for w in weights], repeat)
+    t = graph_seconds([lambda w=w: gguf_mm(x, w, routes=ROUTES) for w in weights], repeat)
     return {"us": t * 1e6, "TFLOP/s": 2 * n_tokens * rows * cols / t / 1e12}
 
 
@@ -570,7 +581,7 @@ def main() -> None:
                            guarded(dense_decode, qtype, n_tokens, r), peer)
     for float_route in (False,) if args.quick else (False, True):  # then on float32 activations (8-bit types)
         label = " float" if float_route else ""
-        with tuned(GEMV_INT8=tuning.GEMV_INT8 and not float_route):
+        with tuned(GEMV_INT8=ROUTES.gemv and not float_route):
             for name, qtype, shape, per_pair in MOE_SHAPES:
                 if float_route and BLOCK_TYPES[qtype].dot8 is None:
                     continue

@@ -122,10 +122,9 @@ def chunk_perplexities(args: argparse.Namespace, error: Callable[[str], None]) -
     for name, int8, score in [(f"decode steps, 8-bit route {'on' if int8 else 'off'}", int8, decoded_perplexity)
                               for int8 in (True, False)] + [("prompt path (one forward per chunk)", True,
                                                              moerun.perplexity)]:
-        tuning.GEMV_INT8 = int8
         # anew for each path: a CUDA model keeps the decode graphs it captured first
         model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.ctx,
-                                  options=RuntimeOptions(triton_on_cpu=args.device == "cpu"))
+                                  options=RuntimeOptions(triton_on_cpu=args.device == "cpu", gemv_int8=int8))
         start = time.time()
         ppl = score(model, tokens, args.ctx)
         print(f"moerun {name}: perplexity {ppl:.4f} ({time.time() - start:.0f} s)", flush=True)
@@ -159,10 +158,10 @@ def main() -> None:
           f"{args.device}{' (GPU path in the interpreter)' if args.device == 'cpu' else ''}")
     print(f"llama.cpp (llama-cpp-python, CPU): perplexity {perplexity(ref):.4f}")
     for int8 in (True, False):
-        tuning.GEMV_INT8 = int8
-        if args.device == "cuda":  # anew: the decode graphs captured first would replay the first route
-            model = moerun.load_model(MODEL, device="cuda", dtype=torch.bfloat16,
-                                      n_ctx=args.prompt + args.positions + 8)
+        # anew: the decode graphs captured first would replay the first route
+        model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16,
+                                  n_ctx=args.prompt + args.positions + 8,
+                                  options=RuntimeOptions(triton_on_cpu=args.device == "cpu", gemv_int8=int8))
         start = time.time()
         logits = decoded_logits(model, tokens, args.prompt, args.positions)
         agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())

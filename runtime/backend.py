@@ -7,11 +7,13 @@ choose (layers/); BuildContext (models/base.py) asks the backend of the device i
 from __future__ import annotations
 
 import functools
+from functools import partial
 from dataclasses import dataclass
 
 import torch
 from moerun.hooks import Hooks
 from moerun.kernels.ggml_cpu import GgmlCPU
+from moerun.kernels.tuning import INT8_ON, Int8Routes
 from moerun.layers.attention import attend, norm_rope_store, qk_norms_per_head
 from moerun.layers.ffn import Activation
 from moerun.layers.linear import Linear
@@ -32,6 +34,11 @@ class Backend:
     kernels: Kernels
     ggml: GgmlCPU | None  # the ggml library whose row dots the CPU layers run (None: moerun's numba kernels)
 
+    @property
+    def routes(self) -> Int8Routes:
+        """The 8-bit routes the GPU products take (MOERUN_GEMV_INT8, MOERUN_GEMM_INT8)."""
+        return self.options.int8_routes()
+
     def linear(self, w: Weights, prefix: str, hooks: Hooks, dtype: torch.dtype | None = None,
                shape: tuple[int, ...] | None = None) -> Linear:
         """GGUF tensor `prefix`.weight (and `prefix`.bias if the file has it) as a Linear: on a GPU multiplying its
@@ -45,7 +52,7 @@ class Backend:
                     QuantLinear,  # Triton: present where CUDA is
                 )
 
-                return QuantLinear(blocks, w.optional(f"{prefix}.bias", torch.float32), name, hooks)
+                return QuantLinear(blocks, w.optional(f"{prefix}.bias", torch.float32), name, hooks, self.routes)
             info = w.info(name)
             if self.device.type == "cpu" and len(info.shape) == 2:
                 from moerun.layers.gguf_cpu import CPUQuantLinear
@@ -70,7 +77,7 @@ class Backend:
             )
 
             if DeviceExperts.can_run(w, layer):
-                kind = DeviceExperts
+                return DeviceExperts.load(w, hooks, layer, activation, self.kernels, self.routes)
         return kind.load(w, hooks, layer, activation, self.kernels)
 
 
@@ -79,8 +86,8 @@ def backend_for(device: torch.device, options: RuntimeOptions) -> Backend:
     """The backend of `device`: fused kernels on a GPU (Triton) and on the CPU (numba, where they beat torch's),
     the torch reference with options.fused off and on other devices; on the CPU, ggml's row dots where the library
     is there and options.ggml_cpu is on."""
-    cpu = fused_kernels if options.triton_on_cpu else cpu_kernels
-    builders = {"cuda": fused_kernels, "cpu": cpu} if options.fused else {}
+    cpu = (lambda: fused_kernels(options.int8_routes())) if options.triton_on_cpu else cpu_kernels
+    builders = {"cuda": lambda: fused_kernels(options.int8_routes()), "cpu": cpu} if options.fused else {}
     return Backend(device, options, builders.get(device.type, lambda: TORCH_KERNELS)(),
                    options.ggml_library() if device.type == "cpu" else None)
 
@@ -104,7 +111,7 @@ def cpu_kernels() -> Kernels:
     return Kernels(rms_norm, add_rms_norm, cpu_norm_rope_store, attend, cpu_fused.route, {}, lambda linears: None)
 
 
-def fused_kernels() -> Kernels:
+def fused_kernels(routes: Int8Routes = INT8_ON) -> Kernels:
     """Triton's fused norms, Q/K norm + RoPE + KV store, decode attention, routing and SwiGLU; QuantLinear stacks
     the rows of q, k and v into one product."""
     from moerun.kernels import fused  # Triton: present where CUDA is
@@ -140,5 +147,12 @@ def fused_kernels() -> Kernels:
             return fused.attend_decode(q, k, v, allowed, scale, sinks, seqs)
         return attend(q, k, v, allowed, scale, sinks, seqs)
 
+    def fused_attend_i8(q, k, v, allowed, scale, sinks=None, seqs=None):
+        """fused_attend, and its output's rounding for the output projection where the split kernel makes it."""
+        if fused.attend_supports(q, k, v, seqs):
+            return fused.attend_decode_i8(q, k, v, allowed, scale, sinks, seqs, routes)
+        return attend(q, k, v, allowed, scale, sinks, seqs), None
+
     return Kernels(fused.rms_norm, fused.add_rms_norm, fused_norm_rope_store, fused_attend, fused.route,
-                   {"swiglu": fused.swiglu}, QuantLinear.stack_rows)
+                   {"swiglu": fused.swiglu}, QuantLinear.stack_rows, partial(fused.add_rms_norm_i8, routes=routes),
+                   fused_attend_i8)

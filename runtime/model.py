@@ -167,8 +167,8 @@ class Model:
                 # the experts' routes: the matrix-vector kernel, the GEMM past it for one bank, then for gate and
                 # up too (on the 8-bit GEMM's few-token tiles where it is on), the 8-bit GEMM's other tiles
                 routes = {n, tuning.MOE_GEMV_MAX_TOKENS + 1, tuning.MOE_GLU_GEMV_MAX_TOKENS + 1,
-                          tuning.GEMM_I8_MIN_TOKENS if tuning.GEMM_INT8 else n,
-                          tuning.GEMM_I8_FEW_TOKENS + 1 if tuning.GEMM_INT8 else n}
+                          tuning.GEMM_I8_MIN_TOKENS if self.options.gemm_int8 else n,
+                          tuning.GEMM_I8_FEW_TOKENS + 1 if self.options.gemm_int8 else n}
                 for length in sorted(length for length in routes if length < self.n_ctx):
                     self.forward(torch.zeros(length, dtype=torch.long), 0, 0, last_only=True)
                 if self.n_seq > 1:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from moerun.kernels.ggml_cpu import GgmlCPU
+    from moerun.kernels.tuning import Int8Routes
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class RuntimeOptions:
         from moerun.kernels import ggml_cpu
 
         return ggml_cpu.open_library(self.ggml_cpu_lib) if self.ggml_cpu else None
+
+    def int8_routes(self) -> Int8Routes:
+        """The 8-bit routes the GPU products take."""
+        from moerun.kernels.tuning import Int8Routes
+
+        return Int8Routes(gemv=self.gemv_int8, gemm=self.gemm_int8)
 
 
 @functools.cache

@@ -49,6 +49,7 @@ class ExpertCache:
         n_layer = len(self.placement.slots)
         self.streamed = self.config.stream and all(streams(d, self.config.pin, self.options) for d in self.devices)
         self.ggml = self.options.ggml_library()  # whose row dots the CPU's misses run on
+        self.routes = self.options.int8_routes()  # the 8-bit routes of the GPU's products
         self.policy = make_policy(self.config.policy, list(self.placement.slots), self.n_expert, self.top_k)
         if self.config.usage is not None:
             self.policy.seed(self.config.usage)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from moerun.kernels.tuning import GEMV_MAX_TOKENS
 from moerun.layers.ffn import Activation
 from moerun.layers.ops import Kernels
 from moerun.step import Step
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 from torch import nn
 
 from moeprep.errors import MoeprepError
@@ -127,17 +131,18 @@ class CachedExperts(nn.Module):
                 self.uploaded.synchronize()  # at load: the first step finds them in place
             self.cache.publish()
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                step: Step | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
+                i8: QAct | None = None) -> torch.Tensor:
+        """`i8`: x's int8 rounding where its norm made one, for the GPU's products of x (_hits)."""
         if self.hooks.activation:
             raise MoeprepError("activation hooks (imatrix collection) need the model loaded without the expert cache")
         capture = None if step is None else step.capture
         if self.streams(ids.shape[0]):
-            out = self._streamed(x, ids, weights, capture)
+            out = self._streamed(x, ids, weights, capture, i8)
             self.cache.record(self, ids, step)
             return out
         if capture is not None:
-            return self._captured(capture, x, ids, weights)
+            return self._captured(capture, x, ids, weights, i8)
         with timed(self.cache.stats, "router sync"):
             routing = self._routing(ids, weights).cpu().numpy()  # the one sync of the layer
         ids_h, weights_h, missed = self._look_up(routing)
@@ -148,9 +153,9 @@ class CachedExperts(nn.Module):
             if x_ready is not None:
                 x_ready.record()
         self._wait_for_copies()
-        out = self._hits(x, torch.from_numpy(self.slot_of[ids_h]).to(x.device), weights, ids)
+        out = self._hits(x, torch.from_numpy(self.slot_of[ids_h]).to(x.device), weights, ids, i8=i8)
         if on_cpu.any() and x.shape[0] >= STAGE_MIN_TOKENS and x.device.type in self.cache.options.staging_devices:
-            staged = self._stage(x, ids_h, on_cpu, weights, ids)
+            staged = self._stage(x, ids_h, on_cpu, weights, ids, i8)
             if staged is not None:
                 on_cpu, staged_out = staged
                 out = out + staged_out
@@ -161,7 +166,7 @@ class CachedExperts(nn.Module):
         self._account(ids_h, missed)  # the cache's hits and misses, whoever computed the misses
         return out
 
-    def _streamed(self, x, ids, weights, capture) -> torch.Tensor:
+    def _streamed(self, x, ids, weights, capture, i8) -> torch.Tensor:
         """A decode-sized step: every expert in one launch, the misses from the host copies. On a GPU the misses
         are first copied to the staging bank by a copy kernel (twice the bus speed of the matrix-vector kernel's
         own loads; stage_second), where it holds all of the step's pairs (else they are read in place)."""
@@ -173,7 +178,7 @@ class CachedExperts(nn.Module):
 
                 banks, slots = stage_second(slots, self.banks, tuple(b.data for b in stage))
                 second = ids.reshape(-1)  # staging matrix p holds pair p's expert
-        return self._hits(x, slots, weights, ids, banks, second=second, captured=capture is not None)
+        return self._hits(x, slots, weights, ids, banks, second=second, captured=capture is not None, i8=i8)
 
     def _add_misses(self, out, x_host: np.ndarray, ids_h, weights_h, missed) -> torch.Tensor:
         """out + the CPU's sum over the missed (token, expert) pairs, computed for just the tokens that have any."""
@@ -187,7 +192,7 @@ class CachedExperts(nn.Module):
             cpu_out[rows] = part
         return out + torch.from_numpy(cpu_out).to(out.device, non_blocking=True)
 
-    def _stage(self, x, ids_h, missed, weights, ids) -> tuple[np.ndarray, torch.Tensor] | None:
+    def _stage(self, x, ids_h, missed, weights, ids, i8) -> tuple[np.ndarray, torch.Tensor] | None:
         """Many tokens (a prompt): every missed expert chosen by at least STAGE_MIN_TOKENS of them is copied to a
         staging bank on the GPU and computed there (its upload costs less than the CPU's work for that many
         tokens), in rounds of as many as the bank holds; the rest stay with the CPU, which computes them while the
@@ -207,7 +212,7 @@ class CachedExperts(nn.Module):
             slots = np.where(missed, stage_of[ids_h], -1)
             in_bank = np.full(capacity, -1, np.int64)
             in_bank[: len(part)] = part
-            staged = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids, banks, in_bank)
+            staged = self._hits(x, torch.from_numpy(slots).to(x.device), weights, ids, banks, in_bank, i8=i8)
             out = staged if out is None else out + staged
         self.cache.stats.staged += len(chosen)
         return missed & (counts[ids_h] < STAGE_MIN_TOKENS), out
@@ -238,10 +243,13 @@ class CachedExperts(nn.Module):
         ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
         return ids_h, weights_h, self.slot_of[ids_h] < 0
 
-    def _hits(self, x, slots, weights, ids, banks=None, experts=None, second=None, captured=False) -> torch.Tensor:
+    def _hits(self, x, slots, weights, ids, banks=None, experts=None, second=None, captured=False,
+              i8=None) -> torch.Tensor:
         """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
         experts[s]: the expert in slot s (for its biases; default: the policy's slots), and
-        second[j] the expert of the second bank's matrix j (slot -2 - j; default: expert j, the host copies)."""
+        second[j] the expert of the second bank's matrix j (slot -2 - j; default: expert j, the host copies);
+        `captured`: inside a captured step (no timing events); i8: x's int8 rounding, if made (the GPU's products
+        take it)."""
         if x.device.type == "cpu":
             return self._hits_on_cpu(x, slots, weights, banks or self.banks,
                                      self.resident if experts is None else experts,
@@ -252,7 +260,8 @@ class CachedExperts(nn.Module):
         if timing:
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
-        out = bank_moe(x, slots, weights, banks or self.banks, self.activation, self.act, self.biases, ids)
+        out = bank_moe(x, slots, weights, banks or self.banks, self.activation, self.act, self.biases, ids, i8,
+                       self.cache.routes)
         if timing:
             events[1].record()
             self.cache.stats.gpu_events.append(events)
@@ -282,12 +291,12 @@ class CachedExperts(nn.Module):
 
     # ---- inside a captured decode step (graphs.py): the graph's side, then the host's work at each cut
 
-    def _captured(self, capture, x, ids, weights) -> torch.Tensor:
+    def _captured(self, capture, x, ids, weights, i8) -> torch.Tensor:
         buf = self.step_buffers[ids.shape[0]]  # made by prepare_capture
         buf.routing.copy_(self._routing(ids, weights), non_blocking=True)
         buf.x.copy_(x.float(), non_blocking=True)
         capture.cut(lambda: self._route_step(buf))
-        out = self._hits(x, buf.slots, weights, ids, captured=True)
+        out = self._hits(x, buf.slots, weights, ids, captured=True, i8=i8)
         capture.cut(lambda: self._miss_step(buf))
         return out + buf.cpu
 

@@ -30,6 +30,7 @@ from moerun.config import GATING_SIGMOID, GATING_SOFTMAX
 from moerun.kernels import tuning
 from moerun.kernels.act_i8 import QAct, store_i8
 from moerun.kernels.qtypes import INTERPRETED
+from moerun.kernels.tuning import INT8_ON, Int8Routes
 
 # KV slots per program of attend_decode; query tokens it takes (more go to the torch reference, which is a batched
 # matmul over all of them); largest head size its tiles hold.
@@ -70,27 +71,27 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x2, x2.stride(0)
 
 
-def rounded_rows() -> int:
+def rounded_rows(routes: Int8Routes) -> int:
     """The most rows of activations that the kernels writing them round for the 8-bit routes as well (the _i8
-    forms): as many as the products reading them take on one (the matrix-vector kernel's, for a decode
-    step's tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
+    forms): as many as the products reading them take on one of the routes that are on (the matrix-vector kernel's,
+    for a decode step's tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
     return max(max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GEMV_MAX_TOKENS, tuning.MOE_GLU_GEMV_MAX_TOKENS)
-               if tuning.GEMV_INT8 else 0,
-               tuning.DENSE_I8_MAX_TOKENS if tuning.GEMM_INT8 else 0)
+               if routes.gemv else 0,
+               tuning.DENSE_I8_MAX_TOKENS if routes.gemm else 0)
 
 
-def rounds_i8(rows: int, cols: int) -> bool:
+def rounds_i8(rows: int, cols: int, routes: Int8Routes = INT8_ON) -> bool:
     """Does a kernel writing (rows, cols) activations round them for the 8-bit routes (rounded_rows, whole blocks of
     32 values)?"""
-    return 0 < rows <= rounded_rows() and cols % 32 == 0
+    return 0 < rows <= rounded_rows(routes) and cols % 32 == 0
 
 
 def _norm(x: torch.Tensor, x_stride: int, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-          h: torch.Tensor | None, out: torch.Tensor, i8: bool) -> QAct | None:
+          h: torch.Tensor | None, out: torch.Tensor, i8: bool, routes: Int8Routes = INT8_ON) -> QAct | None:
     """_rms_norm_kernel over the rows of x into out (and h = x + delta with h); with `i8`, where its readers can use
     it (rounds_i8), out rounded for the 8-bit routes too: -> that rounding, else None."""
     rows, D = out.shape
-    act = QAct.empty(rows, D, out.device) if i8 and rounds_i8(rows, D) else None
+    act = QAct.empty(rows, D, out.device) if i8 and rounds_i8(rows, D, routes) else None
     q, d, s = (out, out, out) if act is None else (act.q, act.d, act.s)
     if rows:  # no FMA: store_i8 rounds as quantize_i8 does
         _rms_norm_kernel[(rows,)](x, delta, weight, out if h is None else h, out, q, d, s, D, x_stride, eps,
@@ -118,7 +119,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def add_rms_norm_i8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                    ) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
+                    routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
     """The norm whose output products read: (h, normed) as add_rms_norm's (h = x, rms_norm(x) where delta is None:
     a residual stream with nothing pending), and normed's rounding for the 8-bit routes where the products reading
     it take one (rounds_i8; else None), made in the same pass. x, delta (T, D) -> (h, normed (T, D) float32, QAct)."""
@@ -126,10 +127,10 @@ def add_rms_norm_i8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.T
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if delta is None:
         x2, stride = _rows(x)
-        return x, out, _norm(x2, stride, x2, weight, eps, None, out, i8=True)
+        return x, out, _norm(x2, stride, x2, weight, eps, None, out, i8=True, routes=routes)
     x, delta = x.contiguous(), delta.contiguous()
     h = torch.empty_like(x, dtype=torch.float32)
-    return h, out, _norm(x, x.shape[1], delta, weight, eps, h, out, i8=True)
+    return h, out, _norm(x, x.shape[1], delta, weight, eps, h, out, i8=True, routes=routes)
 
 
 # ------------------------------------------------------------------------------------------ Q/K norm, RoPE, cast
@@ -376,15 +377,15 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
 
 def attend_decode_i8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
                      sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, QAct | None]:
+                     routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, QAct | None]:
     """attend_decode, and its output read as (T, H * Dv) (the output projection's input) rounded for the 8-bit
     routes in the same pass, where the products reading it take one (rounds_i8, Dv a multiple of 32; else None)."""
-    return _attend_decode(q, k, v, allowed, scale, sinks, seqs, i8=True)
+    return _attend_decode(q, k, v, allowed, scale, sinks, seqs, i8=True, routes=routes)
 
 
 def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
                    sinks: torch.Tensor | None, seqs: torch.Tensor | None, i8: bool,
-                   ) -> tuple[torch.Tensor, QAct | None]:
+                   routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, QAct | None]:
     assert attend_supports(q, k, v, seqs), (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     T, H, Dk = q.shape
     S, G, Dv = v.shape[-3:]
@@ -406,7 +407,7 @@ def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
         DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS, SEQS=seqs is not None,
         SPLIT=k.dtype == v.dtype == torch.bfloat16 and not INTERPRETED)  # (the interpreter's tl.dot: bfloat16 as ints)
     # the rounding's rows of Dv values (one per program) are the same bytes, in order, as rows of H * Dv
-    act = QAct.empty(T, H * Dv, out.device) if i8 and rounds_i8(T, H * Dv) and Dv % 32 == 0 else None
+    act = QAct.empty(T, H * Dv, out.device) if i8 and rounds_i8(T, H * Dv, routes) and Dv % 32 == 0 else None
     q8, d8, s8 = (out, out, out) if act is None else (act.q, act.d, act.s)
     _attend_combine_kernel[(T * H,)](
         m, l, acc, sinks if sinks is not None else m, out, q8, d8, s8, n_splits, H, Dv,

@@ -3,7 +3,7 @@
 - `_gemm_kernel` decodes a [BN rows, B blocks] tile per K step to bfloat16 and multiplies it with a [BM tokens, K]
   input tile through tl.dot, accumulating in float32;
 - on the types with a qtypes gemm8 decoder, `_gemm_i8_kernel` instead multiplies int8 tiles of the quants with int8
-  activations (act_i8) per 32 values on tensor cores, for the experts of a long prompt step (tuning.GEMM_INT8,
+  activations (act_i8) per 32 values on tensor cores, for the experts of a long prompt step (tuning.Int8Routes.gemm,
   GEMM_I8_MIN_TOKENS) and for dense products of a few tokens (DENSE_I8_MIN_TOKENS .. DENSE_I8_MAX_TOKENS: a decode
   batch, a short prompt), K split over several programs there;
 - `_decode_kernel` decodes a weight to bfloat16 once, for a dense product of more tokens on a GPU, which then

@@ -3,7 +3,7 @@
 `_gemv_kernel` (decode: up to tuning.GEMV_MAX_TOKENS tokens; the experts of up to MOE_GEMV_MAX_TOKENS, gate and up
 together of up to MOE_GLU_GEMV_MAX_TOKENS) streams a tile of R weight rows x B blocks per step and multiplies each
 decoded value with every token's input in float32, so the weight bytes are read once for all tokens; on its 8-bit
-route (tuning.GEMV_INT8, the types with a qtypes dot8 decoder) the inputs are rounded to int8 first (act_i8: by
+route (tuning.Int8Routes.gemv, the types with a qtypes dot8 decoder) the inputs are rounded to int8 first (act_i8: by
 quantize_i8, or by the kernel that wrote them), a tile's B are units of a block (qtypes, a lane's share) and four
 packed quants meet four inputs per dp4a instruction, in exact integers. Generic over the block type through
 qtypes.BLOCK_TYPES (the decoder is a compile-time argument).
@@ -186,12 +186,12 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_grou
 
 
 def gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
-         slots: torch.Tensor | None, up: QWeight | None = None, i8: QAct | None = None) -> None:
+         slots: torch.Tensor | None, up: QWeight | None = None, i8: QAct | None = None, int8: bool = True) -> None:
     """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T). On the 8-bit route where the type
-    has one (tuning.GEMV_INT8): the activations rounded to int8, `i8` where given (x's rounding), else here
-    (quantize_i8)."""
+    has one and `int8` is on (tuning.Int8Routes.gemv): the activations rounded to int8, `i8` where given (x's
+    rounding), else here (quantize_i8)."""
     group = triton.next_power_of_2(tokens)
-    on_i8 = tuning.GEMV_INT8 and bt.dot8 is not None
+    on_i8 = int8 and bt.dot8 is not None
     # registers per (token, row, block) that grow with the tokens: a part's float accumulators, or a quad's four
     # accumulators and four activation words (8-bit; counting the accumulators alone, T=8 spilled: 741 us for 4096^2)
     per_block = 8 if on_i8 else bt.part

@@ -30,6 +30,7 @@ from moerun.kernels.gemv import gemv
 from moerun.kernels.moe_align import group_by_slot
 from moerun.kernels.qtypes import BLOCK_TYPES, INTERPRETED, BlockType
 from moerun.kernels.qweight import QWeight  # noqa: F401 (its home; imported from here too)
+from moerun.kernels.tuning import INT8_ON, Int8Routes
 
 
 def supports(qtype: Q) -> bool:
@@ -45,24 +46,25 @@ def _block_type(w: QWeight) -> BlockType:
     return bt
 
 
-def moe_gemm_i8(bt: BlockType, n_tokens: int) -> bool:
-    """Does a prompt step of n_tokens run its experts on the 8-bit GEMM (tuning.GEMM_INT8, GEMM_I8_MIN_TOKENS)?"""
-    return tuning.GEMM_INT8 and bt.gemm8 is not None and n_tokens >= tuning.GEMM_I8_MIN_TOKENS
+def moe_gemm_i8(bt: BlockType, n_tokens: int, routes: Int8Routes = INT8_ON) -> bool:
+    """Does a prompt step of n_tokens run its experts on the 8-bit GEMM (routes.gemm, GEMM_I8_MIN_TOKENS)?"""
+    return routes.gemm and bt.gemm8 is not None and n_tokens >= tuning.GEMM_I8_MIN_TOKENS
 
 
-def dense_gemm_i8(bt: BlockType, n_tokens: int) -> bool:
-    """Does a dense product of n_tokens run on the 8-bit GEMM (tuning.GEMM_INT8, DENSE_I8_MIN/MAX_TOKENS)?"""
-    return (tuning.GEMM_INT8 and bt.gemm8 is not None
+def dense_gemm_i8(bt: BlockType, n_tokens: int, routes: Int8Routes = INT8_ON) -> bool:
+    """Does a dense product of n_tokens run on the 8-bit GEMM (routes.gemm, DENSE_I8_MIN/MAX_TOKENS)?"""
+    return (routes.gemm and bt.gemm8 is not None
             and tuning.DENSE_I8_MIN_TOKENS <= n_tokens <= tuning.DENSE_I8_MAX_TOKENS)
 
 
-def gguf_mm(x: torch.Tensor, w: QWeight, i8: QAct | None = None) -> torch.Tensor:
-    """x (T, C) float32 or bfloat16 @ w.T -> (T, N) float32; `i8`: x's rounding for the 8-bit routes, if made."""
+def gguf_mm(x: torch.Tensor, w: QWeight, i8: QAct | None = None, routes: Int8Routes = INT8_ON) -> torch.Tensor:
+    """x (T, C) float32 or bfloat16 @ w.T -> (T, N) float32; `i8`: x's rounding for the 8-bit routes, if made;
+    `routes`: which 8-bit routes are on."""
     bt = _block_type(w)
     assert x.dim() == 2 and x.shape[1] == w.cols and w.data.dim() == 2, (tuple(x.shape), tuple(w.data.shape))
     x = x.contiguous()
     n_tokens = x.shape[0]
-    on_i8 = dense_gemm_i8(bt, n_tokens)
+    on_i8 = dense_gemm_i8(bt, n_tokens, routes)
     if not on_i8 and n_tokens >= tuning.DECODED_GEMM_MIN_TOKENS and x.is_cuda and not INTERPRETED:
         return _decoded_mm(x, w)
     out = torch.empty(n_tokens, w.rows, dtype=torch.float32, device=x.device)
@@ -71,7 +73,7 @@ def gguf_mm(x: torch.Tensor, w: QWeight, i8: QAct | None = None) -> torch.Tensor
     if on_i8:
         gemm(x, w, bt, out, n_tokens, 1, None, tuning.dense_i8_tiles(Q(w.qtype)), on_i8=True, i8=i8)
     elif n_tokens <= tuning.GEMV_MAX_TOKENS:
-        gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None, i8=i8)
+        gemv(x, w, bt, out, groups=1, tokens=n_tokens, x_div=1, slots=None, i8=i8, int8=routes.gemv)
     else:
         gemm(x, w, bt, out, n_tokens, 1, None, tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=False))
     return out
@@ -122,13 +124,13 @@ def decode_bf16(w: QWeight) -> torch.Tensor:
 
 
 def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | None = None,
-             i8: QAct | None = None) -> torch.Tensor:
+             i8: QAct | None = None, routes: Int8Routes = INT8_ON) -> torch.Tensor:
     """Each token's K experts of a bank in one launch: -> (T, K, N) float32.
 
     w.data: (E, N, row_bytes); slots (T, K) int32 or int64: the bank slot of token t's k-th expert, -1 to skip it
     (zeros out). x: (T, C), shared by the token's K experts (gate, up), or (T, K, C), one input per (t, k) (down).
     `groups`: where the prefill path keeps its group_by_slot of these slots for the other banks of the same layer
-    (made once a layer, not once a bank). `i8`: x's rounding for the 8-bit routes, if made.
+    (made once a layer, not once a bank). `i8`: x's rounding for the 8-bit routes, if made; `routes`: which are on.
     """
     bt = _block_type(w)
     assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype in (torch.int32, torch.int64), (
@@ -141,10 +143,10 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
         return torch.zeros(n_tokens, k, w.rows, dtype=torch.float32, device=x.device)
     if n_tokens <= tuning.MOE_GEMV_MAX_TOKENS:
         out = torch.empty(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)
-        gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots, i8=i8)
+        gemv(x, w, bt, out, groups=n_tokens * k, tokens=1, x_div=x_div, slots=slots, i8=i8, int8=routes.gemv)
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
-        on_i8 = moe_gemm_i8(bt, n_tokens)
+        on_i8 = moe_gemm_i8(bt, n_tokens, routes)
         tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=on_i8,
                                   n_tokens=n_tokens)
         key, groups = (w.data.shape[0], tiles.block_m), {} if groups is None else groups
@@ -160,18 +162,18 @@ def glu_supports(gate: QWeight, up: QWeight) -> bool:
             and gate.cols == up.cols)
 
 
-def moe_rounding(x: torch.Tensor, bank: QWeight, n_tokens: int) -> QAct | None:
+def moe_rounding(x: torch.Tensor, bank: QWeight, n_tokens: int, routes: Int8Routes = INT8_ON) -> QAct | None:
     """x (T, C)'s rounding where a prompt step of n_tokens multiplies it with the experts of `bank` on the 8-bit
     GEMM (moe_gemm_i8), else None: made once for the banks that read the same input (gate and up)."""
-    if n_tokens > tuning.MOE_GEMV_MAX_TOKENS and moe_gemm_i8(_block_type(bank), n_tokens):
+    if n_tokens > tuning.MOE_GEMV_MAX_TOKENS and moe_gemm_i8(_block_type(bank), n_tokens, routes):
         return quantize_i8(x.contiguous())
     return None
 
 
 def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tensor,
-                 groups: dict | None = None, i8: QAct | None = None) -> torch.Tensor:
+                 groups: dict | None = None, i8: QAct | None = None, routes: Int8Routes = INT8_ON) -> torch.Tensor:
     """silu(gguf_moe(x, gate, slots)) * gguf_moe(x, up, slots): -> (T, K, N) float32, skipped slots zeros. `i8`:
-    x's rounding for the 8-bit routes, if made.
+    x's rounding for the 8-bit routes, if made; `routes`: which are on.
 
     Decode-sized steps run both banks in one matrix-vector launch (the input read once, the SwiGLU done on the
     accumulators); prefill runs the two grouped GEMMs on one grouping and one rounding, and the product.
@@ -181,13 +183,13 @@ def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tenso
     if n_tokens * k == 0 or n_tokens > tuning.MOE_GLU_GEMV_MAX_TOKENS:
         groups = {} if groups is None else groups
         if i8 is None and n_tokens * k:
-            i8 = moe_rounding(x, gate, n_tokens)
-        g, u = gguf_moe(x, gate, slots, groups, i8), gguf_moe(x, up, slots, groups, i8)
+            i8 = moe_rounding(x, gate, n_tokens, routes)
+        g, u = gguf_moe(x, gate, slots, groups, i8, routes), gguf_moe(x, up, slots, groups, i8, routes)
         return torch.nn.functional.silu(g) * u
     bt = _block_type(gate)
     _block_type(up)
     assert x.shape == (n_tokens, gate.cols), (tuple(x.shape), tuple(slots.shape))
     x, slots = x.contiguous(), slots.contiguous()
     out = torch.empty(n_tokens * k, gate.rows, dtype=torch.float32, device=x.device)
-    gemv(x, gate, bt, out, groups=n_tokens * k, tokens=1, x_div=k, slots=slots, up=up, i8=i8)
+    gemv(x, gate, bt, out, groups=n_tokens * k, tokens=1, x_div=k, slots=slots, up=up, i8=i8, int8=routes.gemv)
     return out.view(n_tokens, k, gate.rows)

@@ -8,10 +8,22 @@ on an H200 (docs/BENCHMARKS.md).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
+
+
+@dataclass(frozen=True)
+class Int8Routes:
+    """Which 8-bit routes the GPU products take, as the runtime's options say (options.py: MOERUN_GEMV_INT8,
+    MOERUN_GEMM_INT8): `gemv`, the matrix-vector kernel's int8 activations (decode steps); `gemm`, the 8-bit GEMM's
+    (long prompts' experts, a few tokens' dense products). A value the layers hold and pass to each product."""
+
+    gemv: bool = True
+    gemm: bool = True
+
+
+INT8_ON = Int8Routes()
 
 # Up to this many tokens a step is decode-sized: dense products below DECODED_GEMM_MIN_TOKENS (and
 # DENSE_I8_MIN_TOKENS) run the matrix-vector kernel, and so does a float32 router (layers.Linear, gguf_mv); more
@@ -52,9 +64,8 @@ KEPT_DECODED_MIN_TOKENS = 2
 # cores) where the type has a qtypes gemm8 decoder, the bfloat16 GEMM otherwise. H200, 2026-12-02 (--sweep routes,
 # the shipped tiles): on the 30B shapes at T = 256 gate/up 317.7 against 367.4 us a bank, down 265.1 against 332.1
 # (with the grouping in each time), so it takes every step the GEMM takes (past the limits above); at T = 512
-# 20-36% faster on the four expert shapes (--sweep gemm8). MOERUN_GEMM_INT8=0 turns the 8-bit GEMM off, for the
-# experts and for the dense products below.
-GEMM_INT8 = os.environ.get("MOERUN_GEMM_INT8", "1") != "0"
+# 20-36% faster on the four expert shapes (--sweep gemm8). Int8Routes.gemm off (MOERUN_GEMM_INT8=0) turns the
+# 8-bit GEMM off, for the experts and for the dense products below.
 GEMM_I8_MIN_TOKENS = MOE_GEMV_MAX_TOKENS + 1
 DECODE_TILES = (16, 2)  # rows x blocks per program of the decode to bfloat16
 # A weight larger than this decodes in row chunks of this size, one scratch buffer reused: the output head of a
@@ -104,12 +115,11 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
     (Q.Q4_0, 44): GemvTiles(rows=4, blocks=4, num_warps=2),  # its down, 1408 columns
 }
 # The 8-bit route of the matrix-vector kernel (act_i8.quantize_i8 and qtypes' dot8 decoders: activations rounded
-# to int8 per 32 values, four products per dp4a) for the types that have it; MOERUN_GEMV_INT8=0 turns it off (float32
-# activations, as before). Its tiles where swept, else the above. H200, 2026-12-01 night (bench_gguf_matmul.py
+# to int8 per 32 values, four products per dp4a) for the types that have it; Int8Routes.gemv off (MOERUN_GEMV_INT8=0)
+# turns it off (float32 activations). Its tiles where swept, else the above. H200, 2026-12-01 night (bench_gguf_matmul.py
 # --sweep, then the table on these tiles; docs/BENCHMARKS.md), 4096x4096 at T=1 with the activations' rounding in the
 # time, GB/s against the float route's in the same run: Q4_K 1061 (912), Q8_0 1585 (1356), Q4_0 1216 (938); Q6_K's
 # 8-bit form made 872 in the sweep against its float route's 1156 and was dropped.
-GEMV_INT8 = os.environ.get("MOERUN_GEMV_INT8", "1") != "0"
 # On this route a tile's blocks are the route's units (qtypes.BlockType.dot8_values: a Q4_K or Q5_K block is four):
 # one per lane. Q4_K re-swept in units (H200, 2026-12-02, 27 tiles): 2 x 32 on one warp 1321 GB/s against 1193 for
 # its block tile moved to units (8 x 64 on 2 warps), which Q5_K keeps (not swept).

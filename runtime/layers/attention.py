@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from moerun.kv_cache import KVCache
 from moerun.layers.linear import Linear
@@ -9,6 +11,9 @@ from moerun.layers.norm import RMSNorm
 from moerun.layers.ops import Kernels
 from moerun.layers.rope import Rope
 from moerun.step import Step
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 from torch import nn
 
 # Float32 attention scores (all query heads) `attend` holds at once: a long prompt attends in blocks of query tokens,
@@ -75,24 +80,28 @@ class Attention(nn.Module):
         self.wqkv = self.kernels.stack_rows([wq, wk, wv])  # q, k and v in one product where the kernels can
         self.qkv_rows = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * v_head_dim)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), and its int8 rounding where its norm made one (for the q/k/v products) -> (T, D)."""
         T = x.shape[0]
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, i8)
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.v_head_dim)
         # k_all, v_all: (S, G, Dh), or (n_seq, S, G, Dh) that the step's blocks index
         q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
-        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, self.sinks,
-                                  step.blocks)  # (T, H, Dv)
-        return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
+        attend_args = (q, k_all, v_all, step.mask(self.window), self.scale, self.sinks, step.blocks)
+        if self.kernels.attend_i8 is None:
+            out, out_i8 = self.kernels.attend(*attend_args), None  # (T, H, Dv)
+        else:
+            out, out_i8 = self.kernels.attend_i8(*attend_args)  # and out as (T, H * Dv) rounded for wo, or None
+        return self.wo(out.reshape(T, self.n_heads * self.v_head_dim), out_i8)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, i8: QAct | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, D) -> q (T, H*Dh), k (T, G*Dh), v (T, G*Dv): one stacked product, or three where the weights
         differ in type or activation hooks must see each tensor's input under its own name."""
         if self.wqkv is None or self.wqkv.hooks.activation:
-            return self.wq(x), self.wk(x), self.wv(x)
-        return self.wqkv(x).split(self.qkv_rows, dim=-1)
+            return self.wq(x, i8), self.wk(x, i8), self.wv(x, i8)
+        return self.wqkv(x, i8).split(self.qkv_rows, dim=-1)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,

@@ -21,6 +21,6 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is x + delta (x alone where delta is None) -> (h, delta') whose sum is the output."""
-        x, normed = self.attn_norm.add_forward(x, delta)
-        h, normed = self.ffn_norm.add_forward(x, self.attn(normed, step))
-        return h, self.ffn(normed, step)
+        x, normed, i8 = self.attn_norm.add_forward_i8(x, delta)  # i8: normed's rounding for the products, or None
+        h, normed, i8 = self.ffn_norm.add_forward_i8(x, self.attn(normed, step, i8))
+        return h, self.ffn(normed, step, i8)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from moerun.layers.linear import Linear
 from moerun.layers.ops import Kernels
 from moerun.step import Step
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 from torch import nn
 
 
@@ -73,5 +77,6 @@ class FeedForward(nn.Module):
         self.gate, self.up, self.down = gate, up, down
         self.activation, self.act = activation, activation.on(kernels)
 
-    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
-        return self.down(self.act(self.gate(x), self.up(x)))
+    def forward(self, x: torch.Tensor, step: Step | None = None, i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), and its int8 rounding where its norm made one (for gate and up) -> (T, D)."""
+        return self.down(self.act(self.gate(x, i8), self.up(x, i8)))

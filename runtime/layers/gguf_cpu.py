@@ -43,8 +43,8 @@ class CPUExperts(GGUFExperts):
                              zip(("gate", "up", "down"), (experts.gate_bias, experts.up_bias, experts.down_bias)))
         return experts
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                step: Step | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
+                i8=None) -> torch.Tensor:  # i8: the GPU's rounding, never made on the CPU
         if self.hooks.activation:
             return super().forward(x, ids, weights)
         out = torch.zeros(x.shape, dtype=torch.float32)
@@ -75,8 +75,8 @@ HALF_TYPES = (Q.F16, Q.BF16)
 
 class CPUQuantLinear(Linear):
     """A Linear on the CPU whose weight has an integer kernel (the block-quantized types), or a half-precision one
-    where ggml's row dots are there (the library `ggml`), multiplying the memory-mapped GGUF bytes (a Q4_K matrix is a seventh of its
-    float32 copy's bytes; one "expert" of expert_matmul). On ggml's row dots it takes any number of tokens and keeps
+    where ggml's row dots are there (the library `ggml`), multiplying the memory-mapped GGUF bytes (a Q4_K matrix is
+    a seventh of its float32 copy's bytes; one "expert" of expert_matmul). On ggml's row dots it takes any number of tokens and keeps
     no float32 copy (a 30B model's attention alone would take 3.6 GB more); on the numba kernels a step of more than
     QUANT_MAX_TOKENS tokens (a prompt) goes through a float32 copy's GEMM, which computes it faster. Both round the
     input as llama.cpp does for the weight's type."""

@@ -24,6 +24,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from moerun.hooks import Hooks
 from moerun.kernels import fused, tuning
+from moerun.kernels.act_i8 import QAct
+from moerun.kernels.tuning import INT8_ON, Int8Routes
 from moerun.kernels.dequant import supports as device_dequantizes
 from moerun.kernels.gguf_matmul import (
     QWeight,
@@ -33,6 +35,7 @@ from moerun.kernels.gguf_matmul import (
     gguf_moe,
     gguf_moe_glu,
     glu_supports,
+    moe_rounding,
     supports,
 )
 from moerun.layers.ffn import Activation
@@ -46,22 +49,24 @@ __all__ = ["DeviceExperts", "QuantLinear", "QWeight", "supports"]
 
 class QuantLinear(Linear):
     """y = x W^T (+ b) with W in its GGUF blocks on the GPU, and optionally also decoded to bfloat16 (`decoded`):
-    products of tuning.KEPT_DECODED_MIN_TOKENS or more tokens then run on cuBLAS over that copy."""
+    products of tuning.KEPT_DECODED_MIN_TOKENS or more tokens then run on cuBLAS over that copy. `routes`: the 8-bit
+    routes its products take (the runtime's options)."""
 
-    def __init__(self, qweight: QWeight, bias: torch.Tensor | None, name: str, hooks: Hooks) -> None:
+    def __init__(self, qweight: QWeight, bias: torch.Tensor | None, name: str, hooks: Hooks,
+                 routes: Int8Routes = INT8_ON) -> None:
         torch.nn.Module.__init__(self)
-        self.qweight, self.bias, self.name, self.hooks = qweight, bias, name, hooks
+        self.qweight, self.bias, self.name, self.hooks, self.routes = qweight, bias, name, hooks, routes
         self.register_buffer("blocks", qweight.data, persistent=False)  # so .to()/memory accounting see the bytes
         self.register_buffer("decoded", None, persistent=False)
         self.parts: list[QuantLinear] = []  # the QuantLinears whose rows stack_rows stacked into this one
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, i8: QAct | None = None) -> torch.Tensor:
         if self.hooks.activation:
             self.hooks.fire_activation(self.name, x)
         if self.decoded is not None and x.shape[0] >= tuning.KEPT_DECODED_MIN_TOKENS:
             y = bf16_mm(x, self.decoded)
         else:
-            y = gguf_mm(x, self.qweight)
+            y = gguf_mm(x, self.qweight, i8, self.routes)
         return y if self.bias is None else y + self.bias
 
     @property
@@ -97,7 +102,7 @@ class QuantLinear(Linear):
                               for p in parts])
         first = parts[0].qweight
         stacked = cls(QWeight(data, first.qtype, start, first.cols), bias, "+".join(p.name for p in parts),
-                      parts[0].hooks)
+                      parts[0].hooks, parts[0].routes)
         stacked.parts = list(parts)
         return stacked
 
@@ -132,11 +137,21 @@ def expert_bank(t: ExpertTensor) -> QWeight:
 class DeviceExperts(GGUFExperts):
     """ExpertCompute from the GGUF bytes on the GPU: gate, up and down of all selected experts of a layer in one
     launch each, whatever the number of tokens, with no host sync (so a decode step can be captured in a graph).
-    With activation hooks registered it runs the reference path, which reports each expert's inputs."""
+    With activation hooks registered it runs the reference path, which reports each expert's inputs. `routes`: the
+    8-bit routes its products take (the runtime's options)."""
+
+    routes: Int8Routes = INT8_ON
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.banks = tuple(expert_bank(t) for t in (self.gate, self.up, self.down))
+
+    @classmethod
+    def load(cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels,
+             routes: Int8Routes = INT8_ON) -> DeviceExperts:
+        experts = super().load(w, hooks, layer, activation, kernels)
+        experts.routes = routes
+        return experts
 
     @classmethod
     def can_run(cls, w: Weights, layer: int) -> bool:
@@ -145,27 +160,30 @@ class DeviceExperts(GGUFExperts):
         types = [w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type for part in ("gate", "up", "down")]
         return all(supports(t) and device_dequantizes(t) for t in types)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                step: Step | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
+                i8: QAct | None = None) -> torch.Tensor:
         if self.hooks.activation:
             return super().forward(x, ids, weights)
         return bank_moe(x, ids, weights, self.banks, self.activation, self.act,
-                        (self.gate_bias, self.up_bias, self.down_bias), ids)
+                        (self.gate_bias, self.up_bias, self.down_bias), ids, i8, self.routes)
 
 
 def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks: tuple[QWeight, QWeight, QWeight],
-             activation: Activation, act, biases: tuple, ids: torch.Tensor) -> torch.Tensor:
+             activation: Activation, act, biases: tuple, ids: torch.Tensor, i8: QAct | None = None,
+             routes: Int8Routes = INT8_ON) -> torch.Tensor:
     """sum_k weights[t, k] * expert(x[t]) over the (t, k) whose slot is not -1; the expert's weights are slot
-    slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]; `act` computes `activation`.
-    x (T, D) -> (T, D) float32."""
+    slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]; `act` computes `activation`; i8: x's int8
+    rounding where its norm made one; `routes`: the 8-bit routes on. x (T, D) -> (T, D) float32."""
     gate_b, up_b, down_b = (None if b is None else b[ids] for b in biases)  # (T, K, rows) each
     groups: dict = {}  # a prompt's grouping of the pairs by slot, made once for the three banks
     if activation.name == "swiglu" and gate_b is None and up_b is None and glu_supports(banks[0], banks[1]):
-        h = gguf_moe_glu(x, banks[0], banks[1], slots, groups)  # (T, K, I): gate, up, SwiGLU: one decode launch
+        h = gguf_moe_glu(x, banks[0], banks[1], slots, groups, i8, routes)  # (T, K, I): gate, up, SwiGLU: one launch
     else:
-        gate, up = gguf_moe(x, banks[0], slots, groups), gguf_moe(x, banks[1], slots, groups)
+        if i8 is None:  # a prompt's gate and up on the 8-bit GEMM: one rounding for both
+            i8 = moe_rounding(x, banks[0], x.shape[0], routes)
+        gate, up = gguf_moe(x, banks[0], slots, groups, i8, routes), gguf_moe(x, banks[1], slots, groups, i8, routes)
         h = act(gate if gate_b is None else gate + gate_b, up if up_b is None else up + up_b)  # (T, K, I)
-    y = gguf_moe(h, banks[2], slots, groups)  # (T, K, D)
+    y = gguf_moe(h, banks[2], slots, groups, routes=routes)  # (T, K, D)
     if down_b is not None:
         y = y + down_b
     return fused.moe_combine(y, weights, slots)

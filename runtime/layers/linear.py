@@ -4,6 +4,8 @@ the blocks themselves; which one a tensor gets is the backend's choice (backend.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -11,6 +13,9 @@ from moerun.hooks import Hooks
 from moerun.kernels.rounding import Rounding, input_rounding
 from moerun.kernels.tuning import GEMV_MAX_TOKENS
 from moerun.weights import Weights
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 from torch import nn
 
 
@@ -35,7 +40,9 @@ class Linear(nn.Module):
         return cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
                    input_rounding(w.info(name).ggml_type))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, i8: QAct | None = None) -> torch.Tensor:
+        """`i8`: x's int8 rounding where its writer made one, which QuantLinear's products take; the others round x
+        as kernels/rounding.py says."""
         if self.hooks.activation:
             self.hooks.fire_activation(self.name, x)
         return self.product(x)

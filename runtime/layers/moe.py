@@ -5,7 +5,7 @@ the shared experts."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from moerun.layers.linear import Linear
 from moerun.layers.ops import Kernels
 from moerun.step import Step
 from moerun.weights import ExpertTensor, Weights
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 from torch import nn
 
 
@@ -97,9 +100,10 @@ class ExpertCompute(Protocol):
     """The routed experts' work: sum_k weights[t, k] * expert_{ids[t, k]}(x[t]). The expert cache replaces this.
     `step` is the step being computed (the expert cache reads its capture, if any)."""
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 step: Step | None = None) -> torch.Tensor:
-        """x (T, D), ids (T, K), weights (T, K) -> (T, D) float32."""
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
+                 i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), ids (T, K), weights (T, K) -> (T, D) float32; i8: x's int8 rounding where its norm made one
+        (for the GPU's gate and up products; the others ignore it)."""
         ...
 
 
@@ -127,8 +131,8 @@ class GGUFExperts(nn.Module):
         return cls(*(w.experts(f"{p}.ffn_{part}_exps.weight") for part in parts), activation, kernels, hooks,
                    tuple(w.optional(f"{p}.ffn_{part}_exps.bias", torch.float32) for part in parts))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                step: Step | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
+                i8: QAct | None = None) -> torch.Tensor:
         if x.shape[0] == 1 and not self.hooks.activation:
             return self._forward_one_token(x, ids[0], weights[0])
         per_slot = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # (T, K, D)
@@ -182,14 +186,16 @@ class MoE(nn.Module):
         self.layer, self.router, self.experts, self.hooks = layer, router, experts, hooks
         self.shared, self.shared_gate = shared, shared_gate
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), and its int8 rounding where its norm made one (for the experts' and shared expert's gate and up)
+        -> (T, D)."""
         ids, weights = self.router(x, step)  # (T, K)
         if self.hooks.routing:
             self.hooks.fire_routing(self.layer, step.positions, ids, weights)
-        out = self.experts(x, ids, weights, step)
+        out = self.experts(x, ids, weights, step, i8)
         if self.shared is not None:
-            shared = self.shared(x)
+            shared = self.shared(x, step, i8)
             if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_gate(x))
+                shared = shared * torch.sigmoid(self.shared_gate(x, i8))
             out = out + shared
         return out

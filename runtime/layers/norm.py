@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from moerun.layers.ops import Kernels
 from moerun.weights import Weights
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 from torch import nn
 
 
@@ -38,3 +43,11 @@ class RMSNorm(nn.Module):
         if delta is None:
             return x, self.forward(x)
         return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
+
+    def add_forward_i8(self, x: torch.Tensor, delta: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
+        """add_forward for a norm whose output products read: also that output's int8 rounding where the kernels
+        make it in the same pass (None: the products round it themselves)."""
+        if self.kernels.add_rms_norm_i8 is None:
+            return (*self.add_forward(x, delta), None)
+        return self.kernels.add_rms_norm_i8(x, delta, self.weight, self.eps)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from moerun.kernels.act_i8 import QAct
     from moerun.layers.linear import Linear
 
 
@@ -23,7 +24,9 @@ class Kernels:
     `route` chooses experts for the plain gatings (no selection bias, no expert groups; None: the Router's torch
     code); `activations` are the fused versions of activations by name (layers/ffn.py's `Activation.name`; an
     activation not in it runs its torch reference); `stack_rows` makes one Linear of several that share their input
-    (returning None: they run apart).
+    (returning None: they run apart). `add_rms_norm_i8` and `attend_i8` (None: not made) also return their output's
+    int8 rounding for the products reading it (kernels/fused.py's add_rms_norm_i8, attend_decode_i8): the GGUF
+    products' 8-bit routes then skip rounding it again.
     """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -33,6 +36,8 @@ class Kernels:
     route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     activations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
     stack_rows: Callable[[list[Linear]], Linear | None]
+    add_rms_norm_i8: Callable[..., tuple[torch.Tensor, torch.Tensor, QAct | None]] | None = None
+    attend_i8: Callable[..., tuple[torch.Tensor, QAct | None]] | None = None
 
 
 def device_of(module: nn.Module) -> torch.device:

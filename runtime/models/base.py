@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from moerun.layers import (SWIGLU, Activation, Attention, Block, Embedding, Feed
 from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
 from moerun.weights import Weights
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 
 
 @dataclass
@@ -138,9 +142,11 @@ class ByGroups(nn.Module):
         super().__init__()
         self.attn = attn
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8: QAct | None = None) -> torch.Tensor:
+        """`i8`: x's int8 rounding where its norm made one (a Block's; the attention of glm5-next's blocks, whose norms
+        make none, takes no such argument), for a step run whole (a group's rows round their own)."""
         if not step.groups:
-            return self.attn(x, step)
+            return self.attn(x, step) if i8 is None else self.attn(x, step, i8)
         return torch.cat([self.attn(x[rows], part) for rows, part in step.parts()])
 
 
@@ -183,4 +189,5 @@ class Transformer(nn.Module):
             rows = outputs.to(x.device)
             x, delta = x[rows], None if delta is None else delta[rows]  # (R, D)
         with on_device(x.device):  # the head's kernels launch where it lives (the last block's device)
-            return self.output(self.norm.add_forward(x, delta)[1])
+            _, normed, i8 = self.norm.add_forward_i8(x, delta)
+            return self.output(normed, i8)

@@ -11,6 +11,7 @@ N non-roped query dims, Dv value head size.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from moerun.kv_cache import KVCache
 from moerun.layers import Block, Rope, attend, yarn_attn_factor
 from moerun.models.base import BuildContext
 from moerun.step import Step
+
+if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
+    from moerun.kernels.act_i8 import QAct
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
@@ -73,13 +77,18 @@ class MLAttention(nn.Module):
         mscale *= 1 + 0.1 * args.yarn_log_mul * math.log(1 / freq_scale)
         self.scale = mscale * mscale / math.sqrt(args.head_dim_mla)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), and its int8 rounding where its norm made one (for the products that read x) -> (T, D)."""
         T, H = x.shape[0], self.n_heads
         positions = step.positions
-        q_in = x if self.wq_a is None else self.q_a_norm(self.wq_a(x))
-        q = self.wq(q_in).view(T, H, self.nope_dim + self.rope_dim)
+        if self.wq_a is None:
+            q = self.wq(x, i8)
+        else:
+            _, q_in, q_i8 = self.q_a_norm.add_forward_i8(self.wq_a(x, i8), None)  # q_i8: q_in's rounding, or None
+            q = self.wq(q_in, q_i8)
+        q = q.view(T, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope_dim], self.rope(q[..., self.nope_dim :], positions)  # (T, H, N), (T, H, R)
-        kv = self.wkv_a(x)  # (T, C + R)
+        kv = self.wkv_a(x, i8)  # (T, C + R)
         latent = self.kv_a_norm(kv[:, : self.rank])  # (T, C)
         k_pe = self.rope(kv[:, None, self.rank :], positions)  # (T, 1, R)
         if self.hooks.activation:

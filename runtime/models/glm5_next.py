@@ -183,7 +183,8 @@ class HyperBlock(nn.Module):
         h, post, comb = self.hc_attn.split(streams)
         streams = self.hc_attn.merge(self.attn(self.attn_norm(h), step), streams, post, comb)
         h, post, comb = self.hc_ffn.split(streams)
-        streams = self.hc_ffn.merge(self.ffn(self.ffn_norm(h), step), streams, post, comb)
+        _, normed, i8 = self.ffn_norm.add_forward_i8(h, None)  # i8: normed's rounding for the FFN's products, or None
+        streams = self.hc_ffn.merge(self.ffn(normed, step, i8), streams, post, comb)
         return streams.mean(1) if self.last else streams, None
 
 

@@ -24,9 +24,10 @@ from moerun.kernels import fused, gemm, gemv, gguf_matmul, tuning
 from moerun.kernels.act_i8 import QAct, quantize_i8
 from moerun.kernels.cpu import fused as cpu_fused
 from moerun.kernels.gguf_matmul import QWeight, gguf_mm, gguf_moe_glu
+from moerun.kernels.tuning import Int8Routes
 from moerun.kv_cache import KVCache
 from moerun.layers import attention
-from moerun.layers.gguf_gpu import QuantLinear
+from moerun.layers.gguf_gpu import QuantLinear, bank_moe
 from moerun.layers.moe import GATING_PROBS
 from moerun.models import arch_module
 from moerun.options import RuntimeOptions
@@ -93,13 +94,12 @@ def test_norms_round_their_output_for_the_8bit_route(i8, gen, monkeypatch):
     """A decode step's norms before its products (add_rms_norm_i8, with a delta or without) write their output's
     int8 blocks in the same pass and return them (with the 8-bit route on, a multiple of 32 values, at most
     fused.rounded_rows() rows): the products reading it skip their own rounding. The values are the plain norms'."""
-    monkeypatch.setattr(tuning, "GEMV_INT8", i8)
-    monkeypatch.setattr(tuning, "GEMM_INT8", i8)
+    routes = Int8Routes(gemv=i8, gemm=i8)
     w = randn(4096, gen=gen) + 2
     x, delta = randn(3, 4096, gen=gen) * 3, randn(3, 4096, gen=gen)
     x[1, 64:96] = 0  # a block of zeros, after a norm too
-    same_x, normed, normed_i8 = fused.add_rms_norm_i8(x, None, w, 1e-6)
-    h, added, added_i8 = fused.add_rms_norm_i8(x, delta, w, 1e-6)
+    same_x, normed, normed_i8 = fused.add_rms_norm_i8(x, None, w, 1e-6, routes)
+    h, added, added_i8 = fused.add_rms_norm_i8(x, delta, w, 1e-6, routes)
     assert same_x is x and torch.equal(normed, fused.rms_norm(x, w, 1e-6))
     assert all(torch.equal(a, b) for a, b in zip((h, added), fused.add_rms_norm(x, delta, w, 1e-6)))
     if not i8:
@@ -108,7 +108,7 @@ def test_norms_round_their_output_for_the_8bit_route(i8, gen, monkeypatch):
     assert_rounds(normed_i8, normed)
     assert_rounds(added_i8, added)
     assert fused.add_rms_norm_i8(x[:, :40], None, w[:40], 1e-6)[2] is None  # 40 values: no blocks of 32
-    many = randn(fused.rounded_rows() + 1, 64, gen=gen)
+    many = randn(fused.rounded_rows(routes) + 1, 64, gen=gen)
     assert fused.add_rms_norm_i8(many, many, w[:64], 1e-6)[2] is None
 
 
@@ -407,6 +407,38 @@ def test_products_take_the_rounding_their_inputs_writer_returns(gen, monkeypatch
         assert torch.equal(gguf_mm(out, w, rounding), gguf_mm(out, w))
         assert torch.equal(gguf_moe_glu(out, bank, bank, slots, i8=rounding), gguf_moe_glu(out, bank, bank, slots))
     assert len(rounded) == 4  # the products without the rounding only
+
+
+def test_layers_pass_the_norms_rounding_to_their_products(gen, monkeypatch):
+    """On the fused kernels a norm before products (RMSNorm.add_forward_i8) returns its output's int8 rounding, and
+    the layers pass it with that output: FeedForward's gate and up (QuantLinear) and the experts' (bank_moe, as
+    DeviceExperts runs them) round nothing themselves, only down's input is rounded, and the results are the same
+    bits as without it."""
+    kernels = backend.fused_kernels()
+    rng = np.random.default_rng(8)
+    cols, hidden, hooks = 256, 64, Hooks()
+    norm = layers.RMSNorm(randn(cols, gen=gen) * 0.05, 1e-6, kernels)
+    x, delta = randn(2, cols, gen=gen), randn(2, cols, gen=gen)
+    h, normed, i8 = norm.add_forward_i8(x, delta)
+    assert i8 is not None and torch.equal(h, x + delta) and torch.equal(normed, norm(h))
+    shapes = (("gate", hidden, cols), ("up", hidden, cols), ("down", cols, hidden))
+    ffn = layers.FeedForward(*(QuantLinear(random_q8_0(rng, 1, r, c), None, name, hooks) for name, r, c in shapes),
+                             kernels)
+    banks = tuple(random_q8_0(rng, 4, r, c) for _, r, c in shapes)
+    slots = torch.tensor([[0, 3], [2, 0]], device=DEVICE)
+    weights = torch.rand(2, 2, generator=gen).to(DEVICE)
+    rounded = []
+    for launcher in (gemv, gemm):
+        monkeypatch.setattr(launcher, "quantize_i8", lambda x: rounded.append(x) or quantize_i8(x))
+    runs = [(lambda i8: ffn(normed, None, i8), 3),  # gate, up and down round their inputs without it
+            (lambda i8: bank_moe(normed, slots, weights, banks, layers.SWIGLU, fused.swiglu, (None,) * 3, slots,
+                                 i8), 2)]
+    for run, without in runs:
+        rounded.clear()
+        given = run(i8)
+        assert len(rounded) == 1  # down's input only
+        assert torch.equal(given, run(None))
+        assert len(rounded) == 1 + without
 
 
 # --------------------------------------------------------------------------------------------------- whole model

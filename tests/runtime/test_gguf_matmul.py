@@ -14,11 +14,11 @@ Error bounds, per output element y = sum_c x_c w_c, with S = sum_c |x_c w_c| and
   float32, so it is compared with the float64 product of the same operands, within the same bound (the interpreter
   multiplies bfloat16 x with float32 w: gemm.gemm says why); on the GPU a dense product of
   tuning.DECODED_GEMM_MIN_TOKENS tokens or more multiplies the same bfloat16 operands on cuBLAS (decode_bf16).
-- the matrix-vector kernel's 8-bit route (tuning.GEMV_INT8, the types with a dot8 decoder) rounds x to int8 per 32
+- the matrix-vector kernel's 8-bit route (tuning.Int8Routes.gemv, the types with a dot8 decoder) rounds x to int8 per 32
   values (quantize_i8, reproduced here bit for bit by `rounded_i8`) and multiplies exactly in integers, then in
   float32 per 16 values as scale * d * (q . q_x) + offset * d * sum(q_x): it is compared with the float64 product of
   the rounded x, and S counts the two terms apart, |x| (|w - offset| + |offset|) (the offsets are the weights
-  decoded with every quant zeroed). The 8-bit GEMM (tuning.GEMM_INT8, the types with a gemm8 decoder: the experts of
+  decoded with every quant zeroed). The 8-bit GEMM (tuning.Int8Routes.gemm, the types with a gemm8 decoder: the experts of
   prompt steps of tuning.GEMM_I8_MIN_TOKENS tokens or more, and dense products of DENSE_I8_MIN_TOKENS ..
   DENSE_I8_MAX_TOKENS) rounds x the same way and sums per 32 values on tensor cores: the same operands and bound.
 Random data are never zeros; a wrong nibble, scale or row order misses these bounds by orders of magnitude.
@@ -42,6 +42,7 @@ from moerun.kernels.gguf_matmul import (QWeight, bf16_mm, dense_gemm_i8, gguf_mm
 from moerun.kernels.moe_align import group_by_slot
 from moerun.kernels.staging import stage_second
 from moerun.kernels.qtypes import BLOCK_TYPES
+from moerun.kernels.tuning import INT8_ON, Int8Routes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 U = 2.0 ** -24
@@ -106,9 +107,9 @@ def dequantized(data: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
 QUANT_BYTES: dict[Q, tuple[int, int]] = {Q.Q4_K: (16, 144), Q.Q5_K: (16, 176), Q.Q8_0: (2, 34), Q.Q4_0: (2, 18)}
 
 
-def on_i8(qtype: Q) -> bool:
+def on_i8(qtype: Q, routes: Int8Routes = INT8_ON) -> bool:
     """Does the matrix-vector kernel take its 8-bit route for this type?"""
-    return tuning.GEMV_INT8 and BLOCK_TYPES[qtype].dot8 is not None
+    return routes.gemv and BLOCK_TYPES[qtype].dot8 is not None
 
 
 def rounded_i8(x: torch.Tensor) -> torch.Tensor:
@@ -121,8 +122,8 @@ def rounded_i8(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127).double()).reshape(x.shape)
 
 
-def operands(x: torch.Tensor, data: torch.Tensor, qtype: Q, cols: int, gemm: bool, gemm8: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def operands(x: torch.Tensor, data: torch.Tensor, qtype: Q, cols: int, gemm: bool, gemm8: bool = False,
+             routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the kernels multiply, float64: (x, w, |w| as the bound counts it) for GGUF bytes `data` (..., row_bytes):
     for the GEMM x in bfloat16, and w too on the GPU; on the 8-bit routes (the matrix-vector kernel's; the GEMM's
     with `gemm8`) x rounded to int8 and |w - offset| + |offset| (module docstring)."""
@@ -130,7 +131,7 @@ def operands(x: torch.Tensor, data: torch.Tensor, qtype: Q, cols: int, gemm: boo
     if gemm and not gemm8:
         w = w.float().bfloat16().double() if DEVICE == "cuda" else w
         return x.bfloat16().double(), w, w.abs()
-    if gemm8 or on_i8(qtype):
+    if gemm8 or on_i8(qtype, routes):
         start, end = QUANT_BYTES[qtype]
         blocks = data.reshape(*data.shape[:-1], -1, GGML_QUANT_SIZES[qtype][1]).clone()
         blocks[..., start:end] = 0
@@ -151,15 +152,17 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w_abs: torch
                                f"{np.unravel_index(int(excess.argmax()), excess.shape)}: x{float(excess.max()):.1f}")
 
 
-def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype=torch.float32) -> None:
+def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype=torch.float32,
+           routes: Int8Routes = INT8_ON) -> None:
     cols = COLS[BLOCK_TYPES[qtype].values]
     data = random_weights(qtype, (rows,), cols, rng)
     x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32)).to(x_dtype)
     w = QWeight(data.to(DEVICE), qtype, rows, cols)
-    y = gguf_mm(x.to(DEVICE), w)
+    y = gguf_mm(x.to(DEVICE), w, routes=routes)
     assert y.dtype == torch.float32 and y.shape == (n_tokens, rows)
-    gemm8 = dense_gemm_i8(BLOCK_TYPES[qtype], n_tokens)
-    assert_close(y, *operands(x, data, qtype, cols, gemm=gemm8 or on_bfloat16_operands(n_tokens), gemm8=gemm8))
+    gemm8 = dense_gemm_i8(BLOCK_TYPES[qtype], n_tokens, routes)
+    assert_close(y, *operands(x, data, qtype, cols, gemm=gemm8 or on_bfloat16_operands(n_tokens), gemm8=gemm8,
+                              routes=routes))
 
 
 def on_bfloat16_operands(n_tokens: int) -> bool:
@@ -185,10 +188,11 @@ def test_every_type(wide_tiles, qtype: Q, n_tokens: int) -> None:
 @pytest.mark.parametrize("n_tokens", [1, 3])
 @pytest.mark.parametrize("qtype", [q for q in FP16_FIELDS if BLOCK_TYPES[q].dot8 is not None], ids=lambda q: q.name)
 def test_float_route_of_the_8bit_types(wide_tiles, monkeypatch, qtype: Q, n_tokens: int) -> None:
-    """With tuning.GEMV_INT8 off, the types that have an 8-bit route multiply float32 activations again."""
-    monkeypatch.setattr(tuning, "GEMV_INT8", False)
-    assert not on_i8(qtype)
-    run_mm(qtype, n_tokens, rows=40, rng=np.random.default_rng([int(qtype), n_tokens, 3]))
+    """With the matrix-vector kernel's 8-bit route off (Int8Routes.gemv, MOERUN_GEMV_INT8=0), the types that have
+    one multiply float32 activations again."""
+    off = Int8Routes(gemv=False)
+    assert not on_i8(qtype, off)
+    run_mm(qtype, n_tokens, rows=40, rng=np.random.default_rng([int(qtype), n_tokens, 3]), routes=off)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
