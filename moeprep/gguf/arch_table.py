@@ -232,7 +232,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "granite": _arch("granite", SHARED_EXPERTS, ROPE_FACTORS),
     "granite_swa": _arch("granite-swa", SHARED_EXPERTS, ROPE_FACTORS, SINKS),
     "granitehybrid": _arch("granite-hybrid", MAMBA2, SHARED_EXPERTS),
-    X
+    "granitemoe": _arch("granite-moe", SHARED_EXPERTS, ROPE_FACTORS),
     "grok": _arch("grok", LAYER_OUTPUT_NORMS),
     "grovemoe": _arch("grovemoe", QK_NORM, CHUNK_EXPERTS),
     "hunyuan-moe": _arch("hunyuan-moe", QK_NORM, SHARED_EXPERTS),
