@@ -22,7 +22,7 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
 
 @pytest.mark.parametrize("arch,preset,attn_type,options", [
     ("qwen3moe", "small", "Q4_K", {}), ("qwen3moe", "small", "Q6_K", {}), ("glm4moe", "small", "Q4_K", {}),
-    ("olmoe", "small", "Q8_0", {}),
+    ("olmoe", "small", "Q8_0", {}), ("qwen2moe", "small", "Q4_K", {}), ("llama", "small", "Q6_K", {}),
     ("deepseek2", "small", "Q4_K", {"mla_split": True}),  # 3-D attn_k_b / attn_v_b, one slice per head
     ("deepseek2", "tiny", "Q4_K", {}), ("gpt-oss", "tiny", "Q4_K", {}),  # rows that cannot be Q4_K: the fallbacks
 ], ids=lambda v: ",".join(v) if isinstance(v, dict) else v)
