@@ -190,8 +190,10 @@ class Architecture:
         object.__setattr__(self, "roles", roles)
 
 
-def _arch(source: str, *groups: dict[str, TensorRole], **rules) -> Architecture:
-    return Architecture(f"src/models/{source}.cpp", (DECODER, *groups), **rules)
+def _arch(source: str, *groups: dict[str, TensorRole], keep: tuple[str, ...] = (), q8_0_floor: tuple[str, ...] = (),
+          attention_kinds: tuple[str, dict[int, str]] | None = None) -> Architecture:
+    """An architecture whose loader is src/models/<source>.cpp: the decoder's tensors and `groups`."""
+    return Architecture(f"src/models/{source}.cpp", (DECODER, *groups), keep, q8_0_floor, attention_kinds)
 
 
 GLM5_NEXT = _arch("glm5-next", KDA, MLA, KPOOL_INDEXER, HYPER_CONNECTIONS, SHARED_EXPERTS, EXPERT_BIAS, NEXTN,
