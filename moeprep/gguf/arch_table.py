@@ -143,6 +143,20 @@ DRAFTER = {  # DFlash: a speculative-decoding drafter with convolutions and a to
     "enc.output_norm": R.NORM, "layer_output_scale": R.OTHER,
 }
 
+# ---- the token mixer a block runs, told by a tensor only that mixer has ------------------------------------------
+# For `inspect` on hybrids without a per-block metadata key for it (Architecture.attention_kinds): the first entry
+# whose base name a block has names its mixer (KDA and delta-net layers also hold attn_* tensors, so they come first);
+# a block with none runs no mixer (Nemotron-H's FFN-only layers).
+MIXERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("KDA", ("ssm_conv1d_q",)),
+    ("gated delta-net", ("ssm_ba", "ssm_alpha")),
+    ("Mamba", ("ssm_in", "ssm_x")),
+    ("short conv", ("shortconv.conv", "shortconv.in_proj")),
+    ("MLA", ("attn_kv_a_mqa", "attn_kv")),
+    ("attention", ("attn_q", "attn_qkv")),
+)
+NO_MIXER = "FFN only"
+
 # ---- llama.cpp's quantizer: the tensors it never requantizes, whatever the architecture ------------------------
 # src/llama-quant.cpp, tensor_allows_quantization: a weight is requantized only if its name ends in "weight" and
 # contains none of these (1-D tensors are never requantized either; moeprep's plan copies them first).

@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from moeprep.gguf.arch_table import ARCHITECTURES, KEEP_EVERYWHERE, KEEP_NAMES, QuantLimit, TensorRole
+from moeprep.gguf.arch_table import (ARCHITECTURES, KEEP_EVERYWHERE, KEEP_NAMES, MIXERS, NO_MIXER, QuantLimit,
+                                     TensorRole)
 
-__all__ = ["ROLE_TABLES", "FALLBACK_TABLE", "QuantLimit", "TensorRole", "TensorName", "attention_kinds",
+__all__ = ["ROLE_TABLES", "FALLBACK_TABLE", "QuantLimit", "TensorRole", "TensorName", "attention_kinds", "block_mixers",
            "parse_tensor_name", "quant_limit", "role_table", "tensor_role"]
 
 R = TensorRole
@@ -73,3 +74,20 @@ def attention_kinds(arch: str, metadata: dict[str, object]) -> dict[str, list[in
     for block, value in enumerate(per_block):
         kinds.setdefault(names.get(value, str(value)), []).append(block)
     return kinds
+
+
+def block_mixers(names: list[str], n_layer: int) -> dict[str, list[int]]:
+    """Blocks by token mixer, told by their tensors (arch_table.MIXERS), for a model that mixes kinds
+    ({"Mamba": [0, 1, 3, ...], "attention": [2, ...]}); {} when every block runs the same one."""
+    bases: dict[int, set[str]] = {}
+    for name in names:
+        parsed = parse_tensor_name(name)
+        if parsed.block is not None:
+            bases.setdefault(parsed.block, set()).add(parsed.base)
+    kinds: dict[str, list[int]] = {}
+    for block in range(n_layer):
+        have = bases.get(block, set())
+        kind = next((kind for kind, marks in MIXERS if have & set(marks)), NO_MIXER)
+        kinds.setdefault(kind, []).append(block)
+    return kinds if len(kinds) > 1 else {}
+
