@@ -7,10 +7,11 @@ The tests check moeprep's role tables (moeprep/gguf/arch_table.py) against this 
 the source package nor a network. Read from llama.cpp's sources as data:
 - src/llama-arch.cpp: LLM_ARCH_NAMES (enum -> GGUF architecture name), LLM_TENSOR_NAMES (enum -> tensor name
   pattern) and LLM_TENSOR_INFOS (enum -> the layer kind and the ggml op that uses the weight);
-- src/llama-model.cpp: llama_model_mapping (enum -> model class), and the shared helpers create_tensor_qkv and
-  create_tensor_gate_up_exps (the tensors they create, expanded where a loader calls them);
+- src/llama-model.cpp: llama_model_mapping (enum -> model class), and the shared loader functions
+  create_tensor_qkv and create_tensor_gate_up_exps (the tensors they create, expanded where a loader uses them);
 - src/models/models.h: each model class's parent (a class without its own loader uses its parent's);
-- src/models/*.cpp: each class's load_arch_tensors, whose tn(LLM_TENSOR_..., "suffix") calls name its tensors.
+- src/models/*.cpp: each class's load_arch_tensors, whose tn(LLM_TENSOR_..., "suffix") expressions name
+  its tensors.
 An architecture is MoE when its loader creates a stacked-expert tensor (an *_EXPS or *_CHEXPS one), which only a
 graph that builds a MoE FFN reads.
 """
@@ -23,7 +24,7 @@ import re
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "gguf" / "llama_cpp_moe_tensors.json"
-HELPERS = {  # loader helper -> the (tensor enum, suffix) pairs it may create (src/llama-model.cpp)
+SHARED_LOADERS = {  # shared loader function -> the (tensor enum, suffix) pairs it may create (src/llama-model.cpp)
     "create_tensor_qkv": [("LLM_TENSOR_ATTN_QKV", "weight"), ("LLM_TENSOR_ATTN_QKV", "bias"),
                           ("LLM_TENSOR_ATTN_Q", "weight"), ("LLM_TENSOR_ATTN_K", "weight"),
                           ("LLM_TENSOR_ATTN_V", "weight"), ("LLM_TENSOR_ATTN_Q", "bias"),
@@ -34,7 +35,7 @@ HELPERS = {  # loader helper -> the (tensor enum, suffix) pairs it may create (s
 
 
 def table(text: str, name: str, value: str) -> dict[str, str]:
-    """`{ KEY, value },` rows of the C++ map called `name`."""
+    """`{ KEY, value },` rows of the C++ map named `name`."""
     body = text[text.index(name):]
     body = body[: body.index("};")]
     return dict(re.findall(r"\{\s*(LLM_[A-Z0-9_]+)\s*,\s*" + value + r"\s*\}", body))
@@ -57,12 +58,12 @@ def loader_tensors(body: str) -> set[tuple[str, str | None]]:
     found: set[tuple[str, str | None]] = set()
     for enum, suffix in re.findall(r"\btn\(\s*(LLM_TENSOR_[A-Z0-9_]+)\s*(?:,\s*\"([a-z_]+)\")?", body):
         found.add((enum, suffix or None))
-    # enums handed to a local lambda that calls tn(tid, "weight", i) (glm5-next's and kimi-k3's conv loaders)
+    # enums handed to a local lambda that builds tn(tid, "weight", i) (glm5-next's and kimi-k3's conv loaders)
     if re.search(r"\btn\(\s*[a-z_]+\s*,\s*\"weight\"", body):
         for enum in re.findall(r"\(\s*(LLM_TENSOR_[A-Z0-9_]+)\s*\)", body):
             found.add((enum, "weight"))
-    for helper, pairs in HELPERS.items():
-        if re.search(r"\b" + helper + r"\s*\(", body):
+    for function, pairs in SHARED_LOADERS.items():
+        if re.search(r"\b" + function + r"\s*\(", body):
             found.update(pairs)
     return found
 

@@ -3,7 +3,7 @@
 For each architecture of moeprep/gguf/arch_table.py, every tensor its llama.cpp loader creates (the names in
 tests/gguf/llama_cpp_moe_tensors.json, block 0, as 2-D or, for stacked experts, 3-D F16 headers) is handed to
 libllama's own rule functions (tests/quant/llama_quant_rules.py): the tensors llama.cpp refuses to requantize must
-be exactly those moeprep's quant_limit calls KEEP, and those it keeps at Q8_0 when asked for less exactly the
+be exactly those moeprep's quant_limit marks KEEP, and those it keeps at Q8_0 when asked for less exactly the
 Q8_0_FLOOR ones.
 """
 
