@@ -152,6 +152,7 @@ MIXERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gated delta-net", ("ssm_ba", "ssm_alpha")),
     ("Mamba", ("ssm_in", "ssm_x")),
     ("short conv", ("shortconv.conv", "shortconv.in_proj")),
+    ("lightning attention", ("attn_norm_2",)),  # MiniMax-01's linear-attention layers
     ("MLA", ("attn_kv_a_mqa", "attn_kv")),
     ("attention", ("attn_q", "attn_qkv")),
 )

@@ -21,7 +21,8 @@ GGML_TYPE_Q4_0, GGML_TYPE_Q8_0 = 2, 8
 ALLOWS = "_Z38llama_quant_tensor_allows_quantizationPK19quantize_state_implPK11ggml_tensor"
 COMPUTE_TYPES = "_Z25llama_quant_compute_typesP19quantize_state_impl11llama_ftypePP11ggml_tensorP9ggml_typem"
 MODEL_FROM_METADATA = "_Z31llama_quant_model_from_metadataPK22llama_quant_model_desc"
-INIT, FREE = "_Z16llama_quant_initPK11llama_modelPK27llama_model_quantize_params", "_Z16llama_quant_freeP19quantize_state_impl"
+INIT = "_Z16llama_quant_initPK11llama_modelPK27llama_model_quantize_params"
+FREE = "_Z16llama_quant_freeP19quantize_state_impl"
 
 
 class GGMLInitParams(ctypes.Structure):
