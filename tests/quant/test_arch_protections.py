@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moeprep.gguf.arch_table import ARCHITECTURES, QuantLimit
+from moeprep.gguf.arch_table import ARCHITECTURES, KEEP_EVERYWHERE, KEEP_NAMES, QuantLimit
 from moeprep.gguf.roles import parse_tensor_name, quant_limit
 from tests.quant.llama_quant_rules import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, llama_quant_rules
 
@@ -49,3 +49,26 @@ def test_the_rules_are_exercised() -> None:
     assert {"ssm_conv1d", "attn_norm", "ffn_gate_inp", "hc_attn_fn", "shortconv.conv", "indexer.k_proj", "ssm_a",
             "ffn_gate_tid2eid", "attn_k_b"} <= kinds
     assert ARCHITECTURES["glm5-next"].q8_0_floor and quant_limit("glm5-next", "blk.0.attn_q_a.weight")
+
+
+def keep_example(rule: str) -> str:
+    """A tensor name that holds `rule` and nothing else llama.cpp's quantizer refuses."""
+    if rule.endswith((".", "_")):
+        return f"blk.0.{rule}0.weight"
+    if rule.startswith("."):
+        return f"v{rule}.weight"
+    return f"blk.0.{rule}" if rule.endswith("weight") else f"blk.0.{rule}.weight"
+
+
+def test_every_shared_keep_rule_is_llama_cpps() -> None:
+    """Each name rule of KEEP_EVERYWHERE and KEEP_NAMES (RWKV, vision and audio ones too, which no MoE loader
+    creates) is one llama.cpp applies, for any architecture; names around them are requantized by both."""
+    kept = [keep_example(rule) for rule in KEEP_EVERYWHERE] + list(KEEP_NAMES) + ["blk.0.ssm_a", "blk.0.attn_q.bias"]
+    allowed = ["blk.0.attn_q.weight", "blk.0.time_mix_key.weight", "blk.0.ssm_in.weight", "v.blk.0.attn_q.weight",
+               "blk.0.ffn_gate_inp_shexp.weight", "blk.0.indexer.attn_k.weight", "blk.0.hc_attn_fn.weight"]
+    for arch in ("qwen3moe", "deepseek2"):
+        theirs = llama_quant_rules(arch, {name: (256, 256) for name in kept + allowed})
+        assert [n for n in kept if theirs[n] is not None] == []
+        assert [n for n in allowed if theirs[n] is None] == []
+        assert all(quant_limit(arch, n) == QuantLimit.KEEP for n in kept)
+        assert all(quant_limit(arch, n) is None for n in allowed)
