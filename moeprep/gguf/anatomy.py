@@ -13,7 +13,7 @@ from typing import Any
 from moeprep.errors import MoeprepError
 from moeprep.units import format_size
 from moeprep.gguf.reader import GGUFModel, TensorInfo
-from moeprep.gguf.roles import TensorRole, attention_kinds, parse_tensor_name, role_table, tensor_role
+from moeprep.gguf.roles import TensorRole, attention_kinds, block_mixers, parse_tensor_name, role_table, tensor_role
 
 # Per-GPU memory kept back for the CUDA context, KV cache and activations when counting cache slots.
 DEFAULT_RESERVE = 1536 << 20
@@ -31,7 +31,8 @@ class ModelGeometry:
     n_expert_used: int
     n_ff_exp: int  # hidden size of one routed expert
     expert_bytes: dict[int, int]  # MoE block index -> bytes of one expert (all its *_exps tensors, stored types)
-    attention: dict[str, list[int]] = field(default_factory=dict)  # hybrids (glm5-next): blocks by attention kind
+    # hybrids: blocks by token mixer (glm5-next's KDA/DSA from its metadata, others' from their tensors: Mamba...)
+    attention: dict[str, list[int]] = field(default_factory=dict)
     # the trailing NextN (multi-token prediction) blocks: loaded by no decoder, so in neither list above and given
     # no cache slots, although their *_exps tensors are routed experts by role
     nextn_layers: list[int] = field(default_factory=list)
@@ -121,7 +122,8 @@ def model_geometry(model: GGUFModel) -> ModelGeometry:
         dense_layers=[i for i in range(n_layer) if i not in per_block and i not in nextn],
         n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
         expert_bytes={b: per_block[b] // n_expert for b in moe_layers},
-        attention=attention_kinds(model.arch, model.kv), nextn_layers=nextn,
+        attention=attention_kinds(model.arch, model.kv) or block_mixers([t.name for t in model.tensors], n_layer),
+        nextn_layers=nextn,
     )
 
 

@@ -2,11 +2,13 @@
 
 Rules, in order (the first that applies decides):
 1. routed experts are copied byte for byte (the point of moeprep: the expert cache keeps their original bytes);
-2. routers, norms, every 1-D tensor (biases, sinks, scales) and the tensors llama.cpp's quantizer never touches for
-   the architecture (roles.QUANT_LIMITS: glm5-next's hyper-connections, indexer, KDA gates...) are never touched;
+2. routers, norms, every 1-D tensor (biases, sinks, scales) and every tensor llama.cpp's quantizer never requantizes
+   (roles.quant_limit: the name rules of its tensor_allows_quantization, the shared ones such as convolutions and
+   norms and an architecture's own such as glm5-next's hyper-connections, indexer and KDA gates) are never touched;
 3. a `--type REGEX=TYPE` rule whose regex matches the tensor name (first match wins);
-4. attention tensors become the `--attn` type, or Q8_0 where llama.cpp keeps them at Q8_0 or better (glm5-next's
-   attn_q_a/attn_q_b; a rule naming them overrides that, as llama.cpp's --tensor-type does);
+4. attention tensors (the role table of moeprep/gguf/arch_table.py says which) become the `--attn` type, or Q8_0
+   where llama.cpp keeps them at Q8_0 or better (glm5-next's attn_q_a/attn_q_b; a rule naming them overrides that,
+   as llama.cpp's --tensor-type does);
 5. everything else is copied.
 A tensor already in its target type is copied (requantizing Q4_K to Q4_K only adds error). A target type whose block
 does not divide the row length falls back as llama-quantize does (registry.choose_type).

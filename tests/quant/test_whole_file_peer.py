@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from moeprep.gguf.reader import open_gguf
 from moeprep.synth import write_synth_model
+from moeprep.synth.archs import ARCHS
 from tests.oracle import llama_quantize
 from tests.quant.test_quantize_cmd import run
 
@@ -22,7 +23,7 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
 
 @pytest.mark.parametrize("arch,preset,attn_type,options", [
     ("qwen3moe", "small", "Q4_K", {}), ("qwen3moe", "small", "Q6_K", {}), ("glm4moe", "small", "Q4_K", {}),
-    ("olmoe", "small", "Q8_0", {}),
+    ("olmoe", "small", "Q8_0", {}), ("qwen2moe", "small", "Q4_K", {}), ("llama", "small", "Q6_K", {}),
     ("deepseek2", "small", "Q4_K", {"mla_split": True}),  # 3-D attn_k_b / attn_v_b, one slice per head
     ("deepseek2", "tiny", "Q4_K", {}), ("gpt-oss", "tiny", "Q4_K", {}),  # rows that cannot be Q4_K: the fallbacks
 ], ids=lambda v: ",".join(v) if isinstance(v, dict) else v)
@@ -43,6 +44,30 @@ def test_tensors_equal_llama_cpp_quantize(arch: str, preset: str, attn_type: str
     assert requantized, "the case must requantize something"
     if preset == "tiny":
         assert {peer_tensors[name].ggml_type for name in requantized} - {T[attn_type]}, "no fallback was exercised"
+    for t in a.tensors:
+        p = peer_tensors[t.name]
+        assert (t.ggml_type, t.shape) == (p.ggml_type, p.shape), t.name
+        assert bytes(a.raw(t)) == bytes(b.raw(p)), f"{t.name} ({t.ggml_type.name}) differs from llama.cpp's"
+
+
+# Every block weight asked for the type, as llama.cpp's `pure` does: only the quantizer's protections (and the
+# experts, routers and norms moeprep never touches) keep their type.
+EVERY_BLOCK_WEIGHT = r"blk\.\d+\..*\.weight$"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_synth_architecture_equals_llama_cpp_pure(arch: str, tmp_path: Path) -> None:
+    """Each architecture `moeprep synth` writes, every block weight requested: the same tensors, types and bytes
+    as llama.cpp's quantizer, the tensors it protects (moeprep/gguf/arch_table.py) included."""
+    src = write_synth_model(tmp_path / "src.gguf", arch, preset="small", expert_type="Q4_K", attn_type="Q8_0")
+    ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
+    result = run("quantize", src, ours, "--attn", "Q4_K", "--type", f"{EVERY_BLOCK_WEIGHT}=Q4_K", "--threads", "2")
+    assert result.exit_code == 0, result.output
+    llama_quantize(src, peer, "Q4_K")
+    a, b = open_gguf(ours), open_gguf(peer)
+    peer_tensors = {t.name: t for t in b.tensors}
+    assert sorted(peer_tensors) == sorted(t.name for t in a.tensors)
+    assert any(t.ggml_type != peer_tensors[t.name].ggml_type for t in open_gguf(src).tensors)
     for t in a.tensors:
         p = peer_tensors[t.name]
         assert (t.ggml_type, t.shape) == (p.ggml_type, p.shape), t.name
