@@ -25,8 +25,8 @@ GEMV_MAX_TOKENS = 8
 # the pairs / on two 8-bit GEMM launches, then down on the pairs / the GEMM (few-token tiles below; the grouping made
 # once, ~3 us, outside the time) at T = 32: 94 / 213, 64 / 88; 48: 137 / 243, 96 / 98; 64: 182 / 261, 128 / 102;
 # 80: 224 / 278, 153 / 106; 96: 267 / 290, 182 / 108; 128: 349 / 315, 239 / 113 (docs/history/benchmarks-log.md).
-# (One limit of 64 for both before: a 64-token prompt's down ran 26 us a layer slower on the pairs. The limit was 128 while the
-# grouping took ~20 torch kernels, 88-93 us a layer; gguf_matmul.group_by_slot is one launch since.)
+# (One limit of 64 for both before: a 64-token prompt's down ran 26 us a layer slower on the pairs. The limit was
+# 128 while the grouping took ~20 torch kernels, 88-93 us a layer; gguf_matmul.group_by_slot is one launch since.)
 # Model.warm_up runs a prompt past each to compile the GEMM.
 MOE_GLU_GEMV_MAX_TOKENS = 96
 MOE_GEMV_MAX_TOKENS = 48
@@ -80,7 +80,8 @@ class GemmTiles:
 
 
 # Measured on an H200 (Triton 3.6; bench/bench_gguf_matmul.py --sweep, docs/history/benchmarks-log.md), 4096x4096,
-# T=1: the fastest of 2-16 rows x 2-16 blocks, 4 or 8 warps. Keyed by values per block; types not swept take their size's.
+# T=1: the fastest of 2-16 rows x 2-16 blocks, 4 or 8 warps. Keyed by values per block; types not swept take their
+# size's.
 # The types swept again (commit a09edcf, 1-4 warps) have their own tiles where they beat these by
 # more than 5%, GB/s of weight bytes against the block size's tiles: Q4_K 4 x 8 blocks 915 (4 x 4: 766), Q8_0 4 x 16
 # 1368 (8 x 16: 1008), Q4_0 4 x 16 on 2 warps 958 (its former 8 x 16 on 8 warps was not in the sweep; the best 8-row
@@ -107,8 +108,8 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
 # to int8 per 32 values, four products per dp4a) for the types that have it; MOERUN_GEMV_INT8=0 turns it off (float32
 # activations, as before). Its tiles where swept, else the above. H200 (bench_gguf_matmul.py
 # --sweep, then the table on these tiles; docs/history/benchmarks-log.md), 4096x4096 at T=1 with the activations'
-# rounding in the time, GB/s against the float route's in the same run: Q4_K 1061 (912), Q8_0 1585 (1356), Q4_0 1216 (938); Q6_K's
-# 8-bit form made 872 in the sweep against its float route's 1156 and was dropped.
+# rounding in the time, GB/s against the float route's in the same run: Q4_K 1061 (912), Q8_0 1585 (1356), Q4_0
+# 1216 (938); Q6_K's 8-bit form made 872 in the sweep against its float route's 1156 and was dropped.
 GEMV_INT8 = os.environ.get("MOERUN_GEMV_INT8", "1") != "0"
 # On this route a tile's blocks are the route's units (qtypes.BlockType.dot8_values: a Q4_K or Q5_K block is four):
 # one per lane. Q4_K re-swept in units (H200, 27 tiles): 2 x 32 on one warp 1321 GB/s against 1193 for
