@@ -2,7 +2,7 @@
 # On a GPU machine: runtime and calibration benchmarks on the Qwen3-30B-A3B-shaped synthetic model, moerun on CUDA
 # next to llama.cpp built there (CUDA, sm_90) on the same file.
 #
-#   bash bench/gpu_session.sh OUTDIR [WORKDIR]    (bench/gpu_env.sh says what the two folders hold)
+#   bash bench/gpu_runtime.sh OUTDIR [WORKDIR]    (bench/gpu_env.sh says what the two folders hold)
 #
 # The llama.cpp build runs in the background while the model is written and moerun is measured; the peer numbers
 # are taken if the build finishes before BUILD_DEADLINE seconds (default 420).
