@@ -207,7 +207,7 @@ def i8_candidates(n_blocks: int) -> list[tuning.GemvTiles]:
     spilled on the route's first, block-per-lane, form), B up to the row's units."""
     widest = min(32, triton.next_power_of_2(n_blocks))
     tiles = []
-    for warps in (1, 2):  # 4 warps and B below a quarter of the row never won the first sweep (2026-12-01 night)
+    for warps in (1, 2):  # 4 warps and B below a quarter of the row never won a sweep of this kernel
         for pairs in (1, 2, 4):
             for blocks in (widest // 4, widest // 2, widest):
                 rows = 32 * warps * pairs // max(blocks, 1)

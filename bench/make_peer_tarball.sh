@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Makes .peer/llama.cpp-src.tar.xz, the peer's sources the bench/gpu_*.sh scripts build llama-bench and llama-server
-# from on the GPU machine (it has no package registry): llama.cpp as vendored by the llama-cpp-python sdist the test
-# extra pins, cut to what those two tools need so that it travels with the working tree (about 2.6 MB; the tracked
-# files leave about 2.7 MB of the device's 64 MiB carry).
+# from on a GPU machine that may have no package registry: llama.cpp as vendored by the llama-cpp-python sdist the
+# test extra pins, cut to what those two tools need so that it is small enough to copy along with the working tree
+# (about 2.6 MB).
 #
-#   bash bench/make_peer_tarball.sh        (needs the package registry; .peer/ is git-ignored via .git/info/exclude)
+#   bash bench/make_peer_tarball.sh        (needs the package registry; the scripts read PEER_SRC, default this file)
 #
 # Kept: ggml with its CPU and CUDA backends (x86 only), src, common, include, cmake, vendor, and the tools llama-bench,
 # server (with mtmd, which it links, and ui, configured with no assets: -DLLAMA_BUILD_UI=OFF
@@ -34,8 +34,6 @@ printf 'find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirect
   > tools/CMakeLists.txt
 cd "$OLDPWD"
 mkdir -p .peer
-# xz -9e: with the tracked files (the two bench models among them) the carry is at its 64 MiB; session 18's call
-# with .whl and .peer was refused until bench/models/bench-qwen3moe-f16.gguf (44.8 MB, which the serve and
-# llama-bench runs of the synthetic model do not read) was moved out of the tree for the call and back after
+# xz -9e: the smallest tarball, for copies of the working tree that are limited in size
 tar cf - -C "$(dirname "$SRC")" llama.cpp | xz -9e > .peer/llama.cpp-src.tar.xz
 ls -la .peer/llama.cpp-src.tar.xz

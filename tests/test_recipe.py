@@ -15,7 +15,7 @@ from moeprep.recipe import SECTIONS, load_recipe, parse_recipe, recipe_text
 from moeprep.synth import SYNTH_ARCHS, write_synth_model
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
-# the issue's five (Mixtral is `llama` in GGUF) and GLM-5.3-Flash (issue 17)
+# the five families recipes/ covers (Mixtral is `llama` in GGUF) and GLM-5.3-Flash
 FAMILIES = {"qwen3moe", "deepseek2", "glm4moe", "gpt-oss", "llama", "glm5-next"}
 GOOD = """
 name = "Test"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every measurement of docs/BENCHMARKS.md (the bench model section), from the committed models, on CPU (about 30 minutes on 2 idle cores).
+# The bench model's measurements (docs/BENCHMARKS.md: perplexity and routing; docs/history/benchmarks-log.md: all of
+# them), from the committed models, on CPU (about 30 minutes on 2 idle cores).
 # Variants and profiles go to bench/train_moe/work/ (git-ignored); the trace and the stats are committed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -37,18 +37,19 @@ import torch
 from moerun.generation import Sampler, greedy
 from moerun.model import Model
 
-# Prompt tokens one step runs, over all the jobs still prefilling, by the device the model runs on (docs/BENCHMARKS.md).
+# Prompt tokens one step runs, over all the jobs still prefilling, by the device the model runs on
+# (docs/history/benchmarks-log.md has the measurements).
 # On a GPU, where prompt steps replay CUDA graphs, more prompts in a step cost little more than one (the routed
 # experts' weights are read once a step): eight 64-token prompts took 65 ms as one step of the 30B-shaped model on
 # the H200, 87 as two; llama.cpp's default micro-batch is 512 tokens too. On the CPU a step's time grows with its
 # tokens and a longer one only holds the decoding streams longer: 8 streams made 3.69-3.72x one stream's tok/s with
-# 256, 3.46-3.50x with 512 (the bench model, this project's 2-core VM).
+# 256, 3.46-3.50x with 512 (the trained bench model, a 2-core VM).
 PREFILL_CHUNK = {"cuda": 512, "cpu": 256}
 # Seconds a waiting prompt may be held back for more to come (see the module docstring), by device: on a GPU eight
 # 64-token prompts in one step took 65 ms against 21.5 for one alone (the 30B-shaped model, H200), so gathering a few
 # costs the first one's client a few milliseconds and saves the others a pass each; on the CPU a step's time grows
-# with its tokens, and gathering would only delay. H200, session 18: 8 streams 876.3 -> 928.1 tok/s, 4 streams
-# 609.1 -> 638.2, one unchanged, against 0 in the same call; 40 ms gathered no more (docs/BENCHMARKS.md).
+# with its tokens, and gathering would only delay. On the H200: 8 streams 876.3 -> 928.1 tok/s, 4 streams
+# 609.1 -> 638.2, one unchanged, against 0 in the same run; 40 ms gathered no more (docs/history/benchmarks-log.md).
 GATHER_S = {"cuda": 0.02, "cpu": 0.0}
 
 

@@ -218,7 +218,7 @@ def test_moe_rows_rejects_an_expert_past_the_stack(ggml):
 
 
 def test_threads_do_not_change_the_bits(ggml):
-    """Every output element is computed by one work item with the same operations, whatever the split."""
+    """Every output element is computed by one task with the same operations, whatever the split."""
     threads = numba.config.NUMBA_NUM_THREADS
     assert threads > 1, "needs a machine with 2 or more cores"
     rng = np.random.default_rng(6)
