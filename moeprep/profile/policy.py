@@ -338,8 +338,9 @@ class AdmitAfterRepeat(Lru):
 @dataclass(frozen=True)
 class UploadCost:
     """What an upload costs and a hit saves. A miss computes the expert on the CPU, reading its bytes from host RAM
-    at `cpu_gbps`; an upload copies them to the GPU at `upload_gbps`. Defaults: the H200 machine of issue 13 (host
-    RAM reads 89 GB/s with 16 threads, pinned copies 55 GB/s) and the 60 GB bench model's 9.28 MiB experts."""
+    at `cpu_gbps`; an upload copies them to the GPU at `upload_gbps`. Defaults: the H200 machine measured in
+    docs/BENCHMARKS.md (host RAM reads 89 GB/s with 16 threads, pinned copies 55 GB/s) and the 60 GB bench model's
+    9.28 MiB experts."""
 
     expert_bytes: int = 9_732_096
     cpu_gbps: float = 89.0

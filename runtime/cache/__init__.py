@@ -19,7 +19,7 @@ after the step the host reads all layers' routing in one copy (`ExpertCache.step
 the next step runs, the policy plans the uploads. The device tables change only between steps: an evicted expert
 is marked "on the host" before the next step, an uploaded one becomes a slot once its copy is complete
 (`CachedExperts.publish`). Measured against the CPU computing the misses (the design before, with the host
-stopping at every layer): 60 GB model at 24 GiB, 46.5 -> 77.4 tok/s warm (docs/BENCHMARKS.md).
+stopping at every layer): 60 GB model at 24 GiB, 46.5 -> 77.4 tok/s warm (docs/history/benchmarks-log.md).
 
 The misses of a prompt (more tokens) and of any step where the experts are not page-locked (the memory map, whose
 copies run at a seventh of the speed) go to the CPU instead: the slot of each expert lives on the host too

@@ -5,7 +5,7 @@ for the machine's CPU: `ggml_get_type_traits_cpu(type)` gives each GGUF type's r
 weight row of the type times one activation row in the type's `vec_dot_type`, Q8_K for the K-quants, Q8_0 for the
 32-value types) and that type's quantizer (`from_float`). moerun calls both from its numba kernels through their
 addresses (`vec_dot`, `from_float` below: one indirect call each, no Python), so a thread of moe_rows runs ggml's
-SIMD dot (AVX2/AVX512-VNNI on x86, NEON on ARM) on each row of its work item. On this project's 2-core VM a Q4_K
+SIMD dot (AVX2/AVX512-VNNI on x86, NEON on ARM) on each row of its work item. On a 2-core VM a Q4_K
 row dot runs 19-21 GB/s per core there against 4-6 for moerun's own numba kernels (docs/BENCHMARKS.md), which stay
 as the fallback and the reference. The activations are rounded as llama.cpp rounds them (by its own quantizer), so
 the products are llama.cpp's.

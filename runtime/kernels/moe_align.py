@@ -55,7 +55,7 @@ def group_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[torc
 
     Sizes depend only on T*K, n_slots and block_m (at most one partly filled block per slot present), so nothing
     waits for the device. One launch (_group_kernel): the torch sort, counts, cumsum and searchsorted it replaced
-    were ~20 kernels, 88-93 us a prompt layer on the H200 (docs/BENCHMARKS.md).
+    were ~20 kernels, 88-93 us a prompt layer on the H200 (docs/history/benchmarks-log.md).
     """
     pairs = slots.reshape(-1)
     n_pairs = pairs.numel()

@@ -38,7 +38,7 @@ def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[
     """Copy the second-bank matrices that `slots` (T, K) name (-2 - e) into the device staging banks `stages`
     ((>= T*K, N, row_bytes) uint8 each, one per bank), in wide coalesced loads: from page-locked host memory such a
     copy reads 44-50 GB/s on the H200 machine, where the matrix-vector kernel's own loads over the bus reach 24
-    (docs/BENCHMARKS.md). Matrix p = t*K + k of a stage holds pair p's expert; in a batch of several tokens, an
+    (docs/history/benchmarks-log.md). Matrix p = t*K + k of a stage holds pair p's expert; in a batch of several tokens, an
     expert streamed for several pairs is copied once, into its first pair's matrix, which the others read too.
     -> the banks with the staging banks as their second, and the slots of the streamed pairs pointing there (-2 - p)."""
     n_pairs = slots.numel()

@@ -57,7 +57,7 @@ class CPUExperts(GGUFExperts):
 # ----------------------------------------------------------------------------------- dense products on the CPU
 
 # Up to this many tokens a CPU Linear runs the integer kernels on the GGUF bytes; more take the float32 copy's GEMM.
-# Measured on this project's 2-core VM, 4096x2048, 2 threads (expert_matmul against F.linear): Q4_K 0.43 against 1.73
+# Measured on a 2-core VM, 4096x2048, 2 threads (expert_matmul against F.linear): Q4_K 0.43 against 1.73
 # ms for 1 token, 1.51 against 3.98 for 4, 9.0 against 5.8 for 32 (Q8_0 alike; Q6_K 0.88 against 1.74 for 1).
 # Through ggml's row dots (ggml_cpu.py), same VM and shape: 0.18 against 1.57 ms for 1 token, 3.7 against 5.1 for
 # 32, 15.0 against 17.4 for 128, 60.8 against 52.1 for 512: no float32 copy then (CPUQuantLinear).
@@ -65,7 +65,7 @@ QUANT_MAX_TOKENS = 8
 
 
 # F16 and BF16 weights run ggml's row dots too where they are there (moerun's numba float kernels do not beat torch's
-# float32 product): 8192 x 2048 F16, 2 threads, this project's 2-core VM, 0.29 against 1.65 ms for 1 token, 2.0
+# float32 product): 8192 x 2048 F16, 2 threads, a 2-core VM, 0.29 against 1.65 ms for 1 token, 2.0
 # against 3.5 for 8, 16.2 against 7.8 for 64, 126 against 50 for 512. Row dots for every token count all the same, as
 # for the integer types: a token's product then does not depend on how many tokens share its step (a server's batch
 # and the same prompt alone sample the same tokens), and no copy is kept (a 152k-token F16 output head's would be

@@ -58,7 +58,7 @@ class Linear(nn.Module):
         if float32_rows and 0 < rows <= GEMV_MAX_TOKENS and x.shape[1] % 32 == 0 and self.weight.is_contiguous():
             # the router of a decode step, on the matrix-vector kernel over its float32 values: the 30B shape's
             # (128 x 2048) took 2.4 / 4.3 us at 1 / 8 rows there against cuBLAS's 4.5 / 7.6 (a GEMM and its split-K
-            # reduce past one row), and a decode step of 2-7 sequences 0.25-0.3 ms less (H200, docs/BENCHMARKS.md)
+            # reduce past one row), and a decode step of 2-7 sequences 0.25-0.3 ms less (H200, docs/history/benchmarks-log.md)
             from moerun.kernels.gguf_matmul import (  # Triton: present where CUDA is
                 QWeight,
                 gguf_mv,
@@ -69,7 +69,7 @@ class Linear(nn.Module):
         elif float32_rows and rows > 1 and rows % 8:
             # cuBLAS (torch 2.11, H200) ran 7 rows of the 30B model's float32 router on a kernel ten times slower
             # than the one it takes for 6 or 8 (52 us against 5 a layer: 2.5 ms of a decode step of 7 sequences,
-            # docs/BENCHMARKS.md); rows padded to a multiple of 8 take the fast one.
+            # docs/history/benchmarks-log.md); rows padded to a multiple of 8 take the fast one.
             y = F.linear(F.pad(x, (0, 0, 0, -rows % 8)), self.weight)[:rows]
         else:
             y = F.linear(x, self.weight)

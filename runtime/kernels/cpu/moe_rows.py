@@ -29,7 +29,7 @@ act(g, u) on them, rounds each pair's h, runs a second parallel loop over the do
 pairs into `out`. The roundings and the sum run on the calling thread below PARALLEL_MIN_ROWS rows (tokens, or
 pairs for h), so a call for a token's few missed experts starts two parallel regions. (It was five numba launches
 with Python between them, argument checks, array allocations and copies, and two numba.set_num_threads calls: about
-20 us of Python and three more region starts per call on a 2-core VM, docs/BENCHMARKS.md.) What stays in Python is
+20 us of Python and three more region starts per call on a 2-core VM, docs/history/benchmarks-log.md.) What stays in Python is
 what numba cannot do: ExpertBytes prepares each tensor's read-only views and format code once, and numba's thread
 count is changed only when the call asks for another one. Rounding h inside each down item instead (no region
 between the two loops) measured 5% slower on a 64-token call, so h is rounded in a step of its own.

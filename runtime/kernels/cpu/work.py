@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore", ".*First-class function type feature is experi
 
 # numba's workqueue threading layer (its fallback where neither TBB nor OpenMP is there) aborts the process on two
 # launches at once, so launches hold _LAUNCH. (The OpenMP layer it picks otherwise starts a parallel region in about
-# 5 us against workqueue's 80-100 us, which made a 4-layer decode step 1.8x slower, docs/BENCHMARKS.md.)
+# 5 us against workqueue's 80-100 us, which made a 4-layer decode step 1.8x slower, docs/history/benchmarks-log.md.)
 _LAUNCH = threading.Lock()
 
 
