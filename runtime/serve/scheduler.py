@@ -63,6 +63,7 @@ class Job:
     sampler: Sampler = greedy
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # the end-of-generation tokens are never sampled: the job ends on its limit or a stop
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely tokens' too
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,17 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV was already in the sequence
+    token: int = -1  # the token this step picked
+    logprobs: TokenLogprobs | None = None  # where the job asked for them
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A picked token's log-probability under the model (the log-softmax of its logits, before any sampling
+    setting or penalty) and the `top` most likely tokens' (id, log-probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class TextStream:
@@ -239,7 +251,7 @@ class Scheduler:
         if launched is not None:
             launched()
         picked = self._sample([self.sequences[s].job for _, s in ready], logits)
-        return [self._emit(self.sequences[s], token) for (_, s), token in zip(ready, picked)]
+        return [self._emit(self.sequences[s], token, lp) for (_, s), (token, lp) in zip(ready, picked)]
 
     def _forward(self, chunks: list[tuple[int, list[int]]], starts: list[int], rows: list[int]) -> torch.Tensor:
         """One pass -> the logits (R, V) of the last tokens of the chunks `rows`: a decode step when each chunk is
@@ -277,9 +289,11 @@ class Scheduler:
             seq.job = _Running(job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep,
                                TextStream(job.stop))
 
-    def _sample(self, runs: list[_Running], logits: torch.Tensor) -> list[int]:
-        """One token per row; the greedy rows with one argmax (one host sync) for all. The rows of ignore_eos jobs
-        have their end-of-generation logits set to -inf first (a copy: `logits` may be a graph's output buffer)."""
+    def _sample(self, runs: list[_Running], logits: torch.Tensor) -> list[tuple[int, TokenLogprobs | None]]:
+        """One token per row, with its log-probabilities where the job wants them; the greedy rows with one argmax
+        (one host sync) for all. The rows of ignore_eos jobs have their end-of-generation logits set to -inf first
+        (a copy: `logits` may be a graph's output buffer); log-probabilities are the model's, before that."""
+        raw = logits
         ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos]
         eog = sorted(self.model.tokenizer.eog_ids) if ignoring else []
         if eog:
@@ -287,9 +301,10 @@ class Scheduler:
             logits[torch.tensor(ignoring, device=logits.device)[:, None], torch.tensor(eog, device=logits.device)] = \
                 -math.inf
         best = logits.argmax(-1).tolist()
-        return [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
+        picked = [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
+        return list(zip(picked, _logprobs(runs, raw, picked)))
 
-    def _emit(self, seq: _Sequence, token: int) -> Output:
+    def _emit(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None) -> Output:
         r = seq.job
         r.generated += 1
         tokenizer = self.model.tokenizer
@@ -303,7 +318,25 @@ class Scheduler:
             seq.job, seq.last_used, seq.freed_at = None, next(self._clock), self._now()
         else:
             r.feed = [token]
-        return Output(r.id, text, finish, len(r.job.prompt), r.generated, r.cached)
+        return Output(r.id, text, finish, len(r.job.prompt), r.generated, r.cached, token, logprobs)
+
+
+def _logprobs(runs: list[_Running], logits: torch.Tensor, picked: list[int]) -> list[TokenLogprobs | None]:
+    """The log-probabilities of the rows whose jobs want them, in one log-softmax and one host sync."""
+    rows = [i for i, r in enumerate(runs) if r.job.logprobs is not None]
+    if not rows:
+        return [None] * len(runs)
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor([picked[i] for i in rows], device=logits.device)[:, None])[:, 0].tolist()
+    k = max(runs[i].job.logprobs for i in rows)
+    top_values, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(runs)
+    for j, i in enumerate(rows):
+        n = runs[i].job.logprobs
+        out[i] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])))
+    return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
