@@ -7,7 +7,12 @@ the model's text.
 
 from __future__ import annotations
 
+import json
+import secrets
+import string
 from typing import Any
+
+from moerun.serve.formats import Call, ReasoningTags, ToolFormat
 
 
 class TextAnswer:
@@ -33,23 +38,140 @@ class TextAnswer:
         return {"text": "".join(self._parts)}
 
 
+def _held(text: str, marker: str) -> int:
+    """How much of the end of `text` to hold back: what could begin `marker`, and the whitespace before it (which
+    goes if the marker comes)."""
+    k = max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
+    before = text[:len(text) - k]
+    return k + len(before) - len(before.rstrip())
+
+
 class ChatAnswer:
-    """/v1/chat/completions: the assistant message."""
+    """/v1/chat/completions: the assistant message, the model's text split into reasoning (between the template's
+    reasoning tags, `reasoning_content`), the answer (`content`) and tool calls (from where the tool format's
+    calls start to the end, parsed at the end into `tool_calls`).
 
-    first_delta: dict[str, Any] = {"role": "assistant", "content": ""}
+    Streamed, the answer and the reasoning go out as they come, but for text that could still turn out to be the
+    start of a tag or of the tool calls, which is held back until it cannot; the tool calls go out whole, one delta
+    each, when the answer ends. Text that is not calls in the format after all goes to `content`. Whitespace
+    around the reasoning (a template's `<think>\n`) is dropped.
+    """
 
-    def __init__(self) -> None:
-        self._parts: list[str] = []
+    def __init__(self, reasoning: ReasoningTags | None = None, in_reasoning: bool = False,
+                 tools: ToolFormat | None = None, schemas: dict[str, dict] | None = None,
+                 parallel_tool_calls: bool = True) -> None:
+        self.tags, self.tools, self.schemas = reasoning, tools, schemas or {}
+        self.parallel = parallel_tool_calls
+        # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": buffering calls
+        self.state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
+        self._pending = ""  # text not classified yet
+        self._strip = self.state == "reasoning"  # drop the whitespace that opens the next piece
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[Call] = []
+        self._call_text = ""
+        self.ids: list[str] = []
+
+    @property
+    def first_delta(self) -> dict[str, Any]:
+        return {"role": "assistant", "content": ""}
 
     def push(self, text: str) -> dict[str, Any] | None:
-        self._parts.append(text)
-        return {"content": text} if text else None
+        self._pending += text
+        delta: dict[str, Any] = {}
+        while self._step(delta):
+            pass
+        return delta or None
+
+    def _emit(self, delta: dict[str, Any], key: str, text: str) -> None:
+        if self._strip:
+            text = text.lstrip()
+            self._strip = not text
+        if text:
+            (self.reasoning if key == "reasoning_content" else self.content).append(text)
+            delta[key] = delta.get(key, "") + text
+
+    def _step(self, delta: dict[str, Any]) -> bool:
+        """Move what can be decided of the pending text into `delta`; whether to look again."""
+        pending = self._pending
+        if self.state == "start":
+            head = pending.lstrip()
+            if head.startswith(self.tags.start):
+                self.state, self._pending, self._strip = "reasoning", head[len(self.tags.start):], True
+                return True
+            if self.tags.start.startswith(head):
+                return False  # (all whitespace, or the tag's beginning): wait for more
+            self.state = "content"
+            return True
+        if self.state == "reasoning":
+            i = pending.find(self.tags.end)
+            if i >= 0:
+                self._emit(delta, "reasoning_content", pending[:i].rstrip())
+                self.state, self._pending, self._strip = "content", pending[i + len(self.tags.end):], True
+                return True
+            keep = _held(pending, self.tags.end)
+            self._emit(delta, "reasoning_content", pending[:len(pending) - keep])
+            self._pending = pending[len(pending) - keep:]
+            return False
+        if self.state == "content":
+            if self.tools is None:
+                self._emit(delta, "content", pending)
+                self._pending = ""
+                return False
+            i = pending.find(self.tools.start)
+            if i >= 0:
+                before = pending[:i].rstrip()
+                self._emit(delta, "content", before)
+                self.state, self._call_text, self._pending = "calls", pending[len(before):], ""
+                return False
+            keep = _held(pending, self.tools.start)
+            self._emit(delta, "content", pending[:len(pending) - keep])
+            self._pending = pending[len(pending) - keep:]
+            return False
+        self._call_text += pending  # "calls"
+        self._pending = ""
+        return False
 
     def end(self) -> dict[str, Any]:
-        return {}
+        """The held-back text, and the tool calls parsed (one delta entry each)."""
+        delta: dict[str, Any] = {}
+        rest, self._pending = self._pending, ""
+        if self.state == "reasoning":
+            self._emit(delta, "reasoning_content", rest.rstrip())
+        elif self.state in ("start", "content"):
+            self._emit(delta, "content", rest)
+        else:
+            try:
+                calls = self.tools.parse(self._call_text, self.schemas)
+            except ValueError:
+                calls = []
+            if calls:
+                self.calls = calls if self.parallel else calls[:1]
+                self.ids = [_call_id() for _ in self.calls]
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self._tool_calls())]
+            else:  # not calls in the format after all: the text is the answer's
+                self._strip = False
+                self._emit(delta, "content", self._call_text)
+        return delta
+
+    def _tool_calls(self) -> list[dict[str, Any]]:
+        return [{"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments,
+                                                                                                        ensure_ascii=False)}}
+                for call_id, (name, arguments) in zip(self.ids, self.calls)]
 
     def finish_reason(self, reason: str) -> str:
-        return reason
+        return "tool_calls" if self.calls else reason
 
     def fields(self) -> dict[str, Any]:
-        return {"role": "assistant", "content": "".join(self._parts)}
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": "".join(self.content) if self.content or not self.calls else None}
+        if self.tags is not None:
+            message["reasoning_content"] = "".join(self.reasoning) if self.reasoning else None
+        if self.calls:
+            message["tool_calls"] = self._tool_calls()
+        return message
+
+
+def _call_id() -> str:
+    """9 letters and digits: Mistral's templates refuse other ids when the call comes back in the conversation."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))

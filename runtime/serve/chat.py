@@ -33,6 +33,7 @@ from gguf import Keys, TokenType
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from moeprep.gguf.reader import GGUFModel
+from moerun.serve.formats import reasoning_tags, tool_format
 from moerun.serve.protocol import ApiError
 from moerun.tokenizer import Tokenizer
 
@@ -176,7 +177,10 @@ class ChatFormat:
         self.tokenizer = tokenizer
         special = {"bos_token": Keys.Tokenizer.BOS_ID, "eos_token": Keys.Tokenizer.EOS_ID,
                    "unk_token": Keys.Tokenizer.UNK_ID, "pad_token": Keys.Tokenizer.PAD_ID}
-        self.template = ChatTemplate(g.get(Keys.Tokenizer.CHAT_TEMPLATE),
+        source = g.get(Keys.Tokenizer.CHAT_TEMPLATE)
+        self.reasoning = reasoning_tags(source)
+        self.tool_format = tool_format(source)
+        self.template = ChatTemplate(source,
                                      {name: tokens[i] for name, key in special.items()
                                       if (i := g.get(key)) is not None and 0 <= i < len(tokens)})
         # control-token text -> id (the first id of a text), and one pattern that finds them, longest first so
@@ -192,11 +196,21 @@ class ChatFormat:
 
     def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        ids = self.encode_text(self.render(messages, tools, template_kwargs))
+        return self.prompt(messages, tools, template_kwargs)[1]
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """-> (the rendered text, its token ids)."""
+        text = self.render(messages, tools, template_kwargs)
+        ids = self.encode_text(text)
         t = self.tokenizer
         if t.add_bos and ids[:1] != [t.bos_id]:
             ids.insert(0, t.bos_id)
-        return ids
+        return text, ids
+
+    def control_texts(self, texts: tuple[str, ...]) -> dict[int, bytes]:
+        """Those of these texts that are control tokens (whose text an answer leaves out), by id."""
+        return {self._control[t]: t.encode() for t in texts if t in self._control}
 
     def encode_text(self, text: str) -> list[int]:
         """Tokenize with control-token texts as their ids (llama.cpp's parse_special), no BOS added."""

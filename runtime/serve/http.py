@@ -91,8 +91,19 @@ class Server:
         if "reasoning_effort" in req.template_kwargs and "reasoning_effort" not in self.chat.template.variables:
             raise ApiError(400, "'reasoning_effort': this model's chat template takes none", param="reasoning_effort",
                            code="unsupported_parameter")
-        prompt = await asyncio.to_thread(self.chat.encode, req.messages, None, req.template_kwargs)
-        return await self._generate(request, req, prompt, CHAT, ChatAnswer)
+        calls = self.chat.tool_format if req.tools and req.tool_choice != "none" else None
+        if req.tools and req.tool_choice != "none" and calls is None:
+            raise ApiError(400, "'tools': this model's chat template writes tool calls in no format this server "
+                           "parses (docs/runtime.md lists them)", param="tools", code="unsupported_value")
+        text, prompt = await asyncio.to_thread(self.chat.prompt, req.messages, req.tools, req.template_kwargs)
+        tags = self.chat.reasoning if req.split_reasoning else None
+        in_reasoning = tags is not None and text.rstrip().endswith(tags.start)
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools or ()}
+        markers = (tags.start, tags.end) if tags else ()
+        control_text = self.chat.control_texts(markers + (calls.markers if calls else ()))
+        return await self._generate(request, req, prompt, CHAT,
+                                    lambda: ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls),
+                                    control_text)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids. Called in a worker thread, as chat.encode is: tokenizing a long prompt
@@ -104,7 +115,7 @@ class Server:
             raise ApiError(400, f"'prompt': token ids must be in [0, {tokenizer.n_vocab})", param="prompt")
         return prompt
 
-    def _jobs(self, req: GenerationRequest, prompt: list[int]) -> list[Job]:
+    def _jobs(self, req: GenerationRequest, prompt: list[int], control_text: dict[int, bytes]) -> list[Job]:
         """One job per choice, each with a sampler of its own (choice i seeded with seed + i)."""
         s = req.sampling
         n_vocab = self.model.tokenizer.n_vocab
@@ -116,17 +127,19 @@ class Server:
                                 min_p=s.min_p, presence_penalty=s.presence_penalty,
                                 frequency_penalty=s.frequency_penalty, repeat_penalty=s.repeat_penalty,
                                 repeat_last_n=s.repeat_last_n, logit_bias=s.logit_bias, prompt=prompt)
-        return [Job(prompt, s.max_tokens, sampler(i), s.stop, s.ignore_eos, req.logprobs) for i in range(req.n)]
+        return [Job(prompt, s.max_tokens, sampler(i), s.stop, s.ignore_eos, req.logprobs, control_text)
+                for i in range(req.n)]
 
     async def _generate(self, request: web.Request, req: GenerationRequest, prompt: list[int],
-                        shape: ResponseShape, answer: Callable[[], Answer]) -> web.StreamResponse:
+                        shape: ResponseShape, answer: Callable[[], Answer],
+                        control_text: dict[int, bytes] | None = None) -> web.StreamResponse:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(prompt) >= self.model.n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {self.model.n_ctx} "
                            "(start the server with a larger -c)", param="messages" if shape is CHAT else "prompt",
                            code="context_length_exceeded")
-        jobs = self._jobs(req, prompt)
+        jobs = self._jobs(req, prompt, control_text or {})
         outputs: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -171,6 +184,8 @@ class Server:
             if all(c.done for c in choices):
                 break
             item = await outputs.get()
+        for c in choices:
+            c.answer.end()
         body = [response.choice(i, c.answer.fields(), c.answer.finish_reason(c.last.finish_reason), delta=False,
                                 logprobs=c.logged) for i, c in enumerate(choices)]
         return web.json_response(response.whole(body, _usage(choices)))

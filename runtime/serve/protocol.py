@@ -150,6 +150,32 @@ def _tool_call(where: str, call: Any) -> dict[str, Any]:
     return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}}
 
 
+def _tools(name: str, value: Any) -> list[dict[str, Any]]:
+    """Function tools: {"type": "function", "function": {"name", "description"?, "parameters"?}}, as the template
+    gets them."""
+    if not isinstance(value, list):
+        raise invalid(name, f"expected a list of tools, got {_json_type(value)}")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise invalid(f"{name}[{i}]", "expected {'type': 'function', 'function': {'name': ..., ...}}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise invalid(f"{name}[{i}].function.name", "expected a non-empty string")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise invalid(f"{name}[{i}].function.parameters", "expected a JSON schema object")
+    return value
+
+
+def _tool_choice(name: str, value: Any) -> str:
+    """-> "none", "auto"; "required" and a named function need the output constrained, which is not implemented."""
+    if value in ("none", "auto"):
+        return value
+    if value == "required" or isinstance(value, dict):
+        raise ApiError(400, f"'{name}': {value!r} needs the output constrained to the tools' schemas, which this "
+                       "server does not implement; use 'auto'", param=name, code="unsupported_value")
+    raise invalid(name, f"expected 'none', 'auto', 'required' or a named function, got {value!r}")
+
+
 def _object(name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise invalid(name, f"expected an object, got {_json_type(value)}")
@@ -227,6 +253,10 @@ class GenerationRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: what the chat template gets beside them
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "auto"  # "none": the tools are shown to the template, the answer is not parsed for calls
+    parallel_tool_calls: bool = True
+    split_reasoning: bool = True  # reasoning_format "none": the reasoning stays in the content
 
 
 MAX_N = 8  # choices per request
@@ -260,7 +290,10 @@ CHAT_FIELDS = {
     "max_completion_tokens": (_integer(1), None),  # the newer name of max_tokens
     "logprobs": (_boolean, False),
     "top_logprobs": (_integer(0, MAX_TOP_LOGPROBS), None),
-    "tools": (_only(None, []), None),
+    "tools": (_tools, None),
+    "tool_choice": (_tool_choice, "auto"),
+    "parallel_tool_calls": (_boolean, True),
+    "reasoning_format": (_one_of("auto", "deepseek", "none"), "auto"),  # llama.cpp's
     "chat_template_kwargs": (_object, {}),  # not the API's (vLLM's, llama.cpp's): e.g. {"enable_thinking": false}
     "reasoning_effort": (_one_of("minimal", "low", "medium", "high"), None),
 }
@@ -346,7 +379,9 @@ def parse_chat(body: Any) -> GenerationRequest:
     if f["reasoning_effort"] is not None:
         template_kwargs["reasoning_effort"] = f["reasoning_effort"]
     return GenerationRequest(_sampling(f, max_tokens), f["stream"], f["stream_options"], f["n"], logprobs,
-                             messages=f["messages"], template_kwargs=template_kwargs)
+                             messages=f["messages"], template_kwargs=template_kwargs, tools=f["tools"] or None,
+                             tool_choice=f["tool_choice"], parallel_tool_calls=f["parallel_tool_calls"],
+                             split_reasoning=f["reasoning_format"] != "none")
 
 
 # ----------------------------------------------------------------------------------------------- responses

@@ -64,6 +64,7 @@ class Job:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # the end-of-generation tokens are never sampled: the job ends on its limit or a stop
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely tokens' too
+    control_text: dict[int, bytes] = field(default_factory=dict)  # control tokens whose text the answer shows
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ class Scheduler:
         if token in tokenizer.eog_ids:
             text, finish = r.text.flush(), "stop"
         else:
-            text, stopped = r.text.push(tokenizer.token_bytes(token))
+            text, stopped = r.text.push(tokenizer.token_bytes(token) or r.job.control_text.get(token, b""))
             finish = "stop" if stopped else "length" if r.generated >= r.limit else None
             text += r.text.flush() if finish == "length" else ""
         if finish:
