@@ -208,6 +208,10 @@ class ChatFormat:
             ids.insert(0, t.bos_id)
         return text, ids
 
+    def control_names(self) -> dict[int, str]:
+        """Every control token's text, by id."""
+        return {i: t for t, i in self._control.items()}
+
     def control_texts(self, texts: tuple[str, ...]) -> dict[int, bytes]:
         """Those of these texts that are control tokens (whose text an answer leaves out), by id."""
         return {self._control[t]: t.encode() for t in texts if t in self._control}

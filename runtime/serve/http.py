@@ -27,6 +27,7 @@ from moerun.model import Model
 from moerun.serve.answers import ChatAnswer, TextAnswer
 from moerun.serve.chat import ChatFormat
 from moerun.serve.engine import Engine
+from moerun.serve.grammar import Constraint, Grammars
 from moerun.serve.protocol import (CHAT, COMPLETION, ApiError, GenerationRequest, LoggedToken, Response,
                                    ResponseShape, model_list, parse_chat, parse_completion, usage)
 from moerun.serve.scheduler import Job, Output, QueueFull, Scheduler
@@ -42,6 +43,7 @@ class Server:
     def __init__(self, model: Model, engine: Engine, api_key: str | None = None) -> None:
         self.model, self.engine, self.api_key = model, engine, api_key
         self.chat = ChatFormat(model.gguf, model.tokenizer)
+        self.grammars = Grammars(model.tokenizer, self.chat.control_names())
         self.name = Path(model.gguf.path).name
         self.created = int(time.time())
 
@@ -101,9 +103,13 @@ class Server:
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools or ()}
         markers = (tags.start, tags.end) if tags else ()
         control_text = self.chat.control_texts(markers + (calls.markers if calls else ()))
+        grammar = None
+        if req.json_schema is not None:
+            grammar = await asyncio.to_thread(self.grammars.json_schema, req.json_schema, "response_format")
+            tags = None  # the answer is the JSON from its first token on: no reasoning to split out
         return await self._generate(request, req, prompt, CHAT,
                                     lambda: ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls),
-                                    control_text)
+                                    control_text, grammar)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids. Called in a worker thread, as chat.encode is: tokenizing a long prompt
@@ -115,7 +121,8 @@ class Server:
             raise ApiError(400, f"'prompt': token ids must be in [0, {tokenizer.n_vocab})", param="prompt")
         return prompt
 
-    def _jobs(self, req: GenerationRequest, prompt: list[int], control_text: dict[int, bytes]) -> list[Job]:
+    def _jobs(self, req: GenerationRequest, prompt: list[int], control_text: dict[int, bytes],
+              grammar: str | None) -> list[Job]:
         """One job per choice, each with a sampler of its own (choice i seeded with seed + i)."""
         s = req.sampling
         n_vocab = self.model.tokenizer.n_vocab
@@ -127,19 +134,20 @@ class Server:
                                 min_p=s.min_p, presence_penalty=s.presence_penalty,
                                 frequency_penalty=s.frequency_penalty, repeat_penalty=s.repeat_penalty,
                                 repeat_last_n=s.repeat_last_n, logit_bias=s.logit_bias, prompt=prompt)
-        return [Job(prompt, s.max_tokens, sampler(i), s.stop, s.ignore_eos, req.logprobs, control_text)
-                for i in range(req.n)]
+        return [Job(prompt, s.max_tokens, sampler(i), s.stop, s.ignore_eos, req.logprobs, control_text,
+                    None if grammar is None else Constraint(self.grammars, grammar)) for i in range(req.n)]
 
     async def _generate(self, request: web.Request, req: GenerationRequest, prompt: list[int],
                         shape: ResponseShape, answer: Callable[[], Answer],
-                        control_text: dict[int, bytes] | None = None) -> web.StreamResponse:
+                        control_text: dict[int, bytes] | None = None, grammar: str | None = None
+                        ) -> web.StreamResponse:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(prompt) >= self.model.n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {self.model.n_ctx} "
                            "(start the server with a larger -c)", param="messages" if shape is CHAT else "prompt",
                            code="context_length_exceeded")
-        jobs = self._jobs(req, prompt, control_text or {})
+        jobs = self._jobs(req, prompt, control_text or {}, grammar)
         outputs: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

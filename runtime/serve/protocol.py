@@ -176,6 +176,22 @@ def _tool_choice(name: str, value: Any) -> str:
     raise invalid(name, f"expected 'none', 'auto', 'required' or a named function, got {value!r}")
 
 
+def _response_format(name: str, value: Any) -> dict[str, Any] | None:
+    """-> the JSON schema the answer must follow (json_object: any object), or None for text."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise invalid(f"{name}.json_schema", "expected {'name': ..., 'schema': {...}}")
+        return spec.get("schema", {})
+    raise invalid(name, "expected {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+                  "'json_schema': {'name': ..., 'schema': {...}}}")
+
+
 def _object(name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise invalid(name, f"expected an object, got {_json_type(value)}")
@@ -257,6 +273,7 @@ class GenerationRequest:
     tool_choice: str = "auto"  # "none": the tools are shown to the template, the answer is not parsed for calls
     parallel_tool_calls: bool = True
     split_reasoning: bool = True  # reasoning_format "none": the reasoning stays in the content
+    json_schema: dict[str, Any] | None = None  # response_format: the schema the answer follows
 
 
 MAX_N = 8  # choices per request
@@ -294,6 +311,7 @@ CHAT_FIELDS = {
     "tool_choice": (_tool_choice, "auto"),
     "parallel_tool_calls": (_boolean, True),
     "reasoning_format": (_one_of("auto", "deepseek", "none"), "auto"),  # llama.cpp's
+    "response_format": (_response_format, None),
     "chat_template_kwargs": (_object, {}),  # not the API's (vLLM's, llama.cpp's): e.g. {"enable_thinking": false}
     "reasoning_effort": (_one_of("minimal", "low", "medium", "high"), None),
 }
@@ -335,7 +353,6 @@ UNSUPPORTED = {
 # Chat-only fields that pass at these values only (the default, or what the server does anyway)
 CHAT_ONLY_VALUES = {
     "modalities": ([], ["text"]),
-    "response_format": ({"type": "text"},),
 }
 # Fields accepted and ignored because they do not change the answer (documented in docs/runtime.md): model,
 # user, metadata, store, service_tier, parallel_tool_calls with no tools, prompt_cache_key, safety_identifier.
@@ -381,7 +398,7 @@ def parse_chat(body: Any) -> GenerationRequest:
     return GenerationRequest(_sampling(f, max_tokens), f["stream"], f["stream_options"], f["n"], logprobs,
                              messages=f["messages"], template_kwargs=template_kwargs, tools=f["tools"] or None,
                              tool_choice=f["tool_choice"], parallel_tool_calls=f["parallel_tool_calls"],
-                             split_reasoning=f["reasoning_format"] != "none")
+                             split_reasoning=f["reasoning_format"] != "none", json_schema=f["response_format"])
 
 
 # ----------------------------------------------------------------------------------------------- responses

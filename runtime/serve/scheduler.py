@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,6 +66,7 @@ class Job:
     ignore_eos: bool = False  # the end-of-generation tokens are never sampled: the job ends on its limit or a stop
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely tokens' too
     control_text: dict[int, bytes] = field(default_factory=dict)  # control tokens whose text the answer shows
+    grammar: Any = None  # a grammar.Constraint: each step's token is picked among those its grammar allows
 
 
 @dataclass(frozen=True)
@@ -292,17 +294,28 @@ class Scheduler:
 
     def _sample(self, runs: list[_Running], logits: torch.Tensor) -> list[tuple[int, TokenLogprobs | None]]:
         """One token per row, with its log-probabilities where the job wants them; the greedy rows with one argmax
-        (one host sync) for all. The rows of ignore_eos jobs have their end-of-generation logits set to -inf first
-        (a copy: `logits` may be a graph's output buffer); log-probabilities are the model's, before that."""
+        (one host sync) for all. The rows of grammar-constrained jobs get their masks first (computed before
+        anything waits for the step's logits: on a GPU, while the step runs), and their disallowed tokens' logits
+        set to -inf, as the end-of-generation ones of ignore_eos jobs (in a copy: `logits` may be a graph's
+        output buffer); log-probabilities are the model's, before any of that."""
         raw = logits
+        constrained = [i for i, r in enumerate(runs) if r.job.grammar is not None]
+        allowed = (runs[constrained[0]].job.grammar.grammars.masks([runs[i].job.grammar.matcher for i in constrained])
+                   if constrained else None)
         ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos]
         eog = sorted(self.model.tokenizer.eog_ids) if ignoring else []
-        if eog:
+        if eog or constrained:
             logits = logits.clone()
+        if eog:
             logits[torch.tensor(ignoring, device=logits.device)[:, None], torch.tensor(eog, device=logits.device)] = \
                 -math.inf
+        if constrained:
+            rows = torch.tensor(constrained, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), -math.inf)
         best = logits.argmax(-1).tolist()
         picked = [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
+        for i in constrained:
+            runs[i].job.grammar.matcher.consume_token(picked[i])
         return list(zip(picked, _logprobs(runs, raw, picked)))
 
     def _emit(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None) -> Output:

@@ -1,0 +1,84 @@
+"""Structured output: a grammar (a JSON schema's) that masks each step's logits to the tokens that keep the answer
+valid, through llguidance (a grammar engine made for this: it computes a token mask from the parser state and the
+vocabulary's token trie in tens of microseconds).
+
+`Grammars` holds the vocabulary as llguidance sees it (built once, on the first request that needs it) and makes a
+`Matcher` per answer. The scheduler asks each step's constrained rows for their masks together (`masks`: one call
+that llguidance spreads over its threads), before it reads the step's logits, so that on a GPU the masks are
+computed while the step runs; after sampling, each matcher consumes its token.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import llguidance.torch
+import torch
+
+from moerun.serve.protocol import ApiError
+from moerun.tokenizer import Tokenizer
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads: each token's bytes (control tokens as 0xff + their text, so that a
+    grammar never writes them as text), the end-of-generation ids, and the tokenizer itself."""
+
+    def __init__(self, tokenizer: Tokenizer, control: dict[int, str]) -> None:
+        self.tokens = [b"\xff" + control[i].encode() if i in control else tokenizer.token_bytes(i)
+                       for i in range(tokenizer.n_vocab)]
+        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eog_ids)
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = sorted(control)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_bos=False)
+
+
+class Constraint:
+    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks."""
+
+    def __init__(self, grammars: Grammars, grammar: str) -> None:
+        self.grammars, self.matcher = grammars, grammars.matcher(grammar)
+
+
+class Grammars:
+    def __init__(self, tokenizer: Tokenizer, control: dict[int, str]) -> None:
+        self._tokenizer, self._control = tokenizer, control
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self.executor = llguidance.LLExecutor()
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltokenizer is None:
+            wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._control))
+            self._lltokenizer = llguidance.LLTokenizer(wrapper, eos_token=sorted(self._tokenizer.eog_ids))
+        return self._lltokenizer
+
+    def json_schema(self, schema: dict[str, Any], param: str) -> str:
+        """A JSON schema's grammar, checked: an ApiError(400) naming `param` when llguidance cannot compile it."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults={"whitespace_flexible": False})
+        except ValueError as e:
+            raise ApiError(400, f"'{param}': not a JSON schema ({e})", param=param) from e
+        self.check(grammar, param)
+        return grammar
+
+    def check(self, grammar: str, param: str) -> None:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ApiError(400, f"'{param}': the schema cannot be enforced ({error.splitlines()[0]})", param=param)
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+
+    def masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """The next-token masks of these matchers, (len, n_vocab) booleans on the CPU."""
+        bits = llguidance.torch.allocate_token_bitmask(len(matchers), self.lltokenizer.vocab_size)
+        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bits)
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(matchers), -1)
+        return allowed[:, :self._tokenizer.n_vocab]
