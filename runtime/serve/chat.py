@@ -208,6 +208,10 @@ class ChatFormat:
             ids.insert(0, t.bos_id)
         return text, ids
 
+    def control_ids(self) -> dict[str, int]:
+        """Every control token's id, by text."""
+        return dict(self._control)
+
     def control_names(self) -> dict[int, str]:
         """Every control token's text, by id."""
         return {i: t for t, i in self._control.items()}

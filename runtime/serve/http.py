@@ -104,7 +104,13 @@ class Server:
         markers = (tags.start, tags.end) if tags else ()
         control_text = self.chat.control_texts(markers + (calls.markers if calls else ()))
         grammar = None
-        if req.json_schema is not None:
+        if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            chosen = [t for t in req.tools if not isinstance(req.tool_choice, dict)
+                      or t["function"]["name"] == req.tool_choice["function"]["name"]]
+            grammar = await asyncio.to_thread(self.grammars.tool_call, calls.name, chosen, self.chat.control_ids(),
+                                              "tool_choice")
+            tags = None  # the call from its first token on: no reasoning to split out
+        elif req.json_schema is not None:
             grammar = await asyncio.to_thread(self.grammars.json_schema, req.json_schema, "response_format")
             tags = None  # the answer is the JSON from its first token on: no reasoning to split out
         return await self._generate(request, req, prompt, CHAT,

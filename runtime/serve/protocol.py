@@ -166,14 +166,15 @@ def _tools(name: str, value: Any) -> list[dict[str, Any]]:
     return value
 
 
-def _tool_choice(name: str, value: Any) -> str:
-    """-> "none", "auto"; "required" and a named function need the output constrained, which is not implemented."""
-    if value in ("none", "auto"):
+def _tool_choice(name: str, value: Any) -> str | dict[str, Any]:
+    """-> "none", "auto", "required", or {"type": "function", "function": {"name": ...}}."""
+    if value in ("none", "auto", "required"):
         return value
-    if value == "required" or isinstance(value, dict):
-        raise ApiError(400, f"'{name}': {value!r} needs the output constrained to the tools' schemas, which this "
-                       "server does not implement; use 'auto'", param=name, code="unsupported_value")
-    raise invalid(name, f"expected 'none', 'auto', 'required' or a named function, got {value!r}")
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
+        return value
+    raise invalid(name, f"expected 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, "
+                  f"got {value!r}")
 
 
 def _response_format(name: str, value: Any) -> dict[str, Any] | None:
@@ -270,7 +271,7 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: what the chat template gets beside them
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str = "auto"  # "none": the tools are shown to the template, the answer is not parsed for calls
+    tool_choice: str | dict[str, Any] = "auto"  # "none": the tools are in the prompt, the answer is not parsed
     parallel_tool_calls: bool = True
     split_reasoning: bool = True  # reasoning_format "none": the reasoning stays in the content
     json_schema: dict[str, Any] | None = None  # response_format: the schema the answer follows
@@ -385,6 +386,12 @@ def parse_completion(body: Any) -> GenerationRequest:
 
 def parse_chat(body: Any) -> GenerationRequest:
     f = _check_fields(body, CHAT_FIELDS, "messages")
+    if isinstance(f["tool_choice"], dict) or f["tool_choice"] == "required":
+        names = [t["function"]["name"] for t in f["tools"] or ()]
+        if not names:
+            raise invalid("tool_choice", "needs 'tools'")
+        if isinstance(f["tool_choice"], dict) and f["tool_choice"]["function"]["name"] not in names:
+            raise invalid("tool_choice", f"no tool named {f['tool_choice']['function']['name']!r} in 'tools'")
     for name, accepted in CHAT_ONLY_VALUES.items():
         if body.get(name) is not None:
             _only(*accepted)(name, body[name])

@@ -85,12 +85,14 @@ FAMILIES = {
 
 
 def scripted_model(base: Path, dest: Path, template: str, scripts: dict[str, list[str]],
-                   control: tuple[str, ...] = ()) -> Path:
+                   control: tuple[str, ...] = (), extra_tokens: list[str] = ()) -> Path:
     """`base` with its answers scripted: scripts[start] is the text pieces that follow the token `start`, each a
-    token of its own (appended to the vocabulary), ending with <|im_end|>. Every piece is distinct."""
+    token of its own (appended to the vocabulary, with `extra_tokens`), ending with <|im_end|>. Every piece is
+    distinct. Tokens no script leads from score 0 for every next token."""
     g = open_gguf(base)
     tokens, types = list(g.get("tokenizer.ggml.tokens")), list(g.get("tokenizer.ggml.token_type"))
-    pieces = list(dict.fromkeys([start for start in scripts] + [p for ps in scripts.values() for p in ps]))
+    pieces = list(dict.fromkeys([start for start in scripts] + [p for ps in scripts.values() for p in ps]
+                                + list(extra_tokens)))
     new = [p for p in pieces if p not in tokens]
     index = {t: i for i, t in enumerate(tokens)} | {p: len(tokens) + j for j, p in enumerate(new)}
     tokens += new
@@ -248,7 +250,7 @@ def test_reasoning_goes_to_reasoning_content_and_thinking_can_be_turned_off(synt
         server.close()
 
 
-def test_tools_for_a_template_without_a_known_format_and_tool_choice_required_are_400(synth_model, tmp_path):
+def test_tools_for_a_template_without_a_known_format_and_tool_choice_without_tools_are_400(synth_model, tmp_path):
     server = live(synth_model, tmp_path, TEMPLATE.replace("FORMAT", "no tool calls"), {"<turn>": [ANSWER]})
     try:
         client = server.client()
@@ -256,9 +258,56 @@ def test_tools_for_a_template_without_a_known_format_and_tool_choice_required_ar
         with pytest.raises(openai.BadRequestError, match="tools"):
             client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
-            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required")
+            client.chat.completions.create(model="m", messages=messages, tool_choice="required")
         r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none",
                                            temperature=0)
         assert r.choices[0].message.content == ANSWER and r.choices[0].message.reasoning_content is None
+    finally:
+        server.close()
+
+
+CONSTRAINED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+        "required": ["zone"], "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("family", ["hermes", "mistral", "deepseek-v3.1", "kimi-k2"])
+def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_model, tmp_path):
+    """A model with no script (its output head all zeros: every token equally likely), sampled: tool_choice
+    "required" and a named function make the answer one call of a given tool, the family's markers (control tokens
+    where the real models' are) written by the grammar, the arguments valid against the tool's schema, whole and
+    streamed."""
+    import jsonschema
+
+    detect, pieces, control = FAMILIES[family]
+    path = scripted_model(synth_model("qwen3moe", expert_type="F32", attn_type="F32"), tmp_path / "m.gguf",
+                          TEMPLATE.replace("FORMAT", f"tool calls are written as {detect}"), {}, control,
+                          extra_tokens=[p for p in pieces if p in control])
+    server = LiveServer(path)
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "Weather?"}]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
+        for seed, choice in [(1, "required"), (2, "required"),
+                             (3, {"type": "function", "function": {"name": "get_time"}})]:
+            r = client.chat.completions.create(model="m", messages=messages, tools=CONSTRAINED_TOOLS, tool_choice=choice,
+                                               temperature=1.0, seed=seed, max_tokens=100)
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+            (call,) = r.choices[0].message.tool_calls
+            if isinstance(choice, dict):
+                assert call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        streamed, finish = collect(client.chat.completions.create(
+            model="m", messages=messages, tools=CONSTRAINED_TOOLS, tool_choice="required", temperature=1.0, seed=4,
+            max_tokens=100, stream=True))
+        (entry,) = streamed["tool_calls"].values()
+        assert finish == "tool_calls"
+        jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
     finally:
         server.close()
