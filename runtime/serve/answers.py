@@ -8,6 +8,7 @@ the model's text.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from typing import Any
@@ -175,3 +176,113 @@ class ChatAnswer:
 def _call_id() -> str:
     """9 letters and digits: Mistral's templates refuse other ids when the call comes back in the conversation."""
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+_MESSAGE_ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+
+
+class HarmonyAnswer:
+    """/v1/chat/completions for gpt-oss: the answer in OpenAI's harmony format, a sequence of messages, each a header
+    (`<|start|>assistant`, `<|channel|>NAME`, for a call ` to=functions.NAME` and `<|constrain|>json`) then
+    `<|message|>`, its text, and an end marker. The `analysis` channel is the reasoning, `final` (and `commentary`
+    addressed to no one) the content, and a message addressed to `functions.NAME` a tool call whose text is its
+    JSON arguments. Streamed, the reasoning and the content go out as they come (but for text that could begin an
+    end marker); calls go out whole when the answer ends."""
+
+    first_delta = {"role": "assistant", "content": ""}
+
+    def __init__(self, split_reasoning: bool = True, parallel_tool_calls: bool = True,
+                 parse_calls: bool = True) -> None:
+        self.split, self.parallel, self.parse_calls = split_reasoning, parallel_tool_calls, parse_calls
+        self._pending = ""
+        self._kind: str | None = None  # None: reading a header; "reasoning_content", "content", or "call"
+        self._recipient = ""
+        self._call_body = ""
+        self._raw_calls: list[tuple[str, str]] = []
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[Call] = []
+        self.ids: list[str] = []
+
+    def push(self, text: str) -> dict[str, Any] | None:
+        self._pending += text
+        delta: dict[str, Any] = {}
+        while self._step(delta):
+            pass
+        return delta or None
+
+    def _emit(self, delta: dict[str, Any], kind: str, text: str) -> None:
+        if kind == "reasoning_content" and not self.split:
+            kind = "content"
+        if kind == "call":
+            self._call_body += text
+        elif text:
+            (self.reasoning if kind == "reasoning_content" else self.content).append(text)
+            delta[kind] = delta.get(kind, "") + text
+
+    def _step(self, delta: dict[str, Any]) -> bool:
+        pending = self._pending
+        if self._kind is None:
+            i = pending.find("<|message|>")
+            if i < 0:
+                return False
+            header = pending[:i]
+            channel = re.search(r"<\|channel\|>\s*(\w+)", header)
+            recipient = re.search(r"to=([^\s<]+)", header)
+            name = channel.group(1) if channel else "final"
+            if recipient and recipient.group(1).startswith("functions.") and self.parse_calls:
+                self._kind, self._recipient, self._call_body = "call", recipient.group(1), ""
+            else:
+                self._kind = "reasoning_content" if name == "analysis" else "content"
+            self._pending = pending[i + len("<|message|>"):]
+            return True
+        ends = [(j, m) for m in _MESSAGE_ENDS if (j := pending.find(m)) >= 0]
+        if ends:
+            j, marker = min(ends)
+            self._emit(delta, self._kind, pending[:j])
+            self._close()
+            self._pending = pending[j + (0 if marker == "<|start|>" else len(marker)):]
+            return True
+        keep = max((k for m in _MESSAGE_ENDS for k in range(1, len(m)) if pending.endswith(m[:k])), default=0)
+        self._emit(delta, self._kind, pending[:len(pending) - keep])
+        self._pending = pending[len(pending) - keep:]
+        return False
+
+    def _close(self) -> None:
+        if self._kind == "call":
+            self._raw_calls.append((self._recipient.removeprefix("functions."), self._call_body))
+        self._kind = None
+
+    def end(self) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if self._kind is not None:
+            self._emit(delta, self._kind, self._pending)
+            self._close()
+        self._pending = ""
+        calls = []
+        for name, body in self._raw_calls:
+            try:
+                arguments = json.loads(body) if body.strip() else {}
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):  # not a call after all: its text is the answer's
+                self._emit(delta, "content", body)
+                continue
+            calls.append((name, arguments))
+        if calls:
+            self.calls = calls if self.parallel else calls[:1]
+            self.ids = [_call_id() for _ in self.calls]
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self._tool_calls())]
+        return delta
+
+    _tool_calls = ChatAnswer._tool_calls
+    finish_reason = ChatAnswer.finish_reason
+
+    def fields(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": "".join(self.content) if self.content or not self.calls else None,
+                                   "reasoning_content": "".join(self.reasoning) if self.reasoning else None}
+        if self.calls:
+            message["tool_calls"] = self._tool_calls()
+        return message

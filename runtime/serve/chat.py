@@ -175,11 +175,13 @@ class ChatFormat:
         tokens: list[str] = g.get(Keys.Tokenizer.LIST)
         types = g.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)
         self.tokenizer = tokenizer
+        self._texts, self._types = tokens, types
         special = {"bos_token": Keys.Tokenizer.BOS_ID, "eos_token": Keys.Tokenizer.EOS_ID,
                    "unk_token": Keys.Tokenizer.UNK_ID, "pad_token": Keys.Tokenizer.PAD_ID}
         source = g.get(Keys.Tokenizer.CHAT_TEMPLATE)
-        self.reasoning = reasoning_tags(source)
-        self.tool_format = tool_format(source)
+        self.harmony = bool(source) and "<|channel|>" in source  # gpt-oss: answers.HarmonyAnswer reads its text
+        self.reasoning = None if self.harmony else reasoning_tags(source)
+        self.tool_format = None if self.harmony else tool_format(source)
         self.template = ChatTemplate(source,
                                      {name: tokens[i] for name, key in special.items()
                                       if (i := g.get(key)) is not None and 0 <= i < len(tokens)})
@@ -217,8 +219,9 @@ class ChatFormat:
         return {i: t for t, i in self._control.items()}
 
     def control_texts(self, texts: tuple[str, ...]) -> dict[int, bytes]:
-        """Those of these texts that are control tokens (whose text an answer leaves out), by id."""
-        return {self._control[t]: t.encode() for t in texts if t in self._control}
+        """The control tokens (whose text an answer leaves out) whose text is one of these, by id."""
+        wanted = set(texts)
+        return {i: t.encode() for i, t in enumerate(self._texts) if t in wanted and self._types[i] == TokenType.CONTROL}
 
     def encode_text(self, text: str) -> list[int]:
         """Tokenize with control-token texts as their ids (llama.cpp's parse_special), no BOS added."""

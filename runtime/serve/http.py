@@ -24,7 +24,7 @@ from aiohttp import web
 from moeprep.errors import MoeprepError
 from moerun.generation import Sampler, make_sampler
 from moerun.model import Model
-from moerun.serve.answers import ChatAnswer, TextAnswer
+from moerun.serve.answers import HARMONY_MARKERS, ChatAnswer, HarmonyAnswer, TextAnswer
 from moerun.serve.chat import ChatFormat
 from moerun.serve.engine import Engine
 from moerun.serve.grammar import Constraint, Grammars
@@ -93,8 +93,9 @@ class Server:
         if "reasoning_effort" in req.template_kwargs and "reasoning_effort" not in self.chat.template.variables:
             raise ApiError(400, "'reasoning_effort': this model's chat template takes none", param="reasoning_effort",
                            code="unsupported_parameter")
-        calls = self.chat.tool_format if req.tools and req.tool_choice != "none" else None
-        if req.tools and req.tool_choice != "none" and calls is None:
+        parse_calls = bool(req.tools) and req.tool_choice != "none"
+        calls = self.chat.tool_format if parse_calls else None
+        if parse_calls and calls is None and not self.chat.harmony:
             raise ApiError(400, "'tools': this model's chat template writes tool calls in no format this server "
                            "parses (docs/runtime.md lists them)", param="tools", code="unsupported_value")
         text, prompt = await asyncio.to_thread(self.chat.prompt, req.messages, req.tools, req.template_kwargs)
@@ -102,20 +103,25 @@ class Server:
         in_reasoning = tags is not None and text.rstrip().endswith(tags.start)
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools or ()}
         markers = (tags.start, tags.end) if tags else ()
-        control_text = self.chat.control_texts(markers + (calls.markers if calls else ()))
+        control_text = self.chat.control_texts(markers + (calls.markers if calls else ()) +
+                                               (HARMONY_MARKERS if self.chat.harmony else ()))
         grammar = None
         if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
             chosen = [t for t in req.tools if not isinstance(req.tool_choice, dict)
                       or t["function"]["name"] == req.tool_choice["function"]["name"]]
-            grammar = await asyncio.to_thread(self.grammars.tool_call, calls.name, chosen, self.chat.control_ids(),
-                                              "tool_choice")
+            grammar = await asyncio.to_thread(self.grammars.tool_call, "harmony" if calls is None else calls.name,
+                                              chosen, self.chat.control_ids(), "tool_choice")
             tags = None  # the call from its first token on: no reasoning to split out
         elif req.json_schema is not None:
             grammar = await asyncio.to_thread(self.grammars.json_schema, req.json_schema, "response_format")
             tags = None  # the answer is the JSON from its first token on: no reasoning to split out
-        return await self._generate(request, req, prompt, CHAT,
-                                    lambda: ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls),
-                                    control_text, grammar)
+        if self.chat.harmony:
+            def answer() -> Answer:
+                return HarmonyAnswer(req.split_reasoning, req.parallel_tool_calls, parse_calls)
+        else:
+            def answer() -> Answer:
+                return ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls)
+        return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids. Called in a worker thread, as chat.encode is: tokenizing a long prompt

@@ -103,3 +103,23 @@ def test_formats_and_tags_are_chosen_from_the_template():
     assert tool_format("{{ '<tool_call>' }}").name == "hermes"
     assert tool_format("{{ bos_token }}") is None
     assert reasoning_tags("</seed:think>") == REASONING_TAGS[0] and reasoning_tags("x") is None
+
+
+def test_harmony_channels_split_into_reasoning_content_and_calls():
+    from moerun.serve.answers import HarmonyAnswer
+    text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>')
+    final = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 21 C."
+    for piece in (1, 3, 8, len(text)):
+        message, merged = run(HarmonyAnswer(), text, piece)
+        assert message["reasoning_content"] == merged["reasoning_content"] == "Need the weather."
+        assert message["content"] is None and "content" not in merged
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+            [CALLS[0]]
+        message, merged = run(HarmonyAnswer(), final, piece)
+        assert (message["reasoning_content"], message["content"]) == ("Easy.", "It is 21 C.")
+        assert merged == {"reasoning_content": "Easy.", "content": "It is 21 C."}
+    # the recipient before the channel, as the template writes calls back; no reasoning split
+    message, _ = run(HarmonyAnswer(split_reasoning=False), "<|channel|>analysis<|message|>hm<|end|><|start|>assistant "
+                     'to=functions.search<|channel|>commentary json<|message|>{"query": "moe 2"}', 5)
+    assert message["content"] == "hm" and message["tool_calls"][0]["function"]["name"] == "search"

@@ -88,15 +88,17 @@ def scripted_model(base: Path, dest: Path, template: str, scripts: dict[str, lis
                    control: tuple[str, ...] = (), extra_tokens: list[str] = ()) -> Path:
     """`base` with its answers scripted: scripts[start] is the text pieces that follow the token `start`, each a
     token of its own (appended to the vocabulary, with `extra_tokens`), ending with <|im_end|>. Every piece is
-    distinct. Tokens no script leads from score 0 for every next token."""
+    distinct; "TEXT#2" is a second token of the text TEXT. Tokens no script leads from score 0 for every next
+    token."""
     g = open_gguf(base)
     tokens, types = list(g.get("tokenizer.ggml.tokens")), list(g.get("tokenizer.ggml.token_type"))
     pieces = list(dict.fromkeys([start for start in scripts] + [p for ps in scripts.values() for p in ps]
                                 + list(extra_tokens)))
     new = [p for p in pieces if p not in tokens]
     index = {t: i for i, t in enumerate(tokens)} | {p: len(tokens) + j for j, p in enumerate(new)}
-    tokens += new
-    types += [TokenType.CONTROL if p in control else TokenType.USER_DEFINED for p in new]
+    texts = [p.split("#")[0] if "#" in p[1:] else p for p in new]
+    tokens += texts
+    types += [TokenType.CONTROL if t in control else TokenType.USER_DEFINED for t in texts]
     n_vocab, n_embd = len(tokens), g.get("qwen3moe.embedding_length")
     rng = np.random.default_rng(0)
     embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
@@ -309,5 +311,38 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
         (entry,) = streamed["tool_calls"].values()
         assert finish == "tool_calls"
         jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
+    finally:
+        server.close()
+
+
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+
+
+def test_a_harmony_round_trip_reasoning_and_a_call(synth_model, tmp_path):
+    """gpt-oss's harmony format (control-token markers): the analysis channel to reasoning_content, a message to
+    functions.NAME to a tool call, the final channel to content; whole and streamed."""
+    template = TEMPLATE.replace("FORMAT", "messages in harmony channels: <|channel|>")
+    server = live(synth_model, tmp_path, template, {
+        "<turn>": ["<|channel|>", "analysis", "<|message|>", "Need the weather.", "<|end|>", "<|start|>",
+                   "assistant to=functions.get_weather", "<|channel|>#2", "commentary json", "<|message|>#2",
+                   '{"city": "Paris", "days": 2}', "<|call|>"],
+        "<after-tool>": ["<|channel|>#3", "final", "<|message|>#3", ANSWER, "<|return|>"]}, HARMONY)
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        message = r.choices[0].message
+        assert (r.choices[0].finish_reason, message.reasoning_content, message.content) == (
+            "tool_calls", "Need the weather.", None)
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == CALL
+        streamed, finish = collect(client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                                                  temperature=0, stream=True))
+        assert (streamed["reasoning_content"], streamed["content"], finish) == ("Need the weather.", "", "tool_calls")
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()] == [CALL]
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
     finally:
         server.close()
