@@ -64,7 +64,7 @@ class _GenerationBlock(jinja2.ext.Extension):
 class _Namespace(jinja2.utils.Namespace):
     """`namespace(...)` that refuses underscore names, the way to the interpreter's internals."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja2's Namespace signature: self may be a key)
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:

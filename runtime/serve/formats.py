@@ -90,7 +90,7 @@ def _hermes(text: str, tools: dict[str, dict]) -> list[Call]:
     return [_name_and_arguments(json.loads(body)) for body in _blocks(text, "<tool_call>", "</tool_call>")]
 
 
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
 def _xml_functions(block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
@@ -99,7 +99,7 @@ def _xml_functions(block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
     def parse(text: str, tools: dict[str, dict]) -> list[Call]:
         calls = []
         for body in _blocks(text, f"<{block}>", f"</{block}>"):
-            m = re.match(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", body, re.S)
+            m = re.match(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", body, re.DOTALL)
             if not m:
                 raise ValueError(f"a <{block}> without <function=...>")
             name = m.group(1).strip()
@@ -109,7 +109,7 @@ def _xml_functions(block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
     return parse
 
 
-_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 def _glm(text: str, tools: dict[str, dict]) -> list[Call]:
@@ -175,9 +175,9 @@ def _kimi_k2(text: str, tools: dict[str, dict]) -> list[Call]:
 def _invoke_xml(prefix: str, block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
     """<BLOCK><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke></BLOCK>, each tag after
     `prefix` (MiniMax-M2: none; DeepSeek V3.2: ｜DSML｜, whose parameters say string="true|false")."""
-    invoke = re.compile(rf'<{prefix}invoke name="([^"]+)">(.*?)(?:</{prefix}invoke>|$)', re.S)
+    invoke = re.compile(rf'<{prefix}invoke name="([^"]+)">(.*?)(?:</{prefix}invoke>|$)', re.DOTALL)
     parameter = re.compile(rf'<{prefix}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{prefix}parameter>',
-                           re.S)
+                           re.DOTALL)
 
     def parse(text: str, tools: dict[str, dict]) -> list[Call]:
         calls = []

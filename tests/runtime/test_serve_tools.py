@@ -117,8 +117,7 @@ def scripted_model(base: Path, dest: Path, template: str, scripts: dict[str, lis
             out.append(OutputTensor(t.name, GGMLQuantizationType.F32, data.shape, lambda d=data: [d]))
         else:
             out.append(copied_tensor(g, t))
-    string_array = lambda v: KVValue(v, GGUFValueType.ARRAY, GGUFValueType.STRING)  # noqa: E731
-    kv = {"tokenizer.ggml.tokens": string_array(tokens),
+    kv = {"tokenizer.ggml.tokens": KVValue(tokens, GGUFValueType.ARRAY, GGUFValueType.STRING),
           "tokenizer.ggml.token_type": KVValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32),
           "tokenizer.chat_template": KVValue(template, GGUFValueType.STRING),
           "tokenizer.ggml.eot_token_id": KVValue(IM_END, GGUFValueType.UINT32)}
