@@ -159,7 +159,8 @@ class Server:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {self.model.n_ctx} "
                            "(start the server with a larger -c)", param="messages" if shape is CHAT else "prompt",
                            code="context_length_exceeded")
-        jobs = self._jobs(req, prompt, control_text or {}, grammar)
+        # (a matcher compiles its grammar: in a worker thread, as the prompt was tokenized)
+        jobs = await asyncio.to_thread(self._jobs, req, prompt, control_text or {}, grammar)
         outputs: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
