@@ -30,6 +30,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +151,7 @@ class Scheduler:
         self._clock = itertools.count(1)
         self._now = now
         self._step_s = math.inf  # the time between the last two steps
+        self._mask_thread: ThreadPoolExecutor | None = None  # grammar masks (_start_masks), started on first use
         self._last_step = -math.inf
 
     @property
@@ -250,10 +252,12 @@ class Scheduler:
             seq.job.feed = seq.job.feed[len(chunk):]
             if not seq.job.feed:
                 ready.append((i, s))
+        runs = [self.sequences[s].job for _, s in ready]
+        masks = self._start_masks(runs)  # in a worker thread, while the pass runs
         logits = self._forward(chunks, starts, [i for i, _ in ready])
         if launched is not None:
             launched()
-        picked = self._sample([self.sequences[s].job for _, s in ready], logits)
+        picked = self._sample(runs, logits, masks)
         return [self._emit(self.sequences[s], token, lp) for (_, s), (token, lp) in zip(ready, picked)]
 
     def _forward(self, chunks: list[tuple[int, list[int]]], starts: list[int], rows: list[int]) -> torch.Tensor:
@@ -292,16 +296,26 @@ class Scheduler:
             seq.job = _Running(job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep,
                                TextStream(job.stop))
 
-    def _sample(self, runs: list[_Running], logits: torch.Tensor) -> list[tuple[int, TokenLogprobs | None]]:
+    def _start_masks(self, runs: list[_Running]) -> Future | None:
+        """The next-token masks of the grammar-constrained rows among `runs`, computed in a worker thread (the
+        grammar engine lets go of the GIL): they are known before the pass, whose tokens they do not depend on,
+        so they take no time of their own where the pass runs meanwhile (on a GPU, or on the other CPU cores)."""
+        constrained = [r.job.grammar for r in runs if r.job.grammar is not None]
+        if not constrained:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="moerun-masks")
+        return self._mask_thread.submit(constrained[0].grammars.masks, [g.matcher for g in constrained])
+
+    def _sample(self, runs: list[_Running], logits: torch.Tensor,
+                masks: Future | None = None) -> list[tuple[int, TokenLogprobs | None]]:
         """One token per row, with its log-probabilities where the job wants them; the greedy rows with one argmax
-        (one host sync) for all. The rows of grammar-constrained jobs get their masks first (computed before
-        anything waits for the step's logits: on a GPU, while the step runs), and their disallowed tokens' logits
-        set to -inf, as the end-of-generation ones of ignore_eos jobs (in a copy: `logits` may be a graph's
-        output buffer); log-probabilities are the model's, before any of that."""
+        (one host sync) for all. The rows of grammar-constrained jobs (`masks`, from _start_masks) have their
+        disallowed tokens' logits set to -inf, as the end-of-generation ones of ignore_eos jobs (in a copy:
+        `logits` may be a graph's output buffer); log-probabilities are the model's, before any of that."""
         raw = logits
         constrained = [i for i, r in enumerate(runs) if r.job.grammar is not None]
-        allowed = (runs[constrained[0]].job.grammar.grammars.masks([runs[i].job.grammar.matcher for i in constrained])
-                   if constrained else None)
+        allowed = masks.result() if masks is not None else None
         ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos]
         eog = sorted(self.model.tokenizer.eog_ids) if ignoring else []
         if eog or constrained:
