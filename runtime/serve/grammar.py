@@ -3,9 +3,8 @@ valid, through llguidance (a grammar engine made for this: it computes a token m
 vocabulary's token trie in tens of microseconds).
 
 `Grammars` holds the vocabulary as llguidance sees it (built once, on the first request that needs it) and makes a
-`Matcher` per answer. The scheduler asks each step's constrained rows for their masks together (`masks`: one call
-that llguidance spreads over its threads where the machine has the cores), before it reads the step's logits, so that on a GPU the masks are
-computed while the step runs; after sampling, each matcher consumes its token.
+`Constraint` (a matcher) per answer. The scheduler computes the masks of a pass's constrained rows together
+(`Grammars.masks`) in a worker thread while the pass runs, and after sampling each matcher consumes its token.
 """
 
 from __future__ import annotations
