@@ -259,6 +259,8 @@ class HarmonyAnswer:
         if self._kind is not None:
             self._emit(delta, self._kind, self._pending)
             self._close()
+        else:  # text outside any message (a grammar's JSON, or a model that skipped the headers): the answer's
+            self._emit(delta, "content", self._pending)
         self._pending = ""
         calls = []
         for name, body in self._raw_calls:

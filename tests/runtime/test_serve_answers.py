@@ -123,3 +123,6 @@ def test_harmony_channels_split_into_reasoning_content_and_calls():
     message, _ = run(HarmonyAnswer(split_reasoning=False), "<|channel|>analysis<|message|>hm<|end|><|start|>assistant "
                      'to=functions.search<|channel|>commentary json<|message|>{"query": "moe 2"}', 5)
     assert message["content"] == "hm" and message["tool_calls"][0]["function"]["name"] == "search"
+    # text with no message header at all (a grammar's JSON) is the content
+    message, merged = run(HarmonyAnswer(), '{"a": 1}', 3)
+    assert message["content"] == merged["content"] == '{"a": 1}'
