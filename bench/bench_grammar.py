@@ -136,7 +136,7 @@ def main() -> None:
     sample = sched._sample
     sample_seconds = [0.0]
 
-    def timed_sample(runs, logits, masks=None):
+    def timed_sample(runs, logits, masks=([], None)):
         start = time.perf_counter()
         out = sample(runs, logits, masks)
         sample_seconds[0] += time.perf_counter() - start

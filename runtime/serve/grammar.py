@@ -38,10 +38,20 @@ class _Vocabulary:
 
 
 class Constraint:
-    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks."""
+    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks.
+    With `after`, the grammar holds from the token after that one (the end of a reasoning the prompt opened)."""
 
-    def __init__(self, grammars: Grammars, grammar: str) -> None:
+    def __init__(self, grammars: Grammars, grammar: str, after: int | None = None) -> None:
         self.grammars, self.matcher = grammars, grammars.matcher(grammar)
+        self.after = after
+        self.active = after is None
+
+    def follow(self, token: int) -> None:
+        """The answer's next token: the matcher consumes it, or it is the one the grammar waits for."""
+        if self.active:
+            self.matcher.consume_token(token)
+        elif token == self.after:
+            self.active = True
 
 
 class Grammars:

@@ -105,7 +105,7 @@ class Server:
         markers = (tags.start, tags.end) if tags else ()
         control_text = self.chat.control_texts(markers + (calls.markers if calls else ()) +
                                                (HARMONY_MARKERS if self.chat.harmony else ()))
-        grammar = None
+        grammar, grammar_after = None, None
         if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
             chosen = [t for t in req.tools if not isinstance(req.tool_choice, dict)
                       or t["function"]["name"] == req.tool_choice["function"]["name"]]
@@ -114,14 +114,19 @@ class Server:
             tags = None  # the call from its first token on: no reasoning to split out
         elif req.json_schema is not None:
             grammar = await asyncio.to_thread(self.grammars.json_schema, req.json_schema, "response_format")
-            tags = None  # the answer is the JSON from its first token on: no reasoning to split out
+            # where the prompt opened the reasoning and its end tag is one token, the JSON follows that token;
+            # otherwise the answer is the JSON from its first token on, with no reasoning to split out
+            end = self.chat.encode_text(tags.end) if in_reasoning else []
+            grammar_after = end[0] if len(end) == 1 else None
+            if grammar_after is None:
+                tags = None
         if self.chat.harmony:
             def answer() -> Answer:
                 return HarmonyAnswer(req.split_reasoning, req.parallel_tool_calls, parse_calls)
         else:
             def answer() -> Answer:
                 return ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls)
-        return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar)
+        return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar, grammar_after)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids. Called in a worker thread, as chat.encode is: tokenizing a long prompt
@@ -134,7 +139,7 @@ class Server:
         return prompt
 
     def _jobs(self, req: GenerationRequest, prompt: list[int], control_text: dict[int, bytes],
-              grammar: str | None) -> list[Job]:
+              grammar: str | None, grammar_after: int | None = None) -> list[Job]:
         """One job per choice, each with a sampler of its own (choice i seeded with seed + i)."""
         s = req.sampling
         n_vocab = self.model.tokenizer.n_vocab
@@ -147,12 +152,13 @@ class Server:
                                 frequency_penalty=s.frequency_penalty, repeat_penalty=s.repeat_penalty,
                                 repeat_last_n=s.repeat_last_n, logit_bias=s.logit_bias, prompt=prompt)
         return [Job(prompt, s.max_tokens, sampler(i), s.stop, s.ignore_eos, req.logprobs, control_text,
-                    None if grammar is None else Constraint(self.grammars, grammar)) for i in range(req.n)]
+                    None if grammar is None else Constraint(self.grammars, grammar, grammar_after))
+                for i in range(req.n)]
 
     async def _generate(self, request: web.Request, req: GenerationRequest, prompt: list[int],
                         shape: ResponseShape, answer: Callable[[], Answer],
-                        control_text: dict[int, bytes] | None = None, grammar: str | None = None
-                        ) -> web.StreamResponse:
+                        control_text: dict[int, bytes] | None = None, grammar: str | None = None,
+                        grammar_after: int | None = None) -> web.StreamResponse:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(prompt) >= self.model.n_ctx:
@@ -160,7 +166,7 @@ class Server:
                            "(start the server with a larger -c)", param="messages" if shape is CHAT else "prompt",
                            code="context_length_exceeded")
         # (a matcher compiles its grammar: in a worker thread, as the prompt was tokenized)
-        jobs = await asyncio.to_thread(self._jobs, req, prompt, control_text or {}, grammar)
+        jobs = await asyncio.to_thread(self._jobs, req, prompt, control_text or {}, grammar, grammar_after)
         outputs: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

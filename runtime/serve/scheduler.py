@@ -296,26 +296,27 @@ class Scheduler:
             seq.job = _Running(job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep,
                                TextStream(job.stop))
 
-    def _start_masks(self, runs: list[_Running]) -> Future | None:
-        """The next-token masks of the grammar-constrained rows among `runs`, computed in a worker thread (the
+    def _start_masks(self, runs: list[_Running]) -> tuple[list[int], Future | None]:
+        """The rows among `runs` under a grammar now, and their next-token masks, computed in a worker thread (the
         grammar engine lets go of the GIL): they are known before the pass, whose tokens they do not depend on,
         so they take no time of their own where the pass runs meanwhile (on a GPU, or on the other CPU cores)."""
-        constrained = [r.job.grammar for r in runs if r.job.grammar is not None]
-        if not constrained:
-            return None
+        rows = [i for i, r in enumerate(runs) if r.job.grammar is not None and r.job.grammar.active]
+        if not rows:
+            return rows, None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="moerun-masks")
-        return self._mask_thread.submit(constrained[0].grammars.masks, [g.matcher for g in constrained])
+        grammars = runs[rows[0]].job.grammar.grammars
+        return rows, self._mask_thread.submit(grammars.masks, [runs[i].job.grammar.matcher for i in rows])
 
     def _sample(self, runs: list[_Running], logits: torch.Tensor,
-                masks: Future | None = None) -> list[tuple[int, TokenLogprobs | None]]:
+                masks: tuple[list[int], Future | None] = ([], None)) -> list[tuple[int, TokenLogprobs | None]]:
         """One token per row, with its log-probabilities where the job wants them; the greedy rows with one argmax
-        (one host sync) for all. The rows of grammar-constrained jobs (`masks`, from _start_masks) have their
-        disallowed tokens' logits set to -inf, as the end-of-generation ones of ignore_eos jobs (in a copy:
-        `logits` may be a graph's output buffer); log-probabilities are the model's, before any of that."""
+        (one host sync) for all. The rows under a grammar (`masks`, from _start_masks) have their disallowed
+        tokens' logits set to -inf, as the end-of-generation ones of ignore_eos jobs (in a copy: `logits` may be a
+        graph's output buffer); log-probabilities are the model's, before any of that."""
         raw = logits
-        constrained = [i for i, r in enumerate(runs) if r.job.grammar is not None]
-        allowed = masks.result() if masks is not None else None
+        constrained, pending = masks
+        allowed = pending.result() if pending is not None else None
         ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos]
         eog = sorted(self.model.tokenizer.eog_ids) if ignoring else []
         if eog or constrained:
@@ -328,8 +329,9 @@ class Scheduler:
             logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), -math.inf)
         best = logits.argmax(-1).tolist()
         picked = [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
-        for i in constrained:
-            runs[i].job.grammar.matcher.consume_token(picked[i])
+        for r, token in zip(runs, picked):
+            if r.job.grammar is not None:
+                r.job.grammar.follow(token)
         return list(zip(picked, _logprobs(runs, raw, picked)))
 
     def _emit(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None) -> Output:

@@ -2,7 +2,7 @@
 
 The served model is a synthetic qwen3moe whose answers are scripted: its attention and expert outputs are zero, so
 each position's hidden state is its token's embedding, and the output head maps each token of a script to the next
-one (the rest of the vocabulary scores 0, the next token about 30), so greedy decoding follows the script
+one (the rest of the vocabulary scores 0, the next token 40), so decoding follows the script
 exactly, whatever the batch. The scripts' pieces are tokens of their own, appended to the vocabulary (user-defined,
 or control tokens where the real models' markers are). A project-written template ends the generation prompt with
 a token that picks the script: `<turn>` for a new question, `<after-tool>` after a tool's result. Each family's
@@ -108,7 +108,7 @@ def scripted_model(base: Path, dest: Path, template: str, scripts: dict[str, lis
         ids = [index[start]] + [index[p] for p in chain] + [IM_END]
         assert len(set(ids)) == len(ids), "a script's pieces must be distinct tokens"
         for a, b in zip(ids, ids[1:]):
-            head[b] += 0.5 * unit[a] / np.sqrt(n_embd)  # next-token logit: 0.5 * n_embd ** 0.5 * 8 = 32 (64 dims)
+            head[b] += 5 * unit[a] / np.sqrt(n_embd)  # next-token logit: 5 * n_embd / n_embd ** 0.5 = 40 (64 dims)
     replaced = {"token_embd.weight": embd, "output.weight": head, "output_norm.weight": np.ones(n_embd, np.float32)}
     out = []
     for t in g.tensors:
@@ -240,6 +240,15 @@ def test_reasoning_goes_to_reasoning_content_and_thinking_can_be_turned_off(synt
         message = client.chat.completions.create(model="m", messages=messages, temperature=0,
                                                  extra_body={"reasoning_format": "none"}).choices[0].message
         assert message.content == f"<think>{thought}</think>{ANSWER}"
+        # JSON asked for, the prompt opening the reasoning: the model thinks, then the grammar holds from the end
+        # tag on (the scripted answer after it is not JSON: the grammar's tokens, sampled, make the content)
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": ["n"], "additionalProperties": False}
+        message = client.chat.completions.create(
+            model="m", messages=messages, temperature=1.0, seed=1, max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+            extra_body={"chat_template_kwargs": {"prompt_opens_thinking": True}}).choices[0].message
+        assert message.reasoning_content == thought and 0 <= json.loads(message.content)["n"] <= 9
         # the earlier turn's reasoning goes back to the template, then a call comes with text before it
         messages += [{"role": "assistant", "content": ANSWER, "reasoning_content": thought},
                      {"role": "tool", "tool_call_id": "abc", "content": "x"}]
