@@ -17,17 +17,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from moeprep.errors import MoeprepError
-from moerun.generation import make_sampler
+from moerun.generation import Sampler, make_sampler
 from moerun.model import Model
+from moerun.serve.answers import HARMONY_MARKERS, ChatAnswer, HarmonyAnswer, TextAnswer
 from moerun.serve.chat import ChatFormat
 from moerun.serve.engine import Engine
-from moerun.serve.protocol import (CHAT, COMPLETION, ApiError, GenerationRequest, Response, ResponseShape,
-                                   model_list, parse_chat, parse_completion, usage)
+from moerun.serve.grammar import Constraint, Grammars
+from moerun.serve.protocol import (CHAT, COMPLETION, ApiError, GenerationRequest, LoggedToken, Response,
+                                   ResponseShape, model_list, parse_chat, parse_completion, usage)
 from moerun.serve.scheduler import Job, Output, QueueFull, Scheduler
 
 MAX_BODY_BYTES = 8 << 20  # far above any context's worth of prompt text; larger bodies get a 413
@@ -41,6 +43,7 @@ class Server:
     def __init__(self, model: Model, engine: Engine, api_key: str | None = None) -> None:
         self.model, self.engine, self.api_key = model, engine, api_key
         self.chat = ChatFormat(model.gguf, model.tokenizer)
+        self.grammars = Grammars(model.tokenizer, self.chat.control_names())
         self.name = Path(model.gguf.path).name
         self.created = int(time.time())
 
@@ -78,15 +81,52 @@ class Server:
         return web.json_response({"status": "ok", **self.engine.status})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(model_list(self.name, self.created))
+        return web.json_response(model_list(self.name, self.created, self.model.n_ctx))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion(await _json_body(request))
-        return await self._generate(request, req, await asyncio.to_thread(self._prompt_ids, req.prompt), COMPLETION)
+        prompt = await asyncio.to_thread(self._prompt_ids, req.prompt)
+        return await self._generate(request, req, prompt, COMPLETION, TextAnswer)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat(await _json_body(request))
-        return await self._generate(request, req, await asyncio.to_thread(self.chat.encode, req.messages), CHAT)
+        if "reasoning_effort" in req.template_kwargs and "reasoning_effort" not in self.chat.template.variables:
+            raise ApiError(400, "'reasoning_effort': this model's chat template takes none", param="reasoning_effort",
+                           code="unsupported_parameter")
+        parse_calls = bool(req.tools) and req.tool_choice != "none"
+        calls = self.chat.tool_format if parse_calls else None
+        if parse_calls and calls is None and not self.chat.harmony:
+            raise ApiError(400, "'tools': this model's chat template writes tool calls in no format this server "
+                           "parses (docs/runtime.md lists them)", param="tools", code="unsupported_value")
+        text, prompt = await asyncio.to_thread(self.chat.prompt, req.messages, req.tools, req.template_kwargs)
+        tags = self.chat.reasoning if req.split_reasoning else None
+        in_reasoning = tags is not None and text.rstrip().endswith(tags.start)
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools or ()}
+        markers = (tags.start, tags.end) if tags else ()
+        control_text = self.chat.control_texts(markers + (calls.markers if calls else ()) +
+                                               (HARMONY_MARKERS if self.chat.harmony else ()))
+        grammar, grammar_after = None, None
+        if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            chosen = [t for t in req.tools if not isinstance(req.tool_choice, dict)
+                      or t["function"]["name"] == req.tool_choice["function"]["name"]]
+            grammar = await asyncio.to_thread(self.grammars.tool_call, "harmony" if calls is None else calls.name,
+                                              chosen, self.chat.control_ids(), "tool_choice")
+            tags = None  # the call from its first token on: no reasoning to split out
+        elif req.json_schema is not None:
+            grammar = await asyncio.to_thread(self.grammars.json_schema, req.json_schema, "response_format")
+            # where the prompt opened the reasoning and its end tag is one token, the JSON follows that token;
+            # otherwise the answer is the JSON from its first token on, with no reasoning to split out
+            end = self.chat.encode_text(tags.end) if in_reasoning else []
+            grammar_after = end[0] if len(end) == 1 else None
+            if grammar_after is None:
+                tags = None
+        if self.chat.harmony:
+            def answer() -> Answer:
+                return HarmonyAnswer(req.split_reasoning, req.parallel_tool_calls, parse_calls)
+        else:
+            def answer() -> Answer:
+                return ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls)
+        return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar, grammar_after)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids. Called in a worker thread, as chat.encode is: tokenizing a long prompt
@@ -98,68 +138,161 @@ class Server:
             raise ApiError(400, f"'prompt': token ids must be in [0, {tokenizer.n_vocab})", param="prompt")
         return prompt
 
+    def _jobs(self, req: GenerationRequest, prompt: list[int], control_text: dict[int, bytes],
+              grammar: str | None, grammar_after: int | None = None) -> list[Job]:
+        """One job per choice, each with a sampler of its own (choice i seeded with seed + i)."""
+        s = req.sampling
+        n_vocab = self.model.tokenizer.n_vocab
+        if any(not 0 <= t < n_vocab for t in s.logit_bias):
+            raise ApiError(400, f"'logit_bias': token ids must be in [0, {n_vocab})", param="logit_bias")
+
+        def sampler(i: int) -> Sampler:
+            return make_sampler(s.temperature, s.top_p, None if s.seed is None else s.seed + i, top_k=s.top_k,
+                                min_p=s.min_p, presence_penalty=s.presence_penalty,
+                                frequency_penalty=s.frequency_penalty, repeat_penalty=s.repeat_penalty,
+                                repeat_last_n=s.repeat_last_n, logit_bias=s.logit_bias, prompt=prompt)
+        return [Job(prompt, s.max_tokens, sampler(i), s.stop, s.ignore_eos, req.logprobs, control_text,
+                    None if grammar is None else Constraint(self.grammars, grammar, grammar_after))
+                for i in range(req.n)]
+
     async def _generate(self, request: web.Request, req: GenerationRequest, prompt: list[int],
-                        shape: ResponseShape) -> web.StreamResponse:
+                        shape: ResponseShape, answer: Callable[[], Answer],
+                        control_text: dict[int, bytes] | None = None, grammar: str | None = None,
+                        grammar_after: int | None = None) -> web.StreamResponse:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(prompt) >= self.model.n_ctx:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {self.model.n_ctx} "
                            "(start the server with a larger -c)", param="messages" if shape is CHAT else "prompt",
                            code="context_length_exceeded")
-        s = req.sampling
-        job = Job(prompt, s.max_tokens, make_sampler(s.temperature, s.top_p, s.seed), s.stop, s.ignore_eos)
-        outputs: asyncio.Queue[Output | Exception] = asyncio.Queue()
+        # (a matcher compiles its grammar: in a worker thread, as the prompt was tokenized)
+        jobs = await asyncio.to_thread(self._jobs, req, prompt, control_text or {}, grammar, grammar_after)
+        outputs: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        ticket = self.engine.submit(job, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+
+        def submit(i: int, job: Job) -> int:
+            return self.engine.submit(job, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, (i, item)))
+        tickets = [submit(i, job) for i, job in enumerate(jobs)]
+        choices = [_Choice(answer(), req.logprobs is not None) for _ in jobs]
         finished = False
         try:
-            first = _raise_failure(await outputs.get())  # a full queue is a 503 before any byte is sent
+            first = await outputs.get()
+            _raise_failure(first[1])  # a full queue is a 503 before any byte is sent
             response = Response(shape, self.name)
             if req.stream:
-                answer = await self._stream(request, first, outputs, response, req.include_usage)
+                result = await self._stream(request, first, outputs, response, choices, req.include_usage)
             else:
-                answer = await _whole(first, outputs, response)
+                result = await self._whole(first, outputs, response, choices)
             finished = True
-            return answer
+            return result
         finally:
             if not finished:
-                self.engine.cancel(ticket)
+                for ticket in tickets:
+                    self.engine.cancel(ticket)
 
-    async def _stream(self, request: web.Request, out: Output, outputs: asyncio.Queue, response: Response,
-                      include_usage: bool) -> web.StreamResponse:
+    def _logged(self, out: Output) -> LoggedToken | None:
+        if out.logprobs is None:
+            return None
+        token_bytes = self.model.tokenizer.token_bytes
+
+        def text(token: int) -> tuple[str, bytes]:
+            raw = token_bytes(token)
+            return raw.decode("utf-8", errors="replace"), raw
+        return LoggedToken(*text(out.token), out.logprobs.logprob,
+                           tuple((*text(t), lp) for t, lp in out.logprobs.top))
+
+    async def _whole(self, first: tuple[int, Output | Exception], outputs: asyncio.Queue, response: Response,
+                     choices: list[_Choice]) -> web.Response:
+        item = first
+        while True:
+            i, out = item[0], _raise_failure(item[1])
+            choices[i].take(out, self._logged(out))
+            choices[i].answer.push(out.text)
+            if all(c.done for c in choices):
+                break
+            item = await outputs.get()
+        for c in choices:
+            c.answer.end()
+        body = [response.choice(i, c.answer.fields(), c.answer.finish_reason(c.last.finish_reason), delta=False,
+                                logprobs=c.logged) for i, c in enumerate(choices)]
+        return web.json_response(response.whole(body, _usage(choices)))
+
+    async def _stream(self, request: web.Request, first: tuple[int, Output | Exception], outputs: asyncio.Queue,
+                      response: Response, choices: list[_Choice], include_usage: bool) -> web.StreamResponse:
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
 
         async def send(obj: Any) -> None:
             await stream.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-        await send(response.first_chunk())
+        await send(response.chunk([response.choice(i, dict(c.answer.first_delta), None, delta=True, **c.unsent())
+                                   for i, c in enumerate(choices)]))
+        item = first
         while True:
-            if out.text:
-                await send(response.chunk(out.text))
-            if out.finish_reason:
-                break
-            item = await outputs.get()
-            if isinstance(item, Exception):  # the status is sent already: the error goes in the stream
-                await send(_failure(item).body())
+            i, out = item
+            if isinstance(out, Exception):  # the status is sent already: the error goes in the stream
+                await send(_failure(out).body())
                 await stream.write_eof()
                 return stream
-            out = item
-        await send(response.chunk("", out.finish_reason))
+            c = choices[i]
+            c.take(out, self._logged(out))
+            fields = c.answer.push(out.text)
+            if fields:
+                await send(response.chunk([response.choice(i, fields, None, delta=True, **c.unsent())]))
+            if out.finish_reason:
+                await send(response.chunk([response.choice(i, c.answer.end(), c.answer.finish_reason(
+                    out.finish_reason), delta=True, **c.unsent())]))
+                if all(c.done for c in choices):
+                    break
+            item = await outputs.get()
         if include_usage:
-            await send(response.usage_chunk(usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)))
+            await send(response.usage_chunk(_usage(choices)))
         await stream.write(b"data: [DONE]\n\n")
         await stream.write_eof()
         return stream
 
 
-async def _whole(out: Output, outputs: asyncio.Queue, response: Response) -> web.Response:
-    text = [out.text]
-    while not out.finish_reason:
-        out = _raise_failure(await outputs.get())
-        text.append(out.text)
-    return web.json_response(response.whole("".join(text), out.finish_reason,
-                                            usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)))
+class Answer(Protocol):
+    first_delta: dict[str, Any]
+
+    def push(self, text: str) -> dict[str, Any] | None: ...
+    def end(self) -> dict[str, Any]: ...
+    def finish_reason(self, reason: str) -> str: ...
+    def fields(self) -> dict[str, Any]: ...
+
+
+class _Choice:
+    """One choice of a request: its answer, the last output of its job, and its tokens' log-probabilities (None:
+    not asked for), of which the first `sent` went out in chunks already, covering `offset` characters."""
+
+    def __init__(self, answer: Answer, logprobs: bool) -> None:
+        self.answer = answer
+        self.last: Output | None = None
+        self.logged: list[LoggedToken] | None = [] if logprobs else None
+        self.sent = self.offset = 0
+
+    @property
+    def done(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
+
+    def take(self, out: Output, logged: LoggedToken | None) -> None:
+        self.last = out
+        if self.logged is not None:
+            self.logged.append(logged)
+
+    def unsent(self) -> dict[str, Any]:
+        """The `Response.choice` arguments for the log-probabilities not sent yet; none when not asked for."""
+        if self.logged is None:
+            return {}
+        tokens, offset = self.logged[self.sent:], self.offset
+        self.sent, self.offset = len(self.logged), offset + sum(len(t.text) for t in tokens)
+        return {"logprobs": tokens, "text_offset": offset}
+
+
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    """The prompt counted once, the choices' tokens added up; cached: the prompt tokens every choice reused."""
+    outs = [c.last for c in choices]
+    return usage(outs[0].prompt_tokens, sum(o.completion_tokens for o in outs), min(o.cached_tokens for o in outs))
 
 
 def _failure(e: Exception) -> ApiError:

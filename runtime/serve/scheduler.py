@@ -30,7 +30,9 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,6 +66,9 @@ class Job:
     sampler: Sampler = greedy
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # the end-of-generation tokens are never sampled: the job ends on its limit or a stop
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely tokens' too
+    control_text: dict[int, bytes] = field(default_factory=dict)  # control tokens whose text the answer shows
+    grammar: Any = None  # a grammar.Constraint: each step's token is picked among those its grammar allows
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,17 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV was already in the sequence
+    token: int = -1  # the token this step picked
+    logprobs: TokenLogprobs | None = None  # where the job asked for them
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A picked token's log-probability under the model (the log-softmax of its logits, before any sampling
+    setting or penalty) and the `top` most likely tokens' (id, log-probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class TextStream:
@@ -136,6 +152,7 @@ class Scheduler:
         self._clock = itertools.count(1)
         self._now = now
         self._step_s = math.inf  # the time between the last two steps
+        self._mask_thread: ThreadPoolExecutor | None = None  # grammar masks (_start_masks), started on first use
         self._last_step = -math.inf
 
     @property
@@ -236,11 +253,13 @@ class Scheduler:
             seq.job.feed = seq.job.feed[len(chunk):]
             if not seq.job.feed:
                 ready.append((i, s))
+        runs = [self.sequences[s].job for _, s in ready]
+        masks = self._start_masks(runs)  # in a worker thread, while the pass runs
         logits = self._forward(chunks, starts, [i for i, _ in ready])
         if launched is not None:
             launched()
-        picked = self._sample([self.sequences[s].job for _, s in ready], logits)
-        return [self._emit(self.sequences[s], token) for (_, s), token in zip(ready, picked)]
+        picked = self._sample(runs, logits, masks)
+        return [self._emit(self.sequences[s], token, lp) for (_, s), (token, lp) in zip(ready, picked)]
 
     def _forward(self, chunks: list[tuple[int, list[int]]], starts: list[int], rows: list[int]) -> torch.Tensor:
         """One pass -> the logits (R, V) of the last tokens of the chunks `rows`: a decode step when each chunk is
@@ -278,33 +297,77 @@ class Scheduler:
             seq.job = _Running(job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep,
                                TextStream(job.stop))
 
-    def _sample(self, runs: list[_Running], logits: torch.Tensor) -> list[int]:
-        """One token per row; the greedy rows with one argmax (one host sync) for all. The rows of ignore_eos jobs
-        have their end-of-generation logits set to -inf first (a copy: `logits` may be a graph's output buffer)."""
+    def _start_masks(self, runs: list[_Running]) -> tuple[list[int], Future | None]:
+        """The rows among `runs` under a grammar now, and their next-token masks, computed in a worker thread (the
+        grammar engine lets go of the GIL): they are known before the pass, whose tokens they do not depend on,
+        so they take no time of their own where the pass runs meanwhile (on a GPU, or on the other CPU cores)."""
+        rows = [i for i, r in enumerate(runs) if r.job.grammar is not None and r.job.grammar.active]
+        if not rows:
+            return rows, None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="moerun-masks")
+        grammars = runs[rows[0]].job.grammar.grammars
+        return rows, self._mask_thread.submit(grammars.masks, [runs[i].job.grammar.matcher for i in rows])
+
+    def _sample(self, runs: list[_Running], logits: torch.Tensor,
+                masks: tuple[list[int], Future | None] = ([], None)) -> list[tuple[int, TokenLogprobs | None]]:
+        """One token per row, with its log-probabilities where the job wants them; the greedy rows with one argmax
+        (one host sync) for all. The rows under a grammar (`masks`, from _start_masks) have their disallowed
+        tokens' logits set to -inf, as the end-of-generation ones of ignore_eos jobs (in a copy: `logits` may be a
+        graph's output buffer); log-probabilities are the model's, before any of that."""
+        raw = logits
+        constrained, pending = masks
+        allowed = pending.result() if pending is not None else None
         ignoring = [i for i, r in enumerate(runs) if r.job.ignore_eos]
         eog = sorted(self.model.tokenizer.eog_ids) if ignoring else []
-        if eog:
+        if eog or constrained:
             logits = logits.clone()
+        if eog:
             logits[torch.tensor(ignoring, device=logits.device)[:, None], torch.tensor(eog, device=logits.device)] = \
                 -math.inf
+        if constrained:
+            rows = torch.tensor(constrained, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), -math.inf)
         best = logits.argmax(-1).tolist()
-        return [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
+        picked = [b if r.job.sampler is greedy else r.job.sampler(row) for r, b, row in zip(runs, best, logits)]
+        for r, token in zip(runs, picked):
+            if r.job.grammar is not None:
+                r.job.grammar.follow(token)
+        return list(zip(picked, _logprobs(runs, raw, picked)))
 
-    def _emit(self, seq: _Sequence, token: int) -> Output:
+    def _emit(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None) -> Output:
         r = seq.job
         r.generated += 1
         tokenizer = self.model.tokenizer
         if token in tokenizer.eog_ids:
             text, finish = r.text.flush(), "stop"
         else:
-            text, stopped = r.text.push(tokenizer.token_bytes(token))
+            text, stopped = r.text.push(tokenizer.token_bytes(token) or r.job.control_text.get(token, b""))
             finish = "stop" if stopped else "length" if r.generated >= r.limit else None
             text += r.text.flush() if finish == "length" else ""
         if finish:
             seq.job, seq.last_used, seq.freed_at = None, next(self._clock), self._now()
         else:
             r.feed = [token]
-        return Output(r.id, text, finish, len(r.job.prompt), r.generated, r.cached)
+        return Output(r.id, text, finish, len(r.job.prompt), r.generated, r.cached, token, logprobs)
+
+
+def _logprobs(runs: list[_Running], logits: torch.Tensor, picked: list[int]) -> list[TokenLogprobs | None]:
+    """The log-probabilities of the rows whose jobs want them, in one log-softmax and one host sync."""
+    rows = [i for i, r in enumerate(runs) if r.job.logprobs is not None]
+    if not rows:
+        return [None] * len(runs)
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor([picked[i] for i in rows], device=logits.device)[:, None])[:, 0].tolist()
+    k = max(runs[i].job.logprobs for i in rows)
+    top_values, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(runs)
+    for j, i in enumerate(rows):
+        n = runs[i].job.logprobs
+        out[i] = TokenLogprobs(chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])))
+    return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -179,6 +179,28 @@ def test_chat_uses_the_gguf_template_and_special_tokens(servers, alone):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(expected_ids), n)
 
 
+def test_chat_takes_content_parts_template_kwargs_and_a_whole_agent_turn(servers, alone):
+    """Through the openai client: text parts (joined for this template, which reads strings), chat_template_kwargs
+    (passed; ChatML reads none), an assistant tool call with content null and the tool's result (rendered through
+    the template, arguments as an object); reasoning_effort, which this template does not read, is a 400."""
+    client = servers["main"].client()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "MoE?"}]}]
+    r = client.chat.completions.create(model="x", messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    ids = alone.chat.encode([{"role": "user", "content": "What is MoE?"}])
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == alone(ids, 5)[0]
+    turn = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21"}]
+    r = client.chat.completions.create(model="x", messages=turn, max_tokens=5, temperature=0)
+    ids = alone.chat.encode([{"role": "user", "content": "weather?"}, {"role": "assistant", "content": ""},
+                             {"role": "tool", "content": "21"}])
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == alone(ids, 5)[0]
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        client.chat.completions.create(model="x", messages=turn, max_tokens=5, reasoning_effort="low")
+
+
 def test_streaming_gives_the_same_text_then_usage(servers, alone):
     client = servers["main"].client()
     ids = alone.model.tokenizer.encode(PROMPTS[3])
@@ -217,12 +239,143 @@ def test_seed_reproduces_the_same_sample(servers, alone):
     ids = alone.model.tokenizer.encode(PROMPTS[6])
 
     def sample(seed: int) -> str:
-        return client.completions.create(model="x", prompt=PROMPTS[6], max_tokens=16, temperature=1.0, top_p=0.9,
-                                         seed=seed).choices[0].text
+        return client.completions.create(model="x", prompt=PROMPTS[6], max_tokens=16, temperature=0.7, top_p=0.9,
+                                         seed=seed, extra_body={"top_k": 4}).choices[0].text
 
     first = sample(7)
-    assert sample(7) == first == alone(ids, 16, moerun.make_sampler(1.0, 0.9, 7))[0]
+    assert sample(7) == first == alone(ids, 16, margin_checked(moerun.make_sampler(0.7, 0.9, 7, top_k=4)))[0]
     assert sample(8) != first
+
+
+def margin_checked(sampler):
+    """A seeded sampler (temperature > 0) that asserts each draw falls at least 1e-2 of the kept probability mass
+    away from a boundary between two tokens: batched logits differ from these by float rounding, and a draw that
+    close to a boundary could pick the neighbour."""
+    def pick(logits):
+        kept, _ = sampler.distribution(sampler.adjust(logits))
+        cumulative = (torch.cumsum(kept, dim=-1) / kept.sum())[:int((kept > 0).sum()) - 1]  # the inner boundaries
+        peek = torch.Generator()
+        peek.set_state(sampler.generator.get_state())
+        u = float(torch.rand(1, generator=peek))
+        assert not len(cumulative) or (cumulative - u).abs().min() > 1e-2, "a draw at a boundary: pick another seed"
+        return sampler(logits)
+    return pick
+
+
+def greedy_logprobs(alone, ids: list[int], n: int, k: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Greedy steps in this process, with the model's own log-softmax: (token, its log-probability, the top k's),
+    checking that no step's top k + 1 holds a near-tie."""
+    steps, tokens = [], []
+    for _ in range(n):
+        row = torch.log_softmax(alone.model.forward(torch.tensor(ids + tokens))[-1].float(), dim=-1)
+        top = torch.topk(row, k + 2)
+        assert (top.values[:-1] - top.values[1:] > 1e-4).all(), "a near-tie: pick another prompt"
+        token = int(top.indices[0])
+        steps.append((token, float(row[token]), list(zip(top.indices[:k].tolist(), top.values[:k].tolist()))))
+        tokens.append(token)
+        if token in alone.model.tokenizer.eog_ids:
+            break
+    return steps
+
+
+def test_logprobs_equal_the_models_log_softmax(servers, alone):
+    """Chat (logprobs + top_logprobs, whole and streamed) and completions (logprobs=k): each token's log-probability
+    and its alternatives' are the model's log-softmax at that step, the tokens the answer's."""
+    client = servers["main"].client()
+    token_bytes = alone.model.tokenizer.token_bytes
+    messages = [{"role": "user", "content": PROMPTS[9]}]
+    expected = greedy_logprobs(alone, alone.chat.encode(messages), 6, 3)
+    r = client.chat.completions.create(model="x", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(expected)
+    for c, (token, logprob, top) in zip(content, expected):
+        assert bytes(c.bytes) == token_bytes(token) and c.logprob == pytest.approx(logprob, abs=1e-3)
+        assert [bytes(t.bytes) for t in c.top_logprobs] == [token_bytes(t) for t, _ in top]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([lp for _, lp in top], abs=1e-3)
+    streamed = [ch.choices[0] for ch in client.chat.completions.create(
+        model="x", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+        if ch.choices]
+    again = [c for ch in streamed if ch.logprobs for c in ch.logprobs.content]
+    assert [c.token for c in again] == [c.token for c in content]
+    assert [c.logprob for c in again] == pytest.approx([c.logprob for c in content], abs=1e-3)
+    plain = client.chat.completions.create(model="x", messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    # completions: the legacy shape, offsets into the answer's text
+    expected = greedy_logprobs(alone, alone.model.tokenizer.encode(PROMPTS[10]), 5, 2)
+    c = client.completions.create(model="x", prompt=PROMPTS[10], max_tokens=5, temperature=0, logprobs=2).choices[0]
+    lp = c.logprobs
+    assert lp.tokens == [token_bytes(t).decode("utf-8", errors="replace") for t, _, _ in expected]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.token_logprobs == pytest.approx([logprob for _, logprob, _ in expected], abs=1e-3)
+    for got, (_, _, top) in zip(lp.top_logprobs, expected):
+        assert list(got) == [token_bytes(t).decode("utf-8", errors="replace") for t, _ in top]
+        assert list(got.values()) == pytest.approx([v for _, v in top], abs=1e-3)
+
+
+def test_n_choices_each_sample_with_their_own_seed(servers, alone):
+    """n=3 with a seed: choice i is what a request seeded seed + i gets alone; streamed, the chunks of the choices
+    interleave by index and add up to the same texts; usage counts the prompt once and every choice's tokens."""
+    client = servers["main"].client()
+    ids = alone.model.tokenizer.encode(PROMPTS[11])
+    answers = [alone(ids, 8, margin_checked(moerun.make_sampler(0.7, 1.0, 1 + i, top_k=4))) for i in range(3)]
+    expected = [text for text, _, _ in answers]
+    assert len(set(expected)) > 1
+    r = client.completions.create(model="x", prompt=PROMPTS[11], max_tokens=8, temperature=0.7, seed=1, n=3,
+                                  extra_body={"top_k": 4})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == expected
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == sum(n for _, _, n in answers)
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model="x", prompt=PROMPTS[11], max_tokens=8, temperature=0.7, seed=1,
+                                           n=3, stream=True, extra_body={"top_k": 4}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def greedy_gap_checked(sampler):
+    """A temperature-0 PenalizedSampler that asserts each pick is no near-tie of its adjusted logits."""
+    def pick(logits):
+        top = torch.topk(sampler.adjust(logits), 2).values
+        assert top[0] - top[1] > 1e-4, "a near-tied penalized step: pick other test settings"
+        return sampler(logits)
+    return pick
+
+
+def test_penalties_top_k_min_p_and_logit_bias_through_the_server(servers, alone):
+    """Each setting, greedy or seeded, gives what the same sampler gives the prompt alone in this process; and each
+    of them changes the answer of that prompt (so none is silently ignored)."""
+    client = servers["main"].client()
+    ids = alone.model.tokenizer.encode(PROMPTS[12])
+    plain = alone(ids, 12)[0]
+    first = alone.model.tokenizer.encode(plain, add_bos=False)[0]
+    cases = [({"frequency_penalty": 1.5}, 0.0), ({"presence_penalty": 2.0}, 0.0),
+             ({"repeat_penalty": 1.8, "repeat_last_n": 16}, 0.0), ({"logit_bias": {first: -100}}, 0.0),
+             ({"top_k": 1}, 1.0), ({"min_p": 0.95}, 1.0)]
+    for settings, temperature in cases:
+        body = {k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in settings.items()}
+        sampler = moerun.make_sampler(temperature, 1.0, 3, prompt=ids, **settings)
+        want = alone(ids, 12, (greedy_gap_checked if temperature == 0 else margin_checked)(sampler))[0]
+        r = client.completions.create(model="x", prompt=PROMPTS[12], max_tokens=12, temperature=temperature, seed=3,
+                                      extra_body=body)
+        assert r.choices[0].text == want, settings
+        if temperature == 0:
+            assert want != plain, settings
+    # top_k=1 and min_p near 1 keep only the most likely token: the greedy answer, whatever the seed
+    for settings in ({"top_k": 1}, {"min_p": 1.0}):
+        r = client.completions.create(model="x", prompt=PROMPTS[12], max_tokens=12, temperature=1.5, seed=99,
+                                      extra_body=settings)
+        assert r.choices[0].text == plain
+
+
+def test_models_lists_the_context_length(servers):
+    (model,) = servers["main"].request("GET", "/v1/models")[1]["data"]
+    assert (model["id"], model["context_length"], model["max_model_len"]) == ("chat.gguf", N_CTX, N_CTX)
 
 
 def test_max_tokens_and_a_huge_max_tokens(servers, alone):
@@ -336,8 +489,30 @@ HOSTILE: list[tuple[str, str, bytes | dict | None, int]] = [
     ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "ignore_eos": 1}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "stream_options": []}, 400),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400),
-    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 5}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 9}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": True}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "top_k": "a"}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "min_p": 2}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "repeat_penalty": 0}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "repeat_last_n": -2}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"1": 200}}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 1}}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "mirostat": 2}, 400),  # changes the output, not implemented
+    ("POST", "/v1/completions", {"prompt": "x", "repetition_penalty": 1.1}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                      "top_logprobs": 21}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "functions": [{"name": "f"}]}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, 400),
     ("POST", "/v1/completions", {"prompt": "word " * 400}, 400),  # longer than the context
     ("POST", "/v1/chat/completions", {"messages": "hi"}, 400),
     ("POST", "/v1/chat/completions", {"messages": []}, 400),
@@ -362,6 +537,12 @@ def test_hostile_requests_get_json_errors_and_the_server_stays_up(servers):
         assert_api_error(*server.request(method, path, body), expected)
     # unknown fields are ignored, as OpenAI-compatible servers do; the known-but-unsupported ones were refused above
     status, body = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": [1]})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2
+    # fields that do not change the answer are accepted
+    status, body = server.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "user": "u1", "metadata": {"k": "v"},
+        "store": False, "service_tier": "auto", "model": "anything", "modalities": ["text"],
+        "response_format": {"type": "text"}})
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
     # a body past the limit: a 413 JSON error, or the connection closed while the body was still being sent
     try:

@@ -1,0 +1,146 @@
+"""Structured output: a grammar (a JSON schema's) that masks each step's logits to the tokens that keep the answer
+valid, through llguidance (a grammar engine made for this: it computes a token mask from the parser state and the
+vocabulary's token trie in tens of microseconds).
+
+`Grammars` holds the vocabulary as llguidance sees it (built once, on the first request that needs it) and makes a
+`Constraint` (a matcher) per answer. The scheduler computes the masks of a pass's constrained rows together
+(`Grammars.masks`) in a worker thread while the pass runs, and after sampling each matcher consumes its token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import llguidance
+import llguidance.torch
+import torch
+
+from moerun.serve.protocol import ApiError
+from moerun.tokenizer import Tokenizer
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads: each token's bytes (control tokens as 0xff + their text, so that a
+    grammar never writes them as text), the end-of-generation ids, and the tokenizer itself."""
+
+    def __init__(self, tokenizer: Tokenizer, control: dict[int, str]) -> None:
+        self.tokens = [b"\xff" + control[i].encode() if i in control else tokenizer.token_bytes(i)
+                       for i in range(tokenizer.n_vocab)]
+        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eog_ids)
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = sorted(control)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_bos=False)
+
+
+class Constraint:
+    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks.
+    With `after`, the grammar holds from the token after that one (the end of a reasoning the prompt opened)."""
+
+    def __init__(self, grammars: Grammars, grammar: str, after: int | None = None) -> None:
+        self.grammars, self.matcher = grammars, grammars.matcher(grammar)
+        self.after = after
+        self.active = after is None
+
+    def follow(self, token: int) -> None:
+        """The answer's next token: the matcher consumes it, or it is the one the grammar waits for."""
+        if self.active:
+            self.matcher.consume_token(token)
+        elif token == self.after:
+            self.active = True
+
+
+class Grammars:
+    def __init__(self, tokenizer: Tokenizer, control: dict[int, str]) -> None:
+        self._tokenizer, self._control = tokenizer, control
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self.executor = llguidance.LLExecutor()
+        # llguidance's thread pool pays for its hand-off only with cores to spare: on 2 busy cores 8 rows' masks took
+        # 0.8-1.9 ms through it against 0.35-0.43 ms one after another (the bench model's 8192-token vocabulary)
+        self.parallel = (os.cpu_count() or 1) >= 8
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltokenizer is None:
+            wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._control))
+            self._lltokenizer = llguidance.LLTokenizer(wrapper, eos_token=sorted(self._tokenizer.eog_ids))
+        return self._lltokenizer
+
+    def json_schema(self, schema: dict[str, Any], param: str) -> str:
+        """A JSON schema's grammar, checked: an ApiError(400) naming `param` when llguidance cannot compile it."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=NO_FREE_WHITESPACE)
+        except ValueError as e:
+            raise ApiError(400, f"'{param}': not a JSON schema ({e})", param=param) from e
+        self.check(grammar, param)
+        return grammar
+
+    def tool_call(self, format_name: str, tools: list[dict[str, Any]], control: dict[str, int], param: str) -> str:
+        """A grammar for exactly one call, to one of `tools`, written in the tool format `format_name` with
+        arguments valid against the tool's schema: for `tool_choice` "required" or a named function. Only the
+        formats whose arguments are one JSON value have one (CALL_SHAPES); others are an ApiError(400)."""
+        shape = CALL_SHAPES.get(format_name)
+        if shape is None:
+            raise ApiError(400, f"'{param}': this model's tool-call format ({format_name}) cannot be constrained; "
+                           "use 'auto'", param=param, code="unsupported_value")
+
+        def lit(text: str) -> str:  # a control token by its id, other text as a string
+            return f"<[{control[text]}]>" if text in control else json.dumps(text)
+        rules = []
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            pieces = shape(function["name"], function.get("parameters") or {"type": "object"})
+            rules.append(f"call{i}: " + " ".join(
+                lit(p) if isinstance(p, str) else "%json " + json.dumps({**p, "x-guidance": NO_FREE_WHITESPACE})
+                for p in pieces))
+        grammar = llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n")
+        self.check(grammar, param)
+        return grammar
+
+    def check(self, grammar: str, param: str) -> None:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ApiError(400, f"'{param}': the schema cannot be enforced ({error.splitlines()[0]})", param=param)
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+
+    def masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """The next-token masks of these matchers, (len, n_vocab) booleans on the CPU."""
+        bits = llguidance.torch.allocate_token_bitmask(len(matchers), self.lltokenizer.vocab_size)
+        if self.parallel and len(matchers) > 1:
+            llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bits)
+        else:
+            for i, m in enumerate(matchers):
+                llguidance.torch.fill_next_token_bitmask(m, bits, i)
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(matchers), -1)
+        return allowed[:, :self._tokenizer.n_vocab]
+
+
+# JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
+NO_FREE_WHITESPACE = {"whitespace_flexible": False}
+
+
+def _hermes_call(name: str, parameters: dict) -> list[str | dict]:
+    call = {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+    return ["<tool_call>", "\n", call, "\n", "</tool_call>"]
+
+
+# tool format -> (function name, its parameters' schema) -> the call's pieces: literal texts, and JSON schemas
+CALL_SHAPES = {
+    "hermes": _hermes_call,
+    "mistral": lambda name, parameters: ["[TOOL_CALLS]", name, "[ARGS]", parameters],
+    "deepseek-v3.1": lambda name, parameters: ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", name,
+                                               "<｜tool▁sep｜>", parameters, "<｜tool▁call▁end｜>",
+                                               "<｜tool▁calls▁end｜>"],
+    "kimi-k2": lambda name, parameters: ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", f"functions.{name}:0",
+                                         "<|tool_call_argument_begin|>", parameters, "<|tool_call_end|>",
+                                         "<|tool_calls_section_end|>"],
+}
