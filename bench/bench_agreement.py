@@ -67,22 +67,28 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     text = CALIBRATION_PATH.read_text(encoding="utf-8")
-    print("| arch | type | end to end top-1 / experts % | layer by layer top-1 / experts % | worst layer error "
-          "| self-jitter top-1 % | self-jitter experts % |")
+    print(
+        "| arch | type | end to end top-1 / experts % | layer by layer top-1 / experts % | worst layer error "
+        "| self-jitter top-1 % | self-jitter experts % |"
+    )
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
             for qtype in args.types.split(","):
-                path = write_synth_model(Path(tmp) / f"{arch}-{qtype}.gguf", arch, preset="small",
-                                         expert_type=qtype, attn_type=qtype)
+                path = write_synth_model(
+                    Path(tmp) / f"{arch}-{qtype}.gguf", arch, preset="small", expert_type=qtype, attn_type=qtype
+                )
                 c = compare(path, text)
                 tokens = moerun.load_model(path).tokenizer.encode(text)[:N_POSITIONS]
                 plain = run(path, tokens, None)
                 floors = np.array([agreement(plain, run(path, tokens, seed)) for seed in range(1, args.seeds + 1)])
                 span = lambda v: f"{100 * v.min():.2f}-{100 * v.max():.2f}"  # noqa: E731
-                print(f"| {arch} | {qtype} | {100 * c.top1_agreement:.2f} / {100 * c.expert_agreement:.2f} "
-                      f"| {100 * c.forced.top1_agreement:.2f} / {100 * c.forced.expert_agreement:.2f} "
-                      f"| {max(c.layer_errors):.1e} | {span(floors[:, 0])} | {span(floors[:, 1])} |", flush=True)
+                print(
+                    f"| {arch} | {qtype} | {100 * c.top1_agreement:.2f} / {100 * c.expert_agreement:.2f} "
+                    f"| {100 * c.forced.top1_agreement:.2f} / {100 * c.forced.expert_agreement:.2f} "
+                    f"| {max(c.layer_errors):.1e} | {span(floors[:, 0])} | {span(floors[:, 1])} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -46,13 +46,20 @@ def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -
     tokens = model.tokenizer.encode(text)[:max_tokens]
     chunks = np.array(tokens[: len(tokens) // chunk * chunk]).reshape(-1, chunk)
     identity = identify_model(model.gguf)
-    counts, _ = collect(model, chunks, np.zeros(len(chunks), bool), identity.moe_layers, identity.n_expert,
-                        identity.n_expert_used)
+    counts, _ = collect(
+        model, chunks, np.zeros(len(chunks), bool), identity.moe_layers, identity.n_expert, identity.n_expert_used
+    )
     return counts.block_table(model.args.n_layers)
 
 
-SETTINGS = {"cold": (False, None, {}), "warm": (True, None, {}), "warm-64": (True, 64, {}), "cold-64": (False, 64, {}),
-            "cold-cpu": (False, None, {"stream": False}), "warm-cpu": (True, None, {"stream": False})}
+SETTINGS = {
+    "cold": (False, None, {}),
+    "warm": (True, None, {}),
+    "warm-64": (True, 64, {}),
+    "cold-64": (False, 64, {}),
+    "cold-cpu": (False, None, {"stream": False}),
+    "warm-cpu": (True, None, {"stream": False}),
+}
 # (warm, decode tokens, CacheConfig fields)
 ALL_SETTINGS = ("resident", *SETTINGS)
 
@@ -85,8 +92,11 @@ def main() -> None:
     ap.add_argument("--warm-text", help="Text to count expert use over for the warm start (default: none).")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json")
-    ap.add_argument("--settings", help=f"Which of {','.join(ALL_SETTINGS)} to run, in this order (default: all, "
-                    "or resident,cold without --warm-text).")
+    ap.add_argument(
+        "--settings",
+        help=f"Which of {','.join(ALL_SETTINGS)} to run, in this order (default: all, "
+        "or resident,cold without --warm-text).",
+    )
     ap.add_argument("--setting", choices=SETTINGS, help="Run only this cached setting (the driver's child).")
     ap.add_argument("--usage", help="With --setting: the warm start's counts (.npy).")
     ap.add_argument("--routing", help="Replay this routing trace (moeprep routing generate/extract) in every setting.")
@@ -121,9 +131,23 @@ def main() -> None:
         del resident
         torch.cuda.empty_cache()
     folder = Path(tempfile.mkdtemp())
-    child = [sys.executable, __file__, args.model, "--budget", args.budget, "-p", str(args.prompt), "-n",
-             str(args.gen), "-f", args.text] + (["--threads", str(args.threads)] if args.threads else []) \
+    child = (
+        [
+            sys.executable,
+            __file__,
+            args.model,
+            "--budget",
+            args.budget,
+            "-p",
+            str(args.prompt),
+            "-n",
+            str(args.gen),
+            "-f",
+            args.text,
+        ]
+        + (["--threads", str(args.threads)] if args.threads else [])
         + (["--routing", args.routing] if args.routing else [])
+    )
     if usage is not None:
         np.save(folder / "usage.npy", usage)
         child += ["--usage", str(folder / "usage.npy")]

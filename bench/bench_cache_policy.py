@@ -35,7 +35,8 @@ from moeprep.gguf.reader import open_gguf
 from moeprep.profile.heldout import SIZES, cache_slots
 from moeprep.profile.policy import POLICIES, Belady, UploadCost, make_policy, next_uses, replay
 from moeprep.profile.regimes import REGIMES, Shape, generate
-from moeprep.profile.routing_stats import SIZES as REGIME_SIZES, hit_rates
+from moeprep.profile.routing_stats import SIZES as REGIME_SIZES
+from moeprep.profile.routing_stats import hit_rates
 
 HERE = Path(__file__).resolve().parent
 COMPARED = ("lru", "lfu", "lfuda", "classlru", "admit2", "payback")  # every policy that adapts; static needs a profile
@@ -75,11 +76,19 @@ def regime_table(name: str, layers: int, tokens: int) -> dict:
     r = REGIMES[name]
     t = generate(name, Shape(layers, r.shape.experts, r.shape.top_k), tokens, r.target_chunk)
     slots, hits, uploads = hit_rates(t, REGIME_SIZES, REGIME_POLICIES)
-    return {"experts": t.n_expert, "top_k": t.top_k, "layers": layers, "tokens": tokens, "slots": list(slots),
-            "hit": {p: [float(hits[i, s, 1].mean()) for s in range(len(REGIME_SIZES))]
-                    for i, p in enumerate(REGIME_POLICIES)},
-            "uploads": {p: [float(uploads[i, s].mean()) for s in range(len(REGIME_SIZES))]
-                        for i, p in enumerate(REGIME_POLICIES)}}
+    return {
+        "experts": t.n_expert,
+        "top_k": t.top_k,
+        "layers": layers,
+        "tokens": tokens,
+        "slots": list(slots),
+        "hit": {
+            p: [float(hits[i, s, 1].mean()) for s in range(len(REGIME_SIZES))] for i, p in enumerate(REGIME_POLICIES)
+        },
+        "uploads": {
+            p: [float(uploads[i, s].mean()) for s in range(len(REGIME_SIZES))] for i, p in enumerate(REGIME_POLICIES)
+        },
+    }
 
 
 def payback_verdict(res: dict) -> tuple[bool, float]:
@@ -96,24 +105,34 @@ def print_regimes(results: dict) -> None:
     upload_in_reads = cost.upload_s / cost.hit_saves_s
     for name, res in results.items():
         k = res["top_k"]
-        print(f"\n{name} ({res['layers']} layers, {res['experts']} experts, top-{k}, {res['tokens']} tokens): hit rate "
-              f"after 64 tokens / uploads per token per layer / net saving in expert reads per token per layer")
+        print(
+            f"\n{name} ({res['layers']} layers, {res['experts']} experts, top-{k}, {res['tokens']} tokens): hit rate "
+            f"after 64 tokens / uploads per token per layer / net saving in expert reads per token per layer"
+        )
         print("| policy | " + " | ".join(f"{s:.0%} ({n})" for s, n in zip(REGIME_SIZES, res["slots"])) + " |")
         print("|---|" + "---:|" * len(REGIME_SIZES))
         for p in REGIME_POLICIES:
-            cells = [f"{h:.1%} / {u:.2f} / {h * k - u * upload_in_reads:.2f}"
-                     for h, u in zip(res["hit"][p], res["uploads"][p])]
+            cells = [
+                f"{h:.1%} / {u:.2f} / {h * k - u * upload_in_reads:.2f}"
+                for h, u in zip(res["hit"][p], res["uploads"][p])
+            ]
             print(f"| {p} | " + " | ".join(cells) + " |")
         at_least, way = payback_verdict(res)
-        print(f"payback at least the best of {', '.join(PEERS)} at every share: {'yes' if at_least else 'no'}; "
-              f"of the way from LRU to Belady on average: {way:.0%}")
+        print(
+            f"payback at least the best of {', '.join(PEERS)} at every share: {'yes' if at_least else 'no'}; "
+            f"of the way from LRU to Belady on average: {way:.0%}"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace", type=Path, default=HERE / "data" / "routing-trace.npz")
-    p.add_argument("--model", type=Path, default=HERE / "models" / "bench-qwen3moe-f16.gguf",
-                   help="the model the trace came from (its expert count)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=HERE / "models" / "bench-qwen3moe-f16.gguf",
+        help="the model the trace came from (its expert count)",
+    )
     p.add_argument("--tokens", type=int, default=None, help="replay only the first N tokens")
     p.add_argument("--cap", type=int, default=1, help="uploads per layer per token in the capped runs")
     p.add_argument("--json", type=Path, default=None)
@@ -139,8 +158,10 @@ def main() -> None:
     cost = UploadCost()
     upload_in_reads = cost.upload_s / cost.hit_saves_s
     results = {name: run_policy(name, ids, n_expert, caps) for name in (*COMPARED, "belady")}
-    print(f"{a.trace.name}: {n_t} tokens, {n_m} MoE layers, {n_expert} experts, top-{n_k}; one continuous stream, "
-          f"caches start empty; an upload costs {upload_in_reads:.2f} expert reads")
+    print(
+        f"{a.trace.name}: {n_t} tokens, {n_m} MoE layers, {n_expert} experts, top-{n_k}; one continuous stream, "
+        f"caches start empty; an upload costs {upload_in_reads:.2f} expert reads"
+    )
     for ci, cap in enumerate(caps):
         print(f"\n{'no upload cap' if cap is None else f'at most {cap} upload per layer per token'}")
         print("| size (slots) | policy | hit rate | gap to Belady | uploads/token/layer | net saving | per layer |")
@@ -152,14 +173,27 @@ def main() -> None:
                 up = res["uploads"][ci, si].mean()
                 net = hit.mean() * n_k - up * upload_in_reads
                 layers = " ".join(f"{h:.1%}" for h in hit)
-                print(f"| {size:.0%} ({cache_slots(size, n_expert)}) | {name} | {hit.mean():.1%} | "
-                      f"{100 * (best - hit.mean()):.1f} | {up:.2f} | {net:.2f} | {layers} |")
-    print("\nseconds per policy (all sizes and caps): "
-          + ", ".join(f"{name} {res['seconds']:.0f}" for name, res in results.items()))
+                print(
+                    f"| {size:.0%} ({cache_slots(size, n_expert)}) | {name} | {hit.mean():.1%} | "
+                    f"{100 * (best - hit.mean()):.1f} | {up:.2f} | {net:.2f} | {layers} |"
+                )
+    print(
+        "\nseconds per policy (all sizes and caps): "
+        + ", ".join(f"{name} {res['seconds']:.0f}" for name, res in results.items())
+    )
     if a.json:
-        a.json.write_text(json.dumps({"trace": str(a.trace), "tokens": n_t, "caps": list(caps), "sizes": SIZES,
-                                      "policies": {n: {k: np.asarray(v).tolist() for k, v in r.items()}
-                                                   for n, r in results.items()}}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "trace": str(a.trace),
+                    "tokens": n_t,
+                    "caps": list(caps),
+                    "sizes": SIZES,
+                    "policies": {n: {k: np.asarray(v).tolist() for k, v in r.items()} for n, r in results.items()},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

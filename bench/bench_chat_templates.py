@@ -26,41 +26,98 @@ from moerun.serve.protocol import ApiError
 SDIST = "llama-cpp-python==0.3.36"
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The current weather in a city.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "The city's name"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "search", "description": "Search the web.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "The city's name"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    },
 ]
 CONVERSATIONS: dict[str, tuple[list[dict], list[dict] | None]] = {
-    "plain": ([{"role": "user", "content": "Hello!"},
-               {"role": "assistant", "content": "Hi there. How can I help?"},
-               {"role": "user", "content": "What is a mixture of experts?"}], None),
-    "system": ([{"role": "system", "content": "You are a terse assistant."},
-                {"role": "user", "content": "Name a prime."},
-                {"role": "assistant", "content": "7"},
-                {"role": "user", "content": "Another, in ünïcödé words?"}], None),
-    "tools": ([{"role": "system", "content": "Use the tools when they help."},
-               {"role": "user", "content": "What's the weather in Paris?"},
-               {"role": "assistant", "content": "", "tool_calls": [  # what the server passes for content: null
-                   {"id": "a1B2c3D4e", "type": "function",  # 9 alphanumerics, as Mistral's templates demand
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
-               {"role": "tool", "tool_call_id": "a1B2c3D4e", "name": "get_weather", "content": '{"temp": 21}'},
-               {"role": "assistant", "content": "It is 21 °C in Paris."},
-               {"role": "user", "content": "And in Rome?"}], TOOLS),
-    "reasoning": ([{"role": "user", "content": "What is 17 * 3?"},
-                   {"role": "assistant", "reasoning_content": "17 * 3 = 51.", "content": "51"},
-                   {"role": "user", "content": "And 51 * 2?"}], None),
+    "plain": (
+        [
+            {"role": "user", "content": "Hello!"},
+            {"role": "assistant", "content": "Hi there. How can I help?"},
+            {"role": "user", "content": "What is a mixture of experts?"},
+        ],
+        None,
+    ),
+    "system": (
+        [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "Another, in ünïcödé words?"},
+        ],
+        None,
+    ),
+    "tools": (
+        [
+            {"role": "system", "content": "Use the tools when they help."},
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [  # what the server passes for content: null
+                    {
+                        "id": "a1B2c3D4e",
+                        "type": "function",  # 9 alphanumerics, as Mistral's templates demand
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "a1B2c3D4e", "name": "get_weather", "content": '{"temp": 21}'},
+            {"role": "assistant", "content": "It is 21 °C in Paris."},
+            {"role": "user", "content": "And in Rome?"},
+        ],
+        TOOLS,
+    ),
+    "reasoning": (
+        [
+            {"role": "user", "content": "What is 17 * 3?"},
+            {"role": "assistant", "reasoning_content": "17 * 3 = 51.", "content": "51"},
+            {"role": "user", "content": "And 51 * 2?"},
+        ],
+        None,
+    ),
 }
 
 
 def templates(sdist: Path | None, work: Path) -> dict[str, str]:
     if sdist is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
-                        "-d", str(work), "-q"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                SDIST,
+                "-d",
+                str(work),
+                "-q",
+            ],
+            check=True,
+        )
         sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
     found = {}
     with tarfile.open(sdist) as tar:
@@ -73,14 +130,16 @@ def templates(sdist: Path | None, work: Path) -> dict[str, str]:
 def hf_tokenizer():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
+
     vocab = {t: i for i, t in enumerate(SPECIAL.values())}
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), **SPECIAL)
 
 
 def hf_render(tokenizer, source: str, messages: list[dict], tools: list[dict] | None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=source, add_generation_prompt=True,
-                                             tokenize=False)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=source, add_generation_prompt=True, tokenize=False
+        )
     except Exception as e:
         return f"<raises {type(e).__name__}: {e}>"
 
@@ -122,15 +181,19 @@ def main() -> None:
             diffs.append(conv)
             if args.verbose:
                 at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                print(f"{name} [{conv}] at {at}:\n  ours:   {ours[max(0, at - 60):at + 100]!r}\n"
-                      f"  theirs: {theirs[max(0, at - 60):at + 100]!r}")
+                print(
+                    f"{name} [{conv}] at {at}:\n  ours:   {ours[max(0, at - 60) : at + 100]!r}\n"
+                    f"  theirs: {theirs[max(0, at - 60) : at + 100]!r}"
+                )
         if diffs:
             differing[name] = diffs
         else:
             identical += 1
-    print(f"{identical} of {len(found)} templates render identical to transformers' apply_chat_template on all "
-          f"{len(CONVERSATIONS)} conversations ({', '.join(CONVERSATIONS)}); "
-          f"{sum(map(len, errors_alike.values()))} renders both refuse alike:")
+    print(
+        f"{identical} of {len(found)} templates render identical to transformers' apply_chat_template on all "
+        f"{len(CONVERSATIONS)} conversations ({', '.join(CONVERSATIONS)}); "
+        f"{sum(map(len, errors_alike.values()))} renders both refuse alike:"
+    )
     for name, refused in errors_alike.items():
         print(f"  both refuse: {name}: {'; '.join(refused)}")
     for name, convs in differing.items():

@@ -100,8 +100,11 @@ def measure(paths: list[str], threads: int, rounds: int, steps: int) -> dict:
     result = {"threads": threads, "experts_used": [k, k2], "extra_expert_MB": (bytes_2k - bytes_k) / 1e6}
     for name in ("moerun", "llama.cpp"):
         step = [statistics.median(ms[name, i]) for i in range(2)]
-        result[name] = {"ms_per_step": [round(v, 2) for v in step], "rounds": [ms[name, i] for i in range(2)],
-                        "expert_GB_s": round((bytes_2k - bytes_k) / 1e6 / (step[1] - step[0]), 1)}
+        result[name] = {
+            "ms_per_step": [round(v, 2) for v in step],
+            "rounds": [ms[name, i] for i in range(2)],
+            "expert_GB_s": round((bytes_2k - bytes_k) / 1e6 / (step[1] - step[0]), 1),
+        }
     return result
 
 
@@ -122,8 +125,11 @@ def main() -> None:
         print(f"{threads} threads, {k} -> {k2} experts per token ({r['extra_expert_MB']:.0f} MB more per token):")
         for name in ("moerun", "llama.cpp"):
             step = r[name]["ms_per_step"]
-            print(f"  {name:9} decode step {step[0]:.2f} -> {step[1]:.2f} ms: the extra experts at "
-                  f"{r[name]['expert_GB_s']:.1f} GB/s", flush=True)
+            print(
+                f"  {name:9} decode step {step[0]:.2f} -> {step[1]:.2f} ms: the extra experts at "
+                f"{r[name]['expert_GB_s']:.1f} GB/s",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

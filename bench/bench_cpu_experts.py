@@ -83,9 +83,16 @@ def bench_experts(qtype: Q, shape: str, threads: list[int], repeat: int) -> list
                 moe_rows(x, sets[(i + 1) % len(sets)], weights, gate, up, down, "swiglu", out, threads=n)
                 times.append(time.perf_counter() - start)
             seconds = statistics.median(times)
-            rows.append({"shape": shape, "types": f"{qtype.name}/{qtype.name}/{down_type.name}",
-                         "experts": n_experts, "threads": n, "ms": seconds * 1e3,
-                         "gbps": n_experts * bytes_per_expert / seconds / 1e9})
+            rows.append(
+                {
+                    "shape": shape,
+                    "types": f"{qtype.name}/{qtype.name}/{down_type.name}",
+                    "experts": n_experts,
+                    "threads": n,
+                    "ms": seconds * 1e3,
+                    "gbps": n_experts * bytes_per_expert / seconds / 1e9,
+                }
+            )
     return rows
 
 
@@ -99,13 +106,19 @@ def main() -> None:
     args = ap.parse_args()
     threads = sorted({int(n) for n in args.threads.split(",")})
     ram = {n: ram_read_gbps(n, args.repeat) for n in threads}
-    rows = [row for shape in args.shapes.split(",") for name in args.types.split(",")
-            for row in bench_experts(Q[name], shape, threads, args.repeat)]
+    rows = [
+        row
+        for shape in args.shapes.split(",")
+        for name in args.types.split(",")
+        for row in bench_experts(Q[name], shape, threads, args.repeat)
+    ]
     print("host RAM read (parallel sum, 1 GiB): " + ", ".join(f"{ram[n]:.1f} GB/s with {n} threads" for n in threads))
     print(f"{'shape':<6}{'gate/up/down':<18}{'experts':>8}{'threads':>8}{'ms':>9}{'GB/s':>8}{'of RAM':>8}")
     for r in rows:
-        print(f"{r['shape']:<6}{r['types']:<18}{r['experts']:>8}{r['threads']:>8}{r['ms']:>9.2f}{r['gbps']:>8.2f}"
-              f"{r['gbps'] / ram[r['threads']]:>8.0%}")
+        print(
+            f"{r['shape']:<6}{r['types']:<18}{r['experts']:>8}{r['threads']:>8}{r['ms']:>9.2f}{r['gbps']:>8.2f}"
+            f"{r['gbps'] / ram[r['threads']]:>8.0%}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"ram_gbps": ram, "rows": rows, **vars(args)}, indent=2))
 

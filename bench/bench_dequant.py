@@ -38,7 +38,7 @@ def random_stack(qtype: Q, n_experts: int, rows: int, cols: int, rng: np.random.
     blocks = rng.integers(0, 256, (n_experts, rows, cols // block_size, type_size), dtype=np.uint8)
     for offset in FP16_FIELDS[qtype]:
         scales = rng.uniform(1e-4, 1e-2, blocks.shape[:-1] + (1,)).astype(np.float16)
-        blocks[..., offset:offset + 2] = scales.view(np.uint8)
+        blocks[..., offset : offset + 2] = scales.view(np.uint8)
     return blocks.reshape(n_experts, rows, -1)
 
 
@@ -56,13 +56,16 @@ def best_seconds(fn: Callable[[], object], sync: Callable[[], None], repeat: int
 
 
 def report(label: str, seconds: float, n_values: int, bytes_per_value: int, note: str = "") -> None:
-    print(f"  {label:28} {seconds * 1e3:9.3f} ms {n_values * bytes_per_value / seconds / 1e9:9.2f} GB/s "
-          f"{n_values / seconds / 1e9:8.3f} Gval/s  {note}")
+    print(
+        f"  {label:28} {seconds * 1e3:9.3f} ms {n_values * bytes_per_value / seconds / 1e9:9.2f} GB/s "
+        f"{n_values / seconds / 1e9:8.3f} Gval/s  {note}"
+    )
 
 
 @dataclass(frozen=True)
 class Setup:
     """What every timed call shares."""
+
     device: torch.device
     dtype: torch.dtype
     shape: tuple[int, int, int]  # (E, rows, cols)
@@ -111,11 +114,19 @@ def main() -> None:
         # One graph per (type, shape, dtype): 3 types x 3 calls here, past dynamo's default limit of 8.
         torch._dynamo.config.recompile_limit = 64
         variants["compiled"] = torch.compile(dequantize, fullgraph=True, dynamic=False)
-    setup = Setup(torch.device(args.device), DTYPES[args.dtype], shape, rng.choice(shape[0], args.top_k, replace=False),
-                  variants, args.repeat)
+    setup = Setup(
+        torch.device(args.device),
+        DTYPES[args.dtype],
+        shape,
+        rng.choice(shape[0], args.top_k, replace=False),
+        variants,
+        args.repeat,
+    )
     name = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "CPU"
-    print(f"device {setup.device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} CPU threads; "
-          f"stack {list(shape)}, top-{args.top_k}, output {args.dtype}, best of {args.repeat}")
+    print(
+        f"device {setup.device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} CPU threads; "
+        f"stack {list(shape)}, top-{args.top_k}, output {args.dtype}, best of {args.repeat}"
+    )
     for qtype in TYPES:
         bench_type(qtype, setup, rng)
 

@@ -24,21 +24,20 @@ from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as Q
+from gpu_timing import replay_seconds  # bench/gpu_timing.py
 from torch.profiler import ProfilerActivity, profile
 
 import moerun
 from moeprep.gguf.reader import open_gguf
-from moerun import layers
-from moerun.kv_cache import KVCache
+from moerun import backend, layers
 from moerun.config import GATING_SOFTMAX
-from moerun import backend
 from moerun.kernels import fused
-from moerun.options import RuntimeOptions
 from moerun.kernels.gguf_matmul import QWeight, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
+from moerun.kv_cache import KVCache
 from moerun.models import arch_module
+from moerun.options import RuntimeOptions
 from moerun.step import Step
-from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
 D, H, G, DH, E, K, I = 2048, 32, 4, 128, 128, 8, 768
 CALLS = 50
@@ -67,8 +66,9 @@ def kernels_per_call(fn: Callable[[], object]) -> int:
 
 def rope_args(path: Path) -> moerun.config.ModelArgs:
     args = arch_module("qwen3moe", path).read_args(open_gguf(path))
-    return dataclasses.replace(args, dim=D, n_heads=H, n_kv_heads=G, head_dim=DH, v_head_dim=DH, rope_dim=DH,
-                               rope_base=1e6)
+    return dataclasses.replace(
+        args, dim=D, n_heads=H, n_kv_heads=G, head_dim=DH, v_head_dim=DH, rope_dim=DH, rope_base=1e6
+    )
 
 
 def op_pairs(args, ctx: int, dev: str = "cuda") -> dict[str, tuple[Callable, Callable]]:
@@ -83,51 +83,73 @@ def op_pairs(args, ctx: int, dev: str = "cuda") -> dict[str, tuple[Callable, Cal
     cache_k, cache_v = (torch.randn(4096, G, DH, device=dev, dtype=torch.bfloat16) for _ in range(2))
     allowed = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]
     logits = torch.randn(1, E, device=dev)
-    router_args = dataclasses.replace(args, n_experts_used=K, gating=GATING_SOFTMAX, expert_weights_norm=True,
-                                      expert_weights_scale=0.0)
+    router_args = dataclasses.replace(
+        args, n_experts_used=K, gating=GATING_SOFTMAX, expert_weights_norm=True, expert_weights_scale=0.0
+    )
     router = layers.Router(layers.Linear(torch.zeros(1, 1), None, "gate", None), router_args, layers.TORCH_KERNELS)
     gate_h, up_h = torch.randn(1, K, I, device=dev), torch.randn(1, K, I, device=dev)
     y, weights = torch.randn(1, K, D, device=dev), torch.rand(1, K, device=dev)
     slots = torch.randperm(E, device=dev)[:K][None]
     bt = BLOCK_TYPES[Q.Q4_K]
-    gate_bank, up_bank = (QWeight(torch.randint(0, 256, (E, I, D // bt.values * bt.nbytes), dtype=torch.uint8,
-                                                device=dev), Q.Q4_K, I, D) for _ in range(2))
+    gate_bank, up_bank = (
+        QWeight(torch.randint(0, 256, (E, I, D // bt.values * bt.nbytes), dtype=torch.uint8, device=dev), Q.Q4_K, I, D)
+        for _ in range(2)
+    )
     t = layers.TORCH_KERNELS
     return {
         "rms_norm": (lambda: t.rms_norm(x, w, 1e-6), lambda: fused.rms_norm(x, w, 1e-6)),
-        "residual add + rms_norm": (lambda: t.add_rms_norm(x, delta, w, 1e-6),
-                                    lambda: fused.add_rms_norm_i8(x, delta, w, 1e-6)),  # as a step runs it
+        "residual add + rms_norm": (
+            lambda: t.add_rms_norm(x, delta, w, 1e-6),
+            lambda: fused.add_rms_norm_i8(x, delta, w, 1e-6),
+        ),  # as a step runs it
         "q/k norm + rope + kv cache write": (
             lambda: t.norm_rope_store(q, k, v, qn, kn, rope, step, cache),
-            lambda: fused_kernels.norm_rope_store(q, k, v, qn, kn, rope, step, cache)),
-        f"attention, {ctx} slots": (lambda: t.attend(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088),
-                                    lambda: fused.attend_decode_i8(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088)),
-        "router softmax/top-k/normalize": (lambda: router.choose_general(logits),
-                                           lambda: fused.route(logits, K, GATING_SOFTMAX, True, 0.0)),
+            lambda: fused_kernels.norm_rope_store(q, k, v, qn, kn, rope, step, cache),
+        ),
+        f"attention, {ctx} slots": (
+            lambda: t.attend(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088),
+            lambda: fused.attend_decode_i8(q, cache_k[:ctx], cache_v[:ctx], allowed, 0.088),
+        ),
+        "router softmax/top-k/normalize": (
+            lambda: router.choose_general(logits),
+            lambda: fused.route(logits, K, GATING_SOFTMAX, True, 0.0),
+        ),
         "swiglu": (lambda: t.activations["swiglu"](gate_h, up_h), lambda: fused.swiglu(gate_h, up_h)),
         "experts gate + up + swiglu (Q4_K 2048x768, 8 of 128)": (
             lambda: layers.swiglu(gguf_moe(x, gate_bank, slots), gguf_moe(x, up_bank, slots)),
-            lambda: gguf_moe_glu(x, gate_bank, up_bank, slots)),
-        "moe combine": (lambda: torch.einsum("tkd,tk->td", y, torch.where(slots >= 0, weights, 0.0)),
-                        lambda: fused.moe_combine(y, weights, slots)),
+            lambda: gguf_moe_glu(x, gate_bank, up_bank, slots),
+        ),
+        "moe combine": (
+            lambda: torch.einsum("tkd,tk->td", y, torch.where(slots >= 0, weights, 0.0)),
+            lambda: fused.moe_combine(y, weights, slots),
+        ),
     }
 
 
 def bench_ops(pairs: dict[str, tuple[Callable, Callable]], repeat: int) -> list[dict]:
     rows = []
     for name, (ref, new) in pairs.items():
-        row = {"op": name, "torch_us": graph_us(ref, repeat), "fused_us": graph_us(new, repeat),
-               "torch_kernels": kernels_per_call(ref), "fused_kernels": kernels_per_call(new)}
+        row = {
+            "op": name,
+            "torch_us": graph_us(ref, repeat),
+            "fused_us": graph_us(new, repeat),
+            "torch_kernels": kernels_per_call(ref),
+            "fused_kernels": kernels_per_call(new),
+        }
         rows.append(row)
-        print(f"| {name} | {row['torch_us']:.1f} | {row['torch_kernels']} | {row['fused_us']:.1f} | "
-              f"{row['fused_kernels']} |", flush=True)
+        print(
+            f"| {name} | {row['torch_us']:.1f} | {row['torch_kernels']} | {row['fused_us']:.1f} | "
+            f"{row['fused_kernels']} |",
+            flush=True,
+        )
     return rows
 
 
 def bench_step(path: str, kernels: str, ctx: int, steps: int) -> tuple[dict, torch.Tensor]:
     """ms per CUDA-graph decode step with the layers on `kernels`, and the logits of the steps."""
-    model = moerun.load_model(path, device="cuda", n_ctx=ctx + steps + 8,
-                              options=RuntimeOptions(fused=kernels == "fused"))
+    model = moerun.load_model(
+        path, device="cuda", n_ctx=ctx + steps + 8, options=RuntimeOptions(fused=kernels == "fused")
+    )
     prompt = torch.randint(1, model.args.n_vocab, (ctx,), generator=torch.Generator().manual_seed(0))
     model.forward(prompt, 0)
     tokens = torch.randint(1, model.args.n_vocab, (steps + 1,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -170,10 +192,12 @@ def main() -> None:
         result["step"] = {k: steps[k] for k in ("torch", "fused")}
         result["step"]["logits_max_rel_diff"] = float(diff)
         result["step"]["same_top1"] = float(same_top1)
-        print(f"decode step (CUDA graph, {a.ctx}-token prompt, {a.steps} steps): torch ops "
-              f"{steps['torch']['graph_ms']:.2f} ms ({steps['torch']['tok_s']:.1f} tok/s), fused "
-              f"{steps['fused']['graph_ms']:.2f} ms ({steps['fused']['tok_s']:.1f} tok/s); logits max rel diff "
-              f"{float(diff):.2e}, same top-1 {float(same_top1):.0%}")
+        print(
+            f"decode step (CUDA graph, {a.ctx}-token prompt, {a.steps} steps): torch ops "
+            f"{steps['torch']['graph_ms']:.2f} ms ({steps['torch']['tok_s']:.1f} tok/s), fused "
+            f"{steps['fused']['graph_ms']:.2f} ms ({steps['fused']['tok_s']:.1f} tok/s); logits max rel diff "
+            f"{float(diff):.2e}, same top-1 {float(same_top1):.0%}"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
 

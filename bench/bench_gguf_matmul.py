@@ -41,12 +41,12 @@ import torch
 import torch.nn.functional as F
 import triton
 from gguf import GGMLQuantizationType as Q
+from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
 from moerun.kernels import fused, tuning
 from moerun.kernels.act_i8 import QAct, quantize_i8
 from moerun.kernels.gguf_matmul import QWeight, bf16_mm, gguf_mm, gguf_moe, gguf_moe_glu
 from moerun.kernels.qtypes import BLOCK_TYPES
-from gpu_timing import replay_seconds  # bench/gpu_timing.py
 
 ROTATE_BYTES = 200 << 20  # more than the H200's 50 MB L2, several times over
 DENSE = (4096, 4096)  # (rows, cols)
@@ -84,8 +84,9 @@ def tuned(**values) -> Iterator[None]:
     given (ROUTES): the routes that rows next to each other compare."""
     global ROUTES
     saved_routes = ROUTES
-    ROUTES = dataclasses.replace(ROUTES, **{name[:4].lower(): values.pop(name)
-                                            for name in ("GEMV_INT8", "GEMM_INT8") if name in values})
+    ROUTES = dataclasses.replace(
+        ROUTES, **{name[:4].lower(): values.pop(name) for name in ("GEMV_INT8", "GEMM_INT8") if name in values}
+    )
     saved = {name: getattr(tuning, name) for name in values}
     for name, value in values.items():
         setattr(tuning, name, value)
@@ -113,8 +114,10 @@ def guarded(measure: Callable[..., dict], *args) -> dict:
 
 def copy_bandwidth(repeat: int) -> float:
     n = 2 << 30
-    src, dst = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8,
-                                                                                       device="cuda")
+    src, dst = (
+        torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda"),
+        torch.empty(n, dtype=torch.uint8, device="cuda"),
+    )
     return 2 * n / graph_seconds([lambda: dst.copy_(src)], repeat) / 1e9
 
 
@@ -153,11 +156,16 @@ def dense_peer(n_tokens: int, repeat: int) -> dict:
     return {"us": t * 1e6, "GB/s": rows * cols * 2 / t / 1e9, "TFLOP/s": 2 * n_tokens * rows * cols / t / 1e12}
 
 
-def moe_inputs(n_tokens: int, cols: int, per_pair: bool, n_calls: int,
-               ) -> tuple[torch.Tensor, QAct | None, list[torch.Tensor]]:
+def moe_inputs(
+    n_tokens: int,
+    cols: int,
+    per_pair: bool,
+    n_calls: int,
+) -> tuple[torch.Tensor, QAct | None, list[torch.Tensor]]:
     x = torch.randn((n_tokens, TOP_K, cols) if per_pair else (n_tokens, cols), device="cuda")
-    slots = [torch.rand(n_tokens, N_EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].to(torch.int32)
-             for _ in range(n_calls)]
+    slots = [
+        torch.rand(n_tokens, N_EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].to(torch.int32) for _ in range(n_calls)
+    ]
     return x, rounded(x), slots
 
 
@@ -172,8 +180,11 @@ def moe(qtype: Q, shape: tuple[int, int], per_pair: bool, n_tokens: int, repeat:
     expert_bytes = w.data[0].numel()
     x, i8, slots = moe_inputs(n_tokens, cols, per_pair, n_calls=16)
     t = graph_seconds([lambda s=s: gguf_moe(x, w, s, i8=i8, routes=ROUTES) for s in slots], repeat)
-    return {"us": t * 1e6, "GB/s": distinct_experts(slots) * expert_bytes / t / 1e9,
-            "TFLOP/s": 2 * n_tokens * TOP_K * rows * cols / t / 1e12}
+    return {
+        "us": t * 1e6,
+        "GB/s": distinct_experts(slots) * expert_bytes / t / 1e9,
+        "TFLOP/s": 2 * n_tokens * TOP_K * rows * cols / t / 1e12,
+    }
 
 
 def moe_glu(qtype: Q, shape: tuple[int, int], n_tokens: int, repeat: int) -> dict:
@@ -243,8 +254,10 @@ def sweep_batch_gemv(qtype: Q, n_tokens: int, repeat: int) -> tuple[dict, list]:
         decoded = guarded(dense_decode, qtype, n_tokens, repeat)["us"]
     best = fastest([(measured["GB/s"], tiles) for measured, tiles in timed])
     best_us = next(measured["us"] for measured, tiles in timed if tiles is best)
-    return ({"best": best.__dict__, "us": best_us, "decoded us": decoded},
-            [(round(measured["us"], 1), tiles.__dict__) for measured, tiles in timed])
+    return (
+        {"best": best.__dict__, "us": best_us, "decoded us": decoded},
+        [(round(measured["us"], 1), tiles.__dict__) for measured, tiles in timed],
+    )
 
 
 def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
@@ -265,8 +278,9 @@ def sweep_gemv(qtype: Q, repeat: int) -> tuple[tuning.GemvTiles, list]:
     return best, [(round(gbs), t.__dict__) for gbs, t in results]
 
 
-def sweep_grouped_gemv(name: str, qtype: Q, shape: tuple[int, int], per_pair: bool,
-                       repeat: int) -> tuple[tuning.GemvTiles, list]:
+def sweep_grouped_gemv(
+    name: str, qtype: Q, shape: tuple[int, int], per_pair: bool, repeat: int
+) -> tuple[tuning.GemvTiles, list]:
     """Tiles of the grouped decode on one expert shape (gate/up timed as gguf_moe_glu, the launch decode runs):
     more rows per program for short rows, 1-4 warps. Sets tuning.GEMV_GROUPED_OVERRIDES for the shape."""
     rows, cols = shape
@@ -281,8 +295,9 @@ def sweep_grouped_gemv(name: str, qtype: Q, shape: tuple[int, int], per_pair: bo
     results = []
     for tiles in candidates:
         table[key] = tiles
-        measured = guarded(moe, qtype, shape, True, 1, repeat) if per_pair else guarded(moe_glu, qtype, shape, 1,
-                                                                                           repeat)
+        measured = (
+            guarded(moe, qtype, shape, True, 1, repeat) if per_pair else guarded(moe_glu, qtype, shape, 1, repeat)
+        )
         results.append((measured["GB/s"], tiles))
     best = fastest(results)
     table[key] = best
@@ -292,9 +307,13 @@ def sweep_grouped_gemv(name: str, qtype: Q, shape: tuple[int, int], per_pair: bo
 def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     v = BLOCK_TYPES[qtype].values
     b = 1 if v == 256 else 4
-    candidates = [tuning.GemmTiles(64, 64, b, 4, 2), tuning.GemmTiles(64, 128, b, 4, 3),
-                  tuning.GemmTiles(128, 64, b, 4, 3), tuning.GemmTiles(128, 128, b, 8, 3),
-                  tuning.GemmTiles(64, 128, 2 * b, 8, 3)]
+    candidates = [
+        tuning.GemmTiles(64, 64, b, 4, 2),
+        tuning.GemmTiles(64, 128, b, 4, 3),
+        tuning.GemmTiles(128, 64, b, 4, 3),
+        tuning.GemmTiles(128, 128, b, 8, 3),
+        tuning.GemmTiles(64, 128, 2 * b, 8, 3),
+    ]
     results = []
     for tiles in candidates:
         tuning.DENSE_GEMM_OVERRIDES[qtype] = tiles
@@ -305,8 +324,9 @@ def sweep_gemm(qtype: Q, repeat: int) -> tuple[tuning.GemmTiles, list]:
     return best, [(round(tf, 1), t.__dict__) for tf, t in results]
 
 
-def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat: int,
-                       i8: bool = False, n_tokens: int = PREFILL_T) -> tuple[tuning.GemmTiles, list]:
+def sweep_grouped_gemm(
+    qtype: Q, shape: tuple[int, int], per_pair: bool, repeat: int, i8: bool = False, n_tokens: int = PREFILL_T
+) -> tuple[tuning.GemmTiles, list]:
     """Tiles of the grouped prefill GEMM on one expert shape at T = n_tokens (512: about 32 pairs per expert): fewer
     rows per tile than the dense kernel's, wider weight tiles. Sets tuning.GROUPED_GEMM_OVERRIDES for the shape; with
     `i8` those of the 8-bit GEMM (gemm8_candidates, tuning.GEMM_I8_GROUPED_OVERRIDES, or GEMM_I8_FEW_TOKENS_OVERRIDES
@@ -315,9 +335,19 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
     bt = BLOCK_TYPES[qtype]
     key = (qtype, cols // bt.values)
     b = 1 if bt.values == 256 else 4
-    candidates = gemm8_candidates() if i8 else (
-        [tuning.GemmTiles(bm, bn, b, warps, stages) for bm in (16, 32, 64) for bn in (64, 128)
-         for warps, stages in ((4, 2), (4, 3), (8, 3))] + [tuning.GemmTiles(32, 64, 2 * b, 4, 3)])
+    candidates = (
+        gemm8_candidates()
+        if i8
+        else (
+            [
+                tuning.GemmTiles(bm, bn, b, warps, stages)
+                for bm in (16, 32, 64)
+                for bn in (64, 128)
+                for warps, stages in ((4, 2), (4, 3), (8, 3))
+            ]
+            + [tuning.GemmTiles(32, 64, 2 * b, 4, 3)]
+        )
+    )
     if i8:
         few = n_tokens <= tuning.GEMM_I8_FEW_TOKENS
         table = tuning.GEMM_I8_FEW_TOKENS_OVERRIDES if few else tuning.GEMM_I8_GROUPED_OVERRIDES
@@ -337,9 +367,24 @@ def sweep_grouped_gemm(qtype: Q, shape: tuple[int, int], per_pair: bool, repeat:
 def gemm8_candidates() -> list[tuning.GemmTiles]:
     """Tiles of the 8-bit GEMM for the grouped prefill: 16-64 pairs x 64-256 rows (about 32 pairs per expert at
     T = 512, 16 at 256), 2 to 8 warps."""
-    return [tuning.GemmTiles(bm, bn, 1, warps, 3) for bm, bn, warps in (
-        (16, 64, 2), (16, 64, 4), (16, 128, 4), (16, 128, 8), (16, 256, 8), (32, 64, 2), (32, 64, 4), (32, 128, 4),
-        (32, 128, 8), (32, 256, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8))]
+    return [
+        tuning.GemmTiles(bm, bn, 1, warps, 3)
+        for bm, bn, warps in (
+            (16, 64, 2),
+            (16, 64, 4),
+            (16, 128, 4),
+            (16, 128, 8),
+            (16, 256, 8),
+            (32, 64, 2),
+            (32, 64, 4),
+            (32, 128, 4),
+            (32, 128, 8),
+            (32, 256, 8),
+            (64, 64, 4),
+            (64, 128, 4),
+            (64, 128, 8),
+        )
+    ]
 
 
 def sweep_gemm8(repeat: int, shapes: str, n_tokens: int = PREFILL_T) -> dict:
@@ -353,8 +398,11 @@ def sweep_gemm8(repeat: int, shapes: str, n_tokens: int = PREFILL_T) -> dict:
             before = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["TFLOP/s"]
         best, table = sweep_grouped_gemm(qtype, shape, per_pair, repeat, i8=True, n_tokens=n_tokens)
         key = f"(Q.{qtype.name}, {shape[1] // BLOCK_TYPES[qtype].values})"
-        print(f"sweep 8-bit GEMM {name} {qtype.name} T={n_tokens} (TFLOP/s; bf16 GEMM {before:.1f}): {table} -> "
-              f"{key}: {best}", flush=True)
+        print(
+            f"sweep 8-bit GEMM {name} {qtype.name} T={n_tokens} (TFLOP/s; bf16 GEMM {before:.1f}): {table} -> "
+            f"{key}: {best}",
+            flush=True,
+        )
         found[f"{name} {qtype.name}"] = {"bf16 TFLOP/s": before, "table": table}
     return found
 
@@ -379,8 +427,10 @@ def sweep_moe_routes(repeat: int, shapes: str, token_counts: list[int]) -> dict:
             if BLOCK_TYPES[qtype].gemm8 is not None:
                 with tuned(MOE_GEMV_MAX_TOKENS=0, GEMM_I8_MIN_TOKENS=0):
                     row["8-bit gemm"] = guarded(moe, qtype, shape, per_pair, n_tokens, repeat)["us"]
-            print(f"routes {name} {qtype.name} T={n_tokens} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()),
-                  flush=True)
+            print(
+                f"routes {name} {qtype.name} T={n_tokens} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()),
+                flush=True,
+            )
             found[f"{name} {qtype.name} T={n_tokens}"] = row
     return found
 
@@ -394,8 +444,13 @@ def dense8_candidates(block_values: int) -> list[tuning.GemmTiles]:
     """Tiles of the 8-bit GEMM for a dense product of a few tokens (one 16-token tile): 16-64 rows, 1-2 blocks per K
     step (1 of the K-quants' 256 values), K split over 2-16 programs, 2 or 4 warps."""
     steps = (1,) if block_values == 256 else (1, 2)
-    return [tuning.GemmTiles(16, bn, b, warps, 3, split) for bn in (16, 32, 64) for b in steps for warps in (2, 4)
-            for split in (2, 4, 8, 16)]
+    return [
+        tuning.GemmTiles(16, bn, b, warps, 3, split)
+        for bn in (16, 32, 64)
+        for b in steps
+        for warps in (2, 4)
+        for split in (2, 4, 8, 16)
+    ]
 
 
 def sweep_dense8(repeat: int, dump_to: str | None = None) -> dict:
@@ -409,12 +464,16 @@ def sweep_dense8(repeat: int, dump_to: str | None = None) -> dict:
         with tuned(**ON_I8):
             for tiles in dense8_candidates(BLOCK_TYPES[qtype].values):
                 tuning.DENSE_I8_OVERRIDES[qtype] = tiles
-                timed.append((sum(guarded(dense_decode, qtype, 8, repeat, shape)["us"] for shape in DENSE8_SHAPES),
-                              tiles))
+                timed.append(
+                    (sum(guarded(dense_decode, qtype, 8, repeat, shape)["us"] for shape in DENSE8_SHAPES), tiles)
+                )
         best = tuning.DENSE_I8_OVERRIDES[qtype] = fastest([(-us, tiles) for us, tiles in timed])
         table = sorted(((round(us, 1), t.__dict__) for us, t in timed if us == us), key=lambda r: r[0])
-        print(f"sweep dense 8-bit GEMM {qtype.name} T=8 (us over {len(DENSE8_SHAPES)} shapes, best first): "
-              f"{table[:6]} -> Q.{qtype.name}: {best}", flush=True)
+        print(
+            f"sweep dense 8-bit GEMM {qtype.name} T=8 (us over {len(DENSE8_SHAPES)} shapes, best first): "
+            f"{table[:6]} -> Q.{qtype.name}: {best}",
+            flush=True,
+        )
         found[f"{qtype.name} sweep"] = table
         for shape, n_tokens in [(DENSE, n) for n in (2, 3, 4, 8, 16, 32)] + [(s, 8) for s in DENSE8_SHAPES[1:]]:
             with tuned(DENSE_I8_MAX_TOKENS=0):
@@ -452,8 +511,11 @@ def bf16_routes(repeat: int) -> dict:
             copy = guarded(bf16_product, n_tokens, repeat, shape)
             blocks = guarded(dense_decode, Q.Q8_0, n_tokens, repeat, shape)
             name = f"{shape[0]}x{shape[1]} T={n_tokens}"
-            print(f"{name}: bfloat16 copy on cuBLAS {copy['us']:.1f} us ({copy['GB/s']:.0f} GB/s), Q8_0 blocks "
-                  f"{blocks['us']:.1f} ({blocks['GB/s']:.0f})", flush=True)
+            print(
+                f"{name}: bfloat16 copy on cuBLAS {copy['us']:.1f} us ({copy['GB/s']:.0f} GB/s), Q8_0 blocks "
+                f"{blocks['us']:.1f} ({blocks['GB/s']:.0f})",
+                flush=True,
+            )
             found[name] = {"bfloat16 copy": copy, "Q8_0 blocks": blocks}
     return found
 
@@ -478,26 +540,35 @@ ON_I8 = {"DENSE_I8_MIN_TOKENS": 1, "DENSE_I8_MAX_TOKENS": 1 << 30}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "grouped", "batch", "gemm8", "dense8",
-                                                                         "routes", "bf16"],
-                        help="time tile candidates first (grouped: the grouped decode's only; batch: only the dense "
-                             "8-bit tiles at T = 4 and 8, against the decoded route, then stop; gemm8: only the 8-bit "
-                             "GEMM's tiles on the expert shapes at T = 512, then stop; dense8: only its tiles for "
-                             "dense products of 8 tokens, then 2-32 tokens against the route taken without it, then "
-                             "stop; routes: the experts' routes at --token-counts, then stop; bf16: dense products of "
-                             "1-16 tokens over a kept bfloat16 copy against the Q8_0 blocks, then stop)")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        choices=["all", "grouped", "batch", "gemm8", "dense8", "routes", "bf16"],
+        help="time tile candidates first (grouped: the grouped decode's only; batch: only the dense "
+        "8-bit tiles at T = 4 and 8, against the decoded route, then stop; gemm8: only the 8-bit "
+        "GEMM's tiles on the expert shapes at T = 512, then stop; dense8: only its tiles for "
+        "dense products of 8 tokens, then 2-32 tokens against the route taken without it, then "
+        "stop; routes: the experts' routes at --token-counts, then stop; bf16: dense products of "
+        "1-16 tokens over a kept bfloat16 copy against the Q8_0 blocks, then stop)",
+    )
     parser.add_argument("--shapes", default="", help="sweep only the expert shapes whose name has this text")
     parser.add_argument("--tokens", type=int, default=PREFILL_T, help="the tokens of --sweep gemm8's prompt")
     parser.add_argument("--token-counts", default="16,32,64,128,256", help="the prompt sizes of --sweep routes")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json")
     parser.add_argument("--decode-only", action="store_true", help="sweep and time the decode kernels only")
-    parser.add_argument("--quick", action="store_true",
-                        help="time only what a one-sequence decode step runs (T = 1, the route tuning.py picks), "
-                             "for a before/after comparison in the same device call")
-    parser.add_argument("--carried", action="store_true",
-                        help="decode inputs come rounded for the 8-bit route, as in a decode step: time the kernel "
-                             "alone")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="time only what a one-sequence decode step runs (T = 1, the route tuning.py picks), "
+        "for a before/after comparison in the same device call",
+    )
+    parser.add_argument(
+        "--carried",
+        action="store_true",
+        help="decode inputs come rounded for the 8-bit route, as in a decode step: time the kernel alone",
+    )
     args = parser.parse_args()
     args.decode_only |= args.quick
     global CARRIED
@@ -556,8 +627,10 @@ def main() -> None:
 
     def report(shape: str, qname: str, ours: dict, peer: dict | None) -> None:
         theirs = f"{peer['us']:12.1f} {peer['GB/s']:7.0f}" if peer is not None else ""
-        print(f"{shape:48} {qname:6} {ours['us']:8.1f} {ours['GB/s']:7.0f} {100 * ours['GB/s'] / copy:6.0f}%   "
-              f"{theirs}", flush=True)
+        print(
+            f"{shape:48} {qname:6} {ours['us']:8.1f} {ours['GB/s']:7.0f} {100 * ours['GB/s'] / copy:6.0f}%   {theirs}",
+            flush=True,
+        )
         results[f"{shape} {qname}"] = {"ours": ours, "peer": peer}
 
     # a decode step of as many sequences: the matrix-vector kernel, then the decoded
@@ -565,37 +638,61 @@ def main() -> None:
         peer = guarded(dense_peer, n_tokens, r)
         for qtype in DENSE_TYPES:
             with tuned(**ON_BLOCKS):
-                report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1), qtype.name,
-                       guarded(dense_decode, qtype, n_tokens, r), peer)
+                report(
+                    f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1),
+                    qtype.name,
+                    guarded(dense_decode, qtype, n_tokens, r),
+                    peer,
+                )
             if i8_route(qtype) and not args.quick:  # the same on float32 activations
                 with tuned(**ON_BLOCKS, GEMV_INT8=False):
-                    report(f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1) + " float", qtype.name,
-                           guarded(dense_decode, qtype, n_tokens, r), peer)
+                    report(
+                        f"4096x4096 T={n_tokens}" + " GEMV" * (n_tokens > 1) + " float",
+                        qtype.name,
+                        guarded(dense_decode, qtype, n_tokens, r),
+                        peer,
+                    )
             if n_tokens > 1:
                 with tuned(**DECODED):
-                    report(f"4096x4096 T={n_tokens} decoded", qtype.name, guarded(dense_decode, qtype, n_tokens, r),
-                           peer)
+                    report(
+                        f"4096x4096 T={n_tokens} decoded", qtype.name, guarded(dense_decode, qtype, n_tokens, r), peer
+                    )
             if n_tokens > 1 and BLOCK_TYPES[qtype].gemm8 is not None:
                 with tuned(**ON_I8):
-                    report(f"4096x4096 T={n_tokens} 8-bit GEMM", qtype.name,
-                           guarded(dense_decode, qtype, n_tokens, r), peer)
+                    report(
+                        f"4096x4096 T={n_tokens} 8-bit GEMM",
+                        qtype.name,
+                        guarded(dense_decode, qtype, n_tokens, r),
+                        peer,
+                    )
     for float_route in (False,) if args.quick else (False, True):  # then on float32 activations (8-bit types)
         label = " float" if float_route else ""
         with tuned(GEMV_INT8=ROUTES.gemv and not float_route):
             for name, qtype, shape, per_pair in MOE_SHAPES:
                 if float_route and BLOCK_TYPES[qtype].dot8 is None:
                     continue
-                report(f"{name} 8/128 T=1{label}", qtype.name, guarded(moe, qtype, shape, per_pair, 1, r),
-                       guarded(moe_peer_decode, shape, r))
+                report(
+                    f"{name} 8/128 T=1{label}",
+                    qtype.name,
+                    guarded(moe, qtype, shape, per_pair, 1, r),
+                    guarded(moe_peer_decode, shape, r),
+                )
                 if not per_pair:  # gate and up as decode runs them: one launch with the SwiGLU (peer: two bmm)
                     peer = guarded(moe_peer_decode, shape, r)
-                    report(f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1{label}", qtype.name,
-                           guarded(moe_glu, qtype, shape, 1, r), {"us": 2 * peer["us"], "GB/s": peer["GB/s"]})
+                    report(
+                        f"{name.replace('gate/up', 'gate+up')} GLU 8/128 T=1{label}",
+                        qtype.name,
+                        guarded(moe_glu, qtype, shape, 1, r),
+                        {"us": 2 * peer["us"], "GB/s": peer["GB/s"]},
+                    )
             for name, qtype, shape, per_pair in () if args.quick else MOE_SHAPES:  # 8 sequences: a group per pair
                 if float_route and BLOCK_TYPES[qtype].dot8 is None:
                     continue
-                ours = (guarded(moe, qtype, shape, True, DECODE_T, r) if per_pair
-                        else guarded(moe_glu, qtype, shape, DECODE_T, r))
+                ours = (
+                    guarded(moe, qtype, shape, True, DECODE_T, r)
+                    if per_pair
+                    else guarded(moe_glu, qtype, shape, DECODE_T, r)
+                )
                 name = name if per_pair else f"{name.replace('gate/up', 'gate+up')} GLU"
                 report(f"{name} 8/128 T={DECODE_T}{label}", qtype.name, ours, None)
     if args.decode_only:
@@ -613,8 +710,11 @@ def main() -> None:
                 with tuned(**values):
                     ours = guarded(gemm, qtype, r, n_tokens)
                 label = f"4096x4096 T={n_tokens} {route}"
-                print(f"{label:48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
-                      f"{peer['TFLOP/s']:8.1f}", flush=True)
+                print(
+                    f"{label:48} {qtype.name:6} {ours['us']:8.1f} {ours['TFLOP/s']:8.1f}   {peer['us']:12.1f} "
+                    f"{peer['TFLOP/s']:8.1f}",
+                    flush=True,
+                )
                 results[f"prefill {label} {qtype.name}"] = {"ours": ours, "peer": peer}
     for name, qtype, shape, per_pair in MOE_SHAPES:  # the 8-bit GEMM where the type has one, then the bfloat16 one
         for i8 in (True, False) if BLOCK_TYPES[qtype].gemm8 is not None else (False,):
@@ -629,18 +729,16 @@ def main() -> None:
 
 def dump(results: dict, path: str | None) -> None:
     """The tiles the run used, printed; all results into `path` as JSON."""
-    results["tiles"] = {"gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
-                        "grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                         tuning.GEMV_GROUPED_OVERRIDES.items()},
-                        "8-bit gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_I8_OVERRIDES.items()},
-                        "8-bit grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                               tuning.GEMV_I8_GROUPED_OVERRIDES.items()},
-                        "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
-                        "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                         tuning.GROUPED_GEMM_OVERRIDES.items()},
-                        "8-bit grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in
-                                               tuning.GEMM_I8_GROUPED_OVERRIDES.items()},
-                        "8-bit dense gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_I8_OVERRIDES.items()}}
+    results["tiles"] = {
+        "gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_OVERRIDES.items()},
+        "grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in tuning.GEMV_GROUPED_OVERRIDES.items()},
+        "8-bit gemv": {q.name: t.__dict__ for q, t in tuning.GEMV_I8_OVERRIDES.items()},
+        "8-bit grouped gemv": {f"{q.name} {n}": t.__dict__ for (q, n), t in tuning.GEMV_I8_GROUPED_OVERRIDES.items()},
+        "gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_GEMM_OVERRIDES.items()},
+        "grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in tuning.GROUPED_GEMM_OVERRIDES.items()},
+        "8-bit grouped gemm": {f"{q.name} {n}": t.__dict__ for (q, n), t in tuning.GEMM_I8_GROUPED_OVERRIDES.items()},
+        "8-bit dense gemm": {q.name: t.__dict__ for q, t in tuning.DENSE_I8_OVERRIDES.items()},
+    }
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

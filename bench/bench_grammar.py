@@ -53,8 +53,9 @@ def schema(rng: random.Random, depth: int = 0) -> dict:
     if depth >= 3 or (depth > 0 and roll < 0.35):
         return leaf(rng) if rng.random() > 0.1 else {"anyOf": [leaf(rng), leaf(rng)]}
     if roll < 0.75 or depth == 0:
-        keys = rng.sample(["id", "name", "kind", "size", "tags", "owner", "point", "value", "items", "flag"],
-                          rng.randint(1, 5))
+        keys = rng.sample(
+            ["id", "name", "kind", "size", "tags", "owner", "point", "value", "items", "flag"], rng.randint(1, 5)
+        )
         properties = {k: schema(rng, depth + 1) for k in keys}
         required = [k for k in keys if rng.random() < 0.8]
         return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
@@ -103,9 +104,16 @@ def main() -> None:
     start = time.perf_counter()
     valid, failures = 0, []
     for at in range(0, len(schemas), 8):
-        batch = schemas[at:at + 8]
-        jobs = [Job(prompt, 512, moerun.make_sampler(1.0, seed=at + i),
-                    grammar=Constraint(grammars, grammars.json_schema(s, "schema"))) for i, s in enumerate(batch)]
+        batch = schemas[at : at + 8]
+        jobs = [
+            Job(
+                prompt,
+                512,
+                moerun.make_sampler(1.0, seed=at + i),
+                grammar=Constraint(grammars, grammars.json_schema(s, "schema")),
+            )
+            for i, s in enumerate(batch)
+        ]
         texts, finish, _, _ = run(sched, jobs)
         for i, (s, text) in enumerate(zip(batch, texts)):
             try:
@@ -113,16 +121,24 @@ def main() -> None:
                 valid += 1
             except (ValueError, jsonschema.ValidationError) as e:
                 failures.append((at + i, finish[i], str(e)[:100], text[:120]))
-    print(f"validity: {valid}/{len(schemas)} answers valid against their schema "
-          f"({time.perf_counter() - start:.0f} s)")
+    print(f"validity: {valid}/{len(schemas)} answers valid against their schema ({time.perf_counter() - start:.0f} s)")
     for f in failures:
         print("  invalid:", f)
 
-    long_schema = {"type": "array", "minItems": 1000, "items": {
-        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                         "tag": {"enum": ["red", "green", "blue"]}},
-        "required": ["name", "age", "tag"], "additionalProperties": False}}
+    long_schema = {
+        "type": "array",
+        "minItems": 1000,
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "tag": {"enum": ["red", "green", "blue"]},
+            },
+            "required": ["name", "age", "tag"],
+            "additionalProperties": False,
+        },
+    }
     long_grammar = grammars.json_schema(long_schema, "schema")
     masks = grammars.masks
     mask_seconds = [0.0]
@@ -132,6 +148,7 @@ def main() -> None:
         out = masks(matchers)
         mask_seconds[0] += time.perf_counter() - start
         return out
+
     grammars.masks = timed_masks
     sample = sched._sample
     sample_seconds = [0.0]
@@ -141,6 +158,7 @@ def main() -> None:
         out = sample(runs, logits, masks)
         sample_seconds[0] += time.perf_counter() - start
         return out
+
     sched._sample = timed_sample
     for streams in (1, 8):
         speeds: dict[str, list[float]] = {"without": [], "with": []}
@@ -148,9 +166,16 @@ def main() -> None:
         sampling: dict[str, list[float]] = {"without": [], "with": []}  # seconds per decode step
         for r in range(args.repeats):  # alternated, so that the machine's load falls on both alike
             for name in ("without", "with"):
-                jobs = [Job(prompt, args.tokens + 1, moerun.make_sampler(1.0, seed=r * 8 + i), ignore_eos=True,
-                            grammar=Constraint(grammars, long_grammar) if name == "with" else None)
-                        for i in range(streams)]
+                jobs = [
+                    Job(
+                        prompt,
+                        args.tokens + 1,
+                        moerun.make_sampler(1.0, seed=r * 8 + i),
+                        ignore_eos=True,
+                        grammar=Constraint(grammars, long_grammar) if name == "with" else None,
+                    )
+                    for i in range(streams)
+                ]
                 mask_seconds[0] = sample_seconds[0] = 0.0
                 _, _, seconds, tokens = run(sched, jobs)
                 speeds[name].append(tokens / seconds)
@@ -158,11 +183,13 @@ def main() -> None:
                 if name == "with":
                     share.append(mask_seconds[0] / seconds)
         best = {name: max(v) for name, v in speeds.items()}
-        print(f"{streams} stream(s): {best['without']:.1f} tok/s without a grammar, {best['with']:.1f} with "
-              f"({best['with'] / best['without']:.2f}x; best of {args.repeats}); the masks took "
-              f"{100 * min(share):.1f}-{100 * max(share):.1f}% of the constrained runs' time (in a thread, beside "
-              f"the pass); picking the tokens took {1e3 * min(sampling['without']):.2f} ms a step without, "
-              f"{1e3 * min(sampling['with']):.2f} with (waiting for the masks included)")
+        print(
+            f"{streams} stream(s): {best['without']:.1f} tok/s without a grammar, {best['with']:.1f} with "
+            f"({best['with'] / best['without']:.2f}x; best of {args.repeats}); the masks took "
+            f"{100 * min(share):.1f}-{100 * max(share):.1f}% of the constrained runs' time (in a thread, beside "
+            f"the pass); picking the tokens took {1e3 * min(sampling['without']):.2f} ms a step without, "
+            f"{1e3 * min(sampling['with']):.2f} with (waiting for the masks included)"
+        )
 
 
 if __name__ == "__main__":

@@ -30,19 +30,24 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+from bench_cpu_experts import ram_read_gbps  # bench/bench_cpu_experts.py: the RAM bound's clock
 from gguf import GGMLQuantizationType as Q
 
 from moeprep.synth.weights import random_blocks
 from moerun.kernels.cpu import moe_rows as cpu_experts
 from moerun.kernels.cpu.formats import ExpertBytes
 
-from bench_cpu_experts import ram_read_gbps  # bench/bench_cpu_experts.py: the RAM bound's clock
-
 D, I, E = 2048, 768, 128
 QTYPE = Q.Q4_K
 # (label, tokens, experts per token, stack): "30b" the shape above, "tiny" D = I = 256 and 8 experts
-CASES = (("fixed cost", 1, 1, "tiny"), ("all hits", 1, 8, "30b"), ("decode", 1, 1, "30b"), ("decode", 1, 2, "30b"),
-         ("decode", 1, 8, "30b"), ("prompt", 64, 8, "30b"))
+CASES = (
+    ("fixed cost", 1, 1, "tiny"),
+    ("all hits", 1, 8, "30b"),
+    ("decode", 1, 1, "30b"),
+    ("decode", 1, 2, "30b"),
+    ("decode", 1, 8, "30b"),
+    ("prompt", 64, 8, "30b"),
+)
 # The module's functions a moe_rows call enters numba through, old and new layouts (those present are timed).
 ENTRIES = ("_plan", "_round_rows", "_expert_rows", "_activate", "_combine", "_moe")
 
@@ -88,12 +93,15 @@ class Timer:
                 return f(*args)
             finally:
                 self.inside += time.perf_counter() - start
+
         return timed
 
 
 def stack(rng: np.random.Generator, n_experts: int, d: int, i: int) -> list[ExpertBytes]:
-    return [ExpertBytes(random_blocks(rng, (n_experts, rows, cols), QTYPE, 0.02), QTYPE, rows, cols)
-            for rows, cols in ((i, d), (i, d), (d, i))]
+    return [
+        ExpertBytes(random_blocks(rng, (n_experts, rows, cols), QTYPE, 0.02), QTYPE, rows, cols)
+        for rows, cols in ((i, d), (i, d), (d, i))
+    ]
 
 
 def bench(module: ModuleType, stacks, label: str, T: int, K: int, threads: int, repeat: int, rng) -> dict:
@@ -121,10 +129,17 @@ def bench(module: ModuleType, stacks, label: str, T: int, K: int, threads: int, 
         split.append((total, timer.inside))
     total, inside = min(split)
     experts = len({int(e) for e in calls[0].ravel() if e >= 0})
-    return {"case": label, "tokens": T, "k": K, "threads": threads, "us": min(times) * 1e6,
-            "median_us": statistics.median(times) * 1e6,
-            "numba_us": inside * 1e6, "python_us": (total - inside) * 1e6,
-            "bytes": experts * sum(s.data[0].nbytes for s in stacks)}
+    return {
+        "case": label,
+        "tokens": T,
+        "k": K,
+        "threads": threads,
+        "us": min(times) * 1e6,
+        "median_us": statistics.median(times) * 1e6,
+        "numba_us": inside * 1e6,
+        "python_us": (total - inside) * 1e6,
+        "bytes": experts * sum(s.data[0].nbytes for s in stacks),
+    }
 
 
 def main() -> None:
@@ -144,15 +159,18 @@ def main() -> None:
         for label, T, K, shape in CASES:
             for name, module in impls.items():
                 rows.append({"impl": name, **bench(module, stacks[shape], label, T, K, n, args.repeat, rng)})
-    print("host RAM read (parallel sum, 1 GiB): "
-          + ", ".join(f"{ram[n]:.1f} GB/s with {n} threads" for n in threads))
-    print(f"{'case':<11}{'impl':<9}{'threads':>8}{'T':>4}{'K':>3}{'us/call':>10}{'median':>9}{'numba':>9}{'Python':>8}"
-          f"{'MB':>7}{'RAM bound us':>14}")
+    print("host RAM read (parallel sum, 1 GiB): " + ", ".join(f"{ram[n]:.1f} GB/s with {n} threads" for n in threads))
+    print(
+        f"{'case':<11}{'impl':<9}{'threads':>8}{'T':>4}{'K':>3}{'us/call':>10}{'median':>9}{'numba':>9}{'Python':>8}"
+        f"{'MB':>7}{'RAM bound us':>14}"
+    )
     for r in rows:
         bound = r["bytes"] / (ram[r["threads"]] * 1e9) * 1e6
-        print(f"{r['case']:<11}{r['impl']:<9}{r['threads']:>8}{r['tokens']:>4}{r['k']:>3}{r['us']:>10.0f}"
-              f"{r['median_us']:>9.0f}"
-              f"{r['numba_us']:>9.0f}{r['python_us']:>8.0f}{r['bytes'] / 1e6:>7.1f}{bound:>14.0f}")
+        print(
+            f"{r['case']:<11}{r['impl']:<9}{r['threads']:>8}{r['tokens']:>4}{r['k']:>3}{r['us']:>10.0f}"
+            f"{r['median_us']:>9.0f}"
+            f"{r['numba_us']:>9.0f}{r['python_us']:>8.0f}{r['bytes'] / 1e6:>7.1f}{bound:>14.0f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"ram_gbps": ram, "rows": rows, **vars(args)}, indent=2))
 

@@ -72,8 +72,9 @@ def files(folder: Path, n_vocab: int) -> tuple[Path, Path, Path]:
     if not small.exists():
         write_synth_model(small, "qwen3moe")
     if not foreign.exists():
-        write_gguf(foreign, open_gguf(real),
-                   kv_set={Keys.General.ARCHITECTURE: KVValue("gemma3", GGUFValueType.STRING)})
+        write_gguf(
+            foreign, open_gguf(real), kv_set={Keys.General.ARCHITECTURE: KVValue("gemma3", GGUFValueType.STRING)}
+        )
     return real, small, foreign
 
 
@@ -97,8 +98,10 @@ def main() -> None:
         ("open_gguf + decode all tokens", best_seconds(ours_decoded, a.repeat)),
         ("open_gguf + moerun Tokenizer", best_seconds(lambda: Tokenizer(open_gguf(real)), a.repeat)),
         ("gguf.GGUFReader", best_seconds(lambda: GGUFReader(real), 1)),
-        ("llama.cpp vocab_only load", best_seconds(
-            lambda: llama_cpp.Llama(model_path=str(real), vocab_only=True, verbose=False), a.repeat)),
+        (
+            "llama.cpp vocab_only load",
+            best_seconds(lambda: llama_cpp.Llama(model_path=str(real), vocab_only=True, verbose=False), a.repeat),
+        ),
     ]
     for label, seconds in rows:
         print(f"  {label:34} {seconds:8.3f} s")

@@ -34,8 +34,10 @@ CALIBRATION = Path(__file__).resolve().parents[1] / "moeprep" / "data" / "calibr
 def synth_model(spec: str, folder: Path) -> Path:
     from moeprep.synth import write_synth_model
 
-    options = {k: (v if k.endswith("_type") or k == "preset" else float(v) if "." in v else int(v))
-               for k, v in (item.split("=") for item in spec.split(","))}
+    options = {
+        k: (v if k.endswith("_type") or k == "preset" else float(v) if "." in v else int(v))
+        for k, v in (item.split("=") for item in spec.split(","))
+    }
     return write_synth_model(folder / "bench.gguf", **options)
 
 
@@ -53,8 +55,9 @@ def time_moeprep(path: Path, device: str, ctx: int, chunks: int, imatrix: bool) 
     data = make_chunks(tokens, ctx, bos, chunks + 1)
     assert len(data) == chunks + 1, f"the calibration text has too few tokens for {chunks + 1} chunks of {ctx}"
     if imatrix:
-        model.add_activation_hook(ActivationRecorder({t.name: t.shape[0] if len(t.shape) == 3 else 1
-                                                      for t in model.gguf.tensors}))
+        model.add_activation_hook(
+            ActivationRecorder({t.name: t.shape[0] if len(t.shape) == 3 else 1 for t in model.gguf.tensors})
+        )
     args = (identity.moe_layers, identity.n_expert, identity.n_expert_used)
     collect(model, data[:1], np.zeros(1, bool), *args)  # warm-up: allocations, kernels, caches
     if device.startswith("cuda"):
@@ -64,9 +67,16 @@ def time_moeprep(path: Path, device: str, ctx: int, chunks: int, imatrix: bool) 
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"device": device, "load_s": round(load_s, 2), "tokens": int(data[1:].size), "seconds": round(seconds, 3),
-            "tokens_per_s": round(data[1:].size / seconds, 1), "threads": torch.get_num_threads(),
-            "imatrix": imatrix, "chunks": data[1:].tolist()}
+    return {
+        "device": device,
+        "load_s": round(load_s, 2),
+        "tokens": int(data[1:].size),
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(data[1:].size / seconds, 1),
+        "threads": torch.get_num_threads(),
+        "imatrix": imatrix,
+        "chunks": data[1:].tolist(),
+    }
 
 
 def time_llama_cpp(path: Path, chunks: list[list[int]], threads: int) -> dict | None:
@@ -103,16 +113,48 @@ def time_llama_cpp(path: Path, chunks: list[list[int]], threads: int) -> dict | 
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
     total = sum(seconds[1:])
-    return {"tool": "llama-cpp-python (CPU)", "threads": threads, "tokens": ctx_len * len(chunks),
-            "seconds": round(total, 3), "tokens_per_s": round(ctx_len * len(chunks) / total, 1)}
+    return {
+        "tool": "llama-cpp-python (CPU)",
+        "threads": threads,
+        "tokens": ctx_len * len(chunks),
+        "seconds": round(total, 3),
+        "tokens_per_s": round(ctx_len * len(chunks) / total, 1),
+    }
 
 
 def time_llama_bench(binary: str, path: Path, ctx: int, ngl: int, threads: int) -> dict:
-    out = subprocess.run([binary, "-m", str(path), "-p", str(ctx), "-n", "0", "-r", "3", "-ngl", str(ngl), "-fa", "0",
-                          "-t", str(threads), "-o", "json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            binary,
+            "-m",
+            str(path),
+            "-p",
+            str(ctx),
+            "-n",
+            "0",
+            "-r",
+            "3",
+            "-ngl",
+            str(ngl),
+            "-fa",
+            "0",
+            "-t",
+            str(threads),
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     row = json.loads(out)[0]
-    return {"tool": f"llama-bench (-ngl {ngl})", "threads": threads, "tokens": ctx,
-            "tokens_per_s": round(row["avg_ts"], 1), "backend": row.get("backends") or row.get("backend")}
+    return {
+        "tool": f"llama-bench (-ngl {ngl})",
+        "threads": threads,
+        "tokens": ctx,
+        "tokens_per_s": round(row["avg_ts"], 1),
+        "backend": row.get("backends") or row.get("backend"),
+    }
 
 
 def main() -> None:
@@ -132,8 +174,13 @@ def main() -> None:
     threads = torch.get_num_threads()
     ours = time_moeprep(path, args.device, args.ctx, args.chunks, args.imatrix)
     chunks = ours.pop("chunks")
-    results = {"model": str(path), "file_size": os.path.getsize(path), "ctx": args.ctx, "moeprep": ours,
-               "llama_cpp": [r for r in (time_llama_cpp(path, chunks, threads),) if r]}
+    results = {
+        "model": str(path),
+        "file_size": os.path.getsize(path),
+        "ctx": args.ctx,
+        "moeprep": ours,
+        "llama_cpp": [r for r in (time_llama_cpp(path, chunks, threads),) if r],
+    }
     if args.llama_bench:
         results["llama_cpp"].append(time_llama_bench(args.llama_bench, path, args.ctx, args.ngl, threads))
     text = json.dumps(results, indent=1)

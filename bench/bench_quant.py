@@ -64,8 +64,11 @@ def main() -> None:
                 t, theirs = seconds(lambda q=qtype, w=qw: ggml.quantize(rows, q, w))
                 ggml_s = min(ggml_s, t)
             same = "equal" if np.array_equal(ours, theirs) else "DIFFER"
-            print(f"{qtype.name:6} {'yes' if qw is not None else 'no':8} {mb / ours_s:10.1f} {mb / ggml_s:10.1f} "
-                  f"{ours_s / ggml_s:10.2f}  {same}", flush=True)
+            print(
+                f"{qtype.name:6} {'yes' if qw is not None else 'no':8} {mb / ours_s:10.1f} {mb / ggml_s:10.1f} "
+                f"{ours_s / ggml_s:10.2f}  {same}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

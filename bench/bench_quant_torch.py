@@ -55,11 +55,15 @@ def main() -> None:
     imatrix = (rng.random(args.cols) ** 2 * 3).astype(np.float32)
     mb = rows.nbytes / 1e6
     tables = {d: kquants_torch.quantizers_on(d) for d in devices}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-          + (f", {torch.cuda.get_device_name()}" if "cuda" in devices else ""))
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+        + (f", {torch.cuda.get_device_name()}" if "cuda" in devices else "")
+    )
     print(f"{args.rows} x {args.cols} float32 rows ({mb:.1f} MB); kquants: one run; torch: best of {args.repeat}")
-    print(f"{'type':6} {'imatrix':8} {'kquants MB/s':>12} " + " ".join(f"{'torch-' + d + ' MB/s':>16}  bytes vs kquants"
-                                                                     for d in devices))
+    print(
+        f"{'type':6} {'imatrix':8} {'kquants MB/s':>12} "
+        + " ".join(f"{'torch-' + d + ' MB/s':>16}  bytes vs kquants" for d in devices)
+    )
     for qtype, quantize in kquants.KQUANTIZERS.items():
         for qw in (None, imatrix):
             quantize(rows[:8], qw)  # warm-up: numba compiles or loads its cache
@@ -69,8 +73,9 @@ def main() -> None:
                 tables[d][qtype](rows[:8], qw)  # warm-up
                 t_s, got = seconds(lambda f=tables[d][qtype], w=qw: f(rows, w), args.repeat, d)
                 cells.append(f"{mb / t_s:16.1f}  {compare(got, expected, qtype)}")
-            print(f"{qtype.name:6} {'yes' if qw is not None else 'no':8} {mb / np_s:12.1f} " + " ".join(cells),
-                  flush=True)
+            print(
+                f"{qtype.name:6} {'yes' if qw is not None else 'no':8} {mb / np_s:12.1f} " + " ".join(cells), flush=True
+            )
 
     adv_rng = np.random.default_rng(7)
     adv = np.concatenate(list(adversarial_rows(512, adv_rng).values()))
@@ -79,8 +84,10 @@ def main() -> None:
         for kind in (None, "random", "sparse"):
             qw = make_imatrix(kind, 512, adv_rng)
             expected = quantize(adv, qw)
-            print(f"  {qtype.name} imatrix={kind}: "
-                  + ", ".join(f"{d} {compare(tables[d][qtype](adv, qw), expected, qtype)}" for d in devices))
+            print(
+                f"  {qtype.name} imatrix={kind}: "
+                + ", ".join(f"{d} {compare(tables[d][qtype](adv, qw), expected, qtype)}" for d in devices)
+            )
 
     a = (rng.standard_normal(1 << 20) * np.exp(rng.standard_normal(1 << 20) * 3)).astype(np.float32)
     for d in devices:

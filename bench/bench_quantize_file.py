@@ -24,7 +24,6 @@ output tests/quant/test_whole_file_peer.py checks equal to ours tensor for tenso
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import subprocess
 import sys
@@ -57,8 +56,12 @@ def drop_from_page_cache(path: Path) -> None:
 def cached_share(path: Path) -> str:
     """The share of the file's pages in the page cache, from util-linux's fincore when it is installed."""
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", str(path)],
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         return f"{int(out[0]) / max(int(out[1]), 1):.0%}"
     except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
         return "unknown"
@@ -75,8 +78,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="quantize --threads (default: quantize's own, the core count)")
     ap.add_argument("--device", default="cpu", help="quantize --device (cpu or cuda)")
     ap.add_argument("--rounds", type=int, default=1, help="copy / quantize / quantize --no-verify rounds")
-    ap.add_argument("--cache", choices=["cold", "as-is"], default="cold",
-                    help="cold: drop MODEL from the page cache before every step")
+    ap.add_argument(
+        "--cache",
+        choices=["cold", "as-is"],
+        default="cold",
+        help="cold: drop MODEL from the page cache before every step",
+    )
     ap.add_argument("--skip-verify", action="store_true", help="do not time `moeprep verify` alone afterwards")
     ap.add_argument("--no-peer", action="store_true", help="do not time llama.cpp's quantizer (needs llama-cpp-python)")
     args = ap.parse_args()
@@ -86,15 +93,43 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else work / "bench-qwen3-30b-a3b.gguf"
     if not model.exists():
-        subprocess.run([sys.executable, "-m", "moeprep", "synth", str(model), "--preset", "qwen3-30b-a3b",
-                        "--expert-type", "Q4_K", "--attn-type", "Q8_0", "--fast-random-blocks"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moeprep",
+                "synth",
+                str(model),
+                "--preset",
+                "qwen3-30b-a3b",
+                "--expert-type",
+                "Q4_K",
+                "--attn-type",
+                "Q8_0",
+                "--fast-random-blocks",
+            ],
+            check=True,
+        )
     copy_path, out = work / "bench-copy.gguf", work / "bench-q4k-attn.gguf"
     threads = [] if args.threads is None else ["--threads", str(args.threads)]
-    quantize = [sys.executable, "-m", "moeprep", "quantize", str(model), str(out), "--attn", "Q4_K",
-                "--device", args.device, *threads]
-    steps = [("cp", ["cp", str(model), str(copy_path)], copy_path),
-             ("quantize (default, verifies)", quantize, out),
-             ("quantize --no-verify", [*quantize, "--no-verify"], out)]
+    quantize = [
+        sys.executable,
+        "-m",
+        "moeprep",
+        "quantize",
+        str(model),
+        str(out),
+        "--attn",
+        "Q4_K",
+        "--device",
+        args.device,
+        *threads,
+    ]
+    steps = [
+        ("cp", ["cp", str(model), str(copy_path)], copy_path),
+        ("quantize (default, verifies)", quantize, out),
+        ("quantize --no-verify", [*quantize, "--no-verify"], out),
+    ]
     rows: list[tuple[int, str, float, int, str, str]] = []
 
     def run(round_no: int, label: str, argv: list[str], written: Path | None, read_too: Path | None = None) -> float:
@@ -115,28 +150,40 @@ def main() -> None:
             times.append(run(r, label, argv, written))
     if not args.skip_verify:
         subprocess.run([*quantize, "--no-verify"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        run(0, "verify alone", [sys.executable, "-m", "moeprep", "verify", str(out), "--against", str(model)], out,
-            read_too=out)
+        run(
+            0,
+            "verify alone",
+            [sys.executable, "-m", "moeprep", "verify", str(out), "--against", str(model)],
+            out,
+            read_too=out,
+        )
     if not args.no_peer:
         peer_out = work / "bench-q4k-attn-llama.gguf"
         n = args.threads or os.cpu_count() or 1
-        peer_call = (f"from tests.oracle import llama_quantize; "
-                     f"llama_quantize({str(model)!r}, {str(peer_out)!r}, 'Q4_K', {n})")
+        peer_call = (
+            f"from tests.oracle import llama_quantize; llama_quantize({str(model)!r}, {str(peer_out)!r}, 'Q4_K', {n})"
+        )
         run(0, "llama.cpp quantize", [sys.executable, "-c", peer_call], peer_out)
 
     size = model.stat().st_size
-    print(f"\nmodel {model} ({size / 2**30:.2f} GiB), quantize {' '.join(threads) or 'default threads'} "
-          f"--device {args.device}, page cache: {args.cache}, {os.cpu_count()} cores")
+    print(
+        f"\nmodel {model} ({size / 2**30:.2f} GiB), quantize {' '.join(threads) or 'default threads'} "
+        f"--device {args.device}, page cache: {args.cache}, {os.cpu_count()} cores"
+    )
     print(f"{'round':<6}{'step':<30}{'seconds':>9}{'peak RSS':>11}{'cached':>8}  load 1/5/15 min before")
     for r, label, seconds, rss, cached, before in rows:
         print(f"{r or '-':<6}{label:<30}{seconds:>9.1f}{rss / 2**20:>7.0f} MiB{cached:>8}  {before}")
     for r in range(args.rounds):
-        print(f"round {r + 1}: default run / cp = {verified[r] / copies[r]:.2f}x, "
-              f"--no-verify / cp = {unverified[r] / copies[r]:.2f}x")
+        print(
+            f"round {r + 1}: default run / cp = {verified[r] / copies[r]:.2f}x, "
+            f"--no-verify / cp = {unverified[r] / copies[r]:.2f}x"
+        )
     if args.rounds > 1:  # on a shared machine the best of each step is the steadier figure
-        print(f"best of {args.rounds}: cp {min(copies):.1f} s, default run {min(verified):.1f} s "
-              f"({min(verified) / min(copies):.2f}x), --no-verify {min(unverified):.1f} s "
-              f"({min(unverified) / min(copies):.2f}x)")
+        print(
+            f"best of {args.rounds}: cp {min(copies):.1f} s, default run {min(verified):.1f} s "
+            f"({min(verified) / min(copies):.2f}x), --no-verify {min(unverified):.1f} s "
+            f"({min(unverified) / min(copies):.2f}x)"
+        )
     print(f"load after: {load()}")
 
 

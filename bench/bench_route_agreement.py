@@ -50,11 +50,19 @@ def interpreted_gpu_path() -> None:
     from count_decode_ops import emulate_gpu_path
 
     emulate_gpu_path()
-    tuning.GEMV_BY_BLOCK_VALUES = {256: tuning.GemvTiles(rows=64, blocks=4, num_warps=32),
-                                   32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32)}
+    tuning.GEMV_BY_BLOCK_VALUES = {
+        256: tuning.GemvTiles(rows=64, blocks=4, num_warps=32),
+        32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32),
+    }
     tuning.GEMM_BY_BLOCK_VALUES = {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)}
-    for name in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "GEMV_I8_OVERRIDES", "GEMV_I8_GROUPED_OVERRIDES",
-                 "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES"):
+    for name in (
+        "GEMV_OVERRIDES",
+        "GEMV_GROUPED_OVERRIDES",
+        "GEMV_I8_OVERRIDES",
+        "GEMV_I8_GROUPED_OVERRIDES",
+        "DENSE_GEMM_OVERRIDES",
+        "GROUPED_GEMM_OVERRIDES",
+    ):
         setattr(tuning, name, {})
 
 
@@ -71,7 +79,7 @@ def llama_cpp_logits(tokens: list[int], prompt: int, positions: int) -> torch.Te
 
     llm = Llama(model_path=str(MODEL), n_ctx=prompt + positions + 8, logits_all=True, verbose=False)
     llm.eval(tokens[: prompt + positions - 1])
-    scores = torch.from_numpy(np.array(llm.scores[prompt - 1: prompt + positions - 1], dtype=np.float32))
+    scores = torch.from_numpy(np.array(llm.scores[prompt - 1 : prompt + positions - 1], dtype=np.float32))
     llm.close()
     return scores
 
@@ -81,10 +89,10 @@ def decoded_perplexity(model: moerun.Model, tokens: list[int], n_ctx: int) -> fl
     a prompt, then one teacher-forced step per position."""
     first, nll, count = n_ctx // 2, 0.0, 0
     for start in range(0, len(tokens) // n_ctx * n_ctx, n_ctx):
-        chunk = tokens[start: start + n_ctx]
+        chunk = tokens[start : start + n_ctx]
         model.forward(torch.tensor(chunk[:first]), 0, last_only=True)
         logits = torch.stack([model.decode(chunk[p], p).float() for p in range(first, n_ctx - 1)])
-        targets = torch.tensor(chunk[first + 1:], device=logits.device)
+        targets = torch.tensor(chunk[first + 1 :], device=logits.device)
         nll -= float(torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[:, None]).sum())
         count += len(targets)
     return math.exp(nll / count)
@@ -107,24 +115,37 @@ def chunk_perplexities(args: argparse.Namespace, error: Callable[[str], None]) -
     if len(tokens) < args.chunks * args.ctx:
         error(f"the held-out text has {len(tokens) // args.ctx} chunks of {args.ctx} tokens, not {args.chunks}")
     tokens = tokens[: args.chunks * args.ctx]
-    print(f"{MODEL.name}: {args.chunks} chunks of {args.ctx} tokens, {args.chunks * (args.ctx // 2 - 1)} scored "
-          f"positions, device {args.device}", flush=True)
+    print(
+        f"{MODEL.name}: {args.chunks} chunks of {args.ctx} tokens, {args.chunks * (args.ctx // 2 - 1)} scored "
+        f"positions, device {args.device}",
+        flush=True,
+    )
     if has_peer:
         start = time.time()
         ppl, count = llama_cpp_perplexity(MODEL, text, args.ctx, args.chunks)
-        print(f"llama.cpp (llama-cpp-python, CPU): perplexity {ppl:.4f} over {count} positions "
-              f"({time.time() - start:.0f} s)", flush=True)
+        print(
+            f"llama.cpp (llama-cpp-python, CPU): perplexity {ppl:.4f} over {count} positions "
+            f"({time.time() - start:.0f} s)",
+            flush=True,
+        )
     else:
-        print("llama.cpp: not run (llama-cpp-python does not import here); its figure does not depend on the device: "
-              "run this command with --peer-only where it does")
+        print(
+            "llama.cpp: not run (llama-cpp-python does not import here); its figure does not depend on the device: "
+            "run this command with --peer-only where it does"
+        )
     if args.peer_only:
         return
-    for name, int8, score in [(f"decode steps, 8-bit route {'on' if int8 else 'off'}", int8, decoded_perplexity)
-                              for int8 in (True, False)] + [("prompt path (one forward per chunk)", True,
-                                                             moerun.perplexity)]:
+    for name, int8, score in [
+        (f"decode steps, 8-bit route {'on' if int8 else 'off'}", int8, decoded_perplexity) for int8 in (True, False)
+    ] + [("prompt path (one forward per chunk)", True, moerun.perplexity)]:
         # anew for each path: a CUDA model keeps the decode graphs it captured first
-        model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.ctx,
-                                  options=RuntimeOptions(triton_on_cpu=args.device == "cpu", gemv_int8=int8))
+        model = moerun.load_model(
+            MODEL,
+            device=args.device,
+            dtype=torch.bfloat16,
+            n_ctx=args.ctx,
+            options=RuntimeOptions(triton_on_cpu=args.device == "cpu", gemv_int8=int8),
+        )
         start = time.time()
         ppl = score(model, tokens, args.ctx)
         print(f"moerun {name}: perplexity {ppl:.4f} ({time.time() - start:.0f} s)", flush=True)
@@ -144,31 +165,45 @@ def main() -> None:
         return
     if args.device == "cpu":
         interpreted_gpu_path()
-    model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16, n_ctx=args.prompt + args.positions + 8,
-                              options=RuntimeOptions(triton_on_cpu=args.device == "cpu"))
+    model = moerun.load_model(
+        MODEL,
+        device=args.device,
+        dtype=torch.bfloat16,
+        n_ctx=args.prompt + args.positions + 8,
+        options=RuntimeOptions(triton_on_cpu=args.device == "cpu"),
+    )
     text = (ROOT / "bench" / "data" / "heldout.txt").read_text()[20000:30000]
     tokens = model.tokenizer.encode(text)[: args.prompt + args.positions]
-    target = torch.tensor(tokens[args.prompt: args.prompt + args.positions])
+    target = torch.tensor(tokens[args.prompt : args.prompt + args.positions])
     ref = llama_cpp_logits(tokens, args.prompt, args.positions)
 
     def perplexity(logits: torch.Tensor) -> float:
         return float(torch.exp(torch.nn.functional.cross_entropy(logits, target)))
 
-    print(f"{MODEL.name}: {args.positions} decoded positions after a {args.prompt}-token prompt, device "
-          f"{args.device}{' (GPU path in the interpreter)' if args.device == 'cpu' else ''}")
+    print(
+        f"{MODEL.name}: {args.positions} decoded positions after a {args.prompt}-token prompt, device "
+        f"{args.device}{' (GPU path in the interpreter)' if args.device == 'cpu' else ''}"
+    )
     print(f"llama.cpp (llama-cpp-python, CPU): perplexity {perplexity(ref):.4f}")
     for int8 in (True, False):
         # anew: the decode graphs captured first would replay the first route
-        model = moerun.load_model(MODEL, device=args.device, dtype=torch.bfloat16,
-                                  n_ctx=args.prompt + args.positions + 8,
-                                  options=RuntimeOptions(triton_on_cpu=args.device == "cpu", gemv_int8=int8))
+        model = moerun.load_model(
+            MODEL,
+            device=args.device,
+            dtype=torch.bfloat16,
+            n_ctx=args.prompt + args.positions + 8,
+            options=RuntimeOptions(triton_on_cpu=args.device == "cpu", gemv_int8=int8),
+        )
         start = time.time()
         logits = decoded_logits(model, tokens, args.prompt, args.positions)
         agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
         rel = float(((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).median())
-        print(f"moerun, 8-bit route {'on ' if int8 else 'off'}: perplexity {perplexity(logits):.4f} "
-              f"({100 * (perplexity(logits) / perplexity(ref) - 1):+.2f}% of llama.cpp's), top-1 agreement "
-              f"{agree:.3f}, median relative logit difference {rel:.4f} ({time.time() - start:.0f} s)", flush=True)
+        print(
+            f"moerun, 8-bit route {'on ' if int8 else 'off'}: perplexity {perplexity(logits):.4f} "
+            f"({100 * (perplexity(logits) / perplexity(ref) - 1):+.2f}% of llama.cpp's), top-1 agreement "
+            f"{agree:.3f}, median relative logit difference {rel:.4f} ({time.time() - start:.0f} s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

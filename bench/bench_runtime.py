@@ -56,8 +56,28 @@ def bench_moerun(path: str, device: str, n_prompt: int, n_gen: int) -> dict[str,
 
 
 def bench_llama_bench(binary: str, path: str, n_prompt: int, n_gen: int, threads: int, gpu_layers: int) -> dict:
-    out = subprocess.run([binary, "-m", path, "-p", str(n_prompt), "-n", str(n_gen), "-r", "3", "-t", str(threads),
-                          "-ngl", str(gpu_layers), "-o", "json"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            binary,
+            "-m",
+            path,
+            "-p",
+            str(n_prompt),
+            "-n",
+            str(n_gen),
+            "-r",
+            "3",
+            "-t",
+            str(threads),
+            "-ngl",
+            str(gpu_layers),
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = json.loads(out.stdout)
     speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
     return {"prefill_tok_s": speed["prefill"], "decode_tok_s": speed["decode"]}
@@ -68,8 +88,15 @@ def bench_llama_cpp_python(path: str, n_prompt: int, n_gen: int, threads: int) -
 
     import tests.conftest  # noqa: F401  (llama.cpp without the AMX buffers some VMs advertise but do not grant)
 
-    llm = llama_cpp.Llama(path, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_threads=threads,
-                          n_threads_batch=threads, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(
+        path,
+        n_ctx=n_prompt + n_gen + 16,
+        n_batch=n_prompt,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=True,
+        verbose=False,
+    )
     tokens = torch.randint(1, llm.n_vocab(), (n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     llm.eval(tokens[:16])
     llm.reset()
@@ -100,7 +127,9 @@ def main() -> None:
     if args.no_peer:
         peer, peer_name = {"prefill_tok_s": float("nan"), "decode_tok_s": float("nan")}, "(peer not run)"
     elif args.llama_bench:
-        peer = bench_llama_bench(args.llama_bench, args.model, args.prompt, args.gen, args.threads, args.peer_gpu_layers)
+        peer = bench_llama_bench(
+            args.llama_bench, args.model, args.prompt, args.gen, args.threads, args.peer_gpu_layers
+        )
         peer_name = f"llama-bench -ngl {args.peer_gpu_layers}"
     else:
         peer = bench_llama_cpp_python(args.model, args.prompt, args.gen, args.threads)
@@ -111,7 +140,9 @@ def main() -> None:
     print(f"{peer_name:<34}{peer['prefill_tok_s']:>15.1f}{peer['decode_tok_s']:>15.2f}")
     print(f"moerun load: {ours['load_s']:.1f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"moerun": ours, "peer": {"name": peer_name, **peer}, **vars(args)}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"moerun": ours, "peer": {"name": peer_name, **peer}, **vars(args)}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], gen: int, chat: bool,
-                      extra: dict) -> dict:
+async def one_request(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], gen: int, chat: bool, extra: dict
+) -> dict:
     body = {"max_tokens": gen, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     if chat:  # token ids cannot be sent as a message: the ids' text instead, the same for both servers
         body["messages"] = [{"role": "user", "content": " ".join(map(str, prompt))}]
@@ -78,12 +79,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
             for choice in chunk.get("choices") or []:
                 if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - start if stamps else float("nan"), "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": n_tokens or len(stamps)}
+    return {
+        "ttft": stamps[0] - start if stamps else float("nan"),
+        "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
+        "tokens": n_tokens or len(stamps),
+    }
 
 
-async def run_level(url: str, streams: int, requests: int, prompt_len: int, gen: int, vocab: int, chat: bool,
-                    extra: dict, seed: int) -> dict:
+async def run_level(
+    url: str, streams: int, requests: int, prompt_len: int, gen: int, vocab: int, chat: bool, extra: dict, seed: int
+) -> dict:
     rng = random.Random(seed)
     prompts = [[[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(requests)] for _ in range(streams)]
 
@@ -100,11 +105,17 @@ async def run_level(url: str, streams: int, requests: int, prompt_len: int, gen:
         wall = time.perf_counter() - start
     ttft = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
-    return {"streams": streams, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
-            "wall_s": wall, "tok_s": sum(r["tokens"] for r in results) / wall,
-            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-            "tpot_p50_ms": 1e3 * percentile(gaps, 50) if gaps else float("nan"),
-            "tpot_p99_ms": 1e3 * percentile(gaps, 99) if gaps else float("nan")}
+    return {
+        "streams": streams,
+        "requests": len(results),
+        "tokens": sum(r["tokens"] for r in results),
+        "wall_s": wall,
+        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "tpot_p50_ms": 1e3 * percentile(gaps, 50) if gaps else float("nan"),
+        "tpot_p99_ms": 1e3 * percentile(gaps, 99) if gaps else float("nan"),
+    }
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
@@ -133,26 +144,60 @@ def start_server(name: str, cmd: list[str], port: int) -> tuple[subprocess.Popen
     return subprocess.Popen(cmd, stdout=log, stderr=log), f"http://127.0.0.1:{port}"
 
 
-def moerun_command(model: str, parallel: int, n_ctx: int, device: str, threads: int | None, extra: str,
-                   port: int, trace: str | None = None) -> list[str]:
+def moerun_command(
+    model: str,
+    parallel: int,
+    n_ctx: int,
+    device: str,
+    threads: int | None,
+    extra: str,
+    port: int,
+    trace: str | None = None,
+) -> list[str]:
     """`moerun serve` on the port; with `trace`, through trace_serve.py, which writes its summary there at the end."""
-    start = [sys.executable, str(Path(__file__).with_name("trace_serve.py")), "--summary", trace] if trace else [
-        sys.executable, "-m", "moerun"]
-    return (start + ["serve", "-m", model, "-np", str(parallel), "-c", str(n_ctx), "--device", device, "--port",
-                     str(port)] + (["-t", str(threads)] if threads else []) + shlex.split(extra))
+    start = (
+        [sys.executable, str(Path(__file__).with_name("trace_serve.py")), "--summary", trace]
+        if trace
+        else [sys.executable, "-m", "moerun"]
+    )
+    return (
+        start
+        + ["serve", "-m", model, "-np", str(parallel), "-c", str(n_ctx), "--device", device, "--port", str(port)]
+        + (["-t", str(threads)] if threads else [])
+        + shlex.split(extra)
+    )
 
 
-def llama_server_command(binary: str, model: str, parallel: int, n_ctx: int, device: str, threads: int | None,
-                         extra: str, port: int) -> list[str]:
-    return ([binary, "-m", model, "-np", str(parallel), "-c", str(parallel * n_ctx), "--port", str(port),
-             "-ngl", "999" if device.startswith("cuda") else "0"] + (["-t", str(threads)] if threads else [])
-            + shlex.split(extra))
+def llama_server_command(
+    binary: str, model: str, parallel: int, n_ctx: int, device: str, threads: int | None, extra: str, port: int
+) -> list[str]:
+    return (
+        [
+            binary,
+            "-m",
+            model,
+            "-np",
+            str(parallel),
+            "-c",
+            str(parallel * n_ctx),
+            "--port",
+            str(port),
+            "-ngl",
+            "999" if device.startswith("cuda") else "0",
+        ]
+        + (["-t", str(threads)] if threads else [])
+        + shlex.split(extra)
+    )
 
 
 def report(name: str, row: dict) -> dict:
-    print(f"{name:12s} streams {row['streams']}: {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
-          f"p99 {row['ttft_p99_ms']:.0f} ms, per token p50 {row['tpot_p50_ms']:.1f} ms "
-          f"p99 {row['tpot_p99_ms']:.1f} ms", file=sys.stderr, flush=True)
+    print(
+        f"{name:12s} streams {row['streams']}: {row['tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
+        f"p99 {row['ttft_p99_ms']:.0f} ms, per token p50 {row['tpot_p50_ms']:.1f} ms "
+        f"p99 {row['tpot_p99_ms']:.1f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
     return {"server": name, **row}
 
 
@@ -182,8 +227,12 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32, help="max_tokens")
     ap.add_argument("--vocab", type=int, default=2000, help="prompt token ids are drawn below this")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
-    ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (both servers take it): every answer "
-                    "runs to --gen tokens, none ends early on an end-of-generation token")
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (both servers take it): every answer "
+        "runs to --gen tokens, none ends early on an end-of-generation token",
+    )
     ap.add_argument("--json", help="write the numbers here")
     ap.add_argument("--trace", help="start ours through trace_serve.py: its steps' and passes' times go to this file")
     args = ap.parse_args()
@@ -197,11 +246,38 @@ def main() -> None:
     n_ctx = args.prompt + args.gen + 16
     ours, peer = free_port(), free_port()
     # (name, the URL of a running server, or the command that starts one on its port), measured one after the other
-    servers: list[tuple[str, str | tuple[list[str], int]]] = [("moerun", args.url or (moerun_command(
-        args.model, max(levels), n_ctx, args.device, args.threads, args.serve_args, ours, args.trace), ours))]
+    servers: list[tuple[str, str | tuple[list[str], int]]] = [
+        (
+            "moerun",
+            args.url
+            or (
+                moerun_command(
+                    args.model, max(levels), n_ctx, args.device, args.threads, args.serve_args, ours, args.trace
+                ),
+                ours,
+            ),
+        )
+    ]
     if args.peer_url or args.llama_server:
-        servers.append(("llama-server", args.peer_url or (llama_server_command(
-            args.llama_server, args.model, max(levels), n_ctx, args.device, args.threads, args.peer_args, peer), peer)))
+        servers.append(
+            (
+                "llama-server",
+                args.peer_url
+                or (
+                    llama_server_command(
+                        args.llama_server,
+                        args.model,
+                        max(levels),
+                        n_ctx,
+                        args.device,
+                        args.threads,
+                        args.peer_args,
+                        peer,
+                    ),
+                    peer,
+                ),
+            )
+        )
     rows, extra = [], {"ignore_eos": True} if args.ignore_eos else {}
     for name, where in servers:
         proc, url = (None, where) if isinstance(where, str) else start_server(name, *where)
@@ -209,33 +285,54 @@ def main() -> None:
             wait_ready(url, proc)
             for round_ in range(args.rounds):
                 for streams in levels:
-                    row = asyncio.run(run_level(url, streams, args.requests, args.prompt, args.gen, args.vocab,
-                                                args.chat, extra, seed=streams + 1000 * round_))
+                    row = asyncio.run(
+                        run_level(
+                            url,
+                            streams,
+                            args.requests,
+                            args.prompt,
+                            args.gen,
+                            args.vocab,
+                            args.chat,
+                            extra,
+                            seed=streams + 1000 * round_,
+                        )
+                    )
                     rows.append(report(name, {"round": round_, **row}))
         finally:
             if proc is not None:
                 stop(proc)
-    print("| server | round | streams | requests | tokens | aggregate tok/s | TTFT p50 / p99 ms "
-          "| per token p50 / p99 ms |")
+    print(
+        "| server | round | streams | requests | tokens | aggregate tok/s | TTFT p50 / p99 ms "
+        "| per token p50 / p99 ms |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['server']} | {r['round'] + 1} | {r['streams']} | {r['requests']} | {r['tokens']} | "
-              f"{r['tok_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / "
-              f"{r['tpot_p99_ms']:.1f} |")
+        print(
+            f"| {r['server']} | {r['round'] + 1} | {r['streams']} | {r['requests']} | {r['tokens']} | "
+            f"{r['tok_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / "
+            f"{r['tpot_p99_ms']:.1f} |"
+        )
     medians = {}  # (server, streams) -> the median aggregate over the rounds
     for name in dict.fromkeys(r["server"] for r in rows):
         for streams in levels:
             runs = [r["tok_s"] for r in rows if r["server"] == name and r["streams"] == streams]
             medians[name, streams] = statistics.median(runs)
             if args.rounds > 1:
-                print(f"{name} at {streams} streams: median {medians[name, streams]:.1f} tok/s over {len(runs)} rounds "
-                      f"({min(runs):.1f} - {max(runs):.1f})")
-        print(f"{name}: {max(levels)} streams give {medians[name, max(levels)] / medians[name, min(levels)]:.2f}x the "
-              f"aggregate tok/s of {min(levels)}" + (" (medians)" if args.rounds > 1 else ""))
+                print(
+                    f"{name} at {streams} streams: median {medians[name, streams]:.1f} tok/s over {len(runs)} rounds "
+                    f"({min(runs):.1f} - {max(runs):.1f})"
+                )
+        print(
+            f"{name}: {max(levels)} streams give {medians[name, max(levels)] / medians[name, min(levels)]:.2f}x the "
+            f"aggregate tok/s of {min(levels)}" + (" (medians)" if args.rounds > 1 else "")
+        )
     for streams in levels:
         if ("llama-server", streams) in medians:
-            print(f"moerun / llama-server at {streams} streams: "
-                  f"{medians['moerun', streams] / medians['llama-server', streams]:.2f}x")
+            print(
+                f"moerun / llama-server at {streams} streams: "
+                f"{medians['moerun', streams] / medians['llama-server', streams]:.2f}x"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

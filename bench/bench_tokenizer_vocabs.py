@@ -36,15 +36,23 @@ PACKAGE = "llama-cpp-python==0.3.36"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # Pieces random texts are drawn from: cased letters of several scripts, digits of several systems, marks, emoji
 # (newer ones too), control characters, Unicode spaces, contractions in both cases.
-FUZZ_PIECES = [*"abcXYZ'sStT  \t\n\r0123456789.,!?-_/$+<=>^`|~()[]{}\"#%&*:;@\\",
-               *"éÉßǅǄŉ日本語中文한국어ΑβГдיעبالعربيةहिन्दी१२३٣٤、。！？・ーｶﾞ０１ＡＢａｂ",
-               *"\u3000\u00a0\u2003\u200b\u0301\u0308\u093f\u094d🙂👍🏽🧑‍💻\U0001FA77\x01\x1f\x7f\u2028\u0085",
-               "'re", "'LL", "'Ve", "IT'S", " 'd"]
+FUZZ_PIECES = [
+    *"abcXYZ'sStT  \t\n\r0123456789.,!?-_/$+<=>^`|~()[]{}\"#%&*:;@\\",
+    *"éÉßǅǄŉ日本語中文한국어ΑβГдיעبالعربيةहिन्दी१२३٣٤、。！？・ーｶﾞ０１ＡＢａｂ",
+    *"\u3000\u00a0\u2003\u200b\u0301\u0308\u093f\u094d🙂👍🏽🧑‍💻\U0001fa77\x01\x1f\x7f\u2028\u0085",
+    "'re",
+    "'LL",
+    "'Ve",
+    "IT'S",
+    " 'd",
+]
 
 
 def fetch_sdist(into: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q", "-d",
-                    str(into), PACKAGE], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q", "-d", str(into), PACKAGE],
+        check=True,
+    )
     return next(into.glob("llama_cpp_python-*.tar.gz"))
 
 
@@ -113,9 +121,14 @@ def every_pre_tokenizer(models: Path, into: Path) -> list[Path]:
         if name == "whitespace":
             continue
         path = into / f"pre-{name}.gguf"
-        write_gguf(path, byte_level if pre.byte_level else raw, kv_set={
-            "tokenizer.ggml.model": KVValue("gpt2", GGUFValueType.STRING),
-            "tokenizer.ggml.pre": KVValue(name, GGUFValueType.STRING)})
+        write_gguf(
+            path,
+            byte_level if pre.byte_level else raw,
+            kv_set={
+                "tokenizer.ggml.model": KVValue("gpt2", GGUFValueType.STRING),
+                "tokenizer.ggml.pre": KVValue(name, GGUFValueType.STRING),
+            },
+        )
         paths.append(path)
     return paths
 

@@ -49,17 +49,25 @@ PROMPT_CHARS = 400
 def synth_models(folder: Path) -> list[Path]:
     """Two synthetic models with GPU-kernel types: a Qwen3-MoE and a DeepSeek-V2 (MLA, a dense lead block)."""
     shape = dict(preset="small", n_layer=8, n_expert=64, n_expert_used=8, expert_type="Q4_K", attn_type="Q8_0")
-    return [write_synth_model(folder / "synth-qwen3moe.gguf", "qwen3moe", skew=0.8, **shape),
-            write_synth_model(folder / "synth-deepseek2.gguf", "deepseek2", skew=0.8, **shape)]
+    return [
+        write_synth_model(folder / "synth-qwen3moe.gguf", "qwen3moe", skew=0.8, **shape),
+        write_synth_model(folder / "synth-deepseek2.gguf", "deepseek2", skew=0.8, **shape),
+    ]
 
 
 def memory(n_gpu: int) -> list[dict]:
-    return [{"allocated_mib": torch.cuda.memory_allocated(i) / 2**20,
-             "peak_mib": torch.cuda.max_memory_allocated(i) / 2**20} for i in range(n_gpu)]
+    return [
+        {
+            "allocated_mib": torch.cuda.memory_allocated(i) / 2**20,
+            "peak_mib": torch.cuda.max_memory_allocated(i) / 2**20,
+        }
+        for i in range(n_gpu)
+    ]
 
 
-def run(path: Path, device: str, cache: CacheConfig | None, prompt_text: str, n: int, n_gpu: int,
-        eager: bool = False) -> dict:
+def run(
+    path: Path, device: str, cache: CacheConfig | None, prompt_text: str, n: int, n_gpu: int, eager: bool = False
+) -> dict:
     """Load, generate greedily, report; the model is freed before returning."""
     if n_gpu:
         for i in range(n_gpu):
@@ -76,15 +84,21 @@ def run(path: Path, device: str, cache: CacheConfig | None, prompt_text: str, n:
             torch.cuda.synchronize(i)
     seconds = time.perf_counter() - start
     layout = model.net.layout
-    out = {"tokens": tokens, "tok_s": len(tokens) / seconds,
-           "blocks_per_device": np.bincount(layout.block, minlength=len(layout.devices)).tolist(),
-           "memory": [{**a, "peak_mib": b["peak_mib"]} for a, b in zip(loaded, memory(n_gpu))] if n_gpu else []}
+    out = {
+        "tokens": tokens,
+        "tok_s": len(tokens) / seconds,
+        "blocks_per_device": np.bincount(layout.block, minlength=len(layout.devices)).tolist(),
+        "memory": [{**a, "peak_mib": b["peak_mib"]} for a, b in zip(loaded, memory(n_gpu))] if n_gpu else [],
+    }
     if model.expert_cache is not None:
         stats, placement = model.expert_cache.stats, model.expert_cache.placement
         per_device = [[b for b in placement.moe_layers if layout.block[b] == d] for d in range(len(layout.devices))]
-        out |= {"share_cached": placement.share, "hits": stats.hits.tolist(), "uploads": stats.uploads,
-                "hit_rate_per_device": [float(stats.hits[b].sum() / max(1, stats.lookups[b].sum()))
-                                        for b in per_device]}
+        out |= {
+            "share_cached": placement.share,
+            "hits": stats.hits.tolist(),
+            "uploads": stats.uploads,
+            "hit_rate_per_device": [float(stats.hits[b].sum() / max(1, stats.lookups[b].sum())) for b in per_device],
+        }
     del model
     gc.collect()
     if n_gpu:
@@ -126,8 +140,14 @@ def check_model(path: Path, prompt_text: str, n: int, cpu: bool) -> tuple[dict, 
             continue
         r = results[name]
         mem = " ".join(f"gpu{i} {m['allocated_mib']:.0f}/{m['peak_mib']:.0f} MiB" for i, m in enumerate(r["memory"]))
-        hits = "" if "hits" not in r else (f", {r['share_cached']:.0%} cached, hit rate per device "
-                                           + " ".join(f"{h:.1%}" for h in r["hit_rate_per_device"]))
+        hits = (
+            ""
+            if "hits" not in r
+            else (
+                f", {r['share_cached']:.0%} cached, hit rate per device "
+                + " ".join(f"{h:.1%}" for h in r["hit_rate_per_device"])
+            )
+        )
         print(f"  {name:13} blocks {r['blocks_per_device']}, {r['tok_s']:.1f} tok/s, {mem}{hits}", flush=True)
 
     def expect(ok: bool, what: str) -> None:
@@ -146,8 +166,10 @@ def check_model(path: Path, prompt_text: str, n: int, cpu: bool) -> tuple[dict, 
     s1 = results["slots 1"]
     for name in ("slots 2", "slots 2 eager"):
         s2 = results[name]
-        expect(s1["tokens"] == s2["tokens"], f"{name}: the same greedy tokens as slots 1"
-                                             f"{first_difference(s2['tokens'], s1['tokens'])}")
+        expect(
+            s1["tokens"] == s2["tokens"],
+            f"{name}: the same greedy tokens as slots 1{first_difference(s2['tokens'], s1['tokens'])}",
+        )
         expect(s1["hits"] == s2["hits"], f"{name}: the same hits per layer as slots 1")
     for name in ("plain 2", "slots 2", "budget 2"):
         expect(min(results[name]["blocks_per_device"]) > 0, f"{name}: both devices run blocks")

@@ -105,8 +105,8 @@ def emulate_gpu_path() -> None:
     """Build the CUDA path's modules on the CPU: QuantLinear and DeviceExperts on the GGUF bytes (their kernels run
     in Triton's interpreter). Patches the two device checks of model building, nothing else; load with
     RuntimeOptions(triton_on_cpu=True) for the GPU's fused kernels too."""
-    from moerun.kernels.gguf_matmul import QWeight, supports
     from moerun.backend import Backend
+    from moerun.kernels.gguf_matmul import QWeight, supports
     from moerun.layers.gguf_gpu import DeviceExperts
     from moerun.weights import Weights, device_bytes
 
@@ -115,12 +115,14 @@ def emulate_gpu_path() -> None:
         if len(info.shape) != 2 or not supports(info.ggml_type):
             return None
         rows, cols = info.shape
-        return QWeight(device_bytes(self.gguf.raw(info).reshape(rows, -1), self.device).clone(), info.ggml_type,
-                       rows, cols)
+        return QWeight(
+            device_bytes(self.gguf.raw(info).reshape(rows, -1), self.device).clone(), info.ggml_type, rows, cols
+        )
 
     Weights.blocks = blocks
-    Backend.experts = lambda self, w, hooks, layer, activation: DeviceExperts.load(w, hooks, layer, activation,
-                                                                                 self.kernels)
+    Backend.experts = lambda self, w, hooks, layer, activation: DeviceExperts.load(
+        w, hooks, layer, activation, self.kernels
+    )
 
 
 def split_layers(events: list[str]) -> tuple[list[list[str]], list[str]]:
@@ -159,15 +161,17 @@ def main() -> None:
     if path is None:
         from moeprep.synth import write_synth_model
 
-        path = write_synth_model(Path(tempfile.mkdtemp()) / "qwen3moe.gguf", "qwen3moe", expert_type="Q4_K",
-                                 attn_type="Q8_0")
+        path = write_synth_model(
+            Path(tempfile.mkdtemp()) / "qwen3moe.gguf", "qwen3moe", expert_type="Q4_K", attn_type="Q8_0"
+        )
     gpu_like = args.device == "cuda" or args.as_gpu
     if args.as_gpu:
         emulate_gpu_path()
     # the GPU's Triton kernels (in the interpreter on the CPU), or numba's; or torch's alone
     options = RuntimeOptions(fused=args.kernels == "fused", triton_on_cpu=gpu_like)
-    model = moerun.load_model(path, device=args.device, dtype=torch.bfloat16 if gpu_like else None,
-                              n_ctx=args.ctx + 8, options=options)
+    model = moerun.load_model(
+        path, device=args.device, dtype=torch.bfloat16 if gpu_like else None, n_ctx=args.ctx + 8, options=options
+    )
     model.forward(torch.randint(1, model.args.n_vocab, (args.ctx,)), 0)
     log = OpLog()
     log_triton_launches(log)
@@ -176,13 +180,25 @@ def main() -> None:
         model.forward(torch.tensor([1]), args.ctx)
     blocks, outside = split_layers(log.events)
     layer = blocks[len(blocks) // 2]
-    result = {"model": str(path), "device": args.device, "as_gpu": args.as_gpu, "kernels": args.kernels,
-              "layers": len(blocks), "ops_per_layer": [len(b) for b in blocks], "ops_outside_layers": len(outside),
-              "layer_ops": layer, "outside_ops": outside}
-    print(f"{Path(path).name}: {len(blocks)} layers, kernels={args.kernels}, device={args.device}"
-          f"{' (GPU path on the CPU)' if args.as_gpu else ''}")
-    print(f"ops per layer: {sorted(set(result['ops_per_layer']))}, outside the layers: {len(outside)}, "
-          f"step total: {sum(result['ops_per_layer']) + len(outside)}")
+    result = {
+        "model": str(path),
+        "device": args.device,
+        "as_gpu": args.as_gpu,
+        "kernels": args.kernels,
+        "layers": len(blocks),
+        "ops_per_layer": [len(b) for b in blocks],
+        "ops_outside_layers": len(outside),
+        "layer_ops": layer,
+        "outside_ops": outside,
+    }
+    print(
+        f"{Path(path).name}: {len(blocks)} layers, kernels={args.kernels}, device={args.device}"
+        f"{' (GPU path on the CPU)' if args.as_gpu else ''}"
+    )
+    print(
+        f"ops per layer: {sorted(set(result['ops_per_layer']))}, outside the layers: {len(outside)}, "
+        f"step total: {sum(result['ops_per_layer']) + len(outside)}"
+    )
     print(f"layer {len(blocks) // 2}, in order:")
     for i, op in enumerate(layer, 1):
         print(f"  {i:3d} {op}")
@@ -191,8 +207,10 @@ def main() -> None:
         kernels = cuda_kernels(model, 1, args.ctx + 1)
         result["cuda_kernels_per_step"] = len(kernels)
         result["cuda_kernel_names"] = Counter(kernels).most_common()
-        print(f"CUDA kernels in one eager step (torch profiler): {len(kernels)} "
-              f"({len(kernels) / max(len(blocks), 1):.1f} per layer)")
+        print(
+            f"CUDA kernels in one eager step (torch profiler): {len(kernels)} "
+            f"({len(kernels) / max(len(blocks), 1):.1f} per layer)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

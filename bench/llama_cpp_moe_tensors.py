@@ -25,18 +25,27 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "gguf" / "llama_cpp_moe_tensors.json"
 SHARED_LOADERS = {  # shared loader function -> the (tensor enum, suffix) pairs it may create (src/llama-model.cpp)
-    "create_tensor_qkv": [("LLM_TENSOR_ATTN_QKV", "weight"), ("LLM_TENSOR_ATTN_QKV", "bias"),
-                          ("LLM_TENSOR_ATTN_Q", "weight"), ("LLM_TENSOR_ATTN_K", "weight"),
-                          ("LLM_TENSOR_ATTN_V", "weight"), ("LLM_TENSOR_ATTN_Q", "bias"),
-                          ("LLM_TENSOR_ATTN_K", "bias"), ("LLM_TENSOR_ATTN_V", "bias")],
-    "create_tensor_gate_up_exps": [("LLM_TENSOR_FFN_GATE_UP_EXPS", "weight"), ("LLM_TENSOR_FFN_GATE_EXPS", "weight"),
-                                   ("LLM_TENSOR_FFN_UP_EXPS", "weight")],
+    "create_tensor_qkv": [
+        ("LLM_TENSOR_ATTN_QKV", "weight"),
+        ("LLM_TENSOR_ATTN_QKV", "bias"),
+        ("LLM_TENSOR_ATTN_Q", "weight"),
+        ("LLM_TENSOR_ATTN_K", "weight"),
+        ("LLM_TENSOR_ATTN_V", "weight"),
+        ("LLM_TENSOR_ATTN_Q", "bias"),
+        ("LLM_TENSOR_ATTN_K", "bias"),
+        ("LLM_TENSOR_ATTN_V", "bias"),
+    ],
+    "create_tensor_gate_up_exps": [
+        ("LLM_TENSOR_FFN_GATE_UP_EXPS", "weight"),
+        ("LLM_TENSOR_FFN_GATE_EXPS", "weight"),
+        ("LLM_TENSOR_FFN_UP_EXPS", "weight"),
+    ],
 }
 
 
 def table(text: str, name: str, value: str) -> dict[str, str]:
     """`{ KEY, value },` rows of the C++ map named `name`."""
-    body = text[text.index(name):]
+    body = text[text.index(name) :]
     body = body[: body.index("};")]
     return dict(re.findall(r"\{\s*(LLM_[A-Z0-9_]+)\s*,\s*" + value + r"\s*\}", body))
 
@@ -49,7 +58,7 @@ def function_bodies(text: str, qualified: str) -> list[str]:
         while depth:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
-        bodies.append(text[m.end(): i - 1])
+        bodies.append(text[m.end() : i - 1])
     return bodies
 
 
@@ -77,12 +86,20 @@ def main() -> None:
     arch_cpp = (src / "llama-arch.cpp").read_text()
     arch_names = table(arch_cpp, "LLM_ARCH_NAMES", r'"([^"]+)"')
     tensor_names = table(arch_cpp, "LLM_TENSOR_NAMES", r'"([^"]+)"')
-    infos = {k: v.split(",") for k, v in table(arch_cpp, "LLM_TENSOR_INFOS",
-                                                 r"\{\s*(LLM_TENSOR_LAYER_[A-Z]+\s*,\s*GGML_OP_[A-Z_]+)\s*\}").items()}
+    infos = {
+        k: v.split(",")
+        for k, v in table(
+            arch_cpp, "LLM_TENSOR_INFOS", r"\{\s*(LLM_TENSOR_LAYER_[A-Z]+\s*,\s*GGML_OP_[A-Z_]+)\s*\}"
+        ).items()
+    }
     model_cpp = (src / "llama-model.cpp").read_text()
     classes = dict(re.findall(r"case (LLM_ARCH_[A-Z0-9_]+):\s*return new (llama_model_[a-z0-9_]+)\(", model_cpp))
-    parents = dict(re.findall(r"struct (llama_model_[a-z0-9_]+)\s*:\s*public (llama_model_[a-z0-9_]+)",
-                              (src / "models" / "models.h").read_text()))
+    parents = dict(
+        re.findall(
+            r"struct (llama_model_[a-z0-9_]+)\s*:\s*public (llama_model_[a-z0-9_]+)",
+            (src / "models" / "models.h").read_text(),
+        )
+    )
     sources = {p: p.read_text() for p in sorted((src / "models").glob("*.cpp"))}
 
     def loader(cls: str) -> tuple[str, list[str]]:
@@ -103,13 +120,18 @@ def main() -> None:
         for e, suffix in pairs:
             name = tensor_names[e].replace("blk.%d.", "blk.{i}.") + (f".{suffix}" if suffix else "")
             layer, op = (s.strip() for s in infos[e])
-            kinds[name] = [e.removeprefix("LLM_TENSOR_"), layer.removeprefix("LLM_TENSOR_LAYER_"),
-                           op.removeprefix("GGML_OP_")]
+            kinds[name] = [
+                e.removeprefix("LLM_TENSOR_"),
+                layer.removeprefix("LLM_TENSOR_LAYER_"),
+                op.removeprefix("GGML_OP_"),
+            ]
             names.append(name)
         archs[arch_names[enum]] = {"source": f"src/models/{file}", "tensors": sorted(names)}
     # one line per architecture and per tensor: small diffs when llama.cpp changes
-    lines = ['{"llama_cpp": "llama-cpp-python 0.3.36 (vendored llama.cpp)",',
-             ' "tensors": {  "//": "name -> [tensor enum, layer kind, ggml op] (src/llama-arch.cpp)",']
+    lines = [
+        '{"llama_cpp": "llama-cpp-python 0.3.36 (vendored llama.cpp)",',
+        ' "tensors": {  "//": "name -> [tensor enum, layer kind, ggml op] (src/llama-arch.cpp)",',
+    ]
     lines += [f"  {json.dumps(n)}: {json.dumps(kinds[n])}," for n in sorted(kinds)]
     lines[-1] = lines[-1].rstrip(",")
     lines += [" },", ' "architectures": {']

@@ -19,8 +19,15 @@ from moerun.graphs import graph_blockers
 
 # Module classes -> the kind of work their kernels are counted under; the rest (norms, embedding, head, residual
 # adds) is "other". Kinds do not nest: a shared expert's FeedForward sits beside the routed experts, not inside.
-KINDS = {"Attention": "attention", "MLAttention": "attention", "Router": "router", "GGUFExperts": "routed experts",
-         "DeviceExperts": "routed experts", "CPUExperts": "routed experts", "FeedForward": "shared/dense FFN"}
+KINDS = {
+    "Attention": "attention",
+    "MLAttention": "attention",
+    "Router": "router",
+    "GGUFExperts": "routed experts",
+    "DeviceExperts": "routed experts",
+    "CPUExperts": "routed experts",
+    "FeedForward": "shared/dense FFN",
+}
 
 
 def label_modules(net: torch.nn.Module) -> None:
@@ -35,6 +42,7 @@ def _labelled(forward, kind: str):
     def run(*args, **kwargs):
         with record_function(kind):
             return forward(*args, **kwargs)
+
     return run
 
 
@@ -73,8 +81,10 @@ def main() -> None:
     args = ap.parse_args()
     model = moerun.load_model(args.model, device=args.device, n_ctx=args.ctx + args.steps + 8)
     model.forward(torch.randint(1, model.args.n_vocab, (args.ctx,)), 0)
-    result = {"eager_ms": 1e3 * timed_steps(model, 1, args.ctx, args.steps, use_graph=False),
-              "graph_blockers": graph_blockers(model)}
+    result = {
+        "eager_ms": 1e3 * timed_steps(model, 1, args.ctx, args.steps, use_graph=False),
+        "graph_blockers": graph_blockers(model),
+    }
     if not result["graph_blockers"]:
         result["graph_ms"] = 1e3 * timed_steps(model, 1, args.ctx, args.steps, use_graph=True)
     label_modules(model.net)

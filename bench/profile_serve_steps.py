@@ -39,8 +39,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="torch.profiler's tables for forwards and a decode step")
     ap.add_argument("--profile-tokens", default="512", help="the forwards --profile profiles, tokens, comma-separated")
     ap.add_argument("--prefill-chunk", type=int, help="as moerun serve's (default: its default on the device)")
-    ap.add_argument("--no-dense-bf16", action="store_true", help="as moerun serve's: no bfloat16 copies of the dense "
-                    "weights")
+    ap.add_argument(
+        "--no-dense-bf16", action="store_true", help="as moerun serve's: no bfloat16 copies of the dense weights"
+    )
     args = ap.parse_args()
     model = moerun.load_model(args.model, device=args.device, n_ctx=640, n_seq=8, dense_bf16=not args.no_dense_bf16)
     print(f"dense weights' bfloat16 copies: {model.decoded_bytes / 2**30:.2f} GiB")
@@ -82,13 +83,19 @@ def main() -> None:
     for graphs in (prompt_graphs, None):
         model.prompt_graphs = graphs
         for n in (16, 64, 65, 256, 512):
-            print(f"forward of {n} tokens{f' (graphs up to {prefill_chunk})' if graphs else ' eager'}: "
-                  + " ".join(f"{forward_ms(n):.1f}" for _ in range(3)) + " ms")
+            print(
+                f"forward of {n} tokens{f' (graphs up to {prefill_chunk})' if graphs else ' eager'}: "
+                + " ".join(f"{forward_ms(n):.1f}" for _ in range(3))
+                + " ms"
+            )
     model.prompt_graphs = prompt_graphs
     for n in (4, 8):
         chunks = [[(prompt(64), 0, s) for s in range(n)] for _ in range(3)]
-        print(f"{n} prompt chunks of 64 tokens as one step: "
-              + " ".join(f"{timed_ms(lambda: model.prefill_chunks(c)):.1f}" for c in chunks) + " ms")
+        print(
+            f"{n} prompt chunks of 64 tokens as one step: "
+            + " ".join(f"{timed_ms(lambda: model.prefill_chunks(c)):.1f}" for c in chunks)
+            + " ms"
+        )
     for n in range(1, 9):
         print(f"decode step of {n} sequences: {decode_ms(n):.2f} ms")
     if args.profile:
@@ -129,7 +136,9 @@ def main() -> None:
         while scheduler.busy:
             scheduler.step()
         total = sum(s[3] for s in steps)
-        print(f"{streams} streams: {len(steps)} steps, {total:.0f} ms; slowest {sorted(steps, key=lambda s: -s[3])[:6]}")
+        print(
+            f"{streams} streams: {len(steps)} steps, {total:.0f} ms; slowest {sorted(steps, key=lambda s: -s[3])[:6]}"
+        )
 
 
 if __name__ == "__main__":

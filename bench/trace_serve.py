@@ -32,6 +32,7 @@ def traced_step(step):
         start = time.perf_counter()
         step(engine)
         steps.append((start, time.perf_counter(), jobs))
+
     return run
 
 
@@ -41,6 +42,7 @@ def traced_pass(one_pass):
         outputs = one_pass(scheduler, chunks, *args)
         passes.append((start, time.perf_counter(), len(chunks), sum(len(chunk) for _, chunk in chunks)))
         return outputs
+
     return run
 
 
@@ -67,10 +69,17 @@ def summary() -> str:
             i += 1
         outside[jobs].append(end - start - inside)
     span = steps[-1][1] - steps[0][0] if steps else 0.0
-    return "\n".join([f"{len(steps)} steps over {span:.2f} s, {sum(e - s for s, e, _ in steps):.2f} s in them",
-                      *table("passes by (sequences, tokens)", by_pass),
-                      *table("engine time between steps, by the jobs of the next", between),
-                      *table("step time outside its passes, by its jobs", outside)]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"{len(steps)} steps over {span:.2f} s, {sum(e - s for s, e, _ in steps):.2f} s in them",
+                *table("passes by (sequences, tokens)", by_pass),
+                *table("engine time between steps, by the jobs of the next", between),
+                *table("step time outside its passes, by its jobs", outside),
+            ]
+        )
+        + "\n"
+    )
 
 
 def main() -> None:

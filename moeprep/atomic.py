@@ -38,12 +38,16 @@ class OutputLog:
 
     def summary(self) -> str:
         """What state the files are in, one line: '<X> written complete; <Y> not written; the inputs are unchanged'."""
+
         def names(paths: list[Path]) -> str:
             return ", ".join(dict.fromkeys(map(str, paths)))  # prepare rewrites its state file: name it once
 
         parts = [f"{names(self.written)} written complete"] if self.written else []
-        parts.append(f"{names(self.not_written)} not written (no temp files left)" if self.not_written
-                     else "nothing half-written")
+        parts.append(
+            f"{names(self.not_written)} not written (no temp files left)"
+            if self.not_written
+            else "nothing half-written"
+        )
         return "; ".join(parts) + "; the inputs are unchanged"
 
 
@@ -63,8 +67,10 @@ def _raise_terminated(signum: int, frame: object) -> None:
 def sigterm_raises() -> Iterator[None]:
     """SIGTERM raises Terminated inside the block, where its default action would kill the process at once and
     leave temp files behind. A SIGTERM handler someone else set, or an ignored SIGTERM, is left as it is."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
     signal.signal(signal.SIGTERM, _raise_terminated)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-
 from pathlib import Path
 
 import click
@@ -33,7 +32,9 @@ def main() -> None:
 @click.argument("model", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--vram", help="GPU memory sizes, comma-separated (24G,24G): show how many expert-cache slots fit.")
-@click.option("--reserve", default="1.5G", show_default=True, help="Memory kept back per GPU (context, KV, activations).")
+@click.option(
+    "--reserve", default="1.5G", show_default=True, help="Memory kept back per GPU (context, KV, activations)."
+)
 def inspect(model: str, as_json: bool, vram: str | None, reserve: str) -> None:
     """Show a GGUF model's anatomy: layers, experts, bytes per tensor role, cache slots in VRAM (MoE or dense)."""
     from moeprep.gguf.anatomy import describe_model, format_anatomy, plan_vram
@@ -49,8 +50,12 @@ def inspect(model: str, as_json: bool, vram: str | None, reserve: str) -> None:
 
 
 @main.command()
-@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=str),
-              help="Folder for the demo's files (default: a new temporary folder, kept afterwards).")
+@click.option(
+    "--dir",
+    "folder",
+    type=click.Path(file_okay=False, path_type=str),
+    help="Folder for the demo's files (default: a new temporary folder, kept afterwards).",
+)
 def demo(folder: str | None) -> None:
     """Show every moeprep capability on a small synthetic MoE model, step by step."""
     import tempfile
@@ -63,20 +68,48 @@ def demo(folder: str | None) -> None:
 @main.command()
 @click.argument("source", metavar="IN", type=click.Path(path_type=str))
 @click.argument("out", metavar="OUT", type=click.Path(path_type=str))
-@click.option("--attn", "attn_type", default="Q4_K", show_default=True,
-              help="Type for every attention tensor: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0...")
+@click.option(
+    "--attn",
+    "attn_type",
+    default="Q4_K",
+    show_default=True,
+    help="Type for every attention tensor: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0...",
+)
 @click.option("--imatrix", type=click.Path(path_type=str), help="Importance matrix (llama.cpp GGUF or legacy .dat).")
-@click.option("--type", "type_rules", multiple=True, metavar="REGEX=TYPE",
-              help="Requantize tensors whose name matches REGEX to TYPE (first match wins; experts never change).")
+@click.option(
+    "--type",
+    "type_rules",
+    multiple=True,
+    metavar="REGEX=TYPE",
+    help="Requantize tensors whose name matches REGEX to TYPE (first match wins; experts never change).",
+)
 @click.option("--split-max-size", help="Write llama.cpp shards of at most this size (48G).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--threads", default=os.cpu_count() or 1, show_default=True, help="Quantizer threads.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where Q4_K/Q5_K/Q6_K are quantized (cuda: torch on the GPU, the same bytes).")
-@click.option("--no-verify", is_flag=True, help="Skip the verification of the output against IN (done before OUT "
-              "is renamed into place).")
-def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_rules: tuple[str, ...],
-             split_max_size: str | None, dry_run: bool, threads: int, device: str, no_verify: bool) -> None:
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where Q4_K/Q5_K/Q6_K are quantized (cuda: torch on the GPU, the same bytes).",
+)
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Skip the verification of the output against IN (done before OUT is renamed into place).",
+)
+def quantize(
+    source: str,
+    out: str,
+    attn_type: str,
+    imatrix: str | None,
+    type_rules: tuple[str, ...],
+    split_max_size: str | None,
+    dry_run: bool,
+    threads: int,
+    device: str,
+    no_verify: bool,
+) -> None:
     """Requantize the attention tensors of IN into OUT; routed experts are copied byte for byte."""
     from moeprep.gguf.reader import open_gguf
     from moeprep.quant.imatrix import read_imatrix
@@ -90,9 +123,16 @@ def quantize(source: str, out: str, attn_type: str, imatrix: str | None, type_ru
         click.echo(format_plan(plan))
         return
     matrix = read_imatrix(imatrix) if imatrix else None
-    result = quantize_model(model, Path(out), plan, imatrix=matrix, threads=threads, device=device,
-                            split_max_size=parse_size(split_max_size) if split_max_size else None,
-                            verify=not no_verify)
+    result = quantize_model(
+        model,
+        Path(out),
+        plan,
+        imatrix=matrix,
+        threads=threads,
+        device=device,
+        split_max_size=parse_size(split_max_size) if split_max_size else None,
+        verify=not no_verify,
+    )
     click.echo(format_summary(result, Path(out)))
     if result.report is not None and not result.report.ok:
         sys.exit(1)
@@ -132,42 +172,91 @@ main.add_command(routing)  # `moeprep routing`: traces of named regimes and thei
 
 @main.command()
 @click.argument("out", metavar="OUT", type=click.Path(dir_okay=False, path_type=str))
-@click.option("--arch", default="qwen3moe", show_default=True,
-              help="Architecture as GGUF names it (qwen3moe, deepseek2, gpt-oss, ...).")
-@click.option("--preset", default="tiny", show_default=True,
-              help="Size preset (tiny, small, qwen3-30b-a3b, bench-60g).")
+@click.option(
+    "--arch",
+    default="qwen3moe",
+    show_default=True,
+    help="Architecture as GGUF names it (qwen3moe, deepseek2, gpt-oss, ...).",
+)
+@click.option(
+    "--preset", default="tiny", show_default=True, help="Size preset (tiny, small, qwen3-30b-a3b, bench-60g)."
+)
 @click.option("--expert-type", default=None, help="Routed experts' type, e.g. F16, Q8_0, Q4_K (default: the preset's).")
 @click.option("--attn-type", default=None, help="Attention, shared-expert and dense-FFN type (default: the preset's).")
-@click.option("--skew", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="How strongly the routers favour a few experts.")
+@click.option(
+    "--skew",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="How strongly the routers favour a few experts.",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--layers", "n_layer", default=None, type=click.IntRange(min=1), help="Override the layer count.")
 @click.option("--experts", "n_expert", default=None, type=click.IntRange(min=1), help="Override the expert count.")
-@click.option("--experts-used", "n_expert_used", default=None, type=click.IntRange(min=1),
-              help="Override the experts chosen per token.")
+@click.option(
+    "--experts-used",
+    "n_expert_used",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Override the experts chosen per token.",
+)
 @click.option("--fast-random-blocks", is_flag=True, help="Write quantized tensors as random valid blocks (fast).")
-@click.option("--vocab-size", "n_vocab", default=None, type=click.IntRange(min=1),
-              help="Vocabulary size: the tokenizer's 2048 tokens padded with unused ones (real models: 150k-262k).")
-def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: str | None, skew: float, seed: int,
-          n_layer: int | None, n_expert: int | None, n_expert_used: int | None, fast_random_blocks: bool,
-          n_vocab: int | None) -> None:
+@click.option(
+    "--vocab-size",
+    "n_vocab",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Vocabulary size: the tokenizer's 2048 tokens padded with unused ones (real models: 150k-262k).",
+)
+def synth(
+    out: str,
+    arch: str,
+    preset: str,
+    expert_type: str | None,
+    attn_type: str | None,
+    skew: float,
+    seed: int,
+    n_layer: int | None,
+    n_expert: int | None,
+    n_expert_used: int | None,
+    fast_random_blocks: bool,
+    n_vocab: int | None,
+) -> None:
     """Write a synthetic MoE model (random weights, real tokenizer) that llama.cpp loads: test and demo fixtures."""
     from moeprep.synth import write_synth_model
     from moeprep.units import format_size
 
-    path = write_synth_model(out, arch, preset=preset, seed=seed, expert_type=expert_type, attn_type=attn_type,
-                             skew=skew, n_layer=n_layer, n_expert=n_expert, n_expert_used=n_expert_used,
-                             fast_random_blocks=fast_random_blocks, n_vocab=n_vocab)
+    path = write_synth_model(
+        out,
+        arch,
+        preset=preset,
+        seed=seed,
+        expert_type=expert_type,
+        attn_type=attn_type,
+        skew=skew,
+        n_layer=n_layer,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        fast_random_blocks=fast_random_blocks,
+        n_vocab=n_vocab,
+    )
     click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")
 
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("outdir", required=False, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--check", "check_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Validate a publish folder instead: shards, checksums, card metadata. Exit 1 on problems.")
-@click.option("--base-model", help="Hugging Face repo the GGUF was made from, ORG/NAME (default: the GGUF's "
-              "general.source.repo_url when it is on the Hub).")
+@click.option(
+    "--check",
+    "check_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Validate a publish folder instead: shards, checksums, card metadata. Exit 1 on problems.",
+)
+@click.option(
+    "--base-model",
+    help="Hugging Face repo the GGUF was made from, ORG/NAME (default: the GGUF's "
+    "general.source.repo_url when it is on the Hub).",
+)
 @click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), help="The model's .moeprof.")
 @click.option("--imatrix", type=click.Path(dir_okay=False, path_type=Path), help="The importance matrix used.")
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), help="The recipe used.")
@@ -177,12 +266,28 @@ def synth(out: str, arch: str, preset: str, expert_type: str | None, attn_type: 
 @click.option("--license", "license_id", help="Card license (default: the GGUF's general.license).")
 @click.option("--language", "languages", multiple=True, help="Card language (repeatable; default: the GGUF's).")
 @click.option("--split-max-size", help="Largest file to write (default 46G, under the Hub's 50 GB limit).")
-@click.option("--hardlink", is_flag=True, help="Hard-link the model's files instead of reflinking or copying them "
-              "(no bytes written, but an edit in place of the folder's copy then edits MODEL too).")
-def publish(model: Path | None, outdir: Path | None, check_dir: Path | None,
-            base_model: str | None, profile: Path | None, imatrix: Path | None,
-            recipe: Path | None, quantized_by: str | None, repo_id: str | None, tags: tuple[str, ...],
-            license_id: str | None, languages: tuple[str, ...], split_max_size: str | None, hardlink: bool) -> None:
+@click.option(
+    "--hardlink",
+    is_flag=True,
+    help="Hard-link the model's files instead of reflinking or copying them "
+    "(no bytes written, but an edit in place of the folder's copy then edits MODEL too).",
+)
+def publish(
+    model: Path | None,
+    outdir: Path | None,
+    check_dir: Path | None,
+    base_model: str | None,
+    profile: Path | None,
+    imatrix: Path | None,
+    recipe: Path | None,
+    quantized_by: str | None,
+    repo_id: str | None,
+    tags: tuple[str, ...],
+    license_id: str | None,
+    languages: tuple[str, ...],
+    split_max_size: str | None,
+    hardlink: bool,
+) -> None:
     """Write OUTDIR for `hf upload USER/REPO OUTDIR`: shards, model card, profile, imatrix, recipe, SHA256SUMS.
 
     `moeprep publish --check OUTDIR` validates such a folder before upload."""
@@ -196,11 +301,26 @@ def publish(model: Path | None, outdir: Path | None, check_dir: Path | None,
         click.echo(report.summary())
         sys.exit(0 if report.ok else 1)
     if model is None or outdir is None:
-        raise click.UsageError("give MODEL and OUTDIR (moeprep publish MODEL OUTDIR --base-model ORG/NAME), "
-                               "or --check OUTDIR")
-    result = publish_folder(PublishRequest(
-        model, outdir, base_model, quantized_by, profile, imatrix, recipe,
-        parse_size(split_max_size) if split_max_size else None, tags, license_id, languages, repo_id, hardlink))
+        raise click.UsageError(
+            "give MODEL and OUTDIR (moeprep publish MODEL OUTDIR --base-model ORG/NAME), or --check OUTDIR"
+        )
+    result = publish_folder(
+        PublishRequest(
+            model,
+            outdir,
+            base_model,
+            quantized_by,
+            profile,
+            imatrix,
+            recipe,
+            parse_size(split_max_size) if split_max_size else None,
+            tags,
+            license_id,
+            languages,
+            repo_id,
+            hardlink,
+        )
+    )
     click.echo(format_published(result, repo_id))
 
 
@@ -219,20 +339,39 @@ def publish(model: Path | None, outdir: Path | None, check_dir: Path | None,
 @click.option("--split-max-size", help="Largest published file (overrides the recipe).")
 @click.option("--device", default="cpu", show_default=True, help="Torch device of the calibration passes.")
 @click.option("--threads", default=os.cpu_count() or 1, show_default=True, help="Quantizer threads.")
-def prepare(recipe: Path, model: Path, outdir: Path, base_model: str | None,
-            quantized_by: str | None, repo_id: str | None, dataset: str | None, dataset_config: str | None,
-            ctx: int | None, chunks: int | None, holdout: float | None, split_max_size: str | None, device: str,
-            threads: int) -> None:
+def prepare(
+    recipe: Path,
+    model: Path,
+    outdir: Path,
+    base_model: str | None,
+    quantized_by: str | None,
+    repo_id: str | None,
+    dataset: str | None,
+    dataset_config: str | None,
+    ctx: int | None,
+    chunks: int | None,
+    holdout: float | None,
+    split_max_size: str | None,
+    device: str,
+    threads: int,
+) -> None:
     """Calibrate, quantize with the imatrix, profile, bake and publish MODEL into OUTDIR/upload, as RECIPE says.
 
     Finished steps are recorded in OUTDIR/work/state.json; a rerun skips them unless their inputs changed."""
-    from moeprep.prepare import PrepareJob, format_prepared, prepare as run_prepare
+    from moeprep.prepare import PrepareJob, format_prepared
+    from moeprep.prepare import prepare as run_prepare
     from moeprep.recipe import load_recipe
 
-    overrides = {"publish.base_model": base_model, "publish.quantized_by": quantized_by,
-                 "publish.split_max_size": split_max_size, "calibration.dataset": dataset,
-                 "calibration.config": dataset_config, "calibration.ctx": ctx, "calibration.chunks": chunks,
-                 "calibration.holdout": holdout}
+    overrides = {
+        "publish.base_model": base_model,
+        "publish.quantized_by": quantized_by,
+        "publish.split_max_size": split_max_size,
+        "calibration.dataset": dataset,
+        "calibration.config": dataset_config,
+        "calibration.ctx": ctx,
+        "calibration.chunks": chunks,
+        "calibration.holdout": holdout,
+    }
     job = PrepareJob(load_recipe(recipe, overrides), model, outdir, repo_id, device, threads)
     results = run_prepare(job, log=click.echo)
     click.echo(format_prepared(job, results))

@@ -43,8 +43,9 @@ class UserErrorGroup(click.Group):
                 if os.environ.get("MOEPREP_DEBUG"):
                     traceback.print_exc()  # where it was (click would print only "Aborted!")
                 terminated = isinstance(e, Terminated)
-                click.echo(f"{self.prog}: {'terminated' if terminated else 'interrupted'}: {outputs.summary()}",
-                           err=True)
+                click.echo(
+                    f"{self.prog}: {'terminated' if terminated else 'interrupted'}: {outputs.summary()}", err=True
+                )
                 sys.exit(TERMINATED if terminated else INTERRUPTED)
 
     def fail(self, message: str) -> None:

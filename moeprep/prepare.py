@@ -30,8 +30,14 @@ from moeprep.profile.dataset import DatasetSpec
 from moeprep.profile.export import bake_profile
 from moeprep.profile.format import read_profile, write_profile
 from moeprep.profile.run import ProfileRequest, profile_model
-from moeprep.publish import (PublishRequest, check_split_max_size, file_sha256, model_stem, publish_folder,
-                             resolve_base_model)
+from moeprep.publish import (
+    PublishRequest,
+    check_split_max_size,
+    file_sha256,
+    model_stem,
+    publish_folder,
+    resolve_base_model,
+)
 from moeprep.quant.imatrix import read_imatrix
 from moeprep.quant.plan import parse_rule, parse_type, plan_requant
 from moeprep.quant.quantize import quantize_model
@@ -117,8 +123,9 @@ class PrepareJob:
 def _profile(job: PrepareJob, model: Path, out: Path, imatrix_out: Path | None) -> None:
     c = job.recipe.calibration
     spec = DatasetSpec(c.dataset, c.config, c.split, c.text_column)
-    write_profile(out, profile_model(ProfileRequest(model, spec, c.ctx, c.chunks, None, c.holdout, job.device,
-                                                    imatrix_out)))
+    write_profile(
+        out, profile_model(ProfileRequest(model, spec, c.ctx, c.chunks, None, c.holdout, job.device, imatrix_out))
+    )
 
 
 def run_calibrate(job: PrepareJob) -> None:
@@ -132,8 +139,10 @@ def run_quantize(job: PrepareJob) -> None:
     imatrix = read_imatrix(job.imatrix) if q.imatrix else None
     report = quantize_model(source, job.quantized, plan, imatrix=imatrix, threads=job.threads).report
     if not report.ok:
-        raise MoeprepError(f"{job.quantized}: not written, it does not verify against {job.model} "
-                           f"({report.summary()}); the source may be damaged: check it with `moeprep verify`")
+        raise MoeprepError(
+            f"{job.quantized}: not written, it does not verify against {job.model} "
+            f"({report.summary()}); the source may be damaged: check it with `moeprep verify`"
+        )
 
 
 def run_profile(job: PrepareJob) -> None:
@@ -147,10 +156,19 @@ def run_bake(job: PrepareJob) -> None:
 def publish_request(job: PrepareJob) -> PublishRequest:
     p = job.recipe.publish
     return PublishRequest(
-        model=job.baked, outdir=job.upload, base_model=p.base_model, quantized_by=p.quantized_by,
-        profile=job.profile, imatrix=job.imatrix if job.imatrix_used else None, recipe=job.recipe_copy,
-        split_max_size=parse_size(p.split_max_size) if p.split_max_size else None, tags=p.tags, license=p.license,
-        language=p.language, repo_id=job.repo_id)
+        model=job.baked,
+        outdir=job.upload,
+        base_model=p.base_model,
+        quantized_by=p.quantized_by,
+        profile=job.profile,
+        imatrix=job.imatrix if job.imatrix_used else None,
+        recipe=job.recipe_copy,
+        split_max_size=parse_size(p.split_max_size) if p.split_max_size else None,
+        tags=p.tags,
+        license=p.license,
+        language=p.language,
+        repo_id=job.repo_id,
+    )
 
 
 def run_publish(job: PrepareJob) -> None:
@@ -179,22 +197,52 @@ def _calibration(job: PrepareJob) -> dict[str, Any]:
 
 
 STEPS: list[Step] = [
-    Step("calibrate", "profile the source and compute the importance matrix", run_calibrate,
-         inputs=lambda job: [*job.model_files, *job.text_files], outputs=lambda job: [job.source_profile, job.imatrix],
-         settings=_calibration, enabled=lambda job: job.recipe.quantize.imatrix),
-    Step("quantize", "requantize attention, experts byte for byte", run_quantize,
-         inputs=lambda job: [*job.model_files, *job.imatrix_used], outputs=lambda job: [job.quantized],
-         settings=lambda job: dataclasses.asdict(job.recipe.quantize)),
-    Step("profile", "profile the quantized model", run_profile,
-         inputs=lambda job: [job.quantized, *job.text_files], outputs=lambda job: [job.profile],
-         settings=_calibration),
-    Step("bake", "bake the profile into the GGUF", run_bake,
-         inputs=lambda job: [job.quantized, job.profile], outputs=lambda job: [job.baked], settings=lambda job: {}),
-    Step("publish", "write the upload folder", run_publish,
-         inputs=lambda job: [job.baked, job.profile, *job.imatrix_used, job.recipe_file],
-         outputs=lambda job: [job.upload],
-         settings=lambda job: {**dataclasses.asdict(job.recipe.publish), "name": job.recipe.name,
-                               "overrides": job.recipe.overrides, "repo_id": job.repo_id}),
+    Step(
+        "calibrate",
+        "profile the source and compute the importance matrix",
+        run_calibrate,
+        inputs=lambda job: [*job.model_files, *job.text_files],
+        outputs=lambda job: [job.source_profile, job.imatrix],
+        settings=_calibration,
+        enabled=lambda job: job.recipe.quantize.imatrix,
+    ),
+    Step(
+        "quantize",
+        "requantize attention, experts byte for byte",
+        run_quantize,
+        inputs=lambda job: [*job.model_files, *job.imatrix_used],
+        outputs=lambda job: [job.quantized],
+        settings=lambda job: dataclasses.asdict(job.recipe.quantize),
+    ),
+    Step(
+        "profile",
+        "profile the quantized model",
+        run_profile,
+        inputs=lambda job: [job.quantized, *job.text_files],
+        outputs=lambda job: [job.profile],
+        settings=_calibration,
+    ),
+    Step(
+        "bake",
+        "bake the profile into the GGUF",
+        run_bake,
+        inputs=lambda job: [job.quantized, job.profile],
+        outputs=lambda job: [job.baked],
+        settings=lambda job: {},
+    ),
+    Step(
+        "publish",
+        "write the upload folder",
+        run_publish,
+        inputs=lambda job: [job.baked, job.profile, *job.imatrix_used, job.recipe_file],
+        outputs=lambda job: [job.upload],
+        settings=lambda job: {
+            **dataclasses.asdict(job.recipe.publish),
+            "name": job.recipe.name,
+            "overrides": job.recipe.overrides,
+            "repo_id": job.repo_id,
+        },
+    ),
 ]
 
 
@@ -218,8 +266,10 @@ def _key(job: PrepareJob, path: Path) -> str:
 
 def _record(job: PrepareJob, step: Step) -> dict[str, Any]:
     """The step's inputs and settings, as the state file records them."""
-    return {"inputs": {_key(job, p): fingerprint(p) for p in step.inputs(job)},
-            "settings": json.loads(json.dumps(step.settings(job)))}  # tuples as lists, as read back from JSON
+    return {
+        "inputs": {_key(job, p): fingerprint(p) for p in step.inputs(job)},
+        "settings": json.loads(json.dumps(step.settings(job))),
+    }  # tuples as lists, as read back from JSON
 
 
 def _outputs(job: PrepareJob, step: Step) -> dict[str, Any]:
@@ -254,8 +304,10 @@ def _check_job(job: PrepareJob) -> None:
     """Refuse now what would otherwise fail after hours of calibration."""
     model = open_gguf(job.model)
     if model.arch != job.recipe.arch:
-        raise MoeprepError(f"{job.model}: a {model.arch} model, but {job.recipe.path} is a recipe for "
-                           f"{job.recipe.arch}; use the recipe for {model.arch}")
+        raise MoeprepError(
+            f"{job.model}: a {model.arch} model, but {job.recipe.path} is a recipe for "
+            f"{job.recipe.arch}; use the recipe for {model.arch}"
+        )
     resolve_base_model(model, job.recipe.publish.base_model)
     check_split_max_size(publish_request(job).split_max_size)
     if not job.outdir.parent.is_dir():
@@ -265,8 +317,9 @@ def _check_job(job: PrepareJob) -> None:
 def _prepare_outdir(job: PrepareJob, state: dict[str, Any]) -> None:
     """OUTDIR/upload may only exist if an earlier run's publish step made it: never delete the user's files."""
     if job.upload.exists() and "publish" not in state["steps"]:
-        raise MoeprepError(f"{job.upload}: exists but was not written by moeprep prepare; move it away or choose "
-                           "another OUTDIR")
+        raise MoeprepError(
+            f"{job.upload}: exists but was not written by moeprep prepare; move it away or choose another OUTDIR"
+        )
 
 
 def prepare(job: PrepareJob, log: Callable[[str], None] = lambda line: None) -> list[StepResult]:
@@ -305,10 +358,12 @@ def prepare(job: PrepareJob, log: Callable[[str], None] = lambda line: None) -> 
 def format_prepared(job: PrepareJob, results: list[StepResult]) -> str:
     ran = [r.name for r in results if r.status == "ran"]
     size = sum(p.stat().st_size for p in job.upload.iterdir())
-    return "\n".join([
-        f"steps run: {', '.join(ran) or 'none (all up to date)'}",
-        f"upload folder: {job.upload} ({format_size(size)})",
-        f"check it:  moeprep publish --check {job.upload}",
-        f"upload it: hf upload {job.repo_id or 'USER/REPO'} {job.upload}"
-        "   (older huggingface_hub: huggingface-cli upload, same arguments)",
-    ])
+    return "\n".join(
+        [
+            f"steps run: {', '.join(ran) or 'none (all up to date)'}",
+            f"upload folder: {job.upload} ({format_size(size)})",
+            f"check it:  moeprep publish --check {job.upload}",
+            f"upload it: hf upload {job.repo_id or 'USER/REPO'} {job.upload}"
+            "   (older huggingface_hub: huggingface-cli upload, same arguments)",
+        ]
+    )

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from tqdm import tqdm
 from gguf import GGUFType, Keys
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from tqdm import tqdm
 
 from moeprep.atomic import atomic_output
 from moeprep.errors import MoeprepError
@@ -57,8 +57,12 @@ BASE_TAGS = ("gguf", "moe")
 DEFAULT_QUANTIZED_BY = "moeprep"
 PROMPT = "Why is the sky blue?"
 # Card metadata read from the GGUF when the request does not set it: card key -> GGUF key.
-CARD_FROM_GGUF = {"license": Keys.General.LICENSE, "license_name": Keys.General.LICENSE_NAME,
-                  "license_link": Keys.General.LICENSE_LINK, "language": Keys.General.LANGUAGES}
+CARD_FROM_GGUF = {
+    "license": Keys.General.LICENSE,
+    "license_name": Keys.General.LICENSE_NAME,
+    "license_link": Keys.General.LICENSE_LINK,
+    "language": Keys.General.LANGUAGES,
+}
 # `sha256sum` output: hash, then " " for text or "*" for binary mode, then the name
 SUMS_LINE_RE = re.compile(r"^(?P<sha>[0-9a-f]{64}) [ *](?P<name>.+)$")
 FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int): make the destination share the source's blocks, copy-on-write
@@ -83,8 +87,10 @@ CARD_REQUIRED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pipeline_tag": (lambda v: v == PIPELINE_TAG, repr(PIPELINE_TAG)),
     "tags": (lambda v: isinstance(v, list) and set(BASE_TAGS) <= set(v), f"a list containing {', '.join(BASE_TAGS)}"),
     "license": (lambda v: v is None or isinstance(v, str), "a license id such as apache-2.0, or absent"),
-    "language": (lambda v: v is None or all(isinstance(x, str) for x in (v if isinstance(v, list) else [v])),
-                 "a language code or a list of them, or absent"),
+    "language": (
+        lambda v: v is None or all(isinstance(x, str) for x in (v if isinstance(v, list) else [v])),
+        "a language code or a list of them, or absent",
+    ),
 }
 
 
@@ -135,10 +141,13 @@ class CheckReport:
 
     def summary(self) -> str:
         if self.ok:
-            return (f"OK: {self.folder}: {self.files} files match {SUMS_FILE}; model {self.model} opens with every "
-                    f"shard; {CARD_FILE} metadata complete. Upload it with: hf upload USER/REPO {self.folder}")
-        return "\n".join([f"FAILED: {self.folder}: {len(self.problems)} problem(s):",
-                          *(f"  - {p}" for p in self.problems)])
+            return (
+                f"OK: {self.folder}: {self.files} files match {SUMS_FILE}; model {self.model} opens with every "
+                f"shard; {CARD_FILE} metadata complete. Upload it with: hf upload USER/REPO {self.folder}"
+            )
+        return "\n".join(
+            [f"FAILED: {self.folder}: {len(self.problems)} problem(s):", *(f"  - {p}" for p in self.problems)]
+        )
 
 
 def file_sha256(path: Path) -> str:
@@ -161,8 +170,10 @@ def resolve_base_model(model: GGUFModel, given: str | None) -> str:
     source = str(model.get(Keys.General.SOURCE_REPO_URL, ""))
     base = given or (source.removeprefix(HUB_URL).strip("/") if source.startswith(HUB_URL) else None)
     if base is None:
-        raise MoeprepError(f"{model.path}: the GGUF does not name its Hugging Face source; give --base-model "
-                           "ORG/NAME (the model it was converted from)")
+        raise MoeprepError(
+            f"{model.path}: the GGUF does not name its Hugging Face source; give --base-model "
+            "ORG/NAME (the model it was converted from)"
+        )
     if not _is_repo_id(base):
         raise MoeprepError(f"--base-model {base!r}: not a Hugging Face repo id; write it as ORG/NAME")
     return base
@@ -172,8 +183,10 @@ def check_split_max_size(size: int | None) -> int:
     """The file size limit to publish with: `size`, or the default; refused when the Hub would refuse the files."""
     limit = parse_size(DEFAULT_SPLIT_MAX_SIZE) if size is None else size
     if limit > HUB_MAX_FILE:
-        raise MoeprepError(f"--split-max-size {format_size(limit)}: over the Hub's 50 GB file limit; use "
-                           f"{DEFAULT_SPLIT_MAX_SIZE} or less")
+        raise MoeprepError(
+            f"--split-max-size {format_size(limit)}: over the Hub's 50 GB file limit; use "
+            f"{DEFAULT_SPLIT_MAX_SIZE} or less"
+        )
     return limit
 
 
@@ -220,23 +233,31 @@ def _place_model(model: GGUFModel, stage: Path, limit: int, hardlink: bool, prog
     """The model's files in `stage` and how they got there: as they are when every file fits `limit`, else re-split."""
     if all(p.stat().st_size <= limit for p in model.shard_paths):
         place = _link if hardlink else _copy
-        with tqdm(total=sum(p.stat().st_size for p in model.shard_paths), unit="B", unit_scale=True, desc="copy",
-                  disable=not progress) as bar:
+        with tqdm(
+            total=sum(p.stat().st_size for p in model.shard_paths),
+            unit="B",
+            unit_scale=True,
+            desc="copy",
+            disable=not progress,
+        ) as bar:
             methods = {place(p, stage / p.name, bar.update) for p in model.shard_paths}
         return [stage / p.name for p in model.shard_paths], next(m for m in PLACED if m in methods)
     # write_gguf limits a shard's tensor bytes; leave room for the header and each tensor's alignment padding
     budget = limit - model.readers[0].data_offset - model.alignment * len(model.tensors)
     biggest = max(model.tensors, key=lambda t: t.n_bytes)
     if biggest.n_bytes > budget:
-        raise MoeprepError(f"{model.path}: tensor {biggest.name} alone is {format_size(biggest.n_bytes)}, more than "
-                           f"a shard of {format_size(limit)} can hold; raise --split-max-size")
+        raise MoeprepError(
+            f"{model.path}: tensor {biggest.name} alone is {format_size(biggest.n_bytes)}, more than "
+            f"a shard of {format_size(limit)} can hold; raise --split-max-size"
+        )
     return write_gguf(stage / f"{model_stem(model.path)}.gguf", model, split_max_size=budget), "resplit"
 
 
 def _check_outdir(outdir: Path) -> None:
     if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())):
-        raise MoeprepError(f"{outdir}: exists and is not an empty folder; publish writes a new folder: remove it or "
-                           "choose another")
+        raise MoeprepError(
+            f"{outdir}: exists and is not an empty folder; publish writes a new folder: remove it or choose another"
+        )
     if not outdir.parent.is_dir():
         raise MoeprepError(f"{outdir.parent}: no such folder")
 
@@ -269,8 +290,13 @@ def publish_folder(req: PublishRequest) -> Published:
             extras[req.recipe.name] = req.recipe
         for name, src in extras.items():
             shutil.copyfile(src, stage / name)
-        result = Published(req.outdir, [_published_file(p) for p in sorted(stage.iterdir())], [p.name for p in shards],
-                           placed, f"{stem}.moeprof" if req.profile else None)
+        result = Published(
+            req.outdir,
+            [_published_file(p) for p in sorted(stage.iterdir())],
+            [p.name for p in shards],
+            placed,
+            f"{stem}.moeprof" if req.profile else None,
+        )
         build_card(model, req, base_model, result, profile).save(stage / CARD_FILE)
         result.files = sorted([*result.files, _published_file(stage / CARD_FILE)], key=lambda f: f.name)
         (stage / SUMS_FILE).write_text("".join(f"{f.sha256}  {f.name}\n" for f in result.files), encoding="utf-8")
@@ -278,12 +304,14 @@ def publish_folder(req: PublishRequest) -> Published:
 
 
 def format_published(result: Published, repo_id: str | None = None) -> str:
-    lines = [f"wrote {result.outdir}; model {PLACED[result.placed]}",
-             *(f"  {f.name:<48} {format_size(f.size):>12}  {f.sha256[:16]}" for f in result.files),
-             f"  {SUMS_FILE}",
-             f"check it:  moeprep publish --check {result.outdir}",
-             f"upload it: hf upload {repo_id or 'USER/REPO'} {result.outdir}"
-             "   (older huggingface_hub: huggingface-cli upload, same arguments)"]
+    lines = [
+        f"wrote {result.outdir}; model {PLACED[result.placed]}",
+        *(f"  {f.name:<48} {format_size(f.size):>12}  {f.sha256[:16]}" for f in result.files),
+        f"  {SUMS_FILE}",
+        f"check it:  moeprep publish --check {result.outdir}",
+        f"upload it: hf upload {repo_id or 'USER/REPO'} {result.outdir}"
+        "   (older huggingface_hub: huggingface-cli upload, same arguments)",
+    ]
     return "\n".join(lines)
 
 
@@ -294,31 +322,43 @@ def card_metadata(model: GGUFModel, req: PublishRequest, base_model: str) -> Mod
     from_gguf = {key: model.get(gguf_key) for key, gguf_key in CARD_FROM_GGUF.items()}
     given = {"license": req.license, "language": list(req.language) or None}
     meta = {k: given.get(k) or v for k, v in from_gguf.items()}
-    tags = [*BASE_TAGS, model.arch, "moeprep", *(["imatrix"] if model.get(QUANTIZE_IMATRIX_DATASET) else []),
-            *req.tags]
-    return ModelCardData(base_model=base_model, base_model_relation="quantized",
-                         quantized_by=req.quantized_by or DEFAULT_QUANTIZED_BY, pipeline_tag=PIPELINE_TAG,
-                         tags=list(dict.fromkeys(tags)), **meta)
+    tags = [*BASE_TAGS, model.arch, "moeprep", *(["imatrix"] if model.get(QUANTIZE_IMATRIX_DATASET) else []), *req.tags]
+    return ModelCardData(
+        base_model=base_model,
+        base_model_relation="quantized",
+        quantized_by=req.quantized_by or DEFAULT_QUANTIZED_BY,
+        pipeline_tag=PIPELINE_TAG,
+        tags=list(dict.fromkeys(tags)),
+        **meta,
+    )
 
 
 def _what_was_done(model: GGUFModel, base_model: str, anatomy: Anatomy, recipe: Path | None) -> list[str]:
     geo = anatomy.geometry
-    lines = [f"[{base_model}]({HUB_URL}{base_model}) in GGUF ({model.arch}: {geo.n_layer} layers, {geo.n_expert} "
-             f"experts per MoE layer, {geo.n_expert_used} per token), prepared with moeprep for expert-cached "
-             "inference:", ""]
+    lines = [
+        f"[{base_model}]({HUB_URL}{base_model}) in GGUF ({model.arch}: {geo.n_layer} layers, {geo.n_expert} "
+        f"experts per MoE layer, {geo.n_expert_used} per token), prepared with moeprep for expert-cached "
+        "inference:",
+        "",
+    ]
     attn = model.get("moeprep.attn_type")
     if attn is not None:
         rules = model.get("moeprep.type_rules") or []
-        lines.append(f"- attention requantized to {attn}" + (f", rules {', '.join(f'`{r}`' for r in rules)}" if rules
-                                                              else "") + "; routed experts kept byte for byte")
+        lines.append(
+            f"- attention requantized to {attn}"
+            + (f", rules {', '.join(f'`{r}`' for r in rules)}" if rules else "")
+            + "; routed experts kept byte for byte"
+        )
     dataset = model.get(QUANTIZE_IMATRIX_DATASET)
     if dataset is not None:
         chunks = model.get(QUANTIZE_IMATRIX_N_CHUNKS)
-        lines.append(f"- importance matrix from `{public_dataset_name(dataset)}`"
-                     + (f", {chunks} chunks" if chunks else ""))
+        lines.append(
+            f"- importance matrix from `{public_dataset_name(dataset)}`" + (f", {chunks} chunks" if chunks else "")
+        )
     if model.get(EXPERT_USAGE_KEY) is not None:
-        lines.append(f"- expert-usage counts baked into the GGUF as `{EXPERT_USAGE_KEY}`: the warm start of an "
-                     "expert cache")
+        lines.append(
+            f"- expert-usage counts baked into the GGUF as `{EXPERT_USAGE_KEY}`: the warm start of an expert cache"
+        )
     if recipe is not None:
         lines.append(f"- recipe: `{recipe.name}`")
     return lines
@@ -337,8 +377,11 @@ def public_dataset_name(dataset: str) -> str:
 
 
 def _files_table(files: list[PublishedFile]) -> list[str]:
-    return ["| File | Size | SHA256 |", "|---|---:|---|",
-            *(f"| `{f.name}` | {format_size(f.size)} | `{f.sha256}` |" for f in files)]
+    return [
+        "| File | Size | SHA256 |",
+        "|---|---:|---|",
+        *(f"| `{f.name}` | {format_size(f.size)} | `{f.sha256}` |" for f in files),
+    ]
 
 
 def _types_table(anatomy: Anatomy) -> list[str]:
@@ -352,58 +395,97 @@ def _types_table(anatomy: Anatomy) -> list[str]:
 
 
 def _profile_section(profile: Profile, name: str) -> list[str]:
-    texts = [f"{' '.join(x for x in (public_dataset_name(s.dataset), s.config, s.split) if x)}: "
-             f"{s.chunks} chunks x {s.ctx} tokens "
-             f"counted, {s.heldout_chunks} held out"
-             + (f" (the text gave only these, of the {s.chunks_asked} chunks asked)" if s.short_of_text else "")
-             for s in profile.sources]
-    return ["## Expert-usage profile", "",
-            f"`{name}` records which experts each MoE layer chose on " + "; ".join(texts) + ". The held-out chunks "
-            "were never counted: they were replayed through simulated per-layer expert caches (sizes as shares of a "
-            "layer's experts) to show how well the profile carries over to new text:", "",
-            "```", format_heldout(profile.heldout), "```"]
+    texts = [
+        f"{' '.join(x for x in (public_dataset_name(s.dataset), s.config, s.split) if x)}: "
+        f"{s.chunks} chunks x {s.ctx} tokens "
+        f"counted, {s.heldout_chunks} held out"
+        + (f" (the text gave only these, of the {s.chunks_asked} chunks asked)" if s.short_of_text else "")
+        for s in profile.sources
+    ]
+    return [
+        "## Expert-usage profile",
+        "",
+        f"`{name}` records which experts each MoE layer chose on " + "; ".join(texts) + ". The held-out chunks "
+        "were never counted: they were replayed through simulated per-layer expert caches (sizes as shares of a "
+        "layer's experts) to show how well the profile carries over to new text:",
+        "",
+        "```",
+        format_heldout(profile.heldout),
+        "```",
+    ]
 
 
 def _usage_section(repo: str, first: str, profile_name: str | None, baked: bool) -> list[str]:
     local = repo.rsplit("/", 1)[-1]
     model = f"{local}/{first}"
-    lines = ["## Use it", "", "```bash",
-             "# download (older huggingface_hub releases: huggingface-cli download, same arguments)",
-             f"hf download {repo} --local-dir {local}", "",
-             "# moerun, moeprep's runtime (on a GPU, experts that do not fit VRAM stay in RAM: the expert cache)",
-             f'moerun -m {model} -p "{PROMPT}" -n 128 --device cuda'
-             + (f" --expert-profile {local}/{profile_name}" if profile_name else ""), "",
-             "# a smaller card: cap the VRAM per GPU; moerun bench prints the cache's hit rate and speed",
-             f"moerun bench -m {model} --device cuda --vram-budget 24G"
-             + (f" --expert-profile {local}/{profile_name}" if profile_name else ""), "",
-             "# or serve it over the OpenAI API at http://127.0.0.1:8080/v1 (any OpenAI client; 4 requests batched)",
-             f"moerun serve -m {model} -c 8192 --parallel 4", "",
-             "# stock llama.cpp: give the first shard, it finds the others",
-             f'llama-cli -m {model} -p "{PROMPT}" -n 128', ""]
+    lines = [
+        "## Use it",
+        "",
+        "```bash",
+        "# download (older huggingface_hub releases: huggingface-cli download, same arguments)",
+        f"hf download {repo} --local-dir {local}",
+        "",
+        "# moerun, moeprep's runtime (on a GPU, experts that do not fit VRAM stay in RAM: the expert cache)",
+        f'moerun -m {model} -p "{PROMPT}" -n 128 --device cuda'
+        + (f" --expert-profile {local}/{profile_name}" if profile_name else ""),
+        "",
+        "# a smaller card: cap the VRAM per GPU; moerun bench prints the cache's hit rate and speed",
+        f"moerun bench -m {model} --device cuda --vram-budget 24G"
+        + (f" --expert-profile {local}/{profile_name}" if profile_name else ""),
+        "",
+        "# or serve it over the OpenAI API at http://127.0.0.1:8080/v1 (any OpenAI client; 4 requests batched)",
+        f"moerun serve -m {model} -c 8192 --parallel 4",
+        "",
+        "# stock llama.cpp: give the first shard, it finds the others",
+        f'llama-cli -m {model} -p "{PROMPT}" -n 128',
+        "",
+    ]
     if baked:
-        lines += ["# llama.cpp expert-cache fork: the same command; it reads the baked "
-                  f"{EXPERT_USAGE_KEY} as its cache's warm start",
-                  f'llama-cli -m {model} -p "{PROMPT}" -n 128', ""]
+        lines += [
+            "# llama.cpp expert-cache fork: the same command; it reads the baked "
+            f"{EXPERT_USAGE_KEY} as its cache's warm start",
+            f'llama-cli -m {model} -p "{PROMPT}" -n 128',
+            "",
+        ]
     lines += ["# check the download", f"cd {local} && sha256sum -c {SUMS_FILE}", "```"]
     if profile_name:
-        lines += ["", f"`--expert-profile {profile_name}` fills moerun's expert cache with this profile's hottest "
-                  "experts before the first token and splits the slots between layers by its counts; the cache "
-                  "stays adaptive after that. Stock llama.cpp ignores the profile and the baked key."]
+        lines += [
+            "",
+            f"`--expert-profile {profile_name}` fills moerun's expert cache with this profile's hottest "
+            "experts before the first token and splits the slots between layers by its counts; the cache "
+            "stays adaptive after that. Stock llama.cpp ignores the profile and the baked key.",
+        ]
     return lines
 
 
-def build_card(model: GGUFModel, req: PublishRequest, base_model: str, published: Published,
-               profile: Profile | None) -> ModelCard:
+def build_card(
+    model: GGUFModel, req: PublishRequest, base_model: str, published: Published, profile: Profile | None
+) -> ModelCard:
     """The card for `published` (its files so far: the card lists every file but itself and SHA256SUMS)."""
     anatomy = describe_model(model)
-    body = [f"# {model.name} GGUF (moeprep)", "",
-            *_what_was_done(model, base_model, anatomy, req.recipe), "",
-            "## Files", "", *_files_table(published.files), "",
-            f"`{SUMS_FILE}` lists the same checksums (and this card's) for `sha256sum -c`.", "",
-            "## Tensor types", "", *_types_table(anatomy), "",
-            *(_profile_section(profile, published.profile_file) + [""] if profile else []),
-            *_usage_section(req.repo_id or "USER/REPO", published.model_files[0], published.profile_file,
-                            model.get(EXPERT_USAGE_KEY) is not None)]
+    body = [
+        f"# {model.name} GGUF (moeprep)",
+        "",
+        *_what_was_done(model, base_model, anatomy, req.recipe),
+        "",
+        "## Files",
+        "",
+        *_files_table(published.files),
+        "",
+        f"`{SUMS_FILE}` lists the same checksums (and this card's) for `sha256sum -c`.",
+        "",
+        "## Tensor types",
+        "",
+        *_types_table(anatomy),
+        "",
+        *(_profile_section(profile, published.profile_file) + [""] if profile else []),
+        *_usage_section(
+            req.repo_id or "USER/REPO",
+            published.model_files[0],
+            published.profile_file,
+            model.get(EXPERT_USAGE_KEY) is not None,
+        ),
+    ]
     data = card_metadata(model, req, base_model)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
 
@@ -473,8 +555,9 @@ def _check_model(folder: Path, report: CheckReport) -> GGUFModel | None:
             report.problems.append(f"{path.name}: split.no is not {i}")
     tensors = model.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
     if len(model.shard_paths) > 1 and tensors != len(model.tensors):
-        report.problems.append(f"{model.path.name}: split.tensors.count {tensors} but the shards hold "
-                               f"{len(model.tensors)} tensors")
+        report.problems.append(
+            f"{model.path.name}: split.tensors.count {tensors} but the shards hold {len(model.tensors)} tensors"
+        )
     try:
         moe_geometry(model)
     except MoeprepError as e:

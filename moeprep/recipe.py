@@ -54,8 +54,11 @@ class PublishSettings:
     split_max_size: str | None = None  # None: publish's default, under the Hub's 50 GB file limit
 
 
-SECTIONS: dict[str, type] = {"quantize": QuantizeSettings, "calibration": CalibrationSettings,
-                             "publish": PublishSettings}
+SECTIONS: dict[str, type] = {
+    "quantize": QuantizeSettings,
+    "calibration": CalibrationSettings,
+    "publish": PublishSettings,
+}
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ def _check_at_least(n: int | float) -> Callable[[Any], None]:
     def check(v: int | float) -> None:
         if v < n:
             raise MoeprepError(f"{v} is below {n}")
+
     return check
 
 
@@ -214,6 +218,8 @@ def recipe_text(recipe: Recipe) -> str:
     text = recipe.path.read_text(encoding="utf-8")
     if not recipe.overrides:
         return text
-    lines = ["# moeprep prepare overrode these values on the command line:",
-             *(f"# {key} = {json.dumps(value)}" for key, value in recipe.overrides.items())]
+    lines = [
+        "# moeprep prepare overrode these values on the command line:",
+        *(f"# {key} = {json.dumps(value)}" for key, value in recipe.overrides.items()),
+    ]
     return text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"

@@ -24,15 +24,28 @@ def routing() -> None:
 @click.option("--experts", type=click.IntRange(min=1), help="Experts per layer (default: the regime's own).")
 @click.option("--top-k", type=click.IntRange(min=1), help="Experts per token (default: the regime's own).")
 @click.option("--tokens", default=8192, show_default=True, type=click.IntRange(min=1), help="Tokens in all.")
-@click.option("--chunk", type=click.IntRange(min=1),
-              help="Tokens per chunk, each a fresh sequence (default: the regime's, 1024 or 512).")
+@click.option(
+    "--chunk",
+    type=click.IntRange(min=1),
+    help="Tokens per chunk, each a fresh sequence (default: the regime's, 1024 or 512).",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Trace file to write (.npz).")
-def generate(name: str, layers: int | None, experts: int | None, top_k: int | None, tokens: int, chunk: int | None,
-             seed: int, output: Path) -> None:
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Trace file to write (.npz)."
+)
+def generate(
+    name: str,
+    layers: int | None,
+    experts: int | None,
+    top_k: int | None,
+    tokens: int,
+    chunk: int | None,
+    seed: int,
+    output: Path,
+) -> None:
     """Write a routing trace of a named regime at a model's shape (a replay needs the model's own)."""
-    from moeprep.profile.regimes import Shape, generate as make, regime
+    from moeprep.profile.regimes import Shape, regime
+    from moeprep.profile.regimes import generate as make
     from moeprep.profile.tracefile import write_trace
 
     r = regime(name)
@@ -44,8 +57,9 @@ def generate(name: str, layers: int | None, experts: int | None, top_k: int | No
 
 @routing.command()
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Trace file to write (.npz).")
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Trace file to write (.npz)."
+)
 def extract(profile: Path, output: Path) -> None:
     """Write the routing a `moeprep profile` recorded (every chunk, in order) as a trace file."""
     from moeprep.profile.format import read_profile
@@ -60,8 +74,12 @@ def extract(profile: Path, output: Path) -> None:
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 @click.option("--per-layer", is_flag=True, help="Also print every layer's skew, reuse and LRU hit rates.")
-@click.option("--regime", "name", type=click.Choice(REGIME_NAMES),
-              help="Check the trace against this regime's targets (default: the regime that generated it).")
+@click.option(
+    "--regime",
+    "name",
+    type=click.Choice(REGIME_NAMES),
+    help="Check the trace against this regime's targets (default: the regime that generated it).",
+)
 def stats(trace: Path, as_json: bool, per_layer: bool, name: str | None) -> None:
     """Skew, reuse and the hit rates of LRU, LFU, ClassLRU, payback, Belady and the frequency oracle at 10 / 25 /
     38 / 50% of the experts cached, cold and after 64 tokens; a TRACE file or a .moeprof profile."""
@@ -72,8 +90,14 @@ def stats(trace: Path, as_json: bool, per_layer: bool, name: str | None) -> None
     from moeprep.profile.tracefile import read_trace
 
     t = read_trace(trace)
-    with tqdm(total=t.n_chunks * len(STAT_POLICIES), unit="chunk", desc="replay", dynamic_ncols=True,
-              disable=None, leave=False) as bar:
+    with tqdm(
+        total=t.n_chunks * len(STAT_POLICIES),
+        unit="chunk",
+        desc="replay",
+        dynamic_ncols=True,
+        disable=None,
+        leave=False,
+    ) as bar:
         s = routing_stats(t, progress=lambda n: bar.update(n * len(STAT_POLICIES)))
     r = REGIMES.get(name or t.regime)
     checks = None
@@ -82,20 +106,23 @@ def stats(trace: Path, as_json: bool, per_layer: bool, name: str | None) -> None
     if as_json:
         out = s.to_dict() | {"regime": t.regime, "source": t.source}
         if checks is not None:
-            out["targets"] = [{"target": c.target.describe(), "value": round(c.value, 4), "met": c.met}
-                              for c in checks]
+            out["targets"] = [{"target": c.target.describe(), "value": round(c.value, 4), "met": c.met} for c in checks]
         click.echo(json.dumps(out, indent=1))
         return
     click.echo(f"{trace}: {t.source or 'routing trace'}")
     click.echo(format_stats(s, per_layer))
     if checks is not None:
-        click.echo(f"\ntargets of regime {r.name} (stated at {r.shape.layers} layers, {r.shape.experts} experts, "
-                   f"top-{r.shape.top_k}):")
+        click.echo(
+            f"\ntargets of regime {r.name} (stated at {r.shape.layers} layers, {r.shape.experts} experts, "
+            f"top-{r.shape.top_k}):"
+        )
         for c in checks:
             click.echo(f"  {'met' if c.met else 'MISSED'}: {c.target.describe()}: {c.value:.1%}")
     elif r is not None:
-        click.echo(f"\n(regime {r.name}'s targets are stated at {r.shape.layers} layers, {r.shape.experts} experts, "
-                   f"top-{r.shape.top_k}; give --regime {r.name} to check them at this shape anyway)")
+        click.echo(
+            f"\n(regime {r.name}'s targets are stated at {r.shape.layers} layers, {r.shape.experts} experts, "
+            f"top-{r.shape.top_k}; give --regime {r.name} to check them at this shape anyway)"
+        )
 
 
 @routing.command()
@@ -104,8 +131,9 @@ def regimes() -> None:
     from moeprep.profile.regimes import REGIMES
 
     for r in REGIMES.values():
-        click.echo(f"{r.name}: {r.about}; targets at {r.shape.layers} layers, {r.shape.experts} experts, "
-                   f"top-{r.shape.top_k}:")
+        click.echo(
+            f"{r.name}: {r.about}; targets at {r.shape.layers} layers, {r.shape.experts} experts, top-{r.shape.top_k}:"
+        )
         for x in r.targets:
             click.echo(f"  {x.describe()}")
         click.echo(f"  source: {r.source}")

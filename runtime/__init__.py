@@ -19,12 +19,17 @@ if TYPE_CHECKING:
     from moerun.perplexity import perplexity
 
 EXPORTS = {
-    "generate": "moerun.generation", "greedy": "moerun.generation", "make_sampler": "moerun.generation",
-    "ActivationEvent": "moerun.hooks", "RoutingEvent": "moerun.hooks",
-    "Model": "moerun.model", "load_model": "moerun.model",
+    "generate": "moerun.generation",
+    "greedy": "moerun.generation",
+    "make_sampler": "moerun.generation",
+    "ActivationEvent": "moerun.hooks",
+    "RoutingEvent": "moerun.hooks",
+    "Model": "moerun.model",
+    "load_model": "moerun.model",
     "perplexity": "moerun.perplexity",
 }
-__all__ = sorted(EXPORTS)
+__all__ = ["ActivationEvent", "Model", "RoutingEvent", "generate", "greedy", "load_model", "make_sampler", "perplexity"]
+assert sorted(__all__) == sorted(EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

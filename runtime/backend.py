@@ -7,10 +7,11 @@ choose (layers/); BuildContext (models/base.py) asks the backend of the device i
 from __future__ import annotations
 
 import functools
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+
 from moerun.hooks import Hooks
 from moerun.kernels.ggml_cpu import GgmlCPU
 from moerun.kernels.tuning import INT8_ON, Int8Routes
@@ -39,8 +40,14 @@ class Backend:
         """The 8-bit routes the GPU products take (MOERUN_GEMV_INT8, MOERUN_GEMM_INT8)."""
         return self.options.int8_routes()
 
-    def linear(self, w: Weights, prefix: str, hooks: Hooks, dtype: torch.dtype | None = None,
-               shape: tuple[int, ...] | None = None) -> Linear:
+    def linear(
+        self,
+        w: Weights,
+        prefix: str,
+        hooks: Hooks,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> Linear:
         """GGUF tensor `prefix`.weight (and `prefix`.bias if the file has it) as a Linear: on a GPU multiplying its
         blocks where the kernels decode its type; on the CPU its bytes where a row kernel reads them (products of a
         few tokens); else a dense copy in the weights' compute dtype (or `dtype`, reshaped to `shape`)."""
@@ -58,8 +65,7 @@ class Backend:
                 from moerun.layers.gguf_cpu import CPUQuantLinear
 
                 if CPUQuantLinear.can_run(info.ggml_type, self.ggml):
-                    return CPUQuantLinear.load(w, prefix, hooks, w.optional(f"{prefix}.bias", torch.float32),
-                                               self.ggml)
+                    return CPUQuantLinear.load(w, prefix, hooks, w.optional(f"{prefix}.bias", torch.float32), self.ggml)
         return Linear.load(w, prefix, hooks, dtype, shape)
 
     def experts(self, w: Weights, hooks: Hooks, layer: int, activation: Activation) -> ExpertCompute:
@@ -88,8 +94,12 @@ def backend_for(device: torch.device, options: RuntimeOptions) -> Backend:
     is there and options.ggml_cpu is on."""
     cpu = (lambda: fused_kernels(options.int8_routes())) if options.triton_on_cpu else cpu_kernels
     builders = {"cuda": lambda: fused_kernels(options.int8_routes()), "cpu": cpu} if options.fused else {}
-    return Backend(device, options, builders.get(device.type, lambda: TORCH_KERNELS)(),
-                   options.ggml_library() if device.type == "cpu" else None)
+    return Backend(
+        device,
+        options,
+        builders.get(device.type, lambda: TORCH_KERNELS)(),
+        options.ggml_library() if device.type == "cpu" else None,
+    )
 
 
 def cpu_kernels() -> Kernels:
@@ -103,9 +113,18 @@ def cpu_kernels() -> Kernels:
         if per_head is None:
             return norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
         neox = rope.style == "neox"
-        q, k = (cpu_fused.norm_rope_rows(x, norm.weight if per_head else None, norm.eps if per_head else 0.0,
-                                         rope.cos, rope.sin, step.positions, neox)
-                for x, norm in ((q, q_norm), (k, k_norm)))
+        q, k = (
+            cpu_fused.norm_rope_rows(
+                x,
+                norm.weight if per_head else None,
+                norm.eps if per_head else 0.0,
+                rope.cos,
+                rope.sin,
+                step.positions,
+                neox,
+            )
+            for x, norm in ((q, q_norm), (k, k_norm))
+        )
         return q, *cache.update(step, k, v)
 
     return Kernels(rms_norm, add_rms_norm, cpu_norm_rope_store, attend, cpu_fused.route, {}, lambda linears: None)
@@ -131,9 +150,20 @@ def fused_kernels(routes: Int8Routes = INT8_ON) -> Kernels:
             slots = (cache.k, cache.v, step.seqs)
         else:
             slots = (None, None, None)
-        q, k, v = fused.qkv_rope(q, k, v, q_norm.weight if per_head else None, k_norm.weight if per_head else None,
-                                 q_norm.eps if per_head else 0.0, rope.cos, rope.sin, step.positions,
-                                 rope.style == "neox", cache.k.dtype, *slots)
+        q, k, v = fused.qkv_rope(
+            q,
+            k,
+            v,
+            q_norm.weight if per_head else None,
+            k_norm.weight if per_head else None,
+            q_norm.eps if per_head else 0.0,
+            rope.cos,
+            rope.sin,
+            step.positions,
+            rope.style == "neox",
+            cache.k.dtype,
+            *slots,
+        )
         if step.in_place:
             return q, k[:n], v[:n]
         if step.seqs is not None:
@@ -153,6 +183,14 @@ def fused_kernels(routes: Int8Routes = INT8_ON) -> Kernels:
             return fused.attend_decode_i8(q, k, v, allowed, scale, sinks, seqs, routes)
         return attend(q, k, v, allowed, scale, sinks, seqs), None
 
-    return Kernels(fused.rms_norm, fused.add_rms_norm, fused_norm_rope_store, fused_attend, fused.route,
-                   {"swiglu": fused.swiglu}, QuantLinear.stack_rows, partial(fused.add_rms_norm_i8, routes=routes),
-                   fused_attend_i8)
+    return Kernels(
+        fused.rms_norm,
+        fused.add_rms_norm,
+        fused_norm_rope_store,
+        fused_attend,
+        fused.route,
+        {"swiglu": fused.swiglu},
+        QuantLinear.stack_rows,
+        partial(fused.add_rms_norm_i8, routes=routes),
+        fused_attend_i8,
+    )

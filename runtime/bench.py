@@ -45,10 +45,16 @@ class BenchResult:
         return self.gen_tokens / self.decode_s if self.decode_s else 0.0
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "prefill_tok_s": round(self.prefill_tok_s, 2),
-                "gen_tokens": self.gen_tokens, "decode_tok_s": round(self.decode_tok_s, 2),
-                "cache_decode": self.cache, "cache_prefill": self.prefill_cache, "vram_bytes": self.vram_bytes,
-                **self.extra}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tok_s": round(self.prefill_tok_s, 2),
+            "gen_tokens": self.gen_tokens,
+            "decode_tok_s": round(self.decode_tok_s, 2),
+            "cache_decode": self.cache,
+            "cache_prefill": self.prefill_cache,
+            "vram_bytes": self.vram_bytes,
+            **self.extra,
+        }
 
 
 def token_stream(model, n: int, text: str | None, seed: int = 0) -> torch.Tensor:
@@ -61,8 +67,15 @@ def token_stream(model, n: int, text: str | None, seed: int = 0) -> torch.Tensor
     return torch.tensor(tokens[:n], dtype=torch.long)
 
 
-def run_bench(model, n_prompt: int, n_gen: int, text: str | None = None, warmup: bool = True,
-              routing=None, routing_name: str = "the routing trace") -> BenchResult:
+def run_bench(
+    model,
+    n_prompt: int,
+    n_gen: int,
+    text: str | None = None,
+    warmup: bool = True,
+    routing=None,
+    routing_name: str = "the routing trace",
+) -> BenchResult:
     """Prefill n_prompt tokens at position 0, then decode n_gen tokens teacher-forced after them. routing: a
     moeprep TraceFile every MoE layer's choice is taken from (refused if its shape is not the model's)."""
     if n_prompt + n_gen > model.n_ctx:
@@ -76,8 +89,12 @@ def run_bench(model, n_prompt: int, n_gen: int, text: str | None = None, warmup:
         replay = install_replay(model, routing, max(n_prompt + max(n_gen, 2), WARMUP_TOKENS), routing_name)
     result = _run(model, n_prompt, n_gen, tokens, warmup)
     if replay is not None:
-        result.extra["routing"] = {"trace": routing_name, "regime": routing.regime, "source": routing.source,
-                                   "chunk": replay.chunk}
+        result.extra["routing"] = {
+            "trace": routing_name,
+            "regime": routing.regime,
+            "source": routing.source,
+            "chunk": replay.chunk,
+        }
     return result
 
 
@@ -113,7 +130,7 @@ def _warm_up(model, tokens: torch.Tensor, n_prompt: int) -> None:
     """A prefill as long as the test's (Triton compiles a kernel per shape: a 512-token prompt's first run spends
     seconds compiling) over the prompt reversed, so its routing is not the test's own, and two decode steps in the
     decode test's KV bucket; the tests overwrite what they write to the KV cache."""
-    model.forward(tokens[:max(n_prompt, WARMUP_TOKENS)].flip(0), 0, last_only=True)
+    model.forward(tokens[: max(n_prompt, WARMUP_TOKENS)].flip(0), 0, last_only=True)
     for i in range(2):
         model.decode(int(tokens[i]), n_prompt + i)
     model.synchronize()
@@ -132,10 +149,13 @@ def cache_report(cache, n_tokens: int, wall_s: float | None = None) -> dict | No
         return None
     stats = cache.stats
     per_layer = stats.per_layer()[stats.lookups > 0]
-    report = {"hit_rate": round(stats.hit_rate, 4), "uploads_per_token": round(stats.uploads / n_tokens, 2),
-              "staged_per_token": round(stats.staged / n_tokens, 2),
-              "streamed_per_token": round(stats.streamed / n_tokens, 2),
-              "hit_rate_per_layer": [round(float(h), 3) for h in per_layer]}
+    report = {
+        "hit_rate": round(stats.hit_rate, 4),
+        "uploads_per_token": round(stats.uploads / n_tokens, 2),
+        "staged_per_token": round(stats.staged / n_tokens, 2),
+        "streamed_per_token": round(stats.streamed / n_tokens, 2),
+        "hit_rate_per_layer": [round(float(h), 3) for h in per_layer],
+    }
     if wall_s is not None:
         ms = {name: 1000 * stats.seconds[name] / n_tokens for name in TIMED}
         ms["GPU experts (device)"] = 1000 * stats.gpu_expert_seconds() / n_tokens
@@ -149,30 +169,47 @@ def format_result(result: BenchResult) -> str:
     lines = ["| test | tokens | seconds | tok/s |", "| --- | ---: | ---: | ---: |"]
     routing = result.extra.get("routing")
     if routing:
-        lines.insert(0, f"routing replayed from {routing['trace']} (chunk {routing['chunk']}"
-                     + (f", regime {routing['regime']}" if routing["regime"] else "") + "): the routers run, their "
-                     "choice is the trace's")
+        lines.insert(
+            0,
+            f"routing replayed from {routing['trace']} (chunk {routing['chunk']}"
+            + (f", regime {routing['regime']}" if routing["regime"] else "")
+            + "): the routers run, their "
+            "choice is the trace's",
+        )
     if result.prompt_tokens:
-        lines.append(f"| pp{result.prompt_tokens} | {result.prompt_tokens} | {result.prefill_s:.3f} | "
-                     f"{result.prefill_tok_s:.2f} |")
+        lines.append(
+            f"| pp{result.prompt_tokens} | {result.prompt_tokens} | {result.prefill_s:.3f} | "
+            f"{result.prefill_tok_s:.2f} |"
+        )
     if result.gen_tokens:
-        lines.append(f"| tg{result.gen_tokens} | {result.gen_tokens} | {result.decode_s:.3f} | "
-                     f"{result.decode_tok_s:.2f} |")
+        lines.append(
+            f"| tg{result.gen_tokens} | {result.gen_tokens} | {result.decode_s:.3f} | {result.decode_tok_s:.2f} |"
+        )
     for name, report in (("prefill", result.prefill_cache), ("decode", result.cache)):
         if report is None:
             continue
         layers = np.array(report["hit_rate_per_layer"])
-        spread = (f" (per layer {layers.min():.1%} to {layers.max():.1%}, median {np.median(layers):.1%})"
-                  if len(layers) else "")
+        spread = (
+            f" (per layer {layers.min():.1%} to {layers.max():.1%}, median {np.median(layers):.1%})"
+            if len(layers)
+            else ""
+        )
         staged = report["staged_per_token"]
-        lines.append(f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
-                     f"{report['uploads_per_token']:.2f} uploads per token"
-                     + (f", {staged:.2f} experts staged per token" if staged else "")
-                     + (f", {report['streamed_per_token']:.2f} read from host RAM per token (streamed)"
-                        if report["streamed_per_token"] else ""))
+        lines.append(
+            f"expert cache, {name}: hit rate {report['hit_rate']:.1%}{spread}, "
+            f"{report['uploads_per_token']:.2f} uploads per token"
+            + (f", {staged:.2f} experts staged per token" if staged else "")
+            + (
+                f", {report['streamed_per_token']:.2f} read from host RAM per token (streamed)"
+                if report["streamed_per_token"]
+                else ""
+            )
+        )
         if "ms_per_token" in report:
             lines.append("  ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ms_per_token"].items()))
     if result.vram_bytes is not None:
-        lines.append(f"VRAM at most held by torch's allocator (weights, slots, KV, graphs, activations): "
-                     f"{result.vram_bytes / 2**30:.2f} GiB")
+        lines.append(
+            f"VRAM at most held by torch's allocator (weights, slots, KV, graphs, activations): "
+            f"{result.vram_bytes / 2**30:.2f} GiB"
+        )
     return "\n".join(lines)

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from moeprep.errors import MoeprepError
-from moeprep.gguf.roles import parse_tensor_name
 from moeprep.gguf.reader import GGUFModel
+from moeprep.gguf.roles import parse_tensor_name
 
 DeviceSpec = str | torch.device | Sequence[str | torch.device]
 
@@ -74,8 +74,13 @@ def resolve_devices(device: DeviceSpec, n: int | None = None, every_gpu: bool = 
     expert-cache budget per device) a single device stands for n of them: "cuda" the first n GPUs, "cuda:k" n GPUs
     from k, "cpu" n CPU stand-ins; a list must name n devices. Without `n`, `every_gpu` makes a bare "cuda" every
     visible GPU (the expert cache using all free VRAM). MoeprepError for anything that cannot run."""
-    specs = [s.strip() for s in device.split(",")] if isinstance(device, str) else \
-        [device] if isinstance(device, torch.device) else list(device)
+    specs = (
+        [s.strip() for s in device.split(",")]
+        if isinstance(device, str)
+        else [device]
+        if isinstance(device, torch.device)
+        else list(device)
+    )
     try:
         devices = [torch.device(s) for s in specs]
     except (RuntimeError, TypeError) as e:
@@ -93,8 +98,10 @@ def resolve_devices(device: DeviceSpec, n: int | None = None, every_gpu: bool = 
         first = devices[0].index or 0
         devices = [torch.device(kind, first + i) if kind == "cuda" else devices[0] for i in range(n)]
     elif n is not None and len(devices) != n:
-        raise MoeprepError(f"--vram-budget lists {n} budgets for the {len(devices)} devices "
-                           f"{','.join(map(str, devices))}; give one budget per device")
+        raise MoeprepError(
+            f"--vram-budget lists {n} budgets for the {len(devices)} devices "
+            f"{','.join(map(str, devices))}; give one budget per device"
+        )
     if kind == "cpu":
         return [torch.device("cpu")] * len(devices)
     if not torch.cuda.is_available():
@@ -102,8 +109,10 @@ def resolve_devices(device: DeviceSpec, n: int | None = None, every_gpu: bool = 
     count = torch.cuda.device_count()
     devices = [torch.device("cuda", d.index or 0) for d in devices]
     if n is not None and n > count:
-        raise MoeprepError(f"--vram-budget lists {n} budgets (one per GPU) but {count} GPU(s) are visible; give at "
-                           f"most {count} budgets or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+        raise MoeprepError(
+            f"--vram-budget lists {n} budgets (one per GPU) but {count} GPU(s) are visible; give at "
+            f"most {count} budgets or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
     beyond = [str(d) for d in devices if d.index >= count]
     if beyond:
         raise MoeprepError(f"--device {','.join(beyond)}: {count} GPU(s) are visible (cuda:0 to cuda:{count - 1})")

@@ -32,10 +32,20 @@ class PenalizedSampler:
     probability mass and the tokens at least min_p times as likely as the most likely one, and sampled.
     """
 
-    def __init__(self, temp: float, top_p: float, seed: int | None, top_k: int = 0, min_p: float = 0.0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-                 repeat_last_n: int = 64, logit_bias: Mapping[int, float] | None = None,
-                 prompt: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        temp: float,
+        top_p: float,
+        seed: int | None,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        logit_bias: Mapping[int, float] | None = None,
+        prompt: Sequence[int] = (),
+    ) -> None:
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
         self.presence, self.frequency, self.repeat = presence_penalty, frequency_penalty, repeat_penalty
         self.logit_bias = dict(logit_bias or {})
@@ -78,7 +88,7 @@ class PenalizedSampler:
         # keep the smallest prefix whose mass reaches top_p (always at least the most likely token)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= self.top_p
         if self.top_k > 0:
-            outside[self.top_k:] = True
+            outside[self.top_k :] = True
         if self.min_p > 0:
             outside |= sorted_probs < self.min_p * sorted_probs[0]
         return sorted_probs.masked_fill(outside, 0.0), order
@@ -91,19 +101,44 @@ class PenalizedSampler:
         return int(order[min(int(torch.searchsorted(cumulative, u, right=True)), int((kept > 0).sum()) - 1)])
 
 
-def make_sampler(temp: float = 0.0, top_p: float = 1.0, seed: int | None = None, *, top_k: int = 0,
-                 min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 repeat_penalty: float = 1.0, repeat_last_n: int = 64, logit_bias: Mapping[int, float] | None = None,
-                 prompt: Sequence[int] = ()) -> Sampler:
+def make_sampler(
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    *,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repeat_penalty: float = 1.0,
+    repeat_last_n: int = 64,
+    logit_bias: Mapping[int, float] | None = None,
+    prompt: Sequence[int] = (),
+) -> Sampler:
     """temp <= 0 is greedy (`greedy` itself when nothing else changes the logits); otherwise sample from
     softmax(logits / temp) cut by top_k (0: off), top_p and min_p. See PenalizedSampler for the rest; `prompt` is
     the request's prompt ids, which repeat_penalty looks back into."""
-    plain = (not logit_bias and presence_penalty == 0 and frequency_penalty == 0
-             and (repeat_penalty == 1.0 or repeat_last_n == 0))
+    plain = (
+        not logit_bias
+        and presence_penalty == 0
+        and frequency_penalty == 0
+        and (repeat_penalty == 1.0 or repeat_last_n == 0)
+    )
     if temp <= 0 and plain:
         return greedy
-    return PenalizedSampler(temp, top_p, seed, top_k, min_p, presence_penalty, frequency_penalty,
-                            repeat_penalty if repeat_last_n else 1.0, repeat_last_n, logit_bias, prompt)
+    return PenalizedSampler(
+        temp,
+        top_p,
+        seed,
+        top_k,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        repeat_penalty if repeat_last_n else 1.0,
+        repeat_last_n,
+        logit_bias,
+        prompt,
+    )
 
 
 def prefill(model: Model, prompt_ids: list[int]) -> torch.Tensor:

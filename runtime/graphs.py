@@ -66,15 +66,21 @@ def prompt_graph_blockers(model) -> list[str]:
     reasons = graph_blockers(model)
     if model.expert_cache is not None:
         reasons.append("the expert cache runs prompt steps eagerly")
-    reasons += sorted({f"{type(m).__name__} reads the sequence on the host" for m in model.net.modules()
-                       if getattr(m, "seq_on_host", False)})
+    reasons += sorted(
+        {
+            f"{type(m).__name__} reads the sequence on the host"
+            for m in model.net.modules()
+            if getattr(m, "seq_on_host", False)
+        }
+    )
     return reasons
 
 
 def host_expert_tensors(net: torch.nn.Module) -> list[str]:
     """Expert tensors whose type has no device dequantizer (their bytes go through the host every step)."""
-    return [t.name for m in net.modules() if isinstance(m, GGUFExperts)
-            for t in (m.gate, m.up, m.down) if not t.on_device]
+    return [
+        t.name for m in net.modules() if isinstance(m, GGUFExperts) for t in (m.gate, m.up, m.down) if not t.on_device
+    ]
 
 
 class DecodeGraphs:
@@ -206,7 +212,7 @@ class PromptGraphs:
             self.graphs[B, tb, kvb] = self.capture(B, tb, kvb)
         program, logits = self.graphs[B, tb, kvb]
         program.replay()
-        return logits[:len(chunks)].clone()  # the static output is overwritten by the next replay
+        return logits[: len(chunks)].clone()  # the static output is overwritten by the next replay
 
     def _buffers(self, B: int, tb: int) -> None:
         """The static inputs of (B, Tb) steps, made on first use: each block token ids 0.. at positions 0.. of

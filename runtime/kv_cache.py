@@ -16,12 +16,21 @@ from moerun.step import Step
 
 
 class KVCache(nn.Module):
-    def __init__(self, n_ctx: int, n_kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
-                 device: torch.device, n_seq: int = 1) -> None:
+    def __init__(
+        self,
+        n_ctx: int,
+        n_kv_heads: int,
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        n_seq: int = 1,
+    ) -> None:
         super().__init__()
         for name, dim in (("k", k_dim), ("v", v_dim)):
-            self.register_buffer(name, torch.zeros(n_seq, n_ctx, n_kv_heads, dim, dtype=dtype, device=device),
-                                 persistent=False)
+            self.register_buffer(
+                name, torch.zeros(n_seq, n_ctx, n_kv_heads, dim, dtype=dtype, device=device), persistent=False
+            )
 
     def update(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k (T, Hkv, Dk) and v (T, Hkv, Dv) at the step's positions of its sequences; return the slots

@@ -17,12 +17,12 @@ from moerun.cache.controller import ExpertCache, open_cache
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, DeviceSpec, on_device, resolve_devices, split_by_bytes
 from moerun.graphs import Chunk, DecodeGraphs, PromptGraphs, graph_blockers, prompt_graph_blockers
-from moerun.kernels import tuning
 from moerun.hooks import ActivationEvent, HookHandle, Hooks, RoutingEvent
-from moerun.step import Step, group_rows
+from moerun.kernels import tuning
 from moerun.models import arch_module
 from moerun.models.base import BuildContext, Transformer
 from moerun.options import RuntimeOptions, process_options
+from moerun.step import Step, group_rows
 from moerun.tokenizer import Tokenizer
 from moerun.weights import Weights
 
@@ -35,9 +35,20 @@ class Model:
     of several sequences at once; both return next-token logits. `device` is where tokens go (the first block's
     device); on several devices the logits come from the last block's (`net.layout`)."""
 
-    def __init__(self, g: GGUFModel, args: ModelArgs, net: Transformer, tokenizer: Tokenizer, hooks: Hooks,
-                 n_ctx: int, device: torch.device, n_seq: int = 1, expert_cache: ExpertCache | None = None,
-                 decoded_bytes: int = 0, options: RuntimeOptions | None = None) -> None:
+    def __init__(
+        self,
+        g: GGUFModel,
+        args: ModelArgs,
+        net: Transformer,
+        tokenizer: Tokenizer,
+        hooks: Hooks,
+        n_ctx: int,
+        device: torch.device,
+        n_seq: int = 1,
+        expert_cache: ExpertCache | None = None,
+        decoded_bytes: int = 0,
+        options: RuntimeOptions | None = None,
+    ) -> None:
         self.gguf, self.args, self.net, self.tokenizer = g, args, net, tokenizer
         self.options = options or process_options()  # the switches it was built with (options.py)
         self.hooks, self.n_ctx, self.device, self.n_seq = hooks, n_ctx, device, n_seq
@@ -62,8 +73,9 @@ class Model:
         return self.net(tokens.to(self.device), Step(positions, n_slots=start_pos + T, seq=seq), outputs)
 
     @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
-                      outputs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_batch(
+        self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor, outputs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens (T,) of several sequences in one pass: token t sits at positions[t] of sequence seqs[t] and
         attends to that sequence's slots up to its own position -> logits (T, V) float32, or (R, V) for the rows
         `outputs` (R,) only (the last token of each sequence in the batch, say). A sequence's consecutive tokens (a
@@ -72,8 +84,12 @@ class Model:
         self._check_fits(int(positions.max()) + 1, int(seqs.max()))
         if int(seqs.min()) < 0:
             raise MoeprepError(f"sequence {int(seqs.min())} does not exist; the model holds {self.n_seq}")
-        step = Step(positions.to(self.device), n_slots=int(positions.max()) + 1, seqs=seqs.to(self.device),
-                    groups=group_rows(positions.tolist(), seqs.tolist()))
+        step = Step(
+            positions.to(self.device),
+            n_slots=int(positions.max()) + 1,
+            seqs=seqs.to(self.device),
+            groups=group_rows(positions.tolist(), seqs.tolist()),
+        )
         return self.net(tokens.to(self.device), step, None if outputs is None else outputs.to(self.device))
 
     def prefill_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -86,7 +102,7 @@ class Model:
         while i < len(chunks):
             j = i + 1
             if self._prompt_graphs_fit(chunks[i:j]):
-                while j < len(chunks) and self.prompt_graphs.fits(chunks[i:j + 1]):
+                while j < len(chunks) and self.prompt_graphs.fits(chunks[i : j + 1]):
                     j += 1
                 with on_device(self.device):
                     rows.append(self.prompt_graphs(chunks[i:j]))
@@ -166,14 +182,22 @@ class Model:
             if self.device.type == "cuda" and n > 1:
                 # the experts' routes: the matrix-vector kernel, the GEMM past it for one bank, then for gate and
                 # up too (on the 8-bit GEMM's few-token tiles where it is on), the 8-bit GEMM's other tiles
-                routes = {n, tuning.MOE_GEMV_MAX_TOKENS + 1, tuning.MOE_GLU_GEMV_MAX_TOKENS + 1,
-                          tuning.GEMM_I8_MIN_TOKENS if self.options.gemm_int8 else n,
-                          tuning.GEMM_I8_FEW_TOKENS + 1 if self.options.gemm_int8 else n}
+                routes = {
+                    n,
+                    tuning.MOE_GEMV_MAX_TOKENS + 1,
+                    tuning.MOE_GLU_GEMV_MAX_TOKENS + 1,
+                    tuning.GEMM_I8_MIN_TOKENS if self.options.gemm_int8 else n,
+                    tuning.GEMM_I8_FEW_TOKENS + 1 if self.options.gemm_int8 else n,
+                }
                 for length in sorted(length for length in routes if length < self.n_ctx):
                     self.forward(torch.zeros(length, dtype=torch.long), 0, 0, last_only=True)
                 if self.n_seq > 1:
-                    self.forward_batch(torch.zeros(n + 1, dtype=torch.long), torch.tensor([*range(n), 0]),
-                                       torch.tensor([0] * n + [1]), torch.tensor([n]))
+                    self.forward_batch(
+                        torch.zeros(n + 1, dtype=torch.long),
+                        torch.tensor([*range(n), 0]),
+                        torch.tensor([0] * n + [1]),
+                        torch.tensor([n]),
+                    )
         self.synchronize()
         return time.perf_counter() - start
 
@@ -191,9 +215,13 @@ class Model:
 
     def _check_fits(self, n_positions: int, seq: int) -> None:
         if n_positions > self.n_ctx:
-            raise MoeprepError(f"{n_positions} positions do not fit the context of {self.n_ctx}; load with a larger n_ctx")
+            raise MoeprepError(
+                f"{n_positions} positions do not fit the context of {self.n_ctx}; load with a larger n_ctx"
+            )
         if not 0 <= seq < self.n_seq:
-            raise MoeprepError(f"sequence {seq} does not exist; the model holds {self.n_seq} (load with a larger n_seq)")
+            raise MoeprepError(
+                f"sequence {seq} does not exist; the model holds {self.n_seq} (load with a larger n_seq)"
+            )
 
     def add_routing_hook(self, fn: Callable[[RoutingEvent], None]) -> HookHandle:
         return self.hooks.add_routing(fn)
@@ -202,9 +230,16 @@ class Model:
         return self.hooks.add_activation(fn)
 
 
-def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: torch.dtype | None = None,
-               n_ctx: int | None = None, n_seq: int = 1, cache: CacheConfig | None = None,
-               dense_bf16: bool = True, options: RuntimeOptions | None = None) -> Model:
+def load_model(
+    path: str | Path | GGUFModel,
+    device: DeviceSpec = "cpu",
+    dtype: torch.dtype | None = None,
+    n_ctx: int | None = None,
+    n_seq: int = 1,
+    cache: CacheConfig | None = None,
+    dense_bf16: bool = True,
+    options: RuntimeOptions | None = None,
+) -> Model:
     """Open a GGUF MoE model (file or first shard) with a KV cache of n_seq sequences of n_ctx positions each.
     dtype defaults to float32 on CPU and bfloat16 on CUDA. With `cache`, routed experts stay in host RAM and run
     through the expert cache (cache/); otherwise they all go to the device, and with `dense_bf16` the
@@ -225,8 +260,7 @@ def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: 
     args = arch.read_args(g)
     n_ctx = n_ctx or min(args.n_ctx_train, DEFAULT_MAX_CTX)
     hooks, options = Hooks(), options or process_options()
-    expert_cache = None if cache is None else open_cache(g, cache, args.n_layers, args.n_experts_used, devices,
-                                                         options)
+    expert_cache = None if cache is None else open_cache(g, cache, args.n_layers, args.n_experts_used, devices, options)
     if expert_cache is None:
         layout = split_by_bytes(g, devices, args.n_layers)
     else:
@@ -239,5 +273,4 @@ def load_model(path: str | Path | GGUFModel, device: DeviceSpec = "cpu", dtype: 
         from moerun.layers.gguf_gpu import keep_decoded_copies  # Triton: present where CUDA is
 
         decoded = keep_decoded_copies(net, DEFAULT_RESERVE)
-    return Model(g, args, net.eval(), tokenizer, hooks, n_ctx, layout.first, n_seq, expert_cache, decoded,
-                 options)
+    return Model(g, args, net.eval(), tokenizer, hooks, n_ctx, layout.first, n_seq, expert_cache, decoded, options)

@@ -44,9 +44,13 @@ class RuntimeOptions:
         def on(name: str) -> bool:
             return environ.get(name, "1") != "0"
 
-        return cls(fused=on("MOERUN_FUSED"), ggml_cpu=on("MOERUN_GGML_CPU"),
-                   ggml_cpu_lib=environ.get("MOERUN_GGML_CPU_LIB") or None, gemv_int8=on("MOERUN_GEMV_INT8"),
-                   gemm_int8=on("MOERUN_GEMM_INT8"))
+        return cls(
+            fused=on("MOERUN_FUSED"),
+            ggml_cpu=on("MOERUN_GGML_CPU"),
+            ggml_cpu_lib=environ.get("MOERUN_GGML_CPU_LIB") or None,
+            gemv_int8=on("MOERUN_GEMV_INT8"),
+            gemm_int8=on("MOERUN_GEMM_INT8"),
+        )
 
     def ggml_library(self) -> GgmlCPU | None:
         """The ggml library whose row dots the CPU kernels run: MOERUN_GGML_CPU_LIB's, else llama-cpp-python's;

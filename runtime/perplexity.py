@@ -18,7 +18,9 @@ from moerun.model import Model
 
 def perplexity(model: Model, tokens: list[int], n_ctx: int) -> float:
     if len(tokens) < 2 * n_ctx:
-        raise MoeprepError(f"perplexity with a context of {n_ctx} needs at least {2 * n_ctx} tokens; the text has {len(tokens)}")
+        raise MoeprepError(
+            f"perplexity with a context of {n_ctx} needs at least {2 * n_ctx} tokens; the text has {len(tokens)}"
+        )
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
     first = n_ctx // 2
     nll, count = 0.0, 0

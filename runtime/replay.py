@@ -60,8 +60,10 @@ def pick_chunk(t: TraceFile, n_tokens: int, where: str) -> int:
     """The first chunk of at least n_tokens tokens (positions 0..n_tokens-1 read its rows)."""
     long_enough = np.flatnonzero(t.chunk_lengths() >= n_tokens)
     if not len(long_enough):
-        raise MoeprepError(f"{where}: its longest chunk has {int(t.chunk_lengths().max())} tokens; the benchmark needs "
-                           f"{n_tokens} (-p plus -n): give a trace with longer chunks (--chunk) or lower -p/-n")
+        raise MoeprepError(
+            f"{where}: its longest chunk has {int(t.chunk_lengths().max())} tokens; the benchmark needs "
+            f"{n_tokens} (-p plus -n): give a trace with longer chunks (--chunk) or lower -p/-n"
+        )
     return int(long_enough[0])
 
 
@@ -75,7 +77,11 @@ def install_replay(model, t: TraceFile, n_tokens: int, where: str) -> Replay:
     weights = t.weights if t.weights is not None else np.full(t.ids.shape, 1.0 / t.top_k, np.float32)
     for m, moe in enumerate(moe_layers(model)):
         device = device_of(moe.router.gate)
-        wrapper = ReplayRouter(moe.router, torch.from_numpy(np.ascontiguousarray(t.ids[:, m])).long().to(device),
-                               torch.from_numpy(np.ascontiguousarray(weights[:, m])).float().to(device), base)
+        wrapper = ReplayRouter(
+            moe.router,
+            torch.from_numpy(np.ascontiguousarray(t.ids[:, m])).long().to(device),
+            torch.from_numpy(np.ascontiguousarray(weights[:, m])).float().to(device),
+            base,
+        )
         moe.router = wrapper
     return Replay(chunk, int(t.chunk_lengths()[chunk]))

@@ -72,9 +72,15 @@ class Step:
         step of its sequence (reading the slots as they lie, not a copy per token), the single tokens of several
         sequences between chunks as a mixed step. Made once, so that every layer reuses the parts' masks."""
         if not self._parts:
-            self._parts = [(slice(a, b), Step(self.positions[a:b], n, seq=s, capture=self.capture) if s >= 0 else
-                            Step(self.positions[a:b], n, seqs=self.seqs[a:b], capture=self.capture))
-                           for a, b, s, n in self.groups]
+            self._parts = [
+                (
+                    slice(a, b),
+                    Step(self.positions[a:b], n, seq=s, capture=self.capture)
+                    if s >= 0
+                    else Step(self.positions[a:b], n, seqs=self.seqs[a:b], capture=self.capture),
+                )
+                for a, b, s, n in self.groups
+            ]
         return self._parts
 
     def mask(self, window: int = 0) -> torch.Tensor:

@@ -20,7 +20,6 @@ from moerun.kernels.dequant import dequantize, supports
 from moerun.kernels.rounding import input_rounding
 
 
-
 def dequantize_bytes(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """float32 tensor of `shape` from its GGUF bytes, on the host (a writable copy where the bytes are the map's)."""
     return torch.from_numpy(np.require(dequantize_raw(raw, ggml_type, shape), requirements="W"))
@@ -80,7 +79,9 @@ class Weights:
 
     def info(self, name: str) -> TensorInfo:
         if name not in self._infos:
-            raise MoeprepError(f"{self.gguf.path}: tensor {name} is missing; the file is incomplete or not a {self.gguf.arch} model")
+            raise MoeprepError(
+                f"{self.gguf.path}: tensor {name} is missing; the file is incomplete or not a {self.gguf.arch} model"
+            )
         return self._infos[name]
 
     def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:

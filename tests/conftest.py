@@ -67,13 +67,21 @@ def write_dense_llama(path: Path, n_layer: int = 2, n_embd: int = 64, n_head: in
     w.add_rope_dimension_count(n_embd // n_head)
     for key, kv in vocab_metadata(vocab).items():
         w.add_key_value(key, kv.value, kv.vtype, kv.sub_type)
-    shapes = {"token_embd.weight": (vocab.size, n_embd), "output_norm.weight": (n_embd,),
-              "output.weight": (vocab.size, n_embd)}
+    shapes = {
+        "token_embd.weight": (vocab.size, n_embd),
+        "output_norm.weight": (n_embd,),
+        "output.weight": (vocab.size, n_embd),
+    }
     for i in range(n_layer):
-        shapes |= {f"blk.{i}.attn_norm.weight": (n_embd,), f"blk.{i}.ffn_norm.weight": (n_embd,),
-                   **{f"blk.{i}.attn_{p}.weight": (n_embd, n_embd) for p in "qkv"},
-                   f"blk.{i}.attn_output.weight": (n_embd, n_embd), f"blk.{i}.ffn_gate.weight": (n_ff, n_embd),
-                   f"blk.{i}.ffn_up.weight": (n_ff, n_embd), f"blk.{i}.ffn_down.weight": (n_embd, n_ff)}
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (n_embd,),
+            f"blk.{i}.ffn_norm.weight": (n_embd,),
+            **{f"blk.{i}.attn_{p}.weight": (n_embd, n_embd) for p in "qkv"},
+            f"blk.{i}.attn_output.weight": (n_embd, n_embd),
+            f"blk.{i}.ffn_gate.weight": (n_ff, n_embd),
+            f"blk.{i}.ffn_up.weight": (n_ff, n_embd),
+            f"blk.{i}.ffn_down.weight": (n_embd, n_ff),
+        }
     for name, shape in shapes.items():
         values = np.ones(shape) if name.endswith("norm.weight") else rng.normal(0, shape[-1] ** -0.5, shape)
         w.add_tensor(name, values.astype(np.float32))

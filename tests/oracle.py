@@ -117,13 +117,13 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
             rows = np.empty((n_rows, K), dtype=np.int32)
             for r in range(n_rows):  # a view into argsort's output: rows are nb[1] bytes apart
                 _ggml_base().ggml_backend_tensor_get(tensor_p, rows[r].ctypes.data, r * t.nb[1], K * 4)
-            topk.setdefault(int(t.name[len(TOPK_PREFIX):]), []).append(rows)
+            topk.setdefault(int(t.name[len(TOPK_PREFIX) :]), []).append(rows)
         else:
             D, n_rows = t.ne[0], t.ne[1]
             assert t.nb[1] == D * 4, "l_out is a contiguous (T, D) float32 tensor"
             out = np.empty((n_rows, D), dtype=np.float32)
             _ggml_base().ggml_backend_tensor_get(tensor_p, out.ctypes.data, 0, out.nbytes)
-            layer_out[int(t.name[len(LAYER_OUT_PREFIX):])] = out
+            layer_out[int(t.name[len(LAYER_OUT_PREFIX) :])] = out
         return True
 
     cparams = llama_cpp.llama_context_default_params()
@@ -152,15 +152,20 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
     return OracleRun(logits, {layer: np.concatenate(parts) for layer, parts in topk.items()}, layer_out)
 
 
-
-def llama_quantize(path: str | pathlib.Path, out: str | pathlib.Path, attn_type: str = "Q4_K", threads: int = 2) -> None:
+def llama_quantize(
+    path: str | pathlib.Path, out: str | pathlib.Path, attn_type: str = "Q4_K", threads: int = 2
+) -> None:
     """llama.cpp's whole-file quantizer (llama_model_quantize, what llama-quantize runs) set up to do what
     `moeprep quantize --attn TYPE` does on a model whose experts already have that type: `pure` gives every 2-D
     weight the one type (routers and 1-D tensors stay as they are), so attention is requantized and the experts,
     already in it, are copied; token_embd and output keep their own types."""
     _backend()
-    ftypes = {"Q4_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
-              "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q5_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_S}
+    ftypes = {
+        "Q4_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S,
+        "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+        "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
+        "Q5_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_S,
+    }
     types = {t.name: int(t.ggml_type) for t in open_gguf(path).tensors}
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread, params.ftype = threads, ftypes[attn_type]

@@ -21,9 +21,16 @@ Q4K = MODELS / "bench-qwen3moe-q4k.gguf"
 HELDOUT = ROOT / "bench" / "data" / "heldout.txt"
 N_TOKENS = 64
 # tensor name suffix -> type in the quantized variant (export.VARIANT_TYPES, with ggml's fallback for down rows of 128)
-Q4K_TYPES = {"token_embd.weight": Q.Q6_K, "attn_q.weight": Q.Q8_0, "attn_output.weight": Q.Q8_0,
-             "ffn_gate_exps.weight": Q.Q4_K, "ffn_up_exps.weight": Q.Q4_K, "ffn_down_exps.weight": Q.Q5_0,
-             "ffn_gate_inp.weight": Q.F32, "attn_norm.weight": Q.F32}
+Q4K_TYPES = {
+    "token_embd.weight": Q.Q6_K,
+    "attn_q.weight": Q.Q8_0,
+    "attn_output.weight": Q.Q8_0,
+    "ffn_gate_exps.weight": Q.Q4_K,
+    "ffn_up_exps.weight": Q.Q4_K,
+    "ffn_down_exps.weight": Q.Q5_0,
+    "ffn_gate_inp.weight": Q.F32,
+    "attn_norm.weight": Q.F32,
+}
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,33 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"moeprep": ROOT / "moeprep", "moerun": ROOT / "runtime"}
 
 # What the modules of each part of moerun may not import (prefixes of module names).
-ABOVE_KERNELS = ("moerun.layers", "moerun.backend", "moerun.models", "moerun.cache", "moerun.capture",
-                 "moerun.graphs", "moerun.model", "moerun.generation", "moerun.serve", "moerun.cli", "moerun.bench",
-                 "moerun.perplexity")
+ABOVE_KERNELS = (
+    "moerun.layers",
+    "moerun.backend",
+    "moerun.models",
+    "moerun.cache",
+    "moerun.capture",
+    "moerun.graphs",
+    "moerun.model",
+    "moerun.generation",
+    "moerun.serve",
+    "moerun.cli",
+    "moerun.bench",
+    "moerun.perplexity",
+)
 FORBIDDEN = {
     "moerun.kernels": ABOVE_KERNELS,
     "moerun.layers": ABOVE_KERNELS[1:],
-    "moerun.cache": ("moerun.models", "moerun.capture", "moerun.graphs", "moerun.model", "moerun.generation",
-                     "moerun.serve", "moerun.cli", "moerun.bench"),
+    "moerun.cache": (
+        "moerun.models",
+        "moerun.capture",
+        "moerun.graphs",
+        "moerun.model",
+        "moerun.generation",
+        "moerun.serve",
+        "moerun.cli",
+        "moerun.bench",
+    ),
     "moerun.capture": ("moerun.",),
     "moerun.backend": ABOVE_KERNELS[2:],
     "moerun.models": ("moerun.graphs", "moerun.model", "moerun.generation", "moerun.serve", "moerun.cli"),
@@ -119,7 +138,11 @@ def test_cycle_finder_finds_one():
 
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))
 def test_runtime_imports_point_down(graph, part):
-    wrong = sorted(f"{module} imports {target}" for module, targets in graph.items()
-                   if module == part or module.startswith(part + ".")
-                   for target in targets if target.startswith(FORBIDDEN[part]) and not target.startswith(part))
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if module == part or module.startswith(part + ".")
+        for target in targets
+        if target.startswith(FORBIDDEN[part]) and not target.startswith(part)
+    )
     assert wrong == []

@@ -108,17 +108,22 @@ def profile(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 N_TENSORS, N_REQUANTIZED = 39, 12  # the tiny qwen3moe model; Q8_0 attention
 
 
-@pytest.mark.parametrize("owner, name, call, written", [
-    (moeprep.quant.quantize, "quantize_rows", 1, False),  # first requantized rows, on the thread pool
-    (moeprep.gguf.writer, "_kernel_copy", (N_TENSORS - N_REQUANTIZED) // 2, False),  # mid-write, a copied tensor
-    (moeprep.quant.verify, "_check_tensor", N_TENSORS, False),  # verifying the last tensor
-    # the writer renaming its 2nd temp shard inside the stage: all four renamed, then the interrupt (before verify)
-    (moeprep.atomic.os, "replace", 2, False),
-    # moving the 2nd of the 4 verified shards out of the stage: all four moved, then the interrupt
-    (moeprep.atomic.os, "replace", 4 + 2, True),
-], ids=["first-rows", "mid-write", "last-verify", "rename-in-stage", "move-out-of-stage"])
-def test_quantize(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: object, name: str,
-                  call: int, written: bool) -> None:
+@pytest.mark.parametrize(
+    "owner, name, call, written",
+    [
+        (moeprep.quant.quantize, "quantize_rows", 1, False),  # first requantized rows, on the thread pool
+        (moeprep.gguf.writer, "_kernel_copy", (N_TENSORS - N_REQUANTIZED) // 2, False),  # mid-write, a copied tensor
+        (moeprep.quant.verify, "_check_tensor", N_TENSORS, False),  # verifying the last tensor
+        # the writer renaming its 2nd temp shard inside the stage: all four renamed, then the interrupt (before verify)
+        (moeprep.atomic.os, "replace", 2, False),
+        # moving the 2nd of the 4 verified shards out of the stage: all four moved, then the interrupt
+        (moeprep.atomic.os, "replace", 4 + 2, True),
+    ],
+    ids=["first-rows", "mid-write", "last-verify", "rename-in-stage", "move-out-of-stage"],
+)
+def test_quantize(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: object, name: str, call: int, written: bool
+) -> None:
     inputs = snapshot(model)
     assert len(open_gguf(model).tensors) == N_TENSORS
     out = tmp_path / "q.gguf"
@@ -136,8 +141,9 @@ def test_quantize(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         assert line == f"moeprep: interrupted: {out} not written (no temp files left); the inputs are unchanged"
 
 
-def test_quantize_that_fails_verification_writes_nothing(model: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantize_that_fails_verification_writes_nothing(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(moeprep.quant.verify.MAX_RELATIVE_ERROR, "Q8_0", 0.0)  # every requantized tensor fails
     out = tmp_path / "q.gguf"
     result = cli("quantize", model, out, "--attn", "Q8_0", "--threads", "2")
@@ -150,44 +156,68 @@ def test_quantize_that_fails_verification_writes_nothing(model: Path, tmp_path: 
 def test_quantize_in_a_terminal(model: Path, tmp_path: Path) -> None:
     """The whole process gets SIGINT (as a terminal sends it) during verification: exit 130 and the line, not
     click's 'Aborted!' and exit 1."""
-    press = ("import itertools, os, signal, moeprep.quant.verify as v\n"
-             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # a terminal's command, as above
-             "real, calls = v._check_tensor, itertools.count(1)\n"
-             "def check(*a):\n"
-             f"    if next(calls) == {N_TENSORS}: os.kill(os.getpid(), signal.SIGINT)\n"
-             "    return real(*a)\n"
-             "v._check_tensor = check\n"
-             "from moeprep.cli import main\n"
-             "main(prog_name='moeprep')\n")
+    press = (
+        "import itertools, os, signal, moeprep.quant.verify as v\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # a terminal's command, as above
+        "real, calls = v._check_tensor, itertools.count(1)\n"
+        "def check(*a):\n"
+        f"    if next(calls) == {N_TENSORS}: os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(*a)\n"
+        "v._check_tensor = check\n"
+        "from moeprep.cli import main\n"
+        "main(prog_name='moeprep')\n"
+    )
     inputs = snapshot(model)
-    done = subprocess.run([sys.executable, "-c", press, "quantize", str(model), str(tmp_path / "q.gguf"),
-                           "--attn", "Q8_0", "--threads", "2"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            press,
+            "quantize",
+            str(model),
+            str(tmp_path / "q.gguf"),
+            "--attn",
+            "Q8_0",
+            "--threads",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 130, done.stderr
     lines = [line for line in re.split(r"[\r\n]", done.stderr) if line.strip() and not PROGRESS_BAR.search(line)]
-    assert lines == [f"moeprep: interrupted: {tmp_path / 'q.gguf'} not written (no temp files left); "
-                     "the inputs are unchanged"], done.stderr
+    assert lines == [
+        f"moeprep: interrupted: {tmp_path / 'q.gguf'} not written (no temp files left); the inputs are unchanged"
+    ], done.stderr
     assert list(tmp_path.iterdir()) == [] and snapshot(model) == inputs
 
 
 def test_quantize_in_a_background_job(model: Path, tmp_path: Path) -> None:
     """Started with SIGINT ignored (a script's `cmd &`), a command leaves it ignored, as the shell asked: SIGINTs
     during verification and while OUT is renamed into place change nothing, and OUT is written whole."""
-    press = ("import itertools, os, signal, moeprep.atomic, moeprep.quant.verify as v\n"
-             "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"  # what the shell hands a background job
-             "real_check, real_replace = v._check_tensor, os.replace\n"
-             "def check(*a):\n"
-             "    os.kill(os.getpid(), signal.SIGINT)\n"
-             "    return real_check(*a)\n"
-             "def replace(*a):\n"
-             "    os.kill(os.getpid(), signal.SIGINT)\n"
-             "    return real_replace(*a)\n"
-             "v._check_tensor, moeprep.atomic.os.replace = check, replace\n"
-             "from moeprep.cli import main\n"
-             "main(prog_name='moeprep')\n")
+    press = (
+        "import itertools, os, signal, moeprep.atomic, moeprep.quant.verify as v\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"  # what the shell hands a background job
+        "real_check, real_replace = v._check_tensor, os.replace\n"
+        "def check(*a):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real_check(*a)\n"
+        "def replace(*a):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real_replace(*a)\n"
+        "v._check_tensor, moeprep.atomic.os.replace = check, replace\n"
+        "from moeprep.cli import main\n"
+        "main(prog_name='moeprep')\n"
+    )
     inputs = snapshot(model)
     out = tmp_path / "q.gguf"
-    done = subprocess.run([sys.executable, "-c", press, "quantize", str(model), str(out), "--attn", "Q8_0",
-                           "--threads", "2"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", press, "quantize", str(model), str(out), "--attn", "Q8_0", "--threads", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "interrupted" not in done.stderr and f"wrote {out}" in done.stdout, done.stdout
     assert verify_model(open_gguf(out), open_gguf(model)).ok and snapshot(model) == inputs
@@ -197,22 +227,26 @@ def test_quantize_in_a_background_job(model: Path, tmp_path: Path) -> None:
 def run_background_job(setup: str, *args: str | Path) -> subprocess.CompletedProcess:
     """`moeprep ARGS` in a child started as a script's `cmd &` starts it (SIGINT ignored), after `setup` (Python
     that patches a step to send the child a signal)."""
-    code = ("import itertools, os, signal\n"
-            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            f"{setup}\n"
-            "from moeprep.cli import main\n"
-            "main(prog_name='moeprep')\n")
+    code = (
+        "import itertools, os, signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        f"{setup}\n"
+        "from moeprep.cli import main\n"
+        "main(prog_name='moeprep')\n"
+    )
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
 def sigterm_at(module: str, name: str, call: int) -> str:
     """Setup for run_background_job: the `call`-th call of module.name sends the process SIGTERM (as `kill PID`)."""
-    return (f"import {module} as owner\n"
-            f"real, calls = owner.{name}, itertools.count(1)\n"
-            "def pressed(*a, **k):\n"
-            f"    if next(calls) == {call}: os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    return real(*a, **k)\n"
-            f"owner.{name} = pressed")
+    return (
+        f"import {module} as owner\n"
+        f"real, calls = owner.{name}, itertools.count(1)\n"
+        "def pressed(*a, **k):\n"
+        f"    if next(calls) == {call}: os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*a, **k)\n"
+        f"owner.{name} = pressed"
+    )
 
 
 def test_kill_stops_a_background_job_cleanly(tmp_path: Path) -> None:
@@ -229,8 +263,18 @@ def test_kill_during_the_renames_takes_effect_after_them(model: Path, tmp_path: 
     """SIGTERM while the verified shards move out of their stage (the 2nd of 4): all four are moved first."""
     inputs = snapshot(model)
     out = tmp_path / "q.gguf"
-    done = run_background_job(sigterm_at("os", "replace", 4 + 2), "quantize", model, out, "--attn", "Q8_0",
-                              "--threads", "2", "--split-max-size", SPLIT)
+    done = run_background_job(
+        sigterm_at("os", "replace", 4 + 2),
+        "quantize",
+        model,
+        out,
+        "--attn",
+        "Q8_0",
+        "--threads",
+        "2",
+        "--split-max-size",
+        SPLIT,
+    )
     assert done.returncode == 143, done.stderr
     shards = sorted(tmp_path.iterdir())
     assert [p.name for p in shards] == [f"q-{i:05d}-of-00004.gguf" for i in (1, 2, 3, 4)]
@@ -242,13 +286,18 @@ def test_kill_during_the_renames_takes_effect_after_them(model: Path, tmp_path: 
 # --- profile: run, merge, export, bake ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("owner, name, call, done", [
-    (moeprep.profile.collect.RoutingRecorder, "take", 2, []),  # the calibration pass, 2nd of 3 chunks
-    (moeprep.quant.imatrix.gguf.GGUFWriter, "write_tensors_to_file", 1, []),  # writing the imatrix
-    (moeprep.profile.format, "encode_profile", 1, ["imatrix"]),  # writing the profile, after the imatrix
-], ids=["pass", "imatrix", "profile"])
-def test_profile_run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: object, name: str,
-                     call: int, done: list[str]) -> None:
+@pytest.mark.parametrize(
+    "owner, name, call, done",
+    [
+        (moeprep.profile.collect.RoutingRecorder, "take", 2, []),  # the calibration pass, 2nd of 3 chunks
+        (moeprep.quant.imatrix.gguf.GGUFWriter, "write_tensors_to_file", 1, []),  # writing the imatrix
+        (moeprep.profile.format, "encode_profile", 1, ["imatrix"]),  # writing the profile, after the imatrix
+    ],
+    ids=["pass", "imatrix", "profile"],
+)
+def test_profile_run(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: object, name: str, call: int, done: list[str]
+) -> None:
     inputs = snapshot(model, CALIBRATION)
     out, imatrix = tmp_path / "p.moeprof", tmp_path / "imatrix.gguf"
     ctrl_c_at(monkeypatch, owner, name, call)
@@ -265,13 +314,16 @@ def test_profile_run(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert f"{imatrix} not written" in line
 
 
-def test_profile_merge_export_bake(model: Path, profile: Path, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profile_merge_export_bake(model: Path, profile: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = snapshot(model, profile)
     cases = [
         (moeprep.profile.format, "encode_profile", 1, ["profile", "merge", profile, profile, "-o", tmp_path / "m"]),
-        (moeprep.profile.export, "profile_dict", 1,
-         ["profile", "export", profile, "--format", "json", "-o", tmp_path / "e.json"]),
+        (
+            moeprep.profile.export,
+            "profile_dict",
+            1,
+            ["profile", "export", profile, "--format", "json", "-o", tmp_path / "e.json"],
+        ),
         (moeprep.gguf.writer, "_kernel_copy", 1, ["profile", "bake", profile, model, tmp_path / "first.gguf"]),
         (moeprep.gguf.writer, "_kernel_copy", N_TENSORS, ["profile", "bake", profile, model, tmp_path / "last.gguf"]),
     ]
@@ -296,8 +348,11 @@ def test_synth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: int) -> No
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name, call", [("_copy", 2), ("build_card", 1), ("_published_file", 5)],
-                         ids=["copying-shard-2", "card", "checksum-of-the-card"])
+@pytest.mark.parametrize(
+    "name, call",
+    [("_copy", 2), ("build_card", 1), ("_published_file", 5)],
+    ids=["copying-shard-2", "card", "checksum-of-the-card"],
+)
 def test_publish(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, call: int) -> None:
     source = tmp_path / "source"
     source.mkdir()
@@ -318,8 +373,22 @@ def test_publish(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n
 
 def test_prepare(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     recipe = ROOT / "recipes" / "qwen3moe.toml"
-    args = ["prepare", recipe, model, tmp_path / "out", "--dataset", CALIBRATION, "--ctx", "16", "--chunks", "3",
-            "--threads", "1", "--base-model", "Org/Model"]
+    args = [
+        "prepare",
+        recipe,
+        model,
+        tmp_path / "out",
+        "--dataset",
+        CALIBRATION,
+        "--ctx",
+        "16",
+        "--chunks",
+        "3",
+        "--threads",
+        "1",
+        "--base-model",
+        "Org/Model",
+    ]
     inputs = snapshot(model, recipe, CALIBRATION)
     work = tmp_path / "out" / "work"
 
@@ -339,8 +408,9 @@ def test_prepare(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         assert recorded() == steps_done and not lost.exists()
         if name == "_copy":
             assert f"{lost} not written" in line and f"{work / 'state.json'}" in line
-    assert read_profile(work / "source.moeprof") and verify_model(open_gguf(work / "quantized.gguf"),
-                                                                  open_gguf(model)).ok
+    assert (
+        read_profile(work / "source.moeprof") and verify_model(open_gguf(work / "quantized.gguf"), open_gguf(model)).ok
+    )
     result = cli(*args)
     assert result.exit_code == 0, result.output
     assert "] publish: done in" in result.stdout and "] bake: up to date, skipped" in result.stdout

@@ -72,8 +72,16 @@ def test_upload_folder(prepared: tuple[Path, str], model: Path, text: Path) -> N
     upload = prepared[0] / "upload"
     assert check_folder(upload).ok
     names = sorted(p.name for p in upload.iterdir())
-    assert names == sorted(["README.md", "SHA256SUMS", "qwen3moe.toml", "tiny-moe-attn-Q4_K.gguf",
-                            "tiny-moe-attn-Q4_K.imatrix.gguf", "tiny-moe-attn-Q4_K.moeprof"])
+    assert names == sorted(
+        [
+            "README.md",
+            "SHA256SUMS",
+            "qwen3moe.toml",
+            "tiny-moe-attn-Q4_K.gguf",
+            "tiny-moe-attn-Q4_K.imatrix.gguf",
+            "tiny-moe-attn-Q4_K.moeprof",
+        ]
+    )
     published, source = open_gguf(upload / "tiny-moe-attn-Q4_K.gguf"), open_gguf(model)
     assert published.get("moeprep.attn_type") == "Q4_K" and published.get(EXPERT_USAGE_KEY) is not None
     assert published.get(QUANTIZE_IMATRIX_DATASET) == str(text)  # quantized with the calibration pass's imatrix
@@ -151,8 +159,9 @@ def test_refusals_come_before_any_work(model: Path, text: Path, tmp_path: Path) 
 def test_upload_folder_of_someone_else_is_kept(model: Path, text: Path, tmp_path: Path) -> None:
     (tmp_path / "out" / "upload").mkdir(parents=True)
     (tmp_path / "out" / "upload" / "mine.txt").write_text("keep me")
-    assert "was not written by moeprep prepare" in moeprep("prepare", RECIPE, model, tmp_path / "out", "--dataset",
-                                                           text, *FAST, code=2)
+    assert "was not written by moeprep prepare" in moeprep(
+        "prepare", RECIPE, model, tmp_path / "out", "--dataset", text, *FAST, code=2
+    )
     assert (tmp_path / "out" / "upload" / "mine.txt").read_text() == "keep me"
 
 
@@ -162,8 +171,9 @@ def test_short_text_is_reported_on_stderr_and_in_the_card(model: Path, text: Pat
     short = tmp_path / "short.txt"
     short.write_text(text.read_text()[:2000])
     args = ["--ctx", "32", "--chunks", "200", "--threads", "1", "--base-model", "Qwen/Qwen3-30B-A3B"]
-    result = CliRunner().invoke(main, ["prepare", str(RECIPE), str(model), str(tmp_path / "out"), "--dataset",
-                                       str(short), *args])
+    result = CliRunner().invoke(
+        main, ["prepare", str(RECIPE), str(model), str(tmp_path / "out"), "--dataset", str(short), *args]
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     upload = tmp_path / "out" / "upload"
     source = read_profile(upload / "tiny-moe-attn-Q4_K.moeprof").sources[0]

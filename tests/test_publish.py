@@ -24,7 +24,7 @@ from moeprep.gguf.writer import KVValue, write_gguf
 from moeprep.profile.export import EXPERT_USAGE_KEY, bake_profile
 from moeprep.profile.format import write_profile
 from moeprep.profile.identity import identify_model
-from moeprep.publish import (CARD_FILE, SUMS_FILE, PublishRequest, check_folder, file_sha256, publish_folder)
+from moeprep.publish import CARD_FILE, SUMS_FILE, PublishRequest, check_folder, file_sha256, publish_folder
 from moeprep.quant.imatrix import write_imatrix_gguf
 from moeprep.quant.plan import parse_type, plan_requant
 from moeprep.quant.quantize import quantize_model
@@ -52,24 +52,52 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("inputs")
     small = open_gguf(write_synth_model(d / "small.gguf", "qwen3moe", preset="small", skew=0.5))
     quantize_model(small, d / "q.gguf", plan_requant(small, parse_type("Q4_K")), progress=False)
-    write_gguf(d / "meta.gguf", open_gguf(d / "q.gguf"), kv_set={
-        Keys.General.LICENSE: KVValue("apache-2.0", GGUFValueType.STRING),
-        Keys.General.LANGUAGES: KVValue(["en", "zh"], GGUFValueType.ARRAY, GGUFValueType.STRING),
-        Keys.General.SOURCE_REPO_URL: KVValue("https://huggingface.co/Org/Source-Model", GGUFValueType.STRING)})
+    write_gguf(
+        d / "meta.gguf",
+        open_gguf(d / "q.gguf"),
+        kv_set={
+            Keys.General.LICENSE: KVValue("apache-2.0", GGUFValueType.STRING),
+            Keys.General.LANGUAGES: KVValue(["en", "zh"], GGUFValueType.ARRAY, GGUFValueType.STRING),
+            Keys.General.SOURCE_REPO_URL: KVValue("https://huggingface.co/Org/Source-Model", GGUFValueType.STRING),
+        },
+    )
     profile = make_profile(identity=identify_model(open_gguf(d / "meta.gguf")))
     write_profile(d / "p.moeprof", profile)
     bake_profile(profile, "p.moeprof", str(d / "meta.gguf"), d / "model.gguf")
-    write_imatrix_gguf(d / "imatrix.gguf", {"blk.0.attn_q.weight": (np.ones(256, np.float32), np.array([4]))},
-                       ["calibration.txt"], 4, 64)
+    write_imatrix_gguf(
+        d / "imatrix.gguf",
+        {"blk.0.attn_q.weight": (np.ones(256, np.float32), np.array([4]))},
+        ["calibration.txt"],
+        4,
+        64,
+    )
     return {"model": d / "model.gguf", "profile": d / "p.moeprof", "imatrix": d / "imatrix.gguf"}
 
 
 @pytest.fixture(scope="module")
 def folder(inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("pub") / "upload"
-    stdout = moeprep("publish", inputs["model"], out, "--base-model", "Org/Base-Model", "--profile", inputs["profile"],
-            "--imatrix", inputs["imatrix"], "--recipe", RECIPE, "--quantized-by", "tester", "--repo-id",
-            "tester/Model-GGUF", "--tag", "synthetic", "--split-max-size", str(LIMIT))
+    stdout = moeprep(
+        "publish",
+        inputs["model"],
+        out,
+        "--base-model",
+        "Org/Base-Model",
+        "--profile",
+        inputs["profile"],
+        "--imatrix",
+        inputs["imatrix"],
+        "--recipe",
+        RECIPE,
+        "--quantized-by",
+        "tester",
+        "--repo-id",
+        "tester/Model-GGUF",
+        "--tag",
+        "synthetic",
+        "--split-max-size",
+        str(LIMIT),
+    )
     assert "model re-split to fit the size limit" in stdout and f"hf upload tester/Model-GGUF {out}" in stdout
     return out
 
@@ -236,8 +264,9 @@ def test_hardlink_on_request(folder: Path, tmp_path: Path) -> None:
     assert "model-00003-of-00003.gguf: sha256 does not match" in moeprep("publish", "--check", out, code=1)
 
 
-def test_interrupted_publish_leaves_nothing_that_passes(inputs: dict[str, Path], tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_publish_leaves_nothing_that_passes(
+    inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def interrupt(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise KeyboardInterrupt
 
@@ -259,8 +288,10 @@ def test_bad_input_is_one_line(inputs: dict[str, Path], tmp_path: Path) -> None:
         (["publish", model, tmp_path / "a", "--base-model", "a b"], "not a Hugging Face repo id"),
         (["publish", inputs["imatrix"], tmp_path / "a", "--base-model", "O/M"], "not a Mixture-of-Experts model"),
         (["publish", model, tmp_path / "a", "--base-model", "O/M", "--split-max-size", "60G"], "50 GB file limit"),
-        (["publish", model, tmp_path / "a", "--base-model", "O/M", "--profile", tmp_path / "none.moeprof"],
-         "no such profile file"),
+        (
+            ["publish", model, tmp_path / "a", "--base-model", "O/M", "--profile", tmp_path / "none.moeprof"],
+            "no such profile file",
+        ),
         (["publish", tmp_path / "none.gguf", tmp_path / "a", "--base-model", "O/M"], "no such file"),
         (["publish", "--check", tmp_path / "nowhere"], "no such folder"),
         (["publish", "--check", tmp_path / "full", model], "--check takes only the folder"),
@@ -273,8 +304,16 @@ def test_bad_input_is_one_line(inputs: dict[str, Path], tmp_path: Path) -> None:
 
 def test_profile_of_another_model_is_refused(inputs: dict[str, Path], tmp_path: Path) -> None:
     write_profile(tmp_path / "other.moeprof", make_profile())
-    out = moeprep("publish", inputs["model"], tmp_path / "a", "--base-model", "O/M", "--profile",
-                  tmp_path / "other.moeprof", code=2)
+    out = moeprep(
+        "publish",
+        inputs["model"],
+        tmp_path / "a",
+        "--base-model",
+        "O/M",
+        "--profile",
+        tmp_path / "other.moeprof",
+        code=2,
+    )
     assert "made for another model" in out
 
 
@@ -284,10 +323,16 @@ def test_base_model_is_required_without_a_source_url(tmp_path: Path) -> None:
         publish_folder(PublishRequest(model, tmp_path / "out"))
 
 
-@pytest.mark.parametrize("given, shown", [
-    ("wikitext", "wikitext"), ("Salesforce/wikitext", "Salesforce/wikitext"),
-    ("/home/me/data/calib.txt", "calib.txt"), ("data/calib.jsonl", "calib.jsonl"), ("./corpus", "corpus"),
-])
+@pytest.mark.parametrize(
+    "given, shown",
+    [
+        ("wikitext", "wikitext"),
+        ("Salesforce/wikitext", "Salesforce/wikitext"),
+        ("/home/me/data/calib.txt", "calib.txt"),
+        ("data/calib.jsonl", "calib.jsonl"),
+        ("./corpus", "corpus"),
+    ],
+)
 def test_card_shows_local_datasets_by_name_only(given: str, shown: str) -> None:
     from moeprep.publish import public_dataset_name
 

@@ -24,8 +24,10 @@ from moeprep.synth.weights import RANDOM_BLOCKS, random_blocks
 from tests.conftest import REAL_VOCAB
 from tests.oracle import llama_eval
 
-MIXED_TEXT = ("Hello, world! It's 2024: don't  panic.\n\ndef f(x):\n    return x ** 2  # 12345\n"
-              "\tcafé ünïcode 日本語 😀 — “quotes”\r\n   trailing   ")
+MIXED_TEXT = (
+    "Hello, world! It's 2024: don't  panic.\n\ndef f(x):\n    return x ** 2  # 12345\n"
+    "\tcafé ünïcode 日本語 😀 — “quotes”\r\n   trailing   "
+)
 PROMPT = "The heap invariant: a[k] <= a[2*k+1] and a[k] <= a[2*k+2] for all k, counting elements from zero."
 
 
@@ -159,8 +161,9 @@ def expert_share_of_top_quarter(path: Path, tokens: list[int]) -> float:
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])  # skew via the router column / via exp_probs_b
 def test_skew_concentrates_llama_cpp_routing(arch: str, tmp_path: Path) -> None:
     calibration = (TOKENIZER_PATH.parent / "calibration.txt").read_text(encoding="utf-8")
-    tokens = llama_cpp.Llama(model_path=str(write_synth_model(tmp_path / "v.gguf", arch)), vocab_only=True,
-                             verbose=False).tokenize(calibration[:4000].encode(), add_bos=False)[:256]
+    tokens = llama_cpp.Llama(
+        model_path=str(write_synth_model(tmp_path / "v.gguf", arch)), vocab_only=True, verbose=False
+    ).tokenize(calibration[:4000].encode(), add_bos=False)[:256]
     flat = expert_share_of_top_quarter(write_synth_model(tmp_path / "s0.gguf", arch, skew=0.0), tokens)
     skewed = expert_share_of_top_quarter(write_synth_model(tmp_path / "s1.gguf", arch, skew=1.0), tokens)
     assert flat < 0.5 and skewed > 0.65, (flat, skewed)
@@ -184,7 +187,7 @@ def test_random_blocks_decode_to_the_intended_scale(qtype: gguf.GGMLQuantization
     values = gguf.quants.dequantize(blocks, qtype)
     assert values.shape == (16, 1024) and np.isfinite(values).all()
     # MXFP4's scale is a power of two, so its std lands within a factor sqrt(2) of the target
-    tolerance = 2 ** 0.5 if qtype == gguf.GGMLQuantizationType.MXFP4 else 1.1
+    tolerance = 2**0.5 if qtype == gguf.GGMLQuantizationType.MXFP4 else 1.1
     assert 1 / tolerance < values.std() / 0.03 < tolerance
     assert abs(values.mean()) < 0.005
 
@@ -192,8 +195,9 @@ def test_random_blocks_decode_to_the_intended_scale(qtype: gguf.GGMLQuantization
 def test_fast_random_blocks_midsize_writes_quickly_and_loads(tmp_path: Path) -> None:
     """The qwen3-30b-a3b geometry cut to 2 layers and 32 experts: Q4_K blocks written directly as bytes."""
     start = time.perf_counter()
-    path = write_synth_model(tmp_path / "mid.gguf", "qwen3moe", preset="qwen3-30b-a3b", n_layer=2, n_expert=32,
-                             fast_random_blocks=True)
+    path = write_synth_model(
+        tmp_path / "mid.gguf", "qwen3moe", preset="qwen3-30b-a3b", n_layer=2, n_expert=32, fast_random_blocks=True
+    )
     seconds = time.perf_counter() - start
     assert path.stat().st_size > 150e6
     assert seconds < 20, seconds
@@ -231,15 +235,18 @@ def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(arch="mamba"), "unknown synthetic architecture"),
-    (dict(preset="huge"), "unknown preset"),
-    (dict(expert_type="Q3_K"), "not supported"),
-    (dict(n_expert_used=32), "n_expert_used"),
-    (dict(flux_capacitor=1), "unknown synth option"),
-    (dict(arch="olmoe", n_head_kv=2), "n_head_kv must equal n_head"),
-    (dict(n_vocab=1000), "n_vocab must be at least"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(arch="mamba"), "unknown synthetic architecture"),
+        (dict(preset="huge"), "unknown preset"),
+        (dict(expert_type="Q3_K"), "not supported"),
+        (dict(n_expert_used=32), "n_expert_used"),
+        (dict(flux_capacitor=1), "unknown synth option"),
+        (dict(arch="olmoe", n_head_kv=2), "n_head_kv must equal n_head"),
+        (dict(n_vocab=1000), "n_vocab must be at least"),
+    ],
+)
 def test_bad_options_are_user_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(MoeprepError, match=message):
         synth_config(**kwargs)

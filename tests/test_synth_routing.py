@@ -16,8 +16,18 @@ from moeprep.synth.tokenizer import TOKENIZER_PATH
 
 HELDOUT = Path(__file__).resolve().parents[1] / "bench" / "data" / "heldout.txt"
 # bench-60g's construction, scaled down: same preset (types, experts, top-k, routing), few layers, small dims
-SCALED = dict(preset="bench-60g", n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff_exp=64,
-              n_vocab=2048, n_ctx=1024, fast_random_blocks=True)
+SCALED = dict(
+    preset="bench-60g",
+    n_layer=4,
+    n_embd=256,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=64,
+    n_ff_exp=64,
+    n_vocab=2048,
+    n_ctx=1024,
+    fast_random_blocks=True,
+)
 
 
 def test_bench_60g_shape() -> None:
@@ -25,8 +35,9 @@ def test_bench_60g_shape() -> None:
     assert (c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim) == (46, 4096, 32, 4, 128)
     assert (c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_vocab, c.n_dense_lead) == (128, 8, 1408, 32000, 0)
     tensors, types = planned_tensors(c)
-    kinds = {t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]: q
-             for t, q in zip(tensors, types)}
+    kinds = {
+        t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]: q for t, q in zip(tensors, types)
+    }
     assert kinds["ffn_gate_exps"] == kinds["ffn_up_exps"] == Q.Q4_K and kinds["ffn_down_exps"] == Q.Q4_0
     assert kinds["attn_q"] == kinds["attn_output"] == Q.Q8_0 and kinds["output"] == Q.Q8_0
     assert kinds["token_embd"] == Q.F16

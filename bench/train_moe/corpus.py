@@ -36,7 +36,7 @@ LICENSES = Path("/usr/share/common-licenses")
 @dataclass(frozen=True)
 class Document:
     source: str  # "stdlib" or "licenses"
-    path: str    # relative to the source's root
+    path: str  # relative to the source's root
     text: str
 
     @property
@@ -47,8 +47,10 @@ class Document:
 def collect_documents(stdlib: Path | None = None, licenses: Path = LICENSES) -> list[Document]:
     """Every stdlib .py file (no site-packages) and every licence text, sorted by path; undecodable files skipped."""
     stdlib = stdlib or Path(sysconfig.get_paths()["stdlib"])
-    roots = [("stdlib", stdlib, sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)),
-             ("licenses", licenses, sorted(p for p in licenses.iterdir() if p.is_file()) if licenses.is_dir() else [])]
+    roots = [
+        ("stdlib", stdlib, sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)),
+        ("licenses", licenses, sorted(p for p in licenses.iterdir() if p.is_file()) if licenses.is_dir() else []),
+    ]
     docs = []
     for source, root, paths in roots:
         for p in paths:
@@ -91,8 +93,10 @@ def main() -> None:
         ids = encode_documents(tokenizer, part)
         np.save(WORK / f"{name}.npy", ids)
         n_bytes = sum(len(d.text.encode()) for d in part)
-        print(f"{name}: {len(part)} documents, {n_bytes / 1e6:.2f} MB, {len(ids) / 1e6:.2f} M tokens "
-              f"({n_bytes / len(ids):.2f} bytes/token)")
+        print(
+            f"{name}: {len(part)} documents, {n_bytes / 1e6:.2f} MB, {len(ids) / 1e6:.2f} M tokens "
+            f"({n_bytes / len(ids):.2f} bytes/token)"
+        )
     (DATA / "heldout.txt").write_text("\n\n".join(d.text for d in heldout), encoding="utf-8")
     write_manifest(docs, DATA / "corpus-manifest.tsv")
 

@@ -89,14 +89,27 @@ def main() -> None:
         t1 = time.perf_counter()
         ppl_moerun = moerun_perplexity(path, text, a.ctx_size, a.chunks)
         t2 = time.perf_counter()
-        print(f"| {path.name} | {path.stat().st_size / 1e6:.2f} | {ppl_llama:.4f} | {ppl_moerun:.4f} | {count} |",
-              flush=True)
+        print(
+            f"| {path.name} | {path.stat().st_size / 1e6:.2f} | {ppl_llama:.4f} | {ppl_moerun:.4f} | {count} |",
+            flush=True,
+        )
         if a.json:
             with open(a.json, "a") as f:
-                f.write(json.dumps({"model": path.name, "bytes": path.stat().st_size, "llama_cpp_ppl": ppl_llama,
-                                    "moerun_ppl": ppl_moerun, "scored_tokens": count, "ctx": a.ctx_size,
-                                    "llama_cpp_seconds": round(t1 - t0, 1), "moerun_seconds": round(t2 - t1, 1)})
-                        + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "model": path.name,
+                            "bytes": path.stat().st_size,
+                            "llama_cpp_ppl": ppl_llama,
+                            "moerun_ppl": ppl_moerun,
+                            "scored_tokens": count,
+                            "ctx": a.ctx_size,
+                            "llama_cpp_seconds": round(t1 - t0, 1),
+                            "moerun_seconds": round(t2 - t1, 1),
+                        }
+                    )
+                    + "\n"
+                )
 
 
 if __name__ == "__main__":

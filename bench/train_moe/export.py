@@ -26,9 +26,9 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys, LlamaFil
 
 from bench.train_moe.model import ModelArgs
 from bench.train_moe.train import load_shards
+from moeprep.atomic import atomic_outputs
 from moeprep.gguf.reader import GGUFModel, TensorInfo, open_gguf
 from moeprep.gguf.roles import TensorRole, role_table, tensor_role
-from moeprep.atomic import atomic_outputs
 from moeprep.gguf.writer import KVValue, OutputTensor, copied_tensor, write_gguf
 from moeprep.quant.registry import choose_type, quantize_rows
 from moeprep.synth.archs import ARCHS
@@ -76,14 +76,26 @@ def gguf_name(param: str) -> str:
 
 def bench_synth_config(args: ModelArgs):
     """The synthetic generator's config with the bench model's sizes (for tensor names and metadata keys)."""
-    return synth_config(ARCH, preset="tiny", n_layer=args.n_layers, n_embd=args.dim, n_head=args.n_heads,
-                        n_head_kv=args.n_kv_heads, head_dim=args.head_dim, n_expert=args.n_experts,
-                        n_expert_used=args.n_experts_used, n_ff_exp=args.expert_dim, n_ctx=args.context,
-                        rope_freq_base=args.rope_theta, rms_eps=args.norm_eps)
+    return synth_config(
+        ARCH,
+        preset="tiny",
+        n_layer=args.n_layers,
+        n_embd=args.dim,
+        n_head=args.n_heads,
+        n_head_kv=args.n_kv_heads,
+        head_dim=args.head_dim,
+        n_expert=args.n_experts,
+        n_expert_used=args.n_experts_used,
+        n_ff_exp=args.expert_dim,
+        n_ctx=args.context,
+        rope_freq_base=args.rope_theta,
+        rms_eps=args.norm_eps,
+    )
 
 
-def write_f16(state: dict[str, torch.Tensor], args: ModelArgs, tokenizer: Path, out: Path,
-              provenance: dict[str, KVValue]) -> Path:
+def write_f16(
+    state: dict[str, torch.Tensor], args: ModelArgs, tokenizer: Path, out: Path, provenance: dict[str, KVValue]
+) -> Path:
     """The F16 master: matrices F16, vectors and routers F32, in the synthetic generator's tensor order."""
     tensors = {gguf_name(k): v for k, v in state.items()}
     c = bench_synth_config(args)
@@ -93,9 +105,15 @@ def write_f16(state: dict[str, torch.Tensor], args: ModelArgs, tokenizer: Path, 
     specs = [s for s in model_tensors(ARCHS[ARCH], c, vocab.size) if s.name != "output.weight"]
     assert {s.name for s in specs} == set(tensors), {s.name for s in specs} ^ set(tensors)
     writer = GGUFWriter(path=None, arch=ARCH)
-    metadata = ({Keys.General.NAME: KVValue("moeprep bench qwen3moe 22M", GGUFValueType.STRING),
-                 Keys.General.FILE_TYPE: KVValue(int(LlamaFileType.MOSTLY_F16), GGUFValueType.UINT32)}
-                | model_metadata(ARCHS[ARCH], c) | vocab_metadata(vocab) | provenance)
+    metadata = (
+        {
+            Keys.General.NAME: KVValue("moeprep bench qwen3moe 22M", GGUFValueType.STRING),
+            Keys.General.FILE_TYPE: KVValue(int(LlamaFileType.MOSTLY_F16), GGUFValueType.UINT32),
+        }
+        | model_metadata(ARCHS[ARCH], c)
+        | vocab_metadata(vocab)
+        | provenance
+    )
     for key, kv in metadata.items():
         writer.add_key_value(key, kv.value, kv.vtype, kv.sub_type)
     for spec in specs:
@@ -131,8 +149,10 @@ def write_variant(master: Path, out: Path) -> Path:
     for t in model.tensors:
         target = VARIANT_TYPES.get(tensor_role(t.name, roles))
         tensors.append(quantized_tensor(model, t, target) if target else copied_tensor(model, t))
-    kv = {Keys.General.FILE_TYPE: KVValue(int(LlamaFileType.MOSTLY_Q4_K_M), GGUFValueType.UINT32),
-          Keys.General.QUANTIZATION_VERSION: KVValue(2, GGUFValueType.UINT32)}
+    kv = {
+        Keys.General.FILE_TYPE: KVValue(int(LlamaFileType.MOSTLY_Q4_K_M), GGUFValueType.UINT32),
+        Keys.General.QUANTIZATION_VERSION: KVValue(2, GGUFValueType.UINT32),
+    }
     write_gguf(out, model, tensors=tensors, kv_set=kv)
     return out
 
@@ -150,9 +170,11 @@ def main() -> None:
     heldout = [r["heldout_loss"] for r in log if "heldout_loss" in r]
     done = next(r for r in log if r.get("event") == "done")
     S, U32, F32 = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    provenance = {BENCH_KEY_PREFIX + "train_steps": KVValue(done["steps"], U32),
-                  BENCH_KEY_PREFIX + "train_config": KVValue(json.dumps(config["train"], sort_keys=True), S),
-                  BENCH_KEY_PREFIX + "heldout_loss": KVValue(float(heldout[-1]), F32)}
+    provenance = {
+        BENCH_KEY_PREFIX + "train_steps": KVValue(done["steps"], U32),
+        BENCH_KEY_PREFIX + "train_config": KVValue(json.dumps(config["train"], sort_keys=True), S),
+        BENCH_KEY_PREFIX + "heldout_loss": KVValue(float(heldout[-1]), F32),
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     master = write_f16(load_shards(a.weights), args, a.tokenizer, a.out / F16_NAME, provenance)
     variant = write_variant(master, a.out / QUANT_NAME)

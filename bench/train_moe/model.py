@@ -45,8 +45,18 @@ class ModelArgs:
 
 CONFIGS = {
     "bench": ModelArgs(),
-    "tiny": ModelArgs(vocab_size=8192, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, n_experts=8,
-                      n_experts_used=2, expert_dim=32, context=64),
+    "tiny": ModelArgs(
+        vocab_size=8192,
+        dim=64,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=32,
+        n_experts=8,
+        n_experts_used=2,
+        expert_dim=32,
+        context=64,
+    ),
 }
 
 
@@ -85,13 +95,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.args
         B, S, _ = x.shape
-        q = (x @ self.wq.T).view(B, S, a.n_heads, a.head_dim)     # [B, S, H, Hd]
+        q = (x @ self.wq.T).view(B, S, a.n_heads, a.head_dim)  # [B, S, H, Hd]
         k = (x @ self.wk.T).view(B, S, a.n_kv_heads, a.head_dim)  # [B, S, G, Hd]
         v = (x @ self.wv.T).view(B, S, a.n_kv_heads, a.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm, a.norm_eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm, a.norm_eps), cos, sin)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           scale=1.0 / math.sqrt(a.head_dim), enable_gqa=True)  # [B, H, S, Hd]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=1.0 / math.sqrt(a.head_dim),
+            enable_gqa=True,
+        )  # [B, H, S, Hd]
         return o.transpose(1, 2).reshape(B, S, a.n_heads * a.head_dim) @ self.wo.T
 
 
@@ -116,16 +132,16 @@ class MoE(nn.Module):
         E, I, D = args.n_experts, args.expert_dim, args.dim
         self.router = nn.Parameter(torch.empty(E, D))  # ffn_gate_inp
         self.gate = nn.Parameter(torch.empty(E, I, D))  # ffn_gate_exps
-        self.up = nn.Parameter(torch.empty(E, I, D))    # ffn_up_exps
+        self.up = nn.Parameter(torch.empty(E, I, D))  # ffn_up_exps
         self.down = nn.Parameter(torch.empty(E, D, I))  # ffn_down_exps
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """x [T, D] -> dense weights [T, E] (zero outside the top-K, renormalised), routing."""
         with torch.autocast(x.device.type, enabled=False):  # the router runs in float32, as in llama.cpp
             probs = torch.softmax(x.float() @ self.router.float().T, dim=-1)  # [T, E]
-        top_p, ids = probs.topk(self.args.n_experts_used, dim=-1)         # [T, K]
+        top_p, ids = probs.topk(self.args.n_experts_used, dim=-1)  # [T, K]
         top_p = top_p / top_p.sum(-1, keepdim=True)
-        dense = torch.zeros_like(probs).scatter(1, ids, top_p)           # [T, E]
+        dense = torch.zeros_like(probs).scatter(1, ids, top_p)  # [T, E]
         return dense, Routing(ids, probs)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
@@ -133,9 +149,9 @@ class MoE(nn.Module):
         E, I = self.args.n_experts, self.args.expert_dim
         xt = x.reshape(B * S, D)
         w, routing = self.route(xt)
-        g = xt @ self.gate.reshape(E * I, D).T                            # [T, E*I]
-        u = xt @ self.up.reshape(E * I, D).T                              # [T, E*I]
-        h = (F.silu(g) * u).view(-1, E, I) * w.to(x.dtype)[:, :, None]     # [T, E, I]
+        g = xt @ self.gate.reshape(E * I, D).T  # [T, E*I]
+        u = xt @ self.up.reshape(E * I, D).T  # [T, E*I]
+        h = (F.silu(g) * u).view(-1, E, I) * w.to(x.dtype)[:, :, None]  # [T, E, I]
         y = h.reshape(-1, E * I) @ self.down.permute(0, 2, 1).reshape(E * I, D)  # [T, D]
         return y.view(B, S, D), routing
 

@@ -1,6 +1,6 @@
 """Training loss curve of the bench model: train and held-out cross-entropy against step, from train-log.jsonl.
 
-    python -m bench.train_moe.plot LOG.jsonl [--compare OTHER.jsonl --compare-label TEXT] [-o bench/train_moe/loss.png]
+python -m bench.train_moe.plot LOG.jsonl [--compare OTHER.jsonl --compare-label TEXT] [-o bench/train_moe/loss.png]
 """
 
 from __future__ import annotations

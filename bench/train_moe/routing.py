@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +58,11 @@ def repeats(ids: np.ndarray, window_starts: np.ndarray) -> dict[str, float]:
     first = np.zeros(len(ids), dtype=bool)
     first[window_starts] = True
     keep = ~first[1:]
-    return {"repeat_rate": float(same[keep].mean()), "top1_repeat": float((ids[1:, 0] == ids[:-1, 0])[keep].mean()),
-            "any_overlap": float(same.any(-1)[keep].mean())}
+    return {
+        "repeat_rate": float(same[keep].mean()),
+        "top1_repeat": float((ids[1:, 0] == ids[:-1, 0])[keep].mean()),
+        "any_overlap": float(same.any(-1)[keep].mean()),
+    }
 
 
 def reuse_distances(ids: np.ndarray, window_starts: np.ndarray, n_experts: int) -> np.ndarray:
@@ -82,24 +85,44 @@ def routing_stats(experts: np.ndarray, window_starts: np.ndarray, n_experts: int
         ids = experts[:, layer, :].astype(np.int64)
         d = reuse_distances(ids, window_starts, n_experts)
         counts = np.bincount(ids.ravel(), minlength=n_experts) / ids.size * n_experts
-        stats.append({"layer": layer, "top10_share": top_share(ids, n_experts), **repeats(ids, window_starts),
-                      "reuse_median": float(np.median(d)), "reuse_p90": float(np.percentile(d, 90)),
-                      "load_min": float(counts.min()), "load_max": float(counts.max())})
+        stats.append(
+            {
+                "layer": layer,
+                "top10_share": top_share(ids, n_experts),
+                **repeats(ids, window_starts),
+                "reuse_median": float(np.median(d)),
+                "reuse_p90": float(np.percentile(d, 90)),
+                "load_min": float(counts.min()),
+                "load_max": float(counts.max()),
+            }
+        )
     return stats
 
 
-COLUMNS = [("top10_share", "top 10% share", "{:.1%}"), ("repeat_rate", "next-token repeat", "{:.1%}"),
-           ("top1_repeat", "same first choice", "{:.1%}"), ("any_overlap", "any expert shared", "{:.1%}"),
-           ("reuse_median", "median reuse distance", "{:.1f}"), ("reuse_p90", "p90 reuse distance", "{:.0f}"),
-           ("load_min", "least used (x mean)", "{:.2f}"), ("load_max", "most used (x mean)", "{:.2f}")]
+COLUMNS = [
+    ("top10_share", "top 10% share", "{:.1%}"),
+    ("repeat_rate", "next-token repeat", "{:.1%}"),
+    ("top1_repeat", "same first choice", "{:.1%}"),
+    ("any_overlap", "any expert shared", "{:.1%}"),
+    ("reuse_median", "median reuse distance", "{:.1f}"),
+    ("reuse_p90", "p90 reuse distance", "{:.0f}"),
+    ("load_min", "least used (x mean)", "{:.2f}"),
+    ("load_max", "most used (x mean)", "{:.2f}"),
+]
 
 
 def uniform_baseline(n_experts: int, k: int) -> dict[str, float]:
     """The statistics of routing that picks K of E experts uniformly at random for every token."""
-    return {"top10_share": max(1, round(n_experts / 10)) / n_experts, "repeat_rate": k / n_experts,
-            "top1_repeat": 1 / n_experts, "any_overlap": 1 - math.comb(n_experts - k, k) / math.comb(n_experts, k),
-            "reuse_median": math.ceil(math.log(0.5) / math.log(1 - k / n_experts)),  # geometric, p = K/E
-            "reuse_p90": math.ceil(math.log(0.1) / math.log(1 - k / n_experts)), "load_min": 1.0, "load_max": 1.0}
+    return {
+        "top10_share": max(1, round(n_experts / 10)) / n_experts,
+        "repeat_rate": k / n_experts,
+        "top1_repeat": 1 / n_experts,
+        "any_overlap": 1 - math.comb(n_experts - k, k) / math.comb(n_experts, k),
+        "reuse_median": math.ceil(math.log(0.5) / math.log(1 - k / n_experts)),  # geometric, p = K/E
+        "reuse_p90": math.ceil(math.log(0.1) / math.log(1 - k / n_experts)),
+        "load_min": 1.0,
+        "load_max": 1.0,
+    }
 
 
 def format_stats(stats: list[dict], n_experts: int, k: int) -> str:
@@ -130,12 +153,20 @@ def main() -> None:
     else:
         text = a.file.read_text(encoding="utf-8")
         tokens, experts, starts = collect_trace(model, text, a.ctx_size)
-        np.savez_compressed(a.trace, tokens=tokens, experts=experts, window_starts=starts, model=np.array(a.model.name),
-                            text_sha256=np.array(hashlib.sha256(text.encode()).hexdigest()))
+        np.savez_compressed(
+            a.trace,
+            tokens=tokens,
+            experts=experts,
+            window_starts=starts,
+            model=np.array(a.model.name),
+            text_sha256=np.array(hashlib.sha256(text.encode()).hexdigest()),
+        )
     stats = routing_stats(experts, starts, n_experts)
     a.stats.write_text(json.dumps({"model": a.model.name, "tokens": len(tokens), "layers": stats}, indent=1))
-    print(f"{len(tokens)} tokens, {experts.shape[1]} layers, {n_experts} experts, top-{k}; trace {a.trace} "
-          f"({a.trace.stat().st_size / 1e6:.2f} MB)")
+    print(
+        f"{len(tokens)} tokens, {experts.shape[1]} layers, {n_experts} experts, top-{k}; trace {a.trace} "
+        f"({a.trace.stat().st_size / 1e6:.2f} MB)"
+    )
     print(format_stats(stats, n_experts, k))
 
 

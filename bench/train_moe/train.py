@@ -67,8 +67,9 @@ def top_share(routings: list[Routing], n_experts: int) -> list[float]:
 def heldout_windows(ids: np.ndarray, context: int) -> torch.Tensor:
     """Non-overlapping windows of context+1 tokens. -> [N, context+1]"""
     n = (len(ids) - 1) // context
-    return torch.stack([torch.from_numpy(ids[i * context : i * context + context + 1].astype(np.int64))
-                        for i in range(n)])
+    return torch.stack(
+        [torch.from_numpy(ids[i * context : i * context + context + 1].astype(np.int64)) for i in range(n)]
+    )
 
 
 @torch.no_grad()
@@ -136,10 +137,18 @@ def train(args: ModelArgs, t: TrainArgs, data: Path, out: Path, device: torch.de
     model.init_weights(t.seed)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    emit({"event": "start", "params": n_params, "train_tokens": len(train_ids), "heldout_windows": len(windows),
-          "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=device.type == "cuda")
+    emit(
+        {
+            "event": "start",
+            "params": n_params,
+            "train_tokens": len(train_ids),
+            "heldout_windows": len(windows),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        }
+    )
+    opt = torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
+    )
     step_fn = torch.compile(model) if compile_model else model
     batches = torch.Generator(device=device).manual_seed(t.seed)
     offsets_max = len(train_ids) - args.context - 1
@@ -168,19 +177,40 @@ def train(args: ModelArgs, t: TrainArgs, data: Path, out: Path, device: torch.de
         if t.max_minutes and elapsed > t.max_minutes * 60 and not last:
             stopped_early = last = True
         if step % t.log_every == 0 or last:
-            emit({"step": step, "loss": float(ce.detach()), "aux": float(aux.detach()), "lr": lr_at(step, t),
-                  "grad_norm": float(grad_norm), "seconds": round(elapsed, 1),
-                  "tokens_per_s": round((step + 1) * t.batch_size * args.context / max(elapsed, 1e-9)),
-                  "top10_share": [round(s, 3) for s in top_share(routings, args.n_experts)]})
+            emit(
+                {
+                    "step": step,
+                    "loss": float(ce.detach()),
+                    "aux": float(aux.detach()),
+                    "lr": lr_at(step, t),
+                    "grad_norm": float(grad_norm),
+                    "seconds": round(elapsed, 1),
+                    "tokens_per_s": round((step + 1) * t.batch_size * args.context / max(elapsed, 1e-9)),
+                    "top10_share": [round(s, 3) for s in top_share(routings, args.n_experts)],
+                }
+            )
         if (step + 1) % t.eval_every == 0 or last:
-            emit({"step": step, "heldout_loss": evaluate(model, windows[:MAX_EVAL_WINDOWS], t.batch_size, device),
-                  "seconds": round(train_seconds, 1)})
+            emit(
+                {
+                    "step": step,
+                    "heldout_loss": evaluate(model, windows[:MAX_EVAL_WINDOWS], t.batch_size, device),
+                    "seconds": round(train_seconds, 1),
+                }
+            )
             tick = time.perf_counter()
         if last:
             break
     paths = save_shards(model, out)
-    emit({"event": "done", "steps": step + 1, "stopped_early": stopped_early, "train_seconds": round(train_seconds, 1),
-          "wall_seconds": round(time.perf_counter() - start, 1), "shards": [p.name for p in paths]})
+    emit(
+        {
+            "event": "done",
+            "steps": step + 1,
+            "stopped_early": stopped_early,
+            "train_seconds": round(train_seconds, 1),
+            "wall_seconds": round(time.perf_counter() - start, 1),
+            "shards": [p.name for p in paths],
+        }
+    )
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moeprep.errors import MoeprepError
-from moeprep.units import format_size
 from moeprep.gguf.reader import GGUFModel, TensorInfo
 from moeprep.gguf.roles import TensorRole, attention_kinds, block_mixers, parse_tensor_name, role_table, tensor_role
+from moeprep.units import format_size
 
 # Per-GPU memory kept back for the CUDA context, KV cache and activations when counting cache slots.
 DEFAULT_RESERVE = 1536 << 20
@@ -118,9 +118,13 @@ def model_geometry(model: GGUFModel) -> ModelGeometry:
     nextn = nextn_blocks(model, n_layer)
     moe_layers = sorted(b for b in per_block if b is not None and b not in nextn)
     return ModelGeometry(
-        arch=model.arch, n_layer=n_layer, moe_layers=moe_layers,
+        arch=model.arch,
+        n_layer=n_layer,
+        moe_layers=moe_layers,
         dense_layers=[i for i in range(n_layer) if i not in per_block and i not in nextn],
-        n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        n_ff_exp=n_ff_exp,
         expert_bytes={b: per_block[b] // n_expert for b in moe_layers},
         attention=attention_kinds(model.arch, model.kv) or block_mixers([t.name for t in model.tensors], n_layer),
         nextn_layers=nextn,
@@ -148,10 +152,17 @@ def describe_model(model: GGUFModel) -> Anatomy:
     geo = model_geometry(model)
     nextn = set(geo.nextn_layers)
     return Anatomy(
-        name=model.name, arch=model.arch, arch_known=known, file_size=file_size, n_shards=len(model.shard_paths),
-        geometry=geo, roles=summaries, expert_share=expert_bytes / file_size,
-        nextn_non_expert=sum(t.n_bytes for t, role in roles
-                             if role != TensorRole.EXPERT and parse_tensor_name(t.name).block in nextn),
+        name=model.name,
+        arch=model.arch,
+        arch_known=known,
+        file_size=file_size,
+        n_shards=len(model.shard_paths),
+        geometry=geo,
+        roles=summaries,
+        expert_share=expert_bytes / file_size,
+        nextn_non_expert=sum(
+            t.n_bytes for t, role in roles if role != TensorRole.EXPERT and parse_tensor_name(t.name).block in nextn
+        ),
     )
 
 
@@ -166,16 +177,25 @@ def plan_vram(anatomy: Anatomy, vram: list[int], reserve: int = DEFAULT_RESERVE)
     geo = anatomy.geometry
     if not geo.is_moe:
         return None
-    non_expert = sum(s.n_bytes for role, s in anatomy.roles.items()
-                     if role != TensorRole.EXPERT.value) - anatomy.nextn_non_expert
+    non_expert = (
+        sum(s.n_bytes for role, s in anatomy.roles.items() if role != TensorRole.EXPERT.value)
+        - anatomy.nextn_non_expert
+    )
     slot_bytes = sum(geo.expert_bytes.values())
     total_vram = sum(vram)
     gpus = []
     for v in vram:
         share = non_expert * v // total_vram
         free = max(0, v - share - reserve)
-        gpus.append(GpuSlots(vram=v, non_expert=share, reserve=reserve, free=free,
-                             slots_per_layer=free // slot_bytes if slot_bytes else 0))
+        gpus.append(
+            GpuSlots(
+                vram=v,
+                non_expert=share,
+                reserve=reserve,
+                free=free,
+                slots_per_layer=free // slot_bytes if slot_bytes else 0,
+            )
+        )
     total = min(geo.n_expert, sum(g.slots_per_layer for g in gpus))
     return VramPlan(gpus=gpus, slot_bytes=slot_bytes, slots_per_layer=total, n_expert=geo.n_expert)
 
@@ -207,8 +227,16 @@ def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
         + (f": {', '.join(map(str, geo.dense_layers))}" if geo.dense_layers and geo.is_moe else "")
         + (f"; {len(geo.nextn_layers)} NextN: {', '.join(map(str, geo.nextn_layers))}" if geo.nextn_layers else "")
         + ")",
-        *(["attention     " + "; ".join(f"{kind} x{len(blocks)}: {', '.join(map(str, blocks))}"
-                                        for kind, blocks in geo.attention.items())] if geo.attention else []),
+        *(
+            [
+                "attention     "
+                + "; ".join(
+                    f"{kind} x{len(blocks)}: {', '.join(map(str, blocks))}" for kind, blocks in geo.attention.items()
+                )
+            ]
+            if geo.attention
+            else []
+        ),
         *_expert_lines(a),
         "",
         f"{'role':<14}{'tensors':>8}{'bytes':>14}  types",
@@ -218,12 +246,19 @@ def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
         if s is not None:
             lines.append(f"{role.value:<14}{s.n_tensors:>8}{format_size(s.n_bytes):>14}  {_types_text(s.types)}")
     if plan is not None:
-        lines += ["", f"expert cache: one slot (an expert in each of {len(geo.moe_layers)} MoE layers) = "
-                  f"{format_size(plan.slot_bytes)}",
-                  f"{'gpu':<5}{'vram':>12}{'non-expert':>13}{'reserve':>12}{'free':>12}{'slots/layer':>13}"]
+        lines += [
+            "",
+            f"expert cache: one slot (an expert in each of {len(geo.moe_layers)} MoE layers) = "
+            f"{format_size(plan.slot_bytes)}",
+            f"{'gpu':<5}{'vram':>12}{'non-expert':>13}{'reserve':>12}{'free':>12}{'slots/layer':>13}",
+        ]
         for i, g in enumerate(plan.gpus):
-            lines.append(f"{i:<5}{format_size(g.vram):>12}{format_size(g.non_expert):>13}{format_size(g.reserve):>12}"
-                         f"{format_size(g.free):>12}{g.slots_per_layer:>13}")
-        lines.append(f"total: {plan.slots_per_layer} of {plan.n_expert} experts per MoE layer cached "
-                     f"({plan.slots_per_layer / plan.n_expert:.0%})")
+            lines.append(
+                f"{i:<5}{format_size(g.vram):>12}{format_size(g.non_expert):>13}{format_size(g.reserve):>12}"
+                f"{format_size(g.free):>12}{g.slots_per_layer:>13}"
+            )
+        lines.append(
+            f"total: {plan.slots_per_layer} of {plan.n_expert} experts per MoE layer cached "
+            f"({plan.slots_per_layer / plan.n_expert:.0%})"
+        )
     return "\n".join(lines)

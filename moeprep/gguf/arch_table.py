@@ -47,100 +47,205 @@ R = TensorRole
 
 # ---- shared groups: base name -> role --------------------------------------------------------------------------
 DECODER = {
-    "token_embd": R.EMBEDDING, "output": R.OUTPUT, "output_norm": R.NORM, "rope_freqs": R.OTHER,
-    "attn_norm": R.NORM, "ffn_norm": R.NORM, "post_attention_norm": R.NORM, "post_ffw_norm": R.NORM,
-    "attn_q": R.ATTENTION, "attn_k": R.ATTENTION, "attn_v": R.ATTENTION, "attn_output": R.ATTENTION,
+    "token_embd": R.EMBEDDING,
+    "output": R.OUTPUT,
+    "output_norm": R.NORM,
+    "rope_freqs": R.OTHER,
+    "attn_norm": R.NORM,
+    "ffn_norm": R.NORM,
+    "post_attention_norm": R.NORM,
+    "post_ffw_norm": R.NORM,
+    "attn_q": R.ATTENTION,
+    "attn_k": R.ATTENTION,
+    "attn_v": R.ATTENTION,
+    "attn_output": R.ATTENTION,
     "attn_qkv": R.ATTENTION,
-    "ffn_gate": R.DENSE_FFN, "ffn_up": R.DENSE_FFN, "ffn_down": R.DENSE_FFN,
+    "ffn_gate": R.DENSE_FFN,
+    "ffn_up": R.DENSE_FFN,
+    "ffn_down": R.DENSE_FFN,
     "ffn_gate_inp": R.ROUTER,
-    "ffn_gate_exps": R.EXPERT, "ffn_up_exps": R.EXPERT, "ffn_down_exps": R.EXPERT, "ffn_gate_up_exps": R.EXPERT,
+    "ffn_gate_exps": R.EXPERT,
+    "ffn_up_exps": R.EXPERT,
+    "ffn_down_exps": R.EXPERT,
+    "ffn_gate_up_exps": R.EXPERT,
 }
 QK_NORM = {"attn_q_norm": R.NORM, "attn_k_norm": R.NORM}
 ATTN_GATE = {"attn_gate": R.ATTENTION}  # a sigmoid gate on the attention output (Qwen3-Next, MiniMax, Step)
 SINKS = {"attn_sinks": R.ATTENTION}  # learned per-head attention sinks (gpt-oss, MiMo-V2)
 ROPE_FACTORS = {"rope_factors_long": R.OTHER, "rope_factors_short": R.OTHER}  # LongRoPE tables
-SHARED_EXPERTS = {"ffn_gate_shexp": R.SHARED_EXPERT, "ffn_up_shexp": R.SHARED_EXPERT,
-                  "ffn_down_shexp": R.SHARED_EXPERT, "ffn_gate_inp_shexp": R.ROUTER}
+SHARED_EXPERTS = {
+    "ffn_gate_shexp": R.SHARED_EXPERT,
+    "ffn_up_shexp": R.SHARED_EXPERT,
+    "ffn_down_shexp": R.SHARED_EXPERT,
+    "ffn_gate_inp_shexp": R.ROUTER,
+}
 EXPERT_BIAS = {"exp_probs_b": R.ROUTER}  # sigmoid routing's selection bias (DeepSeek-V3, GLM-4.5)
 CHUNK_EXPERTS = {"ffn_gate_chexps": R.EXPERT, "ffn_up_chexps": R.EXPERT, "ffn_down_chexps": R.EXPERT}  # GroveMoE
 EXPERT_NORM = {"ffn_norm_exps": R.NORM}  # Arctic: the residual MoE branch's own norm
 LAYER_OUTPUT_NORMS = {"layer_output_norm": R.NORM, "attn_output_norm": R.NORM}  # post-sublayer norms (Grok, BERT)
 LATENT_MOE = {"ffn_latent_down": R.DENSE_FFN, "ffn_latent_up": R.DENSE_FFN}  # Nemotron 3: experts in a latent space
 MLA = {  # DeepSeek's multi-head latent attention
-    "attn_q_a": R.ATTENTION, "attn_q_b": R.ATTENTION, "attn_kv_a_mqa": R.ATTENTION, "attn_kv_b": R.ATTENTION,
-    "attn_k_b": R.ATTENTION, "attn_v_b": R.ATTENTION, "attn_q_a_norm": R.NORM, "attn_kv_a_norm": R.NORM,
+    "attn_q_a": R.ATTENTION,
+    "attn_q_b": R.ATTENTION,
+    "attn_kv_a_mqa": R.ATTENTION,
+    "attn_kv_b": R.ATTENTION,
+    "attn_k_b": R.ATTENTION,
+    "attn_v_b": R.ATTENTION,
+    "attn_q_a_norm": R.NORM,
+    "attn_kv_a_norm": R.NORM,
 }
 NEXTN = {  # multi-token-prediction layers (GLM-4.5, DeepSeek-V3): no decoder runs them
-    "nextn.eh_proj": R.OTHER, "nextn.embed_tokens": R.OTHER, "nextn.enorm": R.OTHER, "nextn.hnorm": R.OTHER,
-    "nextn.shared_head_head": R.OTHER, "nextn.shared_head_norm": R.OTHER,
+    "nextn.eh_proj": R.OTHER,
+    "nextn.embed_tokens": R.OTHER,
+    "nextn.enorm": R.OTHER,
+    "nextn.hnorm": R.OTHER,
+    "nextn.shared_head_head": R.OTHER,
+    "nextn.shared_head_norm": R.OTHER,
 }
 INDEXER = {  # DeepSeek-V3.2 sparse-attention indexer
-    "indexer.k_norm": R.OTHER, "indexer.proj": R.OTHER, "indexer.attn_k": R.OTHER, "indexer.attn_q_b": R.OTHER,
+    "indexer.k_norm": R.OTHER,
+    "indexer.proj": R.OTHER,
+    "indexer.attn_k": R.OTHER,
+    "indexer.attn_q_b": R.OTHER,
 }
 PROJ_INDEXER = {  # MiniMax-M3 / Qwen4-exp indexer: q/k projections with their norms
-    "indexer.q_proj": R.OTHER, "indexer.k_proj": R.OTHER, "indexer.q_norm": R.OTHER, "indexer.k_norm": R.OTHER,
+    "indexer.q_proj": R.OTHER,
+    "indexer.k_proj": R.OTHER,
+    "indexer.q_norm": R.OTHER,
+    "indexer.k_norm": R.OTHER,
 }
 KPOOL_INDEXER = INDEXER | {  # GLM-5.3-Flash's DSA indexer also pools keys through a gate and a position bias
-    "indexer_compressor_gate": R.OTHER, "indexer_compressor_ape": R.OTHER,
+    "indexer_compressor_gate": R.OTHER,
+    "indexer_compressor_ape": R.OTHER,
 }
 LINEAR_ATTENTION = {  # Qwen3-Next / Qwen3.5-MoE gated delta-net layers (q/k/v in attn_qkv, output gate attn_gate)
-    "attn_gate": R.ATTENTION, "ssm_in": R.OTHER, "ssm_conv1d": R.OTHER, "ssm_dt": R.OTHER, "ssm_a": R.OTHER,
-    "ssm_ba": R.OTHER, "ssm_alpha": R.OTHER, "ssm_beta": R.OTHER, "ssm_norm": R.OTHER, "ssm_out": R.OTHER,
+    "attn_gate": R.ATTENTION,
+    "ssm_in": R.OTHER,
+    "ssm_conv1d": R.OTHER,
+    "ssm_dt": R.OTHER,
+    "ssm_a": R.OTHER,
+    "ssm_ba": R.OTHER,
+    "ssm_alpha": R.OTHER,
+    "ssm_beta": R.OTHER,
+    "ssm_norm": R.OTHER,
+    "ssm_out": R.OTHER,
 }
 KDA = {  # Kimi delta attention layers: attn_q/k/v/output, short convolutions, low-rank gates
-    "ssm_conv1d_q": R.OTHER, "ssm_conv1d_k": R.OTHER, "ssm_conv1d_v": R.OTHER,
-    "ssm_f_a": R.ATTENTION, "ssm_f_b": R.ATTENTION, "ssm_g_a": R.ATTENTION, "ssm_g_b": R.ATTENTION,
-    "ssm_g": R.ATTENTION, "ssm_beta": R.ATTENTION, "ssm_a": R.OTHER, "ssm_dt": R.OTHER, "ssm_norm": R.OTHER,
+    "ssm_conv1d_q": R.OTHER,
+    "ssm_conv1d_k": R.OTHER,
+    "ssm_conv1d_v": R.OTHER,
+    "ssm_f_a": R.ATTENTION,
+    "ssm_f_b": R.ATTENTION,
+    "ssm_g_a": R.ATTENTION,
+    "ssm_g_b": R.ATTENTION,
+    "ssm_g": R.ATTENTION,
+    "ssm_beta": R.ATTENTION,
+    "ssm_a": R.OTHER,
+    "ssm_dt": R.OTHER,
+    "ssm_norm": R.OTHER,
 }
 MAMBA2 = {  # Mamba-2 mixer layers beside attention (Granite 4, Nemotron-H)
-    "ssm_in": R.OTHER, "ssm_conv1d": R.OTHER, "ssm_dt": R.OTHER, "ssm_a": R.OTHER, "ssm_d": R.OTHER,
-    "ssm_norm": R.OTHER, "ssm_out": R.OTHER,
+    "ssm_in": R.OTHER,
+    "ssm_conv1d": R.OTHER,
+    "ssm_dt": R.OTHER,
+    "ssm_a": R.OTHER,
+    "ssm_d": R.OTHER,
+    "ssm_norm": R.OTHER,
+    "ssm_out": R.OTHER,
 }
 MAMBA1 = MAMBA2 | {  # Jamba's Mamba-1 mixer: x projection and the dt/B/C norms
-    "ssm_x": R.OTHER, "ssm_dt_norm": R.OTHER, "ssm_b_norm": R.OTHER, "ssm_c_norm": R.OTHER,
+    "ssm_x": R.OTHER,
+    "ssm_dt_norm": R.OTHER,
+    "ssm_b_norm": R.OTHER,
+    "ssm_c_norm": R.OTHER,
 }
 SHORT_CONV = {  # LFM2's gated short-convolution layers; its final norm is stored as token_embd_norm
-    "shortconv.conv": R.OTHER, "shortconv.in_proj": R.OTHER, "shortconv.out_proj": R.OTHER,
-    "token_embd_norm": R.NORM, "dense_2": R.OTHER,
+    "shortconv.conv": R.OTHER,
+    "shortconv.in_proj": R.OTHER,
+    "shortconv.out_proj": R.OTHER,
+    "token_embd_norm": R.NORM,
+    "dense_2": R.OTHER,
 }
 HYPER_CONNECTIONS = {  # 4-stream residual mixing (GLM-5.3-Flash, DeepSeek-V4): fn [mix, 4 D], base [mix], scale [3]
-    "hc_attn_fn": R.OTHER, "hc_attn_base": R.OTHER, "hc_attn_scale": R.OTHER,
-    "hc_ffn_fn": R.OTHER, "hc_ffn_base": R.OTHER, "hc_ffn_scale": R.OTHER,
+    "hc_attn_fn": R.OTHER,
+    "hc_attn_base": R.OTHER,
+    "hc_attn_scale": R.OTHER,
+    "hc_ffn_fn": R.OTHER,
+    "hc_ffn_base": R.OTHER,
+    "hc_ffn_scale": R.OTHER,
 }
 HEAD_HYPER_CONNECTIONS = {"output_hc_fn": R.OTHER, "output_hc_base": R.OTHER, "output_hc_scale": R.OTHER}
 LOW_RANK_HYPER_CONNECTIONS = {  # Qwen4-exp: hyper-connections through a low-rank down/up pair
     **{f"hc_{part}_{w}": R.OTHER for part in ("attn", "ffn") for w in ("down", "up", "inject", "norm")},
-    "output_hc_down": R.OTHER, "output_hc_up": R.OTHER, "output_hc_norm": R.OTHER,
+    "output_hc_down": R.OTHER,
+    "output_hc_up": R.OTHER,
+    "output_hc_norm": R.OTHER,
 }
 PER_LAYER_CONV_EMBEDDINGS = {  # Qwen4-exp: a per-layer token embedding read through a convolution and key/value
-    "per_layer_token_embd": R.EMBEDDING, "ple_conv1d": R.OTHER, "ple_key": R.OTHER, "ple_value": R.OTHER,
-    "ple_norm_conv": R.OTHER, "ple_norm_key": R.OTHER, "ple_norm_query": R.OTHER,
+    "per_layer_token_embd": R.EMBEDDING,
+    "ple_conv1d": R.OTHER,
+    "ple_key": R.OTHER,
+    "ple_value": R.OTHER,
+    "ple_norm_conv": R.OTHER,
+    "ple_norm_key": R.OTHER,
+    "ple_norm_query": R.OTHER,
 }
 GEMMA_PER_LAYER = {  # Gemma 4: per-layer embeddings, the dense and MoE FFNs' own pre/post norms, layer scale
-    "per_layer_token_embd": R.EMBEDDING, "per_layer_model_proj": R.OTHER, "per_layer_proj_norm": R.NORM,
-    "inp_gate": R.OTHER, "proj": R.OTHER, "post_norm": R.NORM, "layer_output_scale": R.OTHER,
-    "post_ffw_norm_1": R.NORM, "post_ffw_norm_2": R.NORM, "pre_ffw_norm_2": R.NORM,
+    "per_layer_token_embd": R.EMBEDDING,
+    "per_layer_model_proj": R.OTHER,
+    "per_layer_proj_norm": R.NORM,
+    "inp_gate": R.OTHER,
+    "proj": R.OTHER,
+    "post_norm": R.NORM,
+    "layer_output_scale": R.OTHER,
+    "post_ffw_norm_1": R.NORM,
+    "post_ffw_norm_2": R.NORM,
+    "pre_ffw_norm_2": R.NORM,
 }
 BERT = {"token_types": R.EMBEDDING, "token_embd_norm": R.NORM}  # nomic-bert-moe: token types, embedding norm
 PARALLEL_NORM = {"attn_norm_2": R.NORM}  # MiniMax-01: the linear-attention layers' output norm
 ATTENTION_RESIDUALS = {  # Kimi-K3: learned scores that mix earlier layers' outputs, latent routed experts
-    "attn_res_score": R.OTHER, "ffn_res_score": R.OTHER, "output_res_score": R.OTHER,
-    "ffn_routed_down": R.DENSE_FFN, "ffn_routed_up": R.DENSE_FFN, "ffn_routed_norm": R.NORM,
+    "attn_res_score": R.OTHER,
+    "ffn_res_score": R.OTHER,
+    "output_res_score": R.OTHER,
+    "ffn_routed_down": R.DENSE_FFN,
+    "ffn_routed_up": R.DENSE_FFN,
+    "ffn_routed_norm": R.NORM,
 }
 COMPRESSED_ATTENTION = {  # DeepSeek-V4: a shared-KV attention with low-rank output and compressed KV
-    "attn_q_a": R.ATTENTION, "attn_q_b": R.ATTENTION, "attn_q_a_norm": R.NORM, "attn_kv": R.ATTENTION,
-    "attn_kv_a_norm": R.NORM, "attn_output_a": R.ATTENTION, "attn_output_b": R.ATTENTION,
-    "attn_compressor_kv": R.OTHER, "attn_compressor_gate": R.OTHER, "attn_compressor_ape": R.OTHER,
+    "attn_q_a": R.ATTENTION,
+    "attn_q_b": R.ATTENTION,
+    "attn_q_a_norm": R.NORM,
+    "attn_kv": R.ATTENTION,
+    "attn_kv_a_norm": R.NORM,
+    "attn_output_a": R.ATTENTION,
+    "attn_output_b": R.ATTENTION,
+    "attn_compressor_kv": R.OTHER,
+    "attn_compressor_gate": R.OTHER,
+    "attn_compressor_ape": R.OTHER,
     "attn_compressor_norm": R.NORM,
-    "indexer_compressor_kv": R.OTHER, "indexer_compressor_gate": R.OTHER, "indexer_compressor_ape": R.OTHER,
+    "indexer_compressor_kv": R.OTHER,
+    "indexer_compressor_gate": R.OTHER,
+    "indexer_compressor_ape": R.OTHER,
     "indexer_compressor_norm": R.NORM,
-    "exp_probs_b_vl": R.ROUTER, "ffn_gate_tid2eid": R.ROUTER,  # a second selection bias; hash routing's table
+    "exp_probs_b_vl": R.ROUTER,
+    "ffn_gate_tid2eid": R.ROUTER,  # a second selection bias; hash routing's table
 }
 DRAFTER = {  # DFlash: a speculative-decoding drafter with convolutions and a token selector beside its layers
-    "attn_conv_base": R.OTHER, "attn_conv_proj": R.OTHER, "ffn_conv_base": R.OTHER, "ffn_conv_proj": R.OTHER,
-    "conf_proj": R.OTHER, "d2t": R.OTHER, "fc": R.OTHER, "markov_w1": R.OTHER, "markov_w2": R.OTHER,
-    "selector_hidden": R.OTHER, "selector_predecessor": R.OTHER, "selector_successor": R.OTHER,
-    "enc.output_norm": R.NORM, "layer_output_scale": R.OTHER,
+    "attn_conv_base": R.OTHER,
+    "attn_conv_proj": R.OTHER,
+    "ffn_conv_base": R.OTHER,
+    "ffn_conv_proj": R.OTHER,
+    "conf_proj": R.OTHER,
+    "d2t": R.OTHER,
+    "fc": R.OTHER,
+    "markov_w1": R.OTHER,
+    "markov_w2": R.OTHER,
+    "selector_hidden": R.OTHER,
+    "selector_predecessor": R.OTHER,
+    "selector_successor": R.OTHER,
+    "enc.output_norm": R.NORM,
+    "layer_output_scale": R.OTHER,
 }
 
 # ---- the token mixer a block runs, told by a tensor only that mixer has ------------------------------------------
@@ -165,24 +270,59 @@ KEEP_EVERYWHERE = (
     "_norm.weight",  # norms
     "ffn_gate_inp.weight",  # expert gates
     "ffn_gate_tid2eid.weight",  # DeepSeek-V4's token -> expert table
-    "altup", "laurel", "per_layer_model_proj",  # Gemma 3n/4 small projections
-    "ssm_conv1d", "shortconv.conv.weight",  # Mamba/KDA and LFM2 convolutions
-    "indexer.k_proj.weight", "indexer.q_proj.weight",  # MiniMax's tiny indexer projections
-    "time_mix_first.weight", "time_mix_w0.weight", "time_mix_w1.weight", "time_mix_w2.weight",  # RWKV
-    "time_mix_v0.weight", "time_mix_v1.weight", "time_mix_v2.weight", "time_mix_a0.weight", "time_mix_a1.weight",
-    "time_mix_a2.weight", "time_mix_g1.weight", "time_mix_g2.weight", "time_mix_decay_w1.weight",
-    "time_mix_decay_w2.weight", "time_mix_lerp_fused.weight",
+    "altup",
+    "laurel",
+    "per_layer_model_proj",  # Gemma 3n/4 small projections
+    "ssm_conv1d",
+    "shortconv.conv.weight",  # Mamba/KDA and LFM2 convolutions
+    "indexer.k_proj.weight",
+    "indexer.q_proj.weight",  # MiniMax's tiny indexer projections
+    "time_mix_first.weight",
+    "time_mix_w0.weight",
+    "time_mix_w1.weight",
+    "time_mix_w2.weight",  # RWKV
+    "time_mix_v0.weight",
+    "time_mix_v1.weight",
+    "time_mix_v2.weight",
+    "time_mix_a0.weight",
+    "time_mix_a1.weight",
+    "time_mix_a2.weight",
+    "time_mix_g1.weight",
+    "time_mix_g2.weight",
+    "time_mix_decay_w1.weight",
+    "time_mix_decay_w2.weight",
+    "time_mix_lerp_fused.weight",
     "attn_rel_b.weight",  # T5 relative position bias
-    ".position_embd", "sam.pos_embd", "sam.neck.", "sam.net_", ".rel_pos", ".patch_embd", ".patch_merger",  # vision
-    "a.rvq.codebook", "mm.a.code_embd",  # audio codebooks
+    ".position_embd",
+    "sam.pos_embd",
+    "sam.neck.",
+    "sam.net_",
+    ".rel_pos",
+    ".patch_embd",
+    ".patch_merger",  # vision
+    "a.rvq.codebook",
+    "mm.a.code_embd",  # audio codebooks
 )
 KEEP_NAMES = ("position_embd.weight", "token_types.weight")  # same function: BERT's position and type embeddings
 
 # glm5-next's own rules: src/llama-quant.cpp, tensor_allows_quantization (kept) and llama_tensor_get_type_impl
 # (attn_q_a, attn_q_b and nextn.eh_proj not below Q8_0).
-GLM5_NEXT_KEEP = ("hc_", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_gate",
-                  "indexer_compressor_ape", "ssm_f_a.weight", "ssm_f_b.weight", "ssm_g_a.weight", "ssm_g_b.weight",
-                  "ssm_beta.weight", "attn_kv_a_mqa.weight", "attn_k_b.weight", "attn_v_b.weight")
+GLM5_NEXT_KEEP = (
+    "hc_",
+    "indexer.attn_q_b",
+    "indexer.attn_k",
+    "indexer.proj",
+    "indexer_compressor_gate",
+    "indexer_compressor_ape",
+    "ssm_f_a.weight",
+    "ssm_f_b.weight",
+    "ssm_g_a.weight",
+    "ssm_g_b.weight",
+    "ssm_beta.weight",
+    "attn_kv_a_mqa.weight",
+    "attn_k_b.weight",
+    "attn_v_b.weight",
+)
 GLM5_NEXT_Q8_0_FLOOR = ("attn_q_a", "attn_q_b", "nextn.eh_proj")
 
 
@@ -205,15 +345,30 @@ class Architecture:
         object.__setattr__(self, "roles", roles)
 
 
-def _arch(source: str, *groups: dict[str, TensorRole], keep: tuple[str, ...] = (), q8_0_floor: tuple[str, ...] = (),
-          attention_kinds: tuple[str, dict[int, str]] | None = None) -> Architecture:
+def _arch(
+    source: str,
+    *groups: dict[str, TensorRole],
+    keep: tuple[str, ...] = (),
+    q8_0_floor: tuple[str, ...] = (),
+    attention_kinds: tuple[str, dict[int, str]] | None = None,
+) -> Architecture:
     """An architecture whose loader is src/models/<source>.cpp: the decoder's tensors and `groups`."""
     return Architecture(f"src/models/{source}.cpp", (DECODER, *groups), keep, q8_0_floor, attention_kinds)
 
 
-GLM5_NEXT = _arch("glm5-next", KDA, MLA, KPOOL_INDEXER, HYPER_CONNECTIONS, SHARED_EXPERTS, EXPERT_BIAS, NEXTN,
-                  keep=GLM5_NEXT_KEEP, q8_0_floor=GLM5_NEXT_Q8_0_FLOOR,
-                  attention_kinds=("attention.head_count_kv", {0: "KDA", 1: "DSA"}))
+GLM5_NEXT = _arch(
+    "glm5-next",
+    KDA,
+    MLA,
+    KPOOL_INDEXER,
+    HYPER_CONNECTIONS,
+    SHARED_EXPERTS,
+    EXPERT_BIAS,
+    NEXTN,
+    keep=GLM5_NEXT_KEEP,
+    q8_0_floor=GLM5_NEXT_Q8_0_FLOOR,
+    attention_kinds=("attention.head_count_kv", {0: "KDA", 1: "DSA"}),
+)
 DEEPSEEK_V3 = (MLA, SHARED_EXPERTS, EXPERT_BIAS, NEXTN)
 DSA = DEEPSEEK_V3 + (INDEXER,)  # DeepSeek-V3.2's sparse attention
 
@@ -231,10 +386,28 @@ ARCHITECTURES: dict[str, Architecture] = {
     "deepseek2": _arch("deepseek2", *DSA),  # the indexer: DeepSeek-V3.2 files converted as deepseek2
     "deepseek2-ocr": _arch("deepseek2ocr", SHARED_EXPERTS, EXPERT_BIAS),
     "deepseek32": _arch("deepseek32", *DSA),
-    "deepseek4": _arch("deepseek4", COMPRESSED_ATTENTION, SINKS, SHARED_EXPERTS, EXPERT_BIAS, NEXTN, INDEXER,
-                       HYPER_CONNECTIONS, HEAD_HYPER_CONNECTIONS),
-    "dflash": _arch("dflash", DRAFTER, COMPRESSED_ATTENTION, QK_NORM, SINKS, SHARED_EXPERTS, EXPERT_BIAS,
-                    HYPER_CONNECTIONS, HEAD_HYPER_CONNECTIONS),
+    "deepseek4": _arch(
+        "deepseek4",
+        COMPRESSED_ATTENTION,
+        SINKS,
+        SHARED_EXPERTS,
+        EXPERT_BIAS,
+        NEXTN,
+        INDEXER,
+        HYPER_CONNECTIONS,
+        HEAD_HYPER_CONNECTIONS,
+    ),
+    "dflash": _arch(
+        "dflash",
+        DRAFTER,
+        COMPRESSED_ATTENTION,
+        QK_NORM,
+        SINKS,
+        SHARED_EXPERTS,
+        EXPERT_BIAS,
+        HYPER_CONNECTIONS,
+        HEAD_HYPER_CONNECTIONS,
+    ),
     "dots1": _arch("dots1", QK_NORM, SHARED_EXPERTS, EXPERT_BIAS),
     "dots3note": _arch("dots3note", *DSA, QK_NORM, ATTN_GATE),
     "ernie4_5": _arch("ernie4-5", SHARED_EXPERTS, EXPERT_BIAS),
@@ -285,8 +458,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3moe": _arch("qwen3moe", QK_NORM),
     "qwen3next": _arch("qwen3next", QK_NORM, SHARED_EXPERTS, LINEAR_ATTENTION, NEXTN),
     "qwen3vlmoe": _arch("qwen3vlmoe", QK_NORM),
-    "qwen4exp": _arch("qwen4exp", QK_NORM, SHARED_EXPERTS, LINEAR_ATTENTION, PROJ_INDEXER,
-                      LOW_RANK_HYPER_CONNECTIONS, PER_LAYER_CONV_EMBEDDINGS),
+    "qwen4exp": _arch(
+        "qwen4exp",
+        QK_NORM,
+        SHARED_EXPERTS,
+        LINEAR_ATTENTION,
+        PROJ_INDEXER,
+        LOW_RANK_HYPER_CONNECTIONS,
+        PER_LAYER_CONV_EMBEDDINGS,
+    ),
     "refact": _arch("refact", SHARED_EXPERTS, ROPE_FACTORS),
     "rnd1": _arch("rnd1", QK_NORM),
     "smallthinker": _arch("smallthinker"),

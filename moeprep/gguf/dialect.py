@@ -28,11 +28,14 @@ class Dialect:
     added: dict[str, KVValue] = field(default_factory=dict)
 
 
-DIALECTS: dict[str, Dialect] = {d.fork: d for d in (
-    # The fork always appends the pool still being filled to the indexer's selection; mainline makes it a key
-    # (and assumes true when it is absent, so writing it changes nothing llama.cpp computes).
-    Dialect("glm5next", "glm5-next", {"attention.indexer.kpool_select_tail": KVValue(True, GGUFValueType.BOOL)}),
-)}
+DIALECTS: dict[str, Dialect] = {
+    d.fork: d
+    for d in (
+        # The fork always appends the pool still being filled to the indexer's selection; mainline makes it a key
+        # (and assumes true when it is absent, so writing it changes nothing llama.cpp computes).
+        Dialect("glm5next", "glm5-next", {"attention.indexer.kpool_select_tail": KVValue(True, GGUFValueType.BOOL)}),
+    )
+}
 
 
 def field_kv(model: GGUFModel, key: str) -> KVValue:
@@ -43,30 +46,40 @@ def field_kv(model: GGUFModel, key: str) -> KVValue:
     return KVValue(field_value(f), f.types[0], f.types[1] if f.types[0] == GGUFValueType.ARRAY else None)
 
 
-def rename_architecture(model: GGUFModel, out: str | Path, arch: str, added: dict[str, KVValue] | None = None,
-                        dropped: tuple[str, ...] = (), split_max_size: int | None = None,
-                        on_bytes: Callable[[int], None] = lambda n: None) -> list[Path]:
+def rename_architecture(
+    model: GGUFModel,
+    out: str | Path,
+    arch: str,
+    added: dict[str, KVValue] | None = None,
+    dropped: tuple[str, ...] = (),
+    split_max_size: int | None = None,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> list[Path]:
     """Write `model` as architecture `arch`: its `<arch>.` keys renamed, `added` set and `dropped` left out (both
     without the prefix), tensors copied byte for byte. Returns the written paths."""
     old = f"{model.arch}."
     prefixed = [key for key in model.fields if key.startswith(old)]
     kv_set = {Keys.General.ARCHITECTURE: KVValue(arch, GGUFValueType.STRING)}
-    kv_set |= {f"{arch}.{key[len(old):]}": field_kv(model, key) for key in prefixed
-               if key[len(old):] not in dropped}
+    kv_set |= {f"{arch}.{key[len(old) :]}": field_kv(model, key) for key in prefixed if key[len(old) :] not in dropped}
     kv_set |= {f"{arch}.{key}": kv for key, kv in (added or {}).items()}
-    return write_gguf(out, model, kv_set=kv_set, kv_remove=prefixed, split_max_size=split_max_size,
-                      on_bytes=on_bytes)
+    return write_gguf(out, model, kv_set=kv_set, kv_remove=prefixed, split_max_size=split_max_size, on_bytes=on_bytes)
 
 
-def to_mainline(source: str | Path, out: str | Path, split_max_size: int | None = None,
-                on_bytes: Callable[[int], None] = lambda n: None) -> tuple[Dialect, list[Path]]:
+def to_mainline(
+    source: str | Path,
+    out: str | Path,
+    split_max_size: int | None = None,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> tuple[Dialect, list[Path]]:
     """Rewrite a fork-dialect model as mainline llama.cpp's; returns the dialect and the written paths."""
     model = open_gguf(source)
     dialect = DIALECTS.get(model.arch)
     if dialect is None:
         known = ", ".join(f"{d.fork} -> {d.mainline}" for d in DIALECTS.values())
-        raise MoeprepError(f"{source}: architecture {model.arch!r} is not a fork dialect moeprep rewrites "
-                           f"(known: {known})")
+        raise MoeprepError(
+            f"{source}: architecture {model.arch!r} is not a fork dialect moeprep rewrites (known: {known})"
+        )
     added = {key: kv for key, kv in dialect.added.items() if f"{model.arch}.{key}" not in model.fields}
-    return dialect, rename_architecture(model, out, dialect.mainline, added, split_max_size=split_max_size,
-                                        on_bytes=on_bytes)
+    return dialect, rename_architecture(
+        model, out, dialect.mainline, added, split_max_size=split_max_size, on_bytes=on_bytes
+    )

@@ -41,9 +41,17 @@ U32, U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 # Numeric value types: struct format of a scalar, numpy dtype of an array's elements (arrays are views).
 FORMATS: dict[GGUFValueType, tuple[str, str]] = {
-    V.UINT8: ("<B", "<u1"), V.INT8: ("<b", "<i1"), V.UINT16: ("<H", "<u2"), V.INT16: ("<h", "<i2"),
-    V.UINT32: ("<I", "<u4"), V.INT32: ("<i", "<i4"), V.UINT64: ("<Q", "<u8"), V.INT64: ("<q", "<i8"),
-    V.FLOAT32: ("<f", "<f4"), V.FLOAT64: ("<d", "<f8"), V.BOOL: ("<?", "?"),
+    V.UINT8: ("<B", "<u1"),
+    V.INT8: ("<b", "<i1"),
+    V.UINT16: ("<H", "<u2"),
+    V.INT16: ("<h", "<i2"),
+    V.UINT32: ("<I", "<u4"),
+    V.INT32: ("<i", "<i4"),
+    V.UINT64: ("<Q", "<u8"),
+    V.INT64: ("<q", "<i8"),
+    V.FLOAT32: ("<f", "<f4"),
+    V.FLOAT64: ("<d", "<f8"),
+    V.BOOL: ("<?", "?"),
 }
 SCALAR: dict[GGUFValueType, struct.Struct] = {t: struct.Struct(s) for t, (s, _) in FORMATS.items()}
 NUMERIC: dict[GGUFValueType, np.dtype] = {t: np.dtype(d) for t, (_, d) in FORMATS.items()}
@@ -106,8 +114,10 @@ class StringArray(Sequence[str]):
             return []
         base = int(self._starts[0])
         raw = bytes(self._data[base : self._stop])
-        return [raw[a:b].decode("utf-8", errors="replace")
-                for a, b in zip((self._starts - base).tolist(), (self._ends - base).tolist())]
+        return [
+            raw[a:b].decode("utf-8", errors="replace")
+            for a, b in zip((self._starts - base).tolist(), (self._ends - base).tolist())
+        ]
 
 
 @dataclass
@@ -215,8 +225,9 @@ def _tensor_info(cur: _Cursor) -> tuple[str, list[int], int, int]:
     return name, ne, cur.unpack(U32), cur.unpack(U64)
 
 
-def _validated(name: str, ne: list[int], type_id: int, rel_offset: int, data_offset: int, alignment: int,
-               size: int, shard: int) -> TensorInfo:
+def _validated(
+    name: str, ne: list[int], type_id: int, rel_offset: int, data_offset: int, alignment: int, size: int, shard: int
+) -> TensorInfo:
     """Known type, sane shape, aligned, data inside the file."""
     try:
         ggml_type = GGMLQuantizationType(type_id)
@@ -232,8 +243,10 @@ def _validated(name: str, ne: list[int], type_id: int, rel_offset: int, data_off
     n_bytes = int(np.prod(ne, dtype=object)) // block * type_size  # Python ints: a corrupt shape cannot wrap
     offset = data_offset + rel_offset
     if offset + n_bytes > size:
-        raise HeaderError(f"truncated or corrupt: tensor {name} data ends at byte {offset + n_bytes}, past the end "
-                          f"of the file ({size} bytes)")
+        raise HeaderError(
+            f"truncated or corrupt: tensor {name} data ends at byte {offset + n_bytes}, past the end "
+            f"of the file ({size} bytes)"
+        )
     return TensorInfo(name, ggml_type, tuple(reversed(ne)), n_bytes, shard, offset)
 
 
@@ -267,12 +280,14 @@ def _parse(path: Path, buf: mmap.mmap, data: np.ndarray, shard: int) -> GGUFFile
     version = cur.unpack(U32)
     if version not in VERSIONS:
         swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
-        raise HeaderError("big-endian GGUF files are not supported" if swapped in VERSIONS
-                          else f"unsupported GGUF version {version}")
+        raise HeaderError(
+            "big-endian GGUF files are not supported" if swapped in VERSIONS else f"unsupported GGUF version {version}"
+        )
     n_tensors, n_kv = cur.unpack(U64), cur.unpack(U64)
     if n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > cur.size:
-        raise HeaderError(f"truncated or corrupt header: {n_kv} keys and {n_tensors} tensors cannot fit in "
-                          f"{cur.size} bytes")
+        raise HeaderError(
+            f"truncated or corrupt header: {n_kv} keys and {n_tensors} tensors cannot fit in {cur.size} bytes"
+        )
     fields: dict[str, Field] = {}
     for _ in range(n_kv):
         start = cur.pos

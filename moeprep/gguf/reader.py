@@ -23,8 +23,18 @@ from gguf.quants import dequantize as gguf_dequantize
 from moeprep.errors import MoeprepError
 from moeprep.gguf.header import Field, GGUFFile, StringArray, TensorInfo, read_header
 
-__all__ = ["SPLIT_RE", "Field", "GGUFFile", "GGUFModel", "StringArray", "TensorInfo", "dequantize_raw",
-           "field_value", "open_gguf", "shard_paths_for"]
+__all__ = [
+    "SPLIT_RE",
+    "Field",
+    "GGUFFile",
+    "GGUFModel",
+    "StringArray",
+    "TensorInfo",
+    "dequantize_raw",
+    "field_value",
+    "open_gguf",
+    "shard_paths_for",
+]
 
 # llama.cpp's shard naming: name-00001-of-00003.gguf
 SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -133,7 +143,9 @@ def shard_paths_for(path: Path) -> list[Path]:
         return [path]
     count = int(m["count"])
     if int(m["no"]) != 1:
-        raise MoeprepError(f"{path}: this is shard {int(m['no'])} of {count}; open the first shard (-00001-of-{count:05d})")
+        raise MoeprepError(
+            f"{path}: this is shard {int(m['no'])} of {count}; open the first shard (-00001-of-{count:05d})"
+        )
     paths = [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:

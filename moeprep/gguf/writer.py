@@ -31,11 +31,16 @@ COPY_CHUNK = 64 << 20  # bytes copied per step for untouched tensors
 
 # struct format of each scalar value type (little endian, as GGUF is).
 SCALAR_FORMATS: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.FLOAT64: "<d",
     GGUFValueType.BOOL: "<?",
 }
 SPLIT_KEYS = (Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
@@ -78,8 +83,13 @@ class KVValue:
 def copied_tensor(model: GGUFModel, t: TensorInfo) -> OutputTensor:
     """An output tensor that is a byte-for-byte copy of `t`: copied by the kernel, or streamed in chunks where the
     file system cannot."""
-    return OutputTensor(t.name, t.ggml_type, t.shape, lambda: model.iter_bytes(t, COPY_CHUNK),
-                        FileRange(model.shard_paths[t.shard], t.offset))
+    return OutputTensor(
+        t.name,
+        t.ggml_type,
+        t.shape,
+        lambda: model.iter_bytes(t, COPY_CHUNK),
+        FileRange(model.shard_paths[t.shard], t.offset),
+    )
 
 
 def _pack_string(s: str) -> bytes:
@@ -116,8 +126,12 @@ def _pad(n: int, align: int) -> int:
 
 def _tensor_info_bytes(t: OutputTensor, offset: int) -> bytes:
     ne = list(reversed(t.shape))
-    return (_pack_string(t.name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
-            + struct.pack("<IQ", t.ggml_type, offset))
+    return (
+        _pack_string(t.name)
+        + struct.pack("<I", len(ne))
+        + struct.pack(f"<{len(ne)}Q", *ne)
+        + struct.pack("<IQ", t.ggml_type, offset)
+    )
 
 
 def plan_shards(tensors: list[OutputTensor], split_max_size: int | None) -> list[list[OutputTensor]]:
@@ -143,8 +157,9 @@ def shard_path(out: Path, index: int, count: int) -> Path:
     return out.with_name(f"{stem}-{index + 1:05d}-of-{count:05d}.gguf")
 
 
-def _write_shard(f: BinaryIO, kv_fields: list[bytes], tensors: list[OutputTensor], align: int,
-                 on_bytes: Callable[[int], None]) -> None:
+def _write_shard(
+    f: BinaryIO, kv_fields: list[bytes], tensors: list[OutputTensor], align: int, on_bytes: Callable[[int], None]
+) -> None:
     header = struct.pack("<4sIQQ", b"GGUF", GGUF_VERSION, len(tensors), len(kv_fields))
     offsets, offset = [], 0
     for t in tensors:
@@ -191,9 +206,16 @@ def _kernel_copy(f: BinaryIO, source: FileRange, n_bytes: int, on_bytes: Callabl
     return True
 
 
-def write_gguf(out: str | Path, model: GGUFModel, *, tensors: list[OutputTensor] | None = None,
-               kv_set: dict[str, KVValue] | None = None, kv_remove: Iterable[str] = (),
-               split_max_size: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> list[Path]:
+def write_gguf(
+    out: str | Path,
+    model: GGUFModel,
+    *,
+    tensors: list[OutputTensor] | None = None,
+    kv_set: dict[str, KVValue] | None = None,
+    kv_remove: Iterable[str] = (),
+    split_max_size: int | None = None,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> list[Path]:
     """Write `model` to `out` with keys set/removed and tensors replaced; returns the written shard paths.
 
     `tensors` defaults to byte copies of the model's tensors, in order. Keys in `kv_set` that the model already has
@@ -227,7 +249,9 @@ def write_gguf(out: str | Path, model: GGUFModel, *, tensors: list[OutputTensor]
             if len(shards) > 1:
                 kv_fields.append(pack_kv(Keys.Split.LLM_KV_SPLIT_NO, KVValue(i, GGUFValueType.UINT16)))
                 kv_fields.append(pack_kv(Keys.Split.LLM_KV_SPLIT_COUNT, KVValue(len(shards), GGUFValueType.UINT16)))
-                kv_fields.append(pack_kv(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, KVValue(len(tensors), GGUFValueType.INT32)))
+                kv_fields.append(
+                    pack_kv(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, KVValue(len(tensors), GGUFValueType.INT32))
+                )
             with open(tmp, "wb") as f:
                 _write_shard(f, kv_fields, shard, align, on_bytes)
     return paths

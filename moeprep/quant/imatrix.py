@@ -43,13 +43,15 @@ GGUF_MAGIC = b"GGUF"
 @dataclass(frozen=True)
 class ImatrixEntry:
     """Raw statistics of one weight tensor."""
-    sums: np.ndarray    # [M, P] float32 (legacy: [1, nval], values already scaled by ncall)
+
+    sums: np.ndarray  # [M, P] float32 (legacy: [1, nval], values already scaled by ncall)
     counts: np.ndarray  # [M] int64 (legacy: [ncall])
 
 
 @dataclass
 class ImportanceMatrix:
     """An importance matrix file, read; `for_tensor` gives what llama-quantize hands to ggml_quantize_chunk."""
+
     path: str
     entries: dict[str, ImatrixEntry]
     datasets: list[str] = field(default_factory=list)
@@ -78,8 +80,10 @@ class ImportanceMatrix:
                 imp = np.where(count > 0, entry.sums / count, np.float32(1)).astype(np.float32)
         if n_per_row is not None:
             if imp.size % n_per_row != 0:
-                raise MoeprepError(f"{self.path}: imatrix entry {name} has {imp.size} values, not a multiple of the "
-                                   f"tensor's row length {n_per_row}; the imatrix was made for another model")
+                raise MoeprepError(
+                    f"{self.path}: imatrix entry {name} has {imp.size} values, not a multiple of the "
+                    f"tensor's row length {n_per_row}; the imatrix was made for another model"
+                )
             imp = imp.reshape(-1, n_per_row)
         if not np.isfinite(imp).all():
             raise MoeprepError(f"{self.path}: imatrix entry {name} has NaN/Inf values; regenerate the imatrix")
@@ -88,6 +92,7 @@ class ImportanceMatrix:
     def quantize_kv(self) -> dict[str, str | int]:
         """The quantize.imatrix.* keys llama-quantize records in the model it writes, with its omissions and its
         127-byte limit on the two strings (they pass through a char[128] override)."""
+
         def c_str(v: str) -> str:
             return v.encode()[:127].decode(errors="ignore")
 
@@ -130,8 +135,10 @@ def _read_gguf(path: str) -> ImportanceMatrix:
     chunk_count = _field_value(reader, Keys.IMatrix.CHUNK_COUNT)
     chunk_size = _field_value(reader, Keys.IMatrix.CHUNK_SIZE)
     if datasets is None or chunk_count is None or chunk_size is None:
-        raise MoeprepError(f"{path}: missing imatrix metadata ({Keys.IMatrix.DATASETS}, {Keys.IMatrix.CHUNK_COUNT}, "
-                           f"{Keys.IMatrix.CHUNK_SIZE}); not an imatrix written by llama-imatrix")
+        raise MoeprepError(
+            f"{path}: missing imatrix metadata ({Keys.IMatrix.DATASETS}, {Keys.IMatrix.CHUNK_COUNT}, "
+            f"{Keys.IMatrix.CHUNK_SIZE}); not an imatrix written by llama-imatrix"
+        )
 
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
@@ -140,7 +147,7 @@ def _read_gguf(path: str) -> ImportanceMatrix:
             if t.name.endswith(suffix):
                 if t.tensor_type != GGMLQuantizationType.F32:
                     raise MoeprepError(f"{path}: imatrix tensor {t.name} is {t.tensor_type.name}, expected F32")
-                table[t.name[:-len(suffix)]] = np.array(t.data, dtype=np.float32)
+                table[t.name[: -len(suffix)]] = np.array(t.data, dtype=np.float32)
     if not sums and not counts:
         raise MoeprepError(f"{path}: no imatrix entries (no *{IN_SUM2_SUFFIX} tensors)")
     if sums.keys() != counts.keys():
@@ -152,8 +159,9 @@ def _read_gguf(path: str) -> ImportanceMatrix:
         raw = counts[name].reshape(-1).astype(np.float64)
         c = (np.sign(raw) * np.floor(np.abs(raw) + 0.5)).astype(np.int64)  # llama.cpp reads counts with lround
         if sums[name].size % c.size != 0:
-            raise MoeprepError(f"{path}: imatrix entry {name}: {sums[name].size} sums do not split into "
-                               f"{c.size} matrices")
+            raise MoeprepError(
+                f"{path}: imatrix entry {name}: {sums[name].size} sums do not split into {c.size} matrices"
+            )
         entries[name] = ImatrixEntry(sums[name].reshape(c.size, -1), c)
     return ImportanceMatrix(path, entries, [str(d) for d in datasets], int(chunk_count), int(chunk_size))
 
@@ -167,7 +175,7 @@ class _Cursor:
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
             raise MoeprepError(f"{self.path}: not a llama.cpp imatrix (GGUF or legacy .dat): truncated at {what}")
-        b = self.data[self.pos:self.pos + n]
+        b = self.data[self.pos : self.pos + n]
         self.pos += n
         return b
 
@@ -191,8 +199,9 @@ def _read_legacy(path: str) -> ImportanceMatrix:
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise MoeprepError(f"{path}: not a llama.cpp imatrix (GGUF or legacy .dat): entry {i} "
-                               f"has a name that is not UTF-8") from e
+            raise MoeprepError(
+                f"{path}: not a llama.cpp imatrix (GGUF or legacy .dat): entry {i} has a name that is not UTF-8"
+            ) from e
         ncall = cur.int32(f"entry {name}")
         nval = cur.int32(f"entry {name}")
         if nval < 1:
@@ -210,8 +219,13 @@ def _read_legacy(path: str) -> ImportanceMatrix:
     return ImportanceMatrix(path, entries, datasets, chunk_count, 0, is_legacy=True)
 
 
-def write_imatrix_gguf(path: str | os.PathLike[str], entries: dict[str, tuple[np.ndarray, np.ndarray]],
-                       datasets: list[str], chunk_count: int, chunk_size: int) -> None:
+def write_imatrix_gguf(
+    path: str | os.PathLike[str],
+    entries: dict[str, tuple[np.ndarray, np.ndarray]],
+    datasets: list[str],
+    chunk_count: int,
+    chunk_size: int,
+) -> None:
     """Write llama.cpp's GGUF imatrix, atomically (temp file in the same folder, then rename).
 
     entries: weight name -> (in_sum2 [M, P] or [P], counts [M]), raw sums and token counts, as llama-imatrix keeps

@@ -69,8 +69,9 @@ def _numba_cache_usable() -> bool:
 JIT = {"cache": _numba_cache_usable(), "nogil": True, "error_model": "numpy"}
 
 
-def quantize_with(kernel: Callable[..., None], rows: np.ndarray, imatrix: np.ndarray | None, row_bytes: int,
-                  *params: object) -> np.ndarray:
+def quantize_with(
+    kernel: Callable[..., None], rows: np.ndarray, imatrix: np.ndarray | None, row_bytes: int, *params: object
+) -> np.ndarray:
     """Run a row kernel `kernel(rows, qw, out, *params)`. rows [R, P] float32, imatrix [P] or [R, P] -> [R, row_bytes].
 
     The kernel gets rows C-contiguous, qw as [1, P] (one importance for every row) or [R, P], or None."""

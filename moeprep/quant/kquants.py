@@ -21,7 +21,6 @@ from moeprep.quant.jit import F32, quantize_with
 from moeprep.quant.q4_k_q5_k import k_min_rows
 from moeprep.quant.q6_k import q6_k_rows
 
-
 # Per type: the row kernel and its parameters. Q4_K and Q5_K: nmax, the reference search's (rmin, rdelta, nstep),
 # and whether the weighted path clamps its scale levels to 63.
 _KERNELS: dict[GGMLQuantizationType, tuple[Callable[..., None], tuple[object, ...]]] = {

@@ -111,8 +111,9 @@ def _first_along(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 0, idx[None])[0]
 
 
-def search_min_scale(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
-                     nstep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def search_min_scale(
+    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """searches.search_min_scale (make_qkx2/qkx3_quants). x, w [n, S] -> scale [S], -min [S], L [n, S] uint8.
 
     The lanes where C returns early (max == min) are searched too and overwritten at the end."""
@@ -154,8 +155,7 @@ def search_min_scale(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     return scale, -xmin, L.to(torch.uint8)
 
 
-def search_symmetric_scale(x: torch.Tensor, nmax: int,
-                           qw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def search_symmetric_scale(x: torch.Tensor, nmax: int, qw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """searches.search_symmetric_scale (make_qx_quants, rmse_type 1). x, qw [n, S] -> scale [S], L [n, S] uint8."""
     nmax_f = F32(nmax)
     w = x * x if qw is None else qw
@@ -231,8 +231,12 @@ def _search_block_scale(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[t
             nlf = new_l.to(FT)
             slx_new = slx + (w * xi) * nlf
             sl2_new = sl2 + (w * nlf) * nlf
-            take = ((slx > 0) & (sl2 > 0) & (new_l != L[i].to(torch.int32))
-                    & ((slx_new * slx_new) * suml2 > (sumlx * sumlx) * sl2_new))
+            take = (
+                (slx > 0)
+                & (sl2 > 0)
+                & (new_l != L[i].to(torch.int32))
+                & ((slx_new * slx_new) * suml2 > (sumlx * sumlx) * sl2_new)
+            )
             L[i] = torch.where(take, _to_u8(new_l), L[i])
             sumlx = torch.where(take, slx_new, sumlx)
             suml2 = torch.where(take, sl2_new, suml2)
@@ -250,8 +254,7 @@ def _block_sigma2(xb: torch.Tensor) -> torch.Tensor:
 def _pack_scales_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
     """Eight 6-bit scales and mins into ggml's 12-byte layout. ls, lm [B, 8] uint8 -> [B, 12] uint8."""
     lo_s, hi_s, lo_m, hi_m = ls[:, :4], ls[:, 4:], lm[:, :4], lm[:, 4:]
-    return torch.cat([lo_s | ((hi_s >> 4) << 6), lo_m | ((hi_m >> 4) << 6), (hi_s & 0xF) | ((hi_m & 0xF) << 4)],
-                     dim=1)
+    return torch.cat([lo_s | ((hi_s >> 4) << 6), lo_m | ((hi_m >> 4) << 6), (hi_s & 0xF) | ((hi_m & 0xF) << 4)], dim=1)
 
 
 def _unpack_scales_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,8 +270,13 @@ def _fp16_bytes(h: torch.Tensor) -> torch.Tensor:
     return h.view(torch.uint8).reshape(-1, 2)
 
 
-def _quantize_k_min(xb: torch.Tensor, qw: torch.Tensor | None, nmax: int, ref_search: tuple[float, float, int],
-                    clamp_weighted_levels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_k_min(
+    xb: torch.Tensor,
+    qw: torch.Tensor | None,
+    nmax: int,
+    ref_search: tuple[float, float, int],
+    clamp_weighted_levels: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shared half of Q4_K and Q5_K (q4_k_q5_k.k_min_rows): eight sub-blocks of 32, 6-bit scales and mins.
     xb, qw [B, 256] -> d [B] fp16, dmin [B] fp16, packed scales [B, 12], L [B, 256] uint8."""
     B = xb.shape[0]
@@ -372,8 +380,13 @@ def _q6_k_blocks(xb: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def quantize_in_chunks(row_fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], rows: torch.Tensor,
-                       imatrix: torch.Tensor | None, row_bytes: int, chunk_blocks: int) -> torch.Tensor:
+def quantize_in_chunks(
+    row_fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    rows: torch.Tensor,
+    imatrix: torch.Tensor | None,
+    row_bytes: int,
+    chunk_blocks: int,
+) -> torch.Tensor:
     """Apply row_fn to chunks of whole rows on the rows' device. rows [R, P], imatrix [P] or [R, P] -> [R, row_bytes]
     uint8; row_fn gets a row chunk [r, P] and its importance [r, P] (or None)."""
     R, P = rows.shape
@@ -382,15 +395,17 @@ def quantize_in_chunks(row_fn: Callable[[torch.Tensor, torch.Tensor | None], tor
     out = torch.empty((R, row_bytes), dtype=torch.uint8, device=rows.device)
     step = max(1, chunk_blocks * QK_K // P)
     for r0 in range(0, R, step):
-        qw = None if weights is None else weights[r0:r0 + step].contiguous()
-        out[r0:r0 + step] = row_fn(rows[r0:r0 + step], qw)
+        qw = None if weights is None else weights[r0 : r0 + step].contiguous()
+        out[r0 : r0 + step] = row_fn(rows[r0 : r0 + step], qw)
     return out
 
 
 def _quantizer(block_fn: TorchBlocks, qtype: GGMLQuantizationType):
     """The quantizer of qtype: (rows [R, P], imatrix, chunk_blocks) -> [R, row_bytes] uint8 tensor."""
-    def quantize(rows: torch.Tensor, imatrix: torch.Tensor | None = None,
-                 chunk_blocks: int = CHUNK_BLOCKS["cpu"]) -> torch.Tensor:
+
+    def quantize(
+        rows: torch.Tensor, imatrix: torch.Tensor | None = None, chunk_blocks: int = CHUNK_BLOCKS["cpu"]
+    ) -> torch.Tensor:
         assert rows.ndim == 2 and rows.shape[1] % QK_K == 0, rows.shape
         row_bytes = rows.shape[1] // QK_K * GGML_QUANT_SIZES[qtype][1]
 
@@ -400,6 +415,7 @@ def _quantizer(block_fn: TorchBlocks, qtype: GGMLQuantizationType):
 
         with torch.no_grad():
             return quantize_in_chunks(row_fn, rows, imatrix, row_bytes, chunk_blocks)
+
     quantize.__name__ = f"quantize_{qtype.name.lower()}"
     return quantize
 
@@ -457,6 +473,7 @@ def quantizers_on(device: str | torch.device) -> dict[GGMLQuantizationType, Call
                 qw = None if imatrix is None else (imatrix[bad] if np.ndim(imatrix) == 2 else imatrix)
                 out[bad] = kquants.KQUANTIZERS[qtype](rows[bad], qw)
             return out
+
         return quantize
 
     return {qtype: on_device(qtype, fn) for qtype, fn in KQUANTIZERS.items()}

@@ -104,8 +104,9 @@ def parse_rule(text: str) -> TypeRule:
     return TypeRule(compiled, parse_type(type_name))
 
 
-def _plan_tensor(t: TensorInfo, role: TensorRole, limit: QuantLimit | None, attn_type: GGMLQuantizationType,
-                 rules: list[TypeRule]) -> TensorPlan:
+def _plan_tensor(
+    t: TensorInfo, role: TensorRole, limit: QuantLimit | None, attn_type: GGMLQuantizationType, rules: list[TypeRule]
+) -> TensorPlan:
     if role in NEVER_TOUCHED:
         return TensorPlan(t, role, t.ggml_type, f"{NEVER_TOUCHED[role]}: copied")
     if len(t.shape) == 1:
@@ -125,8 +126,14 @@ def _plan_tensor(t: TensorInfo, role: TensorRole, limit: QuantLimit | None, attn
     if chosen == t.ggml_type:
         return TensorPlan(t, role, chosen, f"{why}: already {chosen.name}, copied")
     if fell_back:
-        return TensorPlan(t, role, chosen, f"{why}: row {t.row_length} not a multiple of "
-                          f"{GGML_QUANT_SIZES[target][0]}, {target.name} -> {chosen.name}", fell_back_from=target)
+        return TensorPlan(
+            t,
+            role,
+            chosen,
+            f"{why}: row {t.row_length} not a multiple of "
+            f"{GGML_QUANT_SIZES[target][0]}, {target.name} -> {chosen.name}",
+            fell_back_from=target,
+        )
     return TensorPlan(t, role, chosen, why)
 
 
@@ -134,16 +141,23 @@ def plan_requant(model: GGUFModel, attn_type: GGMLQuantizationType, rules: list[
     """The plan for every tensor of `model`, in file order."""
     rules = list(rules)
     roles, _ = classify_tensors(model)
-    return QuantPlan([_plan_tensor(t, role, quant_limit(model.arch, t.name), attn_type, rules) for t, role in roles],
-                     attn_type, rules)
+    return QuantPlan(
+        [_plan_tensor(t, role, quant_limit(model.arch, t.name), attn_type, rules) for t, role in roles],
+        attn_type,
+        rules,
+    )
 
 
 def format_plan(plan: QuantPlan) -> str:
     """One line per tensor (old and new type and bytes, why), then the totals: what --dry-run prints."""
     lines = [f"{'tensor':<36}{'role':<14}{'from':>6} -> {'to':<6}{'bytes before':>14}{'after':>14}  why"]
     for p in plan.tensors:
-        lines.append(f"{p.tensor.name:<36}{p.role.value:<14}{p.tensor.type_name:>6} -> {p.new_type.name:<6}"
-                     f"{p.tensor.n_bytes:>14}{p.new_bytes:>14}  {p.reason}")
-    lines.append(f"{len(plan.changed)} of {len(plan.tensors)} tensors requantized; "
-                 f"{plan.bytes_before} -> {plan.bytes_after} bytes ({plan.bytes_after / plan.bytes_before:.1%})")
+        lines.append(
+            f"{p.tensor.name:<36}{p.role.value:<14}{p.tensor.type_name:>6} -> {p.new_type.name:<6}"
+            f"{p.tensor.n_bytes:>14}{p.new_bytes:>14}  {p.reason}"
+        )
+    lines.append(
+        f"{len(plan.changed)} of {len(plan.tensors)} tensors requantized; "
+        f"{plan.bytes_before} -> {plan.bytes_after} bytes ({plan.bytes_after / plan.bytes_before:.1%})"
+    )
     return "\n".join(lines)

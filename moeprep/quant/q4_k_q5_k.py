@@ -83,8 +83,16 @@ def _search_block_scale(x: np.ndarray, nmax: int, qw: np.ndarray, L: np.ndarray)
 
 
 @numba.njit(**JIT)
-def k_min_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray, nmax: int, rmin: np.float32,
-                rdelta: np.float32, nstep: int, clamp_weighted_levels: bool) -> None:
+def k_min_rows(
+    rows: np.ndarray,
+    qw: np.ndarray | None,
+    out: np.ndarray,
+    nmax: int,
+    rmin: np.float32,
+    rdelta: np.float32,
+    nstep: int,
+    clamp_weighted_levels: bool,
+) -> None:
     """Q4_K (nmax 15) or Q5_K (nmax 31) bytes of rows [R, P] into out [R, B*type_size]; qw [1 or R, P] or None.
 
     Eight sub-blocks of 32 per super-block, each with a 6-bit scale and a 6-bit min; the reference path searches
@@ -127,7 +135,7 @@ def k_min_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray, nmax: i
                 sum_x2 = F32(0)
                 for i in range(QK_K):
                     sum_x2 += xb[b, i] * xb[b, i]
-                q = qw[b // (P // QK_K) if qw.shape[0] > 1 else 0, QK_K * (b % (P // QK_K)):]
+                q = qw[b // (P // QK_K) if qw.shape[0] > 1 else 0, QK_K * (b % (P // QK_K)) :]
                 for j in range(8):
                     spread[8 * g + j] = F32(2) * sum_x2 / F32(QK_K)
                     for i in range(32):
@@ -144,7 +152,7 @@ def k_min_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray, nmax: i
 
         for g in range(count):
             y = yb[b0 + g]
-            scales_g, mins_g = scales[8 * g:8 * g + 8], mins[8 * g:8 * g + 8]
+            scales_g, mins_g = scales[8 * g : 8 * g + 8], mins[8 * g : 8 * g + 8]
             if qw is None:
                 max_scale = F32(0)
                 max_min = F32(0)
@@ -161,8 +169,8 @@ def k_min_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray, nmax: i
                 d_block = max_scale / F32(63)
                 m_block = max_min / F32(63)
             else:
-                d_block = _search_block_scale(scales_g, 63, sw[8 * g:8 * g + 8], ls)
-                m_block = _search_block_scale(mins_g, 63, sw[8 * g:8 * g + 8], lm)
+                d_block = _search_block_scale(scales_g, 63, sw[8 * g : 8 * g + 8], ls)
+                m_block = _search_block_scale(mins_g, 63, sw[8 * g : 8 * g + 8], lm)
                 if clamp_weighted_levels:
                     for j in range(8):
                         ls[j] = min(63, ls[j])

@@ -43,7 +43,7 @@ def q6_k_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray) -> None:
             w[:] = F32(0)
             for g in range(count):
                 b = b0 + g
-                q = qw[b // (P // QK_K) if qw.shape[0] > 1 else 0, QK_K * (b % (P // QK_K)):]
+                q = qw[b // (P // QK_K) if qw.shape[0] > 1 else 0, QK_K * (b % (P // QK_K)) :]
                 for j in range(16):
                     for i in range(16):
                         w[i, 16 * g + j] = q[16 * j + i]
@@ -51,7 +51,7 @@ def q6_k_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray) -> None:
 
         for g in range(count):
             y = yb[b0 + g]
-            scales_g = scales[16 * g:16 * g + 16]
+            scales_g = scales[16 * g : 16 * g + 16]
             max_scale = F32(0)
             max_abs = F32(0)
             for j in range(16):  # signed scale of largest magnitude, first one on ties
@@ -75,12 +75,13 @@ def q6_k_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray) -> None:
                         Lb[16 * j + i] = min(max(nearest_int(xb[b0 + g, 16 * j + i] / d_sub), -32), 31) + 32
 
             for h in range(2):
-                ql, qh, Lh = y[64 * h:64 * h + 64], y[128 + 32 * h:160 + 32 * h], Lb[128 * h:128 * h + 128]
+                ql, qh, Lh = y[64 * h : 64 * h + 64], y[128 + 32 * h : 160 + 32 * h], Lb[128 * h : 128 * h + 128]
                 for i in range(32):
                     ql[i] = (Lh[i] & 0xF) | ((Lh[i + 64] & 0xF) << 4)
                     ql[i + 32] = (Lh[i + 32] & 0xF) | ((Lh[i + 96] & 0xF) << 4)
-                    qh[i] = ((Lh[i] >> 4) | ((Lh[i + 32] >> 4) << 2) | ((Lh[i + 64] >> 4) << 4)
-                             | ((Lh[i + 96] >> 4) << 6))
+                    qh[i] = (
+                        (Lh[i] >> 4) | ((Lh[i + 32] >> 4) << 2) | ((Lh[i + 64] >> 4) << 4) | ((Lh[i + 96] >> 4) << 6)
+                    )
             for j in range(16):
                 y[192 + j] = sc[j]
             y[208], y[209] = d16, d16 >> 8

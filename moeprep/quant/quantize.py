@@ -35,9 +35,14 @@ from moeprep.quant.verify import VerifyReport, verify_model
 QUANTIZATION_VERSION = 2  # ggml's current block layouts
 # general.file_type when every quantized tensor ends up in one type (the "pure" file types of llama-quantize).
 FILE_TYPES = {
-    "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_1": LlamaFileType.MOSTLY_Q4_1, "Q5_0": LlamaFileType.MOSTLY_Q5_0,
-    "Q5_1": LlamaFileType.MOSTLY_Q5_1, "Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
-    "Q5_K": LlamaFileType.MOSTLY_Q5_K_S, "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+    "Q4_1": LlamaFileType.MOSTLY_Q4_1,
+    "Q5_0": LlamaFileType.MOSTLY_Q5_0,
+    "Q5_1": LlamaFileType.MOSTLY_Q5_1,
+    "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
+    "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K,
 }
 UNQUANTIZED = {"F32", "F16", "BF16"}
 ROWS_PER_TASK = 256  # rows per thread task: big enough to vectorize, small enough to spread over threads
@@ -67,8 +72,15 @@ class Lookahead:
     bytes of output are submitted and not yet written; a task holds only its own rows as float32.
     """
 
-    def __init__(self, model: GGUFModel, plans: list[TensorPlan], imatrix: ImportanceMatrix | None,
-                 pool: ThreadPoolExecutor, device: str, budget: int = LOOKAHEAD_BYTES) -> None:
+    def __init__(
+        self,
+        model: GGUFModel,
+        plans: list[TensorPlan],
+        imatrix: ImportanceMatrix | None,
+        pool: ThreadPoolExecutor,
+        device: str,
+        budget: int = LOOKAHEAD_BYTES,
+    ) -> None:
         self.model, self.imatrix, self.pool, self.budget = model, imatrix, pool, budget
         self.on_device = set() if device == "cpu" else set(quantizers_on(device))
         self.device = device
@@ -109,13 +121,23 @@ class Lookahead:
         # 3-D tensors (stacked over an expert axis) use one imatrix row per slice, as llama.cpp does.
         for i in range(t.n_elements // (n_rows * t.row_length)):
             w = None if weights is None else (weights[i] if weights.ndim == 2 else weights)
-            futures += [self.pool.submit(self._quantize, t, i * n_rows + r, i * n_rows + min(r + step, n_rows),
-                                         plan.new_type, w, device)
-                        for r in range(0, n_rows, step)]
+            futures += [
+                self.pool.submit(
+                    self._quantize, t, i * n_rows + r, i * n_rows + min(r + step, n_rows), plan.new_type, w, device
+                )
+                for r in range(0, n_rows, step)
+            ]
         return futures
 
-    def _quantize(self, t: TensorInfo, start: int, stop: int, new_type: GGMLQuantizationType,
-                  weights: np.ndarray | None, device: str) -> np.ndarray:
+    def _quantize(
+        self,
+        t: TensorInfo,
+        start: int,
+        stop: int,
+        new_type: GGMLQuantizationType,
+        weights: np.ndarray | None,
+        device: str,
+    ) -> np.ndarray:
         """Rows start..stop of `t` (counted over all its slices) requantized to new_type."""
         rows = self.model.dequantize_rows(t, start, stop)
         if not np.isfinite(rows).all():
@@ -137,12 +159,18 @@ def output_kv(model: GGUFModel, plan: QuantPlan, imatrix: ImportanceMatrix | Non
         "moeprep.attn_type": KVValue(plan.attn_type.name, GGUFValueType.STRING),
         "moeprep.type_rules": KVValue([r.text for r in plan.rules], GGUFValueType.ARRAY, GGUFValueType.STRING),
     }
-    quantized = {p.new_type.name for p in plan.tensors if p.new_type.name not in UNQUANTIZED and len(p.tensor.shape) > 1}
+    quantized = {
+        p.new_type.name for p in plan.tensors if p.new_type.name not in UNQUANTIZED and len(p.tensor.shape) > 1
+    }
     if len(quantized) == 1 and quantized <= FILE_TYPES.keys():
         kv["general.file_type"] = KVValue(int(FILE_TYPES[quantized.pop()]), GGUFValueType.UINT32)
     if imatrix is not None:  # strings and INT32 counts, as llama-quantize writes them
-        kv.update({key: KVValue(v, GGUFValueType.STRING if isinstance(v, str) else GGUFValueType.INT32)
-                   for key, v in imatrix.quantize_kv().items()})
+        kv.update(
+            {
+                key: KVValue(v, GGUFValueType.STRING if isinstance(v, str) else GGUFValueType.INT32)
+                for key, v in imatrix.quantize_kv().items()
+            }
+        )
     return kv
 
 
@@ -159,9 +187,18 @@ def check_outputs(model: GGUFModel, out: Path, plan: QuantPlan, split_max_size: 
         raise MoeprepError(f"{out.parent}: {free >> 20} MiB free, the output needs about {plan.bytes_after >> 20} MiB")
 
 
-def quantize_model(model: GGUFModel, out: Path, plan: QuantPlan, *, imatrix: ImportanceMatrix | None = None,
-                   split_max_size: int | None = None, threads: int = 1, device: str = "cpu",
-                   progress: bool = True, verify: bool = True) -> QuantizeResult:
+def quantize_model(
+    model: GGUFModel,
+    out: Path,
+    plan: QuantPlan,
+    *,
+    imatrix: ImportanceMatrix | None = None,
+    split_max_size: int | None = None,
+    threads: int = 1,
+    device: str = "cpu",
+    progress: bool = True,
+    verify: bool = True,
+) -> QuantizeResult:
     """Write `model` with `plan` applied to `out` (shards when split_max_size is set), quantizing on `device`
     ("cpu" or "cuda": the same bytes).
 
@@ -176,10 +213,17 @@ def quantize_model(model: GGUFModel, out: Path, plan: QuantPlan, *, imatrix: Imp
         try:
             with tqdm(total=plan.bytes_after, unit="B", unit_scale=True, desc="quantize", disable=not progress) as bar:
                 lookahead = Lookahead(model, [p for p in plan.tensors if p.requantize], imatrix, pool, device)
-                tensors = [lookahead.output_tensor(p) if p.requantize else copied_tensor(model, p.tensor)
-                           for p in plan.tensors]
-                staged = write_gguf(stage / out.name, model, tensors=tensors, kv_set=output_kv(model, plan, imatrix),
-                                    split_max_size=split_max_size, on_bytes=bar.update)
+                tensors = [
+                    lookahead.output_tensor(p) if p.requantize else copied_tensor(model, p.tensor) for p in plan.tensors
+                ]
+                staged = write_gguf(
+                    stage / out.name,
+                    model,
+                    tensors=tensors,
+                    kv_set=output_kv(model, plan, imatrix),
+                    split_max_size=split_max_size,
+                    on_bytes=bar.update,
+                )
         finally:
             pool.shutdown(cancel_futures=True)  # after an error or Ctrl-C, tasks not yet started never run
         seconds = time.perf_counter() - start
@@ -196,15 +240,18 @@ def format_summary(result: QuantizeResult, out: Path) -> str:
     plan, report = result.plan, result.report
     fallbacks = [p for p in plan.tensors if p.fell_back_from is not None]
     lines = [
-        f"wrote {', '.join(str(p) for p in result.paths)}" if result.paths else f"{out} was not written (it does "
-        "not verify against the input)",
+        f"wrote {', '.join(str(p) for p in result.paths)}"
+        if result.paths
+        else f"{out} was not written (it does not verify against the input)",
         f"tensors requantized: {len(plan.changed)} of {len(plan.tensors)} "
         f"({', '.join(sorted({f'{p.tensor.type_name}->{p.new_type.name}' for p in plan.changed})) or 'none'})",
         f"bytes: {plan.bytes_before} -> {plan.bytes_after} ({plan.bytes_after / plan.bytes_before:.1%})",
         f"time: {result.seconds:.1f} s, {result.throughput:.1f} MB/s of float32 requantized",
     ]
     if fallbacks:
-        lines.append(f"fallbacks ({len(fallbacks)}): " + "; ".join(f"{p.tensor.name} {p.reason.split(': ', 1)[1]}"
-                                                               for p in fallbacks))
+        lines.append(
+            f"fallbacks ({len(fallbacks)}): "
+            + "; ".join(f"{p.tensor.name} {p.reason.split(': ', 1)[1]}" for p in fallbacks)
+        )
     lines.append("verify: skipped (--no-verify)" if report is None else f"verify: {report.summary()}")
     return "\n".join(lines)

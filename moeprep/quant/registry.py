@@ -39,16 +39,27 @@ FLT_MAX = F32(np.finfo(F32).max)
 
 def _unweighted(qtype: GGMLQuantizationType) -> Quantizer:
     """gguf-py's quantizer for a type whose ggml quantizer never reads the importance matrix."""
+
     def quantize(rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
         with np.errstate(over="ignore"):  # beyond fp16's range ggml stores inf too
             out = gguf.quants.quantize(rows, qtype)
         return np.ascontiguousarray(out).view(np.uint8).reshape(rows.shape[0], -1)
+
     return quantize
 
 
 @numba.njit(**JIT)
-def _pack_legacy(L: np.ndarray, d: np.ndarray, mn: np.ndarray, levels: int, with_min: bool, packed: np.ndarray,
-                 yb: np.ndarray, b0: int, count: int) -> None:
+def _pack_legacy(
+    L: np.ndarray,
+    d: np.ndarray,
+    mn: np.ndarray,
+    levels: int,
+    with_min: bool,
+    packed: np.ndarray,
+    yb: np.ndarray,
+    b0: int,
+    count: int,
+) -> None:
     """Blocks b0..b0+count-1 of yb [NB, type_size] from lanes 0..count-1 of L [32, S], d [S], mn [S].
 
     A block: d (fp16), [min (fp16)], [qh: bit 4 of value j as bit j, for 5-bit types], qs: values j and j+16
@@ -79,8 +90,9 @@ def _pack_legacy(L: np.ndarray, d: np.ndarray, mn: np.ndarray, levels: int, with
 
 
 @numba.njit(**JIT)
-def _reference_levels(x: np.ndarray, levels: int, with_min: bool, L: np.ndarray, d: np.ndarray, mn: np.ndarray,
-                      lane: np.ndarray) -> None:
+def _reference_levels(
+    x: np.ndarray, levels: int, with_min: bool, L: np.ndarray, d: np.ndarray, mn: np.ndarray, lane: np.ndarray
+) -> None:
     """ggml's quantize_row_qX_Y_ref for S blocks at once. x: [32, S], value i of block s at [i, s].
 
     Writes L [32, S] uint8, d [S] and, for the affine types, mn [S] (the block's minimum). lane: [3, S] scratch."""
@@ -163,15 +175,17 @@ def _legacy_rows(rows: np.ndarray, qw: np.ndarray | None, out: np.ndarray, level
 @dataclass(frozen=True)
 class LegacyType:
     """A 32-value block type: Q4_0/Q5_0 store d (symmetric), Q4_1/Q5_1 store d and a min (affine)."""
+
     qtype: GGMLQuantizationType
-    levels: int     # 16 (4-bit) or 32 (5-bit: the fifth bits go to a 32-bit qh)
+    levels: int  # 16 (4-bit) or 32 (5-bit: the fifth bits go to a 32-bit qh)
     with_min: bool  # affine (_1) or symmetric (_0)
 
     def quantize(self, rows: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
         """rows [R, P] (P % 32 == 0), importance [P], [R, P] or None -> bytes [R, P/32*type_size]."""
         block_size, type_size = GGML_QUANT_SIZES[self.qtype]
-        return quantize_with(_legacy_rows, rows, imatrix, rows.shape[1] // block_size * type_size, self.levels,
-                             self.with_min)
+        return quantize_with(
+            _legacy_rows, rows, imatrix, rows.shape[1] // block_size * type_size, self.levels, self.with_min
+        )
 
 
 # --- the tables ------------------------------------------------------------------------------------------------------
@@ -203,8 +217,10 @@ def _torch_quantizers(device: str) -> dict[GGMLQuantizationType, Quantizer]:
     from moeprep.quant import kquants_torch
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise MoeprepError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() "
-                           f"is False); use --device cpu")
+        raise MoeprepError(
+            f"--device cuda: torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() "
+            f"is False); use --device cpu"
+        )
     return kquants_torch.quantizers_on(device)
 
 
@@ -246,8 +262,9 @@ def _first_bad(a: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
 
 
-def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType, imatrix: np.ndarray | None = None,
-                  device: str = "cpu") -> np.ndarray:
+def quantize_rows(
+    rows: np.ndarray, qtype: GGMLQuantizationType, imatrix: np.ndarray | None = None, device: str = "cpu"
+) -> np.ndarray:
     """Bytes of rows [R, P] in qtype, as ggml_quantize_chunk writes them. -> uint8 [R, P/block*type_size].
 
     imatrix: importance [P] for all rows, or [R, P] one per row (e.g. the expert of each row); None for the
@@ -260,18 +277,26 @@ def quantize_rows(rows: np.ndarray, qtype: GGMLQuantizationType, imatrix: np.nda
     n_rows, n_per_row = rows.shape
     block_size = GGML_QUANT_SIZES[qtype][0]
     if n_per_row % block_size != 0:
-        raise MoeprepError(f"rows of {n_per_row} values do not split into {qtype.name} blocks of {block_size}; "
-                           f"use choose_type() to pick the fallback type llama-quantize would use")
+        raise MoeprepError(
+            f"rows of {n_per_row} values do not split into {qtype.name} blocks of {block_size}; "
+            f"use choose_type() to pick the fallback type llama-quantize would use"
+        )
     if not np.isfinite(rows).all():
         bad = int((~np.isfinite(rows)).sum())
-        raise MoeprepError(f"cannot quantize to {qtype.name}: {bad} NaN/Inf value(s) in the input, first at "
-                           f"[row, column] {list(_first_bad(rows))}; the source tensor is corrupt")
+        raise MoeprepError(
+            f"cannot quantize to {qtype.name}: {bad} NaN/Inf value(s) in the input, first at "
+            f"[row, column] {list(_first_bad(rows))}; the source tensor is corrupt"
+        )
     if imatrix is not None:
         imatrix = np.asarray(imatrix, dtype=F32)
         if imatrix.shape not in ((n_per_row,), (n_rows, n_per_row)):
-            raise MoeprepError(f"importance matrix of shape {imatrix.shape} does not fit rows of shape {rows.shape}; "
-                               f"expected ({n_per_row},) or ({n_rows}, {n_per_row})")
+            raise MoeprepError(
+                f"importance matrix of shape {imatrix.shape} does not fit rows of shape {rows.shape}; "
+                f"expected ({n_per_row},) or ({n_rows}, {n_per_row})"
+            )
         if not np.isfinite(imatrix).all():
-            raise MoeprepError(f"importance matrix has NaN/Inf values (first at {list(_first_bad(imatrix))}); "
-                               f"regenerate it with llama-imatrix")
+            raise MoeprepError(
+                f"importance matrix has NaN/Inf values (first at {list(_first_bad(imatrix))}); "
+                f"regenerate it with llama-imatrix"
+            )
     return quantizers_on(device).get(qtype, QUANTIZERS[qtype])(rows, imatrix)

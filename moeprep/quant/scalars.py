@@ -9,7 +9,7 @@ import numpy as np
 from moeprep.quant.jit import F32, JIT
 
 MAGIC = F32(12582912.0)  # 1.5 * 2**23: adding it leaves round(v) in the low mantissa bits
-_FP16_TINY = F32(2.0 ** -24)  # the smallest fp16 subnormal
+_FP16_TINY = F32(2.0**-24)  # the smallest fp16 subnormal
 
 
 @numba.njit(**JIT)

@@ -33,9 +33,18 @@ def search_work(n: int, S: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
 
 
 @numba.njit(**JIT)
-def search_min_scale(x: np.ndarray, w: np.ndarray, nmax: int, rmin: np.float32, rdelta: np.float32, nstep: int,
-                     L: np.ndarray, scale: np.ndarray, the_min: np.ndarray,
-                     work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+def search_min_scale(
+    x: np.ndarray,
+    w: np.ndarray,
+    nmax: int,
+    rmin: np.float32,
+    rdelta: np.float32,
+    nstep: int,
+    L: np.ndarray,
+    scale: np.ndarray,
+    the_min: np.ndarray,
+    work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+) -> None:
     """Affine search `x ~ scale*L + min` (L in 0..nmax, min <= 0), ggml's make_qkx2_quants / make_qkx3_quants,
     for S groups at once. With weights given and no mean-absolute error the two C functions do the same arithmetic.
 
@@ -125,8 +134,16 @@ def search_min_scale(x: np.ndarray, w: np.ndarray, nmax: int, rmin: np.float32, 
 
 
 @numba.njit(inline="always", **JIT)
-def _symmetric_levels(x: np.ndarray, w: np.ndarray, wx: np.ndarray, iscale: np.ndarray, nmax: int, L: np.ndarray,
-                      sumlx: np.ndarray, suml2: np.ndarray) -> None:
+def _symmetric_levels(
+    x: np.ndarray,
+    w: np.ndarray,
+    wx: np.ndarray,
+    iscale: np.ndarray,
+    nmax: int,
+    L: np.ndarray,
+    sumlx: np.ndarray,
+    suml2: np.ndarray,
+) -> None:
     """One candidate of search_symmetric_scale: levels clamp(nearest_int(iscale*x), -nmax, nmax-1) + nmax into L,
     and per lane the sums of (w*x)*l and (w*l)*l, in C's order."""
     n, S = x.shape
@@ -142,8 +159,14 @@ def _symmetric_levels(x: np.ndarray, w: np.ndarray, wx: np.ndarray, iscale: np.n
 
 
 @numba.njit(**JIT)
-def search_symmetric_scale(x: np.ndarray, w: np.ndarray, nmax: int, L: np.ndarray, scale: np.ndarray,
-                           work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+def search_symmetric_scale(
+    x: np.ndarray,
+    w: np.ndarray,
+    nmax: int,
+    L: np.ndarray,
+    scale: np.ndarray,
+    work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+) -> None:
     """Symmetric search `x ~ scale*(L - nmax)`, ggml's make_qx_quants with rmse_type 1, for S groups at once.
 
     x, w: [n, S] float32, value i of group s at [i, s] (ggml's default weight is x*x: the caller passes it).

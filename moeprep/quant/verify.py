@@ -23,8 +23,17 @@ CHANGED_KEY_PREFIXES = ("general.file_type", "general.quantization_version", "qu
 # Largest relative RMS error (||deq(out) - src|| / ||src||) accepted per target type. ggml's quantizers land well
 # under these on weight-like data (Q4_K about 0.09 on Gaussian rows); a bound breached means a broken tensor.
 MAX_RELATIVE_ERROR = {
-    "F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 0.01, "Q6_K": 0.04, "Q5_K": 0.07, "Q5_0": 0.07, "Q5_1": 0.07,
-    "Q4_K": 0.14, "Q4_0": 0.16, "Q4_1": 0.14,
+    "F32": 0.0,
+    "F16": 1e-3,
+    "BF16": 8e-3,
+    "Q8_0": 0.01,
+    "Q6_K": 0.04,
+    "Q5_K": 0.07,
+    "Q5_0": 0.07,
+    "Q5_1": 0.07,
+    "Q4_K": 0.14,
+    "Q4_0": 0.16,
+    "Q4_1": 0.14,
 }
 COMPARE_CHUNK = 16 << 20  # bytes of each file read per comparison step
 ERROR_ROWS = 1024  # rows dequantized (as float64) per step of the error sum
@@ -109,8 +118,9 @@ def verify_model(out: GGUFModel, src: GGUFModel, threads: int = 1, progress: boo
     pairs = list(zip(out.tensors, src.tensors))
     pool = ThreadPoolExecutor(max_workers=max(1, threads))
     try:
-        with tqdm(total=sum(t.n_bytes for t in out.tensors), unit="B", unit_scale=True, desc="verify",
-                  disable=not progress) as bar:
+        with tqdm(
+            total=sum(t.n_bytes for t in out.tensors), unit="B", unit_scale=True, desc="verify", disable=not progress
+        ) as bar:
 
             def check(pair: tuple[TensorInfo, TensorInfo]) -> tuple[str, float | str]:
                 result = _check_tensor(out, pair[0], src, pair[1])

@@ -34,15 +34,21 @@ class QAct:
 
     def __post_init__(self) -> None:
         rows, cols = self.q.shape
-        assert (self.q.dtype == torch.int8 and cols % 32 == 0 and self.d.shape == (rows, cols // 32)
-                and self.s.shape == (rows, cols // 16)), (tuple(self.q.shape), tuple(self.d.shape), tuple(self.s.shape))
+        assert (
+            self.q.dtype == torch.int8
+            and cols % 32 == 0
+            and self.d.shape == (rows, cols // 32)
+            and self.s.shape == (rows, cols // 16)
+        ), (tuple(self.q.shape), tuple(self.d.shape), tuple(self.s.shape))
 
     @classmethod
     def empty(cls, rows: int, cols: int, device: torch.device) -> QAct:
         """Uninitialised buffers for the rounding of (rows, cols) activations, for a kernel to store_i8 into."""
-        return cls(torch.empty(rows, cols, dtype=torch.int8, device=device),
-                   torch.empty(rows, cols // 32, dtype=torch.float32, device=device),
-                   torch.empty(rows, cols // 16, dtype=torch.float32, device=device))
+        return cls(
+            torch.empty(rows, cols, dtype=torch.int8, device=device),
+            torch.empty(rows, cols // 32, dtype=torch.float32, device=device),
+            torch.empty(rows, cols // 16, dtype=torch.float32, device=device),
+        )
 
     def rounds(self, x: torch.Tensor, cols: int) -> bool:
         """Is it shaped as the rounding of x read as rows of `cols` values (a product's input)?"""
@@ -87,5 +93,6 @@ def quantize_i8(x: torch.Tensor) -> QAct:
     out = QAct.empty(rows, cols, x.device)
     if rows:
         _quantize_i8_kernel[(rows, triton.cdiv(cols // 32, tuning.QUANTIZE_BLOCKS))](
-            x, out.q, out.d, out.s, cols, NB=tuning.QUANTIZE_BLOCKS, enable_fp_fusion=False)  # no FMA: see store_i8
+            x, out.q, out.d, out.s, cols, NB=tuning.QUANTIZE_BLOCKS, enable_fp_fusion=False
+        )  # no FMA: see store_i8
     return out

@@ -43,8 +43,22 @@ ATTEND_MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, d_ptr, s_ptr, D, x_stride, eps,
-                     HAS_DELTA: tl.constexpr, I8: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    w_ptr,
+    sum_ptr,
+    out_ptr,
+    q_ptr,
+    d_ptr,
+    s_ptr,
+    D,
+    x_stride,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    I8: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Row i: h = x[i] (+ delta[i]); out[i] = h * rsqrt(mean(h^2) + eps) * w (and sum[i] = h with a delta); with
     I8, out[i] rounded for the 8-bit route into q, d, s (act_i8.store_i8)."""
     i = tl.program_id(0).to(tl.int64)
@@ -75,9 +89,10 @@ def rounded_rows(routes: Int8Routes) -> int:
     """The most rows of activations that the kernels writing them round for the 8-bit routes as well (the _i8
     forms): as many as the products reading them take on one of the routes that are on (the matrix-vector kernel's,
     for a decode step's tokens and a short prompt's experts; the 8-bit GEMM's dense products)."""
-    return max(max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GEMV_MAX_TOKENS, tuning.MOE_GLU_GEMV_MAX_TOKENS)
-               if routes.gemv else 0,
-               tuning.DENSE_I8_MAX_TOKENS if routes.gemm else 0)
+    return max(
+        max(tuning.GEMV_MAX_TOKENS, tuning.MOE_GEMV_MAX_TOKENS, tuning.MOE_GLU_GEMV_MAX_TOKENS) if routes.gemv else 0,
+        tuning.DENSE_I8_MAX_TOKENS if routes.gemm else 0,
+    )
 
 
 def rounds_i8(rows: int, cols: int, routes: Int8Routes = INT8_ON) -> bool:
@@ -86,17 +101,40 @@ def rounds_i8(rows: int, cols: int, routes: Int8Routes = INT8_ON) -> bool:
     return 0 < rows <= rounded_rows(routes) and cols % 32 == 0
 
 
-def _norm(x: torch.Tensor, x_stride: int, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-          h: torch.Tensor | None, out: torch.Tensor, i8: bool, routes: Int8Routes = INT8_ON) -> QAct | None:
+def _norm(
+    x: torch.Tensor,
+    x_stride: int,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    h: torch.Tensor | None,
+    out: torch.Tensor,
+    i8: bool,
+    routes: Int8Routes = INT8_ON,
+) -> QAct | None:
     """_rms_norm_kernel over the rows of x into out (and h = x + delta with h); with `i8`, where its readers can use
     it (rounds_i8), out rounded for the 8-bit routes too: -> that rounding, else None."""
     rows, D = out.shape
     act = QAct.empty(rows, D, out.device) if i8 and rounds_i8(rows, D, routes) else None
     q, d, s = (out, out, out) if act is None else (act.q, act.d, act.s)
     if rows:  # no FMA: store_i8 rounds as quantize_i8 does
-        _rms_norm_kernel[(rows,)](x, delta, weight, out if h is None else h, out, q, d, s, D, x_stride, eps,
-                                  HAS_DELTA=h is not None, I8=act is not None, BLOCK=triton.next_power_of_2(D),
-                                  enable_fp_fusion=False)
+        _rms_norm_kernel[(rows,)](
+            x,
+            delta,
+            weight,
+            out if h is None else h,
+            out,
+            q,
+            d,
+            s,
+            D,
+            x_stride,
+            eps,
+            HAS_DELTA=h is not None,
+            I8=act is not None,
+            BLOCK=triton.next_power_of_2(D),
+            enable_fp_fusion=False,
+        )
     return act
 
 
@@ -108,8 +146,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + delta, rms_norm(h): x, delta (T, D) float32 -> (h, normed), both (T, D) float32."""
     assert x.shape == delta.shape and x.dim() == 2, (tuple(x.shape), tuple(delta.shape))
     x, delta = x.contiguous(), delta.contiguous()
@@ -118,8 +160,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return h, out
 
 
-def add_rms_norm_i8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                    routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
+def add_rms_norm_i8(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, routes: Int8Routes = INT8_ON
+) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
     """The norm whose output products read: (h, normed) as add_rms_norm's (h = x, rms_norm(x) where delta is None:
     a residual stream with nothing pending), and normed's rounding for the 8-bit routes where the products reading
     it take one (rounds_i8; else None), made in the same pass. x, delta (T, D) -> (h, normed (T, D) float32, QAct)."""
@@ -149,10 +192,36 @@ def _slot_row(pos_ptr, seq_ptr, t, g, G, n_ctx, SEQS: tl.constexpr):
 # the step's sizes, and its positions and sequences (whose alignment follows the step's token count where they are
 # rows of one tensor): see gemv._gemv_kernel
 @triton.jit(do_not_specialize=["pos_ptr", "seq_ptr", "n_q_rows", "n_k_rows"])
-def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, cos_ptr, sin_ptr, pos_ptr, seq_ptr,
-                     n_q_rows, n_k_rows, H, G, Dh, Dv, rot_half, eps, n_ctx,
-                     HAS_NORM: tl.constexpr, NEOX: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-                     VB: tl.constexpr, TO_SLOTS: tl.constexpr, SEQS: tl.constexpr):
+def _qkv_rope_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_out,
+    k_out,
+    v_out,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    seq_ptr,
+    n_q_rows,
+    n_k_rows,
+    H,
+    G,
+    Dh,
+    Dv,
+    rot_half,
+    eps,
+    n_ctx,
+    HAS_NORM: tl.constexpr,
+    NEOX: tl.constexpr,
+    HALF: tl.constexpr,
+    REST: tl.constexpr,
+    VB: tl.constexpr,
+    TO_SLOTS: tl.constexpr,
+    SEQS: tl.constexpr,
+):
     """Program p: q row p (< n_q_rows = T*H), k row p - n_q_rows (< T*G), else v row p - n_q_rows - n_k_rows.
 
     A q or k row (one head of one token): optionally RMSNorm over Dh with its weight, then rotate channel pairs
@@ -213,11 +282,22 @@ def _qkv_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, c
             tl.store(k_out + out_row * Dh + j, xr.to(k_out.dtype.element_ty), mask=j_ok)
 
 
-def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
-             k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-             neox: bool, kv_dtype: torch.dtype, k_slots: torch.Tensor | None = None,
-             v_slots: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    neox: bool,
+    kv_dtype: torch.dtype,
+    k_slots: torch.Tensor | None = None,
+    v_slots: torch.Tensor | None = None,
+    seqs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (both weights (Dh,), or neither), RoPE by the (n_ctx, R) cos/sin tables at
     `positions` (T,) over the first 2R channels, in one launch with the cast of k and v to the KV cache's dtype.
 
@@ -243,12 +323,36 @@ def qkv_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Te
     if T:
         norm = q_norm if q_norm is not None else q
         _qkv_rope_kernel[(n_q + 2 * n_k,)](
-            q, k, v, norm, k_norm if k_norm is not None else q, q_out, k_out, v_out, cos, sin, positions,
-            positions if seqs is None else seqs, n_q, n_k, H, G, Dh, Dv, rot_half, eps, k_out.shape[-3],
-            HAS_NORM=q_norm is not None, NEOX=neox, HALF=triton.next_power_of_2(rot_half),
-            REST=triton.next_power_of_2(max(Dh - 2 * rot_half, 1)), VB=triton.next_power_of_2(Dv),
-            TO_SLOTS=to_slots, SEQS=seqs is not None,
-            num_warps=1 if max(Dh, Dv) <= 256 else 4)  # a program is one head's row
+            q,
+            k,
+            v,
+            norm,
+            k_norm if k_norm is not None else q,
+            q_out,
+            k_out,
+            v_out,
+            cos,
+            sin,
+            positions,
+            positions if seqs is None else seqs,
+            n_q,
+            n_k,
+            H,
+            G,
+            Dh,
+            Dv,
+            rot_half,
+            eps,
+            k_out.shape[-3],
+            HAS_NORM=q_norm is not None,
+            NEOX=neox,
+            HALF=triton.next_power_of_2(rot_half),
+            REST=triton.next_power_of_2(max(Dh - 2 * rot_half, 1)),
+            VB=triton.next_power_of_2(Dv),
+            TO_SLOTS=to_slots,
+            SEQS=seqs is not None,
+            num_warps=1 if max(Dh, Dv) <= 256 else 4,
+        )  # a program is one head's row
     return q_out, k_out, v_out
 
 
@@ -273,11 +377,35 @@ def _dot_f32(a, b, SPLIT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["seq_ptr", "n_slots", "n_splits", "allowed_stride", "k_seq_stride", "v_seq_stride"])
-def _attend_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, allowed_ptr, m_ptr, l_ptr, acc_ptr,
-                         n_slots, n_splits, H, G, Dk, Dv, k_stride, v_stride, k_seq_stride, v_seq_stride,
-                         allowed_stride, scale,
-                         HG: tl.constexpr, HGP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BS: tl.constexpr, SPLIT: tl.constexpr, SEQS: tl.constexpr):
+def _attend_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    seq_ptr,
+    allowed_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    n_slots,
+    n_splits,
+    H,
+    G,
+    Dk,
+    Dv,
+    k_stride,
+    v_stride,
+    k_seq_stride,
+    v_seq_stride,
+    allowed_stride,
+    scale,
+    HG: tl.constexpr,
+    HGP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SEQS: tl.constexpr,
+):
     """Program (t*G + g, split): the HG query heads of KV head g for token t, over slots split*BS .. +BS of token
     t's keys and values: those of the one sequence at k_ptr, or with SEQS of sequence seqs[t] (k_ptr + seqs[t] *
     k_seq_stride).
@@ -302,15 +430,17 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, allowed_ptr, m_ptr, l_ptr
     if SEQS:
         seq = tl.load(seq_ptr + t).to(tl.int64)
         k_base, v_base = k_ptr + seq * k_seq_stride, v_ptr + seq * v_seq_stride
-    k = tl.load(k_base + kv_row * k_stride + g * Dk + dk[None, :], mask=allowed[:, None] & (dk < Dk)[None, :],
-                other=0.0)
+    k = tl.load(
+        k_base + kv_row * k_stride + g * Dk + dk[None, :], mask=allowed[:, None] & (dk < Dk)[None, :], other=0.0
+    )
     scores = _dot_f32(q, tl.trans(k), SPLIT) * scale  # [HGP, BS]
     scores = tl.where(allowed[None, :], scores, float("-inf"))
     m = tl.max(scores, axis=1)
     p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
     l = tl.sum(p, axis=1)
-    v = tl.load(v_base + kv_row * v_stride + g * Dv + dv[None, :], mask=allowed[:, None] & (dv < Dv)[None, :],
-                other=0.0)
+    v = tl.load(
+        v_base + kv_row * v_stride + g * Dv + dv[None, :], mask=allowed[:, None] & (dv < Dv)[None, :], other=0.0
+    )
     acc = _dot_f32(p, v, SPLIT)  # [HGP, DV]
     part = (t * H + h) * n_splits + split  # [HGP]
     tl.store(m_ptr + part, m, mask=h_ok)
@@ -319,8 +449,23 @@ def _attend_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, allowed_ptr, m_ptr, l_ptr
 
 
 @triton.jit(do_not_specialize=["n_splits"])
-def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_ptr, s_ptr, n_splits, H, Dv,
-                           HAS_SINKS: tl.constexpr, I8: tl.constexpr, CS: tl.constexpr, DV: tl.constexpr):
+def _attend_combine_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    sinks_ptr,
+    out_ptr,
+    q_ptr,
+    d_ptr,
+    s_ptr,
+    n_splits,
+    H,
+    Dv,
+    HAS_SINKS: tl.constexpr,
+    I8: tl.constexpr,
+    CS: tl.constexpr,
+    DV: tl.constexpr,
+):
     """Program t*H + h: out = sum_i exp(m_i - M) acc_i / (sum_i exp(m_i - M) l_i [+ exp(sink - M)]), M the max;
     with I8 also rounded for the 8-bit route into q, d, s (act_i8.store_i8; Dv a multiple of 32)."""
     th = tl.program_id(0)
@@ -341,8 +486,9 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_p
         m = tl.load(m_ptr + base + s0 + c, mask=ok, other=float("-inf"))
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
         denom += w * tl.load(l_ptr + base + s0 + c, mask=ok, other=0.0)
-        part = tl.load(acc_ptr + (base + s0 + c)[:, None] * Dv + dv[None, :], mask=ok[:, None] & (dv < Dv)[None, :],
-                       other=0.0)
+        part = tl.load(
+            acc_ptr + (base + s0 + c)[:, None] * Dv + dv[None, :], mask=ok[:, None] & (dv < Dv)[None, :], other=0.0
+        )
         acc += w[:, None] * part
     total = tl.sum(denom, axis=0)
     if HAS_SINKS:
@@ -354,20 +500,28 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, q_ptr, d_p
         store_i8(tl.reshape(y, (DV // 32, 32)), blk, blk < Dv // 32, th, Dv, q_ptr, d_ptr, s_ptr, DV // 32)
 
 
-
-
 def attend_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor | None = None) -> bool:
     """attend_decode takes a few tokens, of one sequence ((S, G, D) KV) or each of its own (`seqs`, a sequence per
     token, over every sequence's (n_seq, S, G, D): a decode batch of several sequences), with heads of at most 256
     values."""
-    return (q.shape[0] <= ATTEND_MAX_TOKENS and (k.dim() == 3 if seqs is None else
-                                                 k.dim() == 4 and seqs.shape == (q.shape[0],))
-            and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM
-            and k.stride()[-2:] == (k.shape[-1], 1) and v.stride()[-2:] == (v.shape[-1], 1))
+    return (
+        q.shape[0] <= ATTEND_MAX_TOKENS
+        and (k.dim() == 3 if seqs is None else k.dim() == 4 and seqs.shape == (q.shape[0],))
+        and max(q.shape[-1], v.shape[-1]) <= ATTEND_MAX_HEAD_DIM
+        and k.stride()[-2:] == (k.shape[-1], 1)
+        and v.stride()[-2:] == (v.shape[-1], 1)
+    )
 
 
-def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                  sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None) -> torch.Tensor:
+def attend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    seqs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """layers.attend for a few tokens: q (T, H, Dk) over one sequence's k (S, G, Dk), v (S, G, Dv), or, token t over
     sequence seqs[t] of every sequence's k (n_seq, S, G, Dk), v (n_seq, S, G, Dv) (any float dtype; rows of S may be
     strided: a prefix of the cache, read in place), allowed (T, S) bool, sinks (H,) or None -> (T, H, Dv) float32.
@@ -375,17 +529,32 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     return _attend_decode(q, k, v, allowed, scale, sinks, seqs, i8=False)[0]
 
 
-def attend_decode_i8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                     sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
-                     routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, QAct | None]:
+def attend_decode_i8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    seqs: torch.Tensor | None = None,
+    routes: Int8Routes = INT8_ON,
+) -> tuple[torch.Tensor, QAct | None]:
     """attend_decode, and its output read as (T, H * Dv) (the output projection's input) rounded for the 8-bit
     routes in the same pass, where the products reading it take one (rounds_i8, Dv a multiple of 32; else None)."""
     return _attend_decode(q, k, v, allowed, scale, sinks, seqs, i8=True, routes=routes)
 
 
-def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                   sinks: torch.Tensor | None, seqs: torch.Tensor | None, i8: bool,
-                   routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, QAct | None]:
+def _attend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+    seqs: torch.Tensor | None,
+    i8: bool,
+    routes: Int8Routes = INT8_ON,
+) -> tuple[torch.Tensor, QAct | None]:
     assert attend_supports(q, k, v, seqs), (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     T, H, Dk = q.shape
     S, G, Dv = v.shape[-3:]
@@ -400,19 +569,55 @@ def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
         return out, None
     hg = H // G
     _attend_split_kernel[(T * G, n_splits)](
-        q, k, v, allowed if seqs is None else seqs, allowed, m, l, acc, S, n_splits, H, G, Dk, Dv, k.stride(-3),
-        v.stride(-3), k.stride(0) if seqs is not None else 0, v.stride(0) if seqs is not None else 0,
-        allowed.stride(0), scale,
-        HG=hg, HGP=max(16, triton.next_power_of_2(hg)), DK=max(16, triton.next_power_of_2(Dk)),
-        DV=max(16, triton.next_power_of_2(Dv)), BS=ATTEND_SLOTS, SEQS=seqs is not None,
-        SPLIT=k.dtype == v.dtype == torch.bfloat16 and not INTERPRETED)  # (the interpreter's tl.dot: bfloat16 as ints)
+        q,
+        k,
+        v,
+        allowed if seqs is None else seqs,
+        allowed,
+        m,
+        l,
+        acc,
+        S,
+        n_splits,
+        H,
+        G,
+        Dk,
+        Dv,
+        k.stride(-3),
+        v.stride(-3),
+        k.stride(0) if seqs is not None else 0,
+        v.stride(0) if seqs is not None else 0,
+        allowed.stride(0),
+        scale,
+        HG=hg,
+        HGP=max(16, triton.next_power_of_2(hg)),
+        DK=max(16, triton.next_power_of_2(Dk)),
+        DV=max(16, triton.next_power_of_2(Dv)),
+        BS=ATTEND_SLOTS,
+        SEQS=seqs is not None,
+        SPLIT=k.dtype == v.dtype == torch.bfloat16 and not INTERPRETED,
+    )  # (the interpreter's tl.dot: bfloat16 as ints)
     # the rounding's rows of Dv values (one per program) are the same bytes, in order, as rows of H * Dv
     act = QAct.empty(T, H * Dv, out.device) if i8 and rounds_i8(T, H * Dv, routes) and Dv % 32 == 0 else None
     q8, d8, s8 = (out, out, out) if act is None else (act.q, act.d, act.s)
     _attend_combine_kernel[(T * H,)](
-        m, l, acc, sinks if sinks is not None else m, out, q8, d8, s8, n_splits, H, Dv,
-        HAS_SINKS=sinks is not None, I8=act is not None, CS=16, DV=triton.next_power_of_2(Dv),
-        enable_fp_fusion=False)  # no FMA: store_i8 rounds as quantize_i8 does
+        m,
+        l,
+        acc,
+        sinks if sinks is not None else m,
+        out,
+        q8,
+        d8,
+        s8,
+        n_splits,
+        H,
+        Dv,
+        HAS_SINKS=sinks is not None,
+        I8=act is not None,
+        CS=16,
+        DV=triton.next_power_of_2(Dv),
+        enable_fp_fusion=False,
+    )  # no FMA: store_i8 rounds as quantize_i8 does
     return out, act
 
 
@@ -420,9 +625,20 @@ def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, scale,
-                  SOFTMAX: tl.constexpr, SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr):
+def _route_kernel(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    E,
+    scale,
+    SOFTMAX: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BE: tl.constexpr,
+):
     """Token t: the K largest logits (equal ones: the lowest expert id first), in descending order, and their
     weights: softmax over all E logits, sigmoid, or softmax over the K chosen; then optionally / their sum and * scale.
 
@@ -462,8 +678,13 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, scale,
     tl.store(weights_ptr + t * K + kk, chosen, mask=k_ok)
 
 
-def route(logits: torch.Tensor, k: int, gating: int, normalize: bool, scale: float,
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor,
+    k: int,
+    gating: int,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) float32 -> expert ids (T, K) int64, weights (T, K) float32 (see _route_kernel); gating is
     config.GATING_SOFTMAX, GATING_SIGMOID or GATING_SOFTMAX_WEIGHT."""
     logits = logits.float().contiguous()
@@ -472,10 +693,21 @@ def route(logits: torch.Tensor, k: int, gating: int, normalize: bool, scale: flo
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:
         # one warp: the K rounds of max/min/sum over E logits reduce by shuffles, with no barrier
-        _route_kernel[(T,)](logits, ids, weights, E, scale, SOFTMAX=gating == GATING_SOFTMAX,
-                            SIGMOID=gating == GATING_SIGMOID, NORMALIZE=normalize,
-                            SCALE=scale not in (0.0, 1.0), K=k, KP=triton.next_power_of_2(k),
-                            BE=triton.next_power_of_2(E), num_warps=1 if E <= 256 else 4)
+        _route_kernel[(T,)](
+            logits,
+            ids,
+            weights,
+            E,
+            scale,
+            SOFTMAX=gating == GATING_SOFTMAX,
+            SIGMOID=gating == GATING_SIGMOID,
+            NORMALIZE=normalize,
+            SCALE=scale not in (0.0, 1.0),
+            K=k,
+            KP=triton.next_power_of_2(k),
+            BE=triton.next_power_of_2(E),
+            num_warps=1 if E <= 256 else 4,
+        )
     return ids, weights
 
 

@@ -25,8 +25,9 @@ from moerun.kernels.qweight import QWeight
 
 
 @triton.jit
-def _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM: tl.constexpr,
-                 GROUPED: tl.constexpr):
+def _program_ids(
+    m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM: tl.constexpr, GROUPED: tl.constexpr
+):
     """A GEMM program's BM ids (-> ids, ok, the weight's base, its K steps): dense, ids m*BM + j < n_ids (token =
     id); GROUPED, ids_ptr[m*BM + j], (token, expert) pair ids (-1 padding), all for bank slot block_slot_ptr[m] (-1: a
     spare block past the last group, no K steps)."""
@@ -39,17 +40,34 @@ def _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes,
 
 
 @triton.jit(do_not_specialize=["n_ids"])
-def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, n_blocks, row_bytes, slot_bytes,
-                 cols, x_div,
-                 DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, B: tl.constexpr, GROUPED: tl.constexpr,
-                 DOT_IN_F32: tl.constexpr):
+def _gemm_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    block_slot_ptr,
+    out_ptr,
+    n_ids,
+    n_rows,
+    n_blocks,
+    row_bytes,
+    slot_bytes,
+    cols,
+    x_div,
+    DECODE: tl.constexpr,
+    V: tl.constexpr,
+    S: tl.constexpr,
+    P: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    B: tl.constexpr,
+    GROUPED: tl.constexpr,
+    DOT_IN_F32: tl.constexpr,
+):
     """Program (m, i): output rows i*BN .. i*BN+BN-1 for the BM ids of _program_ids (dense or GROUPED). An id reads
     input row id // x_div and writes output row id."""
     m = tl.program_id(0)
     r = tl.program_id(1) * BN + tl.arange(0, BN)
-    ids, ok, w_base, n_steps = _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM,
-                                            GROUPED)
+    ids, ok, w_base, n_steps = _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM, GROUPED)
     x_row = (tl.where(ok, ids, 0) // x_div)[:, None] * cols  # [BM, 1]
     row_ptr = w_base + tl.minimum(r, n_rows - 1)[:, None, None] * row_bytes  # [BN, 1, 1]
     lane = tl.arange(0, P)
@@ -71,11 +89,35 @@ def _gemm_kernel(x_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, n_ids, n_rows, 
 
 
 @triton.jit(do_not_specialize=["n_ids"])
-def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_ptr, sum_ptr, counter_ptr, n_ids,
-                    n_rows, n_blocks, row_bytes, slot_bytes, cols, x_div, split_blocks,
-                    DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    B: tl.constexpr, MINS: tl.constexpr, GROUPED: tl.constexpr, EVEN_K: tl.constexpr,
-                    SPLIT: tl.constexpr):
+def _gemm_i8_kernel(
+    xq_ptr,
+    xd_ptr,
+    xs_ptr,
+    w_ptr,
+    ids_ptr,
+    block_slot_ptr,
+    out_ptr,
+    sum_ptr,
+    counter_ptr,
+    n_ids,
+    n_rows,
+    n_blocks,
+    row_bytes,
+    slot_bytes,
+    cols,
+    x_div,
+    split_blocks,
+    DECODE: tl.constexpr,
+    V: tl.constexpr,
+    S: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    B: tl.constexpr,
+    MINS: tl.constexpr,
+    GROUPED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """_gemm_kernel's programs and ids on the 8-bit route: quantize_i8's activations (int8 quants at xq_ptr, their
     scale d per 32 values at xd_ptr, d * (sum of quants) per 16 at xs_ptr) times the weights' quants (DECODE: a
     qtypes gemm8 decoder), B blocks per K step and one tl.dot of [BM, 32] x [32, BN] int8 per 32 values, exact in
@@ -87,8 +129,7 @@ def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_
     EVEN_K: every split is whole K steps (no block to mask)."""
     m = tl.program_id(0)
     r = tl.program_id(1) * BN + tl.arange(0, BN)
-    ids, ok, w_base, n_steps = _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM,
-                                            GROUPED)
+    ids, ok, w_base, n_steps = _program_ids(m, ids_ptr, block_slot_ptr, w_ptr, n_ids, n_blocks, slot_bytes, BM, GROUPED)
     first = tl.program_id(2) * split_blocks
     last = tl.minimum(n_steps, first + split_blocks)
     x_row = (tl.where(ok, ids, 0) // x_div).to(tl.int64)  # [BM]
@@ -137,25 +178,47 @@ def _gemm_i8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, ids_ptr, block_slot_ptr, out_
 
 
 @triton.jit
-def _decode_kernel(w_ptr, out_ptr, n_rows, n_blocks, row_bytes,
-                   DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr,
-                   R: tl.constexpr, B: tl.constexpr):
+def _decode_kernel(
+    w_ptr,
+    out_ptr,
+    n_rows,
+    n_blocks,
+    row_bytes,
+    DECODE: tl.constexpr,
+    V: tl.constexpr,
+    S: tl.constexpr,
+    P: tl.constexpr,
+    R: tl.constexpr,
+    B: tl.constexpr,
+):
     """Program (i, j): rows i*R .. i*R+R-1, blocks j*B .. j*B+B-1 of the weight, decoded to bfloat16 into out
     (n_rows, n_blocks * V)."""
     r = tl.program_id(0) * R + tl.arange(0, R)
     b = tl.program_id(1) * B + tl.arange(0, B)
     ok = (r < n_rows)[:, None, None] & (b < n_blocks)[None, :, None]
-    blk = (w_ptr + tl.minimum(r, n_rows - 1).to(tl.int64)[:, None, None] * row_bytes
-           + tl.minimum(b, n_blocks - 1)[None, :, None] * S)  # [R, B, 1]
+    blk = (
+        w_ptr
+        + tl.minimum(r, n_rows - 1).to(tl.int64)[:, None, None] * row_bytes
+        + tl.minimum(b, n_blocks - 1)[None, :, None] * S
+    )  # [R, B, 1]
     lane = tl.arange(0, P)[None, None, :]
     out_row = out_ptr + r.to(tl.int64)[:, None, None] * (n_blocks * V) + b[None, :, None] * V + lane
     for part in tl.static_range(V // P):
         tl.store(out_row + part * P, DECODE(blk, lane, part).to(tl.bfloat16), mask=ok)
 
 
-def gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: int, x_div: int,
-         grouped: tuple[torch.Tensor, torch.Tensor] | None, tiles: tuning.GemmTiles, on_i8: bool = False,
-         i8: QAct | None = None) -> None:
+def gemm(
+    x: torch.Tensor,
+    w: QWeight,
+    bt: BlockType,
+    out: torch.Tensor,
+    n_ids: int,
+    x_div: int,
+    grouped: tuple[torch.Tensor, torch.Tensor] | None,
+    tiles: tuning.GemmTiles,
+    on_i8: bool = False,
+    i8: QAct | None = None,
+) -> None:
     """The GEMM over the blocks: with `on_i8` the 8-bit one (the type's gemm8 decoder) on x's rounding, `i8` where
     given, else made here (quantize_i8); else decoded to bfloat16."""
     ids, block_slot = grouped if grouped is not None else (out, out)
@@ -173,11 +236,36 @@ def gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: i
         partial = out if n_splits == 1 else torch.empty(n_splits, *out.shape, dtype=out.dtype, device=out.device)
         counters = out if n_splits == 1 else split_counters(out.device, grid[0] * grid[1])
         _gemm_i8_kernel[grid](
-            i8.q, i8.d, i8.s, w.data, ids, block_slot, partial, out, counters, n_ids, w.rows, n_blocks, row_bytes,
-            w.rows * row_bytes, w.cols, x_div, split_blocks, DECODE=bt.gemm8, V=bt.values, S=bt.nbytes,
-            BM=tiles.block_m, BN=tiles.block_n, B=step_blocks, MINS=bt.gemm8_mins, GROUPED=grouped is not None,
-            EVEN_K=n_blocks % split_blocks == 0, SPLIT=n_splits > 1, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
+            i8.q,
+            i8.d,
+            i8.s,
+            w.data,
+            ids,
+            block_slot,
+            partial,
+            out,
+            counters,
+            n_ids,
+            w.rows,
+            n_blocks,
+            row_bytes,
+            w.rows * row_bytes,
+            w.cols,
+            x_div,
+            split_blocks,
+            DECODE=bt.gemm8,
+            V=bt.values,
+            S=bt.nbytes,
+            BM=tiles.block_m,
+            BN=tiles.block_n,
+            B=step_blocks,
+            MINS=bt.gemm8_mins,
+            GROUPED=grouped is not None,
+            EVEN_K=n_blocks % split_blocks == 0,
+            SPLIT=n_splits > 1,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
         return
     # The products take bfloat16 inputs; rounding them here (to nearest, as the kernel would) halves the bytes the
     # programs read and the shared memory their pipelined loads take. Triton's interpreter keeps bfloat16 as its raw
@@ -185,10 +273,30 @@ def gemm(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, n_ids: i
     # there the GEMM widens its (bfloat16) inputs and multiplies them with the float32 weights (DOT_IN_F32).
     x = x.to(torch.bfloat16)
     _gemm_kernel[(n_m, triton.cdiv(w.rows, tiles.block_n))](
-        x, w.data, ids, block_slot, out, n_ids, w.rows, w.cols // bt.values, row_bytes, w.rows * row_bytes,
-        w.cols, x_div,
-        DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part, BM=tiles.block_m, BN=tiles.block_n, B=tiles.blocks,
-        GROUPED=grouped is not None, DOT_IN_F32=INTERPRETED, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        x,
+        w.data,
+        ids,
+        block_slot,
+        out,
+        n_ids,
+        w.rows,
+        w.cols // bt.values,
+        row_bytes,
+        w.rows * row_bytes,
+        w.cols,
+        x_div,
+        DECODE=bt.decode,
+        V=bt.values,
+        S=bt.nbytes,
+        P=bt.part,
+        BM=tiles.block_m,
+        BN=tiles.block_n,
+        B=tiles.blocks,
+        GROUPED=grouped is not None,
+        DOT_IN_F32=INTERPRETED,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
 
 
 def decode(w: QWeight, bt: BlockType) -> torch.Tensor:
@@ -197,8 +305,18 @@ def decode(w: QWeight, bt: BlockType) -> torch.Tensor:
     out = torch.empty(w.rows, w.cols, dtype=torch.bfloat16, device=w.data.device)
     rows, blocks = tuning.DECODE_TILES
     _decode_kernel[(triton.cdiv(w.rows, rows), triton.cdiv(n_blocks, blocks))](
-        w.data, out, w.rows, n_blocks, w.data.shape[-1], DECODE=bt.decode, V=bt.values, S=bt.nbytes, P=bt.part,
-        R=rows, B=blocks)
+        w.data,
+        out,
+        w.rows,
+        n_blocks,
+        w.data.shape[-1],
+        DECODE=bt.decode,
+        V=bt.values,
+        S=bt.nbytes,
+        P=bt.part,
+        R=rows,
+        B=blocks,
+    )
     return out
 
 

@@ -28,9 +28,25 @@ from moerun.kernels.staging import second_delta
 
 
 @triton.jit
-def _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, n_blocks,
-               DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, B: tl.constexpr,
-               GLU: tl.constexpr, TAIL: tl.constexpr):
+def _gemv_step(
+    acc,
+    acc2,
+    x_ptr,
+    x_row,
+    row_ptr,
+    row2_ptr,
+    lane,
+    every_row,
+    kb,
+    n_blocks,
+    DECODE: tl.constexpr,
+    V: tl.constexpr,
+    S: tl.constexpr,
+    P: tl.constexpr,
+    B: tl.constexpr,
+    GLU: tl.constexpr,
+    TAIL: tl.constexpr,
+):
     """Blocks kb .. kb+B-1 of the tile's rows into the [TG, R, B, P] accumulators. TAIL: the last, partial step,
     whose blocks past the row read the last block again with zero inputs (the full steps need no masks)."""
     b = kb + tl.arange(0, B)
@@ -61,15 +77,33 @@ def _dp4a(a, b, EMULATE: tl.constexpr):
         for i in tl.static_range(1, 4):
             total += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
     else:
-        total = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
-                                          dtype=tl.int32, is_pure=True, pack=1)
+        total = tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True, pack=1
+        )
     return total
 
 
 @triton.jit
-def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, word, every_row, kb, n_blocks,
-                  DOT8: tl.constexpr, V: tl.constexpr, B: tl.constexpr, GLU: tl.constexpr,
-                  TAIL: tl.constexpr, EMULATE: tl.constexpr):
+def _gemv_step_i8(
+    acc,
+    acc2,
+    x_ptr,
+    xd_ptr,
+    xs_ptr,
+    x_row,
+    row_ptr,
+    row2_ptr,
+    word,
+    every_row,
+    kb,
+    n_blocks,
+    DOT8: tl.constexpr,
+    V: tl.constexpr,
+    B: tl.constexpr,
+    GLU: tl.constexpr,
+    TAIL: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """_gemv_step on the 8-bit route, over units kb .. kb+B-1 of V values (qtypes: a lane's unit; n_blocks counts
     units here), a quad of 16 values at a time: x_ptr holds the int8 activations as int32 words, xd_ptr their scale d
     per 32 values, xs_ptr d * (sum of quants) per 16; x_row is the token's first value. A quad adds scale * d *
@@ -106,11 +140,37 @@ def _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, wo
 # Triton compiles a kernel again for each new pattern of "divisible by 16" among its integer arguments, 1-3 s each on
 # the H200 machine, which `moerun serve` met as multi-second stalls on its first prompts of new lengths.
 @triton.jit(do_not_specialize=["n_groups", "n_tokens", "second_delta", "second2_delta"])
-def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_groups, n_rows, n_blocks, row_bytes,
-                 slot_bytes, cols, x_div, n_tokens, second_delta, second2_delta,
-                 DECODE: tl.constexpr, V: tl.constexpr, S: tl.constexpr, P: tl.constexpr, TG: tl.constexpr,
-                 R: tl.constexpr, B: tl.constexpr, SLOTTED: tl.constexpr, GLU: tl.constexpr, I8: tl.constexpr,
-                 EMULATE: tl.constexpr, ALIGN: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    xd_ptr,
+    xs_ptr,
+    w_ptr,
+    w2_ptr,
+    slot_ptr,
+    out_ptr,
+    n_groups,
+    n_rows,
+    n_blocks,
+    row_bytes,
+    slot_bytes,
+    cols,
+    x_div,
+    n_tokens,
+    second_delta,
+    second2_delta,
+    DECODE: tl.constexpr,
+    V: tl.constexpr,
+    S: tl.constexpr,
+    P: tl.constexpr,
+    TG: tl.constexpr,
+    R: tl.constexpr,
+    B: tl.constexpr,
+    SLOTTED: tl.constexpr,
+    GLU: tl.constexpr,
+    I8: tl.constexpr,
+    EMULATE: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
     """Program g + i * n_groups: rows i*R .. i*R+R-1 for the TG input rows of group g. (One grid axis: a second
     one holds at most 65535 programs, and an output head of 152k rows makes 152k row tiles on one-row tiles; groups
     vary fastest, so that the pairs of one expert read its rows at about the same time, from L2 after the first.)
@@ -162,21 +222,91 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_grou
         acc = tl.zeros((TG, R, B, 1), tl.float32)
         acc2 = tl.zeros((TG, R, B, 1), tl.float32)
         for kb in range(0, n_full, B):
-            acc, acc2 = _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, lane, every_row,
-                                      kb, n_blocks, DECODE, V, B, GLU, False, EMULATE)
+            acc, acc2 = _gemv_step_i8(
+                acc,
+                acc2,
+                x_ptr,
+                xd_ptr,
+                xs_ptr,
+                x_row,
+                row_ptr,
+                row2_ptr,
+                lane,
+                every_row,
+                kb,
+                n_blocks,
+                DECODE,
+                V,
+                B,
+                GLU,
+                False,
+                EMULATE,
+            )
         if n_full < n_steps:
-            acc, acc2 = _gemv_step_i8(acc, acc2, x_ptr, xd_ptr, xs_ptr, x_row, row_ptr, row2_ptr, lane, every_row,
-                                      n_full, n_blocks, DECODE, V, B, GLU, True, EMULATE)
+            acc, acc2 = _gemv_step_i8(
+                acc,
+                acc2,
+                x_ptr,
+                xd_ptr,
+                xs_ptr,
+                x_row,
+                row_ptr,
+                row2_ptr,
+                lane,
+                every_row,
+                n_full,
+                n_blocks,
+                DECODE,
+                V,
+                B,
+                GLU,
+                True,
+                EMULATE,
+            )
     else:
         lane = tl.arange(0, P)[None, None, None, :]
         acc = tl.zeros((TG, R, B, P), tl.float32)
         acc2 = tl.zeros((TG, R, B, P), tl.float32)
         for kb in range(0, n_full, B):
-            acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, kb, n_blocks,
-                                   DECODE, V, S, P, B, GLU, False)
+            acc, acc2 = _gemv_step(
+                acc,
+                acc2,
+                x_ptr,
+                x_row,
+                row_ptr,
+                row2_ptr,
+                lane,
+                every_row,
+                kb,
+                n_blocks,
+                DECODE,
+                V,
+                S,
+                P,
+                B,
+                GLU,
+                False,
+            )
         if n_full < n_steps:
-            acc, acc2 = _gemv_step(acc, acc2, x_ptr, x_row, row_ptr, row2_ptr, lane, every_row, n_full, n_blocks,
-                                   DECODE, V, S, P, B, GLU, True)
+            acc, acc2 = _gemv_step(
+                acc,
+                acc2,
+                x_ptr,
+                x_row,
+                row_ptr,
+                row2_ptr,
+                lane,
+                every_row,
+                n_full,
+                n_blocks,
+                DECODE,
+                V,
+                S,
+                P,
+                B,
+                GLU,
+                True,
+            )
     acc = tl.sum(tl.sum(acc, axis=3), axis=2)
     if GLU:
         acc2 = tl.sum(tl.sum(acc2, axis=3), axis=2)
@@ -185,8 +315,19 @@ def _gemv_kernel(x_ptr, xd_ptr, xs_ptr, w_ptr, w2_ptr, slot_ptr, out_ptr, n_grou
     tl.store(out_ptr + out_row + r[None, :], acc, mask=(t < n_tokens)[:, None] & (r < n_rows)[None, :])
 
 
-def gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: int, tokens: int, x_div: int,
-         slots: torch.Tensor | None, up: QWeight | None = None, i8: QAct | None = None, int8: bool = True) -> None:
+def gemv(
+    x: torch.Tensor,
+    w: QWeight,
+    bt: BlockType,
+    out: torch.Tensor,
+    groups: int,
+    tokens: int,
+    x_div: int,
+    slots: torch.Tensor | None,
+    up: QWeight | None = None,
+    i8: QAct | None = None,
+    int8: bool = True,
+) -> None:
     """The matrix-vector kernel; with `up`, its GLU form: silu(x w^T) * (x up^T). On the 8-bit route where the type
     has one and `int8` is on (tuning.Int8Routes.gemv): the activations rounded to int8, `i8` where given (x's
     rounding), else here (quantize_i8)."""
@@ -196,8 +337,14 @@ def gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: 
     # accumulators and four activation words (8-bit; counting the accumulators alone, T=8 spilled: 741 us for 4096^2)
     per_block = 8 if on_i8 else bt.part
     # the GLU keeps two products per value: tiles for twice the tokens keep its accumulators in registers
-    tiles = tuning.gemv_tiles(Q(w.qtype), bt.values, per_block, group * (2 if up is not None else 1),
-                              grouped_blocks=0 if slots is None else w.cols // bt.values, i8=on_i8)
+    tiles = tuning.gemv_tiles(
+        Q(w.qtype),
+        bt.values,
+        per_block,
+        group * (2 if up is not None else 1),
+        grouped_blocks=0 if slots is None else w.cols // bt.values,
+        i8=on_i8,
+    )
     if on_i8:
         if i8 is None:
             i8 = quantize_i8(x.view(-1, w.cols))
@@ -212,8 +359,32 @@ def gemv(x: torch.Tensor, w: QWeight, bt: BlockType, out: torch.Tensor, groups: 
     align = 16 if slots is not None and all(n % 16 == 0 for n in (w.rows * row_bytes, *deltas)) else 1
     grid = (groups * triton.cdiv(w.rows, tiles.rows),)
     _gemv_kernel[grid](
-        x, *xd_xs, w.data, w.data if up is None else up.data, x if slots is None else slots, out, groups, w.rows,
-        w.cols // values, row_bytes, w.rows * row_bytes, w.cols, x_div, tokens, *deltas,
-        DECODE=bt.dot8 if on_i8 else bt.decode, V=values, S=bt.nbytes, P=bt.part, TG=group,
-        R=tiles.rows, B=tiles.blocks, SLOTTED=slots is not None, GLU=up is not None, I8=on_i8,
-        EMULATE=INTERPRETED, ALIGN=align, num_warps=tiles.num_warps)
+        x,
+        *xd_xs,
+        w.data,
+        w.data if up is None else up.data,
+        x if slots is None else slots,
+        out,
+        groups,
+        w.rows,
+        w.cols // values,
+        row_bytes,
+        w.rows * row_bytes,
+        w.cols,
+        x_div,
+        tokens,
+        *deltas,
+        DECODE=bt.dot8 if on_i8 else bt.decode,
+        V=values,
+        S=bt.nbytes,
+        P=bt.part,
+        TG=group,
+        R=tiles.rows,
+        B=tiles.blocks,
+        SLOTTED=slots is not None,
+        GLU=up is not None,
+        I8=on_i8,
+        EMULATE=INTERPRETED,
+        ALIGN=align,
+        num_warps=tiles.num_warps,
+    )

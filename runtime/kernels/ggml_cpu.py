@@ -32,7 +32,6 @@ from numba.extending import intrinsic
 
 from moeprep.errors import MoeprepError
 
-
 # Activation formats whose rounding kernels/rounding.py reproduces bit for bit, so that a product through ggml is the one
 # the numba kernels compute, up to the order of float32 sums. (Q8_1, Q4_1/Q5_1's, also carries each block's sum as an
 # fp16, which moerun's rounding keeps exact: those types keep the numba kernels.)
@@ -54,8 +53,12 @@ class RowDot:
 
 
 class _Traits(ctypes.Structure):  # struct ggml_type_traits_cpu (ggml-cpu.h)
-    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
-                ("nrows", ctypes.c_int64)]
+    _fields_ = [
+        ("from_float", ctypes.c_void_p),
+        ("vec_dot", ctypes.c_void_p),
+        ("vec_dot_type", ctypes.c_int),
+        ("nrows", ctypes.c_int64),
+    ]
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,9 +150,19 @@ def vec_dot(typingctx, fn, n, s, x, y):
         fnty = ir.FunctionType(ir.VoidType(), [i32, ptr, i64, ptr, i64, ptr, i64, i32])
         f, n_, s_, x_, y_ = args
         call = builder.inttoptr(_as_int(builder, f, 64), fnty.as_pointer())
-        builder.call(call, [_as_int(builder, n_, 32), builder.inttoptr(_as_int(builder, s_, 64), ptr), i64(0),
-                            builder.inttoptr(_as_int(builder, x_, 64), ptr), i64(0),
-                            builder.inttoptr(_as_int(builder, y_, 64), ptr), i64(0), i32(1)])
+        builder.call(
+            call,
+            [
+                _as_int(builder, n_, 32),
+                builder.inttoptr(_as_int(builder, s_, 64), ptr),
+                i64(0),
+                builder.inttoptr(_as_int(builder, x_, 64), ptr),
+                i64(0),
+                builder.inttoptr(_as_int(builder, y_, 64), ptr),
+                i64(0),
+                i32(1),
+            ],
+        )
         return context.get_dummy_value()
 
     return types.none(fn, n, s, x, y), codegen
@@ -166,8 +179,14 @@ def from_float(typingctx, fn, x, y, k):
         fnty = ir.FunctionType(ir.VoidType(), [ptr, ptr, i64])
         f, x_, y_, k_ = args
         call = builder.inttoptr(_as_int(builder, f, 64), fnty.as_pointer())
-        builder.call(call, [builder.inttoptr(_as_int(builder, x_, 64), ptr),
-                            builder.inttoptr(_as_int(builder, y_, 64), ptr), _as_int(builder, k_, 64)])
+        builder.call(
+            call,
+            [
+                builder.inttoptr(_as_int(builder, x_, 64), ptr),
+                builder.inttoptr(_as_int(builder, y_, 64), ptr),
+                _as_int(builder, k_, 64),
+            ],
+        )
         return context.get_dummy_value()
 
     return types.none(fn, x, y, k), codegen

@@ -41,7 +41,11 @@ def _block_type(w: QWeight) -> BlockType:
     bt = BLOCK_TYPES[Q(w.qtype)]
     assert w.data.dtype == torch.uint8 and w.data.is_contiguous(), (w.data.dtype, w.qtype)
     assert w.cols % bt.values == 0 and w.data.shape[-2:] == (w.rows, w.cols // bt.values * bt.nbytes), (
-        tuple(w.data.shape), Q(w.qtype).name, w.rows, w.cols)
+        tuple(w.data.shape),
+        Q(w.qtype).name,
+        w.rows,
+        w.cols,
+    )
     assert w.data.data_ptr() % 4 == 0, "fp16 fields are loaded as fp16: the bytes must start aligned"
     return bt
 
@@ -53,8 +57,7 @@ def moe_gemm_i8(bt: BlockType, n_tokens: int, routes: Int8Routes = INT8_ON) -> b
 
 def dense_gemm_i8(bt: BlockType, n_tokens: int, routes: Int8Routes = INT8_ON) -> bool:
     """Does a dense product of n_tokens run on the 8-bit GEMM (routes.gemm, DENSE_I8_MIN/MAX_TOKENS)?"""
-    return (routes.gemm and bt.gemm8 is not None
-            and tuning.DENSE_I8_MIN_TOKENS <= n_tokens <= tuning.DENSE_I8_MAX_TOKENS)
+    return routes.gemm and bt.gemm8 is not None and tuning.DENSE_I8_MIN_TOKENS <= n_tokens <= tuning.DENSE_I8_MAX_TOKENS
 
 
 def gguf_mm(x: torch.Tensor, w: QWeight, i8: QAct | None = None, routes: Int8Routes = INT8_ON) -> torch.Tensor:
@@ -100,8 +103,8 @@ def _decoded_mm(x: torch.Tensor, w: QWeight) -> torch.Tensor:
         return bf16_mm(x, decode_bf16(w))
     out = torch.empty(x.shape[0], w.rows, dtype=torch.float32, device=x.device)
     for start in range(0, w.rows, chunk):
-        part = dataclasses.replace(w, data=w.data[start:start + chunk], rows=min(chunk, w.rows - start))
-        out[:, start:start + part.rows] = bf16_mm(x, decode_bf16(part))
+        part = dataclasses.replace(w, data=w.data[start : start + chunk], rows=min(chunk, w.rows - start))
+        out[:, start : start + part.rows] = bf16_mm(x, decode_bf16(part))
     return out
 
 
@@ -123,8 +126,14 @@ def decode_bf16(w: QWeight) -> torch.Tensor:
     return decode(w, _block_type(w))
 
 
-def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | None = None,
-             i8: QAct | None = None, routes: Int8Routes = INT8_ON) -> torch.Tensor:
+def gguf_moe(
+    x: torch.Tensor,
+    w: QWeight,
+    slots: torch.Tensor,
+    groups: dict | None = None,
+    i8: QAct | None = None,
+    routes: Int8Routes = INT8_ON,
+) -> torch.Tensor:
     """Each token's K experts of a bank in one launch: -> (T, K, N) float32.
 
     w.data: (E, N, row_bytes); slots (T, K) int32 or int64: the bank slot of token t's k-th expert, -1 to skip it
@@ -134,7 +143,9 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
     """
     bt = _block_type(w)
     assert w.data.dim() == 3 and slots.dim() == 2 and slots.dtype in (torch.int32, torch.int64), (
-        tuple(w.data.shape), slots.dtype)
+        tuple(w.data.shape),
+        slots.dtype,
+    )
     n_tokens, k = slots.shape
     assert x.shape == (n_tokens, w.cols) or x.shape == (n_tokens, k, w.cols), (tuple(x.shape), tuple(slots.shape))
     x_div = k if x.dim() == 2 else 1  # pair id t*K + k reads input row t, or its own row
@@ -147,8 +158,9 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
     else:
         out = torch.zeros(n_tokens * k, w.rows, dtype=torch.float32, device=x.device)  # skipped pairs stay zero
         on_i8 = moe_gemm_i8(bt, n_tokens, routes)
-        tiles = tuning.gemm_tiles(Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=on_i8,
-                                  n_tokens=n_tokens)
+        tiles = tuning.gemm_tiles(
+            Q(w.qtype), bt.values, grouped=True, grouped_blocks=w.cols // bt.values, i8=on_i8, n_tokens=n_tokens
+        )
         key, groups = (w.data.shape[0], tiles.block_m), {} if groups is None else groups
         if key not in groups:
             groups[key] = group_by_slot(slots, *key)
@@ -158,8 +170,7 @@ def gguf_moe(x: torch.Tensor, w: QWeight, slots: torch.Tensor, groups: dict | No
 
 def glu_supports(gate: QWeight, up: QWeight) -> bool:
     """gguf_moe_glu needs gate and up banks of one type and shape."""
-    return (gate.qtype == up.qtype and gate.data.shape == up.data.shape and gate.rows == up.rows
-            and gate.cols == up.cols)
+    return gate.qtype == up.qtype and gate.data.shape == up.data.shape and gate.rows == up.rows and gate.cols == up.cols
 
 
 def moe_rounding(x: torch.Tensor, bank: QWeight, n_tokens: int, routes: Int8Routes = INT8_ON) -> QAct | None:
@@ -170,8 +181,15 @@ def moe_rounding(x: torch.Tensor, bank: QWeight, n_tokens: int, routes: Int8Rout
     return None
 
 
-def gguf_moe_glu(x: torch.Tensor, gate: QWeight, up: QWeight, slots: torch.Tensor,
-                 groups: dict | None = None, i8: QAct | None = None, routes: Int8Routes = INT8_ON) -> torch.Tensor:
+def gguf_moe_glu(
+    x: torch.Tensor,
+    gate: QWeight,
+    up: QWeight,
+    slots: torch.Tensor,
+    groups: dict | None = None,
+    i8: QAct | None = None,
+    routes: Int8Routes = INT8_ON,
+) -> torch.Tensor:
     """silu(gguf_moe(x, gate, slots)) * gguf_moe(x, up, slots): -> (T, K, N) float32, skipped slots zeros. `i8`:
     x's rounding for the 8-bit routes, if made; `routes`: which are on.
 

@@ -12,8 +12,17 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_slots", "n_blocks"])
-def _group_kernel(slots_ptr, ids_ptr, block_slot_ptr, n_pairs, n_slots, n_blocks, BM: tl.constexpr,
-                  CHUNK: tl.constexpr, BINS: tl.constexpr):
+def _group_kernel(
+    slots_ptr,
+    ids_ptr,
+    block_slot_ptr,
+    n_pairs,
+    n_slots,
+    n_blocks,
+    BM: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BINS: tl.constexpr,
+):
     """Program s writes slot s's run of group_by_slot's ids and block_slot; the last program also the spare blocks.
 
     Every program counts the pairs of every slot (BINS >= n_slots + 1 bins; the pairs the GEMM does not run, slot -1
@@ -63,6 +72,15 @@ def group_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[torc
     ids = torch.empty(n_blocks * block_m, dtype=torch.int32, device=slots.device)
     block_slot = torch.empty(n_blocks, dtype=torch.int32, device=slots.device)
     # one chunk size for any number of pairs: a step of another size compiles nothing
-    _group_kernel[(n_slots,)](pairs, ids, block_slot, n_pairs, n_slots, n_blocks, BM=block_m, CHUNK=1024,
-                              BINS=triton.next_power_of_2(n_slots + 1))
+    _group_kernel[(n_slots,)](
+        pairs,
+        ids,
+        block_slot,
+        n_pairs,
+        n_slots,
+        n_blocks,
+        BM=block_m,
+        CHUNK=1024,
+        BINS=triton.next_power_of_2(n_slots + 1),
+    )
     return ids, block_slot

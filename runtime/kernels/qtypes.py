@@ -207,13 +207,20 @@ def _iq4_xs(blk, lane, PART: tl.constexpr):
     """
     j = PART // 2
     ls = ((tl.load(blk + 4 + j // 2).to(tl.int32) >> (4 * (j % 2))) & 15) | (
-        ((tl.load(blk + 2 + j // 4).to(tl.int32) >> (2 * (j % 4))) & 3) << 4)
+        ((tl.load(blk + 2 + j // 4).to(tl.int32) >> (2 * (j % 4))) & 3) << 4
+    )
     c = (_bytes(blk + 8 + 16 * j, lane) >> (4 * (PART % 2))) & 15
     b0, b1, b2 = (c & 1) != 0, (c & 2) != 0, (c & 4) != 0
-    negative = tl.where(b2, tl.where(b1, tl.where(b0, -10, -22), tl.where(b0, -35, -49)),
-                        tl.where(b1, tl.where(b0, -65, -83), tl.where(b0, -104, -127)))
-    positive = tl.where(b2, tl.where(b1, tl.where(b0, 113, 89), tl.where(b0, 69, 53)),
-                        tl.where(b1, tl.where(b0, 38, 25), tl.where(b0, 13, 1)))
+    negative = tl.where(
+        b2,
+        tl.where(b1, tl.where(b0, -10, -22), tl.where(b0, -35, -49)),
+        tl.where(b1, tl.where(b0, -65, -83), tl.where(b0, -104, -127)),
+    )
+    positive = tl.where(
+        b2,
+        tl.where(b1, tl.where(b0, 113, 89), tl.where(b0, 69, 53)),
+        tl.where(b1, tl.where(b0, 38, 25), tl.where(b0, 13, 1)),
+    )
     value = tl.where(c >= 8, positive, negative).to(tl.float32)
     return (_f16(blk) * (ls - 32).to(tl.float32)) * value
 
@@ -335,10 +342,15 @@ def _nibbles8(b, HIGH: tl.constexpr):
     if _INTERPRETED:  # the interpreter runs no PTX
         return ((b >> (4 * HIGH)) & 15).to(tl.int8)
     if HIGH:
-        return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r", [b],
-                                         dtype=tl.int8, is_pure=True, pack=4)
-    return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [b], dtype=tl.int8, is_pure=True,
-                                     pack=4)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+            "=r,r",
+            [b],
+            dtype=tl.int8,
+            is_pure=True,
+            pack=4,
+        )
+    return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
 
 
 @triton.jit

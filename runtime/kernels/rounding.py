@@ -94,6 +94,7 @@ def _round_rows(x: np.ndarray, out: np.ndarray, block: int) -> None:
 
 def _on_cpu(torch_version: Rounding, block: int) -> Rounding:
     """The rounding: _round_rows for CPU tensors (one pass), `torch_version` elsewhere."""
+
     def rounding(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return torch_version(x)
@@ -101,6 +102,7 @@ def _on_cpu(torch_version: Rounding, block: int) -> Rounding:
         out = torch.empty_like(rows)
         _round_rows(rows.numpy(), out.numpy(), block)
         return out.view(x.shape)
+
     return rounding
 
 
@@ -118,8 +120,23 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().float()
 
 
-K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
-            Q.IQ1_M, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0)
+K_QUANTS = (
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+    Q.IQ2_XXS,
+    Q.IQ2_XS,
+    Q.IQ2_S,
+    Q.IQ3_XXS,
+    Q.IQ3_S,
+    Q.IQ1_S,
+    Q.IQ1_M,
+    Q.IQ4_XS,
+    Q.TQ1_0,
+    Q.TQ2_0,
+)
 Q8_0_FAMILY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q8_1, Q.MXFP4, Q.NVFP4, Q.IQ4_NL)
 
 # Weight type -> rounding of the matmul input; F32 weights take the input as it is.

@@ -33,8 +33,11 @@ def _stage_kernel(slot_ptr, dst_ptr, src_delta, words, BLOCK: tl.constexpr):
         tl.store(dst_ptr + p * words + i, tl.load(dst_ptr + src_delta + (-2 - slot) * words + i, mask=ok), mask=ok)
 
 
-def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[torch.Tensor, ...],
-                 ) -> tuple[tuple[QWeight, ...], torch.Tensor]:
+def stage_second(
+    slots: torch.Tensor,
+    banks: tuple[QWeight, ...],
+    stages: tuple[torch.Tensor, ...],
+) -> tuple[tuple[QWeight, ...], torch.Tensor]:
     """Copy the second-bank matrices that `slots` (T, K) name (-2 - e) into the device staging banks `stages`
     ((>= T*K, N, row_bytes) uint8 each, one per bank), in wide coalesced loads: from page-locked host memory such a
     copy reads 44-50 GB/s on the H200 machine, where the matrix-vector kernel's own loads over the bus reach 24
@@ -55,7 +58,8 @@ def stage_second(slots: torch.Tensor, banks: tuple[QWeight, ...], stages: tuple[
         assert stage.shape[0] >= n_pairs and stage.shape[1:] == w.data.shape[1:]
         words = stage.view(-1).view({8: torch.int64, 4: torch.int32, 1: torch.uint8}[size])
         _stage_kernel[(n_pairs, triton.cdiv(matrix // size, tuning.STAGE_WORDS))](
-            copies, words, delta // size, matrix // size, BLOCK=tuning.STAGE_WORDS, num_warps=tuning.STAGE_WARPS)
+            copies, words, delta // size, matrix // size, BLOCK=tuning.STAGE_WORDS, num_warps=tuning.STAGE_WARPS
+        )
         staged.append(dataclasses.replace(w, second=stage))
     return tuple(staged), torch.where(slots < -1, -2 - owner, slots).to(slots.dtype)
 
@@ -82,8 +86,10 @@ def second_delta(w: QWeight) -> int:
 
 def _second_address(w: QWeight) -> int:
     """The address the bank's device reads its second bank at (host memory through the driver's mapping)."""
-    assert w.second.shape[1:] == w.data.shape[1:] and w.second.data_ptr() % 4 == 0, (tuple(w.second.shape),
-                                                                                      tuple(w.data.shape))
+    assert w.second.shape[1:] == w.data.shape[1:] and w.second.data_ptr() % 4 == 0, (
+        tuple(w.second.shape),
+        tuple(w.data.shape),
+    )
     return _bus_address(w.second.data_ptr(), w.data.is_cuda and not w.second.is_cuda)
 
 

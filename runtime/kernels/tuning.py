@@ -100,9 +100,12 @@ class GemmTiles:
 GEMV_BY_BLOCK_VALUES = {256: GemvTiles(rows=4, blocks=4), 32: GemvTiles(rows=8, blocks=16)}
 # F32 (a router, gguf_mv): 1 x 32 on 2 warps, 2.4 / 4.3 us at 1 / 8 rows of the 30B router against 4.5 / 11.3 on the
 # block size's tiles (H200, 9 tiles).
-GEMV_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=4, blocks=8), Q.Q8_0: GemvTiles(rows=4, blocks=16),
-                                      Q.Q4_0: GemvTiles(rows=4, blocks=16, num_warps=2),
-                                      Q.F32: GemvTiles(rows=1, blocks=32, num_warps=2)}
+GEMV_OVERRIDES: dict[Q, GemvTiles] = {
+    Q.Q4_K: GemvTiles(rows=4, blocks=8),
+    Q.Q8_0: GemvTiles(rows=4, blocks=16),
+    Q.Q4_0: GemvTiles(rows=4, blocks=16, num_warps=2),
+    Q.F32: GemvTiles(rows=1, blocks=32, num_warps=2),
+}
 # The grouped decode (gguf_moe, gguf_moe_glu: a program per (token, expert) pair and row tile) runs short rows in many
 # small programs; its tiles, keyed by (type, blocks per row), come from bench_gguf_matmul.py --sweep on the expert
 # shapes (4-32 rows x 1-4 blocks (4-16 of 32 values), 1-4 warps; gate/up timed as gguf_moe_glu). Shapes not listed
@@ -124,10 +127,12 @@ GEMV_GROUPED_OVERRIDES: dict[tuple[Q, int], GemvTiles] = {
 # On this route a tile's blocks are the route's units (qtypes.BlockType.dot8_values: a Q4_K or Q5_K block is four):
 # one per lane. Q4_K re-swept in units (H200, 27 tiles): 2 x 32 on one warp 1321 GB/s against 1193 for
 # its block tile moved to units (8 x 64 on 2 warps), which Q5_K keeps (not swept).
-GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {Q.Q4_K: GemvTiles(rows=2, blocks=32, num_warps=1),
-                                         Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
-                                         Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1),
-                                         Q.Q5_K: GemvTiles(rows=8, blocks=64, num_warps=2)}
+GEMV_I8_OVERRIDES: dict[Q, GemvTiles] = {
+    Q.Q4_K: GemvTiles(rows=2, blocks=32, num_warps=1),
+    Q.Q8_0: GemvTiles(rows=1, blocks=32, num_warps=1),
+    Q.Q4_0: GemvTiles(rows=2, blocks=32, num_warps=1),
+    Q.Q5_K: GemvTiles(rows=8, blocks=64, num_warps=2),
+}
 # The grouped decode's 8-bit tiles, in units like the above: H200 (bench_gguf_matmul.py --sweep grouped
 # --decode-only, 18 candidates each, gate+up timed as one GLU launch), GB/s against the tiles the block-per-lane kernel
 # ran before, in the same run: 30B gate+up 1861 (1354), 30B down 1052 (866), 60 GB gate+up 2694 (1773; 4 x 8 made
@@ -144,8 +149,10 @@ QUANTIZE_BLOCKS = 32  # blocks of 32 activations per program of quantize_i8
 # kernel, given those tiles with float32 inputs, asked for 303 KB; it keeps 64x64 where not swept. Q6_K and Q4_0 were
 # not swept.
 GEMM_BY_BLOCK_VALUES = {256: GemmTiles(64, 64, 1), 32: GemmTiles(64, 64, 2)}
-DENSE_GEMM_OVERRIDES: dict[Q, GemmTiles] = {Q.Q4_K: GemmTiles(128, 128, 1, num_warps=8, num_stages=2),
-                                            Q.Q8_0: GemmTiles(128, 128, 4, num_warps=8, num_stages=3)}
+DENSE_GEMM_OVERRIDES: dict[Q, GemmTiles] = {
+    Q.Q4_K: GemmTiles(128, 128, 1, num_warps=8, num_stages=2),
+    Q.Q8_0: GemmTiles(128, 128, 4, num_warps=8, num_stages=3),
+}
 # The grouped prefill GEMM's tiles by (type, blocks per row), from bench_gguf_matmul.py --sweep on the expert shapes
 # at T = 512 (8 of 128 experts: about 32 pairs per expert, half a 64-row tile); shapes not listed take the above.
 # TFLOP/s against the 64x64 tiles they ran before: 30B gate/up 24.0 (16.6), 30B down 25.9 (17.5),
@@ -194,20 +201,26 @@ GEMM_I8_FEW_TOKENS_OVERRIDES: dict[tuple[Q, int], GemmTiles] = {
 DENSE_I8_MIN_TOKENS = 3
 DENSE_I8_MAX_TOKENS = 16
 DENSE_I8_TILES = GemmTiles(16, 32, 1, num_warps=2, num_stages=3, split=8)
-DENSE_I8_OVERRIDES: dict[Q, GemmTiles] = {Q.Q4_K: GemmTiles(16, 32, 1, num_warps=2, num_stages=3, split=4),
-                                          Q.Q4_0: GemmTiles(16, 64, 2, num_warps=4, num_stages=3, split=8)}
+DENSE_I8_OVERRIDES: dict[Q, GemmTiles] = {
+    Q.Q4_K: GemmTiles(16, 32, 1, num_warps=2, num_stages=3, split=4),
+    Q.Q4_0: GemmTiles(16, 64, 2, num_warps=4, num_stages=3, split=8),
+}
 # The GEMV keeps one float32 accumulator per (token, value) of its tile: at most this many per thread, or they spill.
 GEMV_ACCUMULATORS_PER_THREAD = 64
 
 
-def gemv_tiles(qtype: Q, block_values: int, per_block: int, tokens: int, grouped_blocks: int = 0,
-               i8: bool = False) -> GemvTiles:
+def gemv_tiles(
+    qtype: Q, block_values: int, per_block: int, tokens: int, grouped_blocks: int = 0, i8: bool = False
+) -> GemvTiles:
     """The type's tiles (the grouped decode's for rows of `grouped_blocks` blocks, where swept; the 8-bit route's
     where swept), with fewer blocks (then rows) per step when `tokens` x `per_block` accumulators per (row, block)
     would spill."""
-    tiles = ((i8 and (GEMV_I8_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_I8_OVERRIDES.get(qtype)))
-             or GEMV_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_OVERRIDES.get(qtype)
-             or GEMV_BY_BLOCK_VALUES[block_values])
+    tiles = (
+        (i8 and (GEMV_I8_GROUPED_OVERRIDES.get((qtype, grouped_blocks)) or GEMV_I8_OVERRIDES.get(qtype)))
+        or GEMV_GROUPED_OVERRIDES.get((qtype, grouped_blocks))
+        or GEMV_OVERRIDES.get(qtype)
+        or GEMV_BY_BLOCK_VALUES[block_values]
+    )
     rows, blocks = tiles.rows, tiles.blocks
     budget = GEMV_ACCUMULATORS_PER_THREAD * 32 * tiles.num_warps
     while tokens * rows * blocks * per_block > budget and rows * blocks > 1:
@@ -220,8 +233,9 @@ def dense_i8_tiles(qtype: Q) -> GemmTiles:
     return DENSE_I8_OVERRIDES.get(qtype, DENSE_I8_TILES)
 
 
-def gemm_tiles(qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0, i8: bool = False,
-               n_tokens: int = 0) -> GemmTiles:
+def gemm_tiles(
+    qtype: Q, block_values: int, grouped: bool, grouped_blocks: int = 0, i8: bool = False, n_tokens: int = 0
+) -> GemmTiles:
     """The GEMM's tiles: with `i8` the 8-bit (grouped) GEMM's (for a step of at most GEMM_I8_FEW_TOKENS tokens the
     few-token ones where swept), else the grouped kernel's for rows of `grouped_blocks` blocks where swept, the dense
     ones' where swept, else the block size's."""

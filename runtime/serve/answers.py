@@ -43,7 +43,7 @@ def _held(text: str, marker: str) -> int:
     """How much of the end of `text` to hold back: what could begin `marker`, and the whitespace before it (which
     goes if the marker comes)."""
     k = max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
-    before = text[:len(text) - k]
+    before = text[: len(text) - k]
     return k + len(before) - len(before.rstrip())
 
 
@@ -58,9 +58,14 @@ class ChatAnswer:
     around the reasoning (a template's `<think>\n`) is dropped.
     """
 
-    def __init__(self, reasoning: ReasoningTags | None = None, in_reasoning: bool = False,
-                 tools: ToolFormat | None = None, schemas: dict[str, dict] | None = None,
-                 parallel_tool_calls: bool = True) -> None:
+    def __init__(
+        self,
+        reasoning: ReasoningTags | None = None,
+        in_reasoning: bool = False,
+        tools: ToolFormat | None = None,
+        schemas: dict[str, dict] | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> None:
         self.tags, self.tools, self.schemas = reasoning, tools, schemas or {}
         self.parallel = parallel_tool_calls
         # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": buffering calls
@@ -98,7 +103,7 @@ class ChatAnswer:
         if self.state == "start":
             head = pending.lstrip()
             if head.startswith(self.tags.start):
-                self.state, self._pending, self._strip = "reasoning", head[len(self.tags.start):], True
+                self.state, self._pending, self._strip = "reasoning", head[len(self.tags.start) :], True
                 return True
             if self.tags.start.startswith(head):
                 return False  # (all whitespace, or the tag's beginning): wait for more
@@ -108,11 +113,11 @@ class ChatAnswer:
             i = pending.find(self.tags.end)
             if i >= 0:
                 self._emit(delta, "reasoning_content", pending[:i].rstrip())
-                self.state, self._pending, self._strip = "content", pending[i + len(self.tags.end):], True
+                self.state, self._pending, self._strip = "content", pending[i + len(self.tags.end) :], True
                 return True
             keep = _held(pending, self.tags.end)
-            self._emit(delta, "reasoning_content", pending[:len(pending) - keep])
-            self._pending = pending[len(pending) - keep:]
+            self._emit(delta, "reasoning_content", pending[: len(pending) - keep])
+            self._pending = pending[len(pending) - keep :]
             return False
         if self.state == "content":
             if self.tools is None:
@@ -123,11 +128,11 @@ class ChatAnswer:
             if i >= 0:
                 before = pending[:i].rstrip()
                 self._emit(delta, "content", before)
-                self.state, self._call_text, self._pending = "calls", pending[len(before):], ""
+                self.state, self._call_text, self._pending = "calls", pending[len(before) :], ""
                 return False
             keep = _held(pending, self.tools.start)
-            self._emit(delta, "content", pending[:len(pending) - keep])
-            self._pending = pending[len(pending) - keep:]
+            self._emit(delta, "content", pending[: len(pending) - keep])
+            self._pending = pending[len(pending) - keep :]
             return False
         self._call_text += pending  # "calls"
         self._pending = ""
@@ -156,16 +161,23 @@ class ChatAnswer:
         return delta
 
     def _tool_calls(self) -> list[dict[str, Any]]:
-        return [{"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments,
-                                                                                                        ensure_ascii=False)}}
-                for call_id, (name, arguments) in zip(self.ids, self.calls)]
+        return [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
+            for call_id, (name, arguments) in zip(self.ids, self.calls)
+        ]
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if self.calls else reason
 
     def fields(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": "".join(self.content) if self.content or not self.calls else None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) if self.content or not self.calls else None,
+        }
         if self.tags is not None:
             message["reasoning_content"] = "".join(self.reasoning) if self.reasoning else None
         if self.calls:
@@ -192,8 +204,9 @@ class HarmonyAnswer:
 
     first_delta = {"role": "assistant", "content": ""}
 
-    def __init__(self, split_reasoning: bool = True, parallel_tool_calls: bool = True,
-                 parse_calls: bool = True) -> None:
+    def __init__(
+        self, split_reasoning: bool = True, parallel_tool_calls: bool = True, parse_calls: bool = True
+    ) -> None:
         self.split, self.parallel, self.parse_calls = split_reasoning, parallel_tool_calls, parse_calls
         self._pending = ""
         self._kind: str | None = None  # None: reading a header; "reasoning_content", "content", or "call"
@@ -235,18 +248,18 @@ class HarmonyAnswer:
                 self._kind, self._recipient, self._call_body = "call", recipient.group(1), ""
             else:
                 self._kind = "reasoning_content" if name == "analysis" else "content"
-            self._pending = pending[i + len("<|message|>"):]
+            self._pending = pending[i + len("<|message|>") :]
             return True
         ends = [(j, m) for m in _MESSAGE_ENDS if (j := pending.find(m)) >= 0]
         if ends:
             j, marker = min(ends)
             self._emit(delta, self._kind, pending[:j])
             self._close()
-            self._pending = pending[j + (0 if marker == "<|start|>" else len(marker)):]
+            self._pending = pending[j + (0 if marker == "<|start|>" else len(marker)) :]
             return True
         keep = max((k for m in _MESSAGE_ENDS for k in range(1, len(m)) if pending.endswith(m[:k])), default=0)
-        self._emit(delta, self._kind, pending[:len(pending) - keep])
-        self._pending = pending[len(pending) - keep:]
+        self._emit(delta, self._kind, pending[: len(pending) - keep])
+        self._pending = pending[len(pending) - keep :]
         return False
 
     def _close(self) -> None:
@@ -282,9 +295,11 @@ class HarmonyAnswer:
     finish_reason = ChatAnswer.finish_reason
 
     def fields(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": "".join(self.content) if self.content or not self.calls else None,
-                                   "reasoning_content": "".join(self.reasoning) if self.reasoning else None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) if self.content or not self.calls else None,
+            "reasoning_content": "".join(self.reasoning) if self.reasoning else None,
+        }
         if self.calls:
             message["tool_calls"] = self._tool_calls()
         return message

@@ -44,8 +44,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja2's own tojson escapes HTML characters, which templates do not expect
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -92,8 +97,9 @@ class _Dict:
 
 
 def environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -145,26 +151,47 @@ class ChatTemplate:
             return False
         return mark in text and "'type'" not in text and '"type"' not in text
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         if self._template is None:
-            raise ApiError(400, self._error or "the model has no chat template (tokenizer.chat_template); "
-                           "use /v1/completions with the prompt written out", param="messages", code="no_chat_template")
+            raise ApiError(
+                400,
+                self._error
+                or "the model has no chat template (tokenizer.chat_template); "
+                "use /v1/completions with the prompt written out",
+                param="messages",
+                code="no_chat_template",
+            )
         if not self.takes_content_parts:
             messages = [_joined_parts(m) for m in messages]
         return self._render(messages, tools, template_kwargs, add_generation_prompt)
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                template_kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool,
+    ) -> str:
         try:
-            return self._template.render(messages=template_messages(messages), tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **(template_kwargs or {})})
+            return self._template.render(
+                messages=template_messages(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **(template_kwargs or {})},
+            )
         except jinja2.TemplateError as e:  # includes the sandbox's SecurityError and raise_exception's
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
         except Exception as e:  # a template is a program: a TypeError or KeyError in it is its message
-            raise ApiError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                           param="messages") from e
+            raise ApiError(
+                400, f"the chat template failed on these messages: {type(e).__name__}: {e}", param="messages"
+            ) from e
 
 
 class ChatFormat:
@@ -176,32 +203,54 @@ class ChatFormat:
         types = g.get(Keys.Tokenizer.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)
         self.tokenizer = tokenizer
         self._texts, self._types = tokens, types
-        special = {"bos_token": Keys.Tokenizer.BOS_ID, "eos_token": Keys.Tokenizer.EOS_ID,
-                   "unk_token": Keys.Tokenizer.UNK_ID, "pad_token": Keys.Tokenizer.PAD_ID}
+        special = {
+            "bos_token": Keys.Tokenizer.BOS_ID,
+            "eos_token": Keys.Tokenizer.EOS_ID,
+            "unk_token": Keys.Tokenizer.UNK_ID,
+            "pad_token": Keys.Tokenizer.PAD_ID,
+        }
         source = g.get(Keys.Tokenizer.CHAT_TEMPLATE)
         self.harmony = bool(source) and "<|channel|>" in source  # gpt-oss: answers.HarmonyAnswer reads its text
         self.reasoning = None if self.harmony else reasoning_tags(source)
         self.tool_format = None if self.harmony else tool_format(source)
-        self.template = ChatTemplate(source,
-                                     {name: tokens[i] for name, key in special.items()
-                                      if (i := g.get(key)) is not None and 0 <= i < len(tokens)})
+        self.template = ChatTemplate(
+            source,
+            {
+                name: tokens[i]
+                for name, key in special.items()
+                if (i := g.get(key)) is not None and 0 <= i < len(tokens)
+            },
+        )
         # control-token text -> id (the first id of a text), and one pattern that finds them, longest first so
         # that a token whose text contains another's wins
-        self._control = {t: i for i, (t, ty) in reversed(list(enumerate(zip(tokens, types))))
-                         if ty == TokenType.CONTROL and t}
+        self._control = {
+            t: i for i, (t, ty) in reversed(list(enumerate(zip(tokens, types)))) if ty == TokenType.CONTROL and t
+        }
         alternatives = "|".join(map(re.escape, sorted(self._control, key=len, reverse=True)))
         self._control_pattern = re.compile(f"({alternatives})") if self._control else None
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         return self.template.render(messages, tools, template_kwargs)
 
-    def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def encode(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         return self.prompt(messages, tools, template_kwargs)[1]
 
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    def prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
         """-> (the rendered text, its token ids)."""
         text = self.render(messages, tools, template_kwargs)
         ids = self.encode_text(text)

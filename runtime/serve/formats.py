@@ -25,8 +25,11 @@ class ReasoningTags:
 
 
 # Checked in order: the first whose end tag the template writes (<seed:think>'s end tag does not contain </think>)
-REASONING_TAGS = (ReasoningTags("<seed:think>", "</seed:think>"), ReasoningTags("[THINK]", "[/THINK]"),
-                  ReasoningTags("<think>", "</think>"))
+REASONING_TAGS = (
+    ReasoningTags("<seed:think>", "</seed:think>"),
+    ReasoningTags("[THINK]", "[/THINK]"),
+    ReasoningTags("<think>", "</think>"),
+)
 
 
 def reasoning_tags(template: str | None) -> ReasoningTags | None:
@@ -78,7 +81,7 @@ def _blocks(text: str, open_: str, close: str) -> list[str]:
     bodies, at = [], 0
     while (i := text.find(open_, at)) >= 0:
         j = text.find(close, i + len(open_))
-        bodies.append(text[i + len(open_): j if j >= 0 else len(text)])
+        bodies.append(text[i + len(open_) : j if j >= 0 else len(text)])
         if j < 0:
             break
         at = j + len(close)
@@ -96,6 +99,7 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTA
 def _xml_functions(block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
     """<BLOCK><function=NAME><parameter=KEY>VALUE</parameter>...</function></BLOCK> (Qwen3-Coder: tool_call;
     Seed-OSS: seed:tool_call)."""
+
     def parse(text: str, tools: dict[str, dict]) -> list[Call]:
         calls = []
         for body in _blocks(text, f"<{block}>", f"</{block}>"):
@@ -103,9 +107,11 @@ def _xml_functions(block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
             if not m:
                 raise ValueError(f"a <{block}> without <function=...>")
             name = m.group(1).strip()
-            calls.append((name, {k.strip(): _typed(v, name, k.strip(), tools)
-                                 for k, v in _PARAMETER.findall(m.group(2))}))
+            calls.append(
+                (name, {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _PARAMETER.findall(m.group(2))})
+            )
         return calls
+
     return parse
 
 
@@ -176,8 +182,9 @@ def _invoke_xml(prefix: str, block: str) -> Callable[[str, dict[str, dict]], lis
     """<BLOCK><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke></BLOCK>, each tag after
     `prefix` (MiniMax-M2: none; DeepSeek V3.2: ｜DSML｜, whose parameters say string="true|false")."""
     invoke = re.compile(rf'<{prefix}invoke name="([^"]+)">(.*?)(?:</{prefix}invoke>|$)', re.DOTALL)
-    parameter = re.compile(rf'<{prefix}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{prefix}parameter>',
-                           re.DOTALL)
+    parameter = re.compile(
+        rf'<{prefix}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{prefix}parameter>', re.DOTALL
+    )
 
     def parse(text: str, tools: dict[str, dict]) -> list[Call]:
         calls = []
@@ -186,32 +193,74 @@ def _invoke_xml(prefix: str, block: str) -> Callable[[str, dict[str, dict]], lis
                 arguments = {}
                 for key, is_string, value in parameter.findall(inner):
                     value = value.strip("\n")
-                    arguments[key] = (value if is_string == "true" else json.loads(value) if is_string == "false"
-                                      else _typed(value, name, key, tools))
+                    arguments[key] = (
+                        value
+                        if is_string == "true"
+                        else json.loads(value)
+                        if is_string == "false"
+                        else _typed(value, name, key, tools)
+                    )
                 calls.append((name, arguments))
         if not calls:
             raise ValueError("no <invoke> in the tool-call block")
         return calls
+
     return parse
 
 
 # Checked in order, the more specific first: Qwen3-Coder's and GLM's templates write <tool_call> too
 TOOL_FORMATS = (
-    ToolFormat("minimax-m2", ("<minimax:tool_call>",), "<minimax:tool_call>", _invoke_xml("", "minimax:tool_call"),
-               ("<minimax:tool_call>", "</minimax:tool_call>")),
-    ToolFormat("deepseek-v3.2", ("｜DSML｜",), "<｜DSML｜function_calls>", _invoke_xml("｜DSML｜", "function_calls"),
-               ()),
-    ToolFormat("kimi-k2", ("<|tool_calls_section_begin|>",), "<|tool_calls_section_begin|>", _kimi_k2,
-               ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
-    ToolFormat("deepseek-v3.1", ("<｜tool▁calls▁begin｜>",), "<｜tool▁calls▁begin｜>", _deepseek,
-               ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", DS_CALL, DS_SEP, DS_END)),
-    ToolFormat("seed-oss", ("<seed:tool_call>",), "<seed:tool_call>", _xml_functions("seed:tool_call"),
-               ("<seed:tool_call>", "</seed:tool_call>")),
-    ToolFormat("glm-4.5", ("<tool_call>", "<arg_key>"), "<tool_call>", _glm,
-               ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
-    ToolFormat("qwen3-coder", ("<tool_call>", "<function="), "<tool_call>", _xml_functions("tool_call"),
-               ("<tool_call>", "</tool_call>")),
+    ToolFormat(
+        "minimax-m2",
+        ("<minimax:tool_call>",),
+        "<minimax:tool_call>",
+        _invoke_xml("", "minimax:tool_call"),
+        ("<minimax:tool_call>", "</minimax:tool_call>"),
+    ),
+    ToolFormat(
+        "deepseek-v3.2", ("｜DSML｜",), "<｜DSML｜function_calls>", _invoke_xml("｜DSML｜", "function_calls"), ()
+    ),
+    ToolFormat(
+        "kimi-k2",
+        ("<|tool_calls_section_begin|>",),
+        "<|tool_calls_section_begin|>",
+        _kimi_k2,
+        (
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),
+    ),
+    ToolFormat(
+        "deepseek-v3.1",
+        ("<｜tool▁calls▁begin｜>",),
+        "<｜tool▁calls▁begin｜>",
+        _deepseek,
+        ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", DS_CALL, DS_SEP, DS_END),
+    ),
+    ToolFormat(
+        "seed-oss",
+        ("<seed:tool_call>",),
+        "<seed:tool_call>",
+        _xml_functions("seed:tool_call"),
+        ("<seed:tool_call>", "</seed:tool_call>"),
+    ),
+    ToolFormat(
+        "glm-4.5",
+        ("<tool_call>", "<arg_key>"),
+        "<tool_call>",
+        _glm,
+        ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    ),
+    ToolFormat(
+        "qwen3-coder",
+        ("<tool_call>", "<function="),
+        "<tool_call>",
+        _xml_functions("tool_call"),
+        ("<tool_call>", "</tool_call>"),
+    ),
     ToolFormat("mistral", ("[TOOL_CALLS]",), "[TOOL_CALLS]", _mistral, ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
     ToolFormat("hermes", ("<tool_call>",), "<tool_call>", _hermes, ("<tool_call>", "</tool_call>")),
 )

@@ -26,8 +26,10 @@ class _Vocabulary:
     grammar never writes them as text), the end-of-generation ids, and the tokenizer itself."""
 
     def __init__(self, tokenizer: Tokenizer, control: dict[int, str]) -> None:
-        self.tokens = [b"\xff" + control[i].encode() if i in control else tokenizer.token_bytes(i)
-                       for i in range(tokenizer.n_vocab)]
+        self.tokens = [
+            b"\xff" + control[i].encode() if i in control else tokenizer.token_bytes(i)
+            for i in range(tokenizer.n_vocab)
+        ]
         self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eog_ids)
         self.bos_token_id = tokenizer.bos_id
         self.special_token_ids = sorted(control)
@@ -85,20 +87,30 @@ class Grammars:
         formats whose arguments are one JSON value have one (CALL_SHAPES); others are an ApiError(400)."""
         shape = CALL_SHAPES.get(format_name)
         if shape is None:
-            raise ApiError(400, f"'{param}': this model's tool-call format ({format_name}) cannot be constrained; "
-                           "use 'auto'", param=param, code="unsupported_value")
+            raise ApiError(
+                400,
+                f"'{param}': this model's tool-call format ({format_name}) cannot be constrained; use 'auto'",
+                param=param,
+                code="unsupported_value",
+            )
 
         def lit(text: str) -> str:  # a control token by its id, other text as a string
             return f"<[{control[text]}]>" if text in control else json.dumps(text)
+
         rules = []
         for i, tool in enumerate(tools):
             function = tool["function"]
             pieces = shape(function["name"], function.get("parameters") or {"type": "object"})
-            rules.append(f"call{i}: " + " ".join(
-                lit(p) if isinstance(p, str) else "%json " + json.dumps({**p, "x-guidance": NO_FREE_WHITESPACE})
-                for p in pieces))
+            rules.append(
+                f"call{i}: "
+                + " ".join(
+                    lit(p) if isinstance(p, str) else "%json " + json.dumps({**p, "x-guidance": NO_FREE_WHITESPACE})
+                    for p in pieces
+                )
+            )
         grammar = llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n")
+            "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n"
+        )
         self.check(grammar, param)
         return grammar
 
@@ -120,7 +132,7 @@ class Grammars:
                 llguidance.torch.fill_next_token_bitmask(m, bits, i)
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(matchers), -1)
-        return allowed[:, :self._tokenizer.n_vocab]
+        return allowed[:, : self._tokenizer.n_vocab]
 
 
 # JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
@@ -128,8 +140,12 @@ NO_FREE_WHITESPACE = {"whitespace_flexible": False}
 
 
 def _hermes_call(name: str, parameters: dict) -> list[str | dict]:
-    call = {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
     return ["<tool_call>", "\n", call, "\n", "</tool_call>"]
 
 
@@ -137,10 +153,22 @@ def _hermes_call(name: str, parameters: dict) -> list[str | dict]:
 CALL_SHAPES = {
     "hermes": _hermes_call,
     "mistral": lambda name, parameters: ["[TOOL_CALLS]", name, "[ARGS]", parameters],
-    "deepseek-v3.1": lambda name, parameters: ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", name,
-                                               "<｜tool▁sep｜>", parameters, "<｜tool▁call▁end｜>",
-                                               "<｜tool▁calls▁end｜>"],
-    "kimi-k2": lambda name, parameters: ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", f"functions.{name}:0",
-                                         "<|tool_call_argument_begin|>", parameters, "<|tool_call_end|>",
-                                         "<|tool_calls_section_end|>"],
+    "deepseek-v3.1": lambda name, parameters: [
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        name,
+        "<｜tool▁sep｜>",
+        parameters,
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+    ],
+    "kimi-k2": lambda name, parameters: [
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        f"functions.{name}:0",
+        "<|tool_call_argument_begin|>",
+        parameters,
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    ],
 }

@@ -28,8 +28,19 @@ from moerun.serve.answers import HARMONY_MARKERS, ChatAnswer, HarmonyAnswer, Tex
 from moerun.serve.chat import ChatFormat
 from moerun.serve.engine import Engine
 from moerun.serve.grammar import Constraint, Grammars
-from moerun.serve.protocol import (CHAT, COMPLETION, ApiError, GenerationRequest, LoggedToken, Response,
-                                   ResponseShape, model_list, parse_chat, parse_completion, usage)
+from moerun.serve.protocol import (
+    CHAT,
+    COMPLETION,
+    ApiError,
+    GenerationRequest,
+    LoggedToken,
+    Response,
+    ResponseShape,
+    model_list,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 from moerun.serve.scheduler import Job, Output, QueueFull, Scheduler
 
 MAX_BODY_BYTES = 8 << 20  # far above any context's worth of prompt text; larger bodies get a 413
@@ -61,16 +72,20 @@ class Server:
             if self.api_key is not None and request.path != "/health":
                 given = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    raise ApiError(401, "invalid API key: send 'Authorization: Bearer <the --api-key value>'",
-                                   code="invalid_api_key")
+                    raise ApiError(
+                        401,
+                        "invalid API key: send 'Authorization: Bearer <the --api-key value>'",
+                        code="invalid_api_key",
+                    )
             return await handler(request)
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
         except web.HTTPException as e:  # aiohttp's: no route (404), wrong method (405), body too large (413)
             if e.status < 400:
                 raise
-            return web.json_response(ApiError(e.status, f"{request.method} {request.path}: {e.reason}").body(),
-                                     status=e.status)
+            return web.json_response(
+                ApiError(e.status, f"{request.method} {request.path}: {e.reason}").body(), status=e.status
+            )
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
@@ -91,26 +106,44 @@ class Server:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat(await _json_body(request))
         if "reasoning_effort" in req.template_kwargs and "reasoning_effort" not in self.chat.template.variables:
-            raise ApiError(400, "'reasoning_effort': this model's chat template takes none", param="reasoning_effort",
-                           code="unsupported_parameter")
+            raise ApiError(
+                400,
+                "'reasoning_effort': this model's chat template takes none",
+                param="reasoning_effort",
+                code="unsupported_parameter",
+            )
         parse_calls = bool(req.tools) and req.tool_choice != "none"
         calls = self.chat.tool_format if parse_calls else None
         if parse_calls and calls is None and not self.chat.harmony:
-            raise ApiError(400, "'tools': this model's chat template writes tool calls in no format this server "
-                           "parses (docs/runtime.md lists them)", param="tools", code="unsupported_value")
+            raise ApiError(
+                400,
+                "'tools': this model's chat template writes tool calls in no format this server "
+                "parses (docs/runtime.md lists them)",
+                param="tools",
+                code="unsupported_value",
+            )
         text, prompt = await asyncio.to_thread(self.chat.prompt, req.messages, req.tools, req.template_kwargs)
         tags = self.chat.reasoning if req.split_reasoning else None
         in_reasoning = tags is not None and text.rstrip().endswith(tags.start)
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools or ()}
         markers = (tags.start, tags.end) if tags else ()
-        control_text = self.chat.control_texts(markers + (calls.markers if calls else ()) +
-                                               (HARMONY_MARKERS if self.chat.harmony else ()))
+        control_text = self.chat.control_texts(
+            markers + (calls.markers if calls else ()) + (HARMONY_MARKERS if self.chat.harmony else ())
+        )
         grammar, grammar_after = None, None
         if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
-            chosen = [t for t in req.tools if not isinstance(req.tool_choice, dict)
-                      or t["function"]["name"] == req.tool_choice["function"]["name"]]
-            grammar = await asyncio.to_thread(self.grammars.tool_call, "harmony" if calls is None else calls.name,
-                                              chosen, self.chat.control_ids(), "tool_choice")
+            chosen = [
+                t
+                for t in req.tools
+                if not isinstance(req.tool_choice, dict) or t["function"]["name"] == req.tool_choice["function"]["name"]
+            ]
+            grammar = await asyncio.to_thread(
+                self.grammars.tool_call,
+                "harmony" if calls is None else calls.name,
+                chosen,
+                self.chat.control_ids(),
+                "tool_choice",
+            )
             tags = None  # the call from its first token on: no reasoning to split out
         elif req.json_schema is not None:
             grammar = await asyncio.to_thread(self.grammars.json_schema, req.json_schema, "response_format")
@@ -121,11 +154,14 @@ class Server:
             if grammar_after is None:
                 tags = None
         if self.chat.harmony:
+
             def answer() -> Answer:
                 return HarmonyAnswer(req.split_reasoning, req.parallel_tool_calls, parse_calls)
         else:
+
             def answer() -> Answer:
                 return ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls)
+
         return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar, grammar_after)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -138,8 +174,14 @@ class Server:
             raise ApiError(400, f"'prompt': token ids must be in [0, {tokenizer.n_vocab})", param="prompt")
         return prompt
 
-    def _jobs(self, req: GenerationRequest, prompt: list[int], control_text: dict[int, bytes],
-              grammar: str | None, grammar_after: int | None = None) -> list[Job]:
+    def _jobs(
+        self,
+        req: GenerationRequest,
+        prompt: list[int],
+        control_text: dict[int, bytes],
+        grammar: str | None,
+        grammar_after: int | None = None,
+    ) -> list[Job]:
         """One job per choice, each with a sampler of its own (choice i seeded with seed + i)."""
         s = req.sampling
         n_vocab = self.model.tokenizer.n_vocab
@@ -147,24 +189,55 @@ class Server:
             raise ApiError(400, f"'logit_bias': token ids must be in [0, {n_vocab})", param="logit_bias")
 
         def sampler(i: int) -> Sampler:
-            return make_sampler(s.temperature, s.top_p, None if s.seed is None else s.seed + i, top_k=s.top_k,
-                                min_p=s.min_p, presence_penalty=s.presence_penalty,
-                                frequency_penalty=s.frequency_penalty, repeat_penalty=s.repeat_penalty,
-                                repeat_last_n=s.repeat_last_n, logit_bias=s.logit_bias, prompt=prompt)
-        return [Job(prompt, s.max_tokens, sampler(i), s.stop, s.ignore_eos, req.logprobs, control_text,
-                    None if grammar is None else Constraint(self.grammars, grammar, grammar_after))
-                for i in range(req.n)]
+            return make_sampler(
+                s.temperature,
+                s.top_p,
+                None if s.seed is None else s.seed + i,
+                top_k=s.top_k,
+                min_p=s.min_p,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                repeat_penalty=s.repeat_penalty,
+                repeat_last_n=s.repeat_last_n,
+                logit_bias=s.logit_bias,
+                prompt=prompt,
+            )
 
-    async def _generate(self, request: web.Request, req: GenerationRequest, prompt: list[int],
-                        shape: ResponseShape, answer: Callable[[], Answer],
-                        control_text: dict[int, bytes] | None = None, grammar: str | None = None,
-                        grammar_after: int | None = None) -> web.StreamResponse:
+        return [
+            Job(
+                prompt,
+                s.max_tokens,
+                sampler(i),
+                s.stop,
+                s.ignore_eos,
+                req.logprobs,
+                control_text,
+                None if grammar is None else Constraint(self.grammars, grammar, grammar_after),
+            )
+            for i in range(req.n)
+        ]
+
+    async def _generate(
+        self,
+        request: web.Request,
+        req: GenerationRequest,
+        prompt: list[int],
+        shape: ResponseShape,
+        answer: Callable[[], Answer],
+        control_text: dict[int, bytes] | None = None,
+        grammar: str | None = None,
+        grammar_after: int | None = None,
+    ) -> web.StreamResponse:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(prompt) >= self.model.n_ctx:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {self.model.n_ctx} "
-                           "(start the server with a larger -c)", param="messages" if shape is CHAT else "prompt",
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens; the context holds {self.model.n_ctx} "
+                "(start the server with a larger -c)",
+                param="messages" if shape is CHAT else "prompt",
+                code="context_length_exceeded",
+            )
         # (a matcher compiles its grammar: in a worker thread, as the prompt was tokenized)
         jobs = await asyncio.to_thread(self._jobs, req, prompt, control_text or {}, grammar, grammar_after)
         outputs: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
@@ -172,6 +245,7 @@ class Server:
 
         def submit(i: int, job: Job) -> int:
             return self.engine.submit(job, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, (i, item)))
+
         tickets = [submit(i, job) for i, job in enumerate(jobs)]
         choices = [_Choice(answer(), req.logprobs is not None) for _ in jobs]
         finished = False
@@ -198,11 +272,12 @@ class Server:
         def text(token: int) -> tuple[str, bytes]:
             raw = token_bytes(token)
             return raw.decode("utf-8", errors="replace"), raw
-        return LoggedToken(*text(out.token), out.logprobs.logprob,
-                           tuple((*text(t), lp) for t, lp in out.logprobs.top))
 
-    async def _whole(self, first: tuple[int, Output | Exception], outputs: asyncio.Queue, response: Response,
-                     choices: list[_Choice]) -> web.Response:
+        return LoggedToken(*text(out.token), out.logprobs.logprob, tuple((*text(t), lp) for t, lp in out.logprobs.top))
+
+    async def _whole(
+        self, first: tuple[int, Output | Exception], outputs: asyncio.Queue, response: Response, choices: list[_Choice]
+    ) -> web.Response:
         item = first
         while True:
             i, out = item[0], _raise_failure(item[1])
@@ -213,20 +288,37 @@ class Server:
             item = await outputs.get()
         for c in choices:
             c.answer.end()
-        body = [response.choice(i, c.answer.fields(), c.answer.finish_reason(c.last.finish_reason), delta=False,
-                                logprobs=c.logged) for i, c in enumerate(choices)]
+        body = [
+            response.choice(
+                i, c.answer.fields(), c.answer.finish_reason(c.last.finish_reason), delta=False, logprobs=c.logged
+            )
+            for i, c in enumerate(choices)
+        ]
         return web.json_response(response.whole(body, _usage(choices)))
 
-    async def _stream(self, request: web.Request, first: tuple[int, Output | Exception], outputs: asyncio.Queue,
-                      response: Response, choices: list[_Choice], include_usage: bool) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        first: tuple[int, Output | Exception],
+        outputs: asyncio.Queue,
+        response: Response,
+        choices: list[_Choice],
+        include_usage: bool,
+    ) -> web.StreamResponse:
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
 
         async def send(obj: Any) -> None:
             await stream.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-        await send(response.chunk([response.choice(i, dict(c.answer.first_delta), None, delta=True, **c.unsent())
-                                   for i, c in enumerate(choices)]))
+        await send(
+            response.chunk(
+                [
+                    response.choice(i, dict(c.answer.first_delta), None, delta=True, **c.unsent())
+                    for i, c in enumerate(choices)
+                ]
+            )
+        )
         item = first
         while True:
             i, out = item
@@ -240,8 +332,15 @@ class Server:
             if fields:
                 await send(response.chunk([response.choice(i, fields, None, delta=True, **c.unsent())]))
             if out.finish_reason:
-                await send(response.chunk([response.choice(i, c.answer.end(), c.answer.finish_reason(
-                    out.finish_reason), delta=True, **c.unsent())]))
+                await send(
+                    response.chunk(
+                        [
+                            response.choice(
+                                i, c.answer.end(), c.answer.finish_reason(out.finish_reason), delta=True, **c.unsent()
+                            )
+                        ]
+                    )
+                )
                 if all(c.done for c in choices):
                     break
             item = await outputs.get()
@@ -284,7 +383,7 @@ class _Choice:
         """The `Response.choice` arguments for the log-probabilities not sent yet; none when not asked for."""
         if self.logged is None:
             return {}
-        tokens, offset = self.logged[self.sent:], self.offset
+        tokens, offset = self.logged[self.sent :], self.offset
         self.sent, self.offset = len(self.logged), offset + sum(len(t.text) for t in tokens)
         return {"logprobs": tokens, "text_offset": offset}
 
@@ -314,8 +413,15 @@ async def _json_body(request: web.Request) -> Any:
         raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from e
 
 
-def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_queue: int = MAX_QUEUE, prefill_chunk: int | None = None, gather_s: float | None = None) -> None:
+def serve(
+    model: Model,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    max_queue: int = MAX_QUEUE,
+    prefill_chunk: int | None = None,
+    gather_s: float | None = None,
+) -> None:
     """Serve the model until interrupted; the engine thread runs batches of up to model.n_seq sequences, each step
     with at most `prefill_chunk` prompt tokens (default: scheduler.PREFILL_CHUNK for the model's device) beside the
     decoding sequences' tokens, new prompts held back up to `gather_s` for others to come (default:
@@ -325,13 +431,21 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, api_key: str 
     start = time.perf_counter()
     captured = model.capture_decode_steps()
     if captured:
-        print(f"moerun: captured {captured} decode steps as CUDA graphs (1 to {model.n_seq} sequences) in "
-              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"moerun: captured {captured} decode steps as CUDA graphs (1 to {model.n_seq} sequences) in "
+            f"{time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     start = time.perf_counter()
     captured = model.capture_prompt_steps(scheduler.prefill_chunk)
     if captured:
-        print(f"moerun: captured {captured} prompt steps as CUDA graphs (up to {scheduler.prefill_chunk} tokens) in "
-              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"moerun: captured {captured} prompt steps as CUDA graphs (up to {scheduler.prefill_chunk} tokens) in "
+            f"{time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     model.warm_up()
     engine = Engine(scheduler)
     server = Server(model, engine, api_key)

@@ -54,6 +54,7 @@ def _integer(low: int, high: int | None = None) -> Callable[[str, Any], int]:
         if value < low or (high is not None and value > high):
             raise invalid(name, f"{value} is out of range [{low}, {high if high is not None else 'inf'}]")
         return value
+
     return check
 
 
@@ -64,6 +65,7 @@ def _number(low: float, high: float, low_open: bool = False) -> Callable[[str, A
         if value < low or value > high or (low_open and value == low):
             raise invalid(name, f"{value} is out of range {'(' if low_open else '['}{low}, {high}]")
         return float(value)
+
     return check
 
 
@@ -91,11 +93,17 @@ def _stream_options(name: str, value: Any) -> bool:
 
 def _only(*accepted: Any) -> Callable[[str, Any], Any]:
     """A field the server knows but does not implement: only its default value(s) pass."""
+
     def check(name: str, value: Any) -> Any:
         if value not in accepted:
-            raise ApiError(400, f"'{name}': only {' or '.join(map(repr, accepted))} is supported, got {value!r}",
-                           param=name, code="unsupported_value")
+            raise ApiError(
+                400,
+                f"'{name}': only {' or '.join(map(repr, accepted))} is supported, got {value!r}",
+                param=name,
+                code="unsupported_value",
+            )
         return value
+
     return check
 
 
@@ -117,9 +125,13 @@ def _message(where: str, m: Any) -> dict[str, Any]:
     if isinstance(content, list):
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"'{where}.content[{j}]': only text parts ({{'type': 'text', 'text': ...}}) are "
-                               "supported: the served models read text", param=f"{where}.content",
-                               code="unsupported_value")
+                raise ApiError(
+                    400,
+                    f"'{where}.content[{j}]': only text parts ({{'type': 'text', 'text': ...}}) are "
+                    "supported: the served models read text",
+                    param=f"{where}.content",
+                    code="unsupported_value",
+                )
     elif content is None:
         message["content"] = ""
     elif not isinstance(content, str):
@@ -173,8 +185,10 @@ def _tool_choice(name: str, value: Any) -> str | dict[str, Any]:
     function = value.get("function") if isinstance(value, dict) else None
     if isinstance(function, dict) and isinstance(function.get("name"), str):
         return value
-    raise invalid(name, f"expected 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, "
-                  f"got {value!r}")
+    raise invalid(
+        name,
+        f"expected 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {value!r}",
+    )
 
 
 def _response_format(name: str, value: Any) -> dict[str, Any] | None:
@@ -189,8 +203,11 @@ def _response_format(name: str, value: Any) -> dict[str, Any] | None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise invalid(f"{name}.json_schema", "expected {'name': ..., 'schema': {...}}")
         return spec.get("schema", {})
-    raise invalid(name, "expected {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
-                  "'json_schema': {'name': ..., 'schema': {...}}}")
+    raise invalid(
+        name,
+        "expected {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+        "'json_schema': {'name': ..., 'schema': {...}}}",
+    )
 
 
 def _object(name: str, value: Any) -> dict[str, Any]:
@@ -204,6 +221,7 @@ def _one_of(*choices: str) -> Callable[[str, Any], str]:
         if value not in choices:
             raise invalid(name, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
         return value
+
     return check
 
 
@@ -216,14 +234,25 @@ def _prompt(name: str, value: Any) -> str | list[int]:
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        raise ApiError(400, f"'{name}': one prompt per request is supported, got {len(value)}", param=name,
-                       code="unsupported_value")
+        raise ApiError(
+            400,
+            f"'{name}': one prompt per request is supported, got {len(value)}",
+            param=name,
+            code="unsupported_value",
+        )
     raise invalid(name, "expected a string or a non-empty list of token ids")
 
 
 def _json_type(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 # ------------------------------------------------------------------------------------------------ requests
@@ -367,21 +396,34 @@ def _check_fields(body: Any, table: dict[str, tuple[Callable[[str, Any], Any], A
     for name, why in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise ApiError(400, f"'{name}': {why}", param=name, code="unsupported_parameter")
-    return {name: default if body.get(name) is None else check(name, body[name])
-            for name, (check, default) in table.items()}
+    return {
+        name: default if body.get(name) is None else check(name, body[name]) for name, (check, default) in table.items()
+    }
 
 
 def _sampling(fields: dict[str, Any], max_tokens: int | None) -> Sampling:
-    return Sampling(max_tokens, fields["temperature"], fields["top_p"], fields["seed"], fields["stop"],
-                    fields["ignore_eos"], fields["top_k"], fields["min_p"], fields["presence_penalty"],
-                    fields["frequency_penalty"], fields["repeat_penalty"], fields["repeat_last_n"],
-                    fields["logit_bias"])
+    return Sampling(
+        max_tokens,
+        fields["temperature"],
+        fields["top_p"],
+        fields["seed"],
+        fields["stop"],
+        fields["ignore_eos"],
+        fields["top_k"],
+        fields["min_p"],
+        fields["presence_penalty"],
+        fields["frequency_penalty"],
+        fields["repeat_penalty"],
+        fields["repeat_last_n"],
+        fields["logit_bias"],
+    )
 
 
 def parse_completion(body: Any) -> GenerationRequest:
     f = _check_fields(body, COMPLETION_FIELDS, "prompt")
-    return GenerationRequest(_sampling(f, f["max_tokens"]), f["stream"], f["stream_options"], f["n"], f["logprobs"],
-                             prompt=f["prompt"])
+    return GenerationRequest(
+        _sampling(f, f["max_tokens"]), f["stream"], f["stream_options"], f["n"], f["logprobs"], prompt=f["prompt"]
+    )
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -402,19 +444,32 @@ def parse_chat(body: Any) -> GenerationRequest:
     template_kwargs = dict(f["chat_template_kwargs"])
     if f["reasoning_effort"] is not None:
         template_kwargs["reasoning_effort"] = f["reasoning_effort"]
-    return GenerationRequest(_sampling(f, max_tokens), f["stream"], f["stream_options"], f["n"], logprobs,
-                             messages=f["messages"], template_kwargs=template_kwargs, tools=f["tools"] or None,
-                             tool_choice=f["tool_choice"], parallel_tool_calls=f["parallel_tool_calls"],
-                             split_reasoning=f["reasoning_format"] != "none", json_schema=f["response_format"])
+    return GenerationRequest(
+        _sampling(f, max_tokens),
+        f["stream"],
+        f["stream_options"],
+        f["n"],
+        logprobs,
+        messages=f["messages"],
+        template_kwargs=template_kwargs,
+        tools=f["tools"] or None,
+        tool_choice=f["tool_choice"],
+        parallel_tool_calls=f["parallel_tool_calls"],
+        split_reasoning=f["reasoning_format"] != "none",
+        json_schema=f["response_format"],
+    )
 
 
 # ----------------------------------------------------------------------------------------------- responses
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 @dataclass(frozen=True)
@@ -431,8 +486,13 @@ class LoggedToken:
 def chat_logprobs(tokens: list[LoggedToken]) -> dict[str, Any]:
     def entry(text: str, raw: bytes, logprob: float) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
-    return {"content": [{**entry(t.text, t.bytes, t.logprob), "top_logprobs": [entry(*alt) for alt in t.top]}
-                        for t in tokens], "refusal": None}
+
+    return {
+        "content": [
+            {**entry(t.text, t.bytes, t.logprob), "top_logprobs": [entry(*alt) for alt in t.top]} for t in tokens
+        ],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(tokens: list[LoggedToken], offset: int) -> dict[str, Any]:
@@ -441,8 +501,12 @@ def completion_logprobs(tokens: list[LoggedToken], offset: int) -> dict[str, Any
     for t in tokens:
         offsets.append(offset)
         offset += len(t.text)
-    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{text: lp for text, _, lp in t.top} for t in tokens], "text_offset": offsets}
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{text: lp for text, _, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
 
 
 @dataclass(frozen=True)
@@ -458,8 +522,14 @@ class ResponseShape:
     logprobs: Callable[[list[LoggedToken], int], dict[str, Any]]
 
 
-CHAT = ResponseShape("chat.completion", "chat.completion.chunk", "chatcmpl-", "message", "delta",
-                     lambda tokens, offset: chat_logprobs(tokens))
+CHAT = ResponseShape(
+    "chat.completion",
+    "chat.completion.chunk",
+    "chatcmpl-",
+    "message",
+    "delta",
+    lambda tokens, offset: chat_logprobs(tokens),
+)
 COMPLETION = ResponseShape("text_completion", "text_completion", "cmpl-", None, None, completion_logprobs)
 
 
@@ -478,14 +548,25 @@ class Response:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def choice(self, index: int, fields: dict[str, Any], finish_reason: str | None, *, delta: bool,
-               logprobs: list[LoggedToken] | None = None, text_offset: int = 0) -> dict[str, Any]:
+    def choice(
+        self,
+        index: int,
+        fields: dict[str, Any],
+        finish_reason: str | None,
+        *,
+        delta: bool,
+        logprobs: list[LoggedToken] | None = None,
+        text_offset: int = 0,
+    ) -> dict[str, Any]:
         """One choice: `fields` (a chat message or delta, a completion's text) and, where the request asked for
         them, the log-probabilities of the tokens it covers."""
         key = self.shape.delta_key if delta else self.shape.whole_key
-        return {"index": index, **({key: fields} if key else fields),
-                "logprobs": None if logprobs is None else self.shape.logprobs(logprobs, text_offset),
-                "finish_reason": finish_reason}
+        return {
+            "index": index,
+            **({key: fields} if key else fields),
+            "logprobs": None if logprobs is None else self.shape.logprobs(logprobs, text_offset),
+            "finish_reason": finish_reason,
+        }
 
     def whole(self, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(self.shape.object), "choices": choices, "usage": usage_}
@@ -500,5 +581,16 @@ class Response:
 
 def model_list(name: str, created: int, context_length: int) -> dict[str, Any]:
     """The one served model; its context (each sequence's positions) under llama.cpp's and vLLM's names."""
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "moerun",
-                                        "context_length": context_length, "max_model_len": context_length}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "moerun",
+                "context_length": context_length,
+                "max_model_len": context_length,
+            }
+        ],
+    }

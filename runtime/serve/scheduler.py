@@ -109,10 +109,10 @@ class TextStream:
         hits = [i for s in self._stops if (i := held.find(s)) >= 0]
         if hits:
             self._held = ""
-            return held[:min(hits)], True
+            return held[: min(hits)], True
         keep = max((k for s in self._stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
-        self._held = held[len(held) - keep:]
-        return held[:len(held) - keep], False
+        self._held = held[len(held) - keep :]
+        return held[: len(held) - keep], False
 
     def flush(self) -> str:
         """The held-back text, and a replacement character for an unfinished UTF-8 sequence: the job is over."""
@@ -140,8 +140,14 @@ class _Sequence:
 
 
 class Scheduler:
-    def __init__(self, model: Model, max_queue: int = 64, prefill_chunk: int | None = None,
-                 gather_s: float | None = None, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        model: Model,
+        max_queue: int = 64,
+        prefill_chunk: int | None = None,
+        gather_s: float | None = None,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.model, self.max_queue = model, max_queue
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[model.device.type]
         self.gather_s = GATHER_S[model.device.type] if gather_s is None else gather_s
@@ -175,14 +181,20 @@ class Scheduler:
         left = self._arrived[self.waiting[0][0]] + self.gather_s - now
         if left <= 0:
             return 0.0
-        coming = sum(now - s.freed_at < self.gather_s if s.job is None else
-                     s.job.generated > 0 and (s.job.limit - s.job.generated) * self._step_s <= left
-                     for s in self.sequences)
+        coming = sum(
+            now - s.freed_at < self.gather_s
+            if s.job is None
+            else s.job.generated > 0 and (s.job.limit - s.job.generated) * self._step_s <= left
+            for s in self.sequences
+        )
         return left if len(self.waiting) < coming else 0.0
 
     def counts(self) -> dict[str, int]:
-        return {"sequences": len(self.sequences), "running": sum(s.job is not None for s in self.sequences),
-                "waiting": len(self.waiting)}
+        return {
+            "sequences": len(self.sequences),
+            "running": sum(s.job is not None for s in self.sequences),
+            "waiting": len(self.waiting),
+        }
 
     def add(self, job: Job) -> int:
         """Queue a job; its id. Raises QueueFull when max_queue jobs wait already with no sequence free."""
@@ -250,7 +262,7 @@ class Scheduler:
             seq = self.sequences[s]
             starts.append(len(seq.tokens))
             seq.tokens += chunk
-            seq.job.feed = seq.job.feed[len(chunk):]
+            seq.job.feed = seq.job.feed[len(chunk) :]
             if not seq.job.feed:
                 ready.append((i, s))
         runs = [self.sequences[s].job for _, s in ready]
@@ -275,8 +287,9 @@ class Scheduler:
         seqs = [s for s, chunk in chunks for _ in chunk]
         ends = list(itertools.accumulate(len(chunk) for _, chunk in chunks))
         outputs = torch.tensor([ends[i] - 1 for i in rows] or [len(tokens) - 1])  # none: one cheap row, unread
-        return self.model.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs),
-                                        outputs)[:len(rows)]
+        return self.model.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs), outputs)[
+            : len(rows)
+        ]
 
     def _admit(self) -> None:
         """Give each waiting job, in order, the free sequence sharing the longest prefix with its prompt (the least
@@ -294,8 +307,9 @@ class Scheduler:
             keep = min(shared[s], len(job.prompt) - 1)  # the last prompt token always runs: it gives the logits
             del seq.tokens[keep:]
             limit = self.model.n_ctx - len(job.prompt)
-            seq.job = _Running(job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep,
-                               TextStream(job.stop))
+            seq.job = _Running(
+                job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep, TextStream(job.stop)
+            )
 
     def _start_masks(self, runs: list[_Running]) -> tuple[list[int], Future | None]:
         """The rows among `runs` under a grammar now, and their next-token masks, computed in a worker thread (the
@@ -309,8 +323,9 @@ class Scheduler:
         grammars = runs[rows[0]].job.grammar.grammars
         return rows, self._mask_thread.submit(grammars.masks, [runs[i].job.grammar.matcher for i in rows])
 
-    def _sample(self, runs: list[_Running], logits: torch.Tensor,
-                masks: tuple[list[int], Future | None] = ([], None)) -> list[tuple[int, TokenLogprobs | None]]:
+    def _sample(
+        self, runs: list[_Running], logits: torch.Tensor, masks: tuple[list[int], Future | None] = ([], None)
+    ) -> list[tuple[int, TokenLogprobs | None]]:
         """One token per row, with its log-probabilities where the job wants them; the greedy rows with one argmax
         (one host sync) for all. The rows under a grammar (`masks`, from _start_masks) have their disallowed
         tokens' logits set to -inf, as the end-of-generation ones of ignore_eos jobs (in a copy: `logits` may be a
@@ -323,8 +338,9 @@ class Scheduler:
         if eog or constrained:
             logits = logits.clone()
         if eog:
-            logits[torch.tensor(ignoring, device=logits.device)[:, None], torch.tensor(eog, device=logits.device)] = \
-                -math.inf
+            logits[
+                torch.tensor(ignoring, device=logits.device)[:, None], torch.tensor(eog, device=logits.device)
+            ] = -math.inf
         if constrained:
             rows = torch.tensor(constrained, device=logits.device)
             logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), -math.inf)
@@ -361,7 +377,7 @@ def _logprobs(runs: list[_Running], logits: torch.Tensor, picked: list[int]) -> 
     logp = torch.log_softmax(logits[index].float(), dim=-1)
     chosen = logp.gather(1, torch.tensor([picked[i] for i in rows], device=logits.device)[:, None])[:, 0].tolist()
     k = max(runs[i].job.logprobs for i in rows)
-    top_values, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+    top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     out: list[TokenLogprobs | None] = [None] * len(runs)
     for j, i in enumerate(rows):

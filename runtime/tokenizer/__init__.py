@@ -86,7 +86,7 @@ class BPE:
         self._ranks: dict[tuple[str, str], int] = {}
         for i, m in enumerate(g.get(TOK.MERGES) or []):
             cut = m.find(" ", 1)  # the first space after the first character: a piece may start with a space
-            self._ranks.setdefault((m[:cut], m[cut + 1:]) if cut > 0 else ("", ""), i)
+            self._ranks.setdefault((m[:cut], m[cut + 1 :]) if cut > 0 else ("", ""), i)
         self._cache: dict[str, list[int]] = {}
         self.token_bytes = [_bpe_token_bytes(t, ty, pre) for t, ty in zip(tokens, types)]
 
@@ -132,8 +132,11 @@ class SentencePieceBPE:
     def __init__(self, g: GGUFModel, tokens: list[str], types: list[TokenType], pre: PreTokenizer | None) -> None:
         scores = g.get(TOK.SCORES) or [0.0] * len(tokens)
         self._pieces = {t: (i, scores[i]) for i, t in reversed(list(enumerate(tokens)))}  # first id wins
-        self._byte_ids = {int(t[3:5], 16): i for i, (t, ty) in enumerate(zip(tokens, types))
-                          if ty == TokenType.BYTE and len(t) == 6 and t.startswith("<0x")}
+        self._byte_ids = {
+            int(t[3:5], 16): i
+            for i, (t, ty) in enumerate(zip(tokens, types))
+            if ty == TokenType.BYTE and len(t) == 6 and t.startswith("<0x")
+        }
         self.add_space_prefix = bool(g.get(TOK.ADD_PREFIX, True))
         self.token_bytes = [_sentencepiece_bytes(t, ty) for t, ty in zip(tokens, types)]
 
@@ -182,8 +185,10 @@ def pre_tokenizer(g: GGUFModel, kind: str) -> PreTokenizer | None:
         return None
     name = g.get(TOK.PRE) or "default"  # llama.cpp warns and uses "default" when the name is missing
     if name not in PRE_TOKENIZERS:
-        raise MoeprepError(f"{g.path}: unknown pre-tokenizer type '{name}' (tokenizer.ggml.pre); llama.cpp does "
-                           f"not know it either. Known: {', '.join(sorted(PRE_TOKENIZERS))}")
+        raise MoeprepError(
+            f"{g.path}: unknown pre-tokenizer type '{name}' (tokenizer.ggml.pre); llama.cpp does "
+            f"not know it either. Known: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
     return PRE_TOKENIZERS[name]
 
 
@@ -193,17 +198,25 @@ class Tokenizer:
     def __init__(self, g: GGUFModel) -> None:
         kind = g.get(TOK.MODEL)
         if kind not in TOKENIZER_MODELS:
-            known = "a tokenizer model moerun does not run" if kind in OTHER_LLAMA_CPP_MODELS else "an unknown tokenizer"
-            raise MoeprepError(f"{g.path}: tokenizer model '{kind}' (tokenizer.ggml.model) is {known}; "
-                               f"supported: {', '.join(TOKENIZER_MODELS)}")
+            known = (
+                "a tokenizer model moerun does not run" if kind in OTHER_LLAMA_CPP_MODELS else "an unknown tokenizer"
+            )
+            raise MoeprepError(
+                f"{g.path}: tokenizer model '{kind}' (tokenizer.ggml.model) is {known}; "
+                f"supported: {', '.join(TOKENIZER_MODELS)}"
+            )
         spec = TOKENIZER_MODELS[kind]
         bos, add_bos = spec.bos_id, spec.add_bos
         pre = pre_tokenizer(g, kind)
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(g.get(TOK.LIST))]  # llama.cpp's name for empty tokens
-        types = [TOKEN_TYPES.get(t, TokenType.UNUSED) for t in (g.get(TOK.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens))]
+        types = [
+            TOKEN_TYPES.get(t, TokenType.UNUSED) for t in (g.get(TOK.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens))
+        ]
         self._model = spec.implementation(g, tokens, types, pre)
-        self._user_defined = sorted(((t, i) for i, (t, ty) in enumerate(zip(tokens, types))
-                                     if ty == TokenType.USER_DEFINED), key=lambda ti: -len(ti[0].encode()))
+        self._user_defined = sorted(
+            ((t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty == TokenType.USER_DEFINED),
+            key=lambda ti: -len(ti[0].encode()),
+        )
         if pre is not None:
             bos = bos if pre.bos_token else None
             add_bos = pre.add_bos
@@ -272,7 +285,8 @@ _BYTE_OF_CHAR = {c: b for b, c in _BYTE_CHAR.items()}
 # Characters 0x80-0xff outside the alphabet are UTF-8 (two bytes) as they stand: they map to a character latin-1
 # cannot encode, which sends their token to the per-character path.
 _BYTE_TABLE = {ord(c): b for c, b in _BYTE_OF_CHAR.items()} | {
-    x: 0x100 for x in range(0x80, 0x100) if chr(x) not in _BYTE_OF_CHAR}
+    x: 0x100 for x in range(0x80, 0x100) if chr(x) not in _BYTE_OF_CHAR
+}
 
 
 def _bpe_token_bytes(text: str, token_type: TokenType, pre: PreTokenizer) -> bytes:

@@ -29,14 +29,21 @@ GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _TAIL
 QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _TAIL
 QWEN35 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|" + _TAIL
-JAIS2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-         + "".join(rf"|\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4)) + r"|\s{1,2}(?!\S)|\s{1}")
+JAIS2 = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    + "".join(rf"|\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4))
+    + r"|\s{1,2}(?!\S)|\s{1}"
+)
 # DeepSeek-V3 and relatives: numbers in threes, CJK runs, then words that may start with one ASCII punctuation mark
 _CJK_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
 _CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 _ASCII_PUNCT_WORD = r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
-DEEPSEEK3 = (r"\p{N}{1,3}", _CJK_KANA,
-             _ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|" + _TAIL)
+DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    _CJK_KANA,
+    _ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|" + _TAIL,
+)
 DEEPSEEK_LLM = (
     r"[\r\n]",
     r"\s?[A-Za-z"  # letters of cased scripts
@@ -69,34 +76,50 @@ _NOT_WORD = r"[^\r\n\p{L}\p{N}]?"
 
 
 def _cased_words(upper: str, lower: str, numbers: str, contraction: str = _CONTRACTIONS + "?") -> str:
-    return (f"{_NOT_WORD}{upper}*{lower}+{contraction}|{_NOT_WORD}{upper}+{lower}*{contraction}"
-            f"|{numbers}| ?[^\\s\\p{{L}}\\p{{N}}]+[\\r\\n/]*|" + _TAIL)
+    return (
+        f"{_NOT_WORD}{upper}*{lower}+{contraction}|{_NOT_WORD}{upper}+{lower}*{contraction}"
+        f"|{numbers}| ?[^\\s\\p{{L}}\\p{{N}}]+[\\r\\n/]*|" + _TAIL
+    )
 
 
 GPT4O = _cased_words(_UPPER, _LOWER, r"\p{N}{1,3}")
 TEKKEN = _cased_words(_UPPER, _LOWER, r"\p{N}", contraction="")
 GRANITE_EMB_MULTI = _cased_words(_UPPER_M, _LOWER_M, r"\p{N}{1,3}")
 TINY_AYA = _cased_words(_CASED_UPPER, _CASED_LOWER, r"\p{N}{1,3}")
-YOUTU = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
-         "\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + _CJK_KANA,  # Hangul, CJK punctuation, Bopomofo, CJK and kana runs
-         _cased_words(_CASED_UPPER, _CASED_LOWER, r"\p{N}"))
+YOUTU = (
+    "[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+    "\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + _CJK_KANA,  # Hangul, CJK punctuation, Bopomofo, CJK and kana runs
+    _cased_words(_CASED_UPPER, _CASED_LOWER, r"\p{N}"),
+)
 STARCODER = (r"\p{N}", GPT2)
 FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]")
 DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
 BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # words up to whitespace or sentence punctuation
-CHAMELEON = ("<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\\t\\n]|    |  )", r"\p{N}",
-             r"[\p{P}!-/:-@\[-`{-~]", GPT2)
-BAILINGMOE = ("'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
-              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+")
+CHAMELEON = (
+    "<sentinel:[0-9]+>",
+    "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+    "([\\t\\n]|    |  )",
+    r"\p{N}",
+    r"[\p{P}!-/:-@\[-`{-~]",
+    GPT2,
+)
+BAILINGMOE = (
+    "'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
 SEED_CODER = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|" + _TAIL
 UFAKZEKA = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _TAIL  # Qwen2's without contractions
 # runs of CJK, kana, Thai, Lao, Khmer, Myanmar and Hangul
-AFMOE_SCRIPTS = ("[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf"
-                 "\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af"
-                 "\u1100-\u11ff]+")
+AFMOE_SCRIPTS = (
+    "[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf"
+    "\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af"
+    "\u1100-\u11ff]+"
+)
 LINES = r"[^\n]+|[\n]+"
-EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
-              r"|\s*[\r\n]|\s+(?!\S)|\s+")
+EXAONE_MOE = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
+    r"|\s*[\r\n]|\s+(?!\S)|\s+"
+)
 MINICPM5 = (r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|" + _TAIL)
 
 _LLAMA3 = PreTokenizer((LLAMA3,), ignore_merges=True, add_bos=True)
@@ -121,12 +144,21 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "deepseek-llm": PreTokenizer(DEEPSEEK_LLM),
     "deepseek-coder": PreTokenizer(DEEPSEEK_CODER),
     **_names("deepseek-v3 hunyuan-dense joyai-llm hy_v4", _DEEPSEEK3),
-    "spark2_5": PreTokenizer((r"\p{N}{1,3}", _CJK_KANA, _ASCII_PUNCT_WORD
-                              + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}")),
+    "spark2_5": PreTokenizer(
+        (
+            r"\p{N}{1,3}",
+            _CJK_KANA,
+            _ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+",
+            r"\p{N}",
+        )
+    ),
     "youtu": PreTokenizer(YOUTU, ignore_merges=True),
     "falcon": PreTokenizer(FALCON),
-    **_names("mpt gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert olmo jais "
-             "trillion granite-docling exaone4 jina-v1-en jina-v2-code roberta-bpe", _GPT2),
+    **_names(
+        "mpt gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert olmo jais "
+        "trillion granite-docling exaone4 jina-v1-en jina-v2-code roberta-bpe",
+        _GPT2,
+    ),
     "jais-2": PreTokenizer((JAIS2,)),
     **_names("gemma4 granite-embed-multi-311m", _GEMMA4),
     "sarvam-moe": _SPM_STYLE,

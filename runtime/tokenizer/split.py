@@ -33,12 +33,22 @@ _ASCII_MEMBERS = {"N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:-;?-@\[-\]_\{\}", 
 # The classes llama.cpp rewrites: the letter subclasses all stand for "any letter".
 _CLASSES = {"N": "N", "L": "L", "P": "P", "M": "M", "S": "S", "Lu": "L", "Ll": "L", "Lt": "L", "Lm": "L", "Lo": "L"}
 # Unicode's White_Space property (PropList.txt): what llama.cpp's \s and its hand-written rules call whitespace.
-WHITESPACE = frozenset([*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029,
-                        0x202F, 0x205F, 0x3000])
+WHITESPACE = frozenset(
+    [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F, 0x3000]
+)
 _CATEGORY = uregex.compile(r"(?P<L>\p{L})|(?P<N>\p{N})|(?P<M>\p{M})|(?P<P>\p{P})|(?P<S>\p{S})")
 # Han (CJK ideograph) blocks, as Kimi-K2's rule reads \p{Han}
-_HAN = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
-        (0x2B820, 0x2CEAF), (0x2CEB0, 0x2EBEF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+_HAN = (
+    (0x4E00, 0x9FFF),
+    (0x3400, 0x4DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B820, 0x2CEAF),
+    (0x2CEB0, 0x2EBEF),
+    (0xF900, 0xFAFF),
+    (0x2F800, 0x2FA1F),
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +88,7 @@ def compile_rule(pattern: str) -> tuple[re.Pattern, bool]:
         elif c == "$" and not inside and not escaped:
             c = r"\Z"  # ECMAScript's $ is the end of the input only (Python's also matches before a final \n)
         elif uses_classes and pattern.startswith("\\p{", i):
-            name = pattern[i + 3:pattern.index("}", i)]
+            name = pattern[i + 3 : pattern.index("}", i)]
             cls = _CLASSES[name]
             members = _STAND_IN[cls] + _ASCII_MEMBERS[cls]
             out.append(members if inside else f"[{members}]")

@@ -34,7 +34,7 @@ class CharsMap:
         if size + 4 >= len(blob):
             raise MoeprepError(f"{path}: tokenizer.ggml.precompiled_charsmap is truncated")
         self.nodes = np.frombuffer(blob, dtype="<u4", count=size // 4, offset=4).tolist()
-        self.replacements = blob[4 + size:]
+        self.replacements = blob[4 + size :]
 
     def _base(self, node: int) -> int:
         packed = self.nodes[node]
@@ -78,16 +78,24 @@ class Unigram:
             if ty in (TokenType.NORMAL, TokenType.USER_DEFINED, TokenType.UNUSED):
                 self._pieces[t.encode()] = (i, 0.0 if ty == TokenType.USER_DEFINED else float(scores[i]))
         self._longest = max(map(len, self._pieces), default=0)
-        lowest = min((np.float32(scores[i]) for i, ty in enumerate(types) if ty == TokenType.NORMAL),
-                     default=np.float32(np.finfo(np.float32).max))
+        lowest = min(
+            (np.float32(scores[i]) for i, ty in enumerate(types) if ty == TokenType.NORMAL),
+            default=np.float32(np.finfo(np.float32).max),
+        )
         self._unknown_score = float(np.float32(lowest - UNKNOWN_PENALTY))  # float arithmetic, as llama.cpp's
         self.unknown_id = g.get(TOK.UNK_ID, 2)
         self.add_space_prefix = bool(g.get(TOK.ADD_PREFIX, False))
         self.merge_spaces = bool(g.get(TOK.REMOVE_EXTRA_WS, False))
         charsmap = g.get(TOK.PRECOMPILED_CHARSMAP)
         self._charsmap = CharsMap(np.asarray(charsmap).astype(np.uint8).tobytes(), g.path) if charsmap else None
-        self.token_bytes = [b"" if ty == TokenType.CONTROL else bytes([int(t[3:5], 16)]) if ty == TokenType.BYTE
-                            else t.replace("\u2581", " ").encode() for t, ty in zip(tokens, types)]
+        self.token_bytes = [
+            b""
+            if ty == TokenType.CONTROL
+            else bytes([int(t[3:5], 16)])
+            if ty == TokenType.BYTE
+            else t.replace("\u2581", " ").encode()
+            for t, ty in zip(tokens, types)
+        ]
 
     def normalize(self, text: bytes) -> bytes:
         out, in_word, prepended, pos = bytearray(), False, False, 0
@@ -95,7 +103,7 @@ class Unigram:
             mapped = self._charsmap.longest_prefix(text, pos) if self._charsmap else None
             if mapped is None:
                 n = min(_utf8_length(text[pos]), len(text) - pos)
-                mapped = (text[pos:pos + n], n)
+                mapped = (text[pos : pos + n], n)
             replacement, consumed = mapped
             for c in replacement:
                 if c != 0x20:
@@ -126,7 +134,7 @@ class Unigram:
             base = best[start][2]
             covered = False
             for length in range(1, min(self._longest, n - start) + 1):
-                piece = self._pieces.get(norm[start:start + length])
+                piece = self._pieces.get(norm[start : start + length])
                 if piece is None:
                     continue
                 covered |= length == char

@@ -91,22 +91,44 @@ def _blocks(*blocks: tuple[str, ...]) -> list[str]:
 ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_up_exps")
 
 
-@pytest.mark.parametrize("names, mixers", [
-    (_blocks(("ssm_in", "ssm_conv1d", "ssm_out", "ffn_up_exps"), ATTN, ("ssm_in", "ssm_d")),  # granitehybrid
-     {"Mamba": [0, 2], "attention": [1]}),
-    (_blocks(("ssm_in", "ssm_norm"), ("ffn_gate_inp", "ffn_up_exps", "ffn_latent_up"), ATTN),  # nemotron_h_moe
-     {"Mamba": [0], "FFN only": [1], "attention": [2]}),
-    (_blocks(("attn_qkv", "attn_gate", "ssm_ba", "ssm_conv1d", "ssm_out"), ATTN + ("attn_gate",)),  # qwen3next
-     {"gated delta-net": [0], "attention": [1]}),
-    (_blocks(("attn_qkv", "ssm_alpha", "ssm_beta"), ATTN), {"gated delta-net": [0], "attention": [1]}),  # qwen35moe
-    (_blocks(("shortconv.conv", "shortconv.in_proj"), ATTN), {"short conv": [0], "attention": [1]}),  # lfm2moe
-    (_blocks(("attn_q", "ssm_conv1d_q", "ssm_f_a"), ("attn_q_a", "attn_kv_a_mqa", "attn_kv_b")),  # kimi-linear
-     {"KDA": [0], "MLA": [1]}),
-    (_blocks(("attn_norm", "attn_qkv", "attn_gate", "attn_norm_2"), ATTN),  # minimax-01
-     {"lightning attention": [0], "attention": [1]}),
-    (_blocks(ATTN, ATTN, ATTN), {}),  # not a hybrid: nothing to say
-], ids=["granitehybrid", "nemotron_h_moe", "qwen3next", "qwen35moe", "lfm2moe", "kimi-linear", "minimax-01",
-        "qwen3moe"])
+@pytest.mark.parametrize(
+    "names, mixers",
+    [
+        (
+            _blocks(("ssm_in", "ssm_conv1d", "ssm_out", "ffn_up_exps"), ATTN, ("ssm_in", "ssm_d")),  # granitehybrid
+            {"Mamba": [0, 2], "attention": [1]},
+        ),
+        (
+            _blocks(("ssm_in", "ssm_norm"), ("ffn_gate_inp", "ffn_up_exps", "ffn_latent_up"), ATTN),  # nemotron_h_moe
+            {"Mamba": [0], "FFN only": [1], "attention": [2]},
+        ),
+        (
+            _blocks(("attn_qkv", "attn_gate", "ssm_ba", "ssm_conv1d", "ssm_out"), ATTN + ("attn_gate",)),  # qwen3next
+            {"gated delta-net": [0], "attention": [1]},
+        ),
+        (_blocks(("attn_qkv", "ssm_alpha", "ssm_beta"), ATTN), {"gated delta-net": [0], "attention": [1]}),  # qwen35moe
+        (_blocks(("shortconv.conv", "shortconv.in_proj"), ATTN), {"short conv": [0], "attention": [1]}),  # lfm2moe
+        (
+            _blocks(("attn_q", "ssm_conv1d_q", "ssm_f_a"), ("attn_q_a", "attn_kv_a_mqa", "attn_kv_b")),  # kimi-linear
+            {"KDA": [0], "MLA": [1]},
+        ),
+        (
+            _blocks(("attn_norm", "attn_qkv", "attn_gate", "attn_norm_2"), ATTN),  # minimax-01
+            {"lightning attention": [0], "attention": [1]},
+        ),
+        (_blocks(ATTN, ATTN, ATTN), {}),  # not a hybrid: nothing to say
+    ],
+    ids=[
+        "granitehybrid",
+        "nemotron_h_moe",
+        "qwen3next",
+        "qwen35moe",
+        "lfm2moe",
+        "kimi-linear",
+        "minimax-01",
+        "qwen3moe",
+    ],
+)
 def test_block_mixers(names: list[str], mixers: dict[str, list[int]]) -> None:
     n_layer = max(parse_tensor_name(n).block or 0 for n in names) + 1
     assert block_mixers(names, n_layer) == mixers

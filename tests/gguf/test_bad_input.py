@@ -39,8 +39,12 @@ def tensor_info_offsets(path: Path) -> dict[str, int]:
     field = GGUFReader(path).tensors[0].field
     name_len, name, n_dims, dims, ggml_type, data_offset = field.parts
     starts = np.cumsum([0] + [p.nbytes for p in field.parts])
-    return {"n_dims": field.offset + int(starts[2]), "ne0": field.offset + int(starts[3]),
-            "type": field.offset + int(starts[4]), "offset": field.offset + int(starts[5])}
+    return {
+        "n_dims": field.offset + int(starts[2]),
+        "ne0": field.offset + int(starts[3]),
+        "type": field.offset + int(starts[4]),
+        "offset": field.offset + int(starts[5]),
+    }
 
 
 @pytest.fixture
@@ -67,22 +71,49 @@ def bad_files(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
         "truncated data": (trunc_data, "truncated"),
         "absurd tensor count": (patched(good, tmp / "count.gguf", 8, struct.pack("<Q", 1 << 60)), "header"),
         "absurd kv count": (patched(good, tmp / "kvcount.gguf", 16, struct.pack("<Q", 1 << 40)), "header"),
-        "absurd tensor offset": (patched(good, tmp / "off.gguf", info["offset"], struct.pack("<Q", 1 << 50)), "truncated"),
-        "overflowing shape": (patched(good, tmp / "shape.gguf", info["ne0"], struct.pack("<Q", 1 << 62)), "past the end"),
+        "absurd tensor offset": (
+            patched(good, tmp / "off.gguf", info["offset"], struct.pack("<Q", 1 << 50)),
+            "truncated",
+        ),
+        "overflowing shape": (
+            patched(good, tmp / "shape.gguf", info["ne0"], struct.pack("<Q", 1 << 62)),
+            "past the end",
+        ),
         "zero dimension": (patched(good, tmp / "zero.gguf", info["ne0"], struct.pack("<Q", 0)), "invalid shape"),
-        "unknown type": (patched(good, tmp / "type.gguf", info["type"], struct.pack("<I", 999)), "unknown tensor type 999"),
+        "unknown type": (
+            patched(good, tmp / "type.gguf", info["type"], struct.pack("<I", 999)),
+            "unknown tensor type 999",
+        ),
         "too many dims": (patched(good, tmp / "dims.gguf", info["n_dims"], struct.pack("<I", 200)), "header"),
-        "unsupported version": (patched(good, tmp / "version.gguf", 4, struct.pack("<I", 99)), "unsupported GGUF version 99"),
+        "unsupported version": (
+            patched(good, tmp / "version.gguf", 4, struct.pack("<I", 99)),
+            "unsupported GGUF version 99",
+        ),
         "folder": (tmp, "folder"),
         "missing file": (tmp / "nothere.gguf", "no such file"),
     }
 
 
-@pytest.mark.parametrize("case", [
-    "text file", "empty file", "bad magic", "truncated header", "truncated data", "absurd tensor count",
-    "absurd kv count", "absurd tensor offset", "overflowing shape", "zero dimension", "unknown type", "too many dims",
-    "unsupported version", "folder", "missing file",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "text file",
+        "empty file",
+        "bad magic",
+        "truncated header",
+        "truncated data",
+        "absurd tensor count",
+        "absurd kv count",
+        "absurd tensor offset",
+        "overflowing shape",
+        "zero dimension",
+        "unknown type",
+        "too many dims",
+        "unsupported version",
+        "folder",
+        "missing file",
+    ],
+)
 def test_bad_gguf_is_one_line_exit_2(case: str, good: Path, tmp_path: Path) -> None:
     path, expected = bad_files(good, tmp_path)[case]
     result = CliRunner().invoke(main, ["inspect", str(path)])
@@ -116,12 +147,15 @@ def test_not_first_shard(good: Path, tmp_path: Path) -> None:
     assert "open the first shard" in result.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["quantize", "only-one-path.gguf"],
-    ["profile", "/no/such/model.gguf", "--dataset", "x", "-o", "out.moeprof"],
-    ["inspect", "m.gguf", "--vram"],
-    ["no-such-command"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["quantize", "only-one-path.gguf"],
+        ["profile", "/no/such/model.gguf", "--dataset", "x", "-o", "out.moeprof"],
+        ["inspect", "m.gguf", "--vram"],
+        ["no-such-command"],
+    ],
+)
 def test_bad_command_line_is_one_line_exit_2(args: list[str]) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output

@@ -22,6 +22,7 @@ from moerun.cli import main as moerun_main
 def forbid(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError(f"{name} ran before the file was refused")
+
     monkeypatch.setattr(owner, name, refuse)
 
 
@@ -35,12 +36,14 @@ def one_line_error(result, expected: str) -> None:
 def foreign_arch(real_vocab_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real-vocabulary model relabelled as an architecture moerun does not run."""
     out = tmp_path_factory.mktemp("foreign") / "gemma3.gguf"
-    return write_gguf(out, open_gguf(real_vocab_model),
-                      kv_set={Keys.General.ARCHITECTURE: KVValue("gemma3", GGUFValueType.STRING)})[0]
+    return write_gguf(
+        out, open_gguf(real_vocab_model), kv_set={Keys.General.ARCHITECTURE: KVValue("gemma3", GGUFValueType.STRING)}
+    )[0]
 
 
-def test_moerun_refuses_an_unsupported_architecture_before_loading(foreign_arch: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moerun_refuses_an_unsupported_architecture_before_loading(
+    foreign_arch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("Weights", "Tokenizer"):
         forbid(monkeypatch, moerun.model, name)
     result = CliRunner().invoke(moerun_main, ["-m", str(foreign_arch), "-p", "hi", "-n", "1"])
@@ -49,20 +52,24 @@ def test_moerun_refuses_an_unsupported_architecture_before_loading(foreign_arch:
 
 def test_moerun_refuses_before_importing_torch(foreign_arch: Path) -> None:
     """The refusal costs a header read, not torch's import (seconds on a small machine): checked in a fresh process."""
-    code = ("import sys\nfrom click.testing import CliRunner\nfrom moerun.cli import main\n"
-            f"result = CliRunner().invoke(main, ['-m', {str(foreign_arch)!r}, '-p', 'hi'])\n"
-            "print(result.exit_code, 'torch' in sys.modules)")
+    code = (
+        "import sys\nfrom click.testing import CliRunner\nfrom moerun.cli import main\n"
+        f"result = CliRunner().invoke(main, ['-m', {str(foreign_arch)!r}, '-p', 'hi'])\n"
+        "print(result.exit_code, 'torch' in sys.modules)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
 
 
-def test_profile_refuses_a_dense_model_before_loading(dense_model: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profile_refuses_a_dense_model_before_loading(
+    dense_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     forbid(monkeypatch, moerun, "load_model")
     text = tmp_path / "text.txt"
     text.write_text("some calibration text\n" * 50)
-    result = CliRunner().invoke(moeprep_main, ["profile", str(dense_model), "--dataset", str(text),
-                                               "-o", str(tmp_path / "out.moeprof")])
+    result = CliRunner().invoke(
+        moeprep_main, ["profile", str(dense_model), "--dataset", str(text), "-o", str(tmp_path / "out.moeprof")]
+    )
     one_line_error(result, "not a Mixture-of-Experts model")
     assert not (tmp_path / "out.moeprof").exists()
 

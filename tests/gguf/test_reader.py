@@ -26,7 +26,8 @@ def test_metadata_and_tensors_equal_gguf_readers(real_vocab_model: Path) -> None
     assert ours.readers[0].data_offset == theirs.data_offset and ours.alignment == theirs.alignment
     assert [(t.name, t.ggml_type, t.shape, t.n_bytes, t.offset) for t in ours.tensors] == [
         (t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape)), int(t.n_bytes), int(t.data_offset))
-        for t in theirs.tensors]
+        for t in theirs.tensors
+    ]
 
 
 def test_string_arrays_decode_on_first_use(real_vocab_model: Path) -> None:
@@ -43,8 +44,20 @@ def test_string_arrays_decode_on_first_use(real_vocab_model: Path) -> None:
 def test_every_value_type_round_trips(tmp_path: Path, dense_model: Path) -> None:
     """Each GGUF value type, scalar and array (an empty one too), as gguf-py reads it back."""
     V = GGUFValueType
-    values = {V.UINT8: 7, V.INT8: -7, V.UINT16: 700, V.INT16: -700, V.UINT32: 70000, V.INT32: -70000,
-              V.UINT64: 1 << 40, V.INT64: -(1 << 40), V.FLOAT32: 0.5, V.FLOAT64: 0.25, V.BOOL: True, V.STRING: "é"}
+    values = {
+        V.UINT8: 7,
+        V.INT8: -7,
+        V.UINT16: 700,
+        V.INT16: -700,
+        V.UINT32: 70000,
+        V.INT32: -70000,
+        V.UINT64: 1 << 40,
+        V.INT64: -(1 << 40),
+        V.FLOAT32: 0.5,
+        V.FLOAT64: 0.25,
+        V.BOOL: True,
+        V.STRING: "é",
+    }
     keys = {f"test.{t.name.lower()}": KVValue(v, t) for t, v in values.items()}
     keys |= {f"test.array.{t.name.lower()}": KVValue([v, v], V.ARRAY, t) for t, v in values.items()}
     keys["test.array.empty"] = KVValue([], V.ARRAY, V.STRING)

@@ -46,10 +46,15 @@ def test_plain_copy_is_byte_identical(model_path: Path, tmp_path: Path) -> None:
 
 def test_kv_set_and_remove_keep_order(model_path: Path, tmp_path: Path) -> None:
     model = open_gguf(model_path)
-    out = write_gguf(tmp_path / "kv.gguf", model, kv_remove=["test.flag"], kv_set={
-        "general.name": KVValue("renamed", GGUFValueType.STRING),
-        "moe_cache.expert_usage": KVValue([1, 2, 3], GGUFValueType.ARRAY, GGUFValueType.UINT32),
-    })
+    out = write_gguf(
+        tmp_path / "kv.gguf",
+        model,
+        kv_remove=["test.flag"],
+        kv_set={
+            "general.name": KVValue("renamed", GGUFValueType.STRING),
+            "moe_cache.expert_usage": KVValue([1, 2, 3], GGUFValueType.ARRAY, GGUFValueType.UINT32),
+        },
+    )
     kv = open_gguf(out[0]).kv
     expected = [k for k in model.kv if k != "test.flag"] + ["moe_cache.expert_usage"]
     assert list(kv) == expected
@@ -97,8 +102,9 @@ def test_failure_leaves_nothing_behind(model_path: Path, tmp_path: Path, error: 
     assert (out / "keep.gguf").read_bytes() == b"old contents"
 
 
-def test_copies_without_kernel_support_stream_the_same_bytes(model_path: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copies_without_kernel_support_stream_the_same_bytes(
+    model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import errno
     import os
 

@@ -14,14 +14,24 @@ from moeprep.profile.trace import RoutingTrace
 from tests.quant.conftest import ggml  # noqa: F401  (libggml's quantizer: the oracle fixture of tests/quant)
 
 
-def fake_identity(n_layer: int = 4, moe_layers: tuple[int, ...] = (1, 2, 3), n_expert: int = 16, k: int = 2,
-                  router: str = "ab" * 32) -> ModelIdentity:
-    return ModelIdentity(arch="qwen3moe", name="fake", file_size=12345, n_layer=n_layer, moe_layers=moe_layers,
-                         n_expert=n_expert, n_expert_used=k, router_sha256=router)
+def fake_identity(
+    n_layer: int = 4, moe_layers: tuple[int, ...] = (1, 2, 3), n_expert: int = 16, k: int = 2, router: str = "ab" * 32
+) -> ModelIdentity:
+    return ModelIdentity(
+        arch="qwen3moe",
+        name="fake",
+        file_size=12345,
+        n_layer=n_layer,
+        moe_layers=moe_layers,
+        n_expert=n_expert,
+        n_expert_used=k,
+        router_sha256=router,
+    )
 
 
-def skewed_routing(rng: np.random.Generator, n_tokens: int, n_layers: int, n_expert: int, k: int,
-                   skew: float) -> tuple[np.ndarray, np.ndarray]:
+def skewed_routing(
+    rng: np.random.Generator, n_tokens: int, n_layers: int, n_expert: int, k: int, skew: float
+) -> tuple[np.ndarray, np.ndarray]:
     """ids [T, M, K] drawn without replacement from p(rank r) ~ (r+1)^-skew, a fixed expert order per layer."""
     ids = np.zeros((n_tokens, n_layers, k), np.int64)
     for m in range(n_layers):
@@ -34,8 +44,14 @@ def skewed_routing(rng: np.random.Generator, n_tokens: int, n_layers: int, n_exp
     return ids, weights / weights.sum(axis=2, keepdims=True)
 
 
-def make_profile(seed: int = 0, chunks: int = 6, heldout: int = 2, tokens: int = 80, skew: float = 1.2,
-                 identity: ModelIdentity | None = None) -> Profile:
+def make_profile(
+    seed: int = 0,
+    chunks: int = 6,
+    heldout: int = 2,
+    tokens: int = 80,
+    skew: float = 1.2,
+    identity: ModelIdentity | None = None,
+) -> Profile:
     identity = identity or fake_identity()
     rng = np.random.default_rng(seed)
     m, e, k = len(identity.moe_layers), identity.n_expert, identity.n_expert_used
@@ -48,8 +64,7 @@ def make_profile(seed: int = 0, chunks: int = 6, heldout: int = 2, tokens: int =
                 counts.add(row, ids[:, row], w[:, row])
         traced.append(ids)
     trace = RoutingTrace.from_chunks(traced, held, e)
-    source = Provenance("synthetic", None, None, "text", tokens, chunks - heldout, heldout,
-                        int(counts.tokens[0]))
+    source = Provenance("synthetic", None, None, "text", tokens, chunks - heldout, heldout, int(counts.tokens[0]))
     return Profile(identity, [source], counts, trace, judge(counts, trace))
 
 
@@ -75,4 +90,3 @@ def synth(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         return made[name]
 
     return make
-

@@ -20,7 +20,6 @@ from tests.oracle import GGML_TYPE_F32, GGMLTensor, _backend, _ggml_base
 GGML_OP_SEARCH = 64  # enum ggml_op values tried by name (MUL_MAT sits near 30)
 
 
-
 @lru_cache(maxsize=1)
 def _mul_mat_ops() -> tuple[int, int]:
     """enum ggml_op values of MUL_MAT and MUL_MAT_ID, looked up by name in libggml (the enum moves between versions)."""
@@ -103,4 +102,3 @@ def llama_imatrix(path: str | Path, chunks: np.ndarray, n_threads: int = 2) -> d
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
     return stats
-

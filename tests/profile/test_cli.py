@@ -35,8 +35,22 @@ def profiled(synth, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     """(model, profile, imatrix) of a skewed tiny model, profiled through the CLI."""
     out = tmp_path_factory.mktemp("cli")
     model = synth("tiny-skewed", skew=1.0)
-    text = moeprep("profile", model, "--dataset", CALIBRATION, "-c", 64, "--chunks", 6, "--holdout", 0.34,
-                   "-o", out / "a.moeprof", "--imatrix-out", out / "a.imatrix.gguf")
+    text = moeprep(
+        "profile",
+        model,
+        "--dataset",
+        CALIBRATION,
+        "-c",
+        64,
+        "--chunks",
+        6,
+        "--holdout",
+        0.34,
+        "-o",
+        out / "a.moeprof",
+        "--imatrix-out",
+        out / "a.imatrix.gguf",
+    )
     assert "held-out: 2 chunks, 128 tokens" in text and "lru-warm" in text
     return model, out / "a.moeprof", out / "a.imatrix.gguf"
 
@@ -57,33 +71,74 @@ def test_run_warns_when_the_text_gives_fewer_chunks_than_asked(synth, tmp_path: 
     model = synth("tiny-skewed", skew=1.0)
     short = tmp_path / "short.txt"
     short.write_text(CALIBRATION.read_text()[:3000])
-    result = CliRunner().invoke(main, ["profile", str(model), "--dataset", str(short), "-c", "64", "--chunks", "200",
-                                       "-o", str(tmp_path / "s.moeprof")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            str(model),
+            "--dataset",
+            str(short),
+            "-c",
+            "64",
+            "--chunks",
+            "200",
+            "-o",
+            str(tmp_path / "s.moeprof"),
+        ],
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     source = read_profile(tmp_path / "s.moeprof").sources[0]
     got = source.chunks + source.heldout_chunks
     assert 2 <= got < 200 and source.chunks_asked == 200 and source.short_of_text
     assert result.stderr.count("warning") == 1
-    assert (f"moeprep: warning: dataset {short} gave {got} chunks of 64 tokens, fewer than the 200 asked"
-            in result.stderr)
+    assert (
+        f"moeprep: warning: dataset {short} gave {got} chunks of 64 tokens, fewer than the 200 asked" in result.stderr
+    )
     # --tokens asks for ceil(tokens / ctx) chunks
-    result = CliRunner().invoke(main, ["profile", str(model), "--dataset", str(short), "-c", "64", "--tokens",
-                                       "6401", "-o", str(tmp_path / "t.moeprof")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            str(model),
+            "--dataset",
+            str(short),
+            "-c",
+            "64",
+            "--tokens",
+            "6401",
+            "-o",
+            str(tmp_path / "t.moeprof"),
+        ],
+    )
     assert result.exit_code == 0 and f"gave {got} chunks of 64 tokens, fewer than the 101 asked" in result.stderr
     assert read_profile(tmp_path / "t.moeprof").sources[0].chunks_asked == 101
 
 
 def test_no_warning_when_the_text_is_long_enough(synth, tmp_path: Path) -> None:  # noqa: ANN001
     model = synth("tiny-skewed", skew=1.0)
-    result = CliRunner().invoke(main, ["profile", str(model), "--dataset", str(CALIBRATION), "-c", "64", "--chunks", "3",
-                                       "-o", str(tmp_path / "a.moeprof")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "profile",
+            str(model),
+            "--dataset",
+            str(CALIBRATION),
+            "-c",
+            "64",
+            "--chunks",
+            "3",
+            "-o",
+            str(tmp_path / "a.moeprof"),
+        ],
+    )
     assert result.exit_code == 0 and "warning" not in result.stderr
 
 
 def test_run_option_errors(synth, tmp_path: Path) -> None:  # noqa: ANN001
     model = synth("tiny-skewed", skew=1.0)
-    out = moeprep("profile", model, "--dataset", CALIBRATION, "--chunks", 2, "--tokens", 9, "-o", tmp_path / "x",
-                  code=2)
+    out = moeprep(
+        "profile", model, "--dataset", CALIBRATION, "--chunks", 2, "--tokens", 9, "-o", tmp_path / "x", code=2
+    )
     assert "--chunks and --tokens" in out
     out = moeprep("profile", model, "--dataset", tmp_path / "none.txt", "-o", tmp_path / "x", code=2)
     assert "none.txt: no such file" in out

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import moerun
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+import moerun
 from moeprep.gguf.roles import parse_tensor_name
 from moeprep.profile.dataset import DatasetSpec, calibration_chunks
 from moeprep.profile.format import encode_profile
@@ -69,11 +69,14 @@ def llama_routing(path: Path, p: Profile, n_chunks: int) -> LlamaRouting:
 # choices of the tied tokens.
 # Q8_0: llama.cpp rounds activations to 8 bits, a drift no tie bound covers: near-tied routers may flip, and the
 # bar is a floor.
-@pytest.mark.parametrize("kind, types, floor", [
-    ("f32", dict(expert_type="F32", attn_type="F32"), None),
-    ("f16", dict(expert_type="F16", attn_type="F16"), None),
-    ("q8_0", dict(expert_type="Q8_0", attn_type="Q8_0"), 0.99),
-])
+@pytest.mark.parametrize(
+    "kind, types, floor",
+    [
+        ("f32", dict(expert_type="F32", attn_type="F32"), None),
+        ("f16", dict(expert_type="F16", attn_type="F16"), None),
+        ("q8_0", dict(expert_type="Q8_0", attn_type="Q8_0"), 0.99),
+    ],
+)
 def test_counts_match_llama_cpp(synth, kind: str, types: dict, floor: float | None) -> None:  # noqa: ANN001
     path = synth(f"tiny-{kind}", skew=0.6, **types)
     p = run_profile(path)

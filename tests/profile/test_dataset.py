@@ -56,8 +56,12 @@ def test_folder_of_files_and_saved_dataset(tmp_path: Path) -> None:
     (folder / "train.txt").write_text("one\ntwo\n")
     assert stream(DatasetSpec(str(folder))) == "one\ntwo\n"
     saved = tmp_path / "saved"
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
-                          "test": datasets.Dataset.from_dict({"text": ["held"]})}).save_to_disk(str(saved))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
+            "test": datasets.Dataset.from_dict({"text": ["held"]}),
+        }
+    ).save_to_disk(str(saved))
     assert stream(DatasetSpec(str(saved), split="test")) == "held\n"
     with pytest.raises(MoeprepError, match="cannot load this dataset"):
         stream(DatasetSpec(str(saved), split="validation"))
@@ -67,10 +71,13 @@ def test_downloaded_hub_repository_with_configs(tmp_path: Path) -> None:
     """A dataset repository cloned from the Hub (how wikitext is laid out): configs declared in README.md."""
     repo = tmp_path / "wikitext"
     (repo / "wikitext-2-raw-v1").mkdir(parents=True)
-    (repo / "README.md").write_text("---\nconfigs:\n- config_name: wikitext-2-raw-v1\n  data_files:\n"
-                                    "  - split: train\n    path: wikitext-2-raw-v1/train-*\n---\n")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: wikitext-2-raw-v1\n  data_files:\n"
+        "  - split: train\n    path: wikitext-2-raw-v1/train-*\n---\n"
+    )
     datasets.Dataset.from_dict({"text": ["", " = Title = \n", " Body text .\n"]}).to_parquet(
-        str(repo / "wikitext-2-raw-v1" / "train-00000-of-00001.parquet"))
+        str(repo / "wikitext-2-raw-v1" / "train-00000-of-00001.parquet")
+    )
     assert stream(DatasetSpec(str(repo), "wikitext-2-raw-v1")) == " = Title = \n Body text .\n"
 
 
@@ -97,9 +104,11 @@ def test_bad_local_paths(tmp_path: Path) -> None:
 def test_wikitext_offline_without_cache_says_what_to_do(tmp_path: Path) -> None:
     """The real load_dataset("wikitext", "wikitext-2-raw-v1") call, offline with an empty cache."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    code = ("from moeprep.profile.dataset import DatasetSpec, load_rows\n"
-            "from moeprep.errors import MoeprepError\n"
-            "try:\n    load_rows(DatasetSpec('wikitext'))\nexcept MoeprepError as e:\n    print(e)\n")
+    code = (
+        "from moeprep.profile.dataset import DatasetSpec, load_rows\n"
+        "from moeprep.errors import MoeprepError\n"
+        "try:\n    load_rows(DatasetSpec('wikitext'))\nexcept MoeprepError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
     assert out.startswith("wikitext: not in the local Hugging Face cache and the Hub cannot be reached")
     assert "--dataset wiki.train.raw" in out and out.count("\n") == 1

@@ -19,9 +19,14 @@ from tests.profile.conftest import make_profile
 def assert_same(a: Profile, b: Profile) -> None:
     assert a.model == b.model and a.sources == b.sources
     assert a.counts.layers == b.counts.layers
-    for x, y in [(a.counts.selections, b.counts.selections), (a.counts.gate_mass, b.counts.gate_mass),
-                 (a.counts.tokens, b.counts.tokens), (a.trace.ids, b.trace.ids), (a.trace.starts, b.trace.starts),
-                 (a.trace.heldout, b.trace.heldout)]:
+    for x, y in [
+        (a.counts.selections, b.counts.selections),
+        (a.counts.gate_mass, b.counts.gate_mass),
+        (a.counts.tokens, b.counts.tokens),
+        (a.trace.ids, b.trace.ids),
+        (a.trace.starts, b.trace.starts),
+        (a.trace.heldout, b.trace.heldout),
+    ]:
         assert x.dtype == y.dtype and np.array_equal(x, y)
     assert (a.heldout is None) == (b.heldout is None)
     if a.heldout:
@@ -70,18 +75,24 @@ def _corrupt_header(data: bytes, edit) -> bytes:  # noqa: ANN001
     return _repack(data, zstandard.ZstdCompressor().compress(payload))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: b"GGUF" + d[4:], "not a moeprep profile"),
-    (lambda d: d[:10], "not a moeprep profile"),
-    (lambda d: d[:-7], "truncated"),
-    (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "checksum mismatch"),
-    (lambda d: d[:8] + struct.pack("<I", VERSION + 1) + d[12:], "newer than this moeprep"),
-    (lambda d: _repack(d, b"not zstd at all"), "damaged profile"),
-    (lambda d: _corrupt_header(d, lambda h: h.replace('"n_expert": 16', '"n_expert": 8')), "damaged profile"),
-    (lambda d: _corrupt_header(d, lambda h: h.replace('"<i8"', '"<c16"', 1)), "unknown dtype"),
-    (lambda d: _corrupt_header(d, lambda h: h.replace('"offset": 0', '"offset": 99999999', 1)), "outside the payload"),
-    (lambda d: _corrupt_header(d, lambda h: h[:-5]), "damaged profile"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: b"GGUF" + d[4:], "not a moeprep profile"),
+        (lambda d: d[:10], "not a moeprep profile"),
+        (lambda d: d[:-7], "truncated"),
+        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "checksum mismatch"),
+        (lambda d: d[:8] + struct.pack("<I", VERSION + 1) + d[12:], "newer than this moeprep"),
+        (lambda d: _repack(d, b"not zstd at all"), "damaged profile"),
+        (lambda d: _corrupt_header(d, lambda h: h.replace('"n_expert": 16', '"n_expert": 8')), "damaged profile"),
+        (lambda d: _corrupt_header(d, lambda h: h.replace('"<i8"', '"<c16"', 1)), "unknown dtype"),
+        (
+            lambda d: _corrupt_header(d, lambda h: h.replace('"offset": 0', '"offset": 99999999', 1)),
+            "outside the payload",
+        ),
+        (lambda d: _corrupt_header(d, lambda h: h[:-5]), "damaged profile"),
+    ],
+)
 def test_damage_is_refused(tmp_path: Path, profile: Profile, damage, message: str) -> None:  # noqa: ANN001
     path = tmp_path / "bad.moeprof"
     path.write_bytes(damage(encode_profile(profile)))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import pytest
 
@@ -49,8 +47,13 @@ def test_simulation_matches_reference(seed: int) -> None:
         for si, size in enumerate(SIZES):
             slots = cache_slots(size, p.counts.n_expert)
             for m in range(len(p.counts.layers)):
-                want = np.sum([reference_hits(p.trace.chunk(c)[:, m], policy, slots, list(hottest[m]))
-                               for c in np.flatnonzero(p.trace.heldout)], axis=0)
+                want = np.sum(
+                    [
+                        reference_hits(p.trace.chunk(c)[:, m], policy, slots, list(hottest[m]))
+                        for c in np.flatnonzero(p.trace.heldout)
+                    ],
+                    axis=0,
+                )
                 assert tuple(table.hits[pi, si, :, m]) == tuple(want), (policy, size, m)
     lengths = np.diff(p.trace.starts)[p.trace.heldout]
     assert table.lookups[0] == lengths.sum() * 2

@@ -14,8 +14,15 @@ from moeprep.cli import main
 from moeprep.errors import MoeprepError
 from moeprep.profile.format import write_profile
 from moeprep.profile.policy import make_policy, replay
-from moeprep.profile.regimes import (REGIMES, TRAINED_SHAPE, TRAINED_TRACE, Shape, check_targets, generate,
-                                     target_shape_trace)
+from moeprep.profile.regimes import (
+    REGIMES,
+    TRAINED_SHAPE,
+    TRAINED_TRACE,
+    Shape,
+    check_targets,
+    generate,
+    target_shape_trace,
+)
 from moeprep.profile.routing_stats import reuse, routing_stats
 from moeprep.profile.tracefile import TraceFile, read_trace, trace_from_profile, write_trace
 from moeprep.routing_cli import REGIME_NAMES
@@ -151,7 +158,20 @@ def test_cli_refusals(tmp_path) -> None:
     runner = CliRunner()
     r = runner.invoke(main, ["routing", "stats", str(tmp_path / "none.npz")])
     assert r.exit_code == 2 and "no such routing trace" in r.output and "Traceback" not in r.output
-    r = runner.invoke(main, ["routing", "generate", "--regime", "qwen3-30b", "--experts", "4", "--top-k", "8",
-                             "-o", str(tmp_path / "x.npz")])
+    r = runner.invoke(
+        main,
+        [
+            "routing",
+            "generate",
+            "--regime",
+            "qwen3-30b",
+            "--experts",
+            "4",
+            "--top-k",
+            "8",
+            "-o",
+            str(tmp_path / "x.npz"),
+        ],
+    )
     assert r.exit_code == 2 and "top-k 8 is more than" in r.output
     assert not (tmp_path / "x.npz").exists()

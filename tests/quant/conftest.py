@@ -20,8 +20,15 @@ class GgmlQuantizer:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-        lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.ggml_quantize_chunk.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+        ]
         lib.ggml_quantize_init.restype = None
         lib.ggml_quantize_init.argtypes = [ctypes.c_int]
 
@@ -32,8 +39,9 @@ class GgmlQuantizer:
         out = np.zeros((n_rows, n_per_row // block_size * type_size), np.uint8)
         qw = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
         self.lib.ggml_quantize_init(int(qtype))
-        written = self.lib.ggml_quantize_chunk(int(qtype), rows.ctypes.data, out.ctypes.data, 0, n_rows, n_per_row,
-                                               None if qw is None else qw.ctypes.data)
+        written = self.lib.ggml_quantize_chunk(
+            int(qtype), rows.ctypes.data, out.ctypes.data, 0, n_rows, n_per_row, None if qw is None else qw.ctypes.data
+        )
         assert written == out.nbytes
         return out
 
@@ -46,9 +54,11 @@ class GgmlQuantizer:
         bad = np.flatnonzero((a != b).any(axis=1))
         if bad.size:
             i = int(bad[0])
-            raise AssertionError(f"{qtype.name} {label}: {bad.size} of {a.shape[0]} blocks differ; "
-                                 f"first bad block {i} (bytes {np.flatnonzero(a[i] != b[i]).tolist()[:16]}):\n"
-                                 f"  ours {a[i].tolist()}\n  ggml {b[i].tolist()}")
+            raise AssertionError(
+                f"{qtype.name} {label}: {bad.size} of {a.shape[0]} blocks differ; "
+                f"first bad block {i} (bytes {np.flatnonzero(a[i] != b[i]).tolist()[:16]}):\n"
+                f"  ours {a[i].tolist()}\n  ggml {b[i].tolist()}"
+            )
 
 
 def load_ggml() -> GgmlQuantizer:
@@ -67,5 +77,6 @@ def ggml() -> GgmlQuantizer:
     try:
         return load_ggml()
     except (ImportError, OSError) as e:
-        pytest.fail(f"the libggml oracle (llama-cpp-python, a test dependency) is not usable: {e}; "
-                    f"pip install -e '.[test]'")
+        pytest.fail(
+            f"the libggml oracle (llama-cpp-python, a test dependency) is not usable: {e}; pip install -e '.[test]'"
+        )

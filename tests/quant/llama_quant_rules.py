@@ -32,8 +32,10 @@ class GGMLInitParams(ctypes.Structure):
 class QuantModelDesc(ctypes.Structure):
     """struct llama_quant_model_desc (src/llama-ext.h)."""
 
-    _fields_ = [("architecture", ctypes.c_char_p)] + [(f, ctypes.c_uint32) for f in (
-        "n_embd", "n_ff", "n_layer", "n_head", "n_head_kv", "n_expert", "n_embd_head_k", "n_embd_head_v")]
+    _fields_ = [("architecture", ctypes.c_char_p)] + [
+        (f, ctypes.c_uint32)
+        for f in ("n_embd", "n_ff", "n_layer", "n_head", "n_head_kv", "n_expert", "n_embd_head_k", "n_embd_head_v")
+    ]
 
 
 @lru_cache(maxsize=1)
@@ -46,12 +48,23 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     ggml.ggml_new_tensor.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     ggml.ggml_new_tensor.restype = ctypes.c_void_p
     ggml.ggml_set_name.argtypes, ggml.ggml_set_name.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
-    for name, args, res in ((MODEL_FROM_METADATA, [ctypes.POINTER(QuantModelDesc)], ctypes.c_void_p),
-                            (INIT, [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_void_p),
-                            (FREE, [ctypes.c_void_p], None),
-                            (ALLOWS, [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_bool),
-                            (COMPUTE_TYPES, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
-                                             ctypes.POINTER(ctypes.c_int), ctypes.c_size_t], None)):
+    for name, args, res in (
+        (MODEL_FROM_METADATA, [ctypes.POINTER(QuantModelDesc)], ctypes.c_void_p),
+        (INIT, [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_void_p),
+        (FREE, [ctypes.c_void_p], None),
+        (ALLOWS, [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_bool),
+        (
+            COMPUTE_TYPES,
+            [
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.POINTER(ctypes.c_int),
+                ctypes.c_size_t,
+            ],
+            None,
+        ),
+    ):
         fn = getattr(llama, name)
         fn.argtypes, fn.restype = args, res
     return ggml, llama

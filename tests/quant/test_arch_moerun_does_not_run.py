@@ -36,8 +36,7 @@ def moeprep(*args: object):
 @pytest.fixture(scope="module")
 def phimoe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("phimoe")
-    base = open_gguf(write_synth_model(d / "q3.gguf", "qwen3moe", preset="small", expert_type="Q4_K",
-                                       attn_type="Q8_0"))
+    base = open_gguf(write_synth_model(d / "q3.gguf", "qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"))
     rng = np.random.default_rng(0)
     tensors = []
     for t in base.tensors:
@@ -52,8 +51,7 @@ def phimoe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kv = {"general.architecture": KVValue(ARCH, GGUFValueType.STRING)}
     kv |= {k.replace("qwen3moe.", f"{ARCH}.", 1): KVValue(base.get(k), base.fields[k].types[0]) for k in old}
     # phimoe's experts are feed_forward_length wide
-    kv[f"{ARCH}.feed_forward_length"] = KVValue(base.get("qwen3moe.expert_feed_forward_length"),
-                                                GGUFValueType.UINT32)
+    kv[f"{ARCH}.feed_forward_length"] = KVValue(base.get("qwen3moe.expert_feed_forward_length"), GGUFValueType.UINT32)
     path = d / "phimoe.gguf"
     write_gguf(path, base, tensors=tensors, kv_set=kv, kv_remove=old)
     return path

@@ -46,8 +46,17 @@ def test_the_rules_are_exercised() -> None:
     kinds = set()
     for arch in LLAMA_CPP["architectures"]:
         kinds |= {parse_tensor_name(n).base for n in shapes(arch) if quant_limit(arch, n) == QuantLimit.KEEP}
-    assert {"ssm_conv1d", "attn_norm", "ffn_gate_inp", "hc_attn_fn", "shortconv.conv", "indexer.k_proj", "ssm_a",
-            "ffn_gate_tid2eid", "attn_k_b"} <= kinds
+    assert {
+        "ssm_conv1d",
+        "attn_norm",
+        "ffn_gate_inp",
+        "hc_attn_fn",
+        "shortconv.conv",
+        "indexer.k_proj",
+        "ssm_a",
+        "ffn_gate_tid2eid",
+        "attn_k_b",
+    } <= kinds
     assert ARCHITECTURES["glm5-next"].q8_0_floor and quant_limit("glm5-next", "blk.0.attn_q_a.weight")
 
 
@@ -64,8 +73,15 @@ def test_every_shared_keep_rule_is_llama_cpps() -> None:
     """Each name rule of KEEP_EVERYWHERE and KEEP_NAMES (RWKV, vision and audio ones too, which no MoE loader
     creates) is one llama.cpp applies, for any architecture; names around them are requantized by both."""
     kept = [keep_example(rule) for rule in KEEP_EVERYWHERE] + list(KEEP_NAMES) + ["blk.0.ssm_a", "blk.0.attn_q.bias"]
-    allowed = ["blk.0.attn_q.weight", "blk.0.time_mix_key.weight", "blk.0.ssm_in.weight", "v.blk.0.attn_q.weight",
-               "blk.0.ffn_gate_inp_shexp.weight", "blk.0.indexer.attn_k.weight", "blk.0.hc_attn_fn.weight"]
+    allowed = [
+        "blk.0.attn_q.weight",
+        "blk.0.time_mix_key.weight",
+        "blk.0.ssm_in.weight",
+        "v.blk.0.attn_q.weight",
+        "blk.0.ffn_gate_inp_shexp.weight",
+        "blk.0.indexer.attn_k.weight",
+        "blk.0.hc_attn_fn.weight",
+    ]
     for arch in ("qwen3moe", "deepseek2"):
         theirs = llama_quant_rules(arch, {name: (256, 256) for name in kept + allowed})
         assert [n for n in kept if theirs[n] is not None] == []

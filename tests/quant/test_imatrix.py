@@ -46,14 +46,23 @@ def read_with_libggml(lib: ctypes.CDLL, path: str) -> tuple[dict[str, object], d
     """Read an imatrix as llama.cpp does: libggml's gguf reader, then in_sum2 / lround(count) (1 where count is 0).
     -> (keys, importance [M, P] per weight)."""
     v, i64, s = ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p
-    for name, res, args in [("gguf_init_from_file", v, [s, _GgufInitParams]), ("gguf_find_key", i64, [v, s]),
-                            ("gguf_get_val_u32", ctypes.c_uint32, [v, i64]), ("gguf_get_val_str", s, [v, i64]),
-                            ("gguf_get_arr_n", ctypes.c_size_t, [v, i64]),
-                            ("gguf_get_arr_str", s, [v, i64, ctypes.c_size_t]), ("gguf_get_n_tensors", i64, [v]),
-                            ("gguf_get_tensor_name", s, [v, i64]), ("ggml_get_tensor", v, [v, s]),
-                            ("ggml_n_dims", ctypes.c_int, [v]), ("ggml_nrows", i64, [v]),
-                            ("ggml_nelements", i64, [v]), ("ggml_get_data_f32", ctypes.POINTER(ctypes.c_float), [v]),
-                            ("gguf_free", None, [v]), ("ggml_free", None, [v])]:
+    for name, res, args in [
+        ("gguf_init_from_file", v, [s, _GgufInitParams]),
+        ("gguf_find_key", i64, [v, s]),
+        ("gguf_get_val_u32", ctypes.c_uint32, [v, i64]),
+        ("gguf_get_val_str", s, [v, i64]),
+        ("gguf_get_arr_n", ctypes.c_size_t, [v, i64]),
+        ("gguf_get_arr_str", s, [v, i64, ctypes.c_size_t]),
+        ("gguf_get_n_tensors", i64, [v]),
+        ("gguf_get_tensor_name", s, [v, i64]),
+        ("ggml_get_tensor", v, [v, s]),
+        ("ggml_n_dims", ctypes.c_int, [v]),
+        ("ggml_nrows", i64, [v]),
+        ("ggml_nelements", i64, [v]),
+        ("ggml_get_data_f32", ctypes.POINTER(ctypes.c_float), [v]),
+        ("gguf_free", None, [v]),
+        ("ggml_free", None, [v]),
+    ]:
         getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
     ctx = ctypes.c_void_p()
     g = lib.gguf_init_from_file(path.encode(), _GgufInitParams(False, ctypes.pointer(ctx)))
@@ -64,8 +73,10 @@ def read_with_libggml(lib: ctypes.CDLL, path: str) -> tuple[dict[str, object], d
             gguf.Keys.General.TYPE: lib.gguf_get_val_str(g, key(gguf.Keys.General.TYPE)).decode(),
             gguf.Keys.IMatrix.CHUNK_COUNT: lib.gguf_get_val_u32(g, key(gguf.Keys.IMatrix.CHUNK_COUNT)),
             gguf.Keys.IMatrix.CHUNK_SIZE: lib.gguf_get_val_u32(g, key(gguf.Keys.IMatrix.CHUNK_SIZE)),
-            gguf.Keys.IMatrix.DATASETS: [lib.gguf_get_arr_str(g, key(gguf.Keys.IMatrix.DATASETS), j).decode()
-                                         for j in range(lib.gguf_get_arr_n(g, key(gguf.Keys.IMatrix.DATASETS)))],
+            gguf.Keys.IMatrix.DATASETS: [
+                lib.gguf_get_arr_str(g, key(gguf.Keys.IMatrix.DATASETS), j).decode()
+                for j in range(lib.gguf_get_arr_n(g, key(gguf.Keys.IMatrix.DATASETS)))
+            ],
             "has general.architecture": key(gguf.Keys.General.ARCHITECTURE) != -1,
             "tensor order": [lib.gguf_get_tensor_name(g, t).decode() for t in range(lib.gguf_get_n_tensors(g))],
         }
@@ -110,8 +121,12 @@ def test_gguf_round_trip_and_llama_cpp_reads_it(ggml, tmp_path):
     np.testing.assert_array_equal(experts[0], entries[EXPERTS][0][0] / np.float32(30))
     assert (experts[1] == 1).all()  # an expert that saw no token gets importance 1
     assert imx.for_tensor("blk.9.ffn_down.weight") is None
-    assert imx.quantize_kv() == {im.QUANTIZE_IMATRIX_FILE: str(path), im.QUANTIZE_IMATRIX_DATASET: "wiki.train.raw",
-                                 im.QUANTIZE_IMATRIX_N_ENTRIES: 2, im.QUANTIZE_IMATRIX_N_CHUNKS: 17}
+    assert imx.quantize_kv() == {
+        im.QUANTIZE_IMATRIX_FILE: str(path),
+        im.QUANTIZE_IMATRIX_DATASET: "wiki.train.raw",
+        im.QUANTIZE_IMATRIX_N_ENTRIES: 2,
+        im.QUANTIZE_IMATRIX_N_CHUNKS: 17,
+    }
 
 
 def test_gguf_write_is_atomic(tmp_path):
@@ -153,14 +168,17 @@ def test_non_finite_importance_is_refused(tmp_path):
         im.read_imatrix(path).for_tensor(DENSE)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "truncated"),
-    (b"\x00\x00\x00\x00", "entry count 0"),
-    (struct.pack("<ii", 1, 1_000_000) + b"abc", "truncated at the name of entry 0"),
-    (struct.pack("<ii", 1, 3) + b"abc" + struct.pack("<ii", 1, 8) + b"\x00" * 12, "truncated at the values of abc"),
-    (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, "not a llama.cpp imatrix"),
-    (b"GGUF" + b"\xff" * 40, "corrupt GGUF imatrix"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "truncated"),
+        (b"\x00\x00\x00\x00", "entry count 0"),
+        (struct.pack("<ii", 1, 1_000_000) + b"abc", "truncated at the name of entry 0"),
+        (struct.pack("<ii", 1, 3) + b"abc" + struct.pack("<ii", 1, 8) + b"\x00" * 12, "truncated at the values of abc"),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, "not a llama.cpp imatrix"),
+        (b"GGUF" + b"\xff" * 40, "corrupt GGUF imatrix"),
+    ],
+)
 def test_corrupt_files_are_one_line_errors(tmp_path, content, message):
     path = tmp_path / "bad.imatrix"
     path.write_bytes(content)

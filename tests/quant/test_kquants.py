@@ -25,6 +25,7 @@ def make_imatrix(kind: str | None, n_per_row: int, rng: np.random.Generator) -> 
 
 def adversarial_rows(n_per_row: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Named [4, n_per_row] inputs that hit ggml's edge paths (zero groups, fp16 overflow, signed zeros...)."""
+
     def normal() -> np.ndarray:
         return rng.standard_normal((4, n_per_row))
 
@@ -80,7 +81,7 @@ def test_lane_groups_and_per_row_importance(ggml, qtype):
     rows = rng.standard_normal((5, 768)).astype(np.float32)
     per_row = (rng.random((5, 768)) + 0.1).astype(np.float32)
     ours = kquants.KQUANTIZERS[qtype](rows, per_row)
-    theirs = np.concatenate([ggml.quantize(rows[r:r + 1], qtype, per_row[r]) for r in range(5)])
+    theirs = np.concatenate([ggml.quantize(rows[r : r + 1], qtype, per_row[r]) for r in range(5)])
     ggml.assert_same_blocks(ours, theirs, qtype, "per-row importance over a partial lane group")
     reference = kquants.KQUANTIZERS[qtype](rows, None)
     ggml.assert_same_blocks(reference, ggml.quantize(rows, qtype), qtype, "reference over a partial lane group")
@@ -96,7 +97,7 @@ def test_threads_give_the_bytes_of_one_call(qtype):
     quantize = kquants.KQUANTIZERS[qtype]
     for imatrix in (None, qw):
         with ThreadPoolExecutor(max_workers=4) as pool:
-            parts = list(pool.map(lambda r0, w=imatrix: quantize(rows[r0:r0 + 8], w), range(0, 64, 8)))
+            parts = list(pool.map(lambda r0, w=imatrix: quantize(rows[r0 : r0 + 8], w), range(0, 64, 8)))
         assert np.array_equal(np.concatenate(parts), quantize(rows, imatrix))
 
 

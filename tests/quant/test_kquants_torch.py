@@ -59,13 +59,15 @@ def test_chunk_boundaries_and_per_row_importance(ggml, qtype):
     rows = rng.standard_normal((5, 512)).astype(np.float32)
     per_row = (rng.random((5, 512)) + 0.1).astype(np.float32)
     ours = torch_bytes(qtype, rows, per_row, chunk_blocks=3)
-    theirs = np.concatenate([ggml.quantize(rows[r:r + 1], qtype, per_row[r]) for r in range(5)])
+    theirs = np.concatenate([ggml.quantize(rows[r : r + 1], qtype, per_row[r]) for r in range(5)])
     ggml.assert_same_blocks(ours, theirs, qtype, "per-row importance over chunks of 3 blocks")
 
 
 def test_nearest_int_matches_the_numba_one_and_maps_nan_to_zero():
-    values = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 3.49, 4194303.0, -4194303.0, 5e6, -9e6, 1e20, np.inf, -np.inf,
-                       np.nan, -np.nan], np.float32)
+    values = np.array(
+        [0.5, 1.5, 2.5, -0.5, -1.5, 3.49, 4194303.0, -4194303.0, 5e6, -9e6, 1e20, np.inf, -np.inf, np.nan, -np.nan],
+        np.float32,
+    )
     with np.errstate(invalid="ignore", over="ignore"):
         expected = [scalars.nearest_int(v) for v in values]
     assert kquants_torch.nearest_int(torch.from_numpy(values)).tolist() == expected
@@ -135,6 +137,7 @@ def test_cli_device_cuda_without_gpu_exits_2_with_one_line(tmp_path: Path, synth
 @pytest.fixture(scope="module")
 def synth_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from moeprep.synth import write_synth_model
+
     return write_synth_model(tmp_path_factory.mktemp("dev") / "small.gguf", "qwen3moe", preset="small")
 
 
@@ -146,8 +149,21 @@ def test_device_path_writes_the_same_file(tmp_path: Path, synth_small: Path, mon
         digests = {}
         for device in ("cpu", "cuda"):
             out = tmp_path / f"{device}.gguf"
-            result = CliRunner().invoke(main, ["quantize", str(synth_small), str(out), "--attn", "Q6_K",
-                                               "--device", device, "--threads", "2", "--no-verify"])
+            result = CliRunner().invoke(
+                main,
+                [
+                    "quantize",
+                    str(synth_small),
+                    str(out),
+                    "--attn",
+                    "Q6_K",
+                    "--device",
+                    device,
+                    "--threads",
+                    "2",
+                    "--no-verify",
+                ],
+            )
             assert result.exit_code == 0, result.output
             digests[device] = hashlib.sha256(out.read_bytes()).hexdigest()
         assert digests["cpu"] == digests["cuda"]

@@ -115,7 +115,10 @@ def test_imatrix_bytes_match_ggml_and_keys_recorded(small: Path, tmp_path: Path,
     entries = {}
     for t in src.tensors:
         if ".attn_" in t.name and "norm" not in t.name and len(t.shape) == 2:
-            entries[t.name] = (rng.uniform(0.1, 5, (1, t.row_length)).astype(np.float32) * 10, np.array([10.0], np.float32))
+            entries[t.name] = (
+                rng.uniform(0.1, 5, (1, t.row_length)).astype(np.float32) * 10,
+                np.array([10.0], np.float32),
+            )
     imat = tmp_path / "imatrix.gguf"
     write_imatrix_gguf(imat, entries, datasets=["calibration.txt"], chunk_count=3, chunk_size=512)
     out = tmp_path / "imat.gguf"
@@ -140,7 +143,9 @@ def test_split_output_round_trips_through_llama_cpp(small: Path, quantized, tmp_
     shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(shards) >= 3 and not (tmp_path / "split.gguf").exists()
     split = open_gguf(shards[0])
-    assert [bytes(split.raw(t)) for t in split.tensors] == [bytes(open_gguf(whole).raw(t)) for t in open_gguf(whole).tensors]
+    assert [bytes(split.raw(t)) for t in split.tensors] == [
+        bytes(open_gguf(whole).raw(t)) for t in open_gguf(whole).tensors
+    ]
     np.testing.assert_array_equal(llama_eval(shards[0], TOKENS).logits, llama_eval(whole, TOKENS).logits)
     # split input is read as one model
     again = tmp_path / "joined.gguf"
@@ -163,7 +168,7 @@ def test_verify_catches_a_changed_expert(small: Path, quantized, tmp_path: Path)
 @pytest.mark.parametrize("case", ["same path", "corrupt input", "bad type", "bad rule", "missing imatrix"])
 def test_bad_input_exits_2_and_writes_nothing(case: str, small: Path, tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.gguf"
-    corrupt.write_bytes(small.read_bytes()[: 5000])
+    corrupt.write_bytes(small.read_bytes()[:5000])
     out = tmp_path / "out.gguf"
     args = {
         "same path": [small, small],
@@ -192,8 +197,9 @@ def test_interrupted_write_leaves_nothing(small: Path, tmp_path: Path, monkeypat
     real = q.quantize_rows
     monkeypatch.setattr(q, "quantize_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        q.quantize_model(open_gguf(small), tmp_path / "out.gguf",
-                         plan_requant(open_gguf(small), T.Q4_K), threads=1, progress=False)
+        q.quantize_model(
+            open_gguf(small), tmp_path / "out.gguf", plan_requant(open_gguf(small), T.Q4_K), threads=1, progress=False
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -208,8 +214,9 @@ def test_verify_catches_a_damaged_requantized_tensor(small: Path, quantized, tmp
     assert result.exit_code == 1 and "blk.0.attn_q.weight: relative error 1.0000 > 0.14 for Q4_K" in result.stdout
 
 
-def test_verify_error_over_row_groups_equals_the_whole_tensor(small: Path, quantized,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_error_over_row_groups_equals_the_whole_tensor(
+    small: Path, quantized, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import moeprep.quant.verify as v
 
     out, src = open_gguf(quantized[0]), open_gguf(small)

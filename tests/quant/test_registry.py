@@ -7,8 +7,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from moeprep.gguf.reader import dequantize_raw
 from moeprep.errors import MoeprepError
+from moeprep.gguf.reader import dequantize_raw
 from moeprep.quant import registry
 
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
@@ -27,15 +27,17 @@ def signed_zero_rows(n_per_row: int, rng: np.random.Generator) -> np.ndarray:
 @pytest.mark.parametrize("qtype", LEGACY + PLAIN, ids=lambda t: t.name)
 def test_table_matches_ggml(ggml, qtype, with_imatrix, n_per_row):
     rng = np.random.default_rng(n_per_row)
-    rows = np.concatenate([
-        rng.standard_normal((8, n_per_row)) * rng.exponential(1.0, (8, 1)),
-        np.zeros((1, n_per_row)),
-        np.full((1, n_per_row), -3.0),
-        rng.standard_normal((1, n_per_row)) * 1e30,
-        rng.standard_normal((1, n_per_row)) * 1e-30,
-        -np.abs(rng.standard_normal((1, n_per_row))),
-        signed_zero_rows(n_per_row, rng),
-    ]).astype(np.float32)
+    rows = np.concatenate(
+        [
+            rng.standard_normal((8, n_per_row)) * rng.exponential(1.0, (8, 1)),
+            np.zeros((1, n_per_row)),
+            np.full((1, n_per_row), -3.0),
+            rng.standard_normal((1, n_per_row)) * 1e30,
+            rng.standard_normal((1, n_per_row)) * 1e-30,
+            -np.abs(rng.standard_normal((1, n_per_row))),
+            signed_zero_rows(n_per_row, rng),
+        ]
+    ).astype(np.float32)
     qw = (rng.random(n_per_row) ** 2 * 3).astype(np.float32) if with_imatrix else None
     ours = registry.quantize_rows(rows, qtype, qw)
     ggml.assert_same_blocks(ours, ggml.quantize(rows, qtype, qw), qtype, f"rows of {n_per_row}")
@@ -48,7 +50,7 @@ def test_legacy_per_row_importance_across_lane_groups(ggml, qtype):
     rng = np.random.default_rng(4)
     rows = (rng.standard_normal((5, 1440)) * rng.exponential(1.0, (5, 1))).astype(np.float32)
     per_row = (rng.random((5, 1440)) + 0.1).astype(np.float32)
-    theirs = np.concatenate([ggml.quantize(rows[r:r + 1], qtype, per_row[r]) for r in range(5)])
+    theirs = np.concatenate([ggml.quantize(rows[r : r + 1], qtype, per_row[r]) for r in range(5)])
     ggml.assert_same_blocks(registry.quantize_rows(rows, qtype, per_row), theirs, qtype, "per-row importance")
 
 
@@ -58,8 +60,12 @@ def test_k_types_route_to_kquants(ggml, qtype):
     rows = rng.standard_normal((4, 512)).astype(np.float32)
     qw = rng.random(512).astype(np.float32)
     for imatrix in (None, qw):
-        ggml.assert_same_blocks(registry.quantize_rows(rows, qtype, imatrix), ggml.quantize(rows, qtype, imatrix),
-                                qtype, f"imatrix={imatrix is not None}")
+        ggml.assert_same_blocks(
+            registry.quantize_rows(rows, qtype, imatrix),
+            ggml.quantize(rows, qtype, imatrix),
+            qtype,
+            f"imatrix={imatrix is not None}",
+        )
 
 
 def test_every_fallback_fits_and_is_quantizable():
@@ -68,17 +74,20 @@ def test_every_fallback_fits_and_is_quantizable():
         assert fallback in registry.QUANTIZERS
 
 
-@pytest.mark.parametrize("target, n_per_row, expected", [
-    (T.Q4_K, 4096, (T.Q4_K, False)),
-    (T.Q4_K, 2880, (T.Q5_0, True)),    # gpt-oss's hidden size
-    (T.Q5_K, 2880, (T.Q5_1, True)),
-    (T.Q6_K, 2880, (T.Q8_0, True)),
-    (T.Q6_K, 100, (T.F16, True)),      # not even a multiple of 32
-    (T.Q8_0, 96, (T.Q8_0, False)),
-    (T.Q4_0, 100, (T.F16, True)),      # a 32-block type has nothing smaller to fall back to
-    (T.F16, 7, (T.F16, False)),
-    (T.F32, 7, (T.F32, False)),
-])
+@pytest.mark.parametrize(
+    "target, n_per_row, expected",
+    [
+        (T.Q4_K, 4096, (T.Q4_K, False)),
+        (T.Q4_K, 2880, (T.Q5_0, True)),  # gpt-oss's hidden size
+        (T.Q5_K, 2880, (T.Q5_1, True)),
+        (T.Q6_K, 2880, (T.Q8_0, True)),
+        (T.Q6_K, 100, (T.F16, True)),  # not even a multiple of 32
+        (T.Q8_0, 96, (T.Q8_0, False)),
+        (T.Q4_0, 100, (T.F16, True)),  # a 32-block type has nothing smaller to fall back to
+        (T.F16, 7, (T.F16, False)),
+        (T.F32, 7, (T.F32, False)),
+    ],
+)
 def test_choose_type_follows_llama_quantize(target, n_per_row, expected):
     assert registry.choose_type(target, n_per_row) == expected
 
@@ -114,8 +123,7 @@ def test_row_length_that_does_not_fit_points_to_choose_type():
         registry.quantize_rows(np.ones((2, 2880), np.float32), T.Q4_K)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0, T.BF16, T.F16, T.F32],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0, T.BF16, T.F16, T.F32], ids=lambda t: t.name)
 def test_dequantize_round_trip(qtype):
     rows = np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32)
     raw = registry.quantize_rows(rows, qtype)

@@ -71,8 +71,11 @@ def test_a_prompt_chunk_rides_with_decode_tokens_and_only_chosen_rows_get_logits
     path = synth_model(arch, expert_type="F32", attn_type="F32")
     alone, batched = moerun.load_model(path), moerun.load_model(path, n_seq=3)
     first, second, third = (alone.tokenizer.encode(p) for p in PROMPTS)
-    expected = [alone.forward(torch.tensor(first + [17]))[-1], alone.forward(torch.tensor(second))[-1],
-                alone.forward(torch.tensor(third + [40]))[-1]]
+    expected = [
+        alone.forward(torch.tensor(first + [17]))[-1],
+        alone.forward(torch.tensor(second))[-1],
+        alone.forward(torch.tensor(third + [40]))[-1],
+    ]
     torch.testing.assert_close(alone.forward(torch.tensor(second), 0, last_only=True), expected[1][None])
     batched.forward(torch.tensor(first), 0, seq=0)
     batched.forward(torch.tensor(third), 0, seq=2)

@@ -92,8 +92,10 @@ def test_device_defaults_to_the_cpu_without_a_gpu(synth_model, monkeypatch, load
     pretend_gpus(monkeypatch, [])
     result = run("-m", str(synth_model("qwen3moe")), "-p", "x", "-n", "1")
     assert loads == ["cpu"]
-    assert result.stderr.splitlines() == ["moerun: running on cpu (no GPU found)",
-                                          "moerun: error: stopped before loading"]
+    assert result.stderr.splitlines() == [
+        "moerun: running on cpu (no GPU found)",
+        "moerun: error: stopped before loading",
+    ]
 
 
 def test_device_line_names_every_gpu(monkeypatch):
@@ -115,17 +117,23 @@ def test_bad_inputs_exit_2_with_one_line(synth_model, tmp_path):
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(synth_model("qwen3moe").read_bytes()[:5000])
     _assert_one_line_error(run("-m", str(truncated), "-p", "x"))
-    _assert_one_line_error(run("perplexity", "-m", str(synth_model("qwen3moe")), "-f", str(tmp_path / "none.txt")),
-                           "cannot read")
+    _assert_one_line_error(
+        run("perplexity", "-m", str(synth_model("qwen3moe")), "-f", str(tmp_path / "none.txt")), "cannot read"
+    )
     _assert_one_line_error(run("-m", str(synth_model("qwen3moe")), "-p", "x", "-n", "100", "-c", "32"), "raise -c")
     _assert_one_line_error(run("-m", str(synth_model("qwen3moe")), "-p", ""), "the prompt has no tokens")
 
 
 def test_unsupported_architecture_names_the_supported_ones(synth_model, tmp_path):
     foreign = tmp_path / "foreign.gguf"
-    write_gguf(foreign, open_gguf(synth_model("qwen3moe")),
-               kv_set={"general.architecture": KVValue("mamba", GGUFValueType.STRING)})
-    _assert_one_line_error(run("-m", str(foreign), "-p", "x"), "'mamba' is not supported", "qwen3moe", "deepseek2", "gpt-oss")
+    write_gguf(
+        foreign,
+        open_gguf(synth_model("qwen3moe")),
+        kv_set={"general.architecture": KVValue("mamba", GGUFValueType.STRING)},
+    )
+    _assert_one_line_error(
+        run("-m", str(foreign), "-p", "x"), "'mamba' is not supported", "qwen3moe", "deepseek2", "gpt-oss"
+    )
 
 
 def test_bench_with_the_expert_cache(synth_model, tmp_path, calibration_text):
@@ -136,8 +144,27 @@ def test_bench_with_the_expert_cache(synth_model, tmp_path, calibration_text):
     text = tmp_path / "text.txt"
     text.write_text(calibration_text[:4000])
     out = tmp_path / "bench.json"
-    result = run("bench", "-m", str(synth_model("qwen3moe")), "--device", "cpu", "--vram-budget", "1540M",
-                 "--cache-slots", "2", "-p", "16", "-n", "8", "-f", str(text), "--json", str(out), "-t", "1")
+    result = run(
+        "bench",
+        "-m",
+        str(synth_model("qwen3moe")),
+        "--device",
+        "cpu",
+        "--vram-budget",
+        "1540M",
+        "--cache-slots",
+        "2",
+        "-p",
+        "16",
+        "-n",
+        "8",
+        "-f",
+        str(text),
+        "--json",
+        str(out),
+        "-t",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     assert "expert cache: " in result.stderr and "slots per layer 2 2 2" in result.stderr  # printed at start
     assert "| pp16 | 16 |" in result.stdout and "| tg8 | 8 |" in result.stdout
@@ -163,8 +190,10 @@ def test_cache_options_refuse_bad_input(synth_model, tmp_path, calibration_text)
     short = tmp_path / "short.txt"
     short.write_text("two words")
     _assert_one_line_error(run("bench", *model, "-p", "64", "-n", "8", "-f", str(short)), "longer -f")
-    _assert_one_line_error(run("bench", *model, "--vram-budget", "1540M", "--expert-profile",
-                               str(tmp_path / "missing.moeprof")), "missing.moeprof")
+    _assert_one_line_error(
+        run("bench", *model, "--vram-budget", "1540M", "--expert-profile", str(tmp_path / "missing.moeprof")),
+        "missing.moeprof",
+    )
 
 
 def test_a_second_run_compiles_no_kernel_again(synth_model, tmp_path):

@@ -24,15 +24,14 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 import moerun
-from moerun.kernels import rounding
+from moeprep.synth.weights import quantize
+from moerun.kernels import ggml_cpu, rounding
 from moerun.kernels.cpu import formats, work
-from moerun.kernels import ggml_cpu
 from moerun.kernels.cpu.formats import ExpertBytes
 from moerun.kernels.cpu.moe_rows import expert_matmul, moe_rows
 from moerun.kernels.dequant import dequantize, supports
-from moerun.options import RuntimeOptions
 from moerun.layers import swiglu_clamp
-from moeprep.synth.weights import quantize
+from moerun.options import RuntimeOptions
 
 QTYPES = list(formats.FORMATS)
 
@@ -47,21 +46,24 @@ def ggml(request) -> ggml_cpu.GgmlCPU | None:
     if library is None:
         pytest.skip("libggml-cpu (llama-cpp-python) is not installed")
     return library
+
+
 # Types no moeprep or gguf-py quantizer writes: random bytes with their scale fields (fp16 d, dmin) set to sane
 # values; every byte pattern of the rest is a valid block.
 RANDOM_BYTES_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.IQ4_XS: (0,)}
-EPS32 = 2.0 ** -24
+EPS32 = 2.0**-24
 
 
-def expert_bytes(rng: np.random.Generator, qtype: Q, n_experts: int, rows: int, cols: int,
-                 bias: bool = False) -> ExpertBytes:
+def expert_bytes(
+    rng: np.random.Generator, qtype: Q, n_experts: int, rows: int, cols: int, bias: bool = False
+) -> ExpertBytes:
     """Fresh random experts of qtype (values of about N(0, 0.02^2)), never all zeros."""
     if qtype in RANDOM_BYTES_SCALES:
         block, type_size = GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (n_experts, rows, cols // block, type_size), dtype=np.uint8)
         for offset in RANDOM_BYTES_SCALES[qtype]:
             scales = (rng.uniform(0.5, 1.5, data.shape[:-1]) * 1e-3).astype(np.float16)
-            data[..., offset:offset + 2] = scales.view(np.uint8).reshape(*scales.shape, 2)
+            data[..., offset : offset + 2] = scales.view(np.uint8).reshape(*scales.shape, 2)
         data = data.reshape(n_experts, rows, -1)
     else:
         data = quantize((rng.standard_normal((n_experts, rows, cols)) * 0.02).astype(np.float32), qtype)
@@ -100,8 +102,10 @@ def test_rounding_kernels_equal_torch():
     x[0, :256] = 0.0
     x[1, 3], x[1, 9] = -5.0, 5.0  # two values of largest magnitude, opposite signs: the first one is the peak
     x[2, 40:72] = -0.0
-    for fast, reference in ((rounding.round_q8_0, rounding._round_q8_0_torch),
-                            (rounding.round_q8_k, rounding._round_q8_k_torch)):
+    for fast, reference in (
+        (rounding.round_q8_0, rounding._round_q8_0_torch),
+        (rounding.round_q8_k, rounding._round_q8_k_torch),
+    ):
         a, b = fast(torch.from_numpy(x)), reference(torch.from_numpy(x))
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
@@ -140,8 +144,8 @@ def _moe_reference(x, ids, weights, gate, up, down, act) -> np.ndarray:
             e = ids[t, k]
             if e < 0:
                 continue
-            g, _ = reference_matmul(x[t:t + 1], gate, [e])
-            u, _ = reference_matmul(x[t:t + 1], up, [e])
+            g, _ = reference_matmul(x[t : t + 1], gate, [e])
+            u, _ = reference_matmul(x[t : t + 1], up, [e])
             h = act(torch.from_numpy(g), torch.from_numpy(u)).float().numpy()
             y, _ = reference_matmul(h, down, [e])
             out[t] += weights[t, k] * y[0]
@@ -151,8 +155,11 @@ def _moe_reference(x, ids, weights, gate, up, down, act) -> np.ndarray:
 # The torch activation each of moe_rows' is checked against, and the limit moe_rows is given (about the size of g
 # and u below, so that the clamp bites).
 LIMIT = 0.3
-ACT = {"swiglu": moerun.layers.swiglu, "swiglu_oai": moerun.layers.swiglu_oai,
-       "swiglu_clamp": partial(swiglu_clamp, limit=LIMIT)}
+ACT = {
+    "swiglu": moerun.layers.swiglu,
+    "swiglu_oai": moerun.layers.swiglu_oai,
+    "swiglu_clamp": partial(swiglu_clamp, limit=LIMIT),
+}
 
 
 def test_activations_equal_torch():
@@ -166,8 +173,11 @@ def test_activations_equal_torch():
         np.testing.assert_allclose(fast, torch_act(g, u).numpy(), rtol=4e-6, atol=1e-30, err_msg=name)
 
 
-@pytest.mark.parametrize("qtype,activation", [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai"),
-                                              (Q.Q4_K, "swiglu_clamp")], ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize(
+    "qtype,activation",
+    [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai"), (Q.Q4_K, "swiglu_clamp")],
+    ids=lambda v: getattr(v, "name", v),
+)
 @pytest.mark.parametrize("T", [1, 5])
 def test_moe_rows_matches_float64(qtype, activation, T, ggml):
     """Repeated experts within a token and ids < 0 included; out is added to, not overwritten."""
@@ -202,7 +212,9 @@ def test_moe_rows_skipped_slot_equals_absent_slot(ggml):
     moe_rows(x, ids, weights, gate, up, down, "swiglu", with_gaps, ggml=ggml)
     for t, keep in enumerate(ids >= 0):
         alone = np.zeros((1, 256), np.float32)
-        moe_rows(x[t:t + 1], ids[t:t + 1, keep], weights[t:t + 1, keep], gate, up, down, "swiglu", alone, ggml=ggml)
+        moe_rows(
+            x[t : t + 1], ids[t : t + 1, keep], weights[t : t + 1, keep], gate, up, down, "swiglu", alone, ggml=ggml
+        )
         assert np.array_equal(alone[0], with_gaps[t])
     assert not with_gaps[2].any()
 
@@ -212,8 +224,17 @@ def test_moe_rows_rejects_an_expert_past_the_stack(ggml):
     gate, up, down = (expert_bytes(rng, Q.Q8_0, 2, 64, 64) for _ in range(3))
     out = np.zeros((1, 64), np.float32)
     with pytest.raises(ValueError, match="out of range"):
-        moe_rows(np.ones((1, 64), np.float32), np.array([[0, 2]]), np.ones((1, 2), np.float32), gate, up, down,
-                 "swiglu", out, ggml=ggml)
+        moe_rows(
+            np.ones((1, 64), np.float32),
+            np.array([[0, 2]]),
+            np.ones((1, 2), np.float32),
+            gate,
+            up,
+            down,
+            "swiglu",
+            out,
+            ggml=ggml,
+        )
     assert not out.any()
 
 
@@ -250,7 +271,9 @@ def test_a_token_does_not_depend_on_the_others(ggml):
         moe_rows(x, ids, weights, gate, up, down, "swiglu", together, threads=n, ggml=ggml)
         for t in range(12):
             alone = np.zeros((1, 256), np.float32)
-            moe_rows(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], gate, up, down, "swiglu", alone, threads=n, ggml=ggml)
+            moe_rows(
+                x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate, up, down, "swiglu", alone, threads=n, ggml=ggml
+            )
             assert np.array_equal(alone[0], together[t])
 
 
@@ -286,11 +309,12 @@ def test_moe_rows_releases_the_gil(ggml):
 def test_model_on_cpu_uses_cpu_experts(synth_model, ggml):
     """A quantized model on the CPU computes its experts with CPUExperts, which agree with the reference path on the
     same routing; with activation hooks registered, the reference path runs and reports each expert's inputs."""
-    from moerun.layers.gguf_cpu import CPUExperts
     from moerun.layers import GGUFExperts
+    from moerun.layers.gguf_cpu import CPUExperts
 
-    model = moerun.load_model(synth_model("qwen3moe", expert_type="Q8_0", attn_type="Q8_0"),
-                              options=RuntimeOptions(ggml_cpu=ggml is not None))
+    model = moerun.load_model(
+        synth_model("qwen3moe", expert_type="Q8_0", attn_type="Q8_0"), options=RuntimeOptions(ggml_cpu=ggml is not None)
+    )
     moe = [b.ffn for b in model.net.blocks if hasattr(b.ffn, "experts")]
     assert moe and all(isinstance(m.experts, CPUExperts) for m in moe)
     x = torch.randn(6, model.args.dim, generator=torch.Generator().manual_seed(0))
@@ -310,16 +334,22 @@ def test_model_on_cpu_uses_cpu_experts(synth_model, ggml):
 def test_glm5_next_on_cpu_uses_the_clamped_kernel(synth_model, ggml):
     """glm5-next's routed experts on the CPU are CPUExperts running moe_rows' swiglu_clamp at the GGUF's limit; they
     agree with the reference path (torch's clamped SwiGLU) on the same routing, on inputs large enough to clamp."""
-    from moerun.layers.gguf_cpu import CPUExperts
     from moerun.layers import GGUFExperts
+    from moerun.layers.gguf_cpu import CPUExperts
     from moerun.models.glm5_next import Glm5NextArgs
 
-    model = moerun.load_model(synth_model("glm5-next", expert_type="Q8_0", attn_type="Q8_0"),
-                              options=RuntimeOptions(ggml_cpu=ggml is not None))
+    model = moerun.load_model(
+        synth_model("glm5-next", expert_type="Q8_0", attn_type="Q8_0"),
+        options=RuntimeOptions(ggml_cpu=ggml is not None),
+    )
     limits = Glm5NextArgs.from_gguf(model.gguf).clamp_exp
     moe = [(i, b.ffn) for i, b in enumerate(model.net.blocks) if hasattr(b.ffn, "experts")]
-    assert moe and all(isinstance(m.experts, CPUExperts) and m.experts.activation.name == "swiglu_clamp"
-                       and m.experts.activation.limit == limits[i] for i, m in moe)
+    assert moe and all(
+        isinstance(m.experts, CPUExperts)
+        and m.experts.activation.name == "swiglu_clamp"
+        and m.experts.activation.limit == limits[i]
+        for i, m in moe
+    )
     experts = moe[0][1].experts
     x = 8 * torch.randn(6, model.args.dim, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -338,8 +368,10 @@ def test_cpu_linear_multiplies_the_gguf_blocks(synth_model, qtype, ggml):
     summation order, a token at a time or many at once."""
     from moerun.layers.gguf_cpu import QUANT_MAX_TOKENS, CPUQuantLinear
 
-    model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type=qtype, attn_type=qtype),
-                              options=RuntimeOptions(ggml_cpu=ggml is not None))
+    model = moerun.load_model(
+        synth_model("qwen3moe", preset="small", expert_type=qtype, attn_type=qtype),
+        options=RuntimeOptions(ggml_cpu=ggml is not None),
+    )
     attn = model.net.blocks[0].attn.attn
     if ggml is None and qtype in ("F16", "BF16"):  # no numba half kernel (torch's float32 product beats it)
         assert not any(isinstance(linear, CPUQuantLinear) for linear in (attn.wq, attn.wk, attn.wv, attn.wo))
@@ -354,4 +386,3 @@ def test_cpu_linear_multiplies_the_gguf_blocks(synth_model, qtype, ggml):
     assert many.abs().max() > 0.1
     for y in (few, many):
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
-

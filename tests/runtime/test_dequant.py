@@ -48,8 +48,9 @@ SHAPES = [((), 256), ((7,), 768), ((4, 5), 512)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
-def finite_words(rng: np.random.Generator, shape: tuple[int, ...], dtype: type[np.unsignedinteger],
-                 exponent_mask: int) -> np.ndarray:
+def finite_words(
+    rng: np.random.Generator, shape: tuple[int, ...], dtype: type[np.unsignedinteger], exponent_mask: int
+) -> np.ndarray:
     """Random float bit patterns; an all-ones exponent (inf/nan) loses its top bit."""
     words = rng.integers(0, np.iinfo(dtype).max, shape, dtype=dtype, endpoint=True)
     top = dtype(1 << (exponent_mask.bit_length() - 1))
@@ -68,7 +69,7 @@ def random_rows(qtype: Q, lead: tuple[int, ...], row_length: int, seed: int = 0)
         blocks = rng.integers(0, 256, (n_rows, row_length // block_size, type_size), dtype=np.uint8)
         for offset in FP16_FIELDS[qtype]:
             scale = finite_words(rng, (*blocks.shape[:-1], 1), np.uint16, 0x7C00)
-            blocks[..., offset:offset + 2] = scale.view(np.uint8)
+            blocks[..., offset : offset + 2] = scale.view(np.uint8)
         raw = blocks.reshape(n_rows, -1)
     raw[:1] = 0
     return raw.reshape(*lead, -1)
@@ -86,9 +87,11 @@ def assert_same_bits(ours: torch.Tensor, expected: torch.Tensor, block_size: int
     bad = (ours.view(bits) != expected.view(bits)).reshape(-1, block_size).any(-1)
     if bad.any():
         first = int(bad.nonzero()[0])
-        pytest.fail(f"{int(bad.sum())} of {bad.numel()} blocks differ; block {first}: "
-                    f"ours {ours.reshape(-1, block_size)[first].tolist()} "
-                    f"expected {expected.reshape(-1, block_size)[first].tolist()}")
+        pytest.fail(
+            f"{int(bad.sum())} of {bad.numel()} blocks differ; block {first}: "
+            f"ours {ours.reshape(-1, block_size)[first].tolist()} "
+            f"expected {expected.reshape(-1, block_size)[first].tolist()}"
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,8 +136,7 @@ def test_compiled_dispatch_tells_types_apart() -> None:
     compiled = torch.compile(dequantize, fullgraph=True, backend="eager")
     for qtype in (Q.Q4_K, Q.Q4_0, Q.F16, Q.BF16):
         raw = random_rows(qtype, (3,), 256, seed=3)
-        assert_same_bits(compiled(torch.from_numpy(raw), qtype, 256), reference(raw, qtype),
-                         GGML_QUANT_SIZES[qtype][0])
+        assert_same_bits(compiled(torch.from_numpy(raw), qtype, 256), reference(raw, qtype), GGML_QUANT_SIZES[qtype][0])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.MXFP4], ids=lambda q: q.name)
@@ -160,14 +162,21 @@ def test_the_embedding_keeps_its_rows_and_dequantizes_a_steps(qtype):
     rng = np.random.default_rng(int(qtype))
     n_vocab, dim = 40, 256
     values = rng.standard_normal((n_vocab, dim), dtype=np.float32)
-    raw = (quantize(values, qtype) if qtype != Q.IQ4_XS  # no quantizer writes IQ4_XS: random bytes, sane scales
-           else rng.integers(0, 256, (n_vocab, dim // 256 * 136), dtype=np.uint8))
+    raw = (
+        quantize(values, qtype)
+        if qtype != Q.IQ4_XS  # no quantizer writes IQ4_XS: random bytes, sane scales
+        else rng.integers(0, 256, (n_vocab, dim // 256 * 136), dtype=np.uint8)
+    )
     if qtype == Q.IQ4_XS:
         raw.reshape(n_vocab, -1, 136)[..., :2] = np.array([0.01], np.float16).view(np.uint8)
     table = torch.from_numpy(np.array(dequantize_raw(raw, qtype, (n_vocab, dim)), np.float32))
     info = SimpleNamespace(ggml_type=qtype, shape=(n_vocab, dim))
-    weights = SimpleNamespace(info=lambda name: info, gguf=SimpleNamespace(raw=lambda i: raw),
-                              device=torch.device("cpu"), dense=lambda name, dtype: table.clone())
+    weights = SimpleNamespace(
+        info=lambda name: info,
+        gguf=SimpleNamespace(raw=lambda i: raw),
+        device=torch.device("cpu"),
+        dense=lambda name, dtype: table.clone(),
+    )
     embedding = Embedding(weights, "token_embd.weight")
     assert embedding.rows.dtype == (torch.float32 if qtype == Q.IQ4_XS else torch.uint8)
     tokens = torch.tensor([3, 0, 39, 3, 17])

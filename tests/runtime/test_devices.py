@@ -23,10 +23,12 @@ PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
 @pytest.fixture
 def gpus(monkeypatch):
     """Pretend `n` GPUs are visible (only the device list is resolved: nothing touches CUDA)."""
+
     def visible(n: int) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "a pretended GPU")
+
     return visible
 
 
@@ -101,15 +103,18 @@ def test_resolve_gpus(gpus) -> None:
     assert resolve_devices("cuda:0, cuda:3") == [cuda[0], cuda[3]]
 
 
-@pytest.mark.parametrize("device,n,message", [
-    ("cuda", 3, "3 budgets .* 2 GPU"),
-    ("cuda:0,cuda:1", 3, "3 budgets for the 2 devices"),
-    ("cuda:2", None, "cuda:2: 2 GPU"),
-    ("cuda:1,cuda:1", None, "listed twice"),
-    ("cpu,cuda:0", None, "mixes device types"),
-    ("gpu0", None, "not a device"),
-    ("cpu,cpu", 3, "3 budgets for the 2 devices"),
-])
+@pytest.mark.parametrize(
+    "device,n,message",
+    [
+        ("cuda", 3, "3 budgets .* 2 GPU"),
+        ("cuda:0,cuda:1", 3, "3 budgets for the 2 devices"),
+        ("cuda:2", None, "cuda:2: 2 GPU"),
+        ("cuda:1,cuda:1", None, "listed twice"),
+        ("cpu,cuda:0", None, "mixes device types"),
+        ("gpu0", None, "not a device"),
+        ("cpu,cpu", 3, "3 budgets for the 2 devices"),
+    ],
+)
 def test_resolve_refuses_in_one_line(gpus, device, n, message) -> None:
     gpus(2)
     with pytest.raises(MoeprepError, match=message) as e:
@@ -202,8 +207,10 @@ def test_cli_refuses_more_budgets_than_gpus_with_exit_2(gpus, synth_model) -> No
     from moerun.cli import main
 
     gpus(1)
-    result = CliRunner().invoke(main, ["-m", str(synth_model("qwen3moe")), "--device", "cuda",
-                                       "--vram-budget", "24G,24G", "-p", "hi", "-n", "1"])
+    result = CliRunner().invoke(
+        main,
+        ["-m", str(synth_model("qwen3moe")), "--device", "cuda", "--vram-budget", "24G,24G", "-p", "hi", "-n", "1"],
+    )
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines()[0] == "moerun: running on cuda (a pretended GPU)"
     assert "2 budgets" in result.stderr and result.stderr.count("\n") == 2  # the device line, then the error

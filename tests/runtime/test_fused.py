@@ -123,8 +123,9 @@ def qwen3_args(tmp_path_factory):
     return arch_module("qwen3moe", path).read_args(open_gguf(path))
 
 
-@pytest.mark.parametrize("style,rope_dim,norm", [("neox", 16, True), ("normal", 16, True), ("neox", 8, False),
-                                                 ("normal", 12, False)])
+@pytest.mark.parametrize(
+    "style,rope_dim,norm", [("neox", 16, True), ("normal", 16, True), ("neox", 8, False), ("normal", 12, False)]
+)
 def test_qkv_rope(qwen3_args, style, rope_dim, norm, gen):
     """Per-head Q/K norm then RoPE (NeoX halves or adjacent pairs, over all or the first channels of a head), and
     k, v cast to the cache dtype, against layers.norm_rope followed by the cache's cast."""
@@ -135,23 +136,47 @@ def test_qkv_rope(qwen3_args, style, rope_dim, norm, gen):
     q_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6, layers.TORCH_KERNELS) if norm else None
     k_norm = layers.RMSNorm(randn(Dh, gen=gen), 1e-6, layers.TORCH_KERNELS) if norm else None
     positions = torch.tensor([5, 17, 63], device=DEVICE)
-    got = fused.qkv_rope(q, k, v, q_norm.weight if norm else None, k_norm.weight if norm else None, 1e-6, rope.cos,
-                         rope.sin, positions, style == "neox", torch.bfloat16)
+    got = fused.qkv_rope(
+        q,
+        k,
+        v,
+        q_norm.weight if norm else None,
+        k_norm.weight if norm else None,
+        1e-6,
+        rope.cos,
+        rope.sin,
+        positions,
+        style == "neox",
+        torch.bfloat16,
+    )
     q_ref, k_ref, v_ref = layers.norm_rope(q, k, v, q_norm, k_norm, rope, positions)
     close(got[0], q_ref)
     assert got[1].dtype == got[2].dtype == torch.bfloat16
     # k: the same float32 value up to rounding, then rounded to bfloat16: one bfloat16 step apart at most; v is
     # only rounded (Triton's interpreter truncates to bfloat16 where the GPU rounds to nearest: one step too)
-    close(got[1], k_ref, rtol=2 ** -8)
+    close(got[1], k_ref, rtol=2**-8)
     if DEVICE == "cuda":
         assert torch.equal(got[2], v_ref.to(torch.bfloat16))
     else:
-        close(got[2], v_ref, rtol=2 ** -8)
+        close(got[2], v_ref, rtol=2**-8)
     # the same rows written straight into a sequence's cache buffers at row = position, the other rows kept
     k_slots, v_slots = randn(64, G, Dh, gen=gen, dtype=torch.bfloat16), randn(64, G, Dv, gen=gen, dtype=torch.bfloat16)
     before = k_slots.clone(), v_slots.clone()
-    q_s, k_s, v_s = fused.qkv_rope(q, k, v, q_norm.weight if norm else None, k_norm.weight if norm else None, 1e-6,
-                                   rope.cos, rope.sin, positions, style == "neox", torch.bfloat16, k_slots, v_slots)
+    q_s, k_s, v_s = fused.qkv_rope(
+        q,
+        k,
+        v,
+        q_norm.weight if norm else None,
+        k_norm.weight if norm else None,
+        1e-6,
+        rope.cos,
+        rope.sin,
+        positions,
+        style == "neox",
+        torch.bfloat16,
+        k_slots,
+        v_slots,
+    )
     assert k_s is k_slots and v_s is v_slots and torch.equal(q_s, got[0])
     assert torch.equal(k_slots[positions], got[1]) and torch.equal(v_slots[positions], got[2])
     others = torch.ones(64, dtype=torch.bool, device=DEVICE)
@@ -169,31 +194,42 @@ def test_norm_rope_store(qwen3_args, norms, mixed, gen):
     T, H, G, Dh = 2, 4, 2, 16
     q, k, v = randn(T, H, Dh, gen=gen), randn(T, G, Dh, gen=gen), randn(T, G, Dh, gen=gen)
     widths = {"per-head": (Dh, Dh), "whole-projection": (H * Dh, G * Dh), "none": None}[norms]
-    q_norm, k_norm = (None, None) if widths is None else (
-        layers.RMSNorm(randn(widths[0], gen=gen), 1e-6, layers.TORCH_KERNELS),
-        layers.RMSNorm(randn(widths[1], gen=gen), 1e-6, layers.TORCH_KERNELS))
+    q_norm, k_norm = (
+        (None, None)
+        if widths is None
+        else (
+            layers.RMSNorm(randn(widths[0], gen=gen), 1e-6, layers.TORCH_KERNELS),
+            layers.RMSNorm(randn(widths[1], gen=gen), 1e-6, layers.TORCH_KERNELS),
+        )
+    )
     positions = torch.tensor([3, 4], device=DEVICE)
-    step = (Step(positions, n_slots=8, seqs=torch.tensor([1, 0], device=DEVICE)) if mixed
-            else Step(positions, n_slots=8, seq=1))
+    step = (
+        Step(positions, n_slots=8, seqs=torch.tensor([1, 0], device=DEVICE))
+        if mixed
+        else Step(positions, n_slots=8, seq=1)
+    )
     results = []
     for kernels in (backend.fused_kernels(), layers.TORCH_KERNELS):
         cache = KVCache(16, G, Dh, Dh, torch.bfloat16, torch.device(DEVICE), n_seq=2)
         out = kernels.norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
         results.append((*out, cache.k, cache.v))
     for got, ref in zip(*results):
-        close(got, ref, rtol=2 ** -8 if got.dtype == torch.bfloat16 else RTOL)
+        close(got, ref, rtol=2**-8 if got.dtype == torch.bfloat16 else RTOL)
 
 
 # ------------------------------------------------------------------------------------------------------ attention
 
 
-@pytest.mark.parametrize("T,H,G,D,S,window,sinks", [(1, 8, 2, 32, 100, 0, False), (3, 4, 4, 16, 70, 0, True),
-                                                    (2, 8, 1, 64, 130, 24, False)])
+@pytest.mark.parametrize(
+    "T,H,G,D,S,window,sinks", [(1, 8, 2, 32, 100, 0, False), (3, 4, 4, 16, 70, 0, True), (2, 8, 1, 64, 130, 24, False)]
+)
 def test_attend_decode(T, H, G, D, S, window, sinks, gen):
     """Queries at the last T positions of S slots (several split chunks, the last partial), a bfloat16 cache read
     as a prefix of a longer buffer, GQA groups of 4, 1 and 8, a sliding window, attention sinks."""
-    cache_k, cache_v = randn(S + 30, G, D, gen=gen, dtype=torch.bfloat16), randn(S + 30, G, D, gen=gen,
-                                                                               dtype=torch.bfloat16)
+    cache_k, cache_v = (
+        randn(S + 30, G, D, gen=gen, dtype=torch.bfloat16),
+        randn(S + 30, G, D, gen=gen, dtype=torch.bfloat16),
+    )
     k, v = cache_k[:S], cache_v[:S]
     q = randn(T, H, D, gen=gen)
     positions = torch.arange(S - T - 5, S - 5, device=DEVICE)  # the slots past the positions stay masked
@@ -226,8 +262,12 @@ def test_attend_decode_batch_of_sequences(sinks, gen):
     allowed = torch.arange(S, device=DEVICE)[None, :] <= positions[:, None]
     sink = randn(H, gen=gen) if sinks else None
     assert fused.attend_supports(q, k, v, seqs)
-    ref = torch.cat([layers.attend(q[t:t + 1], k[s], v[s], allowed[t:t + 1], 0.3, sink)  # one sequence at a time
-                     for t, s in enumerate(seqs.tolist())])
+    ref = torch.cat(
+        [
+            layers.attend(q[t : t + 1], k[s], v[s], allowed[t : t + 1], 0.3, sink)  # one sequence at a time
+            for t, s in enumerate(seqs.tolist())
+        ]
+    )
     close(fused.attend_decode(q, k, v, allowed, 0.3, sink, seqs), ref)
     close(layers.attend(q, k, v, allowed, 0.3, sink, seqs), ref)
 
@@ -263,14 +303,21 @@ def test_attend_hands_prefill_and_prompts_to_torch(gen):
 
 
 def router(args, gating: int, normalize: bool, scale: float, k: int) -> layers.Router:
-    args = dataclasses.replace(args, gating=gating, expert_weights_norm=normalize, expert_weights_scale=scale,
-                               n_experts_used=k)
+    args = dataclasses.replace(
+        args, gating=gating, expert_weights_norm=normalize, expert_weights_scale=scale, n_experts_used=k
+    )
     return layers.Router(layers.Linear(torch.zeros(1, 1), None, "gate", None), args, layers.TORCH_KERNELS)
 
 
-ROUTINGS = pytest.mark.parametrize("gating,normalize,scale", [(GATING_SOFTMAX, True, 0.0), (GATING_SOFTMAX, False, 2.5),
-                                                              (GATING_SIGMOID, True, 1.0),
-                                                              (GATING_SOFTMAX_WEIGHT, False, 0.0)])
+ROUTINGS = pytest.mark.parametrize(
+    "gating,normalize,scale",
+    [
+        (GATING_SOFTMAX, True, 0.0),
+        (GATING_SOFTMAX, False, 2.5),
+        (GATING_SIGMOID, True, 1.0),
+        (GATING_SOFTMAX_WEIGHT, False, 0.0),
+    ],
+)
 
 
 @ROUTINGS
@@ -338,8 +385,10 @@ def test_stacked_qkv(gen):
     parts, re-pointed at the stacked bytes, still give their own products."""
     rng = np.random.default_rng(3)
     cols, hooks = 64, Hooks()
-    parts = [QuantLinear(random_q8_0(rng, 1, n, cols), bias, name, hooks)
-             for n, bias, name in ((16, None, "q"), (8, randn(8, gen=gen), "k"), (8, None, "v"))]
+    parts = [
+        QuantLinear(random_q8_0(rng, 1, n, cols), bias, name, hooks)
+        for n, bias, name in ((16, None, "q"), (8, randn(8, gen=gen), "k"), (8, None, "v"))
+    ]
     x = randn(3, cols, gen=gen)
     apart = [p(x) for p in parts]
     stacked = QuantLinear.stack_rows(parts)
@@ -349,8 +398,9 @@ def test_stacked_qkv(gen):
     for p, ref in zip(parts, apart):
         assert p.qweight.data.untyped_storage().data_ptr() == stacked.qweight.data.untyped_storage().data_ptr()
         close(p(x), ref)
-    other = QuantLinear(QWeight(torch.zeros(4, 36, dtype=torch.uint8, device=DEVICE), Q.Q4_0, 4, cols), None, "o",
-                        hooks)
+    other = QuantLinear(
+        QWeight(torch.zeros(4, 36, dtype=torch.uint8, device=DEVICE), Q.Q4_0, 4, cols), None, "o", hooks
+    )
     assert QuantLinear.stack_rows([parts[0], other]) is None  # types differ
 
 
@@ -363,10 +413,16 @@ def test_kept_decoded_copies(gen, monkeypatch):
 
     rng = np.random.default_rng(4)
     cols, hooks = 64, Hooks()
-    parts = [QuantLinear(random_q8_0(rng, 1, n, cols), None, name, hooks)
-             for n, name in ((16, "q"), (8, "k"), (8, "v"))]
-    net = torch.nn.ModuleList([*parts, QuantLinear.stack_rows(parts), QuantLinear(random_q8_0(rng, 1, 24, cols),
-                                                                                 randn(24, gen=gen), "o", hooks)])
+    parts = [
+        QuantLinear(random_q8_0(rng, 1, n, cols), None, name, hooks) for n, name in ((16, "q"), (8, "k"), (8, "v"))
+    ]
+    net = torch.nn.ModuleList(
+        [
+            *parts,
+            QuantLinear.stack_rows(parts),
+            QuantLinear(random_q8_0(rng, 1, 24, cols), randn(24, gen=gen), "o", hooks),
+        ]
+    )
     x1, x3 = randn(1, cols, gen=gen), randn(tuning.KEPT_DECODED_MIN_TOKENS + 1, cols, gen=gen)
     on_blocks = [(m(x1), m(x3)) for m in net]
     need = 2 * (32 + 24) * cols
@@ -422,17 +478,19 @@ def test_layers_pass_the_norms_rounding_to_their_products(gen, monkeypatch):
     h, normed, i8 = norm.add_forward_i8(x, delta)
     assert i8 is not None and torch.equal(h, x + delta) and torch.equal(normed, norm(h))
     shapes = (("gate", hidden, cols), ("up", hidden, cols), ("down", cols, hidden))
-    ffn = layers.FeedForward(*(QuantLinear(random_q8_0(rng, 1, r, c), None, name, hooks) for name, r, c in shapes),
-                             kernels)
+    ffn = layers.FeedForward(
+        *(QuantLinear(random_q8_0(rng, 1, r, c), None, name, hooks) for name, r, c in shapes), kernels
+    )
     banks = tuple(random_q8_0(rng, 4, r, c) for _, r, c in shapes)
     slots = torch.tensor([[0, 3], [2, 0]], device=DEVICE)
     weights = torch.rand(2, 2, generator=gen).to(DEVICE)
     rounded = []
     for launcher in (gemv, gemm):
         monkeypatch.setattr(launcher, "quantize_i8", lambda x: rounded.append(x) or quantize_i8(x))
-    runs = [(lambda i8: ffn(normed, None, i8), 3),  # gate, up and down round their inputs without it
-            (lambda i8: bank_moe(normed, slots, weights, banks, layers.SWIGLU, fused.swiglu, (None,) * 3, slots,
-                                 i8), 2)]
+    runs = [
+        (lambda i8: ffn(normed, None, i8), 3),  # gate, up and down round their inputs without it
+        (lambda i8: bank_moe(normed, slots, weights, banks, layers.SWIGLU, fused.swiglu, (None,) * 3, slots, i8), 2),
+    ]
     for run, without in runs:
         rounded.clear()
         given = run(i8)
@@ -460,8 +518,9 @@ def test_model_with_fused_kernels(synth_model, monkeypatch):
     fused_kernels = backend.backend_for(torch.device(DEVICE), options).kernels
     assert model.net.blocks[0].attn_norm.kernels is fused_kernels and fused_kernels.rms_norm is fused.rms_norm
     for m in (reference, model):
-        m.logits = [m.forward(tokens, 0)[-1]] + [m.forward(torch.tensor([t]), len(tokens) + i)[0]
-                                                  for i, t in enumerate([20, 21])]
+        m.logits = [m.forward(tokens, 0)[-1]] + [
+            m.forward(torch.tensor([t]), len(tokens) + i)[0] for i, t in enumerate([20, 21])
+        ]
     for got, ref in zip(model.logits, reference.logits):
         close(got, ref, rtol=1e-5)
 
@@ -482,12 +541,20 @@ def test_cpu_norm_rope_store(qwen3_args, style, rope_dim, norms, step_kind, gen)
     T, H, G, Dh = 2, 4, 2, 16
     q, k, v = (randn(T, n, Dh, gen=gen).cpu() for n in (H, G, G))
     widths = {"per-head": (Dh, Dh), "whole-projection": (H * Dh, G * Dh), "none": None}[norms]
-    q_norm, k_norm = (None, None) if widths is None else (
-        layers.RMSNorm(randn(widths[0], gen=gen).cpu(), 1e-6, layers.TORCH_KERNELS),
-        layers.RMSNorm(randn(widths[1], gen=gen).cpu(), 1e-6, layers.TORCH_KERNELS))
+    q_norm, k_norm = (
+        (None, None)
+        if widths is None
+        else (
+            layers.RMSNorm(randn(widths[0], gen=gen).cpu(), 1e-6, layers.TORCH_KERNELS),
+            layers.RMSNorm(randn(widths[1], gen=gen).cpu(), 1e-6, layers.TORCH_KERNELS),
+        )
+    )
     positions = torch.tensor([3, 11])
-    step = (Step(positions, n_slots=12, seqs=torch.tensor([1, 0])) if step_kind == "mixed-seqs"
-            else Step(positions, n_slots=12, seq=1))
+    step = (
+        Step(positions, n_slots=12, seqs=torch.tensor([1, 0]))
+        if step_kind == "mixed-seqs"
+        else Step(positions, n_slots=12, seq=1)
+    )
     dtype = torch.bfloat16 if step_kind == "bf16-cache" else torch.float32
     held = randn(2, 2, 16, G, Dh, gen=gen).cpu()  # what the cache rows held: the rows the step does not write keep it
     results = []
@@ -498,7 +565,7 @@ def test_cpu_norm_rope_store(qwen3_args, style, rope_dim, norms, step_kind, gen)
         out = norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache)
         results.append((*out, cache.k, cache.v))
     for got, ref in zip(*results):
-        close(got, ref, rtol=2 ** -8 if got.dtype == torch.bfloat16 else RTOL)
+        close(got, ref, rtol=2**-8 if got.dtype == torch.bfloat16 else RTOL)
 
 
 @ROUTINGS
@@ -526,7 +593,8 @@ def test_cpu_model_with_fused_kernels(synth_model, monkeypatch):
     reference = moerun.load_model(path, device="cpu", options=RuntimeOptions(fused=False))
     assert reference.net.blocks[0].attn_norm.kernels is layers.TORCH_KERNELS
     for m in (reference, model):
-        m.logits = [m.forward(tokens, 0)[-1]] + [m.forward(torch.tensor([t]), len(tokens) + i)[0]
-                                                  for i, t in enumerate([20, 21])]
+        m.logits = [m.forward(tokens, 0)[-1]] + [
+            m.forward(torch.tensor([t]), len(tokens) + i)[0] for i, t in enumerate([20, 21])
+        ]
     for got, ref in zip(model.logits, reference.logits):
         close(got, ref, rtol=1e-5)

@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType as Q
 from moerun.kernels import ggml_cpu
 from moerun.kernels.cpu.moe_rows import ggml_kernel, moe_rows
 from moerun.options import RuntimeOptions
-
 from tests.runtime.test_cpu_experts import expert_bytes
 
 GGML = ggml_cpu.open_library()
@@ -76,8 +75,9 @@ def test_a_bad_named_library_is_one_line_and_exit_2(monkeypatch, tmp_path, synth
     if what == "not a library":
         path.write_text("not an ELF file")
     monkeypatch.setenv("MOERUN_GGML_CPU_LIB", str(path))
-    result = CliRunner().invoke(main, ["-m", str(synth_model("qwen3moe", expert_type="Q4_K")), "-p", "hi",
-                                       "-n", "1", "--device", "cpu"])
+    result = CliRunner().invoke(
+        main, ["-m", str(synth_model("qwen3moe", expert_type="Q4_K")), "-p", "hi", "-n", "1", "--device", "cpu"]
+    )
     assert result.exit_code == 2, result.output
     assert f"MOERUN_GGML_CPU_LIB={path}" in result.output and "Traceback" not in result.output
     lines = result.output.strip().splitlines()  # the device line, then the error
@@ -89,7 +89,8 @@ def test_moerun_bench_says_whose_cpu_kernels_run(synth_model):
 
     from moerun.cli import main
 
-    result = CliRunner().invoke(main, ["bench", "-m", str(synth_model("qwen3moe")), "-p", "8", "-n", "2",
-                                       "--device", "cpu"])
+    result = CliRunner().invoke(
+        main, ["bench", "-m", str(synth_model("qwen3moe")), "-p", "8", "-n", "2", "--device", "cpu"]
+    )
     assert result.exit_code == 0, result.output
     assert "CPU kernels: ggml's row dots" in result.output

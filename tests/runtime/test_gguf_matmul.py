@@ -37,20 +37,39 @@ from moerun.kernels import dequant, gemm, gemv, gguf_matmul, tuning
 from moerun.kernels.act_i8 import QAct, quantize_i8
 from moerun.kernels.fused import moe_combine
 from moerun.kernels.gemm import split_counters
-from moerun.kernels.gguf_matmul import (QWeight, bf16_mm, dense_gemm_i8, gguf_mm, gguf_moe, gguf_moe_glu, gguf_mv,
-                                        moe_gemm_i8, supports)
+from moerun.kernels.gguf_matmul import (
+    QWeight,
+    bf16_mm,
+    dense_gemm_i8,
+    gguf_mm,
+    gguf_moe,
+    gguf_moe_glu,
+    gguf_mv,
+    moe_gemm_i8,
+    supports,
+)
 from moerun.kernels.moe_align import group_by_slot
-from moerun.kernels.staging import stage_second
 from moerun.kernels.qtypes import BLOCK_TYPES
+from moerun.kernels.staging import stage_second
 from moerun.kernels.tuning import INT8_ON, Int8Routes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-U = 2.0 ** -24
+U = 2.0**-24
 FIRST_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4]
 # Byte offsets of each block's fp16 scale fields (ggml-common.h); the other bytes may hold anything.
 FP16_FIELDS: dict[Q, tuple[int, ...]] = {
-    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.Q4_0: (0,), Q.MXFP4: (), Q.IQ4_XS: (0,),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.Q8_0: (0,),
+    Q.Q4_0: (0,),
+    Q.MXFP4: (),
+    Q.IQ4_XS: (0,),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q5_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_1: (0, 2),
 }
 PLAIN_FLOATS = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}
 # Columns per type: not powers of two where the block size allows (3 K-quant blocks; 25 blocks of 32).
@@ -63,12 +82,26 @@ def wide_tiles(monkeypatch):
     if DEVICE != "cpu":
         return
     # num_warps means nothing to the interpreter, but sizes the accumulator budget that tuning.gemv_tiles keeps to
-    monkeypatch.setattr(tuning, "GEMV_BY_BLOCK_VALUES", {256: tuning.GemvTiles(rows=64, blocks=4, num_warps=32),
-                                                         32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32)})
-    monkeypatch.setattr(tuning, "GEMM_BY_BLOCK_VALUES",
-                        {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)})
-    for swept in ("GEMV_OVERRIDES", "GEMV_GROUPED_OVERRIDES", "GEMV_I8_OVERRIDES", "GEMV_I8_GROUPED_OVERRIDES",
-                  "DENSE_GEMM_OVERRIDES", "GROUPED_GEMM_OVERRIDES", "DENSE_I8_OVERRIDES"):
+    monkeypatch.setattr(
+        tuning,
+        "GEMV_BY_BLOCK_VALUES",
+        {
+            256: tuning.GemvTiles(rows=64, blocks=4, num_warps=32),
+            32: tuning.GemvTiles(rows=64, blocks=32, num_warps=32),
+        },
+    )
+    monkeypatch.setattr(
+        tuning, "GEMM_BY_BLOCK_VALUES", {256: tuning.GemmTiles(64, 64, 4), 32: tuning.GemmTiles(64, 64, 32)}
+    )
+    for swept in (
+        "GEMV_OVERRIDES",
+        "GEMV_GROUPED_OVERRIDES",
+        "GEMV_I8_OVERRIDES",
+        "GEMV_I8_GROUPED_OVERRIDES",
+        "DENSE_GEMM_OVERRIDES",
+        "GROUPED_GEMM_OVERRIDES",
+        "DENSE_I8_OVERRIDES",
+    ):
         monkeypatch.setattr(tuning, swept, {})
 
 
@@ -90,7 +123,7 @@ def random_weights(qtype: Q, lead: tuple[int, ...], cols: int, rng: np.random.Ge
     blocks = rng.integers(0, 256, (n_rows, cols // block_values, block_bytes), dtype=np.uint8)
     for offset in FP16_FIELDS[qtype]:
         scale = rng.choice([-1.0, 1.0], blocks.shape[:-1]) * 2.0 ** rng.uniform(-8, -4, blocks.shape[:-1])
-        blocks[..., offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:-1], 2)
+        blocks[..., offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:-1], 2)
     if qtype == Q.MXFP4:
         blocks[..., 0] = rng.integers(118, 128, blocks.shape[:-1])  # E8M0 exponents 2**-9 .. 2**0
     return torch.from_numpy(blocks.reshape(*lead, -1))
@@ -122,8 +155,15 @@ def rounded_i8(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127).double()).reshape(x.shape)
 
 
-def operands(x: torch.Tensor, data: torch.Tensor, qtype: Q, cols: int, gemm: bool, gemm8: bool = False,
-             routes: Int8Routes = INT8_ON) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def operands(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    qtype: Q,
+    cols: int,
+    gemm: bool,
+    gemm8: bool = False,
+    routes: Int8Routes = INT8_ON,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the kernels multiply, float64: (x, w, |w| as the bound counts it) for GGUF bytes `data` (..., row_bytes):
     for the GEMM x in bfloat16, and w too on the GPU; on the 8-bit routes (the matrix-vector kernel's; the GEMM's
     with `gemm8`) x rounded to int8 and |w - offset| + |offset| (module docstring)."""
@@ -148,12 +188,15 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w_abs: torch
     y = y.cpu().double()
     assert y.shape == ref.shape and torch.isfinite(y).all()
     excess = (y - ref).abs() / bound
-    assert excess.max() <= 1, (f"{int((excess > 1).sum())} of {excess.numel()} outputs out of bound; worst at "
-                               f"{np.unravel_index(int(excess.argmax()), excess.shape)}: x{float(excess.max()):.1f}")
+    assert excess.max() <= 1, (
+        f"{int((excess > 1).sum())} of {excess.numel()} outputs out of bound; worst at "
+        f"{np.unravel_index(int(excess.argmax()), excess.shape)}: x{float(excess.max()):.1f}"
+    )
 
 
-def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype=torch.float32,
-           routes: Int8Routes = INT8_ON) -> None:
+def run_mm(
+    qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype=torch.float32, routes: Int8Routes = INT8_ON
+) -> None:
     cols = COLS[BLOCK_TYPES[qtype].values]
     data = random_weights(qtype, (rows,), cols, rng)
     x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32)).to(x_dtype)
@@ -161,8 +204,9 @@ def run_mm(qtype: Q, n_tokens: int, rows: int, rng: np.random.Generator, x_dtype
     y = gguf_mm(x.to(DEVICE), w, routes=routes)
     assert y.dtype == torch.float32 and y.shape == (n_tokens, rows)
     gemm8 = dense_gemm_i8(BLOCK_TYPES[qtype], n_tokens, routes)
-    assert_close(y, *operands(x, data, qtype, cols, gemm=gemm8 or on_bfloat16_operands(n_tokens), gemm8=gemm8,
-                              routes=routes))
+    assert_close(
+        y, *operands(x, data, qtype, cols, gemm=gemm8 or on_bfloat16_operands(n_tokens), gemm8=gemm8, routes=routes)
+    )
 
 
 def on_bfloat16_operands(n_tokens: int) -> bool:
@@ -172,8 +216,7 @@ def on_bfloat16_operands(n_tokens: int) -> bool:
 
 
 def test_supported_types() -> None:
-    assert all(supports(q) for q in [*FIRST_TYPES, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.F16,
-                                             Q.BF16])
+    assert all(supports(q) for q in [*FIRST_TYPES, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.F16, Q.BF16])
     assert not supports(Q.IQ2_XXS)
 
 
@@ -239,8 +282,9 @@ def test_quantize_i8(dtype) -> None:
     assert q.dtype == torch.int8 and d.shape == (5, 33) and s.shape == (5, 66)
     assert torch.equal(q.double() * d.double().repeat_interleave(32, 1), rounded_i8(x))
     assert q.abs().max() == 127 and (q[1, 64:96] == 0).all() and d[1, 2] == 0
-    torch.testing.assert_close(s.double(), q.double().reshape(5, -1, 16).sum(-1) * d.double().repeat_interleave(2, 1),
-                               rtol=2 ** -23, atol=0)
+    torch.testing.assert_close(
+        s.double(), q.double().reshape(5, -1, 16).sum(-1) * d.double().repeat_interleave(2, 1), rtol=2**-23, atol=0
+    )
 
 
 @pytest.mark.parametrize("route", ["gemv", "dense-gemm8", "moe-gemv", "moe-gemm8"])
@@ -318,8 +362,9 @@ def gemv_tile_rows(qtype: Q, n_tokens: int) -> int:
 
 
 @pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
-@pytest.mark.parametrize("n_tokens,gemm", [(3, False), (21, False), (21, True)],
-                         ids=["decode", "short-prompt", "prefill"])
+@pytest.mark.parametrize(
+    "n_tokens,gemm", [(3, False), (21, False), (21, True)], ids=["decode", "short-prompt", "prefill"]
+)
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q4_0, Q.MXFP4], ids=lambda q: q.name)
 def test_moe(wide_tiles, request, qtype: Q, n_tokens: int, gemm: bool, shared_input: bool) -> None:
     """Decode (3 tokens: a program per (t, k)), a short prompt (21 tokens, the same) and prefill (21 tokens past a
@@ -335,15 +380,15 @@ def test_moe_prefill_on_swept_grouped_tiles(wide_tiles, prefill_gemm, monkeypatc
     """The grouped GEMM on tiles from tuning.GROUPED_GEMM_OVERRIDES (16-row tiles, as a sweep may pick for ~32
     pairs per expert): several tiles per slot's run, a weight tile past the last row, two blocks per step."""
     bt = BLOCK_TYPES[qtype]
-    monkeypatch.setitem(tuning.GROUPED_GEMM_OVERRIDES, (qtype, COLS[bt.values] // bt.values),
-                        tuning.GemmTiles(16, 16, 2))
+    monkeypatch.setitem(
+        tuning.GROUPED_GEMM_OVERRIDES, (qtype, COLS[bt.values] // bt.values), tuning.GemmTiles(16, 16, 2)
+    )
     check_moe(qtype, 21, shared_input=True, gemm=True)
 
 
 @pytest.mark.parametrize("shared_input", [True, False], ids=["shared-x", "x-per-expert"])
 @pytest.mark.parametrize("qtype", [q for q in FP16_FIELDS if BLOCK_TYPES[q].gemm8 is not None], ids=lambda q: q.name)
-def test_moe_prefill_on_the_8bit_gemm(wide_tiles, prefill_gemm, monkeypatch, qtype: Q, shared_input: bool
-                                      ) -> None:
+def test_moe_prefill_on_the_8bit_gemm(wide_tiles, prefill_gemm, monkeypatch, qtype: Q, shared_input: bool) -> None:
     """The experts of a prompt step on the 8-bit GEMM (tuning.GEMM_I8_MIN_TOKENS lowered to the test's 21 tokens):
     gguf_moe as test_moe checks it, and gate and up with the SwiGLU (gguf_moe_glu) on the same grouping."""
     monkeypatch.setattr(tuning, "GEMM_I8_MIN_TOKENS", 21)
@@ -352,9 +397,11 @@ def test_moe_prefill_on_the_8bit_gemm(wide_tiles, prefill_gemm, monkeypatch, qty
     check_moe_glu(qtype, 21, np.random.default_rng([int(qtype), shared_input, 13]))
 
 
-@pytest.mark.parametrize("n_tokens,gemm8,few", [(3, False, True), (21, False, True), (21, True, True),
-                                                 (21, True, False)],
-                         ids=["decode", "prefill", "prefill-8bit-few-tokens", "prefill-8bit"])
+@pytest.mark.parametrize(
+    "n_tokens,gemm8,few",
+    [(3, False, True), (21, False, True), (21, True, True), (21, True, False)],
+    ids=["decode", "prefill", "prefill-8bit-few-tokens", "prefill-8bit"],
+)
 def test_moe_on_shipped_tiles(prefill_gemm, monkeypatch, n_tokens: int, gemm8: bool, few: bool) -> None:
     """tuning.py's own grouped tiles where the test's rows of 3 Q4_K blocks have them (the 30B down projection's
     GEMV_GROUPED_OVERRIDES, GROUPED_GEMM_OVERRIDES, and the 8-bit GEMM's GEMM_I8_FEW_TOKENS_OVERRIDES and, with
@@ -394,8 +441,11 @@ def check_moe(qtype: Q, n_tokens: int, shared_input: bool, gemm: bool) -> None:
                 assert_close(y[t, j][None], *operands(xs[t, j][None], bank[slot], qtype, cols, gemm, gemm8))
 
 
-@pytest.mark.parametrize("n_tokens,grouped_tiles", [(3, None), (21, None), (2, tuning.GemvTiles(16, 1, 1))],
-                         ids=["decode", "prefill", "decode-grouped-tiles"])
+@pytest.mark.parametrize(
+    "n_tokens,grouped_tiles",
+    [(3, None), (21, None), (2, tuning.GemvTiles(16, 1, 1))],
+    ids=["decode", "prefill", "decode-grouped-tiles"],
+)
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
 def test_moe_glu(wide_tiles, prefill_gemm, monkeypatch, qtype: Q, n_tokens: int, grouped_tiles) -> None:
     """gguf_moe_glu = silu(x gate^T) * (x up^T) per (token, expert), on int64 slots with -1 (skipped: zeros):
@@ -416,8 +466,16 @@ def check_moe_glu(qtype: Q, n_tokens: int, rng: np.random.Generator) -> None:
     gate_bank, up_bank = (random_weights(qtype, (n_slots, rows), cols, rng) for _ in range(2))
     slots = torch.from_numpy(rng.integers(-1, n_slots, (n_tokens, k)))  # int64
     x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32))
-    y = gguf_moe_glu(x.to(DEVICE), QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
-                     QWeight(up_bank.to(DEVICE), qtype, rows, cols), slots.to(DEVICE)).cpu().double()
+    y = (
+        gguf_moe_glu(
+            x.to(DEVICE),
+            QWeight(gate_bank.to(DEVICE), qtype, rows, cols),
+            QWeight(up_bank.to(DEVICE), qtype, rows, cols),
+            slots.to(DEVICE),
+        )
+        .cpu()
+        .double()
+    )
     assert y.shape == (n_tokens, k, rows)
     assert_glu_close(y, x, slots, gate_bank, up_bank, qtype, gemm=n_tokens > tuning.MOE_GLU_GEMV_MAX_TOKENS)
 
@@ -439,10 +497,11 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q, host_offset:
     def host(b: torch.Tensor) -> torch.Tensor:
         """b's bytes host_offset bytes into a new (page-locked on CUDA) buffer."""
         buf = torch.empty(b.numel() + 16, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
-        copy = buf[host_offset:host_offset + b.numel()].view(b.shape)
+        copy = buf[host_offset : host_offset + b.numel()].view(b.shape)
         copy.copy_(b)
         assert copy.data_ptr() % 16 == host_offset
         return copy
+
     gate, up = (QWeight(b[resident].to(DEVICE), qtype, rows, cols, second=host(b)) for b in (gate_all, up_all))
     experts = np.array([[1, 4, 3], [5, 1, 0], [3, 0, 1]])  # experts 1, 3 and 5 streamed, 1 and 3 by several tokens
     slot_of = np.full(n_expert, -1)
@@ -456,8 +515,9 @@ def test_moe_reads_streamed_experts_from_host(wide_tiles, qtype: Q, host_offset:
     assert_glu_close(y, x, torch.from_numpy(experts), gate_all, up_all, qtype, gemm=False)
     # staged first (stage_second copies each streamed expert to a device bank, once, into the matrix of the first
     # pair that streams it): the same bytes, the same sums
-    stages = tuple(torch.zeros(n_tokens * k + 1, *b.data.shape[1:], dtype=torch.uint8, device=DEVICE)
-                   for b in (gate, up))
+    stages = tuple(
+        torch.zeros(n_tokens * k + 1, *b.data.shape[1:], dtype=torch.uint8, device=DEVICE) for b in (gate, up)
+    )
     (gate_s, up_s), staged = stage_second(torch.from_numpy(slots).to(DEVICE), (gate, up), stages)
     flat = slots.reshape(-1).tolist()
     first = {e: p for p, e in reversed(list(enumerate(flat)))}  # each slot's first pair
@@ -499,8 +559,9 @@ def assert_glu_close(y, x, slots, gate_bank, up_bank, qtype: Q, gemm: bool) -> N
             if slot < 0:
                 assert (y[t, j] == 0).all()
                 continue
-            (xt, wg, ag), (_, wu, au) = (operands(x[t], b[slot], qtype, cols, gemm, gemm8)
-                                         for b in (gate_bank, up_bank))
+            (xt, wg, ag), (_, wu, au) = (
+                operands(x[t], b[slot], qtype, cols, gemm, gemm8) for b in (gate_bank, up_bank)
+            )
             g, u = xt @ wg.T, xt @ wu.T
             eg, eu = (2 * (cols + 1) * U * (xt.abs() @ a.T) for a in (ag, au))
             silu = g * torch.sigmoid(g)
@@ -518,8 +579,9 @@ def test_prefill_groups_the_pairs_once_for_a_layers_banks(wide_tiles, prefill_ge
     rng = np.random.default_rng(11)
     n_tokens, n_slots, k, rows, qtype = 21, 5, 3, 24, Q.Q4_K
     cols = COLS[BLOCK_TYPES[qtype].values]
-    gate, up = (QWeight(random_weights(qtype, (n_slots, rows), cols, rng).to(DEVICE), qtype, rows, cols)
-                for _ in range(2))
+    gate, up = (
+        QWeight(random_weights(qtype, (n_slots, rows), cols, rng).to(DEVICE), qtype, rows, cols) for _ in range(2)
+    )
     down = QWeight(random_weights(qtype, (n_slots, cols), cols, rng).to(DEVICE), qtype, cols, cols)
     slots = torch.from_numpy(rng.integers(-1, n_slots, (n_tokens, k))).to(DEVICE)
     x = torch.from_numpy(rng.standard_normal((n_tokens, cols), dtype=np.float32)).to(DEVICE)
@@ -528,8 +590,9 @@ def test_prefill_groups_the_pairs_once_for_a_layers_banks(wide_tiles, prefill_ge
     shared = gguf_moe(x[:, None, :].expand(n_tokens, k, cols).contiguous(), down, slots, groups)
     assert len(calls) == 1
     torch.testing.assert_close(h, gguf_moe_glu(x, gate, up, slots), rtol=0, atol=0)
-    torch.testing.assert_close(shared, gguf_moe(x[:, None, :].expand(n_tokens, k, cols).contiguous(), down, slots),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        shared, gguf_moe(x[:, None, :].expand(n_tokens, k, cols).contiguous(), down, slots), rtol=0, atol=0
+    )
     assert len(calls) == 1 + 1 + 1  # without `groups`: gguf_moe_glu groups once for gate and up, down once more
 
 
@@ -555,10 +618,15 @@ def grouped_by_slot(slots: torch.Tensor, n_slots: int, block_m: int) -> tuple[li
     return ids + [-1] * (n_blocks * block_m - len(ids)), block_slot + [-1] * (n_blocks - len(block_slot))
 
 
-@pytest.mark.parametrize("n_tokens, k, n_slots, block_m, dtype", [
-    (13, 3, 9, 4, torch.int32), (1, 1, 1, 16, torch.int64), (5, 2, 3, 16, torch.int32),
-    (160, 8, 130, 32, torch.int64),  # more pairs than one chunk of the kernel, a bank size that is no power of 2
-])
+@pytest.mark.parametrize(
+    "n_tokens, k, n_slots, block_m, dtype",
+    [
+        (13, 3, 9, 4, torch.int32),
+        (1, 1, 1, 16, torch.int64),
+        (5, 2, 3, 16, torch.int32),
+        (160, 8, 130, 32, torch.int64),  # more pairs than one chunk of the kernel, a bank size that is no power of 2
+    ],
+)
 def test_group_by_slot(n_tokens: int, k: int, n_slots: int, block_m: int, dtype: torch.dtype) -> None:
     """Every kept pair exactly once, in pair order within its slot's run, the runs padded to blocks of one slot;
     slot -1 and a second bank's -2 - e left out; sizes from T*K, E and BM alone (no host sync needed)."""
@@ -585,7 +653,7 @@ def test_decode_bf16(qtype: Q) -> None:
     got = decode_bf16(QWeight(data.to(DEVICE), qtype, rows, cols)).cpu()
     ref = dequantized(data, qtype, cols)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, cols)
-    assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -7).all()
+    assert ((got.double() - ref).abs() <= ref.abs() * 2.0**-7).all()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the decoded route runs on CUDA (cuBLAS)")
@@ -603,5 +671,6 @@ def test_decoded_route_in_row_chunks(monkeypatch, qtype: Q) -> None:
 def test_more_row_tiles_than_a_grid_axis_holds(n_tokens: int) -> None:
     """The matrix-vector kernel on more row tiles than a CUDA grid's second axis takes (65535): an output head of a
     152k-token vocabulary in Q8_0 makes 152k one-row tiles at T = 1. Its programs run on one axis."""
-    run_mm(Q.Q8_0, n_tokens, rows=65535 * gemv_tile_rows(Q.Q8_0, n_tokens) + 3,
-           rng=np.random.default_rng([n_tokens, 21]))
+    run_mm(
+        Q.Q8_0, n_tokens, rows=65535 * gemv_tile_rows(Q.Q8_0, n_tokens) + 3, rng=np.random.default_rng([n_tokens, 21])
+    )

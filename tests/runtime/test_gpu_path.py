@@ -31,6 +31,7 @@ def synth_model(tmp_path_factory):
 
     return make
 
+
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)\n    while lo < hi:"
 
 
@@ -79,7 +80,10 @@ def test_float32_products_of_any_row_count_agree_with_float64():
 
 def test_graph_decode_replays_the_eager_step(synth_model):
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
-    graphed, eager = moerun.load_model(path, device="cuda", n_ctx=600), moerun.load_model(path, device="cuda", n_ctx=600)
+    graphed, eager = (
+        moerun.load_model(path, device="cuda", n_ctx=600),
+        moerun.load_model(path, device="cuda", n_ctx=600),
+    )
     assert graph_blockers(graphed) == []
     prompt = graphed.tokenizer.encode(PROMPT)
     for model in (graphed, eager):
@@ -88,7 +92,9 @@ def test_graph_decode_replays_the_eager_step(synth_model):
     # positions 250-262 cross the first KV bucket (256 slots) into the second
     start = 250
     for model in (graphed, eager):
-        model.forward(torch.randint(1, 1000, (start - len(prompt),), generator=torch.Generator().manual_seed(0)), len(prompt))
+        model.forward(
+            torch.randint(1, 1000, (start - len(prompt),), generator=torch.Generator().manual_seed(0)), len(prompt)
+        )
     for i, t in enumerate(tokens * 3):
         g = graphed.decode(t, start + i).cpu()
         e = eager.forward(torch.tensor([t]), start + i)[0].cpu()
@@ -137,7 +143,7 @@ def test_prompt_graphs_replay_the_eager_prompt_for_any_sequence_length_and_posit
     ids = torch.randint(10, 1000, (400,), generator=torch.Generator().manual_seed(1))
     # (sequence, start, tokens): fresh prompts, a chat going on after a kept prefix, a chunk at 300 (KV bucket 512)
     for seq, start, n in [(0, 0, 60), (2, 0, 17), (1, 0, 2), (1, 2, 40), (2, 17, 64), (0, 60, 33), (1, 300, 20)]:
-        chunk = ids[start:start + n]
+        chunk = ids[start : start + n]
         if seq == 1 and start == 300:
             for model in (graphed, eager):
                 model.forward(ids[42:300], 42, seq)  # fills 42..299 eagerly (longer than the largest bucket)
@@ -205,22 +211,29 @@ def compiled_kernels() -> int:
 
     from moerun.kernels import act_i8, fused, gemm, gemv, moe_align, staging
 
-    jitted = [f for m in (act_i8, fused, gemm, gemv, moe_align, staging) for f in vars(m).values() if isinstance(f, triton.runtime.JITFunction)]
+    jitted = [
+        f
+        for m in (act_i8, fused, gemm, gemv, moe_align, staging)
+        for f in vars(m).values()
+        if isinstance(f, triton.runtime.JITFunction)
+    ]
     return sum(len(cache[0]) for f in jitted for cache in f.device_caches.values())
 
 
 def test_prompts_of_any_length_compile_nothing_after_the_servers_warm_up(synth_model):
     """moerun serve compiles the prompt kernels at start (Model.warm_up); prompts and mixed steps of other
     lengths then reuse them (the step-sized arguments are not specialized), so no request waits for a compile."""
-    model = moerun.load_model(synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"),
-                              device="cuda", n_ctx=600, n_seq=2)
+    model = moerun.load_model(
+        synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"), device="cuda", n_ctx=600, n_seq=2
+    )
     model.capture_decode_steps()
     model.warm_up()
     before = compiled_kernels()
     for n in (37, 64, 129, 300):
         model.forward(torch.arange(1, n + 1), 0, 0, last_only=True)
-        model.forward_batch(torch.arange(1, n + 2), torch.tensor([*range(n), 5]), torch.tensor([1] * n + [0]),
-                            torch.tensor([n - 1, n]))
+        model.forward_batch(
+            torch.arange(1, n + 2), torch.tensor([*range(n), 5]), torch.tensor([1] * n + [0]), torch.tensor([n - 1, n])
+        )
     assert compiled_kernels() == before
 
 
@@ -239,8 +252,9 @@ def test_hooks_turn_graphs_off(synth_model):
 def cached_model(path, n_seq: int = 1, **config):
     from moerun.cache.config import CacheConfig
 
-    return moerun.load_model(path, device="cuda", n_ctx=600, n_seq=n_seq,
-                             cache=CacheConfig(budgets=[8 << 30], **config))
+    return moerun.load_model(
+        path, device="cuda", n_ctx=600, n_seq=n_seq, cache=CacheConfig(budgets=[8 << 30], **config)
+    )
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "cpu-misses"])
@@ -253,8 +267,9 @@ def test_cached_graph_decode_replays_the_eager_step(synth_model, stream):
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     n_layer, n_expert = 4, 16
     usage = np.tile(np.arange(n_expert)[::-1], (n_layer, 1))  # experts 0, 1, ... hottest first
-    graphed, eager = (cached_model(path, slots_per_layer=8, usage=usage, policy="static", stream=stream)
-                      for _ in range(2))
+    graphed, eager = (
+        cached_model(path, slots_per_layer=8, usage=usage, policy="static", stream=stream) for _ in range(2)
+    )
     assert graphed.expert_cache.streamed == stream
     assert graph_blockers(graphed) == []
     prompt = graphed.tokenizer.encode(PROMPT)
@@ -283,8 +298,9 @@ def test_cached_batched_graph_decode_matches_the_eager_batch(synth_model, stream
 
     path = synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0")
     usage = np.tile(np.arange(16)[::-1], (4, 1))
-    graphed, eager = (cached_model(path, n_seq=3, slots_per_layer=8, usage=usage, policy="static", stream=stream)
-                      for _ in range(2))
+    graphed, eager = (
+        cached_model(path, n_seq=3, slots_per_layer=8, usage=usage, policy="static", stream=stream) for _ in range(2)
+    )
     batched_decode_matches_the_eager_batch(graphed, eager)
     stats = graphed.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
@@ -338,8 +354,9 @@ def test_a_model_dropped_while_it_uploads_leaves_the_device_healthy(synth_model)
 def test_moerun_bench_reports_the_cache(synth_model, stream):
     from moerun.bench import format_result, run_bench
 
-    model = cached_model(synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"),
-                         slots_per_layer=4, stream=stream)
+    model = cached_model(
+        synth_model("qwen3moe", preset="small", expert_type="Q4_K", attn_type="Q8_0"), slots_per_layer=4, stream=stream
+    )
     result = run_bench(model, 64, 16)
     assert result.decode_tok_s > 0 and result.prefill_tok_s > 0
     ms = result.cache["ms_per_token"]

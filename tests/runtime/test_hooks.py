@@ -32,8 +32,10 @@ def test_routing_hook_fires_per_moe_layer(arch, synth_model):
     assert len(events) == 2 * len(moe_layers)
 
 
-@pytest.mark.parametrize("arch,options", [("qwen3moe", {}), ("qwen2moe", {}), ("deepseek2", {}),
-                                          ("deepseek2", {"mla_split": True}), ("gpt-oss", {})])
+@pytest.mark.parametrize(
+    "arch,options",
+    [("qwen3moe", {}), ("qwen2moe", {}), ("deepseek2", {}), ("deepseek2", {"mla_split": True}), ("gpt-oss", {})],
+)
 def test_activation_hook_sees_every_matmul_input(arch, options, synth_model):
     model = moerun.load_model(synth_model(arch, **options))
     events = []
@@ -46,8 +48,11 @@ def test_activation_hook_sees_every_matmul_input(arch, options, synth_model):
         assert e.x.shape[1] == infos[e.tensor_name].shape[-1], e.tensor_name  # in_features = GGUF row length
         assert (e.expert is not None) == ("_exps." in e.tensor_name)
     named = {e.tensor_name for e in events}
-    matrices = {n for n, t in infos.items() if n.endswith(".weight") and n != "token_embd.weight"
-                and (len(t.shape) >= 2 or ".ffn_gate_inp_shexp." in n)}  # qwen2moe's shared gate is a (D,) row
+    matrices = {
+        n
+        for n, t in infos.items()
+        if n.endswith(".weight") and n != "token_embd.weight" and (len(t.shape) >= 2 or ".ffn_gate_inp_shexp." in n)
+    }  # qwen2moe's shared gate is a (D,) row
     assert named == matrices, f"never fired: {sorted(matrices - named)}; unexpected: {sorted(named - matrices)}"
     # each MoE layer's routed rows add up to T * K for every expert tensor
     routed = Counter()

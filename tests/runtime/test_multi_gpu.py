@@ -23,8 +23,15 @@ BUDGET = 8 << 30  # the slots come from slots_per_layer
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return write_synth_model(tmp_path_factory.mktemp("multi-gpu") / "m.gguf", "qwen3moe", preset="small", n_layer=6,
-                             expert_type="Q4_K", attn_type="Q8_0", skew=0.8)
+    return write_synth_model(
+        tmp_path_factory.mktemp("multi-gpu") / "m.gguf",
+        "qwen3moe",
+        preset="small",
+        n_layer=6,
+        expert_type="Q4_K",
+        attn_type="Q8_0",
+        skew=0.8,
+    )
 
 
 def decode_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -44,8 +51,12 @@ def test_two_gpus_equal_one(model_path, cache) -> None:
     assert {p.device for p in two.net.blocks[-1].parameters()} == {torch.device("cuda", 1)}
     assert not graph_blockers(two)
     prompt = one.tokenizer.encode(PROMPT)
-    torch.testing.assert_close(two.forward(torch.tensor(prompt)).float().cpu(),
-                               one.forward(torch.tensor(prompt)).float().cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        two.forward(torch.tensor(prompt)).float().cpu(),
+        one.forward(torch.tensor(prompt)).float().cpu(),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     tokens = [5, 17, 99, 5, 17, 99]
     graphs = decode_logits(two, prompt, tokens)
     torch.testing.assert_close(graphs, decode_logits(one, prompt, tokens), rtol=1e-4, atol=1e-4)

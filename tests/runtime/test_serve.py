@@ -36,8 +36,10 @@ from moerun.tokenizer import Tokenizer
 
 API_KEY = "sk-test-key"
 N_CTX = 256
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 IM_START, IM_END = 1, 2  # the synthetic vocabulary's control tokens
 BENCH_MODEL = Path(__file__).resolve().parents[2] / "bench" / "models" / "bench-qwen3moe-q4k.gguf"  # trained, Q4_K
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog "[: 5 + 3 * i] for i in range(16)]
@@ -50,9 +52,12 @@ def with_kv(src: Path, dest: Path, **kv: KVValue) -> Path:
 
 @pytest.fixture(scope="module")
 def chat_model(synth_model, tmp_path_factory) -> Path:
-    return with_kv(synth_model("qwen3moe"), tmp_path_factory.mktemp("serve") / "chat.gguf",
-                   tokenizer__chat_template=KVValue(CHATML, GGUFValueType.STRING),
-                   tokenizer__ggml__eot_token_id=KVValue(IM_END, GGUFValueType.UINT32))
+    return with_kv(
+        synth_model("qwen3moe"),
+        tmp_path_factory.mktemp("serve") / "chat.gguf",
+        tokenizer__chat_template=KVValue(CHATML, GGUFValueType.STRING),
+        tokenizer__ggml__eot_token_id=KVValue(IM_END, GGUFValueType.UINT32),
+    )
 
 
 class Server:
@@ -61,9 +66,27 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "moerun", "serve", "-m", str(model), "-c", str(N_CTX),
-                                      "--device", "cpu", "-t", "1", "--port", str(self.port), *args],
-                                     stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moerun",
+                "serve",
+                "-m",
+                str(model),
+                "-c",
+                str(N_CTX),
+                "--device",
+                "cpu",
+                "-t",
+                "1",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("w"),
+        )
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -76,14 +99,23 @@ class Server:
                 time.sleep(0.2)
         raise TimeoutError(f"server not ready: {self.log.read_text()}")
 
-    def request(self, method: str, path: str, body: bytes | dict | None = None, key: str | None = API_KEY,
-                headers: dict | None = None) -> tuple[int, dict]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict | None = None,
+        key: str | None = API_KEY,
+        headers: dict | None = None,
+    ) -> tuple[int, dict]:
         """-> (status, JSON body) of a raw HTTP request."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
             data = json.dumps(body).encode() if isinstance(body, dict) else body
-            hdrs = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
-                    **(headers or {})}
+            hdrs = {
+                "Content-Type": "application/json",
+                **({"Authorization": f"Bearer {key}"} if key else {}),
+                **(headers or {}),
+            }
             conn.request(method, path, body=data, headers=hdrs)
             resp = conn.getresponse()
             return resp.status, json.loads(resp.read())
@@ -108,9 +140,11 @@ def servers(chat_model, tmp_path_factory):
     """`main`: 4 sequences, an API key. `single`: one sequence and no queue, for the 503 and disconnect tests.
     `bench`: the trained bench model, 4 sequences."""
     logs = tmp_path_factory.mktemp("serve-logs")
-    started = {"main": Server(chat_model, logs / "main.log", "-np", "4", "--api-key", API_KEY),
-               "single": Server(chat_model, logs / "single.log", "-np", "1", "--max-queue", "0"),
-               "bench": Server(BENCH_MODEL, logs / "bench.log", "-np", "4")}
+    started = {
+        "main": Server(chat_model, logs / "main.log", "-np", "4", "--api-key", API_KEY),
+        "single": Server(chat_model, logs / "single.log", "-np", "1", "--max-queue", "0"),
+        "bench": Server(BENCH_MODEL, logs / "bench.log", "-np", "4"),
+    }
     try:
         for s in started.values():
             s.wait_ready()
@@ -168,9 +202,18 @@ def test_completion_equals_moerun_greedy(servers, alone):
 def test_chat_uses_the_gguf_template_and_special_tokens(servers, alone):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a router?"}]
     encode = alone.model.tokenizer.encode
-    expected_ids = ([IM_START] + encode("system\nBe brief.", add_bos=False) + [IM_END] + encode("\n", add_bos=False)
-                    + [IM_START] + encode("user\nWhat is a router?", add_bos=False) + [IM_END]
-                    + encode("\n", add_bos=False) + [IM_START] + encode("assistant\n", add_bos=False))
+    expected_ids = (
+        [IM_START]
+        + encode("system\nBe brief.", add_bos=False)
+        + [IM_END]
+        + encode("\n", add_bos=False)
+        + [IM_START]
+        + encode("user\nWhat is a router?", add_bos=False)
+        + [IM_END]
+        + encode("\n", add_bos=False)
+        + [IM_START]
+        + encode("assistant\n", add_bos=False)
+    )
     assert alone.chat.encode(messages) == expected_ids
     r = servers["main"].client().chat.completions.create(model="x", messages=messages, max_tokens=10, temperature=0)
     text, finish, n = alone(expected_ids, 10)
@@ -185,17 +228,34 @@ def test_chat_takes_content_parts_template_kwargs_and_a_whole_agent_turn(servers
     the template, arguments as an object); reasoning_effort, which this template does not read, is a 400."""
     client = servers["main"].client()
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "MoE?"}]}]
-    r = client.chat.completions.create(model="x", messages=messages, max_tokens=5, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = client.chat.completions.create(
+        model="x",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     ids = alone.chat.encode([{"role": "user", "content": "What is MoE?"}])
     assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == alone(ids, 5)[0]
-    turn = [{"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "21"}]
+    turn = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "21"},
+    ]
     r = client.chat.completions.create(model="x", messages=turn, max_tokens=5, temperature=0)
-    ids = alone.chat.encode([{"role": "user", "content": "weather?"}, {"role": "assistant", "content": ""},
-                             {"role": "tool", "content": "21"}])
+    ids = alone.chat.encode(
+        [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": ""},
+            {"role": "tool", "content": "21"},
+        ]
+    )
     assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == alone(ids, 5)[0]
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
         client.chat.completions.create(model="x", messages=turn, max_tokens=5, reasoning_effort="low")
@@ -205,16 +265,25 @@ def test_streaming_gives_the_same_text_then_usage(servers, alone):
     client = servers["main"].client()
     ids = alone.model.tokenizer.encode(PROMPTS[3])
     text, finish, n = alone(ids, 14)
-    chunks = list(client.completions.create(model="x", prompt=PROMPTS[3], max_tokens=14, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="x",
+            prompt=PROMPTS[3],
+            max_tokens=14,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
     assert not chunks[-1].choices
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(ids), n)
     messages = [{"role": "user", "content": PROMPTS[4]}]
     chat_text, chat_finish, _ = alone(alone.chat.encode(messages), 9)
-    deltas = list(client.chat.completions.create(model="x", messages=messages, max_tokens=9, temperature=0,
-                                                 stream=True))
+    deltas = list(
+        client.chat.completions.create(model="x", messages=messages, max_tokens=9, temperature=0, stream=True)
+    )
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat_text
     assert deltas[-1].choices[0].finish_reason == chat_finish
@@ -224,13 +293,14 @@ def test_stop_strings_cut_the_text_where_they_start(servers, alone):
     client = servers["main"].client()
     ids = alone.model.tokenizer.encode(PROMPTS[5])
     full, _, _ = alone(ids, 24)
-    stop = full[len(full) // 2: len(full) // 2 + 3]  # three characters from the middle, likely across tokens
-    expected = full[:full.index(stop)]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # three characters from the middle, likely across tokens
+    expected = full[: full.index(stop)]
     r = client.completions.create(model="x", prompt=PROMPTS[5], max_tokens=24, temperature=0, stop=[stop, "\x00never"])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
     assert r.usage.completion_tokens < 24
-    streamed = client.completions.create(model="x", prompt=PROMPTS[5], max_tokens=24, temperature=0, stop=stop,
-                                         stream=True)
+    streamed = client.completions.create(
+        model="x", prompt=PROMPTS[5], max_tokens=24, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
@@ -239,8 +309,19 @@ def test_seed_reproduces_the_same_sample(servers, alone):
     ids = alone.model.tokenizer.encode(PROMPTS[6])
 
     def sample(seed: int) -> str:
-        return client.completions.create(model="x", prompt=PROMPTS[6], max_tokens=16, temperature=0.7, top_p=0.9,
-                                         seed=seed, extra_body={"top_k": 4}).choices[0].text
+        return (
+            client.completions.create(
+                model="x",
+                prompt=PROMPTS[6],
+                max_tokens=16,
+                temperature=0.7,
+                top_p=0.9,
+                seed=seed,
+                extra_body={"top_k": 4},
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(7)
     assert sample(7) == first == alone(ids, 16, margin_checked(moerun.make_sampler(0.7, 0.9, 7, top_k=4)))[0]
@@ -251,14 +332,16 @@ def margin_checked(sampler):
     """A seeded sampler (temperature > 0) that asserts each draw falls at least 1e-2 of the kept probability mass
     away from a boundary between two tokens: batched logits differ from these by float rounding, and a draw that
     close to a boundary could pick the neighbour."""
+
     def pick(logits):
         kept, _ = sampler.distribution(sampler.adjust(logits))
-        cumulative = (torch.cumsum(kept, dim=-1) / kept.sum())[:int((kept > 0).sum()) - 1]  # the inner boundaries
+        cumulative = (torch.cumsum(kept, dim=-1) / kept.sum())[: int((kept > 0).sum()) - 1]  # the inner boundaries
         peek = torch.Generator()
         peek.set_state(sampler.generator.get_state())
         u = float(torch.rand(1, generator=peek))
         assert not len(cumulative) or (cumulative - u).abs().min() > 1e-2, "a draw at a boundary: pick another seed"
         return sampler(logits)
+
     return pick
 
 
@@ -285,17 +368,22 @@ def test_logprobs_equal_the_models_log_softmax(servers, alone):
     token_bytes = alone.model.tokenizer.token_bytes
     messages = [{"role": "user", "content": PROMPTS[9]}]
     expected = greedy_logprobs(alone, alone.chat.encode(messages), 6, 3)
-    r = client.chat.completions.create(model="x", messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(
+        model="x", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == len(expected)
     for c, (token, logprob, top) in zip(content, expected):
         assert bytes(c.bytes) == token_bytes(token) and c.logprob == pytest.approx(logprob, abs=1e-3)
         assert [bytes(t.bytes) for t in c.top_logprobs] == [token_bytes(t) for t, _ in top]
         assert [t.logprob for t in c.top_logprobs] == pytest.approx([lp for _, lp in top], abs=1e-3)
-    streamed = [ch.choices[0] for ch in client.chat.completions.create(
-        model="x", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True)
-        if ch.choices]
+    streamed = [
+        ch.choices[0]
+        for ch in client.chat.completions.create(
+            model="x", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+        if ch.choices
+    ]
     again = [c for ch in streamed if ch.logprobs for c in ch.logprobs.content]
     assert [c.token for c in again] == [c.token for c in content]
     assert [c.logprob for c in again] == pytest.approx([c.logprob for c in content], abs=1e-3)
@@ -321,29 +409,34 @@ def test_n_choices_each_sample_with_their_own_seed(servers, alone):
     answers = [alone(ids, 8, margin_checked(moerun.make_sampler(0.7, 1.0, 1 + i, top_k=4))) for i in range(3)]
     expected = [text for text, _, _ in answers]
     assert len(set(expected)) > 1
-    r = client.completions.create(model="x", prompt=PROMPTS[11], max_tokens=8, temperature=0.7, seed=1, n=3,
-                                  extra_body={"top_k": 4})
+    r = client.completions.create(
+        model="x", prompt=PROMPTS[11], max_tokens=8, temperature=0.7, seed=1, n=3, extra_body={"top_k": 4}
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.text for c in r.choices] == expected
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == sum(n for _, _, n in answers)
     texts = ["", "", ""]
-    for chunk in client.completions.create(model="x", prompt=PROMPTS[11], max_tokens=8, temperature=0.7, seed=1,
-                                           n=3, stream=True, extra_body={"top_k": 4}):
+    for chunk in client.completions.create(
+        model="x", prompt=PROMPTS[11], max_tokens=8, temperature=0.7, seed=1, n=3, stream=True, extra_body={"top_k": 4}
+    ):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == expected
-    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, n=2)
+    chat = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, n=2
+    )
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
 
 
 def greedy_gap_checked(sampler):
     """A temperature-0 PenalizedSampler that asserts each pick is no near-tie of its adjusted logits."""
+
     def pick(logits):
         top = torch.topk(sampler.adjust(logits), 2).values
         assert top[0] - top[1] > 1e-4, "a near-tied penalized step: pick other test settings"
         return sampler(logits)
+
     return pick
 
 
@@ -354,22 +447,29 @@ def test_penalties_top_k_min_p_and_logit_bias_through_the_server(servers, alone)
     ids = alone.model.tokenizer.encode(PROMPTS[12])
     plain = alone(ids, 12)[0]
     first = alone.model.tokenizer.encode(plain, add_bos=False)[0]
-    cases = [({"frequency_penalty": 1.5}, 0.0), ({"presence_penalty": 2.0}, 0.0),
-             ({"repeat_penalty": 1.8, "repeat_last_n": 16}, 0.0), ({"logit_bias": {first: -100}}, 0.0),
-             ({"top_k": 1}, 1.0), ({"min_p": 0.95}, 1.0)]
+    cases = [
+        ({"frequency_penalty": 1.5}, 0.0),
+        ({"presence_penalty": 2.0}, 0.0),
+        ({"repeat_penalty": 1.8, "repeat_last_n": 16}, 0.0),
+        ({"logit_bias": {first: -100}}, 0.0),
+        ({"top_k": 1}, 1.0),
+        ({"min_p": 0.95}, 1.0),
+    ]
     for settings, temperature in cases:
         body = {k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in settings.items()}
         sampler = moerun.make_sampler(temperature, 1.0, 3, prompt=ids, **settings)
         want = alone(ids, 12, (greedy_gap_checked if temperature == 0 else margin_checked)(sampler))[0]
-        r = client.completions.create(model="x", prompt=PROMPTS[12], max_tokens=12, temperature=temperature, seed=3,
-                                      extra_body=body)
+        r = client.completions.create(
+            model="x", prompt=PROMPTS[12], max_tokens=12, temperature=temperature, seed=3, extra_body=body
+        )
         assert r.choices[0].text == want, settings
         if temperature == 0:
             assert want != plain, settings
     # top_k=1 and min_p near 1 keep only the most likely token: the greedy answer, whatever the seed
     for settings in ({"top_k": 1}, {"min_p": 1.0}):
-        r = client.completions.create(model="x", prompt=PROMPTS[12], max_tokens=12, temperature=1.5, seed=99,
-                                      extra_body=settings)
+        r = client.completions.create(
+            model="x", prompt=PROMPTS[12], max_tokens=12, temperature=1.5, seed=99, extra_body=settings
+        )
         assert r.choices[0].text == plain
 
 
@@ -409,11 +509,20 @@ def test_eight_clients_at_once_each_get_what_they_get_alone(servers, alone):
         client, out = main_server.client(), []
         for prompt, max_tokens in work[c]:
             if c % 2:
-                chunks = list(client.completions.create(model="x", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                        stream=True, stream_options={"include_usage": True}))
+                chunks = list(
+                    client.completions.create(
+                        model="x",
+                        prompt=prompt,
+                        max_tokens=max_tokens,
+                        temperature=0,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                )
                 choices = [ch.choices[0] for ch in chunks if ch.choices]
-                out.append(("".join(ch.text for ch in choices), choices[-1].finish_reason,
-                            chunks[-1].usage.completion_tokens))
+                out.append(
+                    ("".join(ch.text for ch in choices), choices[-1].finish_reason, chunks[-1].usage.completion_tokens)
+                )
             else:
                 r = client.completions.create(model="x", prompt=prompt, max_tokens=max_tokens, temperature=0)
                 out.append((r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens))
@@ -432,8 +541,9 @@ def test_the_trained_bench_model_batched_equals_moerun_greedy(servers):
     texts = ["The expert cache keeps", "def fib(n):", "Once upon a time", "In 1905, Einstein"]
     client = servers["bench"].client()
     with ThreadPoolExecutor(len(texts)) as pool:
-        replies = list(pool.map(lambda t: client.completions.create(model="x", prompt=t, max_tokens=12, temperature=0),
-                                texts))
+        replies = list(
+            pool.map(lambda t: client.completions.create(model="x", prompt=t, max_tokens=12, temperature=0), texts)
+        )
     for text, r in zip(texts, replies):
         expected = alone_bench(alone_bench.model.tokenizer.encode(text), 12)
         assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == expected, text
@@ -444,16 +554,21 @@ def test_serve_takes_the_expert_cache_options(chat_model, alone, tmp_path):
     the GPU, its kernels in Triton's interpreter, tests/conftest.py) two requests batched together get what they get
     alone without it."""
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
-    assert all(o in help_text for o in ("--vram-budget", "--cache-slots", "--expert-profile", "--cache-policy",
-                                        "--no-dense-bf16"))
+    assert all(
+        o in help_text
+        for o in ("--vram-budget", "--cache-slots", "--expert-profile", "--cache-policy", "--no-dense-bf16")
+    )
     server = Server(chat_model, tmp_path / "cache.log", "-np", "2", "--vram-budget", "8G", "--cache-slots", "4")
     try:
         server.wait_ready()
         assert "expert cache: " in server.log.read_text()
         client = server.client()
         with ThreadPoolExecutor(2) as pool:
-            replies = list(pool.map(lambda p: client.completions.create(model="x", prompt=p, max_tokens=6,
-                                                                        temperature=0), PROMPTS[:2]))
+            replies = list(
+                pool.map(
+                    lambda p: client.completions.create(model="x", prompt=p, max_tokens=6, temperature=0), PROMPTS[:2]
+                )
+            )
     finally:
         server.stop()
     for prompt, r in zip(PROMPTS[:2], replies):
@@ -508,10 +623,18 @@ HOSTILE: list[tuple[str, str, bytes | dict | None, int]] = [
     ("POST", "/v1/completions", {"prompt": "x", "echo": True}, 400),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                      "top_logprobs": 21}, 400),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                      "functions": [{"name": "f"}]}, 400),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        400,
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+        400,
+    ),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, 400),
     ("POST", "/v1/completions", {"prompt": "word " * 400}, 400),  # longer than the context
     ("POST", "/v1/chat/completions", {"messages": "hi"}, 400),
@@ -539,10 +662,21 @@ def test_hostile_requests_get_json_errors_and_the_server_stays_up(servers):
     status, body = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": [1]})
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
     # fields that do not change the answer are accepted
-    status, body = server.request("POST", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "user": "u1", "metadata": {"k": "v"},
-        "store": False, "service_tier": "auto", "model": "anything", "modalities": ["text"],
-        "response_format": {"type": "text"}})
+    status, body = server.request(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "user": "u1",
+            "metadata": {"k": "v"},
+            "store": False,
+            "service_tier": "auto",
+            "model": "anything",
+            "modalities": ["text"],
+            "response_format": {"type": "text"},
+        },
+    )
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
     # a body past the limit: a 413 JSON error, or the connection closed while the body was still being sent
     try:
@@ -582,8 +716,9 @@ def test_full_queue_503_and_a_client_that_disconnects_mid_stream(servers, alone)
 
 
 def test_serve_refuses_a_port_in_use_with_one_line(servers, chat_model):
-    result = CliRunner().invoke(main, ["serve", "-m", str(chat_model), "-c", "64", "--device", "cpu", "--port",
-                                       str(servers["main"].port)])
+    result = CliRunner().invoke(
+        main, ["serve", "-m", str(chat_model), "-c", "64", "--device", "cpu", "--port", str(servers["main"].port)]
+    )
     assert result.exit_code == 2, result.output
     lines = result.stderr.splitlines()  # the device line, then the error
     assert len(lines) == 2 and lines[0] == "moerun: running on cpu (--device cpu)"
@@ -595,14 +730,21 @@ def test_serve_refuses_a_port_in_use_with_one_line(servers, chat_model):
 
 def test_chat_template_runs_sandboxed_and_its_errors_are_400(chat_model, tmp_path):
     def chat_format(template: str) -> ChatFormat:
-        path = with_kv(chat_model, tmp_path / f"t{len(list(tmp_path.iterdir()))}.gguf",
-                       tokenizer__chat_template=KVValue(template, GGUFValueType.STRING))
+        path = with_kv(
+            chat_model,
+            tmp_path / f"t{len(list(tmp_path.iterdir()))}.gguf",
+            tokenizer__chat_template=KVValue(template, GGUFValueType.STRING),
+        )
         g = open_gguf(path)
         return ChatFormat(g, Tokenizer(g))
 
     messages = [{"role": "user", "content": "hi"}]
-    escapes = ["{{ ''.__class__.__mro__[1].__subclasses__() }}", "{{ messages.append(1) }}",
-               "{{ raise_exception('no system role here') }}", "{{ cycler.__init__.__globals__.os.system('true') }}"]
+    escapes = [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.append(1) }}",
+        "{{ raise_exception('no system role here') }}",
+        "{{ cycler.__init__.__globals__.os.system('true') }}",
+    ]
     for template in escapes:
         with pytest.raises(ApiError) as e:
             chat_format(template).encode(messages)
@@ -677,11 +819,16 @@ def test_a_long_prompt_prefills_in_chunks_while_a_stream_keeps_decoding(chat_mod
     model = moerun.load_model(chat_model, n_ctx=N_CTX, n_seq=2)
     passes: list[tuple[str, list[int]]] = []  # (method, the sequence of each token) of every pass through the model
     for name in ("forward", "forward_batch", "decode"):
+
         def record(*args, _name=name, _method=getattr(model, name), **kwargs):
-            seqs = (args[2].tolist() if _name == "forward_batch" else
-                    [kwargs.get("seq", args[2] if len(args) > 2 else 0)] * (1 if _name == "decode" else len(args[0])))
+            seqs = (
+                args[2].tolist()
+                if _name == "forward_batch"
+                else [kwargs.get("seq", args[2] if len(args) > 2 else 0)] * (1 if _name == "decode" else len(args[0]))
+            )
             passes.append((_name, seqs))
             return _method(*args, **kwargs)
+
         setattr(model, name, record)
     chunk = 16
     sched = Scheduler(model, prefill_chunk=chunk)
@@ -781,9 +928,17 @@ def test_prompts_of_clients_just_answered_are_gathered_into_one_step(chat_model,
     assert sched.held_s() == 0 and step() == {stream, beside}
     while sched.busy:
         step()
-    for job, prompt, limit in [(first[0], ids[0], 3), (first[1], ids[1], 3), (late, ids[2], 3), (later, ids[3], 3),
-                               (lonely, ids[4], 3), (at_once, ids[5], 3), (again, ids[1], 3), (stream, ids[6], 40),
-                               (beside, ids[7], 3)]:
+    for job, prompt, limit in [
+        (first[0], ids[0], 3),
+        (first[1], ids[1], 3),
+        (late, ids[2], 3),
+        (later, ids[3], 3),
+        (lonely, ids[4], 3),
+        (at_once, ids[5], 3),
+        (again, ids[1], 3),
+        (stream, ids[6], 40),
+        (beside, ids[7], 3),
+    ]:
         assert answer(job) == alone(prompt, limit)
 
 
@@ -803,14 +958,18 @@ def test_with_prompt_graphs_decode_tokens_and_each_prompt_chunk_run_in_passes_of
     model.prompt_graphs = NoPromptFits()
     passes: list[tuple[str, list[int]]] = []
     for name in ("forward", "forward_batch"):
+
         def record(*args, _name=name, _method=getattr(model, name), **kwargs):
             seqs = args[2].tolist() if _name == "forward_batch" else [args[2] if len(args) > 2 else 0] * len(args[0])
             passes.append((_name, seqs))
             return _method(*args, **kwargs)
+
         setattr(model, name, record)
     sched = Scheduler(model, prefill_chunk=16)
-    prompts = [alone.model.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[2], " ".join(PROMPTS[3:7]),
-                                                          " ".join(PROMPTS[4:9]))]
+    prompts = [
+        alone.model.tokenizer.encode(p)
+        for p in (PROMPTS[1], PROMPTS[2], " ".join(PROMPTS[3:7]), " ".join(PROMPTS[4:9]))
+    ]
     expected = [alone(ids, 10) for ids in prompts]
     jobs = [sched.add(Job(ids, 10)) for ids in prompts[:2]]
     got: dict[int, list] = {}

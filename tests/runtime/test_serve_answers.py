@@ -12,43 +12,45 @@ from moerun.serve.formats import REASONING_TAGS, TOOL_FORMATS, reasoning_tags, t
 
 FORMATS = {f.name: f for f in TOOL_FORMATS}
 THINK = REASONING_TAGS[2]
-SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
-           "search": {"type": "object", "properties": {"query": {"type": "string"}}}}
+SCHEMAS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+    "search": {"type": "object", "properties": {"query": {"type": "string"}}},
+}
 CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "moe 2"})]
 # each format's text for CALLS, as its templates show the model writing them
 OUTPUTS = {
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
-              '<tool_call>\n{"name": "search", "arguments": {"query": "moe 2"}}\n</tool_call>',
+    '<tool_call>\n{"name": "search", "arguments": {"query": "moe 2"}}\n</tool_call>',
     "qwen3-coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-                   "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\n"
-                   "moe 2\n</parameter>\n</function>\n</tool_call>",
+    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\n"
+    "moe 2\n</parameter>\n</function>\n</tool_call>",
     "seed-oss": "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n<parameter=days>3"
-                "</parameter>\n</function>\n</seed:tool_call><seed:tool_call>\n<function=search>\n"
-                "<parameter=query>moe 2</parameter>\n</function>\n</seed:tool_call>",
+    "</parameter>\n</function>\n</seed:tool_call><seed:tool_call>\n<function=search>\n"
+    "<parameter=query>moe 2</parameter>\n</function>\n</seed:tool_call>",
     "glm-4.5": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
-               "\n<arg_value>3</arg_value>\n</tool_call><tool_call>search\n<arg_key>query</arg_key>\n"
-               "<arg_value>moe 2</arg_value>\n</tool_call>",
+    "\n<arg_value>3</arg_value>\n</tool_call><tool_call>search\n<arg_key>query</arg_key>\n"
+    "<arg_value>moe 2</arg_value>\n</tool_call>",
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]search[ARGS]{"query": "moe 2"}',
     "deepseek-v3.1": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}'
-                     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "moe 2"}<｜tool▁call▁end｜>'
-                     '<｜tool▁calls▁end｜>',
-    "kimi-k2": '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-               '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_call_begin|>functions.search:1'
-               '<|tool_call_argument_begin|>{"query": "moe 2"}<|tool_call_end|><|tool_calls_section_end|>',
+    '<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "moe 2"}<｜tool▁call▁end｜>'
+    "<｜tool▁calls▁end｜>",
+    "kimi-k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_call_begin|>functions.search:1'
+    '<|tool_call_argument_begin|>{"query": "moe 2"}<|tool_call_end|><|tool_calls_section_end|>',
     "minimax-m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-                  '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">\n'
-                  '<parameter name="query">moe 2</parameter>\n</invoke>\n</minimax:tool_call>',
+    '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">\n'
+    '<parameter name="query">moe 2</parameter>\n</invoke>\n</minimax:tool_call>',
     "deepseek-v3.2": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
-                     'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3'
-                     '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter '
-                     'name="query" string="true">moe 2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+    'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3'
+    '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter '
+    'name="query" string="true">moe 2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
 }
 
 
 def run(answer: ChatAnswer, text: str, piece: int) -> tuple[dict, dict]:
     """-> (the whole message, the streamed deltas merged: text fields joined, tool_calls listed)."""
     merged: dict = {}
-    deltas = [answer.push(text[i:i + piece]) for i in range(0, len(text), piece)] + [answer.end()]
+    deltas = [answer.push(text[i : i + piece]) for i in range(0, len(text), piece)] + [answer.end()]
     for d in filter(None, deltas):
         for k, v in d.items():
             merged[k] = merged.get(k, [] if k == "tool_calls" else "") + v
@@ -64,7 +66,8 @@ def test_each_format_parses_its_calls_after_some_text_streamed_or_whole(name):
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
         assert calls == CALLS and message["content"] == "Let me check."
         assert merged["content"] == "Let me check." and merged["tool_calls"] == [
-            {"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+            {"index": i, **c} for i, c in enumerate(message["tool_calls"])
+        ]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message["tool_calls"])
 
 
@@ -107,21 +110,29 @@ def test_formats_and_tags_are_chosen_from_the_template():
 
 def test_harmony_channels_split_into_reasoning_content_and_calls():
     from moerun.serve.answers import HarmonyAnswer
-    text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
-            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>')
+
+    text = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>'
+    )
     final = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 21 C."
     for piece in (1, 3, 8, len(text)):
         message, merged = run(HarmonyAnswer(), text, piece)
         assert message["reasoning_content"] == merged["reasoning_content"] == "Need the weather."
         assert message["content"] is None and "content" not in merged
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
-            [CALLS[0]]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+            CALLS[0]
+        ]
         message, merged = run(HarmonyAnswer(), final, piece)
         assert (message["reasoning_content"], message["content"]) == ("Easy.", "It is 21 C.")
         assert merged == {"reasoning_content": "Easy.", "content": "It is 21 C."}
     # the recipient before the channel, as the template writes calls back; no reasoning split
-    message, _ = run(HarmonyAnswer(split_reasoning=False), "<|channel|>analysis<|message|>hm<|end|><|start|>assistant "
-                     'to=functions.search<|channel|>commentary json<|message|>{"query": "moe 2"}', 5)
+    message, _ = run(
+        HarmonyAnswer(split_reasoning=False),
+        "<|channel|>analysis<|message|>hm<|end|><|start|>assistant "
+        'to=functions.search<|channel|>commentary json<|message|>{"query": "moe 2"}',
+        5,
+    )
     assert message["content"] == "hm" and message["tool_calls"][0]["function"]["name"] == "search"
     # text with no message header at all (a grammar's JSON) is the content
     message, merged = run(HarmonyAnswer(), '{"a": 1}', 3)

@@ -30,8 +30,10 @@ AGENT = (
     "{%- if add_generation_prompt -%}{{ '<assistant>' }}"
     "{%- if enable_thinking is defined and not enable_thinking -%}{{ '(no think)' }}{%- endif -%}{%- endif -%}"
 )
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "search"}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "search"}},
+]
 
 
 def chat(body_messages, **fields):
@@ -40,25 +42,39 @@ def chat(body_messages, **fields):
 
 
 def test_tools_tool_calls_results_reasoning_parts_and_kwargs_reach_the_template():
-    req = chat([
-        {"role": "system", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "reasoning_content": "look it up",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"unit": "C", "city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "21"},
-        {"role": "assistant", "content": "21 C", "reasoning": "it said 21"},  # another name for reasoning_content
-        {"role": "user", "content": "thanks"},
-    ], chat_template_kwargs={"enable_thinking": False})
+    req = chat(
+        [
+            {"role": "system", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "look it up",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"unit": "C", "city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "21"},
+            {"role": "assistant", "content": "21 C", "reasoning": "it said 21"},  # another name for reasoning_content
+            {"role": "user", "content": "thanks"},
+        ],
+        chat_template_kwargs={"enable_thinking": False},
+    )
     text = ChatTemplate(AGENT, SPECIAL).render(req.messages, TOOLS, req.template_kwargs)
-    assert text == ("<s>tools:get_weather,search\n"
-                    "<system>[be][brief]\n"
-                    "<user>weather?\n"
-                    '<assistant>(think:look it up){call get_weather {"city":"Paris","unit":"C"}}\n'
-                    "<tool>21#c1\n"
-                    "<assistant>21 C(think:it said 21)\n"
-                    "<user>thanks\n"
-                    "<assistant>(no think)")
+    assert text == (
+        "<s>tools:get_weather,search\n"
+        "<system>[be][brief]\n"
+        "<user>weather?\n"
+        '<assistant>(think:look it up){call get_weather {"city":"Paris","unit":"C"}}\n'
+        "<tool>21#c1\n"
+        "<assistant>21 C(think:it said 21)\n"
+        "<user>thanks\n"
+        "<assistant>(no think)"
+    )
 
 
 def test_content_parts_are_joined_for_a_template_that_reads_only_strings():
@@ -72,17 +88,21 @@ def test_generation_blocks_namespace_dict_and_tojson_options():
     template = ChatTemplate(
         "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
         "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}"
-        "{% endif %}{% endfor %}={{ ns.n }}{{ dict(a=1, b=[2]) | tojson(indent=1) }}{{ 'é' | tojson }}", SPECIAL)
+        "{% endif %}{% endfor %}={{ ns.n }}{{ dict(a=1, b=[2]) | tojson(indent=1) }}{{ 'é' | tojson }}",
+        SPECIAL,
+    )
     messages = chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "A"}]).messages
     assert template.render(messages) == 'qA=2{\n "a": 1,\n "b": [\n  2\n ]\n}"é"'
 
 
 def test_a_refusal_or_a_failure_in_the_template_is_a_400_with_its_message():
     messages = chat([{"role": "system", "content": "x"}]).messages
-    cases = {"{{ raise_exception('System role not supported') }}": "System role not supported",
-             "{% for t in tools %}{% endfor %}": "'NoneType' object is not iterable",
-             "{% set ns = namespace(_x=1) %}": "underscore",
-             "{{ messages.append(1) }}": "unsafe"}
+    cases = {
+        "{{ raise_exception('System role not supported') }}": "System role not supported",
+        "{% for t in tools %}{% endfor %}": "'NoneType' object is not iterable",
+        "{% set ns = namespace(_x=1) %}": "underscore",
+        "{{ messages.append(1) }}": "unsafe",
+    }
     for source, message in cases.items():
         with pytest.raises(ApiError, match=message) as e:
             ChatTemplate(source, SPECIAL).render(messages)
@@ -92,12 +112,14 @@ def test_a_refusal_or_a_failure_in_the_template_is_a_400_with_its_message():
 def test_kwargs_win_over_special_tokens_and_bad_messages_are_400():
     template = ChatTemplate("{{ bos_token }}{{ eos_token }}", SPECIAL)
     assert template.render(chat([{"role": "user", "content": "x"}]).messages, None, {"bos_token": "B"}) == "B</s>"
-    bad = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-           [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
-           [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
-           [{"role": "assistant", "content": "", "tool_calls": "f"}],
-           [{"role": "tool", "content": "x", "tool_call_id": 5}],
-           [{"role": "assistant", "content": "x", "reasoning_content": ["a"]}]]
+    bad = [
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
+        [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
+        [{"role": "assistant", "content": "", "tool_calls": "f"}],
+        [{"role": "tool", "content": "x", "tool_call_id": 5}],
+        [{"role": "assistant", "content": "x", "reasoning_content": ["a"]}],
+    ]
     for messages in bad:
         with pytest.raises(ApiError) as e:
             chat(messages)

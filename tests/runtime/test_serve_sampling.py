@@ -12,8 +12,17 @@ from moerun.generation import PenalizedSampler, make_sampler
 
 def test_penalties_and_bias_change_the_logits_as_documented():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0])
-    s = PenalizedSampler(0.0, 1.0, 0, presence_penalty=0.5, frequency_penalty=0.25, repeat_penalty=2.0,
-                         repeat_last_n=3, logit_bias={4: 10.0}, prompt=[0, 0, 1, 2])
+    s = PenalizedSampler(
+        0.0,
+        1.0,
+        0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repeat_penalty=2.0,
+        repeat_last_n=3,
+        logit_bias={4: 10.0},
+        prompt=[0, 0, 1, 2],
+    )
     # the prompt's last 3 tokens are 0, 1, 2: divided (positive) or multiplied (negative) by 2; no answer yet
     assert s.adjust(logits).tolist() == [1.0, -2.0, 0.25, 3.0, 10.0]
     assert s(logits) == 4  # the bias made token 4 the best

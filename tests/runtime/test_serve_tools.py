@@ -43,57 +43,142 @@ TEMPLATE = (
     "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think></think>' }}"
     "{%- elif prompt_opens_thinking is defined -%}{{ '<think>' }}{%- endif -%}{%- endif -%}"
 )
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string"}, "days": {"type": "integer"}},
-                                               "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 CALL = ("get_weather", {"city": "Paris", "days": 2})
 ANSWER = "It is sunny in Paris."
 # family -> (what its template writes, the call as the model writes it, in pieces; pieces that are control tokens)
 FAMILIES = {
-    "hermes": ("<tool_call>", ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n',
-                               "</tool_call>"], ()),
-    "qwen3-coder": ("<tool_call><function=", ["<tool_call>", "\n<function=get_weather>\n<parameter=city>\nParis\n"
-                                              "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n",
-                                              "</tool_call>"], ()),
-    "glm-4.5": ("<tool_call><arg_key>", ["<tool_call>", "get_weather\n<arg_key>city</arg_key>", "<arg_value>Paris"
-                                         "</arg_value>\n<arg_key>days</arg_key><arg_value>2</arg_value>",
-                                         "</tool_call>"], ()),
-    "mistral": ("[TOOL_CALLS]", ["[TOOL_CALLS]", "get_weather", "[ARGS]", '{"city": "Paris", "days": 2}'],
-                ("[TOOL_CALLS]", "[ARGS]")),
-    "deepseek-v3.1": ("<｜tool▁calls▁begin｜>", ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "get_weather",
-                                               "<｜tool▁sep｜>", '{"city": "Paris", "days": 2}', "<｜tool▁call▁end｜>",
-                                               "<｜tool▁calls▁end｜>"],
-                      ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
-                       "<｜tool▁calls▁end｜>")),
-    "kimi-k2": ("<|tool_calls_section_begin|>", ["<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-                                                 "functions.get_weather:0", "<|tool_call_argument_begin|>",
-                                                 '{"city": "Paris", "days": 2}', "<|tool_call_end|>",
-                                                 "<|tool_calls_section_end|>"],
-                ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
-                 "<|tool_call_end|>", "<|tool_calls_section_end|>")),
-    "minimax-m2": ("<minimax:tool_call>", ["<minimax:tool_call>", '\n<invoke name="get_weather">\n<parameter name="city">'
-                                           'Paris</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n',
-                                           "</minimax:tool_call>"], ()),
-    "deepseek-v3.2": ("｜DSML｜", ["<｜DSML｜function_calls>", '\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter '
-                                'name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" '
-                                'string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n', "</｜DSML｜function_calls>"],
-                      ()),
-    "seed-oss": ("<seed:tool_call>", ["<seed:tool_call>", "\n<function=get_weather>\n<parameter=city>Paris</parameter>"
-                                      "\n<parameter=days>2</parameter>\n</function>\n", "</seed:tool_call>"], ()),
+    "hermes": (
+        "<tool_call>",
+        ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n', "</tool_call>"],
+        (),
+    ),
+    "qwen3-coder": (
+        "<tool_call><function=",
+        [
+            "<tool_call>",
+            "\n<function=get_weather>\n<parameter=city>\nParis\n"
+            "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n",
+            "</tool_call>",
+        ],
+        (),
+    ),
+    "glm-4.5": (
+        "<tool_call><arg_key>",
+        [
+            "<tool_call>",
+            "get_weather\n<arg_key>city</arg_key>",
+            "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key><arg_value>2</arg_value>",
+            "</tool_call>",
+        ],
+        (),
+    ),
+    "mistral": (
+        "[TOOL_CALLS]",
+        ["[TOOL_CALLS]", "get_weather", "[ARGS]", '{"city": "Paris", "days": 2}'],
+        ("[TOOL_CALLS]", "[ARGS]"),
+    ),
+    "deepseek-v3.1": (
+        "<｜tool▁calls▁begin｜>",
+        [
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "get_weather",
+            "<｜tool▁sep｜>",
+            '{"city": "Paris", "days": 2}',
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>",
+        ],
+        (
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁sep｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>",
+        ),
+    ),
+    "kimi-k2": (
+        "<|tool_calls_section_begin|>",
+        [
+            "<|tool_calls_section_begin|>",
+            "<|tool_call_begin|>",
+            "functions.get_weather:0",
+            "<|tool_call_argument_begin|>",
+            '{"city": "Paris", "days": 2}',
+            "<|tool_call_end|>",
+            "<|tool_calls_section_end|>",
+        ],
+        (
+            "<|tool_calls_section_begin|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+            "<|tool_calls_section_end|>",
+        ),
+    ),
+    "minimax-m2": (
+        "<minimax:tool_call>",
+        [
+            "<minimax:tool_call>",
+            '\n<invoke name="get_weather">\n<parameter name="city">'
+            'Paris</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n',
+            "</minimax:tool_call>",
+        ],
+        (),
+    ),
+    "deepseek-v3.2": (
+        "｜DSML｜",
+        [
+            "<｜DSML｜function_calls>",
+            '\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter '
+            'name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" '
+            'string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
+            "</｜DSML｜function_calls>",
+        ],
+        (),
+    ),
+    "seed-oss": (
+        "<seed:tool_call>",
+        [
+            "<seed:tool_call>",
+            "\n<function=get_weather>\n<parameter=city>Paris</parameter>\n<parameter=days>2</parameter>\n</function>\n",
+            "</seed:tool_call>",
+        ],
+        (),
+    ),
 }
 
 
-def scripted_model(base: Path, dest: Path, template: str, scripts: dict[str, list[str]],
-                   control: tuple[str, ...] = (), extra_tokens: list[str] = ()) -> Path:
+def scripted_model(
+    base: Path,
+    dest: Path,
+    template: str,
+    scripts: dict[str, list[str]],
+    control: tuple[str, ...] = (),
+    extra_tokens: list[str] = (),
+) -> Path:
     """`base` with its answers scripted: scripts[start] is the text pieces that follow the token `start`, each a
     token of its own (appended to the vocabulary, with `extra_tokens`), ending with <|im_end|>. Every piece is
     distinct; "TEXT#2" is a second token of the text TEXT. Tokens no script leads from score 0 for every next
     token."""
     g = open_gguf(base)
     tokens, types = list(g.get("tokenizer.ggml.tokens")), list(g.get("tokenizer.ggml.token_type"))
-    pieces = list(dict.fromkeys([start for start in scripts] + [p for ps in scripts.values() for p in ps]
-                                + list(extra_tokens)))
+    pieces = list(
+        dict.fromkeys([start for start in scripts] + [p for ps in scripts.values() for p in ps] + list(extra_tokens))
+    )
     new = [p for p in pieces if p not in tokens]
     index = {t: i for i, t in enumerate(tokens)} | {p: len(tokens) + j for j, p in enumerate(new)}
     texts = [p.split("#")[0] if "#" in p[1:] else p for p in new]
@@ -102,7 +187,7 @@ def scripted_model(base: Path, dest: Path, template: str, scripts: dict[str, lis
     n_vocab, n_embd = len(tokens), g.get("qwen3moe.embedding_length")
     rng = np.random.default_rng(0)
     embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
-    unit = embd / np.sqrt((embd ** 2).mean(axis=1, keepdims=True))  # what the final RMS norm makes of it
+    unit = embd / np.sqrt((embd**2).mean(axis=1, keepdims=True))  # what the final RMS norm makes of it
     head = np.zeros((n_vocab, n_embd), np.float32)
     for start, chain in scripts.items():
         ids = [index[start]] + [index[p] for p in chain] + [IM_END]
@@ -117,13 +202,16 @@ def scripted_model(base: Path, dest: Path, template: str, scripts: dict[str, lis
             out.append(OutputTensor(t.name, GGMLQuantizationType.F32, data.shape, lambda d=data: [d]))
         else:
             out.append(copied_tensor(g, t))
-    kv = {"tokenizer.ggml.tokens": KVValue(tokens, GGUFValueType.ARRAY, GGUFValueType.STRING),
-          "tokenizer.ggml.token_type": KVValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32),
-          "tokenizer.chat_template": KVValue(template, GGUFValueType.STRING),
-          "tokenizer.ggml.eot_token_id": KVValue(IM_END, GGUFValueType.UINT32)}
+    kv = {
+        "tokenizer.ggml.tokens": KVValue(tokens, GGUFValueType.ARRAY, GGUFValueType.STRING),
+        "tokenizer.ggml.token_type": KVValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32),
+        "tokenizer.chat_template": KVValue(template, GGUFValueType.STRING),
+        "tokenizer.ggml.eot_token_id": KVValue(IM_END, GGUFValueType.UINT32),
+    }
     if g.get("tokenizer.ggml.scores") is not None:
-        kv["tokenizer.ggml.scores"] = KVValue(list(g.get("tokenizer.ggml.scores")) + [0.0] * len(new),
-                                              GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+        kv["tokenizer.ggml.scores"] = KVValue(
+            list(g.get("tokenizer.ggml.scores")) + [0.0] * len(new), GGUFValueType.ARRAY, GGUFValueType.FLOAT32
+        )
     write_gguf(dest, g, tensors=out, kv_set=kv)
     return dest
 
@@ -182,8 +270,9 @@ def collect(stream) -> tuple[dict, str]:
 def test_a_tool_call_round_trip_for_each_parser_family(family, synth_model, tmp_path):
     detect, call_pieces, control = FAMILIES[family]
     template = TEMPLATE.replace("FORMAT", f"tool calls are written as {detect}")
-    server = live(synth_model, tmp_path, template, {"<turn>": ["Let me look.", *call_pieces],
-                                                    "<after-tool>": [ANSWER]}, control)
+    server = live(
+        synth_model, tmp_path, template, {"<turn>": ["Let me look.", *call_pieces], "<after-tool>": [ANSWER]}, control
+    )
     try:
         client = server.client()
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -192,23 +281,28 @@ def test_a_tool_call_round_trip_for_each_parser_family(family, synth_model, tmp_
         assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
         (call,) = choice.message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == CALL and call.type == "function"
-        streamed, finish = collect(client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                                  temperature=0, stream=True))
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
         assert finish == "tool_calls" and streamed["content"] == "Let me look."
         (entry,) = streamed["tool_calls"].values()
         assert (entry["name"], json.loads(entry["arguments"])) == CALL and len(entry["id"]) == 9
         # the agent runs the tool and sends its result back
-        messages += [choice.message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
+        ]
         r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
         assert not r.choices[0].message.tool_calls
-        streamed, finish = collect(client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                                  temperature=0, stream=True))
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
         assert (streamed["content"], finish, streamed["tool_calls"]) == (ANSWER, "stop", {})
         # tool_choice none: the call's text is left as it is, in the content
-        r = client.chat.completions.create(model="m", messages=messages[:1], tools=TOOLS, tool_choice="none",
-                                           temperature=0)
+        r = client.chat.completions.create(
+            model="m", messages=messages[:1], tools=TOOLS, tool_choice="none", temperature=0
+        )
         assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
         assert r.choices[0].message.content.startswith("Let me look.")
     finally:
@@ -221,39 +315,76 @@ def test_reasoning_goes_to_reasoning_content_and_thinking_can_be_turned_off(synt
     the answer alone; reasoning_format "none" leaves the tags in the content; a thought and a tool call together."""
     template = TEMPLATE.replace("FORMAT", "reasoning in <think></think>, tool calls in <tool_call>")
     thought = "The user asks about Paris."
-    server = live(synth_model, tmp_path, template, {
-        "<turn>": ["<think>", thought, "</think>", ANSWER],
-        "<after-tool>": ["Checking the tool.", "<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris",'
-                         ' "days": 2}}', "</tool_call>"]})
+    server = live(
+        synth_model,
+        tmp_path,
+        template,
+        {
+            "<turn>": ["<think>", thought, "</think>", ANSWER],
+            "<after-tool>": [
+                "Checking the tool.",
+                "<tool_call>",
+                '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}',
+                "</tool_call>",
+            ],
+        },
+    )
     try:
         client = server.client()
         messages = [{"role": "user", "content": "Weather?"}]
         message = client.chat.completions.create(model="m", messages=messages, temperature=0).choices[0].message
         assert (message.reasoning_content, message.content) == (thought, ANSWER)
-        streamed, finish = collect(client.chat.completions.create(model="m", messages=messages, temperature=0,
-                                                                  stream=True))
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, temperature=0, stream=True)
+        )
         assert (streamed["reasoning_content"], streamed["content"], finish) == (thought, ANSWER, "stop")
         for kwargs, reasoning in (({"prompt_opens_thinking": True}, thought), ({"enable_thinking": False}, None)):
-            message = client.chat.completions.create(model="m", messages=messages, temperature=0, extra_body={
-                "chat_template_kwargs": kwargs}).choices[0].message
+            message = (
+                client.chat.completions.create(
+                    model="m", messages=messages, temperature=0, extra_body={"chat_template_kwargs": kwargs}
+                )
+                .choices[0]
+                .message
+            )
             assert (message.reasoning_content, message.content) == (reasoning, ANSWER), kwargs
-        message = client.chat.completions.create(model="m", messages=messages, temperature=0,
-                                                 extra_body={"reasoning_format": "none"}).choices[0].message
+        message = (
+            client.chat.completions.create(
+                model="m", messages=messages, temperature=0, extra_body={"reasoning_format": "none"}
+            )
+            .choices[0]
+            .message
+        )
         assert message.content == f"<think>{thought}</think>{ANSWER}"
         # JSON asked for, the prompt opening the reasoning: the model thinks, then the grammar holds from the end
         # tag on (the scripted answer after it is not JSON: the grammar's tokens, sampled, make the content)
-        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-                  "required": ["n"], "additionalProperties": False}
-        message = client.chat.completions.create(
-            model="m", messages=messages, temperature=1.0, seed=1, max_tokens=40,
-            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
-            extra_body={"chat_template_kwargs": {"prompt_opens_thinking": True}}).choices[0].message
+        schema = {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["n"],
+            "additionalProperties": False,
+        }
+        message = (
+            client.chat.completions.create(
+                model="m",
+                messages=messages,
+                temperature=1.0,
+                seed=1,
+                max_tokens=40,
+                response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+                extra_body={"chat_template_kwargs": {"prompt_opens_thinking": True}},
+            )
+            .choices[0]
+            .message
+        )
         assert message.reasoning_content == thought and 0 <= json.loads(message.content)["n"] <= 9
         # the earlier turn's reasoning goes back to the template, then a call comes with text before it
-        messages += [{"role": "assistant", "content": ANSWER, "reasoning_content": thought},
-                     {"role": "tool", "tool_call_id": "abc", "content": "x"}]
-        streamed, finish = collect(client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                                  temperature=0, stream=True))
+        messages += [
+            {"role": "assistant", "content": ANSWER, "reasoning_content": thought},
+            {"role": "tool", "tool_call_id": "abc", "content": "x"},
+        ]
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
         assert (streamed["content"], streamed["reasoning_content"], finish) == ("Checking the tool.", "", "tool_calls")
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()] == [CALL]
     finally:
@@ -269,21 +400,40 @@ def test_tools_for_a_template_without_a_known_format_and_tool_choice_without_too
             client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             client.chat.completions.create(model="m", messages=messages, tool_choice="required")
-        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none",
-                                           temperature=0)
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none", temperature=0)
         assert r.choices[0].message.content == ANSWER and r.choices[0].message.reasoning_content is None
     finally:
         server.close()
 
 
 CONSTRAINED_TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-        "required": ["zone"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 
 
@@ -296,26 +446,50 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
     import jsonschema
 
     detect, pieces, control = FAMILIES[family]
-    path = scripted_model(synth_model("qwen3moe", expert_type="F32", attn_type="F32"), tmp_path / "m.gguf",
-                          TEMPLATE.replace("FORMAT", f"tool calls are written as {detect}"), {}, control,
-                          extra_tokens=[p for p in pieces if p in control])
+    path = scripted_model(
+        synth_model("qwen3moe", expert_type="F32", attn_type="F32"),
+        tmp_path / "m.gguf",
+        TEMPLATE.replace("FORMAT", f"tool calls are written as {detect}"),
+        {},
+        control,
+        extra_tokens=[p for p in pieces if p in control],
+    )
     server = LiveServer(path)
     try:
         client = server.client()
         messages = [{"role": "user", "content": "Weather?"}]
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
-        for seed, choice in [(1, "required"), (2, "required"),
-                             (3, {"type": "function", "function": {"name": "get_time"}})]:
-            r = client.chat.completions.create(model="m", messages=messages, tools=CONSTRAINED_TOOLS, tool_choice=choice,
-                                               temperature=1.0, seed=seed, max_tokens=100)
+        for seed, choice in [
+            (1, "required"),
+            (2, "required"),
+            (3, {"type": "function", "function": {"name": "get_time"}}),
+        ]:
+            r = client.chat.completions.create(
+                model="m",
+                messages=messages,
+                tools=CONSTRAINED_TOOLS,
+                tool_choice=choice,
+                temperature=1.0,
+                seed=seed,
+                max_tokens=100,
+            )
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
             (call,) = r.choices[0].message.tool_calls
             if isinstance(choice, dict):
                 assert call.function.name == "get_time"
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        streamed, finish = collect(client.chat.completions.create(
-            model="m", messages=messages, tools=CONSTRAINED_TOOLS, tool_choice="required", temperature=1.0, seed=4,
-            max_tokens=100, stream=True))
+        streamed, finish = collect(
+            client.chat.completions.create(
+                model="m",
+                messages=messages,
+                tools=CONSTRAINED_TOOLS,
+                tool_choice="required",
+                temperature=1.0,
+                seed=4,
+                max_tokens=100,
+                stream=True,
+            )
+        )
         (entry,) = streamed["tool_calls"].values()
         assert finish == "tool_calls"
         jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
@@ -330,26 +504,50 @@ def test_a_harmony_round_trip_reasoning_and_a_call(synth_model, tmp_path):
     """gpt-oss's harmony format (control-token markers): the analysis channel to reasoning_content, a message to
     functions.NAME to a tool call, the final channel to content; whole and streamed."""
     template = TEMPLATE.replace("FORMAT", "messages in harmony channels: <|channel|>")
-    server = live(synth_model, tmp_path, template, {
-        "<turn>": ["<|channel|>", "analysis", "<|message|>", "Need the weather.", "<|end|>", "<|start|>",
-                   "assistant to=functions.get_weather", "<|channel|>#2", "commentary json", "<|message|>#2",
-                   '{"city": "Paris", "days": 2}', "<|call|>"],
-        "<after-tool>": ["<|channel|>#3", "final", "<|message|>#3", ANSWER, "<|return|>"]}, HARMONY)
+    server = live(
+        synth_model,
+        tmp_path,
+        template,
+        {
+            "<turn>": [
+                "<|channel|>",
+                "analysis",
+                "<|message|>",
+                "Need the weather.",
+                "<|end|>",
+                "<|start|>",
+                "assistant to=functions.get_weather",
+                "<|channel|>#2",
+                "commentary json",
+                "<|message|>#2",
+                '{"city": "Paris", "days": 2}',
+                "<|call|>",
+            ],
+            "<after-tool>": ["<|channel|>#3", "final", "<|message|>#3", ANSWER, "<|return|>"],
+        },
+        HARMONY,
+    )
     try:
         client = server.client()
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
         r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
         message = r.choices[0].message
         assert (r.choices[0].finish_reason, message.reasoning_content, message.content) == (
-            "tool_calls", "Need the weather.", None)
+            "tool_calls",
+            "Need the weather.",
+            None,
+        )
         (call,) = message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == CALL
-        streamed, finish = collect(client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                                  temperature=0, stream=True))
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
         assert (streamed["reasoning_content"], streamed["content"], finish) == ("Need the weather.", "", "tool_calls")
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()] == [CALL]
-        messages += [message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        messages += [
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ]
         r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
     finally:

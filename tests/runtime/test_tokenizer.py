@@ -19,8 +19,15 @@ import moerun
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
-from moeprep.synth.tokenizer import (NFKC_SAMPLE, load_vocab, precompiled_charsmap, sentencepiece_style,
-                                     unigram_style, vocab_metadata, with_user_defined)
+from moeprep.synth.tokenizer import (
+    NFKC_SAMPLE,
+    load_vocab,
+    precompiled_charsmap,
+    sentencepiece_style,
+    unigram_style,
+    vocab_metadata,
+    with_user_defined,
+)
 from moerun.cli import main as moerun_main
 from moerun.tokenizer import Tokenizer, bytes_to_unicode
 from moerun.tokenizer.pretokenizers import PRE_TOKENIZERS
@@ -32,7 +39,7 @@ TEXT = MIXED_TEXT + (
     "हिन्दी में परीक्षण: नमस्ते दुनिया १२३४५ — مرحبا بالعالم ٣١٤١٥ — 你好，世界！これはテストです。가나다\n"
     "digits 12345678901234567890 1234 12 0.000001 ０１２\n"
     "IT'S THEY'LL We'RE o'clock l'été приВЕТ МирОК ΑΒΓδεζ Ǆemal ﬁne Ⅻ\n"
-    "<tool_call>{\"name\": \"f\", \"args\": [1, 2]}</tool_call> a<tool_call>b\n"
+    '<tool_call>{"name": "f", "args": [1, 2]}</tool_call> a<tool_call>b\n'
     "\t \n \r\n\r\n\n\n\n    \u3000\u3000x  \u200b \u0301e\u0301 🧑‍💻🏳️‍🌈 🇯🇵\n"
     "    for (int i = 0; i < n; ++i) { s += a[i] * b[i]; }  // dot\n"
     "x=1;y=22;z=333;w=4444 ... !!! ??? \"quoted\" 'single' `tick` $HOME ~/.bashrc\n"
@@ -51,8 +58,13 @@ def vocab_file(synth_model):
     def write(path, *, model="gpt2", pre=None, raw=False, **kv):
         vocab = with_user_defined(sentencepiece_style(load_vocab()) if raw else load_vocab(), USER_DEFINED)
         meta = vocab_metadata(vocab, model=model, pre=pre) | kv
-        write_gguf(path, base, tensors=[], kv_set=meta,
-                   kv_remove=[k for k in base.fields if k.startswith("tokenizer.") and k not in meta])
+        write_gguf(
+            path,
+            base,
+            tensors=[],
+            kv_set=meta,
+            kv_remove=[k for k in base.fields if k.startswith("tokenizer.") and k not in meta],
+        )
         return path
 
     return write
@@ -86,10 +98,17 @@ def test_every_pre_tokenizer_matches_llama_cpp(pre, vocab_file, tmp_path):
 
 # Random texts are drawn from these pieces: cased letters of several scripts, digits of several systems, marks,
 # emoji, control characters, Unicode spaces, contractions in both cases.
-PIECES = [*"abcXYZ'sStT  \t\n\r0123456789.,!?-_/$+<=>^`|~()[]{}\"#%&*:;@\\",
-          *"éÉßǅǄŉ日本語中文한국어ΑβГдיעبالعربيةहिन्दी१२३٣٤、。！？・ーｶﾞ０１ＡＢａｂ",
-          *"\u3000\u00a0\u2003\u200b\u0301\u0308\u093f\u094d🙂👍🏽🧑‍💻\U0001FA77\x01\x1f\x7f\u2028\u0085",
-          "'re", "'LL", "'Ve", "IT'S", " 'd", "<tool_call>"]
+PIECES = [
+    *"abcXYZ'sStT  \t\n\r0123456789.,!?-_/$+<=>^`|~()[]{}\"#%&*:;@\\",
+    *"éÉßǅǄŉ日本語中文한국어ΑβГдיעبالعربيةहिन्दी१२३٣٤、。！？・ーｶﾞ０１ＡＢａｂ",
+    *"\u3000\u00a0\u2003\u200b\u0301\u0308\u093f\u094d🙂👍🏽🧑‍💻\U0001fa77\x01\x1f\x7f\u2028\u0085",
+    "'re",
+    "'LL",
+    "'Ve",
+    "IT'S",
+    " 'd",
+    "<tool_call>",
+]
 
 
 @pytest.mark.parametrize("pre", sorted(set(PRE_TOKENIZERS) - {"whitespace"}))
@@ -114,8 +133,12 @@ def test_kimi_k2_without_merges_matches_llama_cpp(vocab_file, tmp_path):
 
 
 def test_gemma4_tokenizer_model_matches_llama_cpp(vocab_file, tmp_path):
-    path = vocab_file(tmp_path / "gemma4.gguf", model="gemma4", raw=True,
-                       **{"tokenizer.ggml.bos_token_id": KVValue(1, GGUFValueType.UINT32)})
+    path = vocab_file(
+        tmp_path / "gemma4.gguf",
+        model="gemma4",
+        raw=True,
+        **{"tokenizer.ggml.bos_token_id": KVValue(1, GGUFValueType.UINT32)},
+    )
     tokenizer = _assert_same_as_llama_cpp(path)
     assert tokenizer.add_bos  # Gemma 4 always starts with BOS, whatever the file says
     ids = tokenizer.encode(TEXT, add_bos=False)
@@ -127,26 +150,32 @@ def test_gemma4_tokenizer_model_matches_llama_cpp(vocab_file, tmp_path):
 
 @pytest.mark.parametrize("extra_spaces", ["merged", "kept"])
 def test_unigram_tokenizer_model_matches_llama_cpp(extra_spaces, synth_model, tmp_path):
-    """"t5" (SentencePiece unigram, XLM-R style as in nomic-bert-moe): the character map normalizes (NFKC rules),
+    """ "t5" (SentencePiece unigram, XLM-R style as in nomic-bert-moe): the character map normalizes (NFKC rules),
     spaces become "\u2581", the best-scoring segmentation wins, unknown characters merge into one <unk>."""
     vocab, scores = unigram_style(load_vocab())
     vocab = with_user_defined(vocab, USER_DEFINED)
     V = GGUFValueType
     path = tmp_path / "t5.gguf"
     base = open_gguf(synth_model("qwen3moe"))
-    write_gguf(path, base, tensors=[], kv_remove=[k for k in base.fields if k.startswith("tokenizer.")], kv_set={
-        "tokenizer.ggml.model": KVValue("t5", V.STRING),
-        "tokenizer.ggml.tokens": KVValue(vocab.tokens, V.ARRAY, V.STRING),
-        "tokenizer.ggml.scores": KVValue(scores + [0.0] * len(USER_DEFINED), V.ARRAY, V.FLOAT32),
-        "tokenizer.ggml.token_type": KVValue(vocab.token_types, V.ARRAY, V.INT32),
-        "tokenizer.ggml.precompiled_charsmap": KVValue(list(precompiled_charsmap(NFKC_SAMPLE)), V.ARRAY, V.UINT8),
-        "tokenizer.ggml.add_space_prefix": KVValue(True, V.BOOL),
-        "tokenizer.ggml.remove_extra_whitespaces": KVValue(extra_spaces == "merged", V.BOOL),
-        "tokenizer.ggml.bos_token_id": KVValue(0, V.UINT32),
-        "tokenizer.ggml.eos_token_id": KVValue(2, V.UINT32),
-        "tokenizer.ggml.unknown_token_id": KVValue(3, V.UINT32),
-        "tokenizer.ggml.add_bos_token": KVValue(True, V.BOOL),
-    })
+    write_gguf(
+        path,
+        base,
+        tensors=[],
+        kv_remove=[k for k in base.fields if k.startswith("tokenizer.")],
+        kv_set={
+            "tokenizer.ggml.model": KVValue("t5", V.STRING),
+            "tokenizer.ggml.tokens": KVValue(vocab.tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.scores": KVValue(scores + [0.0] * len(USER_DEFINED), V.ARRAY, V.FLOAT32),
+            "tokenizer.ggml.token_type": KVValue(vocab.token_types, V.ARRAY, V.INT32),
+            "tokenizer.ggml.precompiled_charsmap": KVValue(list(precompiled_charsmap(NFKC_SAMPLE)), V.ARRAY, V.UINT8),
+            "tokenizer.ggml.add_space_prefix": KVValue(True, V.BOOL),
+            "tokenizer.ggml.remove_extra_whitespaces": KVValue(extra_spaces == "merged", V.BOOL),
+            "tokenizer.ggml.bos_token_id": KVValue(0, V.UINT32),
+            "tokenizer.ggml.eos_token_id": KVValue(2, V.UINT32),
+            "tokenizer.ggml.unknown_token_id": KVValue(3, V.UINT32),
+            "tokenizer.ggml.add_bos_token": KVValue(True, V.BOOL),
+        },
+    )
     text = TEXT + "".join(NFKC_SAMPLE) + " ﬁnal ＡＢ１ …"
     tokenizer = _assert_same_as_llama_cpp(path, (text, *TEXTS[1:]))
     ids = tokenizer.encode(text)
@@ -159,9 +188,14 @@ def test_missing_pre_tokenizer_is_default_as_in_llama_cpp(vocab_file, tmp_path):
 
 
 def test_add_bos_and_eos_follow_the_file(vocab_file, tmp_path):
-    path = vocab_file(tmp_path / "eos.gguf", pre="llama-bpe",
-                      **{"tokenizer.ggml.add_bos_token": KVValue(True, GGUFValueType.BOOL),
-                         "tokenizer.ggml.add_eos_token": KVValue(True, GGUFValueType.BOOL)})
+    path = vocab_file(
+        tmp_path / "eos.gguf",
+        pre="llama-bpe",
+        **{
+            "tokenizer.ggml.add_bos_token": KVValue(True, GGUFValueType.BOOL),
+            "tokenizer.ggml.add_eos_token": KVValue(True, GGUFValueType.BOOL),
+        },
+    )
     tokenizer = _assert_same_as_llama_cpp(path)
     assert tokenizer.encode("a")[0] == tokenizer.bos_id and tokenizer.encode("a")[-1] == tokenizer.eos_id
 
@@ -173,7 +207,11 @@ def test_unknown_pre_tokenizer_is_refused_like_llama_cpp(vocab_file, synth_model
     with pytest.raises(MoeprepError, match="unknown pre-tokenizer type 'no-such'"):
         Tokenizer(open_gguf(path))
     model = tmp_path / "model.gguf"  # a whole model: the tokenizer is refused before any weight is read
-    write_gguf(model, open_gguf(synth_model("qwen3moe")), kv_set={"tokenizer.ggml.pre": KVValue("no-such", GGUFValueType.STRING)})
+    write_gguf(
+        model,
+        open_gguf(synth_model("qwen3moe")),
+        kv_set={"tokenizer.ggml.pre": KVValue("no-such", GGUFValueType.STRING)},
+    )
     result = CliRunner().invoke(moerun_main, ["-m", str(model), "-p", "hi", "-n", "1"])
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
@@ -205,16 +243,22 @@ def _sentencepiece_model(src_path, out_path):
             types.append(TokenType.NORMAL)
     n_fixed = 4 + 256
     V = GGUFValueType
-    write_gguf(out_path, src, kv_remove=["tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token"], kv_set={
-        "tokenizer.ggml.model": KVValue("llama", V.STRING),
-        "tokenizer.ggml.tokens": KVValue(tokens, V.ARRAY, V.STRING),
-        "tokenizer.ggml.scores": KVValue([0.0] * n_fixed + [-float(i) for i in range(len(tokens) - n_fixed)],
-                                         V.ARRAY, V.FLOAT32),
-        "tokenizer.ggml.token_type": KVValue([int(t) for t in types], V.ARRAY, V.INT32),
-        "tokenizer.ggml.bos_token_id": KVValue(1, V.UINT32),
-        "tokenizer.ggml.eos_token_id": KVValue(2, V.UINT32),
-        "tokenizer.ggml.unknown_token_id": KVValue(0, V.UINT32),
-    })
+    write_gguf(
+        out_path,
+        src,
+        kv_remove=["tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token"],
+        kv_set={
+            "tokenizer.ggml.model": KVValue("llama", V.STRING),
+            "tokenizer.ggml.tokens": KVValue(tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.scores": KVValue(
+                [0.0] * n_fixed + [-float(i) for i in range(len(tokens) - n_fixed)], V.ARRAY, V.FLOAT32
+            ),
+            "tokenizer.ggml.token_type": KVValue([int(t) for t in types], V.ARRAY, V.INT32),
+            "tokenizer.ggml.bos_token_id": KVValue(1, V.UINT32),
+            "tokenizer.ggml.eos_token_id": KVValue(2, V.UINT32),
+            "tokenizer.ggml.unknown_token_id": KVValue(0, V.UINT32),
+        },
+    )
     return out_path
 
 

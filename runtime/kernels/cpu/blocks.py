@@ -38,6 +38,7 @@ def _opaque(n: int, a: np.ndarray) -> int:
 def _half_bits_to_f32(typingctx, bits):
     """The fp16 with these bits (uint16) as a float32: LLVM's half -> float extension, one vcvtph2ps (F16C) on x86.
     numba has no float16 type on the CPU, hence the intrinsic."""
+
     def codegen(context, builder, signature, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
-from moerun.kernels.cpu.blocks import _f16, _opaque, _u32
 
 from moeprep.quant.jit import F32, JIT
+from moerun.kernels.cpu.blocks import _f16, _opaque, _u32
 
 # --------------------------------------------------------------------------------------------- dot products
 
@@ -109,10 +109,16 @@ def _with_mins(t, d, dmin, m_lo, m_hi, xs, v):
     """d * t - dmin * (sum of each sub-block's min times the sum of its 32 activations), _int_dot's has_min step,
     for a Q4_K/Q5_K block at value v with its mins in words m_lo, m_hi (_kquant_scale_words)."""
     k = v // 16
-    msum = (_six(m_lo, 0) * (xs[k] + xs[k + 1]) + _six(m_lo, 1) * (xs[k + 2] + xs[k + 3])
-            + _six(m_lo, 2) * (xs[k + 4] + xs[k + 5]) + _six(m_lo, 3) * (xs[k + 6] + xs[k + 7])
-            + _six(m_hi, 0) * (xs[k + 8] + xs[k + 9]) + _six(m_hi, 1) * (xs[k + 10] + xs[k + 11])
-            + _six(m_hi, 2) * (xs[k + 12] + xs[k + 13]) + _six(m_hi, 3) * (xs[k + 14] + xs[k + 15]))
+    msum = (
+        _six(m_lo, 0) * (xs[k] + xs[k + 1])
+        + _six(m_lo, 1) * (xs[k + 2] + xs[k + 3])
+        + _six(m_lo, 2) * (xs[k + 4] + xs[k + 5])
+        + _six(m_lo, 3) * (xs[k + 6] + xs[k + 7])
+        + _six(m_hi, 0) * (xs[k + 8] + xs[k + 9])
+        + _six(m_hi, 1) * (xs[k + 10] + xs[k + 11])
+        + _six(m_hi, 2) * (xs[k + 12] + xs[k + 13])
+        + _six(m_hi, 3) * (xs[k + 14] + xs[k + 15])
+    )
     val = d * F32(t)
     val -= dmin * F32(msum)
     return val
@@ -131,14 +137,24 @@ def _fused_q4_k(row, sc, mn, xq, xd, xs):
         t0 = t1 = t2 = t3 = np.int32(0)
         for l in range(n):
             c0, c1, c2, c3 = row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
-            t0 = np.int32(t0 + np.int32(c0 & 15) * s0 * np.int32(xq[v + l])
-                          + np.int32(c0 >> 4) * s1 * np.int32(xq[v + 32 + l]))
-            t1 = np.int32(t1 + np.int32(c1 & 15) * s2 * np.int32(xq[v + 64 + l])
-                          + np.int32(c1 >> 4) * s3 * np.int32(xq[v + 96 + l]))
-            t2 = np.int32(t2 + np.int32(c2 & 15) * s4 * np.int32(xq[v + 128 + l])
-                          + np.int32(c2 >> 4) * s5 * np.int32(xq[v + 160 + l]))
-            t3 = np.int32(t3 + np.int32(c3 & 15) * s6 * np.int32(xq[v + 192 + l])
-                          + np.int32(c3 >> 4) * s7 * np.int32(xq[v + 224 + l]))
+            t0 = np.int32(
+                t0 + np.int32(c0 & 15) * s0 * np.int32(xq[v + l]) + np.int32(c0 >> 4) * s1 * np.int32(xq[v + 32 + l])
+            )
+            t1 = np.int32(
+                t1
+                + np.int32(c1 & 15) * s2 * np.int32(xq[v + 64 + l])
+                + np.int32(c1 >> 4) * s3 * np.int32(xq[v + 96 + l])
+            )
+            t2 = np.int32(
+                t2
+                + np.int32(c2 & 15) * s4 * np.int32(xq[v + 128 + l])
+                + np.int32(c2 >> 4) * s5 * np.int32(xq[v + 160 + l])
+            )
+            t3 = np.int32(
+                t3
+                + np.int32(c3 & 15) * s6 * np.int32(xq[v + 192 + l])
+                + np.int32(c3 >> 4) * s7 * np.int32(xq[v + 224 + l])
+            )
         t = np.int32(np.int32(t0 + t1) + np.int32(t2 + t3))
         acc += xd[b] * _with_mins(t, d, dmin, m_lo, m_hi, xs, v)
     return acc
@@ -157,14 +173,17 @@ def _fused_q5_k(row, sc, mn, xq, xd, xs):
         t = np.int32(0)
         for l in range(n):
             h, c0, c1, c2, c3 = row[o + 16 + l], row[q + l], row[q + 32 + l], row[q + 64 + l], row[q + 96 + l]
-            t = np.int32(t + np.int32((c0 & 15) | ((h & 1) << 4)) * s0 * np.int32(xq[v + l])
-                         + np.int32((c0 >> 4) | ((h & 2) << 3)) * s1 * np.int32(xq[v + 32 + l])
-                         + np.int32((c1 & 15) | ((h & 4) << 2)) * s2 * np.int32(xq[v + 64 + l])
-                         + np.int32((c1 >> 4) | ((h & 8) << 1)) * s3 * np.int32(xq[v + 96 + l])
-                         + np.int32((c2 & 15) | (h & 16)) * s4 * np.int32(xq[v + 128 + l])
-                         + np.int32((c2 >> 4) | ((h & 32) >> 1)) * s5 * np.int32(xq[v + 160 + l])
-                         + np.int32((c3 & 15) | ((h & 64) >> 2)) * s6 * np.int32(xq[v + 192 + l])
-                         + np.int32((c3 >> 4) | ((h & 128) >> 3)) * s7 * np.int32(xq[v + 224 + l]))
+            t = np.int32(
+                t
+                + np.int32((c0 & 15) | ((h & 1) << 4)) * s0 * np.int32(xq[v + l])
+                + np.int32((c0 >> 4) | ((h & 2) << 3)) * s1 * np.int32(xq[v + 32 + l])
+                + np.int32((c1 & 15) | ((h & 4) << 2)) * s2 * np.int32(xq[v + 64 + l])
+                + np.int32((c1 >> 4) | ((h & 8) << 1)) * s3 * np.int32(xq[v + 96 + l])
+                + np.int32((c2 & 15) | (h & 16)) * s4 * np.int32(xq[v + 128 + l])
+                + np.int32((c2 >> 4) | ((h & 32) >> 1)) * s5 * np.int32(xq[v + 160 + l])
+                + np.int32((c3 & 15) | ((h & 64) >> 2)) * s6 * np.int32(xq[v + 192 + l])
+                + np.int32((c3 >> 4) | ((h & 128) >> 3)) * s7 * np.int32(xq[v + 224 + l])
+            )
         acc += xd[b] * _with_mins(t, d, dmin, m_lo, m_hi, xs, v)
     return acc
 
@@ -175,10 +194,12 @@ def _q6_k_four(row, a, c, z, s, xq, x):
     a, c the low-nibble bytes, z the 2-bit planes, s the first one's scale byte, x its value's index."""
     s0, s1 = np.int32(np.int8(row[s])), np.int32(np.int8(row[s + 2]))
     s2, s3 = np.int32(np.int8(row[s + 4])), np.int32(np.int8(row[s + 6]))
-    return ((np.int32((a & 15) | ((z & 3) << 4)) - 32) * s0 * np.int32(xq[x])
-            + (np.int32((c & 15) | (((z >> 2) & 3) << 4)) - 32) * s1 * np.int32(xq[x + 32])
-            + (np.int32((a >> 4) | (((z >> 4) & 3) << 4)) - 32) * s2 * np.int32(xq[x + 64])
-            + (np.int32((c >> 4) | ((z >> 6) << 4)) - 32) * s3 * np.int32(xq[x + 96]))
+    return (
+        (np.int32((a & 15) | ((z & 3) << 4)) - 32) * s0 * np.int32(xq[x])
+        + (np.int32((c & 15) | (((z >> 2) & 3) << 4)) - 32) * s1 * np.int32(xq[x + 32])
+        + (np.int32((a >> 4) | (((z >> 4) & 3) << 4)) - 32) * s2 * np.int32(xq[x + 64])
+        + (np.int32((c >> 4) | ((z >> 6) << 4)) - 32) * s3 * np.int32(xq[x + 96])
+    )
 
 
 @numba.njit(**JIT)
@@ -191,12 +212,15 @@ def _fused_q6_k(row, sc, mn, xq, xd, xs):
         t0 = t1 = t2 = t3 = np.int32(0)
         for l in range(n):  # (half, g) = (0, 0), (0, 1), (1, 0), (1, 1): value 128 half + 16 g + l and the 3 above
             t0 = np.int32(t0 + _q6_k_four(row, row[o + l], row[o + 32 + l], row[o + 128 + l], o + 192, xq, v + l))
-            t1 = np.int32(t1 + _q6_k_four(row, row[o + 16 + l], row[o + 48 + l], row[o + 144 + l], o + 193, xq,
-                                          v + 16 + l))
-            t2 = np.int32(t2 + _q6_k_four(row, row[o + 64 + l], row[o + 96 + l], row[o + 160 + l], o + 200, xq,
-                                          v + 128 + l))
-            t3 = np.int32(t3 + _q6_k_four(row, row[o + 80 + l], row[o + 112 + l], row[o + 176 + l], o + 201, xq,
-                                          v + 144 + l))
+            t1 = np.int32(
+                t1 + _q6_k_four(row, row[o + 16 + l], row[o + 48 + l], row[o + 144 + l], o + 193, xq, v + 16 + l)
+            )
+            t2 = np.int32(
+                t2 + _q6_k_four(row, row[o + 64 + l], row[o + 96 + l], row[o + 160 + l], o + 200, xq, v + 128 + l)
+            )
+            t3 = np.int32(
+                t3 + _q6_k_four(row, row[o + 80 + l], row[o + 112 + l], row[o + 176 + l], o + 201, xq, v + 144 + l)
+            )
         t = np.int32(np.int32(t0 + t1) + np.int32(t2 + t3))
         acc += xd[b] * (d * F32(t))
     return acc
@@ -212,8 +236,11 @@ def _fused_q4_0(row, sc, mn, xq, xd, xs):
         t = np.int32(0)
         for l in range(n):
             c = row[o + 2 + l]
-            t = np.int32(t + np.int32(np.int16(c & 15) - 8) * np.int32(xq[v + l])
-                         + np.int32(np.int16(c >> 4) - 8) * np.int32(xq[v + 16 + l]))
+            t = np.int32(
+                t
+                + np.int32(np.int16(c & 15) - 8) * np.int32(xq[v + l])
+                + np.int32(np.int16(c >> 4) - 8) * np.int32(xq[v + 16 + l])
+            )
         acc += xd[b] * (d * F32(t))
     return acc
 

@@ -12,6 +12,9 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+
+from moeprep.quant.jit import F32, JIT
+from moeprep.quant.scalars import fp16_bits, fp16_value
 from moerun.kernels.cpu.blocks import (
     _unpack_bf16,
     _unpack_f16,
@@ -40,9 +43,6 @@ from moerun.kernels.cpu.dots import (
 )
 from moerun.kernels.rounding import q8_0_blocks, q8_k_blocks
 
-from moeprep.quant.jit import F32, JIT
-from moeprep.quant.scalars import fp16_bits, fp16_value
-
 
 @dataclass(frozen=True)
 class ExpertBytes:
@@ -64,8 +64,10 @@ class ExpertBytes:
         code = _FORMAT_CODES.get(self.qtype, -1)
         if code >= 0:
             block, type_size = GGML_QUANT_SIZES[self.qtype]
-            assert self.cols % block == 0 and self.data.shape[1:] == (self.rows, self.cols // block * type_size), \
-                (self.data.shape, self.qtype)
+            assert self.cols % block == 0 and self.data.shape[1:] == (self.rows, self.cols // block * type_size), (
+                self.data.shape,
+                self.qtype,
+            )
         object.__setattr__(self, "code", code)
         object.__setattr__(self, "kernel_data", _read_only(self.data, np.uint8))
         object.__setattr__(self, "kernel_bias", _NO_BIAS if self.bias is None else _read_only(self.bias, F32))
@@ -136,6 +138,7 @@ def _rows_kernel(unpack: Callable, dot: Callable, fused: Callable | None, fused_
     """The work item of one format: y[p, r] = row r of expert e . activation row act_row[p] (+ bias[e, r]) for the
     pairs p = order[j0:j1] and rows r0..r1-1 of item (e, j0, j1, r0, r1). Items of at most `fused_pairs` pairs take
     the fused decode-and-dot per pair; the others decode each row once, into wq, for all their pairs."""
+
     @numba.njit(**JIT)
     def rows(w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y):
         e, j0, j1, r0, r1 = item[0], item[1], item[2], item[3], item[4]
@@ -173,8 +176,9 @@ class Format:
     n_sub: int  # sub-blocks per block with their own integer scale
 
 
-def _int_format(unpack: Callable, rounding: str, block: int, n_sub: int, has_min: bool,
-                fused: Callable | None = None) -> Format:
+def _int_format(
+    unpack: Callable, rounding: str, block: int, n_sub: int, has_min: bool, fused: Callable | None = None
+) -> Format:
     """A K-quant's fused dot takes items of one pair (from 2 pairs on for Q4_K, 4 for Q6_K, decoding a row once for
     them measured faster); a 32-value type's takes every item (its unpack + _int_dot, with a horizontal sum per 32
     values over a scratch array, is slower even at 8 pairs)."""
@@ -216,8 +220,9 @@ def supports(qtype: Q) -> bool:
 # function on a function argument, and would compile these again in every process.
 
 # Calling a table's function through literal_unroll is what numba's warning calls its first-class function feature.
-warnings.filterwarnings("ignore", ".*First-class function type feature is experimental",
-                        numba.core.errors.NumbaExperimentalFeatureWarning)
+warnings.filterwarnings(
+    "ignore", ".*First-class function type feature is experimental", numba.core.errors.NumbaExperimentalFeatureWarning
+)
 
 
 _FORMAT_CODES = {qtype: i for i, qtype in enumerate(FORMATS)}
@@ -232,7 +237,7 @@ _ROUNDING_CODES = {name: i for i, name in enumerate(ROUNDINGS)}
 _ROUNDINGS = tuple(ROUNDINGS.values())
 
 
-assert tuple(ROUNDINGS)[:len(INTEGER_ROUNDINGS)] == INTEGER_ROUNDINGS  # an integer rounding's code is the lower
+assert tuple(ROUNDINGS)[: len(INTEGER_ROUNDINGS)] == INTEGER_ROUNDINGS  # an integer rounding's code is the lower
 
 
 # Each format's facts by format code, read by the kernels (numba freezes global arrays into the compiled code).
@@ -245,8 +250,9 @@ _N_SUB = np.array([f.n_sub for f in FORMATS.values()], np.int64)
 _FORMAT_ROUNDING = np.array([_ROUNDING_CODES[f.rounding] for f in FORMATS.values()], np.int64)
 
 
-_ROUNDING_BLOCK = np.array([next(f.block for f in FORMATS.values() if f.rounding == name) for name in ROUNDINGS],
-                           np.int64)
+_ROUNDING_BLOCK = np.array(
+    [next(f.block for f in FORMATS.values() if f.rounding == name) for name in ROUNDINGS], np.int64
+)
 
 
 def integer_kernel(qtype: Q) -> bool:

@@ -67,14 +67,30 @@ def _norm_rope_rows(x, heads, w, eps, cos, sin, positions, neox, out):
             dst[b] = row[a] * s + row[b] * c
 
 
-def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, neox: bool) -> torch.Tensor:
+def norm_rope_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    neox: bool,
+) -> torch.Tensor:
     """x (T, heads, Dh) -> the same, float32: each head's RMSNorm by `weight` (Dh,) (None: no norm), then RoPE of
     its first channels by the cos/sin tables (S, d/2) at the tokens' positions (T,)."""
     out = torch.empty(x.shape, dtype=torch.float32)
     w = np.zeros(0, np.float32) if weight is None else weight.detach().numpy()
-    _norm_rope_rows(_rows(x), x.shape[1], w, eps, cos.numpy(), sin.numpy(), positions.numpy(), neox,
-                    out.view(-1, x.shape[2]).numpy())
+    _norm_rope_rows(
+        _rows(x),
+        x.shape[1],
+        w,
+        eps,
+        cos.numpy(),
+        sin.numpy(),
+        positions.numpy(),
+        neox,
+        out.view(-1, x.shape[2]).numpy(),
+    )
     return out
 
 
@@ -132,8 +148,13 @@ def _route(logits, k, gating, normalize, scale, ids, weights):
                 weights[t, i] *= F32(scale)
 
 
-def route(logits: torch.Tensor, k: int, gating: int, normalize: bool, scale: float,
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor,
+    k: int,
+    gating: int,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) float32 -> expert ids (T, K) int64, weights (T, K) float32 (see _route); gating is
     config.GATING_SOFTMAX, GATING_SIGMOID or GATING_SOFTMAX_WEIGHT."""
     rows = _rows(logits)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+
+from moeprep.quant.jit import F32, JIT
 from moerun.kernels import ggml_cpu
 from moerun.kernels.cpu.work import (
     PARALLEL_MIN_ROWS,
@@ -14,8 +16,6 @@ from moerun.kernels.cpu.work import (
     _items,
     _pairs,
 )
-
-from moeprep.quant.jit import F32, JIT
 
 # ---------------------------------------------------- the same, on ggml's row dot products where they are there
 
@@ -58,16 +58,33 @@ def _ggml_rows(dot, w, bias, item, order, act_row, q, n, y):
 
 
 @numba.njit(**JIT)
-def _ggml_gate_up_item(gate_dot, gate_w, gate_b, up_dot, up_w, up_b, act_code, limit, item, order, token, xg, xu, n,
-                       g, u, h):
+def _ggml_gate_up_item(
+    gate_dot, gate_w, gate_b, up_dot, up_w, up_b, act_code, limit, item, order, token, xg, xu, n, g, u, h
+):
     _ggml_rows(gate_dot, gate_w, gate_b, item, order, token, xg, n, g)
     _ggml_rows(up_dot, up_w, up_b, item, order, token, xu, n, u)
     _activate_item(act_code, limit, item, order, g, u, h)
 
 
 @numba.njit(parallel=True, **JIT)
-def _moe_ggml(items_wanted, x, ids, weights, gate_k, gate_w, gate_b, up_k, up_w, up_b, down_k, down_w, down_b,
-              act_code, limit, out):
+def _moe_ggml(
+    items_wanted,
+    x,
+    ids,
+    weights,
+    gate_k,
+    gate_w,
+    gate_b,
+    up_k,
+    up_w,
+    up_b,
+    down_k,
+    down_w,
+    down_b,
+    act_code,
+    limit,
+    out,
+):
     """_moe with ggml's row dots (gate_k, up_k, down_k: the tensors' ggml kernels) and its roundings of the inputs."""
     n_experts = gate_w.shape[0]
     bad, token, order, start, used = _pairs(ids, n_experts)
@@ -86,8 +103,25 @@ def _moe_ggml(items_wanted, x, ids, weights, gate_k, gate_w, gate_b, up_k, up_w,
         _quantize_rows(up_k[1], x, used, xu)
     g, u, h = np.empty((P, I), F32), np.empty((P, I), F32), np.empty((P, I), F32)
     for it in numba.prange(gate_items.shape[0]):
-        _ggml_gate_up_item(gate_k[0], gate_w, gate_b, up_k[0], up_w, up_b, act_code, F32(limit), gate_items[it],
-                           order, token, xg, xu, D, g, u, h)
+        _ggml_gate_up_item(
+            gate_k[0],
+            gate_w,
+            gate_b,
+            up_k[0],
+            up_w,
+            up_b,
+            act_code,
+            F32(limit),
+            gate_items[it],
+            order,
+            token,
+            xg,
+            xu,
+            D,
+            g,
+            u,
+            h,
+        )
     hq = np.empty((P, down_k[2]), np.uint8)
     _quantize_rows(down_k[1], h, np.ones(P, np.bool_), hq)
     y = np.empty((P, out.shape[1]), F32)

@@ -43,6 +43,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from numba import literal_unroll
+
+from moeprep.errors import MoeprepError
+from moeprep.quant.jit import F32, JIT
 from moerun.kernels.cpu.formats import (
     _BLOCK,
     _FORMAT_ROUNDING,
@@ -65,10 +69,6 @@ from moerun.kernels.cpu.work import (
     _pairs,
 )
 from moerun.kernels.ggml_cpu import GgmlCPU
-from numba import literal_unroll
-
-from moeprep.errors import MoeprepError
-from moeprep.quant.jit import F32, JIT
 
 
 @numba.njit(**JIT)
@@ -133,8 +133,30 @@ def _matmul(items_wanted, x, experts, code, w, bias, y):
 
 
 @numba.njit(**JIT)
-def _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, limit, item, order, token, xq, xf, xd,
-                  xs, uq, uf, ud, us, g, u, h):
+def _gate_up_item(
+    gate_code,
+    gate_w,
+    gate_b,
+    up_code,
+    up_w,
+    up_b,
+    act_code,
+    limit,
+    item,
+    order,
+    token,
+    xq,
+    xf,
+    xd,
+    xs,
+    uq,
+    uf,
+    ud,
+    us,
+    g,
+    u,
+    h,
+):
     """The gate and up rows of a work item, then h = act(g, u, limit) on its rows and pairs."""
     _rows_one(gate_code, gate_w, gate_b, item, order, token, xq, xf, xd, xs, g)
     _rows_one(up_code, up_w, up_b, item, order, token, uq, uf, ud, us, u)
@@ -142,8 +164,24 @@ def _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, limi
 
 
 @numba.njit(parallel=True, **JIT)
-def _moe(items_wanted, x, ids, weights, gate_code, gate_w, gate_b, up_code, up_w, up_b, down_code, down_w, down_b,
-         act_code, limit, out):
+def _moe(
+    items_wanted,
+    x,
+    ids,
+    weights,
+    gate_code,
+    gate_w,
+    gate_b,
+    up_code,
+    up_w,
+    up_b,
+    down_code,
+    down_w,
+    down_b,
+    act_code,
+    limit,
+    out,
+):
     """moe_rows in one call (see there): returns -1, or an expert id past the stack (then out is untouched).
 
     1. plan: the pairs grouped by expert, work items of (expert, its pairs, a range of rows) over gate/up's I rows
@@ -175,8 +213,30 @@ def _moe(items_wanted, x, ids, weights, gate_code, gate_w, gate_b, up_code, up_w
 
     g, u, h = np.empty((P, I), F32), np.empty((P, I), F32), np.empty((P, I), F32)
     for it in numba.prange(gate_items.shape[0]):
-        _gate_up_item(gate_code, gate_w, gate_b, up_code, up_w, up_b, act_code, F32(limit), gate_items[it], order,
-                      token, xq, xf, xd, xs, uq, uf, ud, us, g, u, h)
+        _gate_up_item(
+            gate_code,
+            gate_w,
+            gate_b,
+            up_code,
+            up_w,
+            up_b,
+            act_code,
+            F32(limit),
+            gate_items[it],
+            order,
+            token,
+            xq,
+            xf,
+            xd,
+            xs,
+            uq,
+            uf,
+            ud,
+            us,
+            g,
+            u,
+            h,
+        )
 
     down_rounding = _FORMAT_ROUNDING[down_code]
     hq, hf, hd, hs = _rounded(down_rounding, P, I)
@@ -203,8 +263,9 @@ def _code(t: ExpertBytes) -> int:
     return t.code
 
 
-def expert_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: int | None = None,
-                  ggml: GgmlCPU | None = None) -> np.ndarray:
+def expert_matmul(
+    x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: int | None = None, ggml: GgmlCPU | None = None
+) -> np.ndarray:
     """y[i] = expert experts[i] of t times x[i] (+ its bias), rounding x[i] as llama.cpp does for t's type, on
     `ggml`'s row dot where it has one for the type, else on moerun's kernels. x (n, cols) float32, experts (n,)
     integers -> y (n, rows) float32."""
@@ -220,24 +281,69 @@ def expert_matmul(x: np.ndarray, t: ExpertBytes, experts: np.ndarray, threads: i
     return y
 
 
-def moe_rows(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertBytes, up: ExpertBytes,
-             down: ExpertBytes, activation: str, out: np.ndarray, threads: int | None = None,
-             limit: float = 0.0, ggml: GgmlCPU | None = None) -> None:
+def moe_rows(
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    gate: ExpertBytes,
+    up: ExpertBytes,
+    down: ExpertBytes,
+    activation: str,
+    out: np.ndarray,
+    threads: int | None = None,
+    limit: float = 0.0,
+    ggml: GgmlCPU | None = None,
+) -> None:
     """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
     (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b, `activation` a
     key of ACTIVATIONS and `limit` its clamp where it takes one (swiglu_clamp). `threads`: numba threads for this
     call (default: numba's setting for the calling thread). One compiled call: _moe_ggml where the library `ggml`
     has a row dot for all three tensors' types (ggml_cpu.py), else _moe (moerun's own kernels)."""
-    x, ids, weights = (np.ascontiguousarray(x, F32), np.ascontiguousarray(ids, np.int64),
-                       np.ascontiguousarray(weights, F32))
+    x, ids, weights = (
+        np.ascontiguousarray(x, F32),
+        np.ascontiguousarray(ids, np.int64),
+        np.ascontiguousarray(weights, F32),
+    )
     kernels = [ggml_kernel(t, ggml) for t in (gate, up, down)]
     if all(k is not None for k in kernels):
-        bad = _launch(_moe_ggml, threads, x, ids, weights, kernels[0], gate.kernel_data, gate.kernel_bias, kernels[1],
-                      up.kernel_data, up.kernel_bias, kernels[2], down.kernel_data, down.kernel_bias,
-                      _ACTIVATION_CODES[activation], float(limit), out)
+        bad = _launch(
+            _moe_ggml,
+            threads,
+            x,
+            ids,
+            weights,
+            kernels[0],
+            gate.kernel_data,
+            gate.kernel_bias,
+            kernels[1],
+            up.kernel_data,
+            up.kernel_bias,
+            kernels[2],
+            down.kernel_data,
+            down.kernel_bias,
+            _ACTIVATION_CODES[activation],
+            float(limit),
+            out,
+        )
     else:
-        bad = _launch(_moe, threads, x, ids, weights, _code(gate), gate.kernel_data, gate.kernel_bias, _code(up),
-                      up.kernel_data, up.kernel_bias, _code(down), down.kernel_data, down.kernel_bias,
-                      _ACTIVATION_CODES[activation], float(limit), out)
+        bad = _launch(
+            _moe,
+            threads,
+            x,
+            ids,
+            weights,
+            _code(gate),
+            gate.kernel_data,
+            gate.kernel_bias,
+            _code(up),
+            up.kernel_data,
+            up.kernel_bias,
+            _code(down),
+            down.kernel_data,
+            down.kernel_bias,
+            _ACTIVATION_CODES[activation],
+            float(limit),
+            out,
+        )
     if bad >= 0:
         raise _out_of_range(bad, gate.data.shape[0])

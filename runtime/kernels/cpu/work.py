@@ -15,8 +15,9 @@ from numba import literal_unroll
 from moeprep.quant.jit import F32, JIT
 
 # Calling a table's function through literal_unroll is what numba's warning calls its first-class function feature.
-warnings.filterwarnings("ignore", ".*First-class function type feature is experimental",
-                        numba.core.errors.NumbaExperimentalFeatureWarning)
+warnings.filterwarnings(
+    "ignore", ".*First-class function type feature is experimental", numba.core.errors.NumbaExperimentalFeatureWarning
+)
 
 # numba's workqueue threading layer (its fallback where neither TBB nor OpenMP is there) aborts the process on two
 # launches at once, so launches hold _LAUNCH. (The OpenMP layer it picks otherwise starts a parallel region in about
