@@ -298,7 +298,7 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
                                                f"hottest set would ({static.source}); no routing measured")
         plan = choose_plan(config.plan, shape, curve, static, config.bandwidths, can_stream)
         if plan.pinned:
-            share = shape.rest_slots(plan.pinned) / shape.n_expert
+            share = shape.rest_share(plan.pinned)
             pins = pinned_layers(usage, plan.pinned, len(moe), share, geo.n_expert)
             placement = place(anatomy, budgets, usage=config.usage, pinned=tuple(moe[m] for m in pins))
         config = replace(config, policy=plan.policy, stream=config.stream and plan.stream)

@@ -7,8 +7,11 @@ Three plans fill the same VRAM (the slots' room, after the non-expert weights an
   experts they hold;
 - `static`: llama.cpp's `--n-cpu-moe` split. As many whole layers as fit hold every one of their experts (pinned:
   never evicted, no policy runs on them); the other layers keep the profile's hottest experts in the slots left
-  (at least one each) and never upload; the CPU computes their misses;
+  (at least one each) and never upload; the CPU computes their misses, as llama.cpp computes those layers;
 - `blend`: some whole layers pinned, the room left cached by the policy over the other layers.
+
+`cache` and `blend` read their misses the way the cache does (streamed over the bus where the experts are
+page-locked on a GPU: measured faster than the CPU computing them, whose host stops at every layer).
 
 The cost model counts the bytes a decode token moves for its routed experts, per MoE layer that is not pinned:
 
@@ -109,7 +112,8 @@ def usage_curve(usage: np.ndarray | None, n_expert: int) -> HitCurve:
     usage = np.asarray(usage, np.float64)
     usage = usage[usage.sum(axis=1) > 0]
     cover = np.cumsum(-np.sort(-usage, axis=1), axis=1) / usage.sum(axis=1, keepdims=True)  # [M, E]
-    hits = tuple(float(cover[:, cache_slots(s, n_expert) - 1].mean()) for s in sizes)
+    # the hottest k of E cover at least k / E; the max only undoes cache_slots' rounding down
+    hits = tuple(max(s, float(cover[:, cache_slots(s, n_expert) - 1].mean())) for s in sizes)
     return HitCurve("static", sizes, hits, (0.0,) * len(sizes), "the expert counts' hottest experts")
 
 
@@ -135,11 +139,13 @@ class Shape:
             n -= 1
         return int(n)
 
-    def rest_slots(self, n_pin: int) -> int:
-        """Slots each layer that is not pinned gets from the room left."""
+    def rest_share(self, n_pin: int) -> float:
+        """The share of its experts each layer that is not pinned caches, on average, in the room left (placement.py
+        hands out every slot that fits)."""
         rest = self.n_moe - n_pin
-        return 0 if not rest else int(min(self.n_expert, (self.room - n_pin * self.layer_bytes)
-                                          // (rest * self.expert_bytes)))
+        if not rest:
+            return 1.0
+        return min(1.0, (self.room - n_pin * self.layer_bytes) // self.expert_bytes / (rest * self.n_expert))
 
 
 def token_seconds(shape: Shape, curve: HitCurve, bw: Bandwidths, n_pin: int, stream: bool) -> float:
@@ -148,7 +154,7 @@ def token_seconds(shape: Shape, curve: HitCurve, bw: Bandwidths, n_pin: int, str
     rest = shape.n_moe - n_pin
     if not rest:
         return 0.0
-    share = shape.rest_slots(n_pin) / shape.n_expert
+    share = shape.rest_share(n_pin)
     miss_gbps = bw.bus_gbps if stream else bw.ram_gbps
     per_layer = ((1.0 - curve.hit(share)) * shape.top_k / miss_gbps + curve.uploads_at(share) / bw.bus_gbps)
     return rest * shape.expert_bytes * per_layer / 1e9
@@ -187,17 +193,13 @@ def choose_plan(asked: str, shape: Shape, curve: HitCurve, static: HitCurve, bw:
     the policy's; `static`: the hottest set's, for the static plan's layers that are not pinned."""
     if asked not in PLANS:
         raise MoeprepError(f"unknown cache plan {asked!r}; choose one of {', '.join(PLANS)}")
-    paths = (True, False) if can_stream else (False,)
     top = shape.most_pinned
-    candidates: dict[str, list[tuple[float, int, str, bool]]] = {"cache": [], "blend": [], "static": []}
-    for stream in paths:
-        candidates["cache"].append((token_seconds(shape, curve, bw, 0, stream), 0, curve.policy, stream))
-        for n in range(1, top + 1):
-            candidates["blend"].append((token_seconds(shape, curve, bw, n, stream), n, curve.policy, stream))
-        candidates["static"].append((token_seconds(shape, static, bw, top, stream), top, "static", stream))
-    if not candidates["blend"] or top == 0:  # nothing to pin: blend is the cache
-        candidates["blend"] = []
-    best = {name: min(c, key=lambda x: (x[0], not x[3])) for name, c in candidates.items() if c}
+    candidates: dict[str, list[tuple[float, int, str, bool]]] = {
+        "cache": [(token_seconds(shape, curve, bw, 0, can_stream), 0, curve.policy, can_stream)],
+        "blend": [(token_seconds(shape, curve, bw, n, can_stream), n, curve.policy, can_stream)
+                  for n in range(1, top + 1)],
+        "static": [(token_seconds(shape, static, bw, top, False), top, "static", False)]}
+    best = {name: min(c) for name, c in candidates.items() if c}
     name = min(best, key=lambda n: (best[n][0], PLANS.index(n))) if asked == AUTO else asked
     if name not in best:
         name = "cache"  # blend asked where no whole layer fits beside a slot in every other
@@ -218,7 +220,7 @@ def choose_policy(curves: dict[str, HitCurve], shape: Shape, bw: Bandwidths, str
                                 "table")
     cost = {p: token_seconds(shape, c, bw, 0, stream) for p, c in measured.items()}
     best = min(cost, key=lambda p: (cost[p], p != GENERAL_POLICY, p))
-    share = shape.rest_slots(0) / shape.n_expert
+    share = shape.rest_share(0)
     ranked = ", ".join(f"{p} {measured[p].hit(share):.1%} hits {cost[p] * 1e3:.2f} ms"
                        for p in sorted(cost, key=cost.get))
     return best, (f"cache policy {best}: fewest predicted ms/token of expert traffic at {share:.0%} cached "
