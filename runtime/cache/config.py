@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from moerun.cache.plan import AUTO, Bandwidths
@@ -34,7 +34,7 @@ class CacheConfig:
     usage: np.ndarray | None = None
     policy: str = AUTO  # a key of moerun.cache.policy.POLICIES, or auto
     plan: str = AUTO  # cache, blend, static or auto (cache/plan.py)
-    bandwidths: Bandwidths = Bandwidths()  # the cost model's bus and RAM speeds
+    bandwidths: Bandwidths = field(default_factory=Bandwidths)  # the cost model's bus and RAM speeds
     trace: TraceFile | None = None  # routing to measure the policies and plans on (moerun bench --routing)
     uploads_per_layer_step: int | None = UPLOADS_PER_LAYER_STEP  # None: every upload the policy wants
     cpu_threads: int | None = None

@@ -352,6 +352,6 @@ def describe_cache(cache: ExpertCache) -> str:
     misses = ("decode steps read their misses from page-locked RAM (streamed)" if cache.streamed
               else "the CPU computes the misses")
     host = "page-locked copies" if cache.config.pin else "the memory map"
-    return "\n".join((f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
-                       f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}; {misses}",
-                       *cache.why))
+    summary = (f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
+               f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}; {misses}")
+    return "\n".join((summary, *cache.why))
