@@ -180,11 +180,11 @@ class Plan:
 
     def describe(self) -> str:
         """The line moerun prints at start: the plan and the numbers behind it."""
-        others = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in self.others)
+        others = ", ".join(f"{name} {s * 1e3:.3g}" for name, s in self.others)
         return (f"cache plan {self.name}: {self.pinned} whole layers pinned, the rest under {self.policy}; "
-                f"predicted {self.seconds * 1e3:.2f} ms/token of expert traffic ({others or 'nothing else'}; "
+                f"predicted {self.seconds * 1e3:.3g} ms/token of expert traffic ({others or 'nothing else'}; "
                 f"llama.cpp's --n-cpu-moe split of the same VRAM, {self.split_layers} layers on the GPU: "
-                f"{self.split_seconds * 1e3:.2f}); hit rates from {self.source}")
+                f"{self.split_seconds * 1e3:.3g}); hit rates from {self.source}")
 
 
 def choose_plan(asked: str, shape: Shape, curve: HitCurve, static: HitCurve, bw: Bandwidths,
@@ -221,7 +221,7 @@ def choose_policy(curves: dict[str, HitCurve], shape: Shape, bw: Bandwidths, str
     cost = {p: token_seconds(shape, c, bw, 0, stream) for p, c in measured.items()}
     best = min(cost, key=lambda p: (cost[p], p != GENERAL_POLICY, p))
     share = shape.rest_share(0)
-    ranked = ", ".join(f"{p} {measured[p].hit(share):.1%} hits {cost[p] * 1e3:.2f} ms"
+    ranked = ", ".join(f"{p} {measured[p].hit(share):.1%} hits {cost[p] * 1e3:.3g} ms"
                        for p in sorted(cost, key=cost.get))
     return best, (f"cache policy {best}: fewest predicted ms/token of expert traffic at {share:.0%} cached "
                   f"({ranked}; from {measured[best].source})")
