@@ -1,10 +1,10 @@
 """The expert cache's plans (runtime/cache/plan.py) on every named routing regime, measured through the runtime on a
 CPU standing in for the GPU: for each regime and VRAM room, the plans cache, blend, static and auto decode a
 replayed trace (`moerun bench --routing`'s replay), and their measured misses, streamed experts and uploads per
-token are turned into expert traffic for a box's bus and RAM speeds, next to llama.cpp's `--n-cpu-moe` split of
+token are turned into expert traffic at a machine's bus and CPU expert speeds, next to llama.cpp's `--n-cpu-moe` split of
 the same VRAM.
 
-    python bench/bench_cache_plan.py [--model bench/models/bench-qwen3moe-q4k.gguf] [--gbps 25,45] [-n 256]
+    python bench/bench_cache_plan.py [--model bench/models/bench-qwen3moe-q4k.gguf] [--gbps 48,7.4,60] [-n 256]
                                      [--json OUT]
 
 The model's shape (6 MoE layers, 32 experts, top-4) is every regime's here (regimes are generated for any shape);
@@ -62,7 +62,7 @@ def measure(model_path: Path, regime: str, share: float, plan: str, bw: Bandwidt
     lookups, hits = int(s.lookups.sum()), int(s.hits.sum())
     streamed, uploads = s.streamed, s.uploads
     cpu_misses = lookups - hits - streamed
-    traffic = eb * (streamed / bw.bus_gbps + cpu_misses / bw.ram_gbps + uploads / bw.bus_gbps) / 1e9 / n_gen
+    traffic = eb * (streamed / bw.bus_gbps + cpu_misses / bw.cpu_gbps + uploads / bw.bus_gbps) / 1e9 / n_gen
     n_split, split = split_seconds(PlanShape(len(moe), geo.n_expert, geo.n_expert_used, eb, room), bw)
     return {"regime": regime, "share": share, "asked": plan, "plan": cache.plan.name, "policy": cache.config.policy,
             "pinned": len(cache.placement.pinned), "hit_rate": hits / lookups, "uploads_per_token": uploads / n_gen,
@@ -74,7 +74,8 @@ def measure(model_path: Path, regime: str, share: float, plan: str, bw: Bandwidt
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=MODEL)
-    ap.add_argument("--gbps", default="25,45", help="bus and RAM GB/s for the traffic column (default: the 3090 box)")
+    ap.add_argument("--gbps", default="48,7.4,60", help="bus, moerun's CPU experts and llama.cpp's CPU experts in GB/s "
+                    "(default: the H200 machine's)")
     ap.add_argument("-n", "--n-gen", type=int, default=256)
     ap.add_argument("--regimes", default="all")
     ap.add_argument("--json", type=Path)
@@ -82,7 +83,7 @@ def main() -> None:
     bw = Bandwidths(*(float(x) for x in args.gbps.split(",")))
     regimes = [r for r in REGIMES if r != "token-id"] if args.regimes == "all" else args.regimes.split(",")
     rows = []
-    print(f"expert traffic per decode token in ms at {bw.bus_gbps:g} GB/s bus, {bw.ram_gbps:g} GB/s RAM "
+    print(f"expert traffic per decode token in ms at {bw.bus_gbps:g} GB/s bus, {bw.cpu_gbps:g} GB/s CPU experts "
           "(measured hits, streamed misses, CPU misses and uploads; predicted by the plan's cost model)")
     print("| regime | room | plan asked | plan / policy / pinned | hit rate | uploads/token | traffic ms | "
           "predicted ms | split ms |")

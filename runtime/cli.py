@@ -7,7 +7,8 @@
 
 Every command that loads a model to generate with takes the same model options (`model_options`), the expert
 cache's among them: `--vram-budget 24G[,24G]`, `--cache-slots auto|N`, `--expert-profile P.moeprof`,
-`--cache-policy auto|NAME`, `--cache-plan auto|cache|blend|static`, `--cache-gbps BUS,RAM`; and `--no-dense-bf16`, which keeps a GPU from holding bfloat16 copies of the dense weights.
+`--cache-policy auto|NAME`, `--cache-plan auto|cache|blend|static`, `--cache-gbps BUS,CPU[,SPLIT]`; and
+`--no-dense-bf16`, which keeps a GPU from holding bfloat16 copies of the dense weights.
 
 Generation is the default command (`moerun run ...` names it). MoeprepError becomes one line on stderr and exit
 code 2; set MOEPREP_DEBUG=1 for the traceback.
@@ -114,8 +115,9 @@ cache_plan_option = click.option(
     "on the GPU, the rest on the CPU); blend: some whole layers pinned, the rest cached. auto: the one of least "
     "predicted expert traffic (docs/expert-cache.md); the start says which, with the numbers.")
 cache_gbps_option = click.option(
-    "--cache-gbps", metavar="BUS,RAM", help="The plan's cost model: host-to-GPU copy and CPU RAM read speeds in GB/s "
-    "(default 55,89, the H200 machine's; 25,45 for PCIe 4.0 and dual-channel DDR4).")
+    "--cache-gbps", metavar="BUS,CPU[,SPLIT]", help="The plan's cost model, GB/s of expert bytes: host-to-GPU copies, "
+    "moerun's CPU computing misses, and llama.cpp's CPU for the split it is compared with (default 48,7.4,60, the "
+    "H200 machine's, docs/expert-cache.md).")
 
 dense_bf16_option = click.option(
     "--dense-bf16/--no-dense-bf16", default=True, show_default=True,
@@ -193,12 +195,13 @@ def parse_gbps(text: str):
     from moerun.cache.plan import Bandwidths
 
     try:
-        bus, ram = (float(part) for part in text.split(","))
+        speeds = [float(part) for part in text.split(",")]
     except ValueError:
-        bus = ram = 0.0
-    if not (bus > 0 and ram > 0):
-        raise MoeprepError(f"--cache-gbps {text!r}: give the bus and RAM speeds in GB/s, e.g. 25,45")
-    return Bandwidths(bus, ram)
+        speeds = []
+    if len(speeds) not in (2, 3) or min(speeds) <= 0:
+        raise MoeprepError(f"--cache-gbps {text!r}: give the bus's and the CPU experts' GB/s, and optionally "
+                           "llama.cpp's CPU experts', e.g. 25,6 or 25,6,40")
+    return Bandwidths(*speeds)
 
 
 def parse_budgets(text: str) -> list[int]:

@@ -297,12 +297,18 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
         curve = curves.get(policy) or replace(static, policy=policy, source=f"a guess: {policy} hits as the "
                                                f"hottest set would ({static.source}); no routing measured")
         plan = choose_plan(config.plan, shape, curve, static, config.bandwidths, can_stream)
-        if plan.pinned:
-            share = shape.rest_share(plan.pinned)
-            pins = pinned_layers(usage, plan.pinned, len(moe), share, geo.n_expert)
-            placement = place(anatomy, budgets, usage=config.usage, pinned=tuple(moe[m] for m in pins))
+        for n_pin in range(plan.pinned, 0, -1):  # several GPUs: each must hold its block's whole layers
+            pins = pinned_layers(usage, n_pin, len(moe), shape.rest_share(n_pin), geo.n_expert)
+            try:
+                placement = place(anatomy, budgets, usage=config.usage, pinned=tuple(moe[m] for m in pins))
+                break
+            except MoeprepError:
+                continue  # fewer; with none, the cache plan's placement stays
         config = replace(config, policy=plan.policy, stream=config.stream and plan.stream)
         lines = (why, plan.describe())
+        if len(placement.pinned) != plan.pinned:
+            lines += (f"  {len(placement.pinned)} of the plan's {plan.pinned} whole layers pinned: the GPUs' blocks "
+                      "hold no more",)
     return ExpertCache(placement, placement.n_expert, top_k, tuple(devices), config, options=options, plan=plan,
                        why=lines)
 

@@ -5,25 +5,25 @@ Three plans fill the same VRAM (the slots' room, after the non-expert weights an
 
 - `cache`: every MoE layer gets slots (placement.py splits them by measured need) and the policy decides which
   experts they hold;
-- `static`: llama.cpp's `--n-cpu-moe` split. As many whole layers as fit hold every one of their experts (pinned:
-  never evicted, no policy runs on them); the other layers keep the profile's hottest experts in the slots left
-  (at least one each) and never upload; the CPU computes their misses, as llama.cpp computes those layers;
+- `static`: llama.cpp's `--n-cpu-moe` split, run by moerun. As many whole layers as fit hold every one of their
+  experts (pinned: never evicted, no policy runs on them); the other layers keep the counts' hottest experts in the
+  slots left (at least one each) and never change them once filled; their misses are streamed, or computed by the
+  CPU, whichever the model predicts faster;
 - `blend`: some whole layers pinned, the room left cached by the policy over the other layers.
 
 `cache` and `blend` read their misses the way the cache does (streamed over the bus where the experts are
-page-locked on a GPU: measured faster than the CPU computing them, whose host stops at every layer).
+page-locked on a GPU, else computed by the CPU).
 
 The cost model counts the bytes a decode token moves for its routed experts, per MoE layer that is not pinned:
 
     seconds = expert_bytes * ((1 - hit) * K / miss_gbps + uploads / bus_gbps) / 1e9
 
 hit and uploads (per token and layer) are the policy's at that layer's share of experts cached, read from a
-`HitCurve`; miss_gbps is the bus's where decode steps stream their misses from page-locked RAM, else the RAM's
-(the CPU computes them). llama.cpp's split of the same VRAM costs (M - n_split) * K * expert_bytes / ram_gbps,
-the CPU reading every expert of its layers; `static` with the CPU computing misses is never above that (it holds
-the same whole layers, or one fewer with that layer's bytes spread as hottest-expert slots over the others, which
-hit at least their share), so the cheapest plan never predicts slower than the split. The GPU's own step (the
-hits' kernels, attention) is the same in every plan and left out.
+`HitCurve`; miss_gbps is the bus's where decode steps stream their misses from page-locked RAM, else moerun's CPU
+experts' (`Bandwidths`). The static plan is one of the candidates, so the plan taken never predicts slower than
+the static split run by moerun. llama.cpp's own split of the same VRAM, (M - n_split) * K * expert_bytes /
+split_gbps (its CPU reading every expert of its layers), is printed beside it. The GPU's own step (the hits'
+kernels, attention, routers) is the same in every plan and left out.
 
 Hit curves come, best first, from a routing trace replayed through the runtime's own policies (`moerun bench
 --routing`'s trace, or the held-out chunks a profile recorded), else from expert counts (a profile's or those
@@ -40,7 +40,7 @@ import numpy as np
 
 from moeprep.errors import MoeprepError
 from moeprep.profile.heldout import cache_slots
-from moeprep.profile.policy import DEFAULT_POLICY, POLICIES, UploadCost
+from moeprep.profile.policy import DEFAULT_POLICY, POLICIES
 from moeprep.profile.tracefile import TraceFile
 
 PLANS = ("auto", "cache", "blend", "static")
@@ -53,11 +53,14 @@ GENERAL_POLICY = DEFAULT_POLICY  # without routing to measure: the best by net s
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """The parts of a decode step's expert traffic: host-to-GPU copies (page-locked) and the CPU reading expert
-    bytes from RAM. Defaults: the H200 machine's measured 55 GB/s pinned copies and 89 GB/s host reads."""
+    """The measured speeds of a decode step's expert traffic, GB/s of expert bytes. Defaults: the H200 machine
+    (docs/BENCHMARKS.md): decode misses streamed from page-locked RAM and uploads cross PCIe at about 48; moerun's CPU
+    expert kernels computing a decode step's misses reach 7.4 (compute-bound at about 2 per core, a few experts per
+    layer split over 16 threads); llama.cpp's CPU experts reach 60 there."""
 
-    bus_gbps: float = UploadCost.upload_gbps
-    ram_gbps: float = UploadCost.cpu_gbps
+    bus_gbps: float = 48.0  # host to GPU: streamed misses and uploads
+    cpu_gbps: float = 7.4  # moerun's CPU computing misses
+    split_gbps: float = 60.0  # llama.cpp's CPU computing the experts of its --n-cpu-moe layers
 
 
 @dataclass(frozen=True)
@@ -155,15 +158,16 @@ def token_seconds(shape: Shape, curve: HitCurve, bw: Bandwidths, n_pin: int, str
     if not rest:
         return 0.0
     share = shape.rest_share(n_pin)
-    miss_gbps = bw.bus_gbps if stream else bw.ram_gbps
+    miss_gbps = bw.bus_gbps if stream else bw.cpu_gbps
     per_layer = ((1.0 - curve.hit(share)) * shape.top_k / miss_gbps + curve.uploads_at(share) / bw.bus_gbps)
     return rest * shape.expert_bytes * per_layer / 1e9
 
 
 def split_seconds(shape: Shape, bw: Bandwidths) -> tuple[int, float]:
-    """llama.cpp's `--n-cpu-moe` split of the same room: (layers whose experts it holds, seconds per token)."""
+    """llama.cpp's `--n-cpu-moe` split of the same room, its CPU computing the experts of the layers it does not
+    hold: (layers whose experts it holds, seconds per token)."""
     n_split = int(min(shape.n_moe, shape.room // shape.layer_bytes))
-    return n_split, (shape.n_moe - n_split) * shape.top_k * shape.expert_bytes / (bw.ram_gbps * 1e9)
+    return n_split, (shape.n_moe - n_split) * shape.top_k * shape.expert_bytes / (bw.split_gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -194,11 +198,12 @@ def choose_plan(asked: str, shape: Shape, curve: HitCurve, static: HitCurve, bw:
     if asked not in PLANS:
         raise MoeprepError(f"unknown cache plan {asked!r}; choose one of {', '.join(PLANS)}")
     top = shape.most_pinned
+    paths = (True, False) if can_stream else (False,)  # the static plan's misses: streamed or the CPU's
     candidates: dict[str, list[tuple[float, int, str, bool]]] = {
         "cache": [(token_seconds(shape, curve, bw, 0, can_stream), 0, curve.policy, can_stream)],
         "blend": [(token_seconds(shape, curve, bw, n, can_stream), n, curve.policy, can_stream)
                   for n in range(1, top + 1)],
-        "static": [(token_seconds(shape, static, bw, top, False), top, "static", False)]}
+        "static": [(token_seconds(shape, static, bw, top, stream), top, "static", stream) for stream in paths]}
     best = {name: min(c) for name, c in candidates.items() if c}
     name = min(best, key=lambda n: (best[n][0], PLANS.index(n))) if asked == AUTO else asked
     if name not in best:
