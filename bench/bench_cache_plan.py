@@ -2,7 +2,7 @@
 CPU standing in for the GPU: for each regime and VRAM room, the plans cache, blend, static and auto decode a
 replayed trace (`moerun bench --routing`'s replay), and their measured misses, streamed experts and uploads per
 token are turned into expert traffic at a machine's bus and CPU expert speeds, next to llama.cpp's `--n-cpu-moe` split of
-the same VRAM.
+the same VRAM (at llama.cpp's CPU expert speed).
 
     python bench/bench_cache_plan.py [--model bench/models/bench-qwen3moe-q4k.gguf] [--gbps 48,7.4,60] [-n 256]
                                      [--json OUT]
@@ -34,7 +34,7 @@ from moerun.cache.plan import Shape as PlanShape
 from moerun.options import RuntimeOptions
 
 MODEL = Path(__file__).resolve().parent / "models" / "bench-qwen3moe-q4k.gguf"
-PLANS = ("cache", "blend", "static", "auto")
+PLANS = ("cache", "static", "auto")  # blend: where auto takes it
 SHARES = (0.10, 0.25, 0.50)
 CHUNK = 512
 
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--regimes", default="all")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    bw = Bandwidths(*(float(x) for x in args.gbps.split(",")))
+    bw = Bandwidths(*(float(x) for x in args.gbps.split(",")))  # bus, moerun's CPU experts, llama.cpp's
     regimes = [r for r in REGIMES if r != "token-id"] if args.regimes == "all" else args.regimes.split(",")
     rows = []
     print(f"expert traffic per decode token in ms at {bw.bus_gbps:g} GB/s bus, {bw.cpu_gbps:g} GB/s CPU experts "
