@@ -282,7 +282,9 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
     shape = Shape(len(moe), geo.n_expert, top_k, int(np.mean([geo.expert_bytes[b] for b in moe])),
                   slot_room(anatomy, budgets))
     can_stream = config.stream and all(streams(d, config.pin, options) for d in devices)
-    curves = routing_curves(config, profile, ROUTING_POLICIES if config.policy == AUTO else (config.policy,))
+    measure = (ROUTING_POLICIES if config.policy == AUTO
+               else () if config.slots_per_layer is not None else (config.policy,))  # nothing to choose: no replay
+    curves = routing_curves(config, profile, measure)
     if config.policy == AUTO:
         policy, why = choose_policy(curves, shape, config.bandwidths, can_stream)
     else:
