@@ -7,7 +7,8 @@
 
 Every command that loads a model to generate with takes the same model options (`model_options`), the expert
 cache's among them: `--vram-budget 24G[,24G]`, `--cache-slots auto|N`, `--expert-profile P.moeprof`,
-`--cache-policy`; and `--no-dense-bf16`, which keeps a GPU from holding bfloat16 copies of the dense weights.
+`--cache-policy auto|NAME`, `--cache-plan auto|cache|blend|static`, `--cache-gbps BUS,CPU[,SPLIT]`; and
+`--no-dense-bf16`, which keeps a GPU from holding bfloat16 copies of the dense weights.
 
 Generation is the default command (`moerun run ...` names it). MoeprepError becomes one line on stderr and exit
 code 2; set MOEPREP_DEBUG=1 for the traceback.
@@ -104,8 +105,19 @@ expert_profile_option = click.option(
     "--expert-profile", type=click.Path(), help="A profile of this model (moeprep profile): warms the expert cache "
     "with its hottest experts before the first token and splits the slots by its counts.")
 cache_policy_option = click.option(
-    "--cache-policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, show_default=True,
-    help="Which missed experts the cache uploads, and which residents they evict.")
+    "--cache-policy", type=click.Choice(["auto", *sorted(POLICIES)]), default="auto", show_default=True,
+    help="Which missed experts the cache uploads, and which residents they evict. auto: the one of least predicted "
+    "expert traffic on the profile's held-out routing (or the --routing trace of bench), else "
+    f"{DEFAULT_POLICY}; the start says which and why.")
+cache_plan_option = click.option(
+    "--cache-plan", type=click.Choice(["auto", "cache", "blend", "static"]), default="auto", show_default=True,
+    help="cache: every layer's slots under the policy; static: llama.cpp's --n-cpu-moe split (whole layers' experts "
+    "on the GPU, the rest on the CPU); blend: some whole layers pinned, the rest cached. auto: the one of least "
+    "predicted expert traffic (docs/expert-cache.md); the start says which, with the numbers.")
+cache_gbps_option = click.option(
+    "--cache-gbps", metavar="BUS,CPU[,SPLIT]", help="The plan's cost model, GB/s of expert bytes: host-to-GPU copies, "
+    "moerun's CPU computing misses, and llama.cpp's CPU for the split it is compared with (default 48,7.4,60, the "
+    "H200 machine's, docs/expert-cache.md).")
 
 dense_bf16_option = click.option(
     "--dense-bf16/--no-dense-bf16", default=True, show_default=True,
@@ -125,14 +137,18 @@ class ModelOptions:
     vram_budget: str | None = None
     cache_slots: str = "auto"
     expert_profile: str | None = None
-    cache_policy: str = DEFAULT_POLICY
+    cache_policy: str = "auto"
     dense_bf16: bool = True
+    cache_plan: str = "auto"
+    cache_gbps: str | None = None
 
-    def cache_config(self, g):
+    def cache_config(self, g, trace=None):
         """The expert cache's configuration, or None for every expert on the device: the cache is on when a cache
-        option asks for it, or on CUDA when the model does not fit the free VRAM."""
+        option asks for it, or on CUDA when the model does not fit the free VRAM. trace: routing the policy and plan
+        are measured on (bench --routing)."""
         from moerun.cache.config import CacheConfig
         from moerun.cache.host import fits_device
+        from moerun.cache.plan import Bandwidths
 
         slots = None if self.cache_slots == "auto" else _slot_count(self.cache_slots)
         asked = self.vram_budget is not None or slots is not None or self.expert_profile is not None
@@ -141,14 +157,16 @@ class ModelOptions:
         if self.device == "cpu" and self.vram_budget is None:
             raise MoeprepError("the expert cache with --device cpu needs --vram-budget (the CPU stands in for the GPU)")
         budgets = None if self.vram_budget is None else parse_budgets(self.vram_budget)
+        bandwidths = Bandwidths() if self.cache_gbps is None else parse_gbps(self.cache_gbps)
         return CacheConfig(budgets=budgets, slots_per_layer=slots, profile=self.expert_profile,
-                           policy=self.cache_policy, cpu_threads=self.threads)
+                           policy=self.cache_policy, plan=self.cache_plan, bandwidths=bandwidths, trace=trace,
+                           cpu_threads=self.threads)
 
-    def load(self, n_seq: int = 1):
+    def load(self, n_seq: int = 1, trace=None):
         g = open_model_file(self.model_path)
         set_threads(self.threads)
         device = resolve_device(self.device)
-        cache = replace(self, device=device).cache_config(g)  # its option errors come before the device line
+        cache = replace(self, device=device).cache_config(g, trace)  # its option errors come before the device line
         import moerun
         from moerun.cache.controller import describe_cache
 
@@ -173,6 +191,19 @@ def _slot_count(text: str) -> int:
     return slots
 
 
+def parse_gbps(text: str):
+    from moerun.cache.plan import Bandwidths
+
+    try:
+        speeds = [float(part) for part in text.split(",")]
+    except ValueError:
+        speeds = []
+    if len(speeds) not in (2, 3) or min(speeds) <= 0:
+        raise MoeprepError(f"--cache-gbps {text!r}: give the bus's and the CPU experts' GB/s, and optionally "
+                           "llama.cpp's CPU experts', e.g. 25,6 or 25,6,40")
+    return Bandwidths(*speeds)
+
+
 def parse_budgets(text: str) -> list[int]:
     from moerun.cache.placement import parse_budgets as parse
 
@@ -186,7 +217,7 @@ def parse_budgets(text: str) -> list[int]:
 
 
 MODEL_OPTIONS = (model_option, ctx_option, device_option, threads_option, vram_budget_option, cache_slots_option,
-                 expert_profile_option, cache_policy_option, dense_bf16_option)
+                 expert_profile_option, cache_policy_option, dense_bf16_option, cache_plan_option, cache_gbps_option)
 
 
 def model_options(command):
@@ -195,9 +226,9 @@ def model_options(command):
 
     @functools.wraps(command)
     def with_model_options(*args, model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
-                           cache_policy, dense_bf16, **kwargs):
+                           cache_policy, dense_bf16, cache_plan, cache_gbps, **kwargs):
         options = ModelOptions(model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
-                               cache_policy, dense_bf16)
+                               cache_policy, dense_bf16, cache_plan, cache_gbps)
         return command(*args, model_opts=options, **kwargs)
 
     for option in reversed(MODEL_OPTIONS):
@@ -282,7 +313,7 @@ def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | 
         raise MoeprepError(f"{Path(json_path).parent}: output folder does not exist")
     text = read_text(text_file) if text_file else None
     routing = read_routing(routing_path, model_opts.model_path) if routing_path else None
-    model = replace(model_opts, ctx_size=model_opts.ctx_size or n_prompt + n_gen).load()
+    model = replace(model_opts, ctx_size=model_opts.ctx_size or n_prompt + n_gen).load(trace=routing)
     result = run_bench(model, n_prompt, n_gen, text, routing=routing, routing_name=routing_path or "")
     click.echo(format_result(result))
     if model.device.type == "cpu" or model.expert_cache is not None:  # whose dot products the CPU's experts ran

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-from moerun.cache.policy import DEFAULT_POLICY
+from moerun.cache.plan import AUTO, Bandwidths
+
+from moeprep.profile.tracefile import TraceFile
 
 # Uploads one layer may start per step: an upload of a 30B-shaped expert (2.6 MB) takes ~50 us over pinned PCIe,
 # so a handful per layer keeps a step's upload time below its compute while the cache adapts within a few tokens.
@@ -30,7 +32,10 @@ class CacheConfig:
     slots_per_layer: int | None = None
     profile: str | None = None
     usage: np.ndarray | None = None
-    policy: str = DEFAULT_POLICY
+    policy: str = AUTO  # a key of moerun.cache.policy.POLICIES, or auto
+    plan: str = AUTO  # cache, blend, static or auto (cache/plan.py)
+    bandwidths: Bandwidths = field(default_factory=Bandwidths)  # the cost model's bus and RAM speeds
+    trace: TraceFile | None = None  # routing to measure the policies and plans on (moerun bench --routing)
     uploads_per_layer_step: int | None = UPLOADS_PER_LAYER_STEP  # None: every upload the policy wants
     cpu_threads: int | None = None
     pin: bool | None = None  # copy the experts into page-locked RAM (None: on CUDA, when free RAM holds them)

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 from moerun.cache.config import CacheConfig
 from moerun.cache.host import host_experts, page_locked, should_pin
-from moerun.cache.placement import Placement, place
+from moerun.cache.placement import Placement, place, slot_room, usage_rows
+from moerun.cache.plan import AUTO, Plan, Shape, choose_plan, choose_policy, pinned_layers, trace_curves, usage_curve
 from moerun.cache.policy import make_policy
 from moerun.cache.stats import CacheStats, timed
-from moerun.cache.warm import expert_usage
+from moerun.cache.warm import expert_usage, read_model_profile, warm_experts
 from moerun.kernels.cpu.formats import ExpertBytes
 from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
@@ -25,6 +26,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import describe_model
 from moeprep.gguf.reader import GGUFModel
 from moeprep.gguf.roles import TensorRole
+from moeprep.profile.tracefile import TraceFile
 from moeprep.units import format_size
 
 if TYPE_CHECKING:
@@ -43,6 +45,8 @@ class ExpertCache:
     config: CacheConfig
     timing: bool = False
     options: RuntimeOptions = field(default_factory=process_options)  # which devices stage and stream
+    plan: Plan | None = None  # the plan chosen at start (None: --cache-slots fixed the slots)
+    why: tuple[str, ...] = ()  # the lines that say which policy and plan were chosen, and why
     stats: CacheStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +60,7 @@ class ExpertCache:
         self.copy_streams = {d: torch.cuda.Stream(d) for d in self.devices if d.type == "cuda"}  # one per GPU
         cached = [layer for layer, n in enumerate(self.placement.slots) if n]
         self.first_layer, self.last_layer = cached[0], cached[-1]
+        self.pinned = frozenset(self.placement.pinned)  # every expert resident: the policy never plans them
         self._routed: list[tuple[CachedExperts, np.ndarray]] = []  # this forward's layers so far
         self.scratch: dict[tuple, tuple] = {}  # staging banks for prefill, by device and expert layout
         self.paused = False  # see pause()
@@ -183,7 +188,17 @@ class ExpertCache:
             with timed(self.stats, "uploads"):
                 self._plan(routed)
 
+    def warm_order(self, layer: int) -> np.ndarray:
+        """The experts a layer's slots hold before the first token: every one of a pinned layer's, else the hottest
+        known (warm.py)."""
+        if layer in self.pinned:
+            return np.arange(self.n_expert)
+        return warm_experts(self.config.usage, layer, self.n_expert)
+
     def _plan(self, routed: list[tuple[CachedExperts, np.ndarray]]) -> None:
+        routed = [(layer, ids) for layer, ids in routed if layer.layer not in self.pinned]
+        if not routed:
+            return
         layers = [layer for layer, _ in routed]
         rows = np.array([layer.layer for layer in layers])
         self.policy.observe_rows(rows, np.stack([ids for _, ids in routed]))
@@ -241,12 +256,14 @@ def streams(device: torch.device, pinned: bool | None, options: RuntimeOptions) 
 
 def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
                devices: list[torch.device] | torch.device, options: RuntimeOptions | None = None) -> ExpertCache:
-    """Resolve the warm-start counts, place the slots in the budgets (one per device; moerun.devices resolves
-    them), and make the shared cache state."""
+    """Resolve the warm-start counts, the policy and the plan (cache/plan.py), place the slots in the budgets (one
+    per device; moerun.devices resolves them), and make the shared cache state."""
     devices = [devices] if isinstance(devices, torch.device) else list(devices)
     device = devices[0]
+    options = options or process_options()
+    profile = None if config.profile is None else read_model_profile(g, config.profile)
     if config.usage is None:
-        config = replace(config, usage=expert_usage(g, config.profile, n_layer))
+        config = replace(config, usage=expert_usage(g, profile, n_layer))
     budgets = config.budgets
     if budgets is None:
         if device.type != "cuda":
@@ -257,10 +274,65 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
     placement = place(anatomy, budgets, usage=config.usage)  # refuses a dense model: it has no experts
     if config.pin is None:
         config = replace(config, pin=should_pin(anatomy.roles[TensorRole.EXPERT.value].n_bytes, device))
+    if config.slots_per_layer is not None and config.plan not in (AUTO, "cache"):
+        raise MoeprepError(f"--cache-slots {config.slots_per_layer} fixes every layer's slots: it takes the cache "
+                           f"plan, not --cache-plan {config.plan}; give --cache-slots auto")
+    geo = anatomy.geometry
+    moe = list(geo.moe_layers)
+    usage = usage_rows(config.usage, geo.n_layer, moe, geo.n_expert, len(geo.nextn_layers))  # [M, E] or None
+    shape = Shape(len(moe), geo.n_expert, top_k, int(np.mean([geo.expert_bytes[b] for b in moe])),
+                  slot_room(anatomy, budgets))
+    can_stream = config.stream and all(streams(d, config.pin, options) for d in devices)
+    measure = (ROUTING_POLICIES if config.policy == AUTO
+               else () if config.slots_per_layer is not None else (config.policy,))  # nothing to choose: no replay
+    curves = routing_curves(config, profile, measure)
+    if config.policy == AUTO:
+        policy, why = choose_policy(curves, shape, config.bandwidths, can_stream)
+    else:
+        policy, why = config.policy, f"cache policy {config.policy}: as asked (--cache-policy)"
+    config = replace(config, policy=policy)
+    plan = None
     if config.slots_per_layer is not None:
-        placement = fixed_slots(placement, config.slots_per_layer, anatomy.geometry.expert_bytes)
-    return ExpertCache(placement, placement.n_expert, top_k, tuple(devices), config,
-                       options=options or process_options())
+        placement = fixed_slots(placement, config.slots_per_layer, geo.expert_bytes)
+        lines = (why,)
+    else:
+        static = usage_curve(usage, geo.n_expert)
+        curve = curves.get(policy) or replace(static, policy=policy, source=f"a guess: {policy} hits as the "
+                                               f"hottest set would ({static.source}); no routing measured")
+        plan = choose_plan(config.plan, shape, curve, static, config.bandwidths, can_stream)
+        for n_pin in range(plan.pinned, 0, -1):  # several GPUs: each must hold its block's whole layers
+            pins = pinned_layers(usage, n_pin, len(moe), shape.rest_share(n_pin), geo.n_expert)
+            try:
+                placement = place(anatomy, budgets, usage=config.usage, pinned=tuple(moe[m] for m in pins))
+                break
+            except MoeprepError:
+                continue  # fewer; with none, the cache plan's placement stays
+        config = replace(config, policy=plan.policy, stream=config.stream and plan.stream)
+        lines = (why, plan.describe())
+        if len(placement.pinned) != plan.pinned:
+            lines += (f"  {len(placement.pinned)} of the plan's {plan.pinned} whole layers pinned: the GPUs' blocks "
+                      "hold no more",)
+    return ExpertCache(placement, placement.n_expert, top_k, tuple(devices), config, options=options, plan=plan,
+                       why=lines)
+
+
+ROUTING_POLICIES = ("lru", "lfu", "classlru", "payback")  # what auto chooses among: the policy table's peers
+
+
+def routing_curves(config: CacheConfig, profile, policies: tuple[str, ...]) -> dict:
+    """Each policy's HitCurve measured on routing (cache/plan.py): the trace asked for (moerun bench --routing), else
+    the profile's held-out chunks (all its chunks where none were held out); {} without either."""
+    trace, source = config.trace, "the replayed routing trace"
+    if trace is None and profile is not None and len(profile.trace.ids):
+        t = profile.trace
+        chunks = np.flatnonzero(t.heldout) if t.heldout.any() else np.arange(t.n_chunks)
+        source = "the profile's held-out chunks" if t.heldout.any() else "the profile's chunks (none held out)"
+        ids = np.concatenate([t.chunk(c) for c in chunks])
+        trace = TraceFile(ids.astype(np.int64), np.concatenate([[0], np.cumsum(np.diff(t.starts)[chunks])]),
+                          profile.model.n_expert)
+    if trace is None or not policies:
+        return {}
+    return trace_curves(trace, policies, source, free=config.uploads_per_layer_step)
 
 
 def fixed_slots(placement: Placement, per_layer: int, expert_bytes) -> Placement:
@@ -289,5 +361,6 @@ def describe_cache(cache: ExpertCache) -> str:
     misses = ("decode steps read their misses from page-locked RAM (streamed)" if cache.streamed
               else "the CPU computes the misses")
     host = "page-locked copies" if cache.config.pin else "the memory map"
-    return (f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
-            f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}; {misses}")
+    summary = (f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
+               f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}; {misses}")
+    return "\n".join((summary, *cache.why))

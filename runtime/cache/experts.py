@@ -13,7 +13,6 @@ from moerun.cache.config import STAGE_MIN_TOKENS
 from moerun.cache.controller import ExpertCache
 from moerun.cache.host import read_only_tensor
 from moerun.cache.stats import timed
-from moerun.cache.warm import warm_experts
 from moerun.hooks import Hooks
 from moerun.kernels.cpu.formats import ExpertBytes
 from moerun.kernels.cpu.moe_rows import moe_rows
@@ -116,7 +115,7 @@ class CachedExperts(nn.Module):
         """The layer's experts with the slots the placement gave it, warmed with the hottest known experts."""
         experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, kernels, cache,
                       hooks)
-        experts.fill(warm_experts(cache.config.usage, layer, cache.n_expert))
+        experts.fill(cache.warm_order(layer))
         return experts
 
     @property

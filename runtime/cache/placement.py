@@ -38,6 +38,7 @@ class Placement:
     cache_bytes: tuple[int, ...]  # [G] of which expert slots
     n_expert: int
     moe_layers: tuple[int, ...]
+    pinned: tuple[int, ...] = ()  # blocks whose slots hold every expert, never evicted (cache/plan.py)
 
     @property
     def share(self) -> float:
@@ -54,6 +55,8 @@ class Placement:
             lines.append(f"  gpu {g}: {span}, {format_size(cache)} of slots, {format_size(used)} of "
                          f"{format_size(budget)} planned; slots per layer "
                          + " ".join(str(self.slots[b]) for b in blocks))
+        if self.pinned:
+            lines.append(f"  pinned whole (every expert, never evicted): blocks {', '.join(map(str, self.pinned))}")
         return "\n".join(lines)
 
 
@@ -62,36 +65,47 @@ def parse_budgets(text: str) -> list[int]:
     return [parse_size(part) for part in text.split(",")]
 
 
+def slot_room(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE) -> int:
+    """Bytes all GPUs have for expert slots after the non-expert weights and the reserve (0 for a dense model)."""
+    plan = plan_vram(anatomy, budgets, reserve)
+    return 0 if plan is None else sum(g.free for g in plan.gpus)
+
+
 def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
-          usage: np.ndarray | None = None) -> Placement:
+          usage: np.ndarray | None = None, pinned: tuple[int, ...] = ()) -> Placement:
     """Slots per MoE layer and a GPU per block. usage: [M, E] or [L, E] (dense rows zero) selection counts from a
-    profile, or None for equal shares. MoeprepError when the budgets cannot hold one slot per layer."""
+    profile, or None for equal shares. pinned: MoE blocks whose slots hold every expert (the others share what is
+    left). MoeprepError when the budgets cannot hold one slot per layer."""
     geo = anatomy.geometry
     plan = plan_vram(anatomy, budgets, reserve)
     if plan is None:
         raise MoeprepError(f"{anatomy.name}: a dense model has no routed experts to cache")
     layers = list(geo.moe_layers)
     expert_bytes = np.array([geo.expert_bytes[b] for b in layers], np.int64)  # [M]
-    usage = _usage_rows(usage, geo.n_layer, layers, geo.n_expert, len(geo.nextn_layers))
+    usage = usage_rows(usage, geo.n_layer, layers, geo.n_expert, len(geo.nextn_layers))
     worth = _slot_worth(usage, len(layers), geo.n_expert)  # [M, E]
     free = np.array([g.free for g in plan.gpus], np.int64)  # [G]
+    floor = np.where(np.isin(layers, pinned), geo.n_expert, 1)  # [M] slots a layer gets before any other
     if free.sum() < expert_bytes.sum():
         raise MoeprepError(f"VRAM budget {', '.join(format_size(b) for b in budgets)}: after the non-expert weights "
                            f"and a {format_size(reserve)} reserve per GPU, {format_size(int(free.sum()))} is left, "
                            f"less than one expert slot in each of {len(layers)} MoE layers "
                            f"({format_size(int(expert_bytes.sum()))}); give a larger --vram-budget")
-    demand = _allot(worth, expert_bytes, int(free.sum()))
+    if free.sum() < (floor * expert_bytes).sum():
+        raise MoeprepError(f"VRAM budget {', '.join(format_size(b) for b in budgets)}: no room to pin "
+                           f"{len(pinned)} whole layers and keep a slot in every other")
+    demand = _allot(worth, expert_bytes, int(free.sum()), floor)
     gpu_of = _split(demand * expert_bytes, free)  # [M]
     slots = np.zeros(len(layers), np.int64)
     for g in range(len(free)):
         mine = np.flatnonzero(gpu_of == g)
         if not len(mine):
             continue
-        if free[g] < expert_bytes[mine].sum():
+        if free[g] < (floor[mine] * expert_bytes[mine]).sum():
             raise MoeprepError(f"gpu {g}: {format_size(int(free[g]))} left after its share of the non-expert "
                                f"weights and the reserve cannot hold one slot in each of its {len(mine)} MoE "
                                f"layers; give it a larger --vram-budget or use fewer GPUs")
-        slots[mine] = _allot(worth[mine], expert_bytes[mine], int(free[g]))
+        slots[mine] = _allot(worth[mine], expert_bytes[mine], int(free[g]), floor[mine])
     n_blocks = geo.n_layer - len(geo.nextn_layers)  # the decoder's blocks: NextN blocks are not run
     device = _block_devices(n_blocks, layers, gpu_of)
     per_block = np.zeros(n_blocks, np.int64)
@@ -100,10 +114,10 @@ def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
     used = [int(c) + g.non_expert + g.reserve for c, g in zip(cache, plan.gpus)]
     return Placement(device=tuple(device), slots=tuple(int(s) for s in per_block), budgets=tuple(budgets),
                      used=tuple(used), cache_bytes=tuple(int(c) for c in cache), n_expert=geo.n_expert,
-                     moe_layers=tuple(layers))
+                     moe_layers=tuple(layers), pinned=tuple(sorted(pinned)))
 
 
-def _usage_rows(usage: np.ndarray | None, n_layer: int, layers: list[int], n_expert: int,
+def usage_rows(usage: np.ndarray | None, n_layer: int, layers: list[int], n_expert: int,
                 n_nextn: int = 0) -> np.ndarray | None:
     if usage is None:
         return None
@@ -126,12 +140,12 @@ def _slot_worth(usage: np.ndarray | None, n_moe: int, n_expert: int) -> np.ndarr
     return -np.sort(-shares, axis=1)
 
 
-def _allot(worth: np.ndarray, expert_bytes: np.ndarray, budget: int) -> np.ndarray:
-    """[M] slots: one per layer, then greedily the slot of best worth per byte that still fits (ties: fewer slots
+def _allot(worth: np.ndarray, expert_bytes: np.ndarray, budget: int, floor: np.ndarray | None = None) -> np.ndarray:
+    """[M] slots: `floor` per layer (one where None), then greedily the slot of best worth per byte that still fits (ties: fewer slots
     first, then the lower layer, so equal worth goes round robin)."""
     n_m, n_e = worth.shape
-    slots = np.ones(n_m, np.int64)
-    left = budget - int(expert_bytes.sum())
+    slots = np.ones(n_m, np.int64) if floor is None else np.asarray(floor, np.int64).copy()
+    left = budget - int((slots * expert_bytes).sum())
     assert left >= 0
     k, m = np.meshgrid(np.arange(1, n_e), np.arange(n_m))  # slot k (0-based) of layer m, k >= 1
     per_byte = worth[:, 1:] / expert_bytes[:, None]

@@ -17,15 +17,20 @@ def warm_experts(usage: np.ndarray | None, layer: int, n_expert: int) -> np.ndar
     return np.argsort(-usage[layer], kind="stable")
 
 
-def expert_usage(g: GGUFModel, profile_path: str | None, n_layer: int) -> np.ndarray | None:
-    """Warm-start counts [L, E]: from a profile of this very model, else from the GGUF's baked counts, else None.
-    A profile of another model is refused."""
-    if profile_path is not None:
-        from moeprep.profile.format import read_profile
-        from moeprep.profile.identity import check_same_model, identify_model
+def read_model_profile(g: GGUFModel, profile_path: str):
+    """The profile at `profile_path`, refused (one MoeprepError) when it was made for another model."""
+    from moeprep.profile.format import read_profile
+    from moeprep.profile.identity import check_same_model, identify_model
 
-        profile = read_profile(profile_path)
-        check_same_model(profile.model, identify_model(g), profile_path, str(g.path))
+    profile = read_profile(profile_path)
+    check_same_model(profile.model, identify_model(g), profile_path, str(g.path))
+    return profile
+
+
+def expert_usage(g: GGUFModel, profile, n_layer: int) -> np.ndarray | None:
+    """Warm-start counts [L, E]: from a profile of this very model (read_model_profile), else from the GGUF's baked
+    counts, else None."""
+    if profile is not None:
         return profile.counts.block_table(n_layer)
     baked = g.get(EXPERT_USAGE_KEY)
     if baked is None:
