@@ -10,6 +10,7 @@ from __future__ import annotations
 from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.glm5_next import GLM5_NEXT
+from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Moe, SharedExpert, T,
                                  tensor_name)
 
@@ -64,4 +65,7 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
                      (lambda c: c.n_head_kv == c.n_head, "q/k norms span all heads: n_head_kv must equal n_head"))),
     # GLM-5.3-Flash: hyper-connections, KDA and DSA attention, a NextN block (moeprep/synth/glm5_next.py).
     GLM5_NEXT,
+    # MiMo-V2-Flash: sliding and full attention layers with their own KV heads, sinks and RoPE base
+    # (moeprep/synth/mimo2.py).
+    MIMO2,
 )}

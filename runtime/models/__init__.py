@@ -14,6 +14,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "glm5-next": "glm5_next",
     "gpt-oss": "gpt_oss",
     "llama": "llama",
+    "mimo2": "mimo2",
     "olmoe": "olmoe",
     "qwen2moe": "qwen2moe",
     "qwen3moe": "qwen3moe",
