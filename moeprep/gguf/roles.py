@@ -77,6 +77,7 @@ ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
     "deepseek2": DECODER | MLA | SHARED_EXPERTS | EXPERT_BIAS | NEXTN | INDEXER,
     "glm4moe": DECODER | QK_NORM | SHARED_EXPERTS | EXPERT_BIAS | NEXTN,
     "gpt-oss": DECODER | SINKS,
+    "mimo2": DECODER | SINKS | EXPERT_BIAS | NEXTN | {"layer_out_norm": R.OTHER},  # its NextN block's head norm
     "llama": DECODER,  # Mixtral-style MoE under the llama architecture
     "olmoe": DECODER | QK_NORM,
     "qwen3next": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,

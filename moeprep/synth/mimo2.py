@@ -64,8 +64,11 @@ class Mimo2Attention:
 
 MIMO2 = ArchSpec(
     MODEL_ARCH.MIMO2, Mimo2Attention(), Moe(gating=SIGMOID),
-    derived={"n_dense_lead": lambda g: 1, "v_head_dim": lambda g: g["head_dim"] // 2,
-             "rope_dim": lambda g: g["head_dim"] // 2},
+    # Keys 3/2 as wide as values and a third of each key rotated, as MiMo-V2-Flash's 192/128 and 64; the preset's
+    # head_dim goes to the values, so the small preset's attn_output rows stay a multiple of 256 (K-quants).
+    # The rules run in this order, each reading the preset's head_dim before the last one widens it.
+    derived={"n_dense_lead": lambda g: 1, "v_head_dim": lambda g: g["head_dim"],
+             "rope_dim": lambda g: g["head_dim"] // 2, "head_dim": lambda g: g["head_dim"] * 3 // 2},
     metadata=EXPERT_FF,
     checks=((lambda c: c.v_head_dim > 0, "v_head_dim must be positive"),
             (lambda c: c.n_head % kv_heads(c, 1) == 0, "n_head must be a multiple of both layers' KV heads"),
