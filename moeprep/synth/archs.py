@@ -11,6 +11,7 @@ from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.mimo2 import MIMO2
+from moeprep.synth.qwen35moe import QWEN35MOE
 from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Moe, SharedExpert, T,
                                  tensor_name)
 
@@ -68,4 +69,6 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
     # MiMo-V2-Flash: sliding and full attention layers with their own KV heads, sinks and RoPE base
     # (moeprep/synth/mimo2.py).
     MIMO2,
+    # Qwen3.5/3.6-MoE: gated delta-net layers beside gated full attention (moeprep/synth/qwen35moe.py).
+    QWEN35MOE,
 )}

@@ -17,6 +17,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "mimo2": "mimo2",
     "olmoe": "olmoe",
     "qwen2moe": "qwen2moe",
+    "qwen35moe": "qwen35moe",
     "qwen3moe": "qwen3moe",
 }
 
