@@ -54,12 +54,12 @@ INDEXER = {  # DeepSeek-V3.2 sparse-attention indexer
     "indexer.k_norm": R.OTHER, "indexer.proj": R.OTHER, "indexer.attn_k": R.OTHER, "indexer.attn_q_b": R.OTHER,
 }
 LINEAR_ATTENTION = {  # Qwen3-Next / Qwen3.5-MoE gated delta-net layers
-    "attn_gate": R.ATTENTION, "ssm_in": R.OTHER, "ssm_conv1d": R.OTHER, "ssm_dt": R.OTHER, "ssm_a": R.OTHER,
-    "ssm_ba": R.OTHER, "ssm_norm": R.OTHER, "ssm_out": R.OTHER, "ssm_beta_alpha": R.OTHER,
+    "attn_gate": R.ATTENTION, "ssm_conv1d": R.OTHER, "ssm_dt": R.OTHER, "ssm_a": R.OTHER, "ssm_norm": R.OTHER,
+    # the delta net's matrices, which llama-quantize requantizes as it does attention (checked byte for byte on
+    # synthetic qwen3next and qwen35moe files, tests/quant/test_whole_file_peer.py)
+    "ssm_in": R.ATTENTION, "ssm_ba": R.ATTENTION, "ssm_beta_alpha": R.ATTENTION, "ssm_out": R.ATTENTION,
+    "ssm_beta": R.ATTENTION, "ssm_alpha": R.ATTENTION,
 }
-# Qwen3.5-MoE's delta-net matrices, which llama-quantize requantizes as it does attention (checked byte for byte on
-# synthetic qwen35moe files, tests/quant/test_whole_file_peer.py)
-QWEN35_DELTA_NET = {"ssm_out": R.ATTENTION, "ssm_beta": R.ATTENTION, "ssm_alpha": R.ATTENTION}
 KDA = {  # GLM-5.3-Flash's Kimi delta attention layers: attn_q/k/v/output, short convolutions, low-rank gates
     "ssm_conv1d_q": R.OTHER, "ssm_conv1d_k": R.OTHER, "ssm_conv1d_v": R.OTHER,
     "ssm_f_a": R.ATTENTION, "ssm_f_b": R.ATTENTION, "ssm_g_a": R.ATTENTION, "ssm_g_b": R.ATTENTION,
@@ -84,7 +84,7 @@ ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
     "llama": DECODER,  # Mixtral-style MoE under the llama architecture
     "olmoe": DECODER | QK_NORM,
     "qwen3next": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,
-    "qwen35moe": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION | QWEN35_DELTA_NET,
+    "qwen35moe": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,
     "glm5-next": GLM5_NEXT,
     "glm5next": GLM5_NEXT,  # unsloth's dialect of the same files (see moeprep/gguf/dialect.py)
 }

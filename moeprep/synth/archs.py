@@ -11,7 +11,7 @@ from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.mimo2 import MIMO2
-from moeprep.synth.qwen35moe import QWEN35MOE
+from moeprep.synth.qwen35moe import QWEN3NEXT, QWEN35MOE
 from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Moe, SharedExpert, T,
                                  tensor_name)
 
@@ -71,4 +71,6 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
     MIMO2,
     # Qwen3.5/3.6-MoE: gated delta-net layers beside gated full attention (moeprep/synth/qwen35moe.py).
     QWEN35MOE,
+    # Qwen3-Next: the same with NeoX RoPE and the delta net's projections grouped by key head.
+    QWEN3NEXT,
 )}

@@ -1,4 +1,5 @@
-"""Qwen3.5/3.6-MoE (`qwen35moe`) as a synthetic architecture: gated delta-net layers beside gated full attention.
+"""Qwen3.5/3.6-MoE (`qwen35moe`) and Qwen3-Next (`qwen3next`) as synthetic architectures: gated delta-net layers
+beside gated full attention.
 
 Every `full_attention_interval`-th layer (here 2: layers 1, 3, ...) runs full attention whose attn_q gives, per head,
 the query and then an output gate of the same size (so attn_q is [2 H d, D]), with per-head q/k RMSNorm and
@@ -7,8 +8,10 @@ partial rotary embedding described by `rope.dimension_sections`; the other layer
   a decay per value head softplus(ssm_alpha x + ssm_dt.bias) * ssm_a, a write strength sigmoid(ssm_beta x);
   the output RMS-normed per head (ssm_norm [Dv]), gated by silu(attn_gate x) and projected by ssm_out [D, Dv Hv].
 Every layer normalises before its FFN with post_attention_norm and routes softmax top-k, renormalised, beside a
-shared expert scaled by sigmoid(ffn_gate_inp_shexp . x). Shapes and keys follow the llama.cpp vendored by
-llama-cpp-python 0.3.36 (src/models/qwen35moe.cpp).
+shared expert scaled by sigmoid(ffn_gate_inp_shexp . x). Qwen3-Next differs in two places: plain NeoX RoPE (no
+sections), and its delta net's projections grouped by key head: ssm_in [Hk (2 Dk + 2 r Dv), D] gives per key head
+its q, k, then its r = Hv / Hk value heads' v and z; ssm_ba [Hk 2 r, D] per key head its r b then its r a.
+Shapes and keys follow the llama.cpp vendored by llama-cpp-python 0.3.36 (src/models/qwen35moe.cpp, qwen3next.cpp).
 
 Delta-net sizes come from the attention geometry: Dk = Dv = head_dim (ssm.state_size), Hk = n_head_kv key heads
 (ssm.group_count), Hv = n_head value heads (ssm.time_step_rank), so a value head shares key head h mod Hk.
@@ -73,6 +76,13 @@ def delta_net(c: SynthConfig, il: int) -> list[TensorSpec]:
             *delta_net_state(c, il)]
 
 
+def grouped_delta_net(c: SynthConfig, il: int) -> list[TensorSpec]:
+    """Qwen3-Next's layout: the projections grouped by key head (ssm_in, ssm_ba)."""
+    key, value, _ = delta_net_sizes(c)
+    return [matrix_in(T.SSM_IN, il, (2 * key + 2 * value, c.n_embd)),
+            matrix_in(T.SSM_BETA_ALPHA, il, (2 * c.n_head, c.n_embd)), *delta_net_state(c, il)]
+
+
 def hybrid_metadata(c: SynthConfig) -> dict[str, Any]:
     return {Keys.Attention.HEAD_COUNT_KV: c.n_head_kv, Keys.Attention.KEY_LENGTH: c.head_dim,
             Keys.Attention.VALUE_LENGTH: c.head_dim, Keys.SSM.CONV_KERNEL: CONV_KERNEL,
@@ -89,6 +99,15 @@ class Qwen35Mixer:
         return hybrid_metadata(c) | {Keys.Rope.DIMENSION_SECTIONS: rope_sections(c)}
 
 
+@dataclass(frozen=True)
+class Qwen3NextMixer:
+    def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
+        return grouped_delta_net(c, il) if is_recurrent(il) else gated_attention(c, il)
+
+    def metadata(self, c: SynthConfig) -> dict[str, Any]:
+        return hybrid_metadata(c)
+
+
 HYBRID_DERIVED = {"n_layer": lambda g: max(g["n_layer"], 2 * FULL_ATTENTION_INTERVAL),
                   "rope_dim": lambda g: g["head_dim"] // 2, "n_ff_shexp": lambda g: 2 * g["n_ff_exp"]}
 HYBRID_METADATA = EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_shexp}
@@ -97,4 +116,10 @@ QWEN35MOE = ArchSpec(
     MODEL_ARCH.QWEN35MOE, Qwen35Mixer(), Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
     ffn_norm=T.ATTN_POST_NORM, derived=HYBRID_DERIVED, metadata=HYBRID_METADATA,
     checks=((lambda c: c.n_dense_lead == 0, "qwen35moe has no dense layers"),),
+)
+
+QWEN3NEXT = ArchSpec(
+    MODEL_ARCH.QWEN3NEXT, Qwen3NextMixer(), Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
+    ffn_norm=T.ATTN_POST_NORM, derived=HYBRID_DERIVED, metadata=HYBRID_METADATA,
+    checks=((lambda c: c.n_dense_lead == 0, "qwen3next's synthetic model has no dense layers"),),
 )

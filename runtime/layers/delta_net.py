@@ -4,7 +4,8 @@ writes (layers/delta_rule.py) and decays by one factor per head and token.
 Per token: the projections give a row of 2 Dk Hk + Dv Hv channels (q, k and v of every head, in that order), an
 output gate z (Hv Dv), and per value head a write strength logit b and a decay logit a. The row runs through a short
 causal convolution (its last K - 1 rows kept per sequence) and SiLU; q and k are L2-normalised per head, q is scaled
-by 1/sqrt(Dk); value head h reads key head h mod Hk (as llama.cpp tiles them). The decay is
+by 1/sqrt(Dk); value head h reads key head h mod Hk (llama.cpp's qwen35moe tiles the key heads) or, with
+`grouped_heads`, key head h // (Hv / Hk) (its qwen3next repeats each in place). The decay is
 exp(softplus(a + dt_bias) * A) with A = -exp(A_log) < 0, the write strength sigmoid(b). The output is RMS-normed per
 head, multiplied by silu(z) and projected out. The state lives in the module, per sequence; a step whose first
 position is 0 starts its sequence anew. A step of several tokens runs the delta rule in chunks (prefill), a single
@@ -42,11 +43,12 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, *, project: nn.Module, conv: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor,
                  norm: RMSNorm, out: Linear, n_k_heads: int, n_v_heads: int, k_dim: int, v_dim: int, eps: float,
-                 n_seq: int) -> None:
+                 n_seq: int, grouped_heads: bool = False) -> None:
         """`project` maps x (T, D) to (qkv (T, C), z (T, Hv Dv), b (T, Hv), a (T, Hv)) in the layout above."""
         super().__init__()
         self.project, self.norm, self.out = project, norm, out
         self.Hk, self.Hv, self.Dk, self.Dv, self.eps = n_k_heads, n_v_heads, k_dim, v_dim, eps
+        self.grouped_heads = grouped_heads
         device = dt_bias.device
         self.register_buffer("conv", conv.float(), persistent=False)  # (C, K)
         self.register_buffer("dt_bias", dt_bias.float(), persistent=False)  # (Hv,)
@@ -77,11 +79,16 @@ class GatedDeltaNet(nn.Module):
         self.conv_state[seq] = rows[T:]
         mixed = F.silu(causal_conv(rows, self.conv))  # (T, C)
         q, k, v = mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        repeat = Hv // Hk  # value head h reads key head h mod Hk
-        q = (l2_normalize(q.view(T, Hk, Dk), self.eps) / math.sqrt(Dk)).repeat(1, repeat, 1)
-        k = l2_normalize(k.view(T, Hk, Dk), self.eps).repeat(1, repeat, 1)
+        q = l2_normalize(q.view(T, Hk, Dk), self.eps) / math.sqrt(Dk)
+        k = l2_normalize(k.view(T, Hk, Dk), self.eps)
+        if self.grouped_heads:  # value head h reads key head h // (Hv / Hk)
+            q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
+        else:  # value head h reads key head h mod Hk
+            q, k = q.repeat(1, Hv // Hk, 1), k.repeat(1, Hv // Hk, 1)
         decay = g[:, :, None].expand(T, Hv, Dk)  # one decay per head, on every key channel
         S = self.state[seq] * keep  # (Hv, Dk, Dv)
+        # In float64: in float32 a prompt's chunked prefill and its token-by-token decode drift apart by ~1e-4 of the
+        # logits' range through the state's long memory; the rule is a small share of a step's work.
         out, self.state[seq] = (delta_rule_recurrent if T == 1 else delta_rule_chunked)(
-            q, k, v.reshape(T, Hv, Dv), decay, beta, S)
-        return out
+            q.double(), k.double(), v.reshape(T, Hv, Dv).double(), decay.double(), beta.double(), S.double())
+        return out.float()

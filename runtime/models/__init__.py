@@ -19,6 +19,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "qwen2moe": "qwen2moe",
     "qwen35moe": "qwen35moe",
     "qwen3moe": "qwen3moe",
+    "qwen3next": "qwen3next",
 }
 
 

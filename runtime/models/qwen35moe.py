@@ -47,9 +47,9 @@ class SplitProjections(nn.Module):
         return self.qkv(x), self.z(x), self.b(x), self.a(x)
 
 
-def delta_net(ctx: BuildContext, layer: int, project: nn.Module) -> GatedDeltaNet:
+def delta_net(ctx: BuildContext, layer: int, project: nn.Module, grouped_heads: bool = False) -> GatedDeltaNet:
     """The delta net of `layer` around its `project`ions: sizes from the ssm.* keys, tensors ssm_conv1d, ssm_dt.bias,
-    ssm_a, ssm_norm, ssm_out."""
+    ssm_a, ssm_norm, ssm_out; `grouped_heads` as GatedDeltaNet takes it."""
     g, w, p = ctx.weights.gguf, ctx.weights, f"blk.{layer}"
 
     def key(name: str) -> int:
@@ -63,7 +63,8 @@ def delta_net(ctx: BuildContext, layer: int, project: nn.Module) -> GatedDeltaNe
     return GatedDeltaNet(project=project, conv=conv.reshape(conv.shape[0], -1),
                          dt_bias=w.dense(f"{p}.ssm_dt.bias", torch.float32), A=w.dense(f"{p}.ssm_a", torch.float32),
                          norm=ctx.norm(f"{p}.ssm_norm.weight"), out=ctx.linear(f"{p}.ssm_out"), n_k_heads=n_k,
-                         n_v_heads=n_v, k_dim=d_state, v_dim=d_inner // n_v, eps=ctx.args.norm_eps, n_seq=ctx.n_seq)
+                         n_v_heads=n_v, k_dim=d_state, v_dim=d_inner // n_v, eps=ctx.args.norm_eps, n_seq=ctx.n_seq,
+                         grouped_heads=grouped_heads)
 
 
 def gated_attention(ctx: BuildContext, layer: int) -> GatedAttention:

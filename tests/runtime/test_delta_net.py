@@ -27,8 +27,9 @@ def linear(gen: torch.Generator, rows: int, cols: int) -> Linear:
     return Linear(torch.randn(rows, cols, generator=gen) / math.sqrt(cols), None, "w", Hooks())
 
 
-def delta_net_f64(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
-    """The layer from position 0 in float64, token by token, with the state as a plain (Hv, Dk, Dv) array."""
+def delta_net_f64(x: np.ndarray, w: dict[str, np.ndarray], grouped: bool = False) -> np.ndarray:
+    """The layer from position 0 in float64, token by token, with the state as a plain (Hv, Dk, Dv) array; value
+    head h reads key head h mod Hk, or h // (Hv / Hk) when `grouped`."""
     T = len(x)
     qkv, z, b, a = (x @ w[name].T for name in ("qkv", "z", "b", "a"))
     rows = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv])
@@ -44,7 +45,7 @@ def delta_net_f64(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
         decay = np.exp(np.log1p(np.exp(a[t] + w["dt"])) * w["A"])  # (Hv,)
         beta = 1 / (1 + np.exp(-b[t]))
         for h in range(HV):
-            kh, qh = k[h % HK], q[h % HK]
+            kh, qh = (k[h // (HV // HK)], q[h // (HV // HK)]) if grouped else (k[h % HK], q[h % HK])
             S[h] *= decay[h]
             S[h] += np.outer(kh, beta[h] * (v[h] - S[h].T @ kh))
             out[t, h] = S[h].T @ qh
@@ -62,7 +63,7 @@ class Projections(torch.nn.Module):
         return tuple(lin(x) for lin in self.linears)
 
 
-def make_delta_net(seed: int, n_seq: int = 1) -> tuple[GatedDeltaNet, dict[str, np.ndarray]]:
+def make_delta_net(seed: int, n_seq: int = 1, grouped: bool = False) -> tuple[GatedDeltaNet, dict[str, np.ndarray]]:
     gen = torch.Generator().manual_seed(seed)
     C = 2 * HK * DK + HV * DV
     proj = [linear(gen, C, D), linear(gen, HV * DV, D), linear(gen, HV, D), linear(gen, HV, D)]
@@ -72,18 +73,19 @@ def make_delta_net(seed: int, n_seq: int = 1) -> tuple[GatedDeltaNet, dict[str, 
     out = linear(gen, D, HV * DV)
     layer = GatedDeltaNet(project=Projections(*proj), conv=conv, dt_bias=dt, A=A,
                           norm=RMSNorm(norm_w, EPS, TORCH_KERNELS), out=out, n_k_heads=HK, n_v_heads=HV, k_dim=DK,
-                          v_dim=DV, eps=EPS, n_seq=n_seq)
+                          v_dim=DV, eps=EPS, n_seq=n_seq, grouped_heads=grouped)
     weights = {name: lin.weight.double().numpy() for name, lin in zip(("qkv", "z", "b", "a"), proj)}
     weights |= {"conv": conv.double().numpy(), "dt": dt.double().numpy(), "A": A.double().numpy(),
                 "norm": norm_w.double().numpy(), "out": out.weight.double().numpy()}
     return layer, weights
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["tiled", "grouped"])
 @pytest.mark.parametrize("n", [5, 64, 150])
-def test_delta_net_prefill_then_decode_equals_float64(n: int) -> None:
-    layer, w = make_delta_net(n)
+def test_delta_net_prefill_then_decode_equals_float64(n: int, grouped: bool) -> None:
+    layer, w = make_delta_net(n, grouped=grouped)
     x = torch.randn(n + 3, D, generator=torch.Generator().manual_seed(100 + n))
-    want = delta_net_f64(x.double().numpy(), w)
+    want = delta_net_f64(x.double().numpy(), w, grouped)
     got = [layer(x[:n], Step(torch.arange(n), n_slots=n))]  # one prefill, in chunks past 64 tokens
     got += [layer(x[t : t + 1], Step(torch.tensor([t]), n_slots=t + 1)) for t in range(n, n + 3)]  # then decode from its state
     got = torch.cat(got).double().numpy()
