@@ -71,6 +71,11 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
     MIMO2,
     # Qwen3.5/3.6-MoE: gated delta-net layers beside gated full attention (moeprep/synth/qwen35moe.py).
     QWEN35MOE,
+    # MiniMax-M2: q/k RMSNorm over all heads at once, partial NeoX RoPE, sigmoid routing with exp_probs_b; the
+    # experts' width is feed_forward_length.
+    ArchSpec(MODEL_ARCH.MINIMAXM2, GQA(qk_norm="full"), Moe(gating=SIGMOID),
+             derived={"n_ff": lambda g: g["n_ff_exp"], "rope_dim": lambda g: g["head_dim"] // 2},
+             metadata=EXPERT_FF | {Keys.LLM.EXPERT_GATING_FUNC: lambda c: int(SIGMOID.func)}),
     # Qwen3-Next: the same with NeoX RoPE and the delta net's projections grouped by key head.
     QWEN3NEXT,
 )}

@@ -15,6 +15,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "gpt-oss": "gpt_oss",
     "llama": "llama",
     "mimo2": "mimo2",
+    "minimax-m2": "minimax_m2",
     "olmoe": "olmoe",
     "qwen2moe": "qwen2moe",
     "qwen35moe": "qwen35moe",
