@@ -83,6 +83,7 @@ ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
     "minimax-m2": DECODER | QK_NORM | EXPERT_BIAS,
     "mimo2": DECODER | SINKS | EXPERT_BIAS | NEXTN | {"layer_out_norm": R.OTHER},  # its NextN block's head norm
     "llama": DECODER,  # Mixtral-style MoE under the llama architecture
+    "llama4": DECODER | SHARED_EXPERTS,
     "olmoe": DECODER | QK_NORM,
     "qwen3next": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,
     "qwen35moe": DECODER | QK_NORM | SHARED_EXPERTS | LINEAR_ATTENTION,

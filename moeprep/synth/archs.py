@@ -10,6 +10,7 @@ from __future__ import annotations
 from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.glm5_next import GLM5_NEXT
+from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.qwen35moe import QWEN3NEXT, QWEN35MOE
 from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Moe, SharedExpert, T,
@@ -78,4 +79,6 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
              metadata=EXPERT_FF | {Keys.LLM.EXPERT_GATING_FUNC: lambda c: int(SIGMOID.func)}),
     # Qwen3-Next: the same with NeoX RoPE and the delta net's projections grouped by key head.
     QWEN3NEXT,
+    # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
+    LLAMA4,
 )}

@@ -14,6 +14,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "glm5-next": "glm5_next",
     "gpt-oss": "gpt_oss",
     "llama": "llama",
+    "llama4": "llama4",
     "mimo2": "mimo2",
     "minimax-m2": "minimax_m2",
     "olmoe": "olmoe",

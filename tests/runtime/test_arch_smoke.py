@@ -17,7 +17,7 @@ from moeprep.synth.corpus import CALIBRATION_PATH
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
 
-ARCHS = ["mimo2", "qwen35moe", "qwen3next", "minimax-m2"]
+ARCHS = ["mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4"]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
 
@@ -34,7 +34,8 @@ def routed_layers(path) -> list[int]:
 def test_through_the_expert_cache(arch, synth_model):
     path = synth_model(arch, expert_type="F32", attn_type="F32")
     plain = moerun.load_model(path)
-    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=2))
+    slots = plain.args.n_experts // 2  # room for hits, and misses still
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=slots))
     layers = [m for m in cached.net.modules() if isinstance(m, CachedExperts)]
     assert [layer.layer for layer in layers] == routed_layers(path)
     prompt = torch.tensor(plain.tokenizer.encode(PROMPT))

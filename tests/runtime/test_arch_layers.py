@@ -1,6 +1,7 @@
-"""The shared gated delta net (layers/delta_net.py, over layers/delta_rule.py) and gated attention
-(layers/gated_attention.py) against float64 references written here from the algorithm: a prompt prefilled in chunks,
-then decoded token by token from the state it left, two sequences side by side, a sequence started anew."""
+"""The layers the newer architectures brought, against float64 references written here from the algorithm: the
+gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefilled in chunks, then decoded token by
+token from the state it left, two sequences side by side, a sequence started anew), gated attention
+(layers/gated_attention.py) and Llama 4's chunked and temperature-scaled attentions (models/llama4.py)."""
 
 from __future__ import annotations
 
@@ -171,4 +172,52 @@ def test_gated_attention_equals_float64() -> None:
         p = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[:, h // (H // G)]
     want = (out.reshape(T, H * Dh) / (1 + np.exp(-gate))) @ wo.weight.double().numpy().T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["chunked", "temperature"])
+def test_llama4_attention_equals_float64(rope: bool) -> None:
+    """Llama 4's two attentions past position 8192, where they differ from plain attention: RoPE'd layers see only
+    their own chunk of 8192 positions and RMS-normalise Q and K; RoPE-less ones see everything with the query scaled
+    by log(floor((p + 1) / 8192) + 1) / 10 + 1."""
+    from moerun.models.llama4 import CHUNK, Llama4Attention
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, G, Dh, start = 12, 4, 2, 8, CHUNK - 6  # the step crosses the chunk boundary at its 7th token
+    wq, wk, wv, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
+    args = SimpleNamespace(rope_dim=Dh, rope_base=10000.0, rope_style="normal", rope_scaling="none",
+                           rope_freq_scale=1.0, rope_attn_factor=1.0)
+    n_ctx = start + T
+    layer = Llama4Attention(wq=wq, wk=wk, wv=wv, wo=wo, rope=Rope(args, n_ctx, torch.device("cpu")) if rope else None,
+                            qk_norm=True, chunk=CHUNK if rope else 0,
+                            cache=KVCache(n_ctx, G, Dh, Dh, torch.float32, torch.device("cpu")), n_heads=H,
+                            n_kv_heads=G, head_dim=Dh, eps=EPS, kernels=TORCH_KERNELS)
+    x = torch.randn(start + T, D, generator=gen)
+    layer(x[:start], Step(torch.arange(start), n_slots=start))
+    got = layer(x[start:], Step(torch.arange(start, start + T), n_slots=start + T)).double().numpy()
+
+    xd, pos = x.double().numpy(), np.arange(start + T)
+    q = (xd @ wq.weight.double().numpy().T).reshape(-1, H, Dh)[start:]
+    k = (xd @ wk.weight.double().numpy().T).reshape(-1, G, Dh)
+    v = (xd @ wv.weight.double().numpy().T).reshape(-1, G, Dh)
+    if rope:
+        def rotate(t: np.ndarray, p: np.ndarray) -> np.ndarray:  # adjacent pairs
+            ang = p[:, None, None] * 10000.0 ** (-np.arange(Dh // 2) * 2 / Dh)
+            a, b = t[..., 0::2], t[..., 1::2]
+            return np.stack([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1).reshape(t.shape)
+
+        unit = lambda t: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS)  # noqa: E731
+        q, k = unit(rotate(q, pos[start:])), unit(rotate(k, pos))
+    else:
+        q = q * (np.log(np.floor((pos[start:] + 1.0) / CHUNK) + 1) * 0.1 + 1)[:, None, None]
+    out = np.zeros((T, H, Dh))
+    for t in range(T):
+        p = start + t
+        first = p // CHUNK * CHUNK if rope else 0
+        for h in range(H):
+            kk, vv = k[first : p + 1, h // (H // G)], v[first : p + 1, h // (H // G)]
+            s = kk @ q[t, h] / math.sqrt(Dh)
+            e = np.exp(s - s.max())
+            out[t, h] = e @ vv / e.sum()
+    want = out.reshape(T, H * Dh) @ wo.weight.double().numpy().T
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
