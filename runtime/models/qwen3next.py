@@ -9,15 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeprep.gguf.reader import GGUFModel
 from moerun.layers import Block, Linear
 from moerun.models.base import BuildContext
+from moerun.models.qwen35moe import read_args  # noqa: F401  (the same hyperparameters)
 from moerun.models.qwen35moe import delta_net, gated_attention, recurrent_layers, shared_gated_moe
-from moerun.models.qwen35moe import read_args as qwen35moe_args
-
-
-def read_args(g: GGUFModel):
-    return qwen35moe_args(g)
 
 
 class GroupedProjections(nn.Module):

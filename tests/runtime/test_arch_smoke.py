@@ -93,3 +93,18 @@ def test_greedy_generation_follows_the_argmax(arch, synth_model):
     for token in out:
         assert token == int(model.forward(torch.tensor(seq))[-1].argmax())
         seq.append(token)
+
+
+def test_llama4_with_several_experts_per_token_is_refused(synth_model, tmp_path):
+    """Llama 4 scales the expert's input by its router weight, which moerun does for one expert per token only."""
+    from gguf import GGUFValueType
+
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import KVValue, write_gguf
+
+    path = tmp_path / "two.gguf"
+    write_gguf(path, open_gguf(synth_model("llama4")),
+               kv_set={"llama4.expert_used_count": KVValue(2, GGUFValueType.UINT32)})
+    with pytest.raises(MoeprepError, match="2 experts per token is not supported"):
+        moerun.load_model(path)
