@@ -53,6 +53,10 @@ NEXTN = {  # multi-token-prediction layers (GLM-4.5, DeepSeek-V3)
 INDEXER = {  # DeepSeek-V3.2 sparse-attention indexer
     "indexer.k_norm": R.OTHER, "indexer.proj": R.OTHER, "indexer.attn_k": R.OTHER, "indexer.attn_q_b": R.OTHER,
 }
+# DeepSeek-V3.2's indexer matrices, which llama-quantize requantizes as it does attention (checked byte for byte on
+# synthetic deepseek32 files, tests/quant/test_whole_file_peer.py)
+DSA_INDEXER = {"indexer.k_norm": R.OTHER, "indexer.proj": R.ATTENTION, "indexer.attn_k": R.ATTENTION,
+               "indexer.attn_q_b": R.ATTENTION}
 LINEAR_ATTENTION = {  # Qwen3-Next / Qwen3.5-MoE gated delta-net layers
     "attn_gate": R.ATTENTION, "ssm_conv1d": R.OTHER, "ssm_dt": R.OTHER, "ssm_a": R.OTHER, "ssm_norm": R.OTHER,
     # the delta net's matrices, which llama-quantize requantizes as it does attention (checked byte for byte on
@@ -78,6 +82,7 @@ ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
     "qwen3moe": DECODER | QK_NORM,
     "qwen2moe": DECODER | SHARED_EXPERTS,
     "deepseek2": DECODER | MLA | SHARED_EXPERTS | EXPERT_BIAS | NEXTN | INDEXER,
+    "deepseek32": DECODER | MLA | SHARED_EXPERTS | EXPERT_BIAS | NEXTN | DSA_INDEXER,
     "glm4moe": DECODER | QK_NORM | SHARED_EXPERTS | EXPERT_BIAS | NEXTN,
     "gpt-oss": DECODER | SINKS,
     "minimax-m2": DECODER | QK_NORM | EXPERT_BIAS,

@@ -7,16 +7,47 @@ module and joins the table here. Letters as in parts.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.qwen35moe import QWEN3NEXT, QWEN35MOE
+from moeprep.synth.config import SynthConfig
 from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Moe, SharedExpert, T,
-                                 tensor_name)
+                                 TensorSpec, bias, matrix_in, norm, tensor_name)
 
 __all__ = ["ARCHS", "tensor_name"]  # tensor_name: moeprep/synth/routing.py looks it up beside the table
+
+INDEXER_TOP_K = 2048  # as in DeepSeek-V3.2: more than a test's positions, so the indexer selects them all
+INDEXER_HEAD = 64  # llama.cpp rotates the indexer's heads by a Hadamard matrix of 64 or more (V3.2: 128)
+
+
+@dataclass(frozen=True)
+class MLAWithIndexer:
+    """DeepSeek-V3.2's attention: MLA (absorbed layout) plus its lightning indexer: k_norm [di] with a bias,
+    proj [Hi, D], attn_k [di, D], attn_q_b [Hi di, Cq]; Hi = n_head, di = INDEXER_HEAD."""
+
+    def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
+        Hi, di = c.n_head, INDEXER_HEAD
+        return [*MLA().tensors(c, il), norm(T.INDEXER_K_NORM, il, di), bias(T.INDEXER_K_NORM, il, (di,)),
+                matrix_in(T.INDEXER_PROJ, il, (Hi, c.n_embd)), matrix_in(T.INDEXER_ATTN_K, il, (di, c.n_embd)),
+                matrix_in(T.INDEXER_ATTN_Q_B, il, (Hi * di, c.q_lora_rank))]
+
+    def metadata(self, c: SynthConfig) -> dict[str, Any]:
+        return MLA().metadata(c) | {Keys.Attention.Indexer.HEAD_COUNT: c.n_head,
+                                    Keys.Attention.Indexer.KEY_LENGTH: INDEXER_HEAD,
+                                    Keys.Attention.Indexer.TOP_K: INDEXER_TOP_K}
+
+
+DEEPSEEK_DERIVED = {"n_head_kv": lambda g: g["n_head"], "n_dense_lead": lambda g: 1,
+                    "n_expert_shared": lambda g: 1, "expert_weights_scale": lambda g: 2.5,
+                    "q_lora_rank": lambda g: g["n_embd"], "kv_lora_rank": lambda g: min(g["n_embd"], 512),
+                    "qk_nope_dim": lambda g: g["head_dim"], "qk_rope_dim": lambda g: g["head_dim"] // 2,
+                    "v_head_dim": lambda g: g["head_dim"], "rope_dim": lambda g: g["qk_rope_dim"]}
 
 FULL_ROTARY = (lambda c: c.rope_dim == c.head_dim, "this architecture rotates whole heads (rope_dim == head_dim)")
 HEADS_SPAN_EMBD = (lambda c: c.n_head * c.head_dim == c.n_embd, "q and output are [n_embd, n_embd]: "
@@ -79,6 +110,14 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
              metadata=EXPERT_FF | {Keys.LLM.EXPERT_GATING_FUNC: lambda c: int(SIGMOID.func)}),
     # Qwen3-Next: the same with NeoX RoPE and the delta net's projections grouped by key head.
     QWEN3NEXT,
+    # DeepSeek-V3.2 (a name gguf-py 0.19 does not know): DeepSeek-V3 with DSA, MLA in the absorbed layout over
+    # the positions its lightning indexer selects.
+    ArchSpec("deepseek32", MLAWithIndexer(), Moe(gating=SIGMOID, shared=SharedExpert(
+                 lambda c: c.n_ff_exp * c.n_expert_shared)),
+             derived=DEEPSEEK_DERIVED | {"mla_split": lambda g: True},
+             metadata=EXPERT_FF | SIGMOID_ROUTING,
+             checks=((lambda c: c.mla_split, "deepseek32 stores MLA absorbed: mla_split must be true"),
+                     (lambda c: c.rope_dim <= INDEXER_HEAD, f"the indexer rotates rope_dim of its {INDEXER_HEAD} channels"))),
     # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
     LLAMA4,
 )}

@@ -10,6 +10,7 @@ from moeprep.errors import MoeprepError
 
 ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "deepseek2": "deepseek2",
+    "deepseek32": "deepseek32",
     "glm4moe": "glm4moe",
     "glm5-next": "glm5_next",
     "gpt-oss": "gpt_oss",
