@@ -118,6 +118,12 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
              metadata=EXPERT_FF | SIGMOID_ROUTING,
              checks=((lambda c: c.mla_split, "deepseek32 stores MLA absorbed: mla_split must be true"),
                      (lambda c: c.rope_dim <= INDEXER_HEAD, f"the indexer rotates rope_dim of its {INDEXER_HEAD} channels"))),
+    # dots.llm1: Qwen3's attention (MHA here, as llama.cpp loads it) over DeepSeek-V3's FFN.
+    ArchSpec(MODEL_ARCH.DOTS1, GQA(qk_norm="head"), Moe(gating=SIGMOID, shared=SharedExpert(
+                 lambda c: c.n_ff_exp * c.n_expert_shared)),
+             derived={"n_head_kv": lambda g: g["n_head"], "n_dense_lead": lambda g: 1,
+                      "n_expert_shared": lambda g: 1, "expert_weights_scale": lambda g: 2.5},
+             metadata=EXPERT_FF | SIGMOID_ROUTING, checks=(FULL_ROTARY,)),
     # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
     LLAMA4,
 )}

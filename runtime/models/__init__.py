@@ -13,6 +13,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "deepseek32": "deepseek32",
     "glm4moe": "glm4moe",
     "glm5-next": "glm5_next",
+    "dots1": "dots1",
     "gpt-oss": "gpt_oss",
     "llama": "llama",
     "llama4": "llama4",
