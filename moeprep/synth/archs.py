@@ -17,8 +17,8 @@ from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.qwen35moe import QWEN3NEXT, QWEN35MOE
 from moeprep.synth.config import SynthConfig
-from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Moe, SharedExpert, T,
-                                 TensorSpec, bias, matrix_in, norm, tensor_name)
+from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Gating, Moe, SharedExpert,
+                                 T, TensorSpec, bias, matrix_in, norm, tensor_name)
 
 __all__ = ["ARCHS", "tensor_name"]  # tensor_name: moeprep/synth/routing.py looks it up beside the table
 
@@ -48,6 +48,10 @@ DEEPSEEK_DERIVED = {"n_head_kv": lambda g: g["n_head"], "n_dense_lead": lambda g
                     "q_lora_rank": lambda g: g["n_embd"], "kv_lora_rank": lambda g: min(g["n_embd"], 512),
                     "qk_nope_dim": lambda g: g["head_dim"], "qk_rope_dim": lambda g: g["head_dim"] // 2,
                     "v_head_dim": lambda g: g["head_dim"], "rope_dim": lambda g: g["qk_rope_dim"]}
+
+# Softmax routing whose choice adds exp_probs_b to the probabilities (ERNIE 4.5): the skew goes there, in
+# probability units.
+SOFTMAX_BIASED = Gating(router_logit_std=3.0, skew_in_probs_bias=True, skew_scale=0.3, func=None)
 
 FULL_ROTARY = (lambda c: c.rope_dim == c.head_dim, "this architecture rotates whole heads (rope_dim == head_dim)")
 HEADS_SPAN_EMBD = (lambda c: c.n_head * c.head_dim == c.n_embd, "q and output are [n_embd, n_embd]: "
@@ -124,6 +128,13 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
              derived={"n_head_kv": lambda g: g["n_head"], "n_dense_lead": lambda g: 1,
                       "n_expert_shared": lambda g: 1, "expert_weights_scale": lambda g: 2.5},
              metadata=EXPERT_FF | SIGMOID_ROUTING, checks=(FULL_ROTARY,)),
+    # ERNIE 4.5 MoE: plain GQA, a leading dense layer, softmax routing with exp_probs_b, a shared expert.
+    ArchSpec(MODEL_ARCH.ERNIE4_5_MOE, GQA(), Moe(gating=SOFTMAX_BIASED, shared=SharedExpert(lambda c: c.n_ff_exp)),
+             derived={"n_dense_lead": lambda g: 1},
+             metadata=EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp,
+                                   Keys.LLM.LEADING_DENSE_BLOCK_COUNT: lambda c: c.n_dense_lead,
+                                   Keys.LLM.INTERLEAVE_MOE_LAYER_STEP: lambda c: 1},
+             checks=(FULL_ROTARY,)),
     # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
     LLAMA4,
 )}

@@ -14,6 +14,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "glm4moe": "glm4moe",
     "glm5-next": "glm5_next",
     "dots1": "dots1",
+    "ernie4_5-moe": "ernie4_5_moe",
     "gpt-oss": "gpt_oss",
     "llama": "llama",
     "llama4": "llama4",
