@@ -16,7 +16,7 @@ from moeprep.synth import SYNTH_ARCHS, write_synth_model
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
 # the issue's five (Mixtral is `llama` in GGUF) and GLM-5.3-Flash (issue 17)
-FAMILIES = {"qwen3moe", "deepseek2", "glm4moe", "gpt-oss", "llama", "glm5-next", "mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe"}
+FAMILIES = {"qwen3moe", "deepseek2", "glm4moe", "gpt-oss", "llama", "glm5-next", "mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe", "hunyuan-moe"}
 GOOD = """
 name = "Test"
 arch = "qwen3moe"

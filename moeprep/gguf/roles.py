@@ -87,6 +87,7 @@ ROLE_TABLES: dict[str, dict[str, TensorRole]] = {
     "gpt-oss": DECODER | SINKS,
     "dots1": DECODER | QK_NORM | SHARED_EXPERTS | EXPERT_BIAS,
     "ernie4_5-moe": DECODER | SHARED_EXPERTS | EXPERT_BIAS,
+    "hunyuan-moe": DECODER | QK_NORM | SHARED_EXPERTS,
     "minimax-m2": DECODER | QK_NORM | EXPERT_BIAS,
     "mimo2": DECODER | SINKS | EXPERT_BIAS | NEXTN | {"layer_out_norm": R.OTHER},  # its NextN block's head norm
     "llama": DECODER,  # Mixtral-style MoE under the llama architecture

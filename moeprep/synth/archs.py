@@ -135,6 +135,12 @@ ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
                                    Keys.LLM.LEADING_DENSE_BLOCK_COUNT: lambda c: c.n_dense_lead,
                                    Keys.LLM.INTERLEAVE_MOE_LAYER_STEP: lambda c: 1},
              checks=(FULL_ROTARY,)),
+    # Hunyuan-A13B: per-head q/k RMSNorm (after RoPE), softmax routing, an ungated shared expert; the experts'
+    # width is feed_forward_length.
+    ArchSpec(MODEL_ARCH.HUNYUAN_MOE, GQA(qk_norm="head"), Moe(shared=SharedExpert(lambda c: c.n_ff_exp)),
+             derived={"n_ff": lambda g: g["n_ff_exp"]},
+             metadata=EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp},
+             checks=(FULL_ROTARY,)),
     # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
     LLAMA4,
 )}

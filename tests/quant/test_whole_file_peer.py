@@ -30,6 +30,7 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
     ("qwen3next", "small", "Q4_K", {}), ("qwen3next", "tiny", "Q4_K", {}),  # ssm_in, ssm_ba
     ("minimax-m2", "small", "Q4_K", {}), ("llama4", "small", "Q4_K", {}), ("deepseek32", "small", "Q4_K", {}),
     ("dots1", "small", "Q4_K", {}), ("ernie4_5-moe", "small", "Q4_K", {}),
+    ("hunyuan-moe", "small", "Q4_K", {}),
 ], ids=lambda v: ",".join(v) if isinstance(v, dict) else v)
 def test_tensors_equal_llama_cpp_quantize(arch: str, preset: str, attn_type: str, options: dict,
                                           tmp_path: Path) -> None:

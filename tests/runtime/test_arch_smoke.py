@@ -17,7 +17,7 @@ from moeprep.synth.corpus import CALIBRATION_PATH
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
 
-ARCHS = ["mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe"]
+ARCHS = ["mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe", "hunyuan-moe"]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
 

@@ -161,7 +161,7 @@ QUANTIZED = [("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K"), ("qwen3moe", "Q6_K"), (
              ("gpt-oss", "Q8_0"), ("llama", "Q4_K"), ("qwen2moe", "Q6_K"), ("olmoe", "Q8_0"),
              ("glm4moe", "Q4_K"), ("deepseek2", "Q4_K"), ("deepseek2", "Q8_0"),
              ("mimo2", "Q8_0"), ("mimo2", "Q4_K"), ("qwen35moe", "Q8_0"), ("qwen35moe", "Q4_K"),
-             ("qwen3next", "Q8_0"), ("qwen3next", "Q4_K"), ("minimax-m2", "Q4_K"), ("llama4", "Q8_0"), ("dots1", "Q8_0"), ("ernie4_5-moe", "Q4_K")]
+             ("qwen3next", "Q8_0"), ("qwen3next", "Q4_K"), ("minimax-m2", "Q4_K"), ("llama4", "Q8_0"), ("dots1", "Q8_0"), ("ernie4_5-moe", "Q4_K"), ("hunyuan-moe", "Q4_K")]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
 
