@@ -36,7 +36,8 @@ class ModelArgs:
     dim: int  # D
     n_layers: int  # L, decoder blocks run (nextn/MTP blocks excluded)
     n_heads: int  # H
-    n_kv_heads: int
+    n_kv_heads: int  # the most any layer has
+    kv_heads_by_layer: tuple[int, ...]  # per layer (mimo2's sliding and full layers differ)
     head_dim: int  # Dh for Q and K
     v_head_dim: int
     n_ctx_train: int
@@ -55,6 +56,7 @@ class ModelArgs:
     yarn_beta_slow: float
     yarn_log_mul: float
     attn_scale: float  # 0: 1/sqrt(head_dim)
+    attn_value_scale: float  # multiplies the attention output (mimo2); 0 or 1: none
     sliding_window: int  # 0: none
     swa_layers: tuple[bool, ...]  # per layer: does it use the sliding window
     # MoE
@@ -78,8 +80,10 @@ class ModelArgs:
 
     @classmethod
     def from_gguf(cls, g: GGUFModel, *, fixed: dict[str, Any] | None = None,
-                  defaults: dict[str, Any] | None = None) -> ModelArgs:
-        """Read the metadata of `g`. `defaults` fill keys the file lacks; `fixed` are arch facts that win over it."""
+                  defaults: dict[str, Any] | None = None, kv_heads_vary: bool = False) -> ModelArgs:
+        """Read the metadata of `g`. `defaults` fill keys the file lacks; `fixed` are arch facts that win over it.
+        `kv_heads_vary`: the arch builds each layer with its own KV head count (kv_heads_by_layer), so a per-layer
+        head_count_kv need not be uniform."""
         arch = g.arch
         defaults = defaults or {}
 
@@ -87,6 +91,8 @@ class ModelArgs:
             value = g.get(key.format(arch=arch))
             if value is None:
                 return defaults.get(field, default)
+            if isinstance(value, list) and kv_heads_vary and key == ATT.HEAD_COUNT_KV:
+                return max(value)
             if isinstance(value, list):  # per-layer arrays: supported when uniform over the layers that use them
                 used = [v for v in value if v] or [0]
                 if len(set(used)) != 1:
@@ -108,13 +114,18 @@ class ModelArgs:
         n_vocab = int(get(LLM.VOCAB_SIZE, "n_vocab", len(g.get(Keys.Tokenizer.LIST, ()))))
         n_experts_used = int(get(LLM.EXPERT_USED_COUNT, "n_experts_used", 0))
         ffn_dim = int(get(LLM.FEED_FORWARD_LENGTH, "ffn_dim", 0))
+        n_layers = int(need(LLM.BLOCK_COUNT)) - n_nextn
+        n_kv_heads = int(get(ATT.HEAD_COUNT_KV, "n_kv_heads", n_heads))
+        kv_list = g.get(ATT.HEAD_COUNT_KV.format(arch=arch))
         values = dict(
             arch=arch,
             n_vocab=n_vocab,
             dim=dim,
-            n_layers=int(need(LLM.BLOCK_COUNT)) - n_nextn,
+            n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=int(get(ATT.HEAD_COUNT_KV, "n_kv_heads", n_heads)),
+            n_kv_heads=n_kv_heads,
+            kv_heads_by_layer=(tuple(int(v) for v in kv_list[:n_layers]) if isinstance(kv_list, list)
+                               else (n_kv_heads,) * n_layers),
             head_dim=head_dim,
             v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // n_heads)),
             n_ctx_train=n_ctx_train,
@@ -132,6 +143,7 @@ class ModelArgs:
             yarn_beta_slow=float(get(ROPE.SCALING_YARN_BETA_SLOW, "yarn_beta_slow", 1.0)),
             yarn_log_mul=float(get(ROPE.SCALING_YARN_LOG_MUL, "yarn_log_mul", 0.0)),
             attn_scale=float(get(ATT.SCALE, "attn_scale", 0.0)),
+            attn_value_scale=float(get("{arch}.attention.value_scale", "attn_value_scale", 0.0)),  # no gguf-py constant
             sliding_window=int(get(ATT.SLIDING_WINDOW, "sliding_window", 0)),
             swa_layers=(),
             n_experts=int(get(LLM.EXPERT_COUNT, "n_experts", 0)),

@@ -33,7 +33,8 @@ from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
 from moerun.cache.config import CacheConfig
 from moerun.cache.placement import place
-from moerun.models.glm5_next import KDA_CHUNK, KDA_SUBCHUNK, kda_chunked, kda_recurrent
+from moerun.layers.delta_rule import CHUNK as KDA_CHUNK, SUBCHUNK as KDA_SUBCHUNK
+from moerun.layers.delta_rule import delta_rule_chunked as kda_chunked, delta_rule_recurrent as kda_recurrent
 from moerun.step import Step
 from moerun.tokenizer import Tokenizer
 from tests.oracle import GGMLTensor, _backend, _ggml_base, llama_quantize

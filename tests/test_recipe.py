@@ -15,8 +15,9 @@ from moeprep.recipe import SECTIONS, load_recipe, parse_recipe, recipe_text
 from moeprep.synth import SYNTH_ARCHS, write_synth_model
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
-# the five families recipes/ covers (Mixtral is `llama` in GGUF) and GLM-5.3-Flash
-FAMILIES = {"qwen3moe", "deepseek2", "glm4moe", "gpt-oss", "llama", "glm5-next"}
+# the families recipes/ covers (Mixtral is `llama` in GGUF), GLM-5.3-Flash and the newer MoE releases
+FAMILIES = {"qwen3moe", "deepseek2", "glm4moe", "gpt-oss", "llama", "glm5-next", "mimo2", "qwen35moe", "qwen3next",
+            "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe", "hunyuan-moe"}
 GOOD = """
 name = "Test"
 arch = "qwen3moe"
@@ -42,12 +43,12 @@ def test_recipe_plans_on_its_architecture(path: Path, tmp_path: Path) -> None:
     recipe = load_recipe(path)
     assert recipe.arch in SYNTH_ARCHS
     # deepseek2: the layout with attn_k_b, whose rows are qk_nope_head_dim = 128 wide as in V3
-    options = {"mla_split": True, "qk_nope_dim": 128} if recipe.arch == "deepseek2" else {}
+    options = {"mla_split": True, "qk_nope_dim": 128} if recipe.arch in ("deepseek2", "deepseek32") else {}
     model = open_gguf(write_synth_model(tmp_path / "m.gguf", recipe.arch, **options))
     plan = plan_requant(model, parse_type(recipe.quantize.attn), [parse_rule(r) for r in recipe.quantize.types])
     assert all(p.new_type == p.tensor.ggml_type for p in plan.tensors if p.role.value == "expert")
     assert any(p.requantize for p in plan.tensors)
-    if recipe.arch == "deepseek2":
+    if recipe.arch in ("deepseek2", "deepseek32"):
         k_b = [p for p in plan.tensors if ".attn_k_b." in p.tensor.name]
         assert k_b and all(p.new_type == T.Q8_0 and "attn_k_b=Q8_0" in p.reason for p in k_b)
 

@@ -219,10 +219,13 @@ def test_metadata_follows_the_arch_table(tiny_models: dict[str, Path]) -> None:
     assert kv["glm4moe"]["glm4moe.rope.dimension_count"] == 8  # partial rotary: half of head_dim 16
     assert kv["gpt-oss"]["gpt-oss.attention.sliding_window"] == 16
     assert kv["llama"]["llama.feed_forward_length"] == 32  # Mixtral: the experts' width
+    assert kv["llama4"]["llama4.interleave_moe_layer_step"] == 2
+    assert kv["mimo2"]["mimo2.attention.head_count_kv"] == [2, 4, 2]  # sliding layers have twice the KV heads
     for arch, keys in kv.items():
         assert keys["general.architecture"] == arch
         assert keys["tokenizer.ggml.pre"] == "qwen2"
-        assert keys[f"{arch}.expert_count"] == 16 and keys[f"{arch}.expert_used_count"] == 4
+        used = 1 if arch == "llama4" else 4  # Llama 4 routes to one expert
+        assert keys[f"{arch}.expert_count"] == 16 and keys[f"{arch}.expert_used_count"] == used
 
 
 def test_failed_write_leaves_nothing(tmp_path: Path) -> None:

@@ -10,13 +10,22 @@ from moeprep.errors import MoeprepError
 
 ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "deepseek2": "deepseek2",
+    "deepseek32": "deepseek32",
     "glm4moe": "glm4moe",
     "glm5-next": "glm5_next",
+    "dots1": "dots1",
+    "ernie4_5-moe": "ernie4_5_moe",
     "gpt-oss": "gpt_oss",
+    "hunyuan-moe": "hunyuan_moe",
     "llama": "llama",
+    "llama4": "llama4",
+    "mimo2": "mimo2",
+    "minimax-m2": "minimax_m2",
     "olmoe": "olmoe",
     "qwen2moe": "qwen2moe",
+    "qwen35moe": "qwen35moe",
     "qwen3moe": "qwen3moe",
+    "qwen3next": "qwen3next",
 }
 
 

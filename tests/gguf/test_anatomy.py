@@ -16,7 +16,7 @@ from moeprep.gguf.roles import TensorRole
 from moeprep.gguf.writer import write_gguf
 from moeprep.synth import SYNTH_ARCHS, write_synth_model
 
-LEADING_DENSE = {"deepseek2": [0], "glm4moe": [0], "glm5-next": [0]}
+LEADING_DENSE = {"deepseek2": [0], "glm4moe": [0], "glm5-next": [0], "mimo2": [0], "llama4": [0, 2], "deepseek32": [0], "dots1": [0], "ernie4_5-moe": [0]}  # llama4: interleaved
 NEXTN = {"glm5-next": [5]}  # blocks with experts that no decoder runs
 
 

@@ -42,10 +42,10 @@ EXPECTED: dict[str, dict[str, TensorRole]] = {
     "llama": COMMON | GQA,
     "olmoe": COMMON | GQA | QK_NORM,
     "qwen3next": COMMON | GQA | QK_NORM | SHEXP | {
-        "blk.0.attn_gate.weight": R.ATTENTION, "blk.0.ssm_conv1d.weight": R.OTHER, "blk.0.ssm_out.weight": R.OTHER,
+        "blk.0.attn_gate.weight": R.ATTENTION, "blk.0.ssm_conv1d.weight": R.OTHER, "blk.0.ssm_out.weight": R.ATTENTION,
         "blk.0.ssm_a": R.OTHER, "blk.0.ssm_dt.bias": R.OTHER, "blk.1.ffn_gate_inp_shexp.weight": R.ROUTER,
     },
-    "qwen35moe": COMMON | GQA | QK_NORM | SHEXP | {"blk.0.attn_gate.weight": R.ATTENTION, "blk.0.ssm_in.weight": R.OTHER},
+    "qwen35moe": COMMON | GQA | QK_NORM | SHEXP | {"blk.0.attn_gate.weight": R.ATTENTION, "blk.0.ssm_in.weight": R.ATTENTION},
 }
 
 

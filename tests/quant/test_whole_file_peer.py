@@ -26,6 +26,12 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
     ("olmoe", "small", "Q8_0", {}), ("qwen2moe", "small", "Q4_K", {}), ("llama", "small", "Q6_K", {}),
     ("deepseek2", "small", "Q4_K", {"mla_split": True}),  # 3-D attn_k_b / attn_v_b, one slice per head
     ("deepseek2", "tiny", "Q4_K", {}), ("gpt-oss", "tiny", "Q4_K", {}),  # rows that cannot be Q4_K: the fallbacks
+    ("mimo2", "small", "Q4_K", {}), ("mimo2", "tiny", "Q4_K", {}),  # per-layer KV heads, sinks on some layers
+    ("qwen35moe", "small", "Q4_K", {}), ("qwen35moe", "tiny", "Q4_K", {}),  # delta-net tensors
+    ("qwen3next", "small", "Q4_K", {}), ("qwen3next", "tiny", "Q4_K", {}),  # ssm_in, ssm_ba
+    ("minimax-m2", "small", "Q4_K", {}), ("llama4", "small", "Q4_K", {}), ("deepseek32", "small", "Q4_K", {}),
+    ("dots1", "small", "Q4_K", {}), ("ernie4_5-moe", "small", "Q4_K", {}),
+    ("hunyuan-moe", "small", "Q4_K", {}),
 ], ids=lambda v: ",".join(v) if isinstance(v, dict) else v)
 def test_tensors_equal_llama_cpp_quantize(arch: str, preset: str, attn_type: str, options: dict,
                                           tmp_path: Path) -> None:

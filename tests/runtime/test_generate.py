@@ -54,7 +54,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
     return math.exp(nll / count)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe", "hunyuan-moe"])
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):
     path = synth_model(arch)
     model = moerun.load_model(path, n_ctx=128)

@@ -1,0 +1,223 @@
+"""The layers the newer architectures brought, against float64 references written here from the algorithm: the
+gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefilled in chunks, then decoded token by
+token from the state it left, two sequences side by side, a sequence started anew), gated attention
+(layers/gated_attention.py) and Llama 4's chunked and temperature-scaled attentions (models/llama4.py)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moerun.hooks import Hooks
+from moerun.kv_cache import KVCache
+from moerun.layers import TORCH_KERNELS, Linear, RMSNorm, Rope
+from moerun.layers.delta_net import GatedDeltaNet
+from moerun.layers.delta_rule import delta_rule_chunked, delta_rule_recurrent
+from moerun.layers.gated_attention import GatedAttention
+from moerun.step import Step
+
+D, HK, HV, DK, DV, K, EPS = 24, 2, 4, 8, 6, 4, 1e-6
+
+
+def linear(gen: torch.Generator, rows: int, cols: int) -> Linear:
+    return Linear(torch.randn(rows, cols, generator=gen) / math.sqrt(cols), None, "w", Hooks())
+
+
+def delta_net_f64(x: np.ndarray, w: dict[str, np.ndarray], grouped: bool = False) -> np.ndarray:
+    """The layer from position 0 in float64, token by token, with the state as a plain (Hv, Dk, Dv) array; value
+    head h reads key head h mod Hk, or h // (Hv / Hk) when `grouped`."""
+    T = len(x)
+    qkv, z, b, a = (x @ w[name].T for name in ("qkv", "z", "b", "a"))
+    rows = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv])
+    conv = np.stack([(rows[t:t + K] * w["conv"].T).sum(0) for t in range(T)])
+    mixed = conv / (1 + np.exp(-conv))
+    S, out = np.zeros((HV, DK, DV)), np.zeros((T, HV, DV))
+    for t in range(T):
+        q = mixed[t, : HK * DK].reshape(HK, DK)
+        k = mixed[t, HK * DK : 2 * HK * DK].reshape(HK, DK)
+        v = mixed[t, 2 * HK * DK :].reshape(HV, DV)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + EPS) / math.sqrt(DK)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + EPS)
+        decay = np.exp(np.log1p(np.exp(a[t] + w["dt"])) * w["A"])  # (Hv,)
+        beta = 1 / (1 + np.exp(-b[t]))
+        for h in range(HV):
+            kh, qh = (k[h // (HV // HK)], q[h // (HV // HK)]) if grouped else (k[h % HK], q[h % HK])
+            S[h] *= decay[h]
+            S[h] += np.outer(kh, beta[h] * (v[h] - S[h].T @ kh))
+            out[t, h] = S[h].T @ qh
+    normed = out / np.sqrt((out * out).mean(-1, keepdims=True) + EPS) * w["norm"]
+    gated = normed * (z / (1 + np.exp(-z))).reshape(T, HV, DV)
+    return gated.reshape(T, HV * DV) @ w["out"].T
+
+
+class Projections(torch.nn.Module):
+    def __init__(self, *linears: Linear) -> None:
+        super().__init__()
+        self.linears = torch.nn.ModuleList(linears)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(lin(x) for lin in self.linears)
+
+
+def make_delta_net(seed: int, n_seq: int = 1, grouped: bool = False) -> tuple[GatedDeltaNet, dict[str, np.ndarray]]:
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * HK * DK + HV * DV
+    proj = [linear(gen, C, D), linear(gen, HV * DV, D), linear(gen, HV, D), linear(gen, HV, D)]
+    conv = torch.randn(C, K, generator=gen) / math.sqrt(K)
+    dt, A = torch.randn(HV, generator=gen), -torch.exp(0.3 * torch.randn(HV, generator=gen))
+    norm_w = 1 + 0.1 * torch.randn(DV, generator=gen)
+    out = linear(gen, D, HV * DV)
+    layer = GatedDeltaNet(project=Projections(*proj), conv=conv, dt_bias=dt, A=A,
+                          norm=RMSNorm(norm_w, EPS, TORCH_KERNELS), out=out, n_k_heads=HK, n_v_heads=HV, k_dim=DK,
+                          v_dim=DV, eps=EPS, n_seq=n_seq, grouped_heads=grouped)
+    weights = {name: lin.weight.double().numpy() for name, lin in zip(("qkv", "z", "b", "a"), proj)}
+    weights |= {"conv": conv.double().numpy(), "dt": dt.double().numpy(), "A": A.double().numpy(),
+                "norm": norm_w.double().numpy(), "out": out.weight.double().numpy()}
+    return layer, weights
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["tiled", "grouped"])
+@pytest.mark.parametrize("n", [5, 64, 150])
+def test_delta_net_prefill_then_decode_equals_float64(n: int, grouped: bool) -> None:
+    layer, w = make_delta_net(n, grouped=grouped)
+    x = torch.randn(n + 3, D, generator=torch.Generator().manual_seed(100 + n))
+    want = delta_net_f64(x.double().numpy(), w, grouped)
+    got = [layer(x[:n], Step(torch.arange(n), n_slots=n))]  # one prefill, in chunks past 64 tokens
+    got += [layer(x[t : t + 1], Step(torch.tensor([t]), n_slots=t + 1)) for t in range(n, n + 3)]  # then decode from its state
+    got = torch.cat(got).double().numpy()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # position 0 starts anew: the same prompt again gives the same outputs, whatever the state held
+    again = layer(x[:n], Step(torch.arange(n), n_slots=n)).double().numpy()
+    assert np.abs(again - want[:n]).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_delta_net_sequences_keep_their_own_state() -> None:
+    layer, w = make_delta_net(7, n_seq=2)
+    gen = torch.Generator().manual_seed(8)
+    a, b = torch.randn(10, D, generator=gen), torch.randn(12, D, generator=gen)
+    want_a, want_b = delta_net_f64(a.double().numpy(), w), delta_net_f64(b.double().numpy(), w)
+    layer(b[:11], Step(torch.arange(11), n_slots=11, seq=1))
+    layer(a[:9], Step(torch.arange(9), n_slots=9, seq=0))
+    both = layer(torch.stack([a[9], b[11]]), Step(torch.tensor([9, 11]), n_slots=12, seqs=torch.tensor([0, 1])))
+    scale = max(np.abs(want_a).max(), np.abs(want_b).max())
+    assert np.abs(both[0].double().numpy() - want_a[9]).max() <= 1e-5 * scale
+    assert np.abs(both[1].double().numpy() - want_b[11]).max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("n", [3, 64, 130])
+def test_delta_rule_with_one_decay_per_head_and_unequal_sizes(n: int) -> None:
+    """The gated delta net's use of the shared rule: the decay the same on every key channel, Dk != Dv."""
+    gen = torch.Generator().manual_seed(n)
+    H = 3
+    q, k = (F.normalize(torch.randn(n, H, DK, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(n, H, DV, generator=gen)
+    g = (-torch.exp(torch.randn(n, H, 1, generator=gen))).expand(n, H, DK)
+    beta, S = torch.rand(n, H, generator=gen), torch.randn(H, DK, DV, generator=gen)
+    S_ref, want = S.double().numpy().copy(), np.zeros((n, H, DV))
+    qn, kn, vn, gn, bn = (t.double().numpy() for t in (q, k, v, g, beta))
+    for t in range(n):
+        for h in range(H):
+            S_ref[h] *= np.exp(gn[t, h, 0])
+            S_ref[h] += np.outer(kn[t, h], bn[t, h] * (vn[t, h] - S_ref[h].T @ kn[t, h]))
+            want[t, h] = S_ref[h].T @ qn[t, h]
+    for rule in (delta_rule_recurrent, delta_rule_chunked):
+        out, state = rule(q, k, v, g, beta, S)
+        assert np.abs(out.double().numpy() - want).max() <= 1e-5 * np.abs(want).max(), rule.__name__
+        assert np.abs(state.double().numpy() - S_ref).max() <= 1e-5 * np.abs(S_ref).max(), rule.__name__
+
+
+def test_gated_attention_equals_float64() -> None:
+    """Per head: query and gate rows from one projection, per-head Q/K RMSNorm, NeoX RoPE on part of each head,
+    causal softmax attention over grouped KV heads, output times sigmoid(gate), then the output projection."""
+    gen = torch.Generator().manual_seed(3)
+    T, H, G, Dh, R = 9, 4, 2, 8, 4
+    wq, wk, wv, wo = linear(gen, 2 * H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
+    qn, kn = 1 + 0.1 * torch.randn(Dh, generator=gen), 1 + 0.1 * torch.randn(Dh, generator=gen)
+    # the fields of ModelArgs that a plain (unscaled) Rope reads
+    args = SimpleNamespace(rope_dim=R, rope_base=10000.0, rope_style="neox", rope_scaling="none", rope_freq_scale=1.0,
+                           rope_attn_factor=1.0)
+    rope = Rope(args, 64, torch.device("cpu"))
+    layer = GatedAttention(wq=wq, wk=wk, wv=wv, wo=wo, q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
+                           k_norm=RMSNorm(kn, EPS, TORCH_KERNELS), rope=rope,
+                           cache=KVCache(64, G, Dh, Dh, torch.float32, torch.device("cpu")), n_heads=H, n_kv_heads=G,
+                           head_dim=Dh, scale=Dh ** -0.5, kernels=TORCH_KERNELS)
+    x = torch.randn(T, D, generator=gen)
+    got = layer(x, Step(torch.arange(T), n_slots=64)).double().numpy()
+
+    xd = x.double().numpy()
+    qg = (xd @ wq.weight.double().numpy().T).reshape(T, H, 2, Dh)
+    q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, H * Dh)
+    k = (xd @ wk.weight.double().numpy().T).reshape(T, G, Dh)
+    v = (xd @ wv.weight.double().numpy().T).reshape(T, G, Dh)
+    rms = lambda t, w: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS) * w.double().numpy()  # noqa: E731
+
+    def rotate(t: np.ndarray) -> np.ndarray:
+        out, half = t.copy(), R // 2
+        freq = 10000.0 ** (-np.arange(half) * 2 / R)
+        ang = np.arange(T)[:, None, None] * freq
+        a, b = t[..., :half], t[..., half:R]
+        out[..., :half], out[..., half:R] = a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)
+        return out
+
+    q, k = rotate(rms(q, qn)), rotate(rms(k, kn))
+    out = np.zeros((T, H, Dh))
+    for h in range(H):
+        s = q[:, h] @ k[:, h // (H // G)].T * Dh ** -0.5
+        s[np.triu_indices(T, 1)] = -np.inf
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[:, h // (H // G)]
+    want = (out.reshape(T, H * Dh) / (1 + np.exp(-gate))) @ wo.weight.double().numpy().T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["chunked", "temperature"])
+def test_llama4_attention_equals_float64(rope: bool) -> None:
+    """Llama 4's two attentions past position 8192, where they differ from plain attention: RoPE'd layers see only
+    their own chunk of 8192 positions and RMS-normalise Q and K; RoPE-less ones see everything with the query scaled
+    by log(floor((p + 1) / 8192) + 1) / 10 + 1."""
+    from moerun.models.llama4 import CHUNK, Llama4Attention
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, G, Dh, start = 12, 4, 2, 8, CHUNK - 6  # the step crosses the chunk boundary at its 7th token
+    wq, wk, wv, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
+    args = SimpleNamespace(rope_dim=Dh, rope_base=10000.0, rope_style="normal", rope_scaling="none",
+                           rope_freq_scale=1.0, rope_attn_factor=1.0)
+    n_ctx = start + T
+    layer = Llama4Attention(wq=wq, wk=wk, wv=wv, wo=wo, rope=Rope(args, n_ctx, torch.device("cpu")) if rope else None,
+                            qk_norm=True, chunk=CHUNK if rope else 0,
+                            cache=KVCache(n_ctx, G, Dh, Dh, torch.float32, torch.device("cpu")), n_heads=H,
+                            n_kv_heads=G, head_dim=Dh, eps=EPS, kernels=TORCH_KERNELS)
+    x = torch.randn(start + T, D, generator=gen)
+    layer(x[:start], Step(torch.arange(start), n_slots=start))
+    got = layer(x[start:], Step(torch.arange(start, start + T), n_slots=start + T)).double().numpy()
+
+    xd, pos = x.double().numpy(), np.arange(start + T)
+    q = (xd @ wq.weight.double().numpy().T).reshape(-1, H, Dh)[start:]
+    k = (xd @ wk.weight.double().numpy().T).reshape(-1, G, Dh)
+    v = (xd @ wv.weight.double().numpy().T).reshape(-1, G, Dh)
+    if rope:
+        def rotate(t: np.ndarray, p: np.ndarray) -> np.ndarray:  # adjacent pairs
+            ang = p[:, None, None] * 10000.0 ** (-np.arange(Dh // 2) * 2 / Dh)
+            a, b = t[..., 0::2], t[..., 1::2]
+            return np.stack([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1).reshape(t.shape)
+
+        unit = lambda t: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS)  # noqa: E731
+        q, k = unit(rotate(q, pos[start:])), unit(rotate(k, pos))
+    else:
+        q = q * (np.log(np.floor((pos[start:] + 1.0) / CHUNK) + 1) * 0.1 + 1)[:, None, None]
+    out = np.zeros((T, H, Dh))
+    for t in range(T):
+        p = start + t
+        first = p // CHUNK * CHUNK if rope else 0
+        for h in range(H):
+            kk, vv = k[first : p + 1, h // (H // G)], v[first : p + 1, h // (H // G)]
+            s = kk @ q[t, h] / math.sqrt(Dh)
+            e = np.exp(s - s.max())
+            out[t, h] = e @ vv / e.sum()
+    want = out.reshape(T, H * Dh) @ wo.weight.double().numpy().T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
