@@ -102,11 +102,12 @@ NEXTN = {  # multi-token-prediction layers (GLM-4.5, DeepSeek-V3): no decoder ru
     "nextn.shared_head_head": R.OTHER,
     "nextn.shared_head_norm": R.OTHER,
 }
-INDEXER = {  # DeepSeek-V3.2 sparse-attention indexer
+INDEXER = {  # DeepSeek-V3.2 sparse-attention indexer: its matrices requantized as attention's (llama-quantize does
+    # so; tests/quant/test_whole_file_peer.py checks the bytes on synthetic deepseek32 files)
     "indexer.k_norm": R.OTHER,
-    "indexer.proj": R.OTHER,
-    "indexer.attn_k": R.OTHER,
-    "indexer.attn_q_b": R.OTHER,
+    "indexer.proj": R.ATTENTION,
+    "indexer.attn_k": R.ATTENTION,
+    "indexer.attn_q_b": R.ATTENTION,
 }
 PROJ_INDEXER = {  # MiniMax-M3 / Qwen4-exp indexer: q/k projections with their norms
     "indexer.q_proj": R.OTHER,
@@ -114,21 +115,27 @@ PROJ_INDEXER = {  # MiniMax-M3 / Qwen4-exp indexer: q/k projections with their n
     "indexer.q_norm": R.OTHER,
     "indexer.k_norm": R.OTHER,
 }
-KPOOL_INDEXER = INDEXER | {  # GLM-5.3-Flash's DSA indexer also pools keys through a gate and a position bias
+KPOOL_INDEXER = INDEXER | {  # GLM-5.3-Flash's DSA indexer also pools keys through a gate and a position bias; its
+    # matrices are kept as they are (GLM5_NEXT_KEEP below), so `--attn` does not count them
+    "indexer.proj": R.OTHER,
+    "indexer.attn_k": R.OTHER,
+    "indexer.attn_q_b": R.OTHER,
     "indexer_compressor_gate": R.OTHER,
     "indexer_compressor_ape": R.OTHER,
 }
-LINEAR_ATTENTION = {  # Qwen3-Next / Qwen3.5-MoE gated delta-net layers (q/k/v in attn_qkv, output gate attn_gate)
+LINEAR_ATTENTION = {  # Qwen3-Next / Qwen3.5-MoE gated delta-net layers (q/k/v in attn_qkv, output gate attn_gate);
+    # their matrices are requantized as attention's (llama-quantize does so; tests/quant/test_whole_file_peer.py checks
+    # the bytes on synthetic qwen3next and qwen35moe files)
     "attn_gate": R.ATTENTION,
-    "ssm_in": R.OTHER,
+    "ssm_in": R.ATTENTION,
     "ssm_conv1d": R.OTHER,
     "ssm_dt": R.OTHER,
     "ssm_a": R.OTHER,
-    "ssm_ba": R.OTHER,
-    "ssm_alpha": R.OTHER,
-    "ssm_beta": R.OTHER,
+    "ssm_ba": R.ATTENTION,
+    "ssm_alpha": R.ATTENTION,
+    "ssm_beta": R.ATTENTION,
     "ssm_norm": R.OTHER,
-    "ssm_out": R.OTHER,
+    "ssm_out": R.ATTENTION,
 }
 KDA = {  # Kimi delta attention layers: attn_q/k/v/output, short convolutions, low-rank gates
     "ssm_conv1d_q": R.OTHER,

@@ -57,7 +57,8 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("conv_state", torch.zeros(n_seq, K - 1, C, device=device), persistent=False)
         self.register_buffer("state", torch.zeros(n_seq, n_v_heads, k_dim, v_dim, device=device), persistent=False)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        # i8: the norm's int8 rounding of x, unused here: its products round x themselves
         T = x.shape[0]
         qkv, z, b, a = self.project(x)
         g = F.softplus(a.float() + self.dt_bias) * self.A  # (T, Hv) log-decay, <= 0

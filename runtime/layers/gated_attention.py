@@ -27,7 +27,8 @@ class GatedAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        # i8: the norm's int8 rounding of x, unused here: its products round x themselves
         T, H, G, Dh = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         q_and_gate = self.wq(x).view(T, H, 2, Dh)
         q, gate = q_and_gate[:, :, 0].contiguous(), q_and_gate[:, :, 1].reshape(T, H * Dh)

@@ -124,7 +124,8 @@ class SparseMLA(nn.Module):
         super().__init__()
         self.mla, self.indexer = mla, indexer
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        # i8: the norm's int8 rounding of x, unused here: its products round x themselves
         selected = self.indexer(x, step)
         if selected is not None:
             step = dataclasses.replace(step, _masks={0: selected})

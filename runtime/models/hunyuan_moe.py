@@ -28,7 +28,8 @@ class NormAfterRope(nn.Module):
         super().__init__()
         self.attn, self.q_norm, self.k_norm = attn, q_norm, k_norm
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        # i8: the norm's int8 rounding of x, unused here: its products round x themselves
         a, T = self.attn, x.shape[0]
         q, k, v = a.project(x)
         q = self.q_norm(a.rope(q.view(T, a.n_heads, a.head_dim), step.positions))
@@ -39,7 +40,7 @@ class NormAfterRope(nn.Module):
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
+    a, w = ctx.args, ctx.weights
     factors = "rope_freqs.weight" if "rope_freqs.weight" in w else None
     attn = ctx.attention(layer, ctx.rope(freq_factors=factors), scale=1.0 / math.sqrt(a.head_dim))
     q_norm, k_norm = attn.q_norm, attn.k_norm

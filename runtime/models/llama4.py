@@ -48,7 +48,8 @@ class Llama4Attention(nn.Module):
         self.qk_norm, self.chunk, self.eps, self.kernels = qk_norm, chunk, eps, kernels
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        # i8: the norm's int8 rounding of x, unused here: its products round x themselves
         T, H, G, Dh = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         q = self.wq(x).view(T, H, Dh).float()
         k, v = self.wk(x).view(T, G, Dh).float(), self.wv(x).view(T, G, Dh)
@@ -72,7 +73,8 @@ class WeightedInputMoE(MoE):
     """Top-1 routing whose weight scales the expert's input (FFN(w x)) rather than its output, plus the shared
     expert on the unscaled input."""
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        # i8: the norm's int8 rounding of x, unused here: its products round x themselves
         ids, weights = self.router(x, step)  # (T, 1)
         if self.hooks.routing:
             self.hooks.fire_routing(self.layer, step.positions, ids, weights)

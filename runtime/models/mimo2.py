@@ -36,7 +36,8 @@ class ScaledOutput(nn.Module):
         super().__init__()
         self.attn, self.scale = attn, scale
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        # i8: the norm's int8 rounding of x, unused here: its products round x themselves
         return self.attn(x, step) * self.scale
 
 

@@ -40,8 +40,10 @@ def expected_role(enum: str, op: str, role: TensorRole) -> set[TensorRole]:
             return {exact}
     if "NORM" in enum and op == "MUL":
         return {R.NORM, R.OTHER}  # a mixer's or side path's own norm may count with it
-    if enum.startswith("SSM_") and op == "MUL_MAT":
-        return {R.OTHER, R.ATTENTION}  # a linear-attention layer's gates count as attention (KDA)
+    if enum.startswith(("SSM_", "INDEXER_")) and op == "MUL_MAT":
+        # a linear-attention layer's matrices, and a sparse-attention indexer's, count as attention where llama-quantize
+        # requantizes them (test_whole_file_peer.py checks the bytes)
+        return {R.OTHER, R.ATTENTION}
     return {R.OTHER}
 
 
@@ -77,9 +79,11 @@ def test_an_alias_is_its_architecture() -> None:
 
 
 def test_same_name_different_role_by_family() -> None:
-    """ssm_beta is a KDA gate (attention) in Kimi-Linear but a delta-net input in Qwen3.5: the union could not say."""
+    """ssm_in is a requantized delta-net input in Qwen3.5 but a kept Mamba-2 input in Nemotron-H: the union could not
+    say."""
     assert tensor_role("blk.0.ssm_beta.weight", role_table("kimi-linear")[0]) == R.ATTENTION
-    assert tensor_role("blk.0.ssm_beta.weight", role_table("qwen35moe")[0]) == R.OTHER
+    assert tensor_role("blk.0.ssm_beta.weight", role_table("qwen35moe")[0]) == R.ATTENTION
+    assert tensor_role("blk.0.ssm_conv1d.weight", role_table("qwen35moe")[0]) == R.OTHER
     assert tensor_role("blk.0.attn_kv_a_mqa.weight", role_table("glm5-next")[0]) == R.ATTENTION
     assert tensor_role("blk.0.ssm_in.weight", role_table("nemotron_h_moe")[0]) == R.OTHER
 

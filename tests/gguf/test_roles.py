@@ -29,7 +29,7 @@ EXPECTED: dict[str, dict[str, TensorRole]] = {
         "blk.0.attn_q_a_norm.weight": R.NORM, "blk.0.attn_kv_a_norm.weight": R.NORM,
         "blk.0.attn_output.weight": R.ATTENTION, "blk.1.exp_probs_b.bias": R.ROUTER,
         "blk.61.nextn.eh_proj.weight": R.OTHER, "blk.61.nextn.enorm.weight": R.OTHER,
-        "blk.3.indexer.proj.weight": R.OTHER,
+        "blk.3.indexer.proj.weight": R.ATTENTION,  # DeepSeek-V3.2 files converted as deepseek2
     },
     "glm4moe": COMMON | GQA | QK_NORM | SHEXP | DENSE | {
         "blk.1.exp_probs_b.bias": R.ROUTER, "blk.0.attn_q.bias": R.ATTENTION, "blk.0.post_attention_norm.weight": R.NORM,
