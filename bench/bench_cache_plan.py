@@ -47,7 +47,7 @@ def measure(model_path: Path, regime: str, share: float, plan: str, bw: Bandwidt
     eb = geo.expert_bytes[moe[0]]
     t = generate(regime, Shape(len(moe), geo.n_expert, geo.n_expert_used), 4 * CHUNK, CHUNK)
     usage = np.zeros((geo.n_layer, geo.n_expert), np.int64)
-    rest = t.ids[t.starts[1]:]  # the other chunks: the warm-start counts
+    rest = t.ids[t.starts[1] :]  # the other chunks: the warm-start counts
     for m, block in enumerate(moe):
         usage[block] = np.bincount(rest[:, m].ravel(), minlength=geo.n_expert)
     big = 64 << 30
@@ -64,18 +64,33 @@ def measure(model_path: Path, regime: str, share: float, plan: str, bw: Bandwidt
     cpu_misses = lookups - hits - streamed
     traffic = eb * (streamed / bw.bus_gbps + cpu_misses / bw.cpu_gbps + uploads / bw.bus_gbps) / 1e9 / n_gen
     n_split, split = split_seconds(PlanShape(len(moe), geo.n_expert, geo.n_expert_used, eb, room), bw)
-    return {"regime": regime, "share": share, "asked": plan, "plan": cache.plan.name, "policy": cache.config.policy,
-            "pinned": len(cache.placement.pinned), "hit_rate": hits / lookups, "uploads_per_token": uploads / n_gen,
-            "streamed_per_token": streamed / n_gen, "cpu_misses_per_token": cpu_misses / n_gen,
-            "traffic_ms": traffic * 1e3, "predicted_ms": cache.plan.seconds * 1e3, "split_ms": split * 1e3,
-            "split_layers": n_split, "why": list(cache.why)}
+    return {
+        "regime": regime,
+        "share": share,
+        "asked": plan,
+        "plan": cache.plan.name,
+        "policy": cache.config.policy,
+        "pinned": len(cache.placement.pinned),
+        "hit_rate": hits / lookups,
+        "uploads_per_token": uploads / n_gen,
+        "streamed_per_token": streamed / n_gen,
+        "cpu_misses_per_token": cpu_misses / n_gen,
+        "traffic_ms": traffic * 1e3,
+        "predicted_ms": cache.plan.seconds * 1e3,
+        "split_ms": split * 1e3,
+        "split_layers": n_split,
+        "why": list(cache.why),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=MODEL)
-    ap.add_argument("--gbps", default="48,7.4,60", help="bus, moerun's CPU experts and llama.cpp's CPU experts in GB/s "
-                    "(default: the H200 machine's)")
+    ap.add_argument(
+        "--gbps",
+        default="48,7.4,60",
+        help="bus, moerun's CPU experts and llama.cpp's CPU experts in GB/s (default: the H200 machine's)",
+    )
     ap.add_argument("-n", "--n-gen", type=int, default=256)
     ap.add_argument("--regimes", default="all")
     ap.add_argument("--json", type=Path)
@@ -83,19 +98,26 @@ def main() -> None:
     bw = Bandwidths(*(float(x) for x in args.gbps.split(",")))  # bus, moerun's CPU experts, llama.cpp's
     regimes = [r for r in REGIMES if r != "token-id"] if args.regimes == "all" else args.regimes.split(",")
     rows = []
-    print(f"expert traffic per decode token in ms at {bw.bus_gbps:g} GB/s bus, {bw.cpu_gbps:g} GB/s CPU experts "
-          "(measured hits, streamed misses, CPU misses and uploads; predicted by the plan's cost model)")
-    print("| regime | room | plan asked | plan / policy / pinned | hit rate | uploads/token | traffic ms | "
-          "predicted ms | split ms |")
+    print(
+        f"expert traffic per decode token in ms at {bw.bus_gbps:g} GB/s bus, {bw.cpu_gbps:g} GB/s CPU experts "
+        "(measured hits, streamed misses, CPU misses and uploads; predicted by the plan's cost model)"
+    )
+    print(
+        "| regime | room | plan asked | plan / policy / pinned | hit rate | uploads/token | traffic ms | "
+        "predicted ms | split ms |"
+    )
     print("|---|---:|---|---|---:|---:|---:|---:|---:|")
     for regime in regimes:
         for share in SHARES:
             for plan in PLANS:
                 r = measure(args.model, regime, share, plan, bw, args.n_gen)
                 rows.append(r)
-                print(f"| {regime} | {share:.0%} | {plan} | {r['plan']} / {r['policy']} / {r['pinned']} | "
-                      f"{r['hit_rate']:.1%} | {r['uploads_per_token']:.2f} | {r['traffic_ms']:.4f} | "
-                      f"{r['predicted_ms']:.4f} | {r['split_ms']:.4f} |", flush=True)
+                print(
+                    f"| {regime} | {share:.0%} | {plan} | {r['plan']} / {r['policy']} / {r['pinned']} | "
+                    f"{r['hit_rate']:.1%} | {r['uploads_per_token']:.2f} | {r['traffic_ms']:.4f} | "
+                    f"{r['predicted_ms']:.4f} | {r['split_ms']:.4f} |",
+                    flush=True,
+                )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

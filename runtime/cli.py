@@ -37,13 +37,26 @@ class MoerunGroup(DefaultCommandGroup, UserErrorGroup):
     prog = "moerun"
 
 
-model_option = click.option("-m", "--model", "model_path", required=True, type=click.Path(),
-                            help="GGUF model file (or the first shard of a split set).")
-device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]),
-                             help="Where the model runs (default: cuda when torch sees a GPU, else cpu).")
+model_option = click.option(
+    "-m",
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(),
+    help="GGUF model file (or the first shard of a split set).",
+)
+device_option = click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    help="Where the model runs (default: cuda when torch sees a GPU, else cpu).",
+)
 threads_option = click.option("-t", "--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's).")
-ctx_option = click.option("-c", "--ctx-size", type=click.IntRange(min=1),
-                          help="Context size of a sequence (default: the model's, at most 4096).")
+ctx_option = click.option(
+    "-c",
+    "--ctx-size",
+    type=click.IntRange(min=1),
+    help="Context size of a sequence (default: the model's, at most 4096).",
+)
 
 
 def set_threads(threads: int | None) -> None:
@@ -94,36 +107,58 @@ def open_model_file(model_path: str):
 
 
 vram_budget_option = click.option(
-    "--vram-budget", help="Turn on the expert cache: bytes each GPU may use, e.g. 24G or 24G,24G for two GPUs "
+    "--vram-budget",
+    help="Turn on the expert cache: bytes each GPU may use, e.g. 24G or 24G,24G for two GPUs "
     "(emulates a smaller card on a big one). Default with --device cuda: the cache turns on by itself when the "
-    "model does not fit, and fills the free VRAM.")
+    "model does not fit, and fills the free VRAM.",
+)
 cache_slots_option = click.option(
-    "--cache-slots", default="auto", show_default=True,
+    "--cache-slots",
+    default="auto",
+    show_default=True,
     help="Expert-cache slots per MoE layer: auto (the budget decides, hot layers get more) or a number for every "
-    "layer.")
+    "layer.",
+)
 expert_profile_option = click.option(
-    "--expert-profile", type=click.Path(), help="A profile of this model (moeprep profile): warms the expert cache "
-    "with its hottest experts before the first token and splits the slots by its counts.")
+    "--expert-profile",
+    type=click.Path(),
+    help="A profile of this model (moeprep profile): warms the expert cache "
+    "with its hottest experts before the first token and splits the slots by its counts.",
+)
 cache_policy_option = click.option(
-    "--cache-policy", type=click.Choice(["auto", *sorted(POLICIES)]), default="auto", show_default=True,
+    "--cache-policy",
+    type=click.Choice(["auto", *sorted(POLICIES)]),
+    default="auto",
+    show_default=True,
     help="Which missed experts the cache uploads, and which residents they evict. auto: the one of least predicted "
     "expert traffic on the profile's held-out routing (or the --routing trace of bench), else "
-    f"{DEFAULT_POLICY}; the start says which and why.")
+    f"{DEFAULT_POLICY}; the start says which and why.",
+)
 cache_plan_option = click.option(
-    "--cache-plan", type=click.Choice(["auto", "cache", "blend", "static"]), default="auto", show_default=True,
+    "--cache-plan",
+    type=click.Choice(["auto", "cache", "blend", "static"]),
+    default="auto",
+    show_default=True,
     help="cache: every layer's slots under the policy; static: llama.cpp's --n-cpu-moe split (whole layers' experts "
     "on the GPU, the rest on the CPU); blend: some whole layers pinned, the rest cached. auto: the one of least "
-    "predicted expert traffic (docs/expert-cache.md); the start says which, with the numbers.")
+    "predicted expert traffic (docs/expert-cache.md); the start says which, with the numbers.",
+)
 cache_gbps_option = click.option(
-    "--cache-gbps", metavar="BUS,CPU[,SPLIT]", help="The plan's cost model, GB/s of expert bytes: host-to-GPU copies, "
+    "--cache-gbps",
+    metavar="BUS,CPU[,SPLIT]",
+    help="The plan's cost model, GB/s of expert bytes: host-to-GPU copies, "
     "moerun's CPU computing misses, and llama.cpp's CPU for the split it is compared with (default 48,7.4,60, the "
-    "H200 machine's, docs/expert-cache.md).")
+    "H200 machine's, docs/expert-cache.md).",
+)
 
 dense_bf16_option = click.option(
-    "--dense-bf16/--no-dense-bf16", default=True, show_default=True,
+    "--dense-bf16/--no-dense-bf16",
+    default=True,
+    show_default=True,
     help="On a GPU without the expert cache, also keep the quantized dense weights (attention, dense FFNs, output "
     "head) decoded to bfloat16 if the copies fit the free VRAM: decode batches of several sequences (serve) and "
-    "prompts run faster on them, for 2 bytes of VRAM a weight.")
+    "prompts run faster on them, for 2 bytes of VRAM a weight.",
+)
 
 
 @dataclass(frozen=True)
@@ -158,9 +193,16 @@ class ModelOptions:
             raise MoeprepError("the expert cache with --device cpu needs --vram-budget (the CPU stands in for the GPU)")
         budgets = None if self.vram_budget is None else parse_budgets(self.vram_budget)
         bandwidths = Bandwidths() if self.cache_gbps is None else parse_gbps(self.cache_gbps)
-        return CacheConfig(budgets=budgets, slots_per_layer=slots, profile=self.expert_profile,
-                           policy=self.cache_policy, plan=self.cache_plan, bandwidths=bandwidths, trace=trace,
-                           cpu_threads=self.threads)
+        return CacheConfig(
+            budgets=budgets,
+            slots_per_layer=slots,
+            profile=self.expert_profile,
+            policy=self.cache_policy,
+            plan=self.cache_plan,
+            bandwidths=bandwidths,
+            trace=trace,
+            cpu_threads=self.threads,
+        )
 
     def load(self, n_seq: int = 1, trace=None):
         g = open_model_file(self.model_path)
@@ -171,13 +213,23 @@ class ModelOptions:
         from moerun.cache.controller import describe_cache
 
         announce_device(device, self.device)
-        model = moerun.load_model(g, device=device, n_ctx=self.ctx_size, n_seq=n_seq, cache=cache,
-                                  dense_bf16=self.dense_bf16, options=RuntimeOptions.from_environment())
+        model = moerun.load_model(
+            g,
+            device=device,
+            n_ctx=self.ctx_size,
+            n_seq=n_seq,
+            cache=cache,
+            dense_bf16=self.dense_bf16,
+            options=RuntimeOptions.from_environment(),
+        )
         if model.expert_cache is not None:
             click.echo(describe_cache(model.expert_cache), err=True)
         if model.decoded_bytes:
-            click.echo(f"dense weights also kept in bfloat16: {format_size(model.decoded_bytes)} of VRAM "
-                       "(--no-dense-bf16 keeps them in their blocks alone)", err=True)
+            click.echo(
+                f"dense weights also kept in bfloat16: {format_size(model.decoded_bytes)} of VRAM "
+                "(--no-dense-bf16 keeps them in their blocks alone)",
+                err=True,
+            )
         return model
 
 
@@ -199,8 +251,10 @@ def parse_gbps(text: str):
     except ValueError:
         speeds = []
     if len(speeds) not in (2, 3) or min(speeds) <= 0:
-        raise MoeprepError(f"--cache-gbps {text!r}: give the bus's and the CPU experts' GB/s, and optionally "
-                           "llama.cpp's CPU experts', e.g. 25,6 or 25,6,40")
+        raise MoeprepError(
+            f"--cache-gbps {text!r}: give the bus's and the CPU experts' GB/s, and optionally "
+            "llama.cpp's CPU experts', e.g. 25,6 or 25,6,40"
+        )
     return Bandwidths(*speeds)
 
 
@@ -216,8 +270,19 @@ def parse_budgets(text: str) -> list[int]:
     return budgets
 
 
-MODEL_OPTIONS = (model_option, ctx_option, device_option, threads_option, vram_budget_option, cache_slots_option,
-                 expert_profile_option, cache_policy_option, dense_bf16_option, cache_plan_option, cache_gbps_option)
+MODEL_OPTIONS = (
+    model_option,
+    ctx_option,
+    device_option,
+    threads_option,
+    vram_budget_option,
+    cache_slots_option,
+    expert_profile_option,
+    cache_policy_option,
+    dense_bf16_option,
+    cache_plan_option,
+    cache_gbps_option,
+)
 
 
 def model_options(command):
@@ -225,10 +290,34 @@ def model_options(command):
     `model_opts`, so an option added here reaches every command without touching their signatures."""
 
     @functools.wraps(command)
-    def with_model_options(*args, model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
-                           cache_policy, dense_bf16, cache_plan, cache_gbps, **kwargs):
-        options = ModelOptions(model_path, ctx_size, device, threads, vram_budget, cache_slots, expert_profile,
-                               cache_policy, dense_bf16, cache_plan, cache_gbps)
+    def with_model_options(
+        *args,
+        model_path,
+        ctx_size,
+        device,
+        threads,
+        vram_budget,
+        cache_slots,
+        expert_profile,
+        cache_policy,
+        dense_bf16,
+        cache_plan,
+        cache_gbps,
+        **kwargs,
+    ):
+        options = ModelOptions(
+            model_path,
+            ctx_size,
+            device,
+            threads,
+            vram_budget,
+            cache_slots,
+            expert_profile,
+            cache_policy,
+            dense_bf16,
+            cache_plan,
+            cache_gbps,
+        )
         return command(*args, model_opts=options, **kwargs)
 
     for option in reversed(MODEL_OPTIONS):
@@ -249,8 +338,12 @@ COMPILE_NOTICE_S = 3.0
 @main.command()
 @model_options
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
-@click.option("-n", "--n-predict", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens to generate.")
-@click.option("--temp", default=0.8, show_default=True, type=click.FloatRange(min=0.0), help="Temperature; 0 is greedy.")
+@click.option(
+    "-n", "--n-predict", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens to generate."
+)
+@click.option(
+    "--temp", default=0.8, show_default=True, type=click.FloatRange(min=0.0), help="Temperature; 0 is greedy."
+)
 @click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", type=int, help="Sampling seed (default: random).")
 def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_p: float, seed: int | None) -> None:
@@ -262,11 +355,14 @@ def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_
     if not prompt_ids:
         raise MoeprepError("the prompt has no tokens (an empty -p, and the model adds no BOS): give it some text")
     if len(prompt_ids) + n_predict > model.n_ctx:
-        raise MoeprepError(f"prompt ({len(prompt_ids)} tokens) plus -n {n_predict} exceed the context of {model.n_ctx}; raise -c or lower -n")
+        raise MoeprepError(
+            f"prompt ({len(prompt_ids)} tokens) plus -n {n_predict} exceed the context of {model.n_ctx}; raise -c or lower -n"
+        )
     compiling = model.warm_up()  # so that the speeds below are the model's, not the kernels' compilation
     if compiling > COMPILE_NOTICE_S:
-        click.echo(f"moerun: {compiling:.1f} s compiling kernels (once: they are cached on disk for the next runs)",
-                   err=True)
+        click.echo(
+            f"moerun: {compiling:.1f} s compiling kernels (once: they are cached on disk for the next runs)", err=True
+        )
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     click.echo(prompt, nl=False)
     start = time.perf_counter()
@@ -279,33 +375,53 @@ def run(model_opts: ModelOptions, prompt: str, n_predict: int, temp: float, top_
         click.echo(decoder.decode(model.tokenizer.token_bytes(token)), nl=False)
     click.echo(decoder.decode(b"", final=True))
     prefill_s, decode_s = first - start, end - first
-    click.echo(f"prompt: {len(prompt_ids)} tokens in {prefill_s:.2f} s, {len(prompt_ids) / prefill_s:.1f} tokens/s", err=True)
+    click.echo(
+        f"prompt: {len(prompt_ids)} tokens in {prefill_s:.2f} s, {len(prompt_ids) / prefill_s:.1f} tokens/s", err=True
+    )
     if n_generated > 1:  # every token after the first costs one decode step
-        click.echo(f"generation: {n_generated - 1} tokens in {decode_s:.2f} s, {(n_generated - 1) / decode_s:.1f} tokens/s", err=True)
+        click.echo(
+            f"generation: {n_generated - 1} tokens in {decode_s:.2f} s, {(n_generated - 1) / decode_s:.1f} tokens/s",
+            err=True,
+        )
 
 
 @main.command()
 @model_options
-@click.option("-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(min=0),
-              help="Prefill test: prompt tokens.")
+@click.option(
+    "-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(min=0), help="Prefill test: prompt tokens."
+)
 @click.option("-n", "--n-gen", default=128, show_default=True, type=click.IntRange(min=0), help="Decode test: tokens.")
-@click.option("-f", "--file", "text_file", type=click.Path(),
-              help="Teacher-force prefill and decode over this text's tokens (routing of real text); default: "
-              "seeded random tokens.")
+@click.option(
+    "-f",
+    "--file",
+    "text_file",
+    type=click.Path(),
+    help="Teacher-force prefill and decode over this text's tokens (routing of real text); default: "
+    "seeded random tokens.",
+)
 @click.option("--json", "json_path", type=click.Path(), help="Also write the results as JSON here.")
-@click.option("--routing", "routing_path", type=click.Path(),
-              help="Replay this routing trace (moeprep routing generate/extract, or a .moeprof): every MoE layer uses "
-              "the trace's experts instead of its router's (the router still runs). Its layers, experts and top-k "
-              "must be the model's.")
-def bench(model_opts: ModelOptions, n_prompt: int, n_gen: int, text_file: str | None, json_path: str | None,
-          routing_path: str | None) -> None:
+@click.option(
+    "--routing",
+    "routing_path",
+    type=click.Path(),
+    help="Replay this routing trace (moeprep routing generate/extract, or a .moeprof): every MoE layer uses "
+    "the trace's experts instead of its router's (the router still runs). Its layers, experts and top-k "
+    "must be the model's.",
+)
+def bench(
+    model_opts: ModelOptions,
+    n_prompt: int,
+    n_gen: int,
+    text_file: str | None,
+    json_path: str | None,
+    routing_path: str | None,
+) -> None:
     """llama-bench's prefill (pp) and decode (tg) tests; with the expert cache also its hit rate, uploads per token
     and where a decode step's time goes."""
     import json
 
-    from moerun.bench import format_result, run_bench
-
     from moeprep.atomic import atomic_output
+    from moerun.bench import format_result, run_bench
 
     if n_prompt + n_gen == 0:
         raise MoeprepError("-p and -n are both 0: nothing to measure")
@@ -348,7 +464,9 @@ def read_text(path: str) -> str:
 @main.command()
 @model_option
 @click.option("-f", "--file", "text_file", required=True, type=click.Path(), help="Text file to score.")
-@click.option("-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Chunk size in tokens.")
+@click.option(
+    "-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Chunk size in tokens."
+)
 @device_option
 @threads_option
 def perplexity(model_path: str, text_file: str, ctx_size: int, device: str | None, threads: int | None) -> None:
@@ -364,30 +482,67 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str | Non
     start = time.perf_counter()
     ppl = moerun.perplexity(model, tokens, ctx_size)
     n_chunks = len(tokens) // ctx_size
-    click.echo(f"perplexity: {ppl:.4f} over {n_chunks} chunks of {ctx_size} tokens "
-               f"({n_chunks * ctx_size / (time.perf_counter() - start):.1f} tokens/s)")
+    click.echo(
+        f"perplexity: {ppl:.4f} over {n_chunks} chunks of {ctx_size} tokens "
+        f"({n_chunks * ctx_size / (time.perf_counter() - start):.1f} tokens/s)"
+    )
 
 
 @main.command()
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--api-key", envvar="MOERUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 requests "
-              "(default: $MOERUN_API_KEY, else none).")
-@click.option("-np", "--parallel", default=4, show_default=True, type=click.IntRange(min=1),
-              help="Sequences decoded together, each with its own KV cache of -c positions.")
-@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
-              help="Requests that may wait for a free sequence; past that the server answers 503.")
-@click.option("--prefill-chunk", type=click.IntRange(min=1),
-              help="Prompt tokens one step runs beside the decoding sequences' tokens (a long prompt takes several "
-              "steps, and the other streams keep going meanwhile; default: 512 on a GPU, 256 on the CPU).")
-@click.option("--gather-ms", type=click.FloatRange(min=0),
-              help="How long a new prompt may wait for the next requests of clients just answered, so that their "
-              "prompts start in one step (0: never; default: 20 on a GPU, 0 on the CPU).")
-def serve(model_opts: ModelOptions, host: str, port: int, api_key: str | None, parallel: int, max_queue: int,
-          prefill_chunk: int | None, gather_ms: float | None) -> None:
+@click.option(
+    "--api-key",
+    envvar="MOERUN_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on /v1 requests (default: $MOERUN_API_KEY, else none).",
+)
+@click.option(
+    "-np",
+    "--parallel",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Sequences decoded together, each with its own KV cache of -c positions.",
+)
+@click.option(
+    "--max-queue",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Requests that may wait for a free sequence; past that the server answers 503.",
+)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(min=1),
+    help="Prompt tokens one step runs beside the decoding sequences' tokens (a long prompt takes several "
+    "steps, and the other streams keep going meanwhile; default: 512 on a GPU, 256 on the CPU).",
+)
+@click.option(
+    "--gather-ms",
+    type=click.FloatRange(min=0),
+    help="How long a new prompt may wait for the next requests of clients just answered, so that their "
+    "prompts start in one step (0: never; default: 20 on a GPU, 0 on the CPU).",
+)
+def serve(
+    model_opts: ModelOptions,
+    host: str,
+    port: int,
+    api_key: str | None,
+    parallel: int,
+    max_queue: int,
+    prefill_chunk: int | None,
+    gather_ms: float | None,
+) -> None:
     """Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     from moerun.serve import serve as serve_model
 
-    serve_model(model_opts.load(n_seq=parallel), host, port, api_key, max_queue, prefill_chunk,
-                None if gather_ms is None else gather_ms / 1000)
+    serve_model(
+        model_opts.load(n_seq=parallel),
+        host,
+        port,
+        api_key,
+        max_queue,
+        prefill_chunk,
+        None if gather_ms is None else gather_ms / 1000,
+    )

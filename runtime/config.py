@@ -79,8 +79,14 @@ class ModelArgs:
     n_nextn_layers: int
 
     @classmethod
-    def from_gguf(cls, g: GGUFModel, *, fixed: dict[str, Any] | None = None,
-                  defaults: dict[str, Any] | None = None, kv_heads_vary: bool = False) -> ModelArgs:
+    def from_gguf(
+        cls,
+        g: GGUFModel,
+        *,
+        fixed: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
+        kv_heads_vary: bool = False,
+    ) -> ModelArgs:
         """Read the metadata of `g`. `defaults` fill keys the file lacks; `fixed` are arch facts that win over it.
         `kv_heads_vary`: the arch builds each layer with its own KV head count (kv_heads_by_layer), so a per-layer
         head_count_kv need not be uniform."""
@@ -103,7 +109,9 @@ class ModelArgs:
         def need(key: str) -> Any:
             value = get(key, "", None)
             if value is None:
-                raise MoeprepError(f"{g.path}: metadata key {key.format(arch=arch)} is missing; is this a complete {arch} GGUF?")
+                raise MoeprepError(
+                    f"{g.path}: metadata key {key.format(arch=arch)} is missing; is this a complete {arch} GGUF?"
+                )
             return value
 
         dim, n_heads = int(need(LLM.EMBEDDING_LENGTH)), int(need(ATT.HEAD_COUNT))
@@ -124,8 +132,9 @@ class ModelArgs:
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
-            kv_heads_by_layer=(tuple(int(v) for v in kv_list[:n_layers]) if isinstance(kv_list, list)
-                               else (n_kv_heads,) * n_layers),
+            kv_heads_by_layer=(
+                tuple(int(v) for v in kv_list[:n_layers]) if isinstance(kv_list, list) else (n_kv_heads,) * n_layers
+            ),
             head_dim=head_dim,
             v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // n_heads)),
             n_ctx_train=n_ctx_train,
@@ -164,7 +173,9 @@ class ModelArgs:
             n_nextn_layers=n_nextn,
         )
         values.update(fixed or {})
-        values["swa_layers"] = _swa_layers(g, values["n_layers"], values["sliding_window"], defaults.get("swa_pattern", 0))
+        values["swa_layers"] = _swa_layers(
+            g, values["n_layers"], values["sliding_window"], defaults.get("swa_pattern", 0)
+        )
         return cls(**values)
 
     def replace(self, **changes: Any) -> ModelArgs:

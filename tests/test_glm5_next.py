@@ -33,8 +33,10 @@ from moeprep.synth.corpus import CALIBRATION_PATH
 from moeprep.synth.glm5_next import is_dsa
 from moerun.cache.config import CacheConfig
 from moerun.cache.placement import place
-from moerun.layers.delta_rule import CHUNK as KDA_CHUNK, SUBCHUNK as KDA_SUBCHUNK
-from moerun.layers.delta_rule import delta_rule_chunked as kda_chunked, delta_rule_recurrent as kda_recurrent
+from moerun.layers.delta_rule import CHUNK as KDA_CHUNK
+from moerun.layers.delta_rule import SUBCHUNK as KDA_SUBCHUNK
+from moerun.layers.delta_rule import delta_rule_chunked as kda_chunked
+from moerun.layers.delta_rule import delta_rule_recurrent as kda_recurrent
 from moerun.step import Step
 from moerun.tokenizer import Tokenizer
 from tests.oracle import GGMLTensor, _backend, _ggml_base, llama_quantize
@@ -44,26 +46,61 @@ TOKENS = list(range(1, 25))
 N_POSITIONS = 256
 # One name of each kind, as llama.cpp's glm5-next loader names them (src/models/glm5-next.cpp).
 ROLES = {
-    "blk.0.hc_attn_fn.weight": R.OTHER, "blk.0.hc_ffn_base.weight": R.OTHER, "blk.0.hc_attn_scale.weight": R.OTHER,
-    "blk.0.attn_q.weight": R.ATTENTION, "blk.0.attn_k.weight": R.ATTENTION, "blk.0.attn_v.weight": R.ATTENTION,
-    "blk.0.attn_output.weight": R.ATTENTION, "blk.0.ssm_conv1d_q.weight": R.OTHER,
-    "blk.0.ssm_f_a.weight": R.ATTENTION, "blk.0.ssm_f_b.weight": R.ATTENTION, "blk.0.ssm_g_a.weight": R.ATTENTION,
-    "blk.0.ssm_g_b.weight": R.ATTENTION, "blk.0.ssm_beta.weight": R.ATTENTION, "blk.0.ssm_a": R.OTHER,
-    "blk.0.ssm_dt.bias": R.OTHER, "blk.0.ssm_norm.weight": R.OTHER,
-    "blk.0.ffn_gate.weight": R.DENSE_FFN, "blk.0.ffn_down.weight": R.DENSE_FFN,
-    "blk.3.attn_q_a.weight": R.ATTENTION, "blk.3.attn_q_a_norm.weight": R.NORM, "blk.3.attn_q_b.weight": R.ATTENTION,
-    "blk.3.attn_kv_a_mqa.weight": R.ATTENTION, "blk.3.attn_kv_a_norm.weight": R.NORM,
-    "blk.3.attn_k_b.weight": R.ATTENTION, "blk.3.attn_v_b.weight": R.ATTENTION,
-    "blk.3.indexer.k_norm.bias": R.OTHER, "blk.3.indexer.proj.weight": R.OTHER, "blk.3.indexer.attn_k.weight": R.OTHER,
-    "blk.3.indexer.attn_q_b.weight": R.OTHER, "blk.3.indexer_compressor_gate.weight": R.OTHER,
+    "blk.0.hc_attn_fn.weight": R.OTHER,
+    "blk.0.hc_ffn_base.weight": R.OTHER,
+    "blk.0.hc_attn_scale.weight": R.OTHER,
+    "blk.0.attn_q.weight": R.ATTENTION,
+    "blk.0.attn_k.weight": R.ATTENTION,
+    "blk.0.attn_v.weight": R.ATTENTION,
+    "blk.0.attn_output.weight": R.ATTENTION,
+    "blk.0.ssm_conv1d_q.weight": R.OTHER,
+    "blk.0.ssm_f_a.weight": R.ATTENTION,
+    "blk.0.ssm_f_b.weight": R.ATTENTION,
+    "blk.0.ssm_g_a.weight": R.ATTENTION,
+    "blk.0.ssm_g_b.weight": R.ATTENTION,
+    "blk.0.ssm_beta.weight": R.ATTENTION,
+    "blk.0.ssm_a": R.OTHER,
+    "blk.0.ssm_dt.bias": R.OTHER,
+    "blk.0.ssm_norm.weight": R.OTHER,
+    "blk.0.ffn_gate.weight": R.DENSE_FFN,
+    "blk.0.ffn_down.weight": R.DENSE_FFN,
+    "blk.3.attn_q_a.weight": R.ATTENTION,
+    "blk.3.attn_q_a_norm.weight": R.NORM,
+    "blk.3.attn_q_b.weight": R.ATTENTION,
+    "blk.3.attn_kv_a_mqa.weight": R.ATTENTION,
+    "blk.3.attn_kv_a_norm.weight": R.NORM,
+    "blk.3.attn_k_b.weight": R.ATTENTION,
+    "blk.3.attn_v_b.weight": R.ATTENTION,
+    "blk.3.indexer.k_norm.bias": R.OTHER,
+    "blk.3.indexer.proj.weight": R.OTHER,
+    "blk.3.indexer.attn_k.weight": R.OTHER,
+    "blk.3.indexer.attn_q_b.weight": R.OTHER,
+    "blk.3.indexer_compressor_gate.weight": R.OTHER,
     "blk.3.indexer_compressor_ape.weight": R.OTHER,
-    "blk.3.ffn_gate_inp.weight": R.ROUTER, "blk.3.exp_probs_b.bias": R.ROUTER, "blk.3.ffn_up_exps.weight": R.EXPERT,
+    "blk.3.ffn_gate_inp.weight": R.ROUTER,
+    "blk.3.exp_probs_b.bias": R.ROUTER,
+    "blk.3.ffn_up_exps.weight": R.EXPERT,
     "blk.3.ffn_gate_shexp.weight": R.SHARED_EXPERT,
-    "blk.45.nextn.eh_proj.weight": R.OTHER, "blk.45.ffn_down_exps.weight": R.EXPERT,
+    "blk.45.nextn.eh_proj.weight": R.OTHER,
+    "blk.45.ffn_down_exps.weight": R.EXPERT,
 }
-KEPT = ("hc_attn_fn", "hc_ffn_fn", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_gate",
-        "indexer_compressor_ape", "ssm_f_a", "ssm_f_b", "ssm_g_a", "ssm_g_b", "ssm_beta", "attn_kv_a_mqa", "attn_k_b",
-        "attn_v_b")
+KEPT = (
+    "hc_attn_fn",
+    "hc_ffn_fn",
+    "indexer.attn_q_b",
+    "indexer.attn_k",
+    "indexer.proj",
+    "indexer_compressor_gate",
+    "indexer_compressor_ape",
+    "ssm_f_a",
+    "ssm_f_b",
+    "ssm_g_a",
+    "ssm_g_b",
+    "ssm_beta",
+    "attn_kv_a_mqa",
+    "attn_k_b",
+    "attn_v_b",
+)
 
 
 def run(*args: object):
@@ -86,7 +123,9 @@ def test_role_table_and_limits(arch: str) -> None:
     assert all(quant_limit(arch, f"blk.3.{base}.weight") == QuantLimit.KEEP for base in KEPT)
     for name in ("blk.3.attn_q_a.weight", "blk.3.attn_q_b.weight", "blk.45.nextn.eh_proj.weight"):
         assert quant_limit(arch, name) == QuantLimit.Q8_0_FLOOR
-    assert quant_limit(arch, "blk.0.attn_q.weight") is None and quant_limit("deepseek2", "blk.3.attn_k_b.weight") is None
+    assert (
+        quant_limit(arch, "blk.0.attn_q.weight") is None and quant_limit("deepseek2", "blk.3.attn_k_b.weight") is None
+    )
 
 
 def test_synthetic_layout(tmp_path: Path) -> None:
@@ -108,16 +147,18 @@ def test_synthetic_layout(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def small_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every row a multiple of 256 but the KDA gates' (head_dim 64): Q8_0 non-experts, Q4_K experts."""
-    return write_synth_model(tmp_path_factory.mktemp("g") / "src.gguf", "glm5-next", preset="small",
-                             expert_type="Q4_K", attn_type="Q8_0")
+    return write_synth_model(
+        tmp_path_factory.mktemp("g") / "src.gguf", "glm5-next", preset="small", expert_type="Q4_K", attn_type="Q8_0"
+    )
 
 
 def test_quantize_equals_llama_cpp_pure(small_q8: Path, tmp_path: Path) -> None:
     """Every block tensor asked for Q4_K, as llama.cpp's `pure` does: the tensors llama.cpp never requantizes
     (hyper-connections, indexer, KDA gates, attn_kv_a_mqa/k_b/v_b) stay, all the rest match byte for byte."""
     ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
-    result = run("quantize", small_q8, ours, "--attn", "Q4_K", "--type", r"blk\.\d+\..*\.weight$=Q4_K",
-                 "--threads", "2")
+    result = run(
+        "quantize", small_q8, ours, "--attn", "Q4_K", "--type", r"blk\.\d+\..*\.weight$=Q4_K", "--threads", "2"
+    )
     assert result.exit_code == 0, result.output
     llama_quantize(small_q8, peer, "Q4_K")
     src, a, b = open_gguf(small_q8), open_gguf(ours), open_gguf(peer)
@@ -158,7 +199,9 @@ def test_q8_0_floor_as_llama_cpp(tmp_path: Path) -> None:
     for base in KEPT:
         name = f"blk.3.{base}.weight" if base.startswith(("indexer", "attn_")) else f"blk.1.{base}.weight"
         assert bytes(a.raw(a.tensor(name))) == bytes(s.raw(s.tensor(name))) == bytes(b.raw(b.tensor(name))), name
-    assert a.tensor("blk.1.attn_q.weight").ggml_type == T.Q4_K and a.tensor("blk.3.attn_output.weight").ggml_type == T.Q4_K
+    assert (
+        a.tensor("blk.1.attn_q.weight").ggml_type == T.Q4_K and a.tensor("blk.3.attn_output.weight").ggml_type == T.Q4_K
+    )
 
 
 def test_unsloth_dialect_to_mainline(tmp_path: Path) -> None:
@@ -190,11 +233,14 @@ def test_fork_dialect_plans_like_mainline(small_q8: Path, tmp_path: Path) -> Non
     fork = tmp_path / "fork.gguf"
     rename_architecture(open_gguf(small_q8), fork, "glm5next")
     plans = [plan_requant(open_gguf(path), T.Q4_K) for path in (small_q8, fork)]
-    assert [(p.tensor.name, p.role, p.new_type) for p in plans[0].tensors] == \
-        [(p.tensor.name, p.role, p.new_type) for p in plans[1].tensors]
+    assert [(p.tensor.name, p.role, p.new_type) for p in plans[0].tensors] == [
+        (p.tensor.name, p.role, p.new_type) for p in plans[1].tensors
+    ]
     anatomy = describe_model(open_gguf(fork))
-    assert anatomy.arch_known and anatomy.roles["attention"].n_tensors == describe_model(
-        open_gguf(small_q8)).roles["attention"].n_tensors
+    assert (
+        anatomy.arch_known
+        and anatomy.roles["attention"].n_tensors == describe_model(open_gguf(small_q8)).roles["attention"].n_tensors
+    )
 
 
 def test_to_mainline_refuses_other_architectures(tmp_path: Path) -> None:
@@ -231,7 +277,7 @@ def llama_run(path: Path, tokens: list[int]) -> LlamaRun:
     streams: dict[int, np.ndarray] = {}
 
     def layer_of(name: bytes, prefix: bytes) -> int | None:
-        rest = name[len(prefix):]
+        rest = name[len(prefix) :]
         return int(rest) if name.startswith(prefix) and rest.isdigit() else None
 
     @llama_cpp.ggml_backend_sched_eval_callback
@@ -277,8 +323,11 @@ def llama_run(path: Path, tokens: list[int]) -> LlamaRun:
 
 @pytest.fixture(scope="module")
 def calibration_tokens() -> list[int]:
-    return list(Tokenizer(open_gguf(write_synth_model(Path(tempfile.mkdtemp()) / "t.gguf", "qwen3moe")))
-                .encode(CALIBRATION_PATH.read_text(encoding="utf-8"))[:N_POSITIONS])
+    return list(
+        Tokenizer(open_gguf(write_synth_model(Path(tempfile.mkdtemp()) / "t.gguf", "qwen3moe"))).encode(
+            CALIBRATION_PATH.read_text(encoding="utf-8")
+        )[:N_POSITIONS]
+    )
 
 
 @pytest.mark.parametrize("weights", ["F32", "F16"])
@@ -313,12 +362,13 @@ def test_moerun_matches_llama_cpp(weights: str, calibration_tokens: list[int], t
 def test_cached_decode_equals_prefill(calibration_tokens: list[int], tmp_path: Path) -> None:
     """Chunks, then single tokens, carry the KDA convolution and recurrent state and the MLA cache; position 0
     starts over; two sequences side by side in one batch keep their own states."""
-    model = moerun.load_model(write_synth_model(tmp_path / "g.gguf", "glm5-next", expert_type="F32", attn_type="F32"),
-                              n_seq=2)
+    model = moerun.load_model(
+        write_synth_model(tmp_path / "g.gguf", "glm5-next", expert_type="F32", attn_type="F32"), n_seq=2
+    )
     tokens = torch.tensor(calibration_tokens[:40])
     full = model.forward(tokens)
     pieces = [model.forward(tokens[:24], 0), model.forward(tokens[24:32], 24)]
-    pieces += [model.forward(tokens[i:i + 1], i) for i in range(32, 40)]
+    pieces += [model.forward(tokens[i : i + 1], i) for i in range(32, 40)]
     tol = dict(rtol=1e-4, atol=1e-4 * full.abs().max().item())
     torch.testing.assert_close(torch.cat(pieces), full, **tol)
     torch.testing.assert_close(model.forward(tokens[:24], 0), full[:24], **tol)
@@ -326,8 +376,10 @@ def test_cached_decode_equals_prefill(calibration_tokens: list[int], tmp_path: P
     other_full = model.forward(other, 0, seq=1)
     model.forward(tokens[:30], 0, seq=0)
     model.forward(other[:30], 0, seq=1)
-    batched = [model.forward_batch(torch.stack([tokens[i], other[i]]), torch.tensor([i, i]), torch.tensor([0, 1]))
-               for i in range(30, 40)]
+    batched = [
+        model.forward_batch(torch.stack([tokens[i], other[i]]), torch.tensor([i, i]), torch.tensor([0, 1]))
+        for i in range(30, 40)
+    ]
     torch.testing.assert_close(torch.stack([b[0] for b in batched]), full[30:40], **tol)
     torch.testing.assert_close(torch.stack([b[1] for b in batched]), other_full[30:40], **tol)
 
@@ -371,9 +423,15 @@ def shared_indexer_model(tmp_path: Path, types: list[int]) -> Path:
     model = open_gguf(src)
     shared = tuple(f"blk.{il}.indexer" for il, full in enumerate(types) if not full)
     out = tmp_path / "shared.gguf"
-    write_gguf(out, model, tensors=[copied_tensor(model, t) for t in model.tensors if not t.name.startswith(shared)],
-               kv_set={"glm5-next.attention.indexer.types": KVValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32),
-                       "glm5-next.attention.indexer.top_k": KVValue(SHARED_TOP_K, GGUFValueType.UINT32)})
+    write_gguf(
+        out,
+        model,
+        tensors=[copied_tensor(model, t) for t in model.tensors if not t.name.startswith(shared)],
+        kv_set={
+            "glm5-next.attention.indexer.types": KVValue(types, GGUFValueType.ARRAY, GGUFValueType.INT32),
+            "glm5-next.attention.indexer.top_k": KVValue(SHARED_TOP_K, GGUFValueType.UINT32),
+        },
+    )
     return out
 
 
@@ -417,12 +475,13 @@ def test_shared_indexer_in_a_mixed_batch(tmp_path: Path) -> None:
     n = 100
     model = moerun.load_model(shared_indexer_model(tmp_path, [1, 1, 1, 1, 1, 1, 1, 0, 1]), n_ctx=n + 4, n_seq=2)
     text = model.tokenizer.encode(CALIBRATION_PATH.read_text(encoding="utf-8"))
-    a, b = torch.tensor(text[:n + 1]), torch.tensor(text[500:500 + n + 1])
-    full_a, full_b = model.forward(a, 0, seq=0)[n:], model.forward(b, 0, seq=1)[n - 2:]
+    a, b = torch.tensor(text[: n + 1]), torch.tensor(text[500 : 500 + n + 1])
+    full_a, full_b = model.forward(a, 0, seq=0)[n:], model.forward(b, 0, seq=1)[n - 2 :]
     model.forward(a[:n], 0, seq=0)
-    model.forward(b[:n - 2], 0, seq=1)
-    mixed = model.forward_batch(torch.cat([a[n:], b[n - 2:]]), torch.tensor([n, n - 2, n - 1, n]),
-                                torch.tensor([0, 1, 1, 1]))
+    model.forward(b[: n - 2], 0, seq=1)
+    mixed = model.forward_batch(
+        torch.cat([a[n:], b[n - 2 :]]), torch.tensor([n, n - 2, n - 1, n]), torch.tensor([0, 1, 1, 1])
+    )
     tol = dict(rtol=1e-4, atol=1e-4 * full_a.abs().max().item())
     torch.testing.assert_close(mixed[:1], full_a, **tol)
     torch.testing.assert_close(mixed[1:], full_b, **tol)
@@ -438,14 +497,14 @@ def test_perplexity_matches_llama_cpp(calibration_tokens: list[int], tmp_path: P
     """moerun.perplexity against llama-perplexity's rule on llama.cpp's logits (3 chunks of 64, second halves)."""
     path = write_synth_model(tmp_path / "g.gguf", "glm5-next")
     model = moerun.load_model(path, n_ctx=64)
-    tokens, n_ctx = calibration_tokens[:3 * 64], 64
+    tokens, n_ctx = calibration_tokens[: 3 * 64], 64
     assert model.tokenizer.bos_id is None or not model.tokenizer.add_bos  # chunks start with their own token
     nll, count = 0.0, 0
     for start in range(0, len(tokens), n_ctx):
-        chunk = tokens[start:start + n_ctx]
-        logits = llama_run(path, chunk).logits.astype(np.float64)[n_ctx // 2:n_ctx - 1]
+        chunk = tokens[start : start + n_ctx]
+        logits = llama_run(path, chunk).logits.astype(np.float64)[n_ctx // 2 : n_ctx - 1]
         log_norm = logits.max(-1) + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
-        nll -= (logits[np.arange(len(logits)), chunk[n_ctx // 2 + 1:]] - log_norm).sum()
+        nll -= (logits[np.arange(len(logits)), chunk[n_ctx // 2 + 1 :]] - log_norm).sum()
         count += len(logits)
     reference = math.exp(nll / count)
     ours = moerun.perplexity(model, tokens, n_ctx)
@@ -460,8 +519,11 @@ def test_baked_usage_warms_the_decoder_blocks(tmp_path: Path) -> None:
     table = np.random.default_rng(0).integers(1, 100, (6, n_expert)).astype(np.uint32)
     table[0] = 0  # the dense block
     baked = tmp_path / "baked.gguf"
-    write_gguf(baked, open_gguf(src),
-               kv_set={EXPERT_USAGE_KEY: KVValue(table.reshape(-1), GGUFValueType.ARRAY, GGUFValueType.UINT32)})
+    write_gguf(
+        baked,
+        open_gguf(src),
+        kv_set={EXPERT_USAGE_KEY: KVValue(table.reshape(-1), GGUFValueType.ARRAY, GGUFValueType.UINT32)},
+    )
     model = moerun.load_model(baked, cache=CacheConfig(budgets=[1 << 40]))
     np.testing.assert_array_equal(model.expert_cache.config.usage, table[:5])
     assert model.expert_cache.placement.slots == (0,) + (n_expert,) * 4
@@ -487,8 +549,9 @@ def test_slot_plan_leaves_the_nextn_block_out(tmp_path: Path) -> None:
     assert (geo.nextn_layers, geo.moe_layers, geo.dense_layers) == ([5], [1, 2, 3, 4], [0])
 
     def block_bytes(block: int, experts: bool) -> int:
-        return sum(t.n_bytes for t in model.tensors
-                   if t.name.startswith(f"blk.{block}.") and ("_exps" in t.name) == experts)
+        return sum(
+            t.n_bytes for t in model.tensors if t.name.startswith(f"blk.{block}.") and ("_exps" in t.name) == experts
+        )
 
     assert anatomy.roles["expert"].n_bytes == sum(block_bytes(b, True) for b in range(6))
     non_expert = sum(s.n_bytes for role, s in anatomy.roles.items() if role != "expert")
@@ -521,8 +584,12 @@ def f32(model: GGUFModel, name: str) -> np.ndarray:
 def rewrite(src: Path, out: Path, kv: dict[str, KVValue], arrays: dict[str, np.ndarray]) -> Path:
     """`src` with keys set and some F32 tensors replaced by `arrays`."""
     model = open_gguf(src)
-    tensors = [OutputTensor(t.name, t.ggml_type, t.shape, lambda a=arrays[t.name]: [a.astype(np.float32).tobytes()])
-               if t.name in arrays else copied_tensor(model, t) for t in model.tensors]
+    tensors = [
+        OutputTensor(t.name, t.ggml_type, t.shape, lambda a=arrays[t.name]: [a.astype(np.float32).tobytes()])
+        if t.name in arrays
+        else copied_tensor(model, t)
+        for t in model.tensors
+    ]
     write_gguf(out, model, tensors=tensors, kv_set=kv)
     return out
 
@@ -564,7 +631,7 @@ def kda_layer_f64(g: GGUFModel, layer: int, x: np.ndarray) -> tuple[np.ndarray, 
         proj = x @ w(f"attn_{name}.weight").T  # (T, Di)
         padded = np.concatenate([np.zeros((K - 1, H * Hd)), proj])
         taps = w(f"ssm_conv1d_{name}.weight").reshape(H * Hd, K)
-        conv = sum(padded[j:j + n] * taps[:, j] for j in range(K))
+        conv = sum(padded[j : j + n] * taps[:, j] for j in range(K))
         qkv.append((conv * sigmoid(conv)).reshape(n, H, Hd))
     q, k, v = qkv
     q, k = (t / np.sqrt((t * t).sum(-1, keepdims=True) + 1e-6) for t in (q, k))
@@ -596,8 +663,12 @@ def test_kda_gate_lower_bound(calibration_tokens: list[int], tmp_path: Path) -> 
             bias = f32(plain, f"blk.{il}.ssm_dt.bias").copy()
             bias[::2] += 60
             raised[f"blk.{il}.ssm_dt.bias"] = bias
-    bounded = rewrite(src, tmp_path / "bounded.gguf",
-                      {"glm5-next.kda.gate_lower_bound": KVValue(LOWER_BOUND, GGUFValueType.FLOAT32)}, raised)
+    bounded = rewrite(
+        src,
+        tmp_path / "bounded.gguf",
+        {"glm5-next.kda.gate_lower_bound": KVValue(LOWER_BOUND, GGUFValueType.FLOAT32)},
+        raised,
+    )
     unbounded = rewrite(src, tmp_path / "unbounded.gguf", {}, raised)
     g = open_gguf(bounded)
     model = moerun.load_model(bounded)
@@ -611,8 +682,9 @@ def test_kda_gate_lower_bound(calibration_tokens: list[int], tmp_path: Path) -> 
     assert on_bound.mean() > 0.3 and (gate / LOWER_BOUND < 0.9).mean() > 0.3  # both regimes present
     with torch.inference_mode():
         prefill = attn(torch.from_numpy(x), Step(torch.arange(n), n_slots=n)).numpy()
-        steps = np.concatenate([attn(torch.from_numpy(x[t:t + 1]), Step(torch.tensor([t]), n_slots=t + 1)).numpy()
-                                for t in range(n)])
+        steps = np.concatenate(
+            [attn(torch.from_numpy(x[t : t + 1]), Step(torch.tensor([t]), n_slots=t + 1)).numpy() for t in range(n)]
+        )
     scale = np.abs(want).max()
     assert np.abs(prefill - want).max() <= 1e-5 * scale and np.abs(steps - want).max() <= 1e-5 * scale
 

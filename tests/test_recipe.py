@@ -16,8 +16,23 @@ from moeprep.synth import SYNTH_ARCHS, write_synth_model
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
 # the families recipes/ covers (Mixtral is `llama` in GGUF), GLM-5.3-Flash and the newer MoE releases
-FAMILIES = {"qwen3moe", "deepseek2", "glm4moe", "gpt-oss", "llama", "glm5-next", "mimo2", "qwen35moe", "qwen3next",
-            "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe", "hunyuan-moe"}
+FAMILIES = {
+    "qwen3moe",
+    "deepseek2",
+    "glm4moe",
+    "gpt-oss",
+    "llama",
+    "glm5-next",
+    "mimo2",
+    "qwen35moe",
+    "qwen3next",
+    "minimax-m2",
+    "llama4",
+    "deepseek32",
+    "dots1",
+    "ernie4_5-moe",
+    "hunyuan-moe",
+}
 GOOD = """
 name = "Test"
 arch = "qwen3moe"
@@ -68,26 +83,35 @@ def test_defaults_and_types() -> None:
     assert r.publish.tags == () and r.publish.base_model is None
 
 
-@pytest.mark.parametrize("text, message", [
-    ('name = "x"\narch = "qwen3moe"\ncolour = 1', "unknown key colour"),
-    ('name = "x"\narch = "qwen3moe"\n[calibration]\nchunk = 3', "unknown key calibration.chunk"),
-    ('name = "x"\narch = "qwen3moe"\n[calibration]\nctx = "512"', "calibration.ctx must be an integer"),
-    ('name = "x"\narch = "qwen3moe"\n[calibration]\nchunks = true', "calibration.chunks must be an integer"),
-    ('name = "x"\narch = "qwen3moe"\n[calibration]\nholdout = 1', "calibration.holdout: 1 is not in [0, 1)"),
-    ('name = "x"\narch = "qwen3moe"\n[calibration]\nctx = 1', "calibration.ctx: 1 is below 2"),
-    ('name = "x"\narch = "qwen3moe"\n[quantize]\nimatrix = "yes"', "quantize.imatrix must be true or false"),
-    ('name = "x"\narch = "qwen3moe"\n[quantize]\ntypes = [1]', "quantize.types must be a list of strings"),
-    ('name = "x"\narch = "qwen3moe"\n[quantize]\ntypes = "a=Q8_0"', "quantize.types must be a list of strings"),
-    ('name = "x"\narch = "qwen3moe"\n[quantize]\nattn = "Q3_Q"', "quantize.attn: 'Q3_Q': not a type"),
-    ('name = "x"\narch = "qwen3moe"\n[quantize]\ntypes = ["(=Q8_0"]', "quantize.types: --type '(=Q8_0': bad regular"),
-    ('name = "x"\narch = "qwen3moe"\n[publish]\nbase_model = "a b"', "publish.base_model: 'a b' is not a Hugging"),
-    ('name = "x"\narch = "qwen3moe"\n[publish]\nsplit_max_size = "big"', "publish.split_max_size: 'big': not a size"),
-    ('name = "x"\narch = "qwen3moe"\nquantize = 3', "quantize must be a table"),
-    ('name = "x"\narch = "mamba"', "arch: 'mamba' is not an architecture moeprep knows"),
-    ('arch = "qwen3moe"', "missing key name"),
-    ('name = "x"', "missing key arch"),
-    ('name = "x"\narch = ', "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('name = "x"\narch = "qwen3moe"\ncolour = 1', "unknown key colour"),
+        ('name = "x"\narch = "qwen3moe"\n[calibration]\nchunk = 3', "unknown key calibration.chunk"),
+        ('name = "x"\narch = "qwen3moe"\n[calibration]\nctx = "512"', "calibration.ctx must be an integer"),
+        ('name = "x"\narch = "qwen3moe"\n[calibration]\nchunks = true', "calibration.chunks must be an integer"),
+        ('name = "x"\narch = "qwen3moe"\n[calibration]\nholdout = 1', "calibration.holdout: 1 is not in [0, 1)"),
+        ('name = "x"\narch = "qwen3moe"\n[calibration]\nctx = 1', "calibration.ctx: 1 is below 2"),
+        ('name = "x"\narch = "qwen3moe"\n[quantize]\nimatrix = "yes"', "quantize.imatrix must be true or false"),
+        ('name = "x"\narch = "qwen3moe"\n[quantize]\ntypes = [1]', "quantize.types must be a list of strings"),
+        ('name = "x"\narch = "qwen3moe"\n[quantize]\ntypes = "a=Q8_0"', "quantize.types must be a list of strings"),
+        ('name = "x"\narch = "qwen3moe"\n[quantize]\nattn = "Q3_Q"', "quantize.attn: 'Q3_Q': not a type"),
+        (
+            'name = "x"\narch = "qwen3moe"\n[quantize]\ntypes = ["(=Q8_0"]',
+            "quantize.types: --type '(=Q8_0': bad regular",
+        ),
+        ('name = "x"\narch = "qwen3moe"\n[publish]\nbase_model = "a b"', "publish.base_model: 'a b' is not a Hugging"),
+        (
+            'name = "x"\narch = "qwen3moe"\n[publish]\nsplit_max_size = "big"',
+            "publish.split_max_size: 'big': not a size",
+        ),
+        ('name = "x"\narch = "qwen3moe"\nquantize = 3', "quantize must be a table"),
+        ('name = "x"\narch = "mamba"', "arch: 'mamba' is not an architecture moeprep knows"),
+        ('arch = "qwen3moe"', "missing key name"),
+        ('name = "x"', "missing key arch"),
+        ('name = "x"\narch = ', "not valid TOML"),
+    ],
+)
 def test_bad_recipe_is_one_line_naming_the_key(text: str, message: str) -> None:
     with pytest.raises(MoeprepError) as e:
         parse_recipe(text, "r.toml")
@@ -120,7 +144,7 @@ def test_published_text_records_overrides(tmp_path: Path) -> None:
     assert recipe_text(load_recipe(path)) == GOOD
     text = recipe_text(load_recipe(path, {"calibration.chunks": 3, "calibration.dataset": "my text.txt"}))
     assert text.startswith(GOOD.rstrip("\n"))
-    assert '# calibration.chunks = 3' in text and '# calibration.dataset = "my text.txt"' in text
+    assert "# calibration.chunks = 3" in text and '# calibration.dataset = "my text.txt"' in text
     assert tomllib.loads(text) == tomllib.loads(GOOD)  # comments only: the file's own values are unchanged
 
 

@@ -10,11 +10,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from moeprep.gguf.arch_table import (ARCHITECTURES, KEEP_EVERYWHERE, KEEP_NAMES, MIXERS, NO_MIXER, QuantLimit,
-                                     TensorRole)
+from moeprep.gguf.arch_table import ARCHITECTURES, KEEP_EVERYWHERE, KEEP_NAMES, MIXERS, NO_MIXER, QuantLimit, TensorRole
 
-__all__ = ["ROLE_TABLES", "FALLBACK_TABLE", "QuantLimit", "TensorRole", "TensorName", "attention_kinds", "block_mixers",
-           "parse_tensor_name", "quant_limit", "role_table", "tensor_role"]
+__all__ = [
+    "ROLE_TABLES",
+    "FALLBACK_TABLE",
+    "QuantLimit",
+    "TensorRole",
+    "TensorName",
+    "attention_kinds",
+    "block_mixers",
+    "parse_tensor_name",
+    "quant_limit",
+    "role_table",
+    "tensor_role",
+]
 
 R = TensorRole
 ROLE_TABLES: dict[str, dict[str, TensorRole]] = {name: arch.roles for name, arch in ARCHITECTURES.items()}
@@ -90,4 +100,3 @@ def block_mixers(names: list[str], n_layer: int) -> dict[str, list[int]]:
         kind = next((kind for kind, marks in MIXERS if have & set(marks)), NO_MIXER)
         kinds.setdefault(kind, []).append(block)
     return kinds if len(kinds) > 1 else {}
-

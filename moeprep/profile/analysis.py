@@ -26,32 +26,44 @@ def effective_experts(shares: np.ndarray) -> np.ndarray:
 
 def format_summary(p: Profile) -> str:
     m, c = p.model, p.counts
-    lines = [f"model    {m.name} ({m.arch}): {m.n_layer} layers, {len(m.moe_layers)} MoE x {m.n_expert} experts, "
-             f"{m.n_expert_used} per token; router {m.router_sha256[:12]}"]
+    lines = [
+        f"model    {m.name} ({m.arch}): {m.n_layer} layers, {len(m.moe_layers)} MoE x {m.n_expert} experts, "
+        f"{m.n_expert_used} per token; router {m.router_sha256[:12]}"
+    ]
     for s in p.sources:
         what = " ".join(x for x in (s.dataset, s.config, s.split) if x)
         weight = f", weight {s.weight}" if s.weight != 1 else ""
-        lines.append(f"text     {what}: {s.chunks} chunks x {s.ctx} tokens counted ({s.tokens} tokens), "
-                     f"{s.heldout_chunks} held out{weight}")
+        lines.append(
+            f"text     {what}: {s.chunks} chunks x {s.ctx} tokens counted ({s.tokens} tokens), "
+            f"{s.heldout_chunks} held out{weight}"
+        )
     shares, coverage = c.shares(), c.coverage()
     eff = effective_experts(shares)
     hot_cols = [cache_slots(size, c.n_expert) for size in SIZES]
-    head = f"{'block':>5} {'tokens':>9} {'used':>9} {'top-1':>6} " + " ".join(
-        f"{f'hot {k}':>7}" for k in hot_cols) + f" {'eff. experts':>12}"
+    head = (
+        f"{'block':>5} {'tokens':>9} {'used':>9} {'top-1':>6} "
+        + " ".join(f"{f'hot {k}':>7}" for k in hot_cols)
+        + f" {'eff. experts':>12}"
+    )
     lines += ["", "share of selections covered by the hottest k experts of each layer:", head]
     for row, block in enumerate(c.layers):
         used = int((c.selections[row] > 0).sum())
-        lines.append(f"{block:>5} {c.tokens[row]:>9} {f'{used}/{c.n_expert}':>9} {_pct(shares[row].max())} "
-                     + " ".join(f"{_pct(coverage[row, k - 1]):>7}" for k in hot_cols) + f" {eff[row]:>12.1f}")
+        lines.append(
+            f"{block:>5} {c.tokens[row]:>9} {f'{used}/{c.n_expert}':>9} {_pct(shares[row].max())} "
+            + " ".join(f"{_pct(coverage[row, k - 1]):>7}" for k in hot_cols)
+            + f" {eff[row]:>12.1f}"
+        )
     return "\n".join(lines)
 
 
 def format_heldout(h: HeldoutTable | None, per_layer: bool = False) -> str:
     if h is None:
         return "held-out: none (profile with --holdout above 0 to judge the profile on text it did not count)"
-    lines = [f"held-out: {h.chunks} chunks, {h.tokens} tokens never counted; expert-cache hit rate, "
-             f"{' / '.join(h.windows)} tokens of a chunk:",
-             f"{'cache':>12} " + " ".join(f"{p:>15}" for p in h.policies)]
+    lines = [
+        f"held-out: {h.chunks} chunks, {h.tokens} tokens never counted; expert-cache hit rate, "
+        f"{' / '.join(h.windows)} tokens of a chunk:",
+        f"{'cache':>12} " + " ".join(f"{p:>15}" for p in h.policies),
+    ]
     overall = h.overall()
     for si, (size, slots) in enumerate(zip(h.sizes, h.slots)):
         cells = [" /".join(_pct(overall[pi, si, wi]) for wi in range(len(h.windows))) for pi in range(len(h.policies))]
@@ -60,12 +72,19 @@ def format_heldout(h: HeldoutTable | None, per_layer: bool = False) -> str:
     if per_layer:
         rates = h.layer_rates()
         for wi, window in enumerate(h.windows):
-            lines += ["", f"per layer, {window} tokens ({', '.join(h.policies)} for each size):",
-                      f"{'block':>5} " + " | ".join(f"{f'{size:.0%}':^{8 * len(h.policies) - 1}}" for size in h.sizes)]
+            lines += [
+                "",
+                f"per layer, {window} tokens ({', '.join(h.policies)} for each size):",
+                f"{'block':>5} " + " | ".join(f"{f'{size:.0%}':^{8 * len(h.policies) - 1}}" for size in h.sizes),
+            ]
             for mi, block in enumerate(h.layers):
-                lines.append(f"{block:>5} " + " | ".join(
-                    " ".join(f"{_pct(rates[pi, si, wi, mi]):>7}" for pi in range(len(h.policies)))
-                    for si in range(len(h.sizes))))
+                lines.append(
+                    f"{block:>5} "
+                    + " | ".join(
+                        " ".join(f"{_pct(rates[pi, si, wi, mi]):>7}" for pi in range(len(h.policies)))
+                        for si in range(len(h.sizes))
+                    )
+                )
     return "\n".join(lines)
 
 
@@ -80,8 +99,9 @@ def plot_profile(p: Profile, out: str | Path) -> None:
         raise MoeprepError(f"{out}: plotting needs matplotlib; pip install matplotlib") from e
     c = p.counts
     shares, coverage = c.shares(), c.coverage()
-    fig, (heat, cum) = plt.subplots(1, 2, figsize=(14, max(4.0, 0.18 * len(c.layers) + 2)),
-                                    gridspec_kw={"width_ratios": [3, 2]})
+    fig, (heat, cum) = plt.subplots(
+        1, 2, figsize=(14, max(4.0, 0.18 * len(c.layers) + 2)), gridspec_kw={"width_ratios": [3, 2]}
+    )
     image = heat.imshow(shares, aspect="auto", interpolation="nearest", cmap="magma")
     heat.set_yticks(range(len(c.layers)), [str(b) for b in c.layers], fontsize=7)
     heat.set_xlabel("expert")

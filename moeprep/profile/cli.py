@@ -31,24 +31,51 @@ def _weights(ctx: click.Context, param: click.Parameter, value: str | None) -> l
 
 @profile.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--dataset", required=True, help="Hugging Face dataset name (wikitext), or a local .txt/.jsonl/.parquet "
-              "file or folder of them.")
+@click.option(
+    "--dataset",
+    required=True,
+    help="Hugging Face dataset name (wikitext), or a local .txt/.jsonl/.parquet file or folder of them.",
+)
 @click.option("--dataset-config", help="Dataset configuration (wikitext: wikitext-2-raw-v1 by default).")
 @click.option("--split", default="train", show_default=True, help="Dataset split.")
 @click.option("--text-column", default="text", show_default=True, help="Column holding the text.")
 @click.option("-c", "--ctx", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per chunk.")
 @click.option("--chunks", type=click.IntRange(min=1), help="Chunks to run (held-out ones included); default: all.")
 @click.option("--tokens", type=click.IntRange(min=1), help="Instead of --chunks: enough chunks for this many tokens.")
-@click.option("--holdout", default=0.2, show_default=True, type=click.FloatRange(0, 1, max_open=True),
-              help="Share of the chunks kept out of the counts and replayed through simulated caches; 0: none.")
+@click.option(
+    "--holdout",
+    default=0.2,
+    show_default=True,
+    type=click.FloatRange(0, 1, max_open=True),
+    help="Share of the chunks kept out of the counts and replayed through simulated caches; 0: none.",
+)
 @click.option("--device", default="cpu", show_default=True, help="Torch device: cpu, cuda, cuda:1 ...")
-@click.option("--imatrix-out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also write llama.cpp's GGUF importance matrix from the same pass.")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Profile to write (.moeprof).")
-def run(model: Path, dataset: str, dataset_config: str | None, split: str, text_column: str, ctx: int,
-        chunks: int | None, tokens: int | None, holdout: float, device: str, imatrix_out: Path | None,
-        output: Path) -> None:
+@click.option(
+    "--imatrix-out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write llama.cpp's GGUF importance matrix from the same pass.",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Profile to write (.moeprof).",
+)
+def run(
+    model: Path,
+    dataset: str,
+    dataset_config: str | None,
+    split: str,
+    text_column: str,
+    ctx: int,
+    chunks: int | None,
+    tokens: int | None,
+    holdout: float,
+    device: str,
+    imatrix_out: Path | None,
+    output: Path,
+) -> None:
     """Run calibration text through MODEL and record which experts each MoE layer chose."""
     from moeprep.profile.analysis import format_heldout, format_summary
     from moeprep.profile.dataset import DatasetSpec
@@ -68,8 +95,11 @@ def run(model: Path, dataset: str, dataset_config: str | None, split: str, text_
 
 @profile.command()
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write a PNG: layers x experts heatmap and per-layer coverage of the hottest experts.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a PNG: layers x experts heatmap and per-layer coverage of the hottest experts.",
+)
 @click.option("--per-layer", is_flag=True, help="Also print the held-out hit rates of every layer.")
 def show(path: Path, plot: Path | None, per_layer: bool) -> None:
     """Summarise a profile: per layer, how concentrated expert use is; the held-out cache table."""
@@ -103,8 +133,11 @@ def merge(profiles: tuple[Path, ...], output: Path, weights: list[int] | None) -
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", required=True, type=click.Choice(EXPORT_FORMATS))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Output file (default: stdout).")
-@click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=str),
-              help="Label the export with this GGUF's name and size (it must route like the profiled model).")
+@click.option(
+    "--model",
+    type=click.Path(exists=True, dir_okay=False, path_type=str),
+    help="Label the export with this GGUF's name and size (it must route like the profiled model).",
+)
 def export(path: Path, fmt: str, output: Path | None, model: str | None) -> None:
     """Write a profile as llama.cpp's moe-state.ini section, a CSV routing trace or JSON."""
     from moeprep.profile.export import EXPORTERS, export_label, write_export

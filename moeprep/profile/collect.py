@@ -70,16 +70,19 @@ class ActivationRecorder:
         return {name: (s.cpu().numpy(), self.counts[name]) for name, s in self.sums.items()}
 
 
-def collect(model: Model, chunks: np.ndarray, heldout: np.ndarray, layers: Sequence[int], n_expert: int,
-            top_k: int) -> tuple[ExpertCounts, RoutingTrace]:
+def collect(
+    model: Model, chunks: np.ndarray, heldout: np.ndarray, layers: Sequence[int], n_expert: int, top_k: int
+) -> tuple[ExpertCounts, RoutingTrace]:
     """Run every chunk [C, T] from position 0; counts take the chunks not held out, the trace keeps all."""
     recorder = RoutingRecorder(layers)
     handle = model.add_routing_hook(recorder)
     counts = ExpertCounts.zeros(layers, n_expert)
     traced = []
     try:
-        with torch.inference_mode(), tqdm(total=chunks.size, unit="tok", unit_scale=True, desc="profile",
-                                          dynamic_ncols=True) as bar:
+        with (
+            torch.inference_mode(),
+            tqdm(total=chunks.size, unit="tok", unit_scale=True, desc="profile", dynamic_ncols=True) as bar,
+        ):
             for chunk, held in zip(chunks, heldout):
                 model.forward(torch.from_numpy(chunk), start_pos=0)
                 ids, weights = recorder.take(len(chunk), top_k)

@@ -23,8 +23,9 @@ class ExpertCounts:
     @classmethod
     def zeros(cls, layers: Sequence[int], n_expert: int) -> ExpertCounts:
         m = len(layers)
-        return cls(tuple(layers), np.zeros((m, n_expert), np.int64), np.zeros((m, n_expert), np.float64),
-                   np.zeros(m, np.int64))
+        return cls(
+            tuple(layers), np.zeros((m, n_expert), np.int64), np.zeros((m, n_expert), np.float64), np.zeros(m, np.int64)
+        )
 
     @property
     def n_expert(self) -> int:
@@ -43,8 +44,12 @@ class ExpertCounts:
 
     def __add__(self, other: ExpertCounts) -> ExpertCounts:
         assert self.layers == other.layers and self.n_expert == other.n_expert
-        return ExpertCounts(self.layers, self.selections + other.selections, self.gate_mass + other.gate_mass,
-                            self.tokens + other.tokens)
+        return ExpertCounts(
+            self.layers,
+            self.selections + other.selections,
+            self.gate_mass + other.gate_mass,
+            self.tokens + other.tokens,
+        )
 
     def shares(self) -> np.ndarray:
         """[M, E] each expert's share of its layer's selections (a layer with none is all zero)."""

@@ -70,18 +70,23 @@ def load_rows(spec: DatasetSpec) -> Any:
                 return loaded[spec.split] if isinstance(loaded, datasets.DatasetDict) else loaded
             return datasets.load_dataset(str(path), spec.config, split=spec.split)
         if path.suffix not in LOCAL_BUILDERS:
-            raise MoeprepError(f"{path}: unknown text file type {path.suffix!r}; "
-                               f"use one of {', '.join(LOCAL_BUILDERS)}")
+            raise MoeprepError(
+                f"{path}: unknown text file type {path.suffix!r}; use one of {', '.join(LOCAL_BUILDERS)}"
+            )
         builder, options = LOCAL_BUILDERS[path.suffix]
         return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except ConnectionError as e:
-        raise MoeprepError(f"{spec.name}: not in the local Hugging Face cache and the Hub cannot be reached "
-                           f"({e}); run once online to cache it (HF_HUB_OFFLINE=1 then skips the Hub), "
-                           f"or {LOCAL_HINT}") from e
+        raise MoeprepError(
+            f"{spec.name}: not in the local Hugging Face cache and the Hub cannot be reached "
+            f"({e}); run once online to cache it (HF_HUB_OFFLINE=1 then skips the Hub), "
+            f"or {LOCAL_HINT}"
+        ) from e
     except (DatasetsError, FileNotFoundError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MoeprepError(f"{spec.name}: cannot load this dataset ({reason}); check the name, --dataset-config and "
-                           f"--split, or {LOCAL_HINT}") from e
+        raise MoeprepError(
+            f"{spec.name}: cannot load this dataset ({reason}); check the name, --dataset-config and "
+            f"--split, or {LOCAL_HINT}"
+        ) from e
 
 
 def text_pieces(rows: Any, column: str, where: str) -> Iterator[str]:
@@ -124,13 +129,16 @@ def make_chunks(tokens: np.ndarray, ctx: int, bos_id: int | None, max_chunks: in
     return chunks
 
 
-def calibration_chunks(spec: DatasetSpec, encode: Encode, bos_id: int | None, ctx: int,
-                       max_chunks: int | None) -> np.ndarray:
+def calibration_chunks(
+    spec: DatasetSpec, encode: Encode, bos_id: int | None, ctx: int, max_chunks: int | None
+) -> np.ndarray:
     """Load, tokenize and chunk; bos_id None when the model does not add BOS."""
     pieces = text_pieces(load_rows(spec), spec.text_column, spec.name)
     tokens = tokenize(pieces, encode, bos_id is not None, None if max_chunks is None else max_chunks * ctx)
     chunks = make_chunks(tokens, ctx, bos_id, max_chunks)
     if len(chunks) == 0:
-        raise MoeprepError(f"{spec.name}: only {len(tokens)} tokens, less than one chunk of --ctx {ctx}; "
-                           "use a smaller --ctx or more text")
+        raise MoeprepError(
+            f"{spec.name}: only {len(tokens)} tokens, less than one chunk of --ctx {ctx}; "
+            "use a smaller --ctx or more text"
+        )
     return chunks

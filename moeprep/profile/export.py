@@ -42,8 +42,10 @@ def write_trace_csv(p: Profile, label: ModelIdentity, out: TextIO) -> None:
     for c in range(p.trace.n_chunks):
         ids = p.trace.chunk(c)  # [T, M, K]
         n_t, n_m, n_k = ids.shape
-        rows = np.concatenate([np.repeat(np.arange(n_t), n_m)[:, None], np.tile(layers, n_t)[:, None],
-                               ids.reshape(n_t * n_m, n_k)], axis=1)
+        rows = np.concatenate(
+            [np.repeat(np.arange(n_t), n_m)[:, None], np.tile(layers, n_t)[:, None], ids.reshape(n_t * n_m, n_k)],
+            axis=1,
+        )
         np.savetxt(out, rows, fmt="%d", delimiter=",")
 
 
@@ -53,16 +55,35 @@ def profile_dict(p: Profile, label: ModelIdentity) -> dict:
     return {
         "model": label.to_dict(),
         "sources": [s.to_dict() for s in p.sources],
-        "layers": [{"block": b, "tokens": int(c.tokens[m]), "selections": c.selections[m].tolist(),
-                    "gate_mass": c.gate_mass[m].tolist()} for m, b in enumerate(c.layers)],
-        "heldout": None if h is None else {
-            "chunks": h.chunks, "tokens": h.tokens, "lookups_per_layer": dict(zip(h.windows, h.lookups.tolist())),
+        "layers": [
+            {
+                "block": b,
+                "tokens": int(c.tokens[m]),
+                "selections": c.selections[m].tolist(),
+                "gate_mass": c.gate_mass[m].tolist(),
+            }
+            for m, b in enumerate(c.layers)
+        ],
+        "heldout": None
+        if h is None
+        else {
+            "chunks": h.chunks,
+            "tokens": h.tokens,
+            "lookups_per_layer": dict(zip(h.windows, h.lookups.tolist())),
             "policies": {name: ABOUT[name] for name in h.policies},
-            "rates": [{"policy": pol, "size": size, "slots": slots, "window": win,
-                       "overall": float(h.overall()[pi, si, wi]),
-                       "per_layer": h.layer_rates()[pi, si, wi].tolist()}
-                      for pi, pol in enumerate(h.policies) for si, (size, slots) in enumerate(zip(h.sizes, h.slots))
-                      for wi, win in enumerate(h.windows)],
+            "rates": [
+                {
+                    "policy": pol,
+                    "size": size,
+                    "slots": slots,
+                    "window": win,
+                    "overall": float(h.overall()[pi, si, wi]),
+                    "per_layer": h.layer_rates()[pi, si, wi].tolist(),
+                }
+                for pi, pol in enumerate(h.policies)
+                for si, (size, slots) in enumerate(zip(h.sizes, h.slots))
+                for wi, win in enumerate(h.windows)
+            ],
         },
     }
 

@@ -38,9 +38,12 @@ DTYPES = {"<i8", "<f8", "|u1", "<u2", "|b1"}
 
 def _arrays(p: Profile) -> dict[str, np.ndarray]:
     arrays = {
-        "counts.selections": p.counts.selections, "counts.gate_mass": p.counts.gate_mass,
+        "counts.selections": p.counts.selections,
+        "counts.gate_mass": p.counts.gate_mass,
         "counts.tokens": p.counts.tokens,
-        "trace.ids": p.trace.ids, "trace.starts": p.trace.starts, "trace.heldout": p.trace.heldout,
+        "trace.ids": p.trace.ids,
+        "trace.starts": p.trace.starts,
+        "trace.heldout": p.trace.heldout,
     }
     if p.heldout is not None:
         arrays |= {"heldout.hits": p.heldout.hits, "heldout.lookups": p.heldout.lookups}
@@ -48,8 +51,14 @@ def _arrays(p: Profile) -> dict[str, np.ndarray]:
 
 
 def _heldout_meta(h: HeldoutTable) -> dict[str, Any]:
-    return {"slots": list(h.slots), "chunks": h.chunks, "tokens": h.tokens, "policies": list(h.policies),
-            "sizes": list(h.sizes), "windows": list(h.windows)}
+    return {
+        "slots": list(h.slots),
+        "chunks": h.chunks,
+        "tokens": h.tokens,
+        "policies": list(h.policies),
+        "sizes": list(h.sizes),
+        "windows": list(h.windows),
+    }
 
 
 def encode_profile(p: Profile) -> bytes:
@@ -59,10 +68,14 @@ def encode_profile(p: Profile) -> bytes:
         area += b"\0" * (-len(area) % ALIGN)
         table[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": len(area)}
         area += a.tobytes()
-    header = json.dumps({
-        "model": p.model.to_dict(), "sources": [s.to_dict() for s in p.sources],
-        "heldout": _heldout_meta(p.heldout) if p.heldout else None, "arrays": table,
-    }).encode()
+    header = json.dumps(
+        {
+            "model": p.model.to_dict(),
+            "sources": [s.to_dict() for s in p.sources],
+            "heldout": _heldout_meta(p.heldout) if p.heldout else None,
+            "arrays": table,
+        }
+    ).encode()
     payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(struct.pack("<Q", len(header)) + header + bytes(area))
     return PREAMBLE.pack(MAGIC, VERSION, 0, len(payload), hashlib.sha256(payload).digest()) + payload
 
@@ -91,8 +104,9 @@ def decode_profile(data: bytes, where: str) -> Profile:
         raise MoeprepError(f"{where}: not a moeprep profile (bad magic); give a .moeprof written by `moeprep profile`")
     _, version, _, size, digest = PREAMBLE.unpack_from(data)
     if version > VERSION:
-        raise MoeprepError(f"{where}: profile format version {version} is newer than this moeprep's ({VERSION}); "
-                           "upgrade moeprep")
+        raise MoeprepError(
+            f"{where}: profile format version {version} is newer than this moeprep's ({VERSION}); upgrade moeprep"
+        )
     payload = data[PREAMBLE.size :]
     if len(payload) != size:
         raise MoeprepError(f"{damaged} (truncated: {len(payload)} of {size} payload bytes); {redo}")
@@ -105,8 +119,15 @@ def decode_profile(data: bytes, where: str) -> Profile:
         area = memoryview(raw)[8 + n_header :]
         arrays = {name: _array(area, spec) for name, spec in header["arrays"].items()}
         p = _build(header, arrays)
-    except (zstandard.ZstdError, struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
-            ValueError) as e:
+    except (
+        zstandard.ZstdError,
+        struct.error,
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        KeyError,
+        TypeError,
+        ValueError,
+    ) as e:
         raise MoeprepError(f"{damaged} ({type(e).__name__}: {e}); {redo}") from e
     _validate(p, where)
     return p
@@ -127,10 +148,21 @@ def _build(header: dict[str, Any], a: dict[str, np.ndarray]) -> Profile:
     counts = ExpertCounts(model.moe_layers, a["counts.selections"], a["counts.gate_mass"], a["counts.tokens"])
     trace = RoutingTrace(a["trace.ids"], a["trace.starts"], a["trace.heldout"].astype(bool))
     meta = header["heldout"]
-    heldout = None if meta is None else HeldoutTable(
-        layers=model.moe_layers, slots=tuple(meta["slots"]), hits=a["heldout.hits"], lookups=a["heldout.lookups"],
-        chunks=meta["chunks"], tokens=meta["tokens"], policies=tuple(meta["policies"]), sizes=tuple(meta["sizes"]),
-        windows=tuple(meta["windows"]))
+    heldout = (
+        None
+        if meta is None
+        else HeldoutTable(
+            layers=model.moe_layers,
+            slots=tuple(meta["slots"]),
+            hits=a["heldout.hits"],
+            lookups=a["heldout.lookups"],
+            chunks=meta["chunks"],
+            tokens=meta["tokens"],
+            policies=tuple(meta["policies"]),
+            sizes=tuple(meta["sizes"]),
+            windows=tuple(meta["windows"]),
+        )
+    )
     return Profile(model, [Provenance.from_dict(s) for s in header["sources"]], counts, trace, heldout)
 
 
@@ -142,11 +174,19 @@ def _validate(p: Profile, where: str) -> None:
         (p.counts.selections.shape != (m, e), f"counts shape {p.counts.selections.shape} is not ({m}, {e})"),
         (p.counts.gate_mass.shape != (m, e) or p.counts.tokens.shape != (m,), "gate mass or token counts misshapen"),
         (t.ids.ndim != 3 or t.ids.shape[1] != m, f"trace shape {t.ids.shape} does not have {m} layers"),
-        (len(t.starts) != len(t.heldout) + 1 or t.starts[0] != 0 or t.starts[-1] != len(t.ids)
-         or (np.diff(t.starts) < 0).any(), "trace chunk boundaries inconsistent"),
+        (
+            len(t.starts) != len(t.heldout) + 1
+            or t.starts[0] != 0
+            or t.starts[-1] != len(t.ids)
+            or (np.diff(t.starts) < 0).any(),
+            "trace chunk boundaries inconsistent",
+        ),
         (t.ids.size > 0 and int(t.ids.max()) >= e, f"trace has expert ids beyond {e} experts"),
-        (p.heldout is not None and p.heldout.hits.shape != (len(p.heldout.policies), len(p.heldout.sizes),
-                                                             len(p.heldout.windows), m), "held-out table misshapen"),
+        (
+            p.heldout is not None
+            and p.heldout.hits.shape != (len(p.heldout.policies), len(p.heldout.sizes), len(p.heldout.windows), m),
+            "held-out table misshapen",
+        ),
     ]
     bad = [msg for failed, msg in problems if failed]
     if bad:

@@ -72,8 +72,9 @@ class HeldoutTable:
         return self.hits.sum(axis=3) / np.maximum(self.lookups * len(self.layers), 1)[None, None, :]
 
 
-def simulate_caches(trace: RoutingTrace, counts: ExpertCounts,
-                    policies: tuple[CachePolicy, ...] = HELDOUT_POLICIES) -> HeldoutTable:
+def simulate_caches(
+    trace: RoutingTrace, counts: ExpertCounts, policies: tuple[CachePolicy, ...] = HELDOUT_POLICIES
+) -> HeldoutTable:
     """Replay the trace's held-out chunks through every policy and size; warm caches come from `counts`."""
     chunks = np.flatnonzero(trace.heldout)
     assert len(chunks), "no held-out chunks to replay"
@@ -86,8 +87,15 @@ def simulate_caches(trace: RoutingTrace, counts: ExpertCounts,
         lookups += windows.sum(axis=(1, 2)) * trace.top_k
         for pi, policy in enumerate(policies):
             hits[pi] += _replay(policy, ids, valid, windows, slots, counts)
-    return HeldoutTable(counts.layers, tuple(int(s) for s in slots), hits, lookups, len(chunks),
-                        int(np.diff(trace.starts)[chunks].sum()), tuple(p.name for p in policies))
+    return HeldoutTable(
+        counts.layers,
+        tuple(int(s) for s in slots),
+        hits,
+        lookups,
+        len(chunks),
+        int(np.diff(trace.starts)[chunks].sum()),
+        tuple(p.name for p in policies),
+    )
 
 
 def _window_masks(valid: np.ndarray) -> np.ndarray:
@@ -95,8 +103,14 @@ def _window_masks(valid: np.ndarray) -> np.ndarray:
     return np.stack([valid, valid & cold[None, :]])
 
 
-def _replay(policy: CachePolicy, ids: np.ndarray, valid: np.ndarray, windows: np.ndarray, slots: np.ndarray,
-            counts: ExpertCounts) -> np.ndarray:
+def _replay(
+    policy: CachePolicy,
+    ids: np.ndarray,
+    valid: np.ndarray,
+    windows: np.ndarray,
+    slots: np.ndarray,
+    counts: ExpertCounts,
+) -> np.ndarray:
     """[S, W, M] hits of one policy: every chunk, size and layer a cache of its own, all stepped together."""
     n_c, n_t, n_m, n_k = ids.shape
     n_s = len(slots)

@@ -40,8 +40,10 @@ class ModelIdentity:
         return cls(**{f.name: d[f.name] for f in fields(cls)} | {"moe_layers": tuple(d["moe_layers"])})
 
     def describe(self) -> str:
-        return (f"{self.name} ({self.arch}, {len(self.moe_layers)} MoE layers x {self.n_expert} experts, "
-                f"router {self.router_sha256[:12]})")
+        return (
+            f"{self.name} ({self.arch}, {len(self.moe_layers)} MoE layers x {self.n_expert} experts, "
+            f"router {self.router_sha256[:12]})"
+        )
 
 
 def router_fingerprint(model: GGUFModel) -> str:
@@ -56,14 +58,23 @@ def router_fingerprint(model: GGUFModel) -> str:
 
 def identify_model(model: GGUFModel) -> ModelIdentity:
     geo = moe_geometry(model)
-    return ModelIdentity(arch=geo.arch, name=model.name, file_size=model.file_size, n_layer=geo.n_layer,
-                         moe_layers=tuple(geo.moe_layers), n_expert=geo.n_expert, n_expert_used=geo.n_expert_used,
-                         router_sha256=router_fingerprint(model))
+    return ModelIdentity(
+        arch=geo.arch,
+        name=model.name,
+        file_size=model.file_size,
+        n_layer=geo.n_layer,
+        moe_layers=tuple(geo.moe_layers),
+        n_expert=geo.n_expert,
+        n_expert_used=geo.n_expert_used,
+        router_sha256=router_fingerprint(model),
+    )
 
 
 def check_same_model(have: ModelIdentity, want: ModelIdentity, have_what: str, want_what: str) -> None:
     """Raise unless `have` routes like `want`; the message names both and what differs."""
     differ = [f for f in ModelIdentity.ROUTING_FIELDS if getattr(have, f) != getattr(want, f)]
     if differ:
-        raise MoeprepError(f"{have_what}: made for another model ({have.describe()}) than {want_what} "
-                           f"({want.describe()}; differs in {', '.join(differ)}); profile that model instead")
+        raise MoeprepError(
+            f"{have_what}: made for another model ({have.describe()}) than {want_what} "
+            f"({want.describe()}; differs in {', '.join(differ)}); profile that model instead"
+        )

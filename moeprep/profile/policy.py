@@ -76,8 +76,9 @@ class Replacement:
         priority is the higher? Default: yes."""
         return np.ones(len(rows), bool)
 
-    def _used(self, rows: np.ndarray, flat_rows: np.ndarray, flat_ids: np.ndarray, flat_tok: np.ndarray,
-              n_tok: np.ndarray) -> None:
+    def _used(
+        self, rows: np.ndarray, flat_rows: np.ndarray, flat_ids: np.ndarray, flat_tok: np.ndarray, n_tok: np.ndarray
+    ) -> None:
         """Hook after a step's uses are counted: (flat_rows, flat_ids) used at token index flat_tok of the step."""
 
     def _placed(self, rows: np.ndarray, experts: np.ndarray, victims: np.ndarray) -> None:
@@ -98,8 +99,9 @@ class Replacement:
         slot, expert = self.plan_slots(np.array([layer]), resident[None], free)
         return [(s, e) for s, e in zip(slot[0].tolist(), expert[0].tolist()) if e >= 0]
 
-    def plan_slots(self, rows: np.ndarray, resident: np.ndarray,
-                   free: int | np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def plan_slots(
+        self, rows: np.ndarray, resident: np.ndarray, free: int | np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """`plan` for many layers in one call (one per step instead of one per layer): resident [R, S] expert per
         slot, -1 for empty (a row uses its first `slots[row]` columns). -> (slot [R, J], expert [R, J]), -1 where
         nothing is uploaded. A victim is always a slot's expert from before the plan: a placed candidate outranks
@@ -188,8 +190,15 @@ class Replacement:
         out[:, sub] = placed, victims
         return out[0], out[1]
 
-    def _place(self, rows: np.ndarray, cand: np.ndarray, may_evict: np.ndarray, prio: np.ndarray,
-               placed: np.ndarray, victims: np.ndarray) -> None:
+    def _place(
+        self,
+        rows: np.ndarray,
+        cand: np.ndarray,
+        may_evict: np.ndarray,
+        prio: np.ndarray,
+        placed: np.ndarray,
+        victims: np.ndarray,
+    ) -> None:
         """One candidate per row (-1: none) into an empty slot, or over the lowest-priority resident when the
         candidate's priority is higher and the policy admits it. prio [R, E]: the rows' priorities at the plan's
         start (recomputed for policies whose priorities move as experts go in and out)."""
@@ -223,6 +232,7 @@ def _rank_desc(values: np.ndarray) -> np.ndarray:
 
 
 # --- the policies ---------------------------------------------------------------------------------------------------
+
 
 class Lru(Replacement):
     """Least recently used goes; every miss goes in (it is the most recent)."""
@@ -274,8 +284,9 @@ class Lfuda(Replacement):
     def _placed(self, rows, experts, victims) -> None:
         evicted = victims >= 0
         # the victim's primary term (uses + base), without the recency tie-break
-        self.age[rows[evicted]] = self.uses[rows[evicted], victims[evicted]] + self.base[rows[evicted],
-                                                                                        victims[evicted]]
+        self.age[rows[evicted]] = (
+            self.uses[rows[evicted], victims[evicted]] + self.base[rows[evicted], victims[evicted]]
+        )
         self.base[rows, experts] = self.age[rows]
 
 
@@ -297,7 +308,7 @@ class ClassLru(Replacement):
         return level * SPAN + self.last[rows]
 
     def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
-        self.decayed[rows] *= self.decay ** n_tok
+        self.decayed[rows] *= self.decay**n_tok
         np.add.at(self.decayed, (flat_rows, flat_ids), self.decay ** (n_tok - 1 - flat_tok))
 
     def _seeded(self, shares: np.ndarray) -> None:
@@ -366,8 +377,9 @@ class Payback(Replacement):
 
     name = "payback"
 
-    def __init__(self, slots, n_expert: int, top_k: int, cost: UploadCost = UploadCost(), horizon: int = 32,
-                 margin: float = 0.5):
+    def __init__(
+        self, slots, n_expert: int, top_k: int, cost: UploadCost = UploadCost(), horizon: int = 32, margin: float = 0.5
+    ):
         super().__init__(slots, n_expert, top_k)
         self.cost, self.horizon, self.margin = cost, horizon, margin
         self.decay = 1.0 - 1.0 / horizon
@@ -381,7 +393,7 @@ class Payback(Replacement):
         return self.recent[rows] * SPAN + self.last[rows]
 
     def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
-        self.recent[rows] *= self.decay ** n_tok
+        self.recent[rows] *= self.decay**n_tok
         np.add.at(self.recent, (flat_rows, flat_ids), self.decay ** (n_tok - 1 - flat_tok))
 
     def _seeded(self, shares: np.ndarray) -> None:
@@ -430,8 +442,9 @@ def next_uses(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-POLICIES: dict[str, type[Replacement]] = {p.name: p for p in (Static, Lru, Lfu, Lfuda, ClassLru, AdmitAfterRepeat,
-                                                              Payback)}
+POLICIES: dict[str, type[Replacement]] = {
+    p.name: p for p in (Static, Lru, Lfu, Lfuda, ClassLru, AdmitAfterRepeat, Payback)
+}
 DEFAULT_POLICY = "payback"
 
 
@@ -448,8 +461,7 @@ class Replay:
     uploads: np.ndarray  # [B, T] uploads planned after each token
 
 
-def replay(policy: Replacement, ids: np.ndarray, valid: np.ndarray | None = None,
-           free: int | None = None) -> Replay:
+def replay(policy: Replacement, ids: np.ndarray, valid: np.ndarray | None = None, free: int | None = None) -> Replay:
     """Step every row of `policy` through ids [B, T, K] one token per step (as decode runs): look up, observe,
     plan at most `free` uploads. valid [B, T]: False skips a row's token (padding of shorter chunks)."""
     n_b, n_t, n_k = ids.shape

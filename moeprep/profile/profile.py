@@ -80,7 +80,8 @@ def merge_profiles(profiles: Sequence[tuple[str, Profile]], weights: Sequence[in
     counts = first.counts.scaled(weights[0])
     for (_, p), w in zip(profiles[1:], weights[1:]):
         counts = counts + p.counts.scaled(w)
-    sources = [Provenance(**{**s.to_dict(), "weight": s.weight * w}) for (_, p), w in zip(profiles, weights)
-               for s in p.sources]
+    sources = [
+        Provenance(**{**s.to_dict(), "weight": s.weight * w}) for (_, p), w in zip(profiles, weights) for s in p.sources
+    ]
     trace = RoutingTrace.concat([p.trace for _, p in profiles])
     return Profile(first.model, sources, counts, trace, judge(counts, trace))

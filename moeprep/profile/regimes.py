@@ -133,9 +133,14 @@ def _context(rng: np.random.Generator, n: int, rho: float, turn: int) -> np.ndar
     return states
 
 
-def latent_routing(p: Latent, shape: Shape, lengths: list[int], seed: int,
-                   labels: list[str] | None = None, turns: dict[str, int] | None = None) -> tuple[np.ndarray,
-                                                                                                   np.ndarray]:
+def latent_routing(
+    p: Latent,
+    shape: Shape,
+    lengths: list[int],
+    seed: int,
+    labels: list[str] | None = None,
+    turns: dict[str, int] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """ids [N, M, K] int64 and weights [N, M, K] float32 for chunks of `lengths` tokens (each a fresh session).
     turns: a chunk label's turn length, over p.turn."""
     rng = np.random.default_rng(seed)
@@ -176,14 +181,22 @@ def chunk_lengths(tokens: int, chunk: int) -> list[int]:
     return [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
 
 
-def _latent_generator(name: str, p: Latent, source: str, labels: tuple[str, ...] = (),
-                      turns: dict[str, int] | None = None):
+def _latent_generator(
+    name: str, p: Latent, source: str, labels: tuple[str, ...] = (), turns: dict[str, int] | None = None
+):
     def generate(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
         chunk_labels = [labels[c % len(labels)] for c in range(len(lengths))] if labels else None
         ids, weights = latent_routing(p, shape, lengths, seed, chunk_labels, turns)
-        return TraceFile(ids, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), shape.experts, weights,
-                         regime=name, source=f"moeprep routing generate --regime {name} --seed {seed}",
-                         labels=None if chunk_labels is None else np.array(chunk_labels))
+        return TraceFile(
+            ids,
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            shape.experts,
+            weights,
+            regime=name,
+            source=f"moeprep routing generate --regime {name} --seed {seed}",
+            labels=None if chunk_labels is None else np.array(chunk_labels),
+        )
+
     generate.__doc__ = f"A `{name}` trace: latent_routing with {p}. Targets from {source}."
     return generate
 
@@ -210,9 +223,11 @@ def _trained(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
     e0, k0 = TRAINED_SHAPE.experts, TRAINED_SHAPE.top_k
     split, per_choice = shape.experts // e0, shape.top_k // k0
     if shape.experts % e0 or shape.top_k % k0 or per_choice > split:
-        raise MoeprepError(f"the trained regime maps its {e0} experts top-{k0} to a multiple: experts a multiple of "
-                           f"{e0} and top-k a multiple of {k0}, top-k/{k0} at most experts/{e0} "
-                           f"(not {shape.experts} experts top-{shape.top_k})")
+        raise MoeprepError(
+            f"the trained regime maps its {e0} experts top-{k0} to a multiple: experts a multiple of "
+            f"{e0} and top-k a multiple of {k0}, top-k/{k0} at most experts/{e0} "
+            f"(not {shape.experts} experts top-{shape.top_k})"
+        )
     src = recorded[: sum(lengths)]
     out = np.empty((len(src), shape.layers, shape.top_k), np.int64)
     for layer in range(shape.layers):
@@ -223,8 +238,13 @@ def _trained(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
         first = ((rank // 2) * per_choice) % split  # [K0]
         sub = (first[:, None] + np.arange(per_choice)[None, :]) % split  # [K0, K/K0]
         out[:, layer] = (ids[:, :, None] * split + sub[None]).reshape(len(src), -1)
-    return TraceFile(out, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), shape.experts,
-                     regime="trained", source="moeprep routing generate --regime trained (recorded routing)")
+    return TraceFile(
+        out,
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        shape.experts,
+        regime="trained",
+        source="moeprep routing generate --regime trained (recorded routing)",
+    )
 
 
 # --- the regimes -----------------------------------------------------------------------------------------------------
@@ -237,39 +257,80 @@ CHAT_TURNS = {"chat": 16, "long": 0}  # mean tokens between topic jumps in each 
 
 SOURCES = {
     "qwen3-30b": "kekzl/imp PR #1359 (per-layer LRU at 40%: 90-95% after warm-up; 45% of choices repeat at the next "
-                 "token, 80% within 8) and the gpu-container handbook (90% of routing mass needs 45-51% of experts)",
+    "token, 80% within 8) and the gpu-container handbook (90% of routing mass needs 45-51% of experts)",
     "fine-512": "kekzl/imp PR #2061 (LRU at 18 / 36 / 54% of 512 experts: 43.5 / 62.0 / 72.0%) and ggml-org/llama.cpp "
-                "PR #27861 (LRU trace replay at 12.5 / 25%: about 67 / 81%)",
+    "PR #27861 (LRU trace replay at 12.5 / 25%: about 67 / 81%)",
     "skewed-256": "FreeToken #174 and colibri #864 (LRU at about 4.5% cached: 8-18% against a frequency oracle's 46%; "
-                  "the top 12.5% of experts take 58.5% of the choices)",
+    "the top 12.5% of experts take 58.5% of the choices)",
     "chat-glm": "neurall/llama.cpp README and release b11399 (usage decay and pay-back eviction at about 35%: 85-88% "
-                "after warm-up on long text, 69.8% in a chat regression check)",
+    "after warm-up on long text, 69.8% in a chat regression check)",
     "trained": "`moeprep profile` of bench/models/bench-qwen3moe-f16.gguf on held-out text (LRU 50.0% at 25% and "
-               "78.5% at 50% cached)",
+    "78.5% at 50% cached)",
 }
 
-REGIMES: dict[str, Regime] = {r.name: r for r in (
-    Regime("qwen3-30b", "Qwen3-30B-A3B-like: flat popularity, strong reuse from context", Shape(48, 128, 8),
-           (Target("hot", 0.10, 0.22), Target("next_reuse", 0.40, 0.50), Target("window_reuse", 0.74, 0.86),
-            Target("lru", 0.90, 0.96, size=0.40)),
-           _latent_generator("qwen3-30b", QWEN3, SOURCES["qwen3-30b"]), SOURCES["qwen3-30b"]),
-    Regime("fine-512", "fine-grained, Qwen3.8-Flash-Next-like: 512 experts top-10, weaker reuse", Shape(8, 512, 10),
-           (Target("lru", 0.395, 0.475, size=0.18), Target("lru", 0.58, 0.66, size=0.36),
-            Target("lru", 0.68, 0.76, size=0.54)),
-           _latent_generator("fine-512", FINE, SOURCES["fine-512"]), SOURCES["fine-512"]),
-    Regime("skewed-256", "DeepSeek-V4-Flash-like: 256 experts, strongly skewed, little reuse", Shape(8, 256, 8),
-           (Target("hot", 0.525, 0.645, fraction=0.125), Target("lru", 0.10, 0.30, size=0.045),
-            Target("oracle", 0.38, 0.52, size=0.045)),
-           _latent_generator("skewed-256", SKEWED, SOURCES["skewed-256"]), SOURCES["skewed-256"]),
-    Regime("chat-glm", "GLM-5.3-Flash-like: 288 experts top-8, chat turns or long text", Shape(8, 288, 8),
-           (Target("payback", 0.65, 0.75, size=0.35, label="chat"),
-            Target("payback", 0.83, 0.90, size=0.35, label="long")),
-           _latent_generator("chat-glm", CHAT, SOURCES["chat-glm"], ("chat", "long"), CHAT_TURNS),
-           SOURCES["chat-glm"], labels=("chat", "long")),
-    Regime("trained", "the trained bench model's own routing, recorded", TRAINED_SHAPE,
-           (Target("lru", 0.45, 0.55, size=0.25), Target("lru", 0.735, 0.835, size=0.50)),
-           _trained, SOURCES["trained"], target_chunk=512),
-)}
+REGIMES: dict[str, Regime] = {
+    r.name: r
+    for r in (
+        Regime(
+            "qwen3-30b",
+            "Qwen3-30B-A3B-like: flat popularity, strong reuse from context",
+            Shape(48, 128, 8),
+            (
+                Target("hot", 0.10, 0.22),
+                Target("next_reuse", 0.40, 0.50),
+                Target("window_reuse", 0.74, 0.86),
+                Target("lru", 0.90, 0.96, size=0.40),
+            ),
+            _latent_generator("qwen3-30b", QWEN3, SOURCES["qwen3-30b"]),
+            SOURCES["qwen3-30b"],
+        ),
+        Regime(
+            "fine-512",
+            "fine-grained, Qwen3.8-Flash-Next-like: 512 experts top-10, weaker reuse",
+            Shape(8, 512, 10),
+            (
+                Target("lru", 0.395, 0.475, size=0.18),
+                Target("lru", 0.58, 0.66, size=0.36),
+                Target("lru", 0.68, 0.76, size=0.54),
+            ),
+            _latent_generator("fine-512", FINE, SOURCES["fine-512"]),
+            SOURCES["fine-512"],
+        ),
+        Regime(
+            "skewed-256",
+            "DeepSeek-V4-Flash-like: 256 experts, strongly skewed, little reuse",
+            Shape(8, 256, 8),
+            (
+                Target("hot", 0.525, 0.645, fraction=0.125),
+                Target("lru", 0.10, 0.30, size=0.045),
+                Target("oracle", 0.38, 0.52, size=0.045),
+            ),
+            _latent_generator("skewed-256", SKEWED, SOURCES["skewed-256"]),
+            SOURCES["skewed-256"],
+        ),
+        Regime(
+            "chat-glm",
+            "GLM-5.3-Flash-like: 288 experts top-8, chat turns or long text",
+            Shape(8, 288, 8),
+            (
+                Target("payback", 0.65, 0.75, size=0.35, label="chat"),
+                Target("payback", 0.83, 0.90, size=0.35, label="long"),
+            ),
+            _latent_generator("chat-glm", CHAT, SOURCES["chat-glm"], ("chat", "long"), CHAT_TURNS),
+            SOURCES["chat-glm"],
+            labels=("chat", "long"),
+        ),
+        Regime(
+            "trained",
+            "the trained bench model's own routing, recorded",
+            TRAINED_SHAPE,
+            (Target("lru", 0.45, 0.55, size=0.25), Target("lru", 0.735, 0.835, size=0.50)),
+            _trained,
+            SOURCES["trained"],
+            target_chunk=512,
+        ),
+    )
+}
 
 
 def regime(name: str) -> Regime:
@@ -317,8 +378,13 @@ def _chunks_labelled(t: TraceFile, label: str) -> TraceFile:
     keep = np.flatnonzero(t.labels == label)
     parts = [t.ids[t.starts[c] : t.starts[c + 1]] for c in keep]
     lengths = [len(p) for p in parts]
-    return TraceFile(np.concatenate(parts), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), t.n_expert,
-                     regime=t.regime, labels=np.array([label] * len(keep)))
+    return TraceFile(
+        np.concatenate(parts),
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        t.n_expert,
+        regime=t.regime,
+        labels=np.array([label] * len(keep)),
+    )
 
 
 def target_shape_trace(r: Regime, seed: int = 0) -> TraceFile:

@@ -67,21 +67,40 @@ class RoutingStats:
         return (max(online, key=lambda p: self.rate(p, size)), max(online, key=lambda p: self.net_saving(p, size)))
 
     def to_dict(self) -> dict:
-        per = {p: {f"{s:g}": {"cold": round(self.rate(p, s, False), 4), "warm": round(self.rate(p, s, True), 4),
-                              "uploads_per_token": round(float(self.uploads[pi, si].mean()), 4),
-                              "warm_per_layer": [round(float(v), 4) for v in self.hits[pi, si, 1]]}
-                   for si, s in enumerate(self.sizes)} for pi, p in enumerate(self.policies)}
-        return {"experts": self.n_expert, "top_k": self.top_k, "layers": len(self.hot_share), "tokens": self.tokens,
-                "chunks": self.chunks, "warm_after": WARM_AFTER, "reuse_window": REUSE_WINDOW,
-                "hot_fraction": self.hot_fraction,
-                "hot_share": round(float(self.hot_share.mean()), 4),
-                "next_token_reuse": round(float(self.next_reuse.mean()), 4),
-                "reuse_within_window": round(float(self.window_reuse.mean()), 4),
-                "per_layer": {"hot_share": [round(float(v), 4) for v in self.hot_share],
-                              "next_token_reuse": [round(float(v), 4) for v in self.next_reuse],
-                              "reuse_within_window": [round(float(v), 4) for v in self.window_reuse]},
-                "sizes": list(self.sizes), "slots": list(self.slots), "hit_rates": per,
-                "best": {f"{s:g}": dict(zip(("hit_rate", "net_saving"), self.best(s))) for s in self.sizes}}
+        per = {
+            p: {
+                f"{s:g}": {
+                    "cold": round(self.rate(p, s, False), 4),
+                    "warm": round(self.rate(p, s, True), 4),
+                    "uploads_per_token": round(float(self.uploads[pi, si].mean()), 4),
+                    "warm_per_layer": [round(float(v), 4) for v in self.hits[pi, si, 1]],
+                }
+                for si, s in enumerate(self.sizes)
+            }
+            for pi, p in enumerate(self.policies)
+        }
+        return {
+            "experts": self.n_expert,
+            "top_k": self.top_k,
+            "layers": len(self.hot_share),
+            "tokens": self.tokens,
+            "chunks": self.chunks,
+            "warm_after": WARM_AFTER,
+            "reuse_window": REUSE_WINDOW,
+            "hot_fraction": self.hot_fraction,
+            "hot_share": round(float(self.hot_share.mean()), 4),
+            "next_token_reuse": round(float(self.next_reuse.mean()), 4),
+            "reuse_within_window": round(float(self.window_reuse.mean()), 4),
+            "per_layer": {
+                "hot_share": [round(float(v), 4) for v in self.hot_share],
+                "next_token_reuse": [round(float(v), 4) for v in self.next_reuse],
+                "reuse_within_window": [round(float(v), 4) for v in self.window_reuse],
+            },
+            "sizes": list(self.sizes),
+            "slots": list(self.slots),
+            "hit_rates": per,
+            "best": {f"{s:g}": dict(zip(("hit_rate", "net_saving"), self.best(s))) for s in self.sizes},
+        }
 
 
 def hot_share(ids: np.ndarray, n_expert: int, fraction: float) -> np.ndarray:
@@ -108,8 +127,13 @@ def reuse(ids: np.ndarray, starts: np.ndarray, window: int) -> np.ndarray:
     return again / max(n, 1)
 
 
-def hit_rates(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tuple[str, ...] = STAT_POLICIES,
-              free: int | None = None, progress=None) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+def hit_rates(
+    t: TraceFile,
+    sizes: tuple[float, ...] = SIZES,
+    policies: tuple[str, ...] = STAT_POLICIES,
+    free: int | None = None,
+    progress=None,
+) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
     """-> slots [S], hit rates [P, S, 2, M] (windows cold, warm) and uploads per token [P, S, M] (every token) of
     every policy on every chunk of the trace; at most `free` uploads per layer per token (None: no cap)."""
     slots = np.array([cache_slots(s, t.n_expert) for s in sizes])
@@ -131,17 +155,28 @@ def hit_rates(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tuple[st
             uploads[pi] += up.sum(axis=(0, 3))
             if progress is not None:
                 progress(len(chunks) / len(policies))
-    return (tuple(int(s) for s in slots), hits / np.maximum(lookups, 1)[None, None, :, None],
-            uploads / max(t.n_tokens, 1))
+    return (
+        tuple(int(s) for s in slots),
+        hits / np.maximum(lookups, 1)[None, None, :, None],
+        uploads / max(t.n_tokens, 1),
+    )
 
 
-def _replay_rows(name: str, ids: np.ndarray, valid: np.ndarray, slots: np.ndarray, n_expert: int,
-                 counts: np.ndarray, free: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _replay_rows(
+    name: str,
+    ids: np.ndarray,
+    valid: np.ndarray,
+    slots: np.ndarray,
+    n_expert: int,
+    counts: np.ndarray,
+    free: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
     """[C, S, M, T] hits and uploads of one policy: rows are (chunk, size, layer), each a cache of its own."""
     n_c, n_t, n_m, n_k = ids.shape
     shape = (n_c, len(slots), n_m)
-    rows_ids = np.ascontiguousarray(np.broadcast_to(ids.transpose(0, 2, 1, 3)[:, None],
-                                                    (*shape, n_t, n_k))).reshape(-1, n_t, n_k)
+    rows_ids = np.ascontiguousarray(np.broadcast_to(ids.transpose(0, 2, 1, 3)[:, None], (*shape, n_t, n_k))).reshape(
+        -1, n_t, n_k
+    )
     rows_valid = np.broadcast_to(valid[:, None, None, :], (*shape, n_t)).reshape(-1, n_t)
     rows_slots = np.broadcast_to(slots[None, :, None], shape).reshape(-1)
     if name == "belady":
@@ -159,33 +194,63 @@ def _replay_rows(name: str, ids: np.ndarray, valid: np.ndarray, slots: np.ndarra
     return (r.hits.reshape(*shape, n_t).astype(np.int64), r.uploads.reshape(*shape, n_t).astype(np.int64))
 
 
-def routing_stats(t: TraceFile, sizes: tuple[float, ...] = SIZES, policies: tuple[str, ...] = STAT_POLICIES,
-                  hot_fraction: float = 0.10, progress=None) -> RoutingStats:
+def routing_stats(
+    t: TraceFile,
+    sizes: tuple[float, ...] = SIZES,
+    policies: tuple[str, ...] = STAT_POLICIES,
+    hot_fraction: float = 0.10,
+    progress=None,
+) -> RoutingStats:
     slots, hits, uploads = hit_rates(t, sizes, policies, progress=progress)
-    return RoutingStats(t.n_expert, t.top_k, t.n_tokens, t.n_chunks, hot_share(t.ids, t.n_expert, hot_fraction),
-                        reuse(t.ids, t.starts, 1), reuse(t.ids, t.starts, REUSE_WINDOW), tuple(sizes), slots,
-                        tuple(policies), hits, uploads, hot_fraction)
+    return RoutingStats(
+        t.n_expert,
+        t.top_k,
+        t.n_tokens,
+        t.n_chunks,
+        hot_share(t.ids, t.n_expert, hot_fraction),
+        reuse(t.ids, t.starts, 1),
+        reuse(t.ids, t.starts, REUSE_WINDOW),
+        tuple(sizes),
+        slots,
+        tuple(policies),
+        hits,
+        uploads,
+        hot_fraction,
+    )
 
 
 def format_stats(s: RoutingStats, per_layer: bool = False) -> str:
-    lines = [(f"{s.tokens} tokens in {s.chunks} chunks; {len(s.hot_share)} MoE layers, {s.n_expert} experts, "
-              f"top-{s.top_k}"),
-             (f"top {s.hot_fraction:.0%} of experts take {s.hot_share.mean():.1%} of the choices; next-token reuse "
-              f"{s.next_reuse.mean():.1%}; reuse within {REUSE_WINDOW} tokens {s.window_reuse.mean():.1%}"),
-             "", f"hit rates, caches starting empty per chunk (cold: every token / warm: after {WARM_AFTER} tokens)",
-             "| policy | " + " | ".join(f"{size:.0%} ({n})" for size, n in zip(s.sizes, s.slots)) + " |",
-             "|---|" + "---:|" * len(s.sizes)]
+    lines = [
+        (f"{s.tokens} tokens in {s.chunks} chunks; {len(s.hot_share)} MoE layers, {s.n_expert} experts, top-{s.top_k}"),
+        (
+            f"top {s.hot_fraction:.0%} of experts take {s.hot_share.mean():.1%} of the choices; next-token reuse "
+            f"{s.next_reuse.mean():.1%}; reuse within {REUSE_WINDOW} tokens {s.window_reuse.mean():.1%}"
+        ),
+        "",
+        f"hit rates, caches starting empty per chunk (cold: every token / warm: after {WARM_AFTER} tokens)",
+        "| policy | " + " | ".join(f"{size:.0%} ({n})" for size, n in zip(s.sizes, s.slots)) + " |",
+        "|---|" + "---:|" * len(s.sizes),
+    ]
     for p in s.policies:
-        lines.append(f"| {p} | " + " | ".join(f"{s.rate(p, size, False):.1%} / {s.rate(p, size, True):.1%}"
-                                              for size in s.sizes) + " |")
+        lines.append(
+            f"| {p} | "
+            + " | ".join(f"{s.rate(p, size, False):.1%} / {s.rate(p, size, True):.1%}" for size in s.sizes)
+            + " |"
+        )
     if any(p in POLICIES for p in s.policies):
         cost = UploadCost()
-        lines += ["", f"best online policy (--cache-policy) at each share, by hit rate / by net saving (hits x K - "
-                  f"uploads x {cost.upload_s / cost.hit_saves_s:.2f}, an upload's cost in expert reads): "
-                  + ", ".join(f"{size:.0%} {'/'.join(s.best(size))}" for size in s.sizes)]
+        lines += [
+            "",
+            f"best online policy (--cache-policy) at each share, by hit rate / by net saving (hits x K - "
+            f"uploads x {cost.upload_s / cost.hit_saves_s:.2f}, an upload's cost in expert reads): "
+            + ", ".join(f"{size:.0%} {'/'.join(s.best(size))}" for size in s.sizes),
+        ]
     if per_layer:
-        lines += ["", "| layer | hot share | next-token reuse | reuse within 8 | LRU warm at each size |",
-                  "|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| layer | hot share | next-token reuse | reuse within 8 | LRU warm at each size |",
+            "|---:|---:|---:|---:|---|",
+        ]
         for m in range(len(s.hot_share)):
             lru = " ".join(f"{s.rate('lru', size, True, m):.1%}" for size in s.sizes) if "lru" in s.policies else "-"
             lines.append(f"| {m} | {s.hot_share[m]:.1%} | {s.next_reuse[m]:.1%} | {s.window_reuse[m]:.1%} | {lru} |")

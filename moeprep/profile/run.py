@@ -45,8 +45,10 @@ def heldout_mask(n_chunks: int, holdout: float, where: str) -> np.ndarray:
     if holdout == 0:
         return mask
     if n_chunks < 2:
-        raise MoeprepError(f"{where}: only {n_chunks} chunk; holding some out needs 2 or more: give more text, a "
-                           "smaller --ctx, or --holdout 0")
+        raise MoeprepError(
+            f"{where}: only {n_chunks} chunk; holding some out needs 2 or more: give more text, a "
+            "smaller --ctx, or --holdout 0"
+        )
     n = min(max(1, round(holdout * n_chunks)), n_chunks - 1)
     mask[n_chunks - n :] = True
     return mask
@@ -56,9 +58,11 @@ def short_text_warning(dataset: str, n_chunks: int, ctx: int, asked: int | None)
     """The line saying the text gave fewer chunks than asked, or None when it gave them all."""
     if asked is None or n_chunks >= asked:
         return None
-    return (f"moeprep: warning: dataset {dataset} gave {n_chunks} chunk{'s' if n_chunks != 1 else ''} of {ctx} "
-            f"tokens, fewer than the {asked} asked; the results rest on only that much text (give more text, a "
-            "smaller --ctx, or ask fewer chunks)")
+    return (
+        f"moeprep: warning: dataset {dataset} gave {n_chunks} chunk{'s' if n_chunks != 1 else ''} of {ctx} "
+        f"tokens, fewer than the {asked} asked; the results rest on only that much text (give more text, a "
+        "smaller --ctx, or ask fewer chunks)"
+    )
 
 
 def profile_model(req: ProfileRequest) -> Profile:
@@ -68,8 +72,7 @@ def profile_model(req: ProfileRequest) -> Profile:
     identity = identify_model(g)  # refuses a dense model before any weight is loaded
     model = moerun.load_model(g, device=req.device, n_ctx=req.ctx)
     tok = model.tokenizer
-    chunks = calibration_chunks(req.dataset, tok.encode, tok.bos_id if tok.add_bos else None, req.ctx,
-                                req.max_chunks)
+    chunks = calibration_chunks(req.dataset, tok.encode, tok.bos_id if tok.add_bos else None, req.ctx, req.max_chunks)
     warning = short_text_warning(req.dataset.name, len(chunks), req.ctx, req.max_chunks)
     if warning is not None:  # before the pass, which can take hours: the user may stop it and give more text
         click.echo(warning, err=True)
@@ -80,17 +83,23 @@ def profile_model(req: ProfileRequest) -> Profile:
         imatrix = ActivationRecorder({t.name: t.shape[0] if len(t.shape) == 3 else 1 for t in model.gguf.tensors})
         handle = model.add_activation_hook(imatrix)
     try:
-        counts, trace = collect(model, chunks, heldout, identity.moe_layers, identity.n_expert,
-                                identity.n_expert_used)
+        counts, trace = collect(model, chunks, heldout, identity.moe_layers, identity.n_expert, identity.n_expert_used)
     finally:
         if imatrix is not None:
             handle.remove()
     spec = req.dataset
     local_file = spec.local is not None and spec.local.is_file()
-    source = Provenance(dataset=spec.name, config=spec.resolved_config, split=None if local_file else spec.split,
-                        text_column=spec.text_column, ctx=req.ctx, chunks=int((~heldout).sum()),
-                        heldout_chunks=int(heldout.sum()), tokens=int(chunks[~heldout].size),
-                        chunks_asked=req.max_chunks)
+    source = Provenance(
+        dataset=spec.name,
+        config=spec.resolved_config,
+        split=None if local_file else spec.split,
+        text_column=spec.text_column,
+        ctx=req.ctx,
+        chunks=int((~heldout).sum()),
+        heldout_chunks=int(heldout.sum()),
+        tokens=int(chunks[~heldout].size),
+        chunks_asked=req.max_chunks,
+    )
     if imatrix is not None:
         from moeprep.quant.imatrix import write_imatrix_gguf
 

@@ -38,9 +38,11 @@ class RoutingTrace:
     def concat(cls, traces: Sequence[RoutingTrace]) -> RoutingTrace:
         offsets = np.cumsum([0] + [len(t.ids) for t in traces[:-1]])
         dtype = max((t.ids.dtype for t in traces), key=lambda d: d.itemsize)
-        return cls(np.concatenate([t.ids.astype(dtype) for t in traces]),
-                   np.concatenate([[0]] + [t.starts[1:] + off for t, off in zip(traces, offsets)]).astype(np.int64),
-                   np.concatenate([t.heldout for t in traces]))
+        return cls(
+            np.concatenate([t.ids.astype(dtype) for t in traces]),
+            np.concatenate([[0]] + [t.starts[1:] + off for t, off in zip(traces, offsets)]).astype(np.int64),
+            np.concatenate([t.heldout for t in traces]),
+        )
 
     @property
     def n_chunks(self) -> int:

@@ -64,9 +64,11 @@ class TraceFile:
     def check_shape(self, n_layers: int, n_expert: int, top_k: int, where: str) -> None:
         """Refuse, in one line, to replay on a model of another shape: nothing is stretched to fit."""
         if (self.n_layers, self.n_expert, self.top_k) != (n_layers, n_expert, top_k):
-            raise MoeprepError(f"{where}: the trace has {self.shape_text()}; the model has {n_layers} MoE layers, "
-                               f"{n_expert} experts, top-{top_k}: generate one of the model's shape (moeprep routing "
-                               "generate --layers/--experts/--top-k) or record one on a model of this shape")
+            raise MoeprepError(
+                f"{where}: the trace has {self.shape_text()}; the model has {n_layers} MoE layers, "
+                f"{n_expert} experts, top-{top_k}: generate one of the model's shape (moeprep routing "
+                "generate --layers/--experts/--top-k) or record one on a model of this shape"
+            )
 
 
 def write_trace(path: str | Path, t: TraceFile) -> None:
@@ -75,9 +77,15 @@ def write_trace(path: str | Path, t: TraceFile) -> None:
     if not path.parent.exists():
         raise MoeprepError(f"{path.parent}: output folder does not exist")
     _check(t, str(path))
-    arrays = {"format": np.array(FORMAT), "version": np.array(VERSION, np.int64),
-              "ids": t.ids.astype(id_dtype(t.n_expert)), "starts": t.starts.astype(np.int64),
-              "n_expert": np.array(t.n_expert, np.int64), "regime": np.array(t.regime), "source": np.array(t.source)}
+    arrays = {
+        "format": np.array(FORMAT),
+        "version": np.array(VERSION, np.int64),
+        "ids": t.ids.astype(id_dtype(t.n_expert)),
+        "starts": t.starts.astype(np.int64),
+        "n_expert": np.array(t.n_expert, np.int64),
+        "regime": np.array(t.regime),
+        "source": np.array(t.source),
+    }
     if t.weights is not None:
         arrays["weights"] = t.weights.astype(np.float32)
     if t.labels is not None:
@@ -106,13 +114,18 @@ def read_trace(path: str | Path) -> TraceFile:
                 raise MoeprepError(foreign)
             version = int(z["version"])
             if version > VERSION:
-                raise MoeprepError(f"{path}: routing trace version {version} is newer than this moeprep's "
-                                   f"({VERSION}); upgrade moeprep")
-            t = TraceFile(ids=z["ids"].astype(np.int64), starts=z["starts"].astype(np.int64),
-                          n_expert=int(z["n_expert"]),
-                          weights=z["weights"].astype(np.float32) if "weights" in z.files else None,
-                          regime=str(z["regime"]), source=str(z["source"]),
-                          labels=z["labels"] if "labels" in z.files else None)
+                raise MoeprepError(
+                    f"{path}: routing trace version {version} is newer than this moeprep's ({VERSION}); upgrade moeprep"
+                )
+            t = TraceFile(
+                ids=z["ids"].astype(np.int64),
+                starts=z["starts"].astype(np.int64),
+                n_expert=int(z["n_expert"]),
+                weights=z["weights"].astype(np.float32) if "weights" in z.files else None,
+                regime=str(z["regime"]),
+                source=str(z["source"]),
+                labels=z["labels"] if "labels" in z.files else None,
+            )
     except MoeprepError:
         raise
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError) as e:
@@ -125,8 +138,12 @@ def trace_from_profile(p, where: str) -> TraceFile:
     """A profile's recorded routing (counted and held-out chunks alike) as a trace file; a profile keeps no gate
     weights, so a replay of it weighs every choice 1/K."""
     name = p.model.name or p.model.arch
-    return TraceFile(ids=p.trace.ids.astype(np.int64), starts=p.trace.starts.astype(np.int64),
-                     n_expert=p.model.n_expert, source=f"moeprep profile of {name} ({where})")
+    return TraceFile(
+        ids=p.trace.ids.astype(np.int64),
+        starts=p.trace.starts.astype(np.int64),
+        n_expert=p.model.n_expert,
+        source=f"moeprep profile of {name} ({where})",
+    )
 
 
 def _check(t: TraceFile, where: str) -> None:
@@ -134,12 +151,24 @@ def _check(t: TraceFile, where: str) -> None:
     ids, starts = t.ids, t.starts
     problems = [
         (ids.ndim != 3 or 0 in ids.shape, f"ids have shape {ids.shape}, not [tokens, layers, top-k]"),
-        (starts.ndim != 1 or len(starts) < 2 or starts[0] != 0 or starts[-1] != len(ids)
-         or (np.diff(starts) <= 0).any(), "chunk boundaries inconsistent"),
-        (t.n_expert < 1 or (ids.size and (ids.min() < 0 or ids.max() >= t.n_expert)),
-         f"expert ids outside 0..{t.n_expert - 1}"),
-        (ids.ndim == 3 and ids.shape[2] > 1 and (np.sort(ids, axis=2)[..., 1:] == np.sort(ids, axis=2)[..., :-1]).any(),
-         "a token chose the same expert twice"),
+        (
+            starts.ndim != 1
+            or len(starts) < 2
+            or starts[0] != 0
+            or starts[-1] != len(ids)
+            or (np.diff(starts) <= 0).any(),
+            "chunk boundaries inconsistent",
+        ),
+        (
+            t.n_expert < 1 or (ids.size and (ids.min() < 0 or ids.max() >= t.n_expert)),
+            f"expert ids outside 0..{t.n_expert - 1}",
+        ),
+        (
+            ids.ndim == 3
+            and ids.shape[2] > 1
+            and (np.sort(ids, axis=2)[..., 1:] == np.sort(ids, axis=2)[..., :-1]).any(),
+            "a token chose the same expert twice",
+        ),
         (t.weights is not None and t.weights.shape != ids.shape, "weights and ids differ in shape"),
         (t.labels is not None and len(t.labels) != len(starts) - 1, "one chunk label per chunk expected"),
     ]

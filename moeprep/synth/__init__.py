@@ -12,5 +12,15 @@ from moeprep.synth.config import PRESETS, SYNTH_TYPES, SynthConfig
 from moeprep.synth.model import SYNTH_ARCHS, synth_config, tensor_data_size, write_synth_model
 from moeprep.synth.weights import BIAS_CHANNEL, BIAS_CHANNEL_NORMED
 
-__all__ = ["ARCHS", "BIAS_CHANNEL", "BIAS_CHANNEL_NORMED", "PRESETS", "SYNTH_ARCHS", "SYNTH_TYPES", "SynthConfig",
-           "synth_config", "tensor_data_size", "write_synth_model"]
+__all__ = [
+    "ARCHS",
+    "BIAS_CHANNEL",
+    "BIAS_CHANNEL_NORMED",
+    "PRESETS",
+    "SYNTH_ARCHS",
+    "SYNTH_TYPES",
+    "SynthConfig",
+    "synth_config",
+    "tensor_data_size",
+    "write_synth_model",
+]

@@ -12,13 +12,28 @@ from typing import Any
 
 from gguf import MODEL_ARCH, Keys
 
+from moeprep.synth.config import SynthConfig
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mimo2 import MIMO2
+from moeprep.synth.parts import (
+    EXPERT_FF,
+    GQA,
+    MLA,
+    SIGMOID,
+    SIGMOID_ROUTING,
+    ArchSpec,
+    Gating,
+    Moe,
+    SharedExpert,
+    T,
+    TensorSpec,
+    bias,
+    matrix_in,
+    norm,
+    tensor_name,
+)
 from moeprep.synth.qwen35moe import QWEN3NEXT, QWEN35MOE
-from moeprep.synth.config import SynthConfig
-from moeprep.synth.parts import (EXPERT_FF, GQA, MLA, SIGMOID, SIGMOID_ROUTING, ArchSpec, Gating, Moe, SharedExpert,
-                                 T, TensorSpec, bias, matrix_in, norm, tensor_name)
 
 __all__ = ["ARCHS", "tensor_name"]  # tensor_name: moeprep/synth/routing.py looks it up beside the table
 
@@ -33,114 +48,202 @@ class MLAWithIndexer:
 
     def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         Hi, di = c.n_head, INDEXER_HEAD
-        return [*MLA().tensors(c, il), norm(T.INDEXER_K_NORM, il, di), bias(T.INDEXER_K_NORM, il, (di,)),
-                matrix_in(T.INDEXER_PROJ, il, (Hi, c.n_embd)), matrix_in(T.INDEXER_ATTN_K, il, (di, c.n_embd)),
-                matrix_in(T.INDEXER_ATTN_Q_B, il, (Hi * di, c.q_lora_rank))]
+        return [
+            *MLA().tensors(c, il),
+            norm(T.INDEXER_K_NORM, il, di),
+            bias(T.INDEXER_K_NORM, il, (di,)),
+            matrix_in(T.INDEXER_PROJ, il, (Hi, c.n_embd)),
+            matrix_in(T.INDEXER_ATTN_K, il, (di, c.n_embd)),
+            matrix_in(T.INDEXER_ATTN_Q_B, il, (Hi * di, c.q_lora_rank)),
+        ]
 
     def metadata(self, c: SynthConfig) -> dict[str, Any]:
-        return MLA().metadata(c) | {Keys.Attention.Indexer.HEAD_COUNT: c.n_head,
-                                    Keys.Attention.Indexer.KEY_LENGTH: INDEXER_HEAD,
-                                    Keys.Attention.Indexer.TOP_K: INDEXER_TOP_K}
+        return MLA().metadata(c) | {
+            Keys.Attention.Indexer.HEAD_COUNT: c.n_head,
+            Keys.Attention.Indexer.KEY_LENGTH: INDEXER_HEAD,
+            Keys.Attention.Indexer.TOP_K: INDEXER_TOP_K,
+        }
 
 
-DEEPSEEK_DERIVED = {"n_head_kv": lambda g: g["n_head"], "n_dense_lead": lambda g: 1,
-                    "n_expert_shared": lambda g: 1, "expert_weights_scale": lambda g: 2.5,
-                    "q_lora_rank": lambda g: g["n_embd"], "kv_lora_rank": lambda g: min(g["n_embd"], 512),
-                    "qk_nope_dim": lambda g: g["head_dim"], "qk_rope_dim": lambda g: g["head_dim"] // 2,
-                    "v_head_dim": lambda g: g["head_dim"], "rope_dim": lambda g: g["qk_rope_dim"]}
+DEEPSEEK_DERIVED = {
+    "n_head_kv": lambda g: g["n_head"],
+    "n_dense_lead": lambda g: 1,
+    "n_expert_shared": lambda g: 1,
+    "expert_weights_scale": lambda g: 2.5,
+    "q_lora_rank": lambda g: g["n_embd"],
+    "kv_lora_rank": lambda g: min(g["n_embd"], 512),
+    "qk_nope_dim": lambda g: g["head_dim"],
+    "qk_rope_dim": lambda g: g["head_dim"] // 2,
+    "v_head_dim": lambda g: g["head_dim"],
+    "rope_dim": lambda g: g["qk_rope_dim"],
+}
 
 # Softmax routing whose choice adds exp_probs_b to the probabilities (ERNIE 4.5): the skew goes there, in
 # probability units.
 SOFTMAX_BIASED = Gating(router_logit_std=3.0, skew_in_probs_bias=True, skew_scale=0.3, func=None)
 
 FULL_ROTARY = (lambda c: c.rope_dim == c.head_dim, "this architecture rotates whole heads (rope_dim == head_dim)")
-HEADS_SPAN_EMBD = (lambda c: c.n_head * c.head_dim == c.n_embd, "q and output are [n_embd, n_embd]: "
-                   "n_head * head_dim must equal n_embd")
+HEADS_SPAN_EMBD = (
+    lambda c: c.n_head * c.head_dim == c.n_embd,
+    "q and output are [n_embd, n_embd]: n_head * head_dim must equal n_embd",
+)
 
-ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in (
-    # Qwen3-MoE: per-head q/k RMSNorm, no shared expert, softmax top-k renormalised.
-    ArchSpec(MODEL_ARCH.QWEN3MOE, GQA(qk_norm="head"), Moe(), metadata=EXPERT_FF, checks=(FULL_ROTARY,)),
-    # Qwen1.5/2-MoE: qkv biases, a shared expert scaled by sigmoid(ffn_gate_inp_shexp . x).
-    ArchSpec(MODEL_ARCH.QWEN2MOE, GQA(qkv_bias=True), Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
-             derived={"head_dim": lambda g: g["n_embd"] // g["n_head"], "n_ff_shexp": lambda g: 4 * g["n_ff_exp"]},
-             metadata=EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_shexp},
-             checks=(FULL_ROTARY, HEADS_SPAN_EMBD)),
-    # DeepSeek-V2/V3: MLA, one leading dense layer, shared expert, sigmoid routing with exp_probs_b.
-    ArchSpec(MODEL_ARCH.DEEPSEEK2, MLA(), Moe(gating=SIGMOID, shared=SharedExpert(
-                 lambda c: c.n_ff_exp * c.n_expert_shared)),
-             derived={"n_head_kv": lambda g: g["n_head"], "n_dense_lead": lambda g: 1,
-                      "n_expert_shared": lambda g: 1, "expert_weights_scale": lambda g: 2.5,
-                      "q_lora_rank": lambda g: g["n_embd"], "kv_lora_rank": lambda g: min(g["n_embd"], 512),
-                      "qk_nope_dim": lambda g: g["head_dim"], "qk_rope_dim": lambda g: g["head_dim"] // 2,
-                      "v_head_dim": lambda g: g["head_dim"], "rope_dim": lambda g: g["qk_rope_dim"]},
-             metadata=EXPERT_FF | SIGMOID_ROUTING | {
-                 # llama.cpp divides this by 0.1 (its converters store 0.1 * mscale_all_dim); 0.1 means 1.0
-                 Keys.Rope.SCALING_YARN_LOG_MUL: lambda c: 0.1 if c.yarn else None},
-             checks=((lambda c: c.rope_dim == c.qk_rope_dim, "rope_dim must equal qk_rope_dim"),
-                     (lambda c: c.qk_nope_dim > 0 and c.q_lora_rank > 0 and c.kv_lora_rank > 0,
-                      "MLA needs qk_nope_dim, q_lora_rank and kv_lora_rank > 0"))),
-    # GLM-4.5: qkv biases, partial rotary (half of each head), one leading dense layer, sigmoid routing.
-    ArchSpec(MODEL_ARCH.GLM4_MOE, GQA(qkv_bias=True), Moe(gating=SIGMOID, shared=SharedExpert(
-                 lambda c: c.n_ff_exp * c.n_expert_shared)),
-             ffn_norm=T.ATTN_POST_NORM,
-             derived={"n_dense_lead": lambda g: 1, "n_expert_shared": lambda g: 1,
-                      "rope_dim": lambda g: g["head_dim"] // 2},
-             metadata=EXPERT_FF | SIGMOID_ROUTING),
-    # gpt-oss: biases everywhere, attention sinks, sliding window on even layers, SwiGLU-OAI experts,
-    # softmax over the top-k logits only.
-    ArchSpec(MODEL_ARCH.GPT_OSS, GQA(qkv_bias=True, out_bias=True, sinks=True), Moe(biases=True),
-             ffn_norm=T.ATTN_POST_NORM,
-             metadata=EXPERT_FF | {Keys.Attention.SLIDING_WINDOW: lambda c: c.sliding_window},
-             checks=(FULL_ROTARY,)),
-    # Mixtral-style MoE under the llama architecture: the experts' width is feed_forward_length.
-    ArchSpec(MODEL_ARCH.LLAMA, GQA(), Moe(), derived={"n_ff": lambda g: g["n_ff_exp"]}, checks=(FULL_ROTARY,)),
-    # OLMoE: q/k RMSNorm over all heads at once (so kv heads = heads), experts' width is feed_forward_length.
-    ArchSpec(MODEL_ARCH.OLMOE, GQA(qk_norm="full"), Moe(),
-             derived={"head_dim": lambda g: g["n_embd"] // g["n_head"], "n_head_kv": lambda g: g["n_head"],
-                      "n_ff": lambda g: g["n_ff_exp"]},
-             checks=(FULL_ROTARY, HEADS_SPAN_EMBD,
-                     (lambda c: c.n_head_kv == c.n_head, "q/k norms span all heads: n_head_kv must equal n_head"))),
-    # GLM-5.3-Flash: hyper-connections, KDA and DSA attention, a NextN block (moeprep/synth/glm5_next.py).
-    GLM5_NEXT,
-    # MiMo-V2-Flash: sliding and full attention layers with their own KV heads, sinks and RoPE base
-    # (moeprep/synth/mimo2.py).
-    MIMO2,
-    # Qwen3.5/3.6-MoE: gated delta-net layers beside gated full attention (moeprep/synth/qwen35moe.py).
-    QWEN35MOE,
-    # MiniMax-M2: q/k RMSNorm over all heads at once, partial NeoX RoPE, sigmoid routing with exp_probs_b; the
-    # experts' width is feed_forward_length.
-    ArchSpec(MODEL_ARCH.MINIMAXM2, GQA(qk_norm="full"), Moe(gating=SIGMOID),
-             derived={"n_ff": lambda g: g["n_ff_exp"], "rope_dim": lambda g: g["head_dim"] // 2},
-             metadata=EXPERT_FF | {Keys.LLM.EXPERT_GATING_FUNC: lambda c: int(SIGMOID.func)}),
-    # Qwen3-Next: the same with NeoX RoPE and the delta net's projections grouped by key head.
-    QWEN3NEXT,
-    # DeepSeek-V3.2 (a name gguf-py 0.19 does not know): DeepSeek-V3 with DSA, MLA in the absorbed layout over
-    # the positions its lightning indexer selects.
-    ArchSpec("deepseek32", MLAWithIndexer(), Moe(gating=SIGMOID, shared=SharedExpert(
-                 lambda c: c.n_ff_exp * c.n_expert_shared)),
-             derived=DEEPSEEK_DERIVED | {"mla_split": lambda g: True},
-             metadata=EXPERT_FF | SIGMOID_ROUTING,
-             checks=((lambda c: c.mla_split, "deepseek32 stores MLA absorbed: mla_split must be true"),
-                     (lambda c: c.rope_dim <= INDEXER_HEAD, f"the indexer rotates rope_dim of its {INDEXER_HEAD} channels"))),
-    # dots.llm1: Qwen3's attention (MHA here, as llama.cpp loads it) over DeepSeek-V3's FFN.
-    ArchSpec(MODEL_ARCH.DOTS1, GQA(qk_norm="head"), Moe(gating=SIGMOID, shared=SharedExpert(
-                 lambda c: c.n_ff_exp * c.n_expert_shared)),
-             derived={"n_head_kv": lambda g: g["n_head"], "n_dense_lead": lambda g: 1,
-                      "n_expert_shared": lambda g: 1, "expert_weights_scale": lambda g: 2.5},
-             metadata=EXPERT_FF | SIGMOID_ROUTING, checks=(FULL_ROTARY,)),
-    # ERNIE 4.5 MoE: plain GQA, a leading dense layer, softmax routing with exp_probs_b, a shared expert.
-    ArchSpec(MODEL_ARCH.ERNIE4_5_MOE, GQA(), Moe(gating=SOFTMAX_BIASED, shared=SharedExpert(lambda c: c.n_ff_exp)),
-             derived={"n_dense_lead": lambda g: 1},
-             metadata=EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp,
-                                   Keys.LLM.LEADING_DENSE_BLOCK_COUNT: lambda c: c.n_dense_lead,
-                                   Keys.LLM.INTERLEAVE_MOE_LAYER_STEP: lambda c: 1},
-             checks=(FULL_ROTARY,)),
-    # Hunyuan-A13B: per-head q/k RMSNorm (after RoPE), softmax routing, an ungated shared expert; the experts'
-    # width is feed_forward_length.
-    ArchSpec(MODEL_ARCH.HUNYUAN_MOE, GQA(qk_norm="head"), Moe(shared=SharedExpert(lambda c: c.n_ff_exp)),
-             derived={"n_ff": lambda g: g["n_ff_exp"]},
-             metadata=EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp},
-             checks=(FULL_ROTARY,)),
-    # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
-    LLAMA4,
-)}
+ARCHS: dict[str, ArchSpec] = {
+    spec.name: spec
+    for spec in (
+        # Qwen3-MoE: per-head q/k RMSNorm, no shared expert, softmax top-k renormalised.
+        ArchSpec(MODEL_ARCH.QWEN3MOE, GQA(qk_norm="head"), Moe(), metadata=EXPERT_FF, checks=(FULL_ROTARY,)),
+        # Qwen1.5/2-MoE: qkv biases, a shared expert scaled by sigmoid(ffn_gate_inp_shexp . x).
+        ArchSpec(
+            MODEL_ARCH.QWEN2MOE,
+            GQA(qkv_bias=True),
+            Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
+            derived={"head_dim": lambda g: g["n_embd"] // g["n_head"], "n_ff_shexp": lambda g: 4 * g["n_ff_exp"]},
+            metadata=EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_shexp},
+            checks=(FULL_ROTARY, HEADS_SPAN_EMBD),
+        ),
+        # DeepSeek-V2/V3: MLA, one leading dense layer, shared expert, sigmoid routing with exp_probs_b.
+        ArchSpec(
+            MODEL_ARCH.DEEPSEEK2,
+            MLA(),
+            Moe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
+            derived={
+                "n_head_kv": lambda g: g["n_head"],
+                "n_dense_lead": lambda g: 1,
+                "n_expert_shared": lambda g: 1,
+                "expert_weights_scale": lambda g: 2.5,
+                "q_lora_rank": lambda g: g["n_embd"],
+                "kv_lora_rank": lambda g: min(g["n_embd"], 512),
+                "qk_nope_dim": lambda g: g["head_dim"],
+                "qk_rope_dim": lambda g: g["head_dim"] // 2,
+                "v_head_dim": lambda g: g["head_dim"],
+                "rope_dim": lambda g: g["qk_rope_dim"],
+            },
+            metadata=EXPERT_FF
+            | SIGMOID_ROUTING
+            | {
+                # llama.cpp divides this by 0.1 (its converters store 0.1 * mscale_all_dim); 0.1 means 1.0
+                Keys.Rope.SCALING_YARN_LOG_MUL: lambda c: 0.1 if c.yarn else None
+            },
+            checks=(
+                (lambda c: c.rope_dim == c.qk_rope_dim, "rope_dim must equal qk_rope_dim"),
+                (
+                    lambda c: c.qk_nope_dim > 0 and c.q_lora_rank > 0 and c.kv_lora_rank > 0,
+                    "MLA needs qk_nope_dim, q_lora_rank and kv_lora_rank > 0",
+                ),
+            ),
+        ),
+        # GLM-4.5: qkv biases, partial rotary (half of each head), one leading dense layer, sigmoid routing.
+        ArchSpec(
+            MODEL_ARCH.GLM4_MOE,
+            GQA(qkv_bias=True),
+            Moe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
+            ffn_norm=T.ATTN_POST_NORM,
+            derived={
+                "n_dense_lead": lambda g: 1,
+                "n_expert_shared": lambda g: 1,
+                "rope_dim": lambda g: g["head_dim"] // 2,
+            },
+            metadata=EXPERT_FF | SIGMOID_ROUTING,
+        ),
+        # gpt-oss: biases everywhere, attention sinks, sliding window on even layers, SwiGLU-OAI experts,
+        # softmax over the top-k logits only.
+        ArchSpec(
+            MODEL_ARCH.GPT_OSS,
+            GQA(qkv_bias=True, out_bias=True, sinks=True),
+            Moe(biases=True),
+            ffn_norm=T.ATTN_POST_NORM,
+            metadata=EXPERT_FF | {Keys.Attention.SLIDING_WINDOW: lambda c: c.sliding_window},
+            checks=(FULL_ROTARY,),
+        ),
+        # Mixtral-style MoE under the llama architecture: the experts' width is feed_forward_length.
+        ArchSpec(MODEL_ARCH.LLAMA, GQA(), Moe(), derived={"n_ff": lambda g: g["n_ff_exp"]}, checks=(FULL_ROTARY,)),
+        # OLMoE: q/k RMSNorm over all heads at once (so kv heads = heads), experts' width is feed_forward_length.
+        ArchSpec(
+            MODEL_ARCH.OLMOE,
+            GQA(qk_norm="full"),
+            Moe(),
+            derived={
+                "head_dim": lambda g: g["n_embd"] // g["n_head"],
+                "n_head_kv": lambda g: g["n_head"],
+                "n_ff": lambda g: g["n_ff_exp"],
+            },
+            checks=(
+                FULL_ROTARY,
+                HEADS_SPAN_EMBD,
+                (lambda c: c.n_head_kv == c.n_head, "q/k norms span all heads: n_head_kv must equal n_head"),
+            ),
+        ),
+        # GLM-5.3-Flash: hyper-connections, KDA and DSA attention, a NextN block (moeprep/synth/glm5_next.py).
+        GLM5_NEXT,
+        # MiMo-V2-Flash: sliding and full attention layers with their own KV heads, sinks and RoPE base
+        # (moeprep/synth/mimo2.py).
+        MIMO2,
+        # Qwen3.5/3.6-MoE: gated delta-net layers beside gated full attention (moeprep/synth/qwen35moe.py).
+        QWEN35MOE,
+        # MiniMax-M2: q/k RMSNorm over all heads at once, partial NeoX RoPE, sigmoid routing with exp_probs_b; the
+        # experts' width is feed_forward_length.
+        ArchSpec(
+            MODEL_ARCH.MINIMAXM2,
+            GQA(qk_norm="full"),
+            Moe(gating=SIGMOID),
+            derived={"n_ff": lambda g: g["n_ff_exp"], "rope_dim": lambda g: g["head_dim"] // 2},
+            metadata=EXPERT_FF | {Keys.LLM.EXPERT_GATING_FUNC: lambda c: int(SIGMOID.func)},
+        ),
+        # Qwen3-Next: the same with NeoX RoPE and the delta net's projections grouped by key head.
+        QWEN3NEXT,
+        # DeepSeek-V3.2 (a name gguf-py 0.19 does not know): DeepSeek-V3 with DSA, MLA in the absorbed layout over
+        # the positions its lightning indexer selects.
+        ArchSpec(
+            "deepseek32",
+            MLAWithIndexer(),
+            Moe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
+            derived=DEEPSEEK_DERIVED | {"mla_split": lambda g: True},
+            metadata=EXPERT_FF | SIGMOID_ROUTING,
+            checks=(
+                (lambda c: c.mla_split, "deepseek32 stores MLA absorbed: mla_split must be true"),
+                (lambda c: c.rope_dim <= INDEXER_HEAD, f"the indexer rotates rope_dim of its {INDEXER_HEAD} channels"),
+            ),
+        ),
+        # dots.llm1: Qwen3's attention (MHA here, as llama.cpp loads it) over DeepSeek-V3's FFN.
+        ArchSpec(
+            MODEL_ARCH.DOTS1,
+            GQA(qk_norm="head"),
+            Moe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
+            derived={
+                "n_head_kv": lambda g: g["n_head"],
+                "n_dense_lead": lambda g: 1,
+                "n_expert_shared": lambda g: 1,
+                "expert_weights_scale": lambda g: 2.5,
+            },
+            metadata=EXPERT_FF | SIGMOID_ROUTING,
+            checks=(FULL_ROTARY,),
+        ),
+        # ERNIE 4.5 MoE: plain GQA, a leading dense layer, softmax routing with exp_probs_b, a shared expert.
+        ArchSpec(
+            MODEL_ARCH.ERNIE4_5_MOE,
+            GQA(),
+            Moe(gating=SOFTMAX_BIASED, shared=SharedExpert(lambda c: c.n_ff_exp)),
+            derived={"n_dense_lead": lambda g: 1},
+            metadata=EXPERT_FF
+            | {
+                Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp,
+                Keys.LLM.LEADING_DENSE_BLOCK_COUNT: lambda c: c.n_dense_lead,
+                Keys.LLM.INTERLEAVE_MOE_LAYER_STEP: lambda c: 1,
+            },
+            checks=(FULL_ROTARY,),
+        ),
+        # Hunyuan-A13B: per-head q/k RMSNorm (after RoPE), softmax routing, an ungated shared expert; the experts'
+        # width is feed_forward_length.
+        ArchSpec(
+            MODEL_ARCH.HUNYUAN_MOE,
+            GQA(qk_norm="head"),
+            Moe(shared=SharedExpert(lambda c: c.n_ff_exp)),
+            derived={"n_ff": lambda g: g["n_ff_exp"]},
+            metadata=EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp},
+            checks=(FULL_ROTARY,),
+        ),
+        # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
+        LLAMA4,
+    )
+}

@@ -75,23 +75,77 @@ Rule = Callable[[Mapping[str, Any]], Any]
 # Geometry shared by every architecture; a preset may also set expert_type/attn_type defaults.
 PRESETS: dict[str, dict[str, Any]] = {
     # Unit tests: writes in milliseconds; 3 layers so a leading dense layer still leaves two MoE layers.
-    "tiny": dict(n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_expert=16, n_expert_used=4,
-                 n_ff_exp=32, n_ff=128, n_ctx=2048, sliding_window=16, rope_freq_base=10000.0,
-                 expert_type="F16", attn_type="F16"),
+    "tiny": dict(
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=16,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=32,
+        n_ff=128,
+        n_ctx=2048,
+        sliding_window=16,
+        rope_freq_base=10000.0,
+        expert_type="F16",
+        attn_type="F16",
+    ),
     # Every attention and expert row is a multiple of 256, so K-quants (Q4_K, Q6_K) apply to all of them.
-    "small": dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=16, n_expert_used=4,
-                  n_ff_exp=256, n_ff=512, n_ctx=4096, sliding_window=64, rope_freq_base=10000.0,
-                  expert_type="F16", attn_type="F16"),
+    "small": dict(
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=256,
+        n_ff=512,
+        n_ctx=4096,
+        sliding_window=64,
+        rope_freq_base=10000.0,
+        expert_type="F16",
+        attn_type="F16",
+    ),
     # The shape of Qwen3-30B-A3B (about 17 GB at Q4_K); meant for fast_random_blocks=True.
-    "qwen3-30b-a3b": dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
-                          n_expert_used=8, n_ff_exp=768, n_ff=6144, n_ctx=40960, sliding_window=128,
-                          rope_freq_base=1_000_000.0, expert_type="Q4_K", attn_type="Q4_K"),
+    "qwen3-30b-a3b": dict(
+        n_layer=48,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=768,
+        n_ff=6144,
+        n_ctx=40960,
+        sliding_window=128,
+        rope_freq_base=1_000_000.0,
+        expert_type="Q4_K",
+        attn_type="Q4_K",
+    ),
     # The 60 GB benchmark shape (9.28 MiB per expert), with routing that follows the text so an
     # expert cache meets real skew and reuse; meant for fast_random_blocks=True.
-    "bench-60g": dict(n_layer=46, n_embd=4096, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
-                      n_expert_used=8, n_ff_exp=1408, n_ff=11264, n_ctx=32768, sliding_window=128,
-                      rope_freq_base=1_000_000.0, expert_type="Q4_K", attn_type="Q8_0", n_vocab=32000,
-                      tensor_types=(("ffn_down_exps", "Q4_0"), ("output", "Q8_0")), routing="text"),
+    "bench-60g": dict(
+        n_layer=46,
+        n_embd=4096,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=1408,
+        n_ff=11264,
+        n_ctx=32768,
+        sliding_window=128,
+        rope_freq_base=1_000_000.0,
+        expert_type="Q4_K",
+        attn_type="Q8_0",
+        n_vocab=32000,
+        tensor_types=(("ffn_down_exps", "Q4_0"), ("output", "Q8_0")),
+        routing="text",
+    ),
 }
 
 # Fields no preset sets: their values unless the architecture or the caller sets them.
@@ -115,8 +169,11 @@ COMMON_DEFAULTS: dict[str, Rule] = {
 }
 ROUTING_KINDS = ("random", "text")  # the keys of moeprep.synth.routing.ROUTINGS
 
-GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(SynthConfig)
-                        if f.name not in ("arch", "preset", "seed", "skew", "fast_random_blocks"))
+GEOMETRY_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(SynthConfig)
+    if f.name not in ("arch", "preset", "seed", "skew", "fast_random_blocks")
+)
 
 
 def parse_type(name: str | GGMLQuantizationType, what: str) -> GGMLQuantizationType:
@@ -128,8 +185,7 @@ def parse_type(name: str | GGMLQuantizationType, what: str) -> GGMLQuantizationT
 
 # (what must hold, what to tell the user) for every architecture.
 CHECKS: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (
-    (lambda c: min(c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff_exp) > 0,
-     "sizes must be positive"),
+    (lambda c: min(c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff_exp) > 0, "sizes must be positive"),
     (lambda c: 0 < c.n_expert_used <= c.n_expert, "need 0 < n_expert_used <= n_expert"),
     (lambda c: c.n_head % c.n_head_kv == 0, "n_head must be a multiple of n_head_kv"),
     (lambda c: c.rope_dim % 2 == 0 and c.rope_dim <= c.head_dim, "rope_dim must be even and at most head_dim"),
@@ -141,8 +197,13 @@ CHECKS: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (
 )
 
 
-def resolve_config(arch: str, preset: str, derived: Mapping[str, Rule], explicit: Mapping[str, Any],
-                   arch_checks: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = ()) -> SynthConfig:
+def resolve_config(
+    arch: str,
+    preset: str,
+    derived: Mapping[str, Rule],
+    explicit: Mapping[str, Any],
+    arch_checks: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (),
+) -> SynthConfig:
     """Preset + explicit values, then the arch's `derived` rules and COMMON_DEFAULTS for fields left unset."""
     if preset not in PRESETS:
         raise MoeprepError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -166,6 +227,8 @@ def resolve_config(arch: str, preset: str, derived: Mapping[str, Rule], explicit
 
 
 def explicit_summary(c: SynthConfig) -> str:
-    return (f"n_layer={c.n_layer} n_embd={c.n_embd} n_head={c.n_head} n_head_kv={c.n_head_kv} "
-            f"head_dim={c.head_dim} n_expert={c.n_expert} n_expert_used={c.n_expert_used} rope_dim={c.rope_dim} "
-            f"n_dense_lead={c.n_dense_lead} skew={c.skew} n_vocab={c.n_vocab}")
+    return (
+        f"n_layer={c.n_layer} n_embd={c.n_embd} n_head={c.n_head} n_head_kv={c.n_head_kv} "
+        f"head_dim={c.head_dim} n_expert={c.n_expert} n_expert_used={c.n_expert_used} rope_dim={c.rope_dim} "
+        f"n_dense_lead={c.n_dense_lead} skew={c.skew} n_vocab={c.n_vocab}"
+    )

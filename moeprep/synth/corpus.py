@@ -15,8 +15,7 @@ from moeprep.synth.tokenizer import DATA_DIR, TOKENIZER_PATH, train_tokenizer
 
 CALIBRATION_PATH = DATA_DIR / "calibration.txt"
 # Prose-heavy modules first (heapq's essay, statistics' docstrings), then code-heavy ones; ~160 KB in all.
-STDLIB_MODULES = ("heapq", "textwrap", "statistics", "fractions", "bisect", "string", "graphlib", "colorsys",
-                  "shlex")
+STDLIB_MODULES = ("heapq", "textwrap", "statistics", "fractions", "bisect", "string", "graphlib", "colorsys", "shlex")
 DOCUMENT_SEPARATOR = "\n\n"
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.config import SynthConfig
-from moeprep.synth.parts import (EXPERT_FF, GQA, T, ArchSpec, Moe, SharedExpert, TensorSpec, ffn, norm)
+from moeprep.synth.parts import EXPERT_FF, GQA, ArchSpec, Moe, SharedExpert, T, TensorSpec, ffn, norm
 
 MOE_STEP = 2  # Llama 4 Maverick interleaves every other layer; Scout (step 1) is all MoE
 
@@ -31,14 +31,22 @@ class InterleavedArchSpec(ArchSpec):
 
     def layer_tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         ffn_part = self.moe.tensors(c, il) if is_moe(il) else ffn(c, il, T.FFN_GATE, T.FFN_UP, T.FFN_DOWN, c.n_ff)
-        return [norm(T.ATTN_NORM, il, c.n_embd), *self.attention.tensors(c, il), norm(self.ffn_norm, il, c.n_embd),
-                *ffn_part]
+        return [
+            norm(T.ATTN_NORM, il, c.n_embd),
+            *self.attention.tensors(c, il),
+            norm(self.ffn_norm, il, c.n_embd),
+            *ffn_part,
+        ]
 
 
 LLAMA4 = InterleavedArchSpec(
-    MODEL_ARCH.LLAMA4, GQA(), Moe(shared=SharedExpert(lambda c: c.n_ff_exp)),
+    MODEL_ARCH.LLAMA4,
+    GQA(),
+    Moe(shared=SharedExpert(lambda c: c.n_ff_exp)),
     derived={"n_layer": lambda g: max(g["n_layer"], 4), "n_expert_used": lambda g: 1},
     metadata=EXPERT_FF | {Keys.LLM.INTERLEAVE_MOE_LAYER_STEP: lambda c: MOE_STEP},
-    checks=((lambda c: c.n_expert_used == 1, "llama4 routes each token to one expert (n_expert_used 1)"),
-            (lambda c: c.rope_dim == c.head_dim, "llama4 rotates whole heads (rope_dim == head_dim)")),
+    checks=(
+        (lambda c: c.n_expert_used == 1, "llama4 routes each token to one expert (n_expert_used 1)"),
+        (lambda c: c.rope_dim == c.head_dim, "llama4 rotates whole heads (rope_dim == head_dim)"),
+    ),
 )

@@ -22,7 +22,7 @@ from typing import Any
 from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.config import SynthConfig
-from moeprep.synth.parts import EXPERT_FF, SIGMOID, T, ArchSpec, Moe, TensorSpec, matrix_in, matrix_out, tensor_name
+from moeprep.synth.parts import EXPERT_FF, SIGMOID, ArchSpec, Moe, T, TensorSpec, matrix_in, matrix_out, tensor_name
 from moeprep.synth.weights import SINK_STD, Normal
 
 VALUE_SCALE = 0.707  # MiMo-V2-Flash's attention_value_scale
@@ -45,32 +45,45 @@ class Mimo2Attention:
 
     def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         g = kv_heads(c, il)
-        out = [matrix_in(T.ATTN_Q, il, (c.n_head * c.head_dim, c.n_embd)),
-               matrix_in(T.ATTN_K, il, (g * c.head_dim, c.n_embd)),
-               matrix_in(T.ATTN_V, il, (g * c.v_head_dim, c.n_embd)),
-               matrix_out(c, T.ATTN_OUT, il, (c.n_embd, c.n_head * c.v_head_dim))]
+        out = [
+            matrix_in(T.ATTN_Q, il, (c.n_head * c.head_dim, c.n_embd)),
+            matrix_in(T.ATTN_K, il, (g * c.head_dim, c.n_embd)),
+            matrix_in(T.ATTN_V, il, (g * c.v_head_dim, c.n_embd)),
+            matrix_out(c, T.ATTN_OUT, il, (c.n_embd, c.n_head * c.v_head_dim)),
+        ]
         if is_sliding(il):
             out.append(TensorSpec(tensor_name(T.ATTN_SINKS, il), (c.n_head,), Normal(SINK_STD)))
         return out
 
     def metadata(self, c: SynthConfig) -> dict[str, Any]:
-        return {Keys.Attention.HEAD_COUNT_KV: [kv_heads(c, il) for il in range(c.n_layer)],
-                Keys.Attention.KEY_LENGTH: c.head_dim, Keys.Attention.VALUE_LENGTH: c.v_head_dim,
-                Keys.Attention.SLIDING_WINDOW: c.sliding_window,
-                Keys.Attention.SLIDING_WINDOW_PATTERN: [is_sliding(il) for il in range(c.n_layer)],
-                Keys.Rope.FREQ_BASE_SWA: SWA_ROPE_BASE,
-                "{arch}.attention.value_scale": VALUE_SCALE}  # a key gguf-py 0.19 has no constant for
+        return {
+            Keys.Attention.HEAD_COUNT_KV: [kv_heads(c, il) for il in range(c.n_layer)],
+            Keys.Attention.KEY_LENGTH: c.head_dim,
+            Keys.Attention.VALUE_LENGTH: c.v_head_dim,
+            Keys.Attention.SLIDING_WINDOW: c.sliding_window,
+            Keys.Attention.SLIDING_WINDOW_PATTERN: [is_sliding(il) for il in range(c.n_layer)],
+            Keys.Rope.FREQ_BASE_SWA: SWA_ROPE_BASE,
+            "{arch}.attention.value_scale": VALUE_SCALE,
+        }  # a key gguf-py 0.19 has no constant for
 
 
 MIMO2 = ArchSpec(
-    MODEL_ARCH.MIMO2, Mimo2Attention(), Moe(gating=SIGMOID),
+    MODEL_ARCH.MIMO2,
+    Mimo2Attention(),
+    Moe(gating=SIGMOID),
     # Keys 3/2 as wide as values and a third of each key rotated, as MiMo-V2-Flash's 192/128 and 64; the preset's
     # head_dim goes to the values, so the small preset's attn_output rows stay a multiple of 256 (K-quants).
     # The rules run in this order, each reading the preset's head_dim before the last one widens it.
-    derived={"n_dense_lead": lambda g: 1, "v_head_dim": lambda g: g["head_dim"],
-             "rope_dim": lambda g: g["head_dim"] // 2, "head_dim": lambda g: g["head_dim"] * 3 // 2},
+    derived={
+        "n_dense_lead": lambda g: 1,
+        "v_head_dim": lambda g: g["head_dim"],
+        "rope_dim": lambda g: g["head_dim"] // 2,
+        "head_dim": lambda g: g["head_dim"] * 3 // 2,
+    },
     metadata=EXPERT_FF,
-    checks=((lambda c: c.v_head_dim > 0, "v_head_dim must be positive"),
-            (lambda c: c.n_head % kv_heads(c, 1) == 0, "n_head must be a multiple of both layers' KV heads"),
-            (lambda c: c.n_layer >= 3, "mimo2 needs at least 3 layers (a dense one, then both attention kinds)")),
+    checks=(
+        (lambda c: c.v_head_dim > 0, "v_head_dim must be positive"),
+        (lambda c: c.n_head % kv_heads(c, 1) == 0, "n_head must be a multiple of both layers' KV heads"),
+        (lambda c: c.n_layer >= 3, "mimo2 needs at least 3 layers (a dense one, then both attention kinds)"),
+    ),
 )

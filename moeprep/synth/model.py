@@ -46,18 +46,30 @@ ROLE_TYPES: dict[TensorRole, Callable[[SynthConfig], GGMLQuantizationType]] = {
 PINNED_TYPES: dict[str, GGMLQuantizationType] = {"attn_k_b": Q.F32}
 # general.file_type names the bulk of the bytes: the experts' type.
 FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
-    Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
-    Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0, Q.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
-    Q.Q6_K: LlamaFileType.MOSTLY_Q6_K, Q.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
+    Q.F32: LlamaFileType.ALL_F32,
+    Q.F16: LlamaFileType.MOSTLY_F16,
+    Q.BF16: LlamaFileType.MOSTLY_BF16,
+    Q.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    Q.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+    Q.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
+    Q.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    Q.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 QUANT_VERSION = 2  # general.quantization_version of current ggml block layouts
 SYNTH_KEY_PREFIX = "moeprep.synth."
 
 
-def synth_config(arch: str = "qwen3moe", *, preset: str = "tiny", seed: int = 0,
-                 expert_type: str | GGMLQuantizationType | None = None,
-                 attn_type: str | GGMLQuantizationType | None = None, skew: float = 0.0,
-                 fast_random_blocks: bool = False, **overrides) -> SynthConfig:
+def synth_config(
+    arch: str = "qwen3moe",
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    expert_type: str | GGMLQuantizationType | None = None,
+    attn_type: str | GGMLQuantizationType | None = None,
+    skew: float = 0.0,
+    fast_random_blocks: bool = False,
+    **overrides,
+) -> SynthConfig:
     """The resolved configuration write_synth_model would use (same arguments); None means the preset's value."""
     spec = ARCHS.get(arch)
     if spec is None:
@@ -114,8 +126,10 @@ def tensor_bytes(t: TensorSpec, qtype: GGMLQuantizationType, c: SynthConfig) -> 
 
 def general_metadata(c: SynthConfig, types: list[GGMLQuantizationType]) -> dict[str, KVValue]:
     S, U32, F32, B = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-    keys = {Keys.General.NAME: KVValue(c.model_name, S),
-            Keys.General.FILE_TYPE: KVValue(int(FILE_TYPES[c.expert_type]), U32)}
+    keys = {
+        Keys.General.NAME: KVValue(c.model_name, S),
+        Keys.General.FILE_TYPE: KVValue(int(FILE_TYPES[c.expert_type]), U32),
+    }
     if any(GGML_QUANT_SIZES[t][0] > 1 for t in types):
         keys[Keys.General.QUANTIZATION_VERSION] = KVValue(QUANT_VERSION, U32)
     return keys | {
@@ -126,12 +140,24 @@ def general_metadata(c: SynthConfig, types: list[GGMLQuantizationType]) -> dict[
     }
 
 
-def write_synth_model(path: str | Path, arch: str = "qwen3moe", *, preset: str = "tiny", seed: int = 0,
-                      expert_type: str | GGMLQuantizationType | None = None,
-                      attn_type: str | GGMLQuantizationType | None = None, skew: float = 0.0,
-                      n_layer: int | None = None, n_expert: int | None = None, n_expert_used: int | None = None,
-                      n_embd: int | None = None, n_ff_exp: int | None = None, fast_random_blocks: bool = False,
-                      on_tensor: Callable[[str, int], None] | None = None, **overrides) -> Path:
+def write_synth_model(
+    path: str | Path,
+    arch: str = "qwen3moe",
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    expert_type: str | GGMLQuantizationType | None = None,
+    attn_type: str | GGMLQuantizationType | None = None,
+    skew: float = 0.0,
+    n_layer: int | None = None,
+    n_expert: int | None = None,
+    n_expert_used: int | None = None,
+    n_embd: int | None = None,
+    n_ff_exp: int | None = None,
+    fast_random_blocks: bool = False,
+    on_tensor: Callable[[str, int], None] | None = None,
+    **overrides,
+) -> Path:
     """Write a synthetic `arch` model of `preset`'s shape to `path` (atomically); returns the path.
 
     expert_type / attn_type: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K MXFP4 (None: the preset's). attn_type covers every
@@ -139,10 +165,24 @@ def write_synth_model(path: str | Path, arch: str = "qwen3moe", *, preset: str =
     fast_random_blocks: quantized tensors as valid random blocks (no float weights; minutes for 17 GB).
     overrides: any SynthConfig field (head_dim, n_head_kv, mla_split, yarn, sliding_window, ...).
     on_tensor(name, n_bytes) is called after each tensor is written (progress bars)."""
-    sizes = {"n_layer": n_layer, "n_expert": n_expert, "n_expert_used": n_expert_used, "n_embd": n_embd,
-             "n_ff_exp": n_ff_exp}
-    c = synth_config(arch, preset=preset, seed=seed, expert_type=expert_type, attn_type=attn_type, skew=skew,
-                     fast_random_blocks=fast_random_blocks, **sizes, **overrides)
+    sizes = {
+        "n_layer": n_layer,
+        "n_expert": n_expert,
+        "n_expert_used": n_expert_used,
+        "n_embd": n_embd,
+        "n_ff_exp": n_ff_exp,
+    }
+    c = synth_config(
+        arch,
+        preset=preset,
+        seed=seed,
+        expert_type=expert_type,
+        attn_type=attn_type,
+        skew=skew,
+        fast_random_blocks=fast_random_blocks,
+        **sizes,
+        **overrides,
+    )
     path = Path(path)
     if not path.parent.is_dir():
         raise MoeprepError(f"{path.parent}: output folder does not exist")

@@ -22,8 +22,7 @@ from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Exper
 
 from moeprep.gguf.writer import KVValue
 from moeprep.synth.config import Rule, SynthConfig
-from moeprep.synth.weights import (BIAS_STD, NORM_NOISE, SINK_STD, Embedding, Init, KvBPart, Normal, ProbsBias,
-                                   Router)
+from moeprep.synth.weights import BIAS_STD, NORM_NOISE, SINK_STD, Embedding, Init, KvBPart, Normal, ProbsBias, Router
 
 T = MODEL_TENSOR
 YARN_FACTOR = 4.0
@@ -68,11 +67,15 @@ def matrix_out(c: SynthConfig, tensor: MODEL_TENSOR, il: int, shape: tuple[int, 
     return TensorSpec(tensor_name(tensor, il), shape, Normal(std), residual_axis=-2)
 
 
-def ffn(c: SynthConfig, il: int, gate: MODEL_TENSOR, up: MODEL_TENSOR, down: MODEL_TENSOR,
-        width: int) -> list[TensorSpec]:
+def ffn(
+    c: SynthConfig, il: int, gate: MODEL_TENSOR, up: MODEL_TENSOR, down: MODEL_TENSOR, width: int
+) -> list[TensorSpec]:
     """A SwiGLU FFN: gate and up [width, D], down [D, width]."""
-    return [matrix_in(gate, il, (width, c.n_embd)), matrix_in(up, il, (width, c.n_embd)),
-            matrix_out(c, down, il, (c.n_embd, width))]
+    return [
+        matrix_in(gate, il, (width, c.n_embd)),
+        matrix_in(up, il, (width, c.n_embd)),
+        matrix_out(c, down, il, (c.n_embd, width)),
+    ]
 
 
 # --- attention kinds --------------------------------------------------------------------------------------------------
@@ -94,8 +97,11 @@ class GQA:
 
     def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        out = [matrix_in(T.ATTN_Q, il, (q, c.n_embd)), matrix_in(T.ATTN_K, il, (kv, c.n_embd)),
-               matrix_in(T.ATTN_V, il, (kv, c.n_embd))]
+        out = [
+            matrix_in(T.ATTN_Q, il, (q, c.n_embd)),
+            matrix_in(T.ATTN_K, il, (kv, c.n_embd)),
+            matrix_in(T.ATTN_V, il, (kv, c.n_embd)),
+        ]
         if self.qkv_bias:
             out += [bias(T.ATTN_Q, il, (q,)), bias(T.ATTN_K, il, (kv,)), bias(T.ATTN_V, il, (kv,))]
         if self.qk_norm:
@@ -109,8 +115,11 @@ class GQA:
         return out
 
     def metadata(self, c: SynthConfig) -> dict[str, Any]:
-        return {Keys.Attention.HEAD_COUNT_KV: c.n_head_kv, Keys.Attention.KEY_LENGTH: c.head_dim,
-                Keys.Attention.VALUE_LENGTH: c.head_dim}
+        return {
+            Keys.Attention.HEAD_COUNT_KV: c.n_head_kv,
+            Keys.Attention.KEY_LENGTH: c.head_dim,
+            Keys.Attention.VALUE_LENGTH: c.head_dim,
+        }
 
 
 def mla_kv_b(c: SynthConfig, il: int) -> list[TensorSpec]:
@@ -122,12 +131,19 @@ def mla_split_kv_b(c: SynthConfig, il: int) -> list[TensorSpec]:
     """The absorbed layout newer converters write: attn_k_b [H, C, N] and attn_v_b [H, Vh, C], cut from the same
     draw as attn_kv_b so the two layouts of one seed compute the same function."""
     kv_b = mla_kv_b(c, il)[0]
-    parts = {"k": (T.ATTN_K_B, (c.n_head, c.kv_lora_rank, c.qk_nope_dim)),
-             "v": (T.ATTN_V_B, (c.n_head, c.v_head_dim, c.kv_lora_rank))}
-    return [TensorSpec(tensor_name(tensor, il), shape,
-                       KvBPart(kv_b.init.std, c.n_head, c.qk_nope_dim, c.v_head_dim, c.kv_lora_rank, part),
-                       seed_name=kv_b.name)
-            for part, (tensor, shape) in parts.items()]
+    parts = {
+        "k": (T.ATTN_K_B, (c.n_head, c.kv_lora_rank, c.qk_nope_dim)),
+        "v": (T.ATTN_V_B, (c.n_head, c.v_head_dim, c.kv_lora_rank)),
+    }
+    return [
+        TensorSpec(
+            tensor_name(tensor, il),
+            shape,
+            KvBPart(kv_b.init.std, c.n_head, c.qk_nope_dim, c.v_head_dim, c.kv_lora_rank, part),
+            seed_name=kv_b.name,
+        )
+        for part, (tensor, shape) in parts.items()
+    ]
 
 
 MLA_LAYOUTS: dict[bool, Callable[[SynthConfig, int], list[TensorSpec]]] = {False: mla_kv_b, True: mla_split_kv_b}
@@ -139,13 +155,15 @@ class MLA:
 
     def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         k_head = c.qk_nope_dim + c.qk_rope_dim
-        return [matrix_in(T.ATTN_Q_A, il, (c.q_lora_rank, c.n_embd)),
-                norm(T.ATTN_Q_A_NORM, il, c.q_lora_rank),
-                matrix_in(T.ATTN_Q_B, il, (c.n_head * k_head, c.q_lora_rank)),
-                matrix_in(T.ATTN_KV_A_MQA, il, (c.kv_lora_rank + c.qk_rope_dim, c.n_embd)),
-                norm(T.ATTN_KV_A_NORM, il, c.kv_lora_rank),
-                *MLA_LAYOUTS[c.mla_split](c, il),
-                matrix_out(c, T.ATTN_OUT, il, (c.n_embd, c.n_head * c.v_head_dim))]
+        return [
+            matrix_in(T.ATTN_Q_A, il, (c.q_lora_rank, c.n_embd)),
+            norm(T.ATTN_Q_A_NORM, il, c.q_lora_rank),
+            matrix_in(T.ATTN_Q_B, il, (c.n_head * k_head, c.q_lora_rank)),
+            matrix_in(T.ATTN_KV_A_MQA, il, (c.kv_lora_rank + c.qk_rope_dim, c.n_embd)),
+            norm(T.ATTN_KV_A_NORM, il, c.kv_lora_rank),
+            *MLA_LAYOUTS[c.mla_split](c, il),
+            matrix_out(c, T.ATTN_OUT, il, (c.n_embd, c.n_head * c.v_head_dim)),
+        ]
 
     def metadata(self, c: SynthConfig) -> dict[str, Any]:
         """Classic layout: MHA with head sizes N + R and Vh. Split layout: MQA over the latent (one kv head of
@@ -153,15 +171,22 @@ class MLA:
         k_head = c.qk_nope_dim + c.qk_rope_dim
         keys = {Keys.Attention.Q_LORA_RANK: c.q_lora_rank, Keys.Attention.KV_LORA_RANK: c.kv_lora_rank}
         if c.mla_split:
-            return keys | {Keys.Attention.HEAD_COUNT_KV: 1,
-                           Keys.Attention.KEY_LENGTH: c.kv_lora_rank + c.qk_rope_dim,
-                           Keys.Attention.VALUE_LENGTH: c.kv_lora_rank,
-                           Keys.Attention.KEY_LENGTH_MLA: k_head, Keys.Attention.VALUE_LENGTH_MLA: c.v_head_dim}
-        return keys | {Keys.Attention.HEAD_COUNT_KV: c.n_head, Keys.Attention.KEY_LENGTH: k_head,
-                       Keys.Attention.VALUE_LENGTH: c.v_head_dim}
+            return keys | {
+                Keys.Attention.HEAD_COUNT_KV: 1,
+                Keys.Attention.KEY_LENGTH: c.kv_lora_rank + c.qk_rope_dim,
+                Keys.Attention.VALUE_LENGTH: c.kv_lora_rank,
+                Keys.Attention.KEY_LENGTH_MLA: k_head,
+                Keys.Attention.VALUE_LENGTH_MLA: c.v_head_dim,
+            }
+        return keys | {
+            Keys.Attention.HEAD_COUNT_KV: c.n_head,
+            Keys.Attention.KEY_LENGTH: k_head,
+            Keys.Attention.VALUE_LENGTH: c.v_head_dim,
+        }
 
 
 # --- MoE block --------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Gating:
@@ -197,15 +222,25 @@ class Moe:
         E, I, D = c.n_expert, c.n_ff_exp, c.n_embd
         g = self.gating
         router_scale = 0.0 if g.skew_in_probs_bias else g.skew_scale
-        out = [TensorSpec(tensor_name(T.FFN_GATE_INP, il), (E, D),
-                          Router(g.router_logit_std / math.sqrt(D), c.skew, router_scale))]
+        out = [
+            TensorSpec(
+                tensor_name(T.FFN_GATE_INP, il), (E, D), Router(g.router_logit_std / math.sqrt(D), c.skew, router_scale)
+            )
+        ]
         if g.skew_in_probs_bias:
             out.append(TensorSpec(tensor_name(T.FFN_EXP_PROBS_B, il, "bias"), (E,), ProbsBias(c.skew, g.skew_scale)))
-        out += [matrix_in(T.FFN_GATE_EXP, il, (E, I, D)), matrix_in(T.FFN_UP_EXP, il, (E, I, D)),
-                matrix_out(c, T.FFN_DOWN_EXP, il, (E, D, I))]
+        out += [
+            matrix_in(T.FFN_GATE_EXP, il, (E, I, D)),
+            matrix_in(T.FFN_UP_EXP, il, (E, I, D)),
+            matrix_out(c, T.FFN_DOWN_EXP, il, (E, D, I)),
+        ]
         if self.biases:
-            out += [bias(T.FFN_GATE_INP, il, (E,)), bias(T.FFN_GATE_EXP, il, (E, I)), bias(T.FFN_UP_EXP, il, (E, I)),
-                    bias(T.FFN_DOWN_EXP, il, (E, D), residual=True)]
+            out += [
+                bias(T.FFN_GATE_INP, il, (E,)),
+                bias(T.FFN_GATE_EXP, il, (E, I)),
+                bias(T.FFN_UP_EXP, il, (E, I)),
+                bias(T.FFN_DOWN_EXP, il, (E, D), residual=True),
+            ]
         if self.shared:
             if self.shared.gated:
                 out.append(matrix_in(T.FFN_GATE_INP_SHEXP, il, (D,)))
@@ -242,10 +277,15 @@ class ArchSpec:
 
     def layer_tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         """attn_norm, attention, the FFN norm, then a dense FFN (leading layers) or the MoE block."""
-        ffn_part = (ffn(c, il, T.FFN_GATE, T.FFN_UP, T.FFN_DOWN, c.n_ff) if il < c.n_dense_lead
-                    else self.moe.tensors(c, il))
-        return [norm(T.ATTN_NORM, il, c.n_embd), *self.attention.tensors(c, il), norm(self.ffn_norm, il, c.n_embd),
-                *ffn_part]
+        ffn_part = (
+            ffn(c, il, T.FFN_GATE, T.FFN_UP, T.FFN_DOWN, c.n_ff) if il < c.n_dense_lead else self.moe.tensors(c, il)
+        )
+        return [
+            norm(T.ATTN_NORM, il, c.n_embd),
+            *self.attention.tensors(c, il),
+            norm(self.ffn_norm, il, c.n_embd),
+            *ffn_part,
+        ]
 
 
 def model_tensors(spec: ArchSpec, c: SynthConfig, n_vocab: int) -> list[TensorSpec]:
@@ -253,16 +293,22 @@ def model_tensors(spec: ArchSpec, c: SynthConfig, n_vocab: int) -> list[TensorSp
     out = [TensorSpec(tensor_name(T.TOKEN_EMBD), (n_vocab, c.n_embd), Embedding())]
     for il in range(c.n_layer):
         out += spec.layer_tensors(c, il)
-    out += [norm(T.OUTPUT_NORM, None, c.n_embd),
-            TensorSpec(tensor_name(T.OUTPUT), (n_vocab, c.n_embd), Normal(1 / math.sqrt(c.n_embd)))]
+    out += [
+        norm(T.OUTPUT_NORM, None, c.n_embd),
+        TensorSpec(tensor_name(T.OUTPUT), (n_vocab, c.n_embd), Normal(1 / math.sqrt(c.n_embd))),
+    ]
     return out
 
 
 # --- metadata ---------------------------------------------------------------------------------------------------------
 
 # Python value type -> GGUF scalar type, for the architecture keys (all of llama.cpp's are u32, f32 or bool).
-VALUE_TYPES: dict[type, GGUFValueType] = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32,
-                                          float: GGUFValueType.FLOAT32, str: GGUFValueType.STRING}
+VALUE_TYPES: dict[type, GGUFValueType] = {
+    bool: GGUFValueType.BOOL,
+    int: GGUFValueType.UINT32,
+    float: GGUFValueType.FLOAT32,
+    str: GGUFValueType.STRING,
+}
 
 COMMON_METADATA: dict[str, MetaRule] = {
     Keys.LLM.CONTEXT_LENGTH: lambda c: c.n_ctx,

@@ -27,8 +27,19 @@ from typing import Any
 from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.config import SynthConfig
-from moeprep.synth.parts import (EXPERT_FF, T, ArchSpec, Moe, SharedExpert, TensorSpec, bias, matrix_in, matrix_out,
-                                 norm, tensor_name)
+from moeprep.synth.parts import (
+    EXPERT_FF,
+    ArchSpec,
+    Moe,
+    SharedExpert,
+    T,
+    TensorSpec,
+    bias,
+    matrix_in,
+    matrix_out,
+    norm,
+    tensor_name,
+)
 from moeprep.synth.weights import Normal
 
 FULL_ATTENTION_INTERVAL = 2  # Qwen3.5 has 4; 2 puts both kinds in the tiny preset's 4 layers twice
@@ -54,40 +65,62 @@ def rope_sections(c: SynthConfig) -> list[int]:
 
 def gated_attention(c: SynthConfig, il: int) -> list[TensorSpec]:
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    return [matrix_in(T.ATTN_Q, il, (2 * q, c.n_embd)), matrix_in(T.ATTN_K, il, (kv, c.n_embd)),
-            matrix_in(T.ATTN_V, il, (kv, c.n_embd)), norm(T.ATTN_Q_NORM, il, c.head_dim),
-            norm(T.ATTN_K_NORM, il, c.head_dim), matrix_out(c, T.ATTN_OUT, il, (c.n_embd, q))]
+    return [
+        matrix_in(T.ATTN_Q, il, (2 * q, c.n_embd)),
+        matrix_in(T.ATTN_K, il, (kv, c.n_embd)),
+        matrix_in(T.ATTN_V, il, (kv, c.n_embd)),
+        norm(T.ATTN_Q_NORM, il, c.head_dim),
+        norm(T.ATTN_K_NORM, il, c.head_dim),
+        matrix_out(c, T.ATTN_OUT, il, (c.n_embd, q)),
+    ]
 
 
 def delta_net_state(c: SynthConfig, il: int) -> list[TensorSpec]:
     """What both delta-net layouts share: the convolution, the decay's bias and rate, the output norm and projection."""
     _, value, conv = delta_net_sizes(c)
-    return [TensorSpec(tensor_name(T.SSM_CONV1D, il), (conv, CONV_KERNEL), Normal(1 / math.sqrt(CONV_KERNEL))),
-            bias(T.SSM_DT, il, (c.n_head,)),
-            # ssm_a holds -exp(A_log): negative, so the decay exp(softplus(.) * ssm_a) stays below 1
-            TensorSpec(f"blk.{il}.ssm_a", (c.n_head,), Normal(0.3, mean=-1.0)),
-            norm(T.SSM_NORM, il, c.head_dim), matrix_out(c, T.SSM_OUT, il, (c.n_embd, value))]
+    return [
+        TensorSpec(tensor_name(T.SSM_CONV1D, il), (conv, CONV_KERNEL), Normal(1 / math.sqrt(CONV_KERNEL))),
+        bias(T.SSM_DT, il, (c.n_head,)),
+        # ssm_a holds -exp(A_log): negative, so the decay exp(softplus(.) * ssm_a) stays below 1
+        TensorSpec(f"blk.{il}.ssm_a", (c.n_head,), Normal(0.3, mean=-1.0)),
+        norm(T.SSM_NORM, il, c.head_dim),
+        matrix_out(c, T.SSM_OUT, il, (c.n_embd, value)),
+    ]
 
 
 def delta_net(c: SynthConfig, il: int) -> list[TensorSpec]:
     _, value, conv = delta_net_sizes(c)
-    return [matrix_in(T.ATTN_QKV, il, (conv, c.n_embd)), matrix_in(T.ATTN_GATE, il, (value, c.n_embd)),
-            matrix_in(T.SSM_BETA, il, (c.n_head, c.n_embd)), matrix_in(T.SSM_ALPHA, il, (c.n_head, c.n_embd)),
-            *delta_net_state(c, il)]
+    return [
+        matrix_in(T.ATTN_QKV, il, (conv, c.n_embd)),
+        matrix_in(T.ATTN_GATE, il, (value, c.n_embd)),
+        matrix_in(T.SSM_BETA, il, (c.n_head, c.n_embd)),
+        matrix_in(T.SSM_ALPHA, il, (c.n_head, c.n_embd)),
+        *delta_net_state(c, il),
+    ]
 
 
 def grouped_delta_net(c: SynthConfig, il: int) -> list[TensorSpec]:
     """Qwen3-Next's layout: the projections grouped by key head (ssm_in, ssm_ba)."""
     key, value, _ = delta_net_sizes(c)
-    return [matrix_in(T.SSM_IN, il, (2 * key + 2 * value, c.n_embd)),
-            matrix_in(T.SSM_BETA_ALPHA, il, (2 * c.n_head, c.n_embd)), *delta_net_state(c, il)]
+    return [
+        matrix_in(T.SSM_IN, il, (2 * key + 2 * value, c.n_embd)),
+        matrix_in(T.SSM_BETA_ALPHA, il, (2 * c.n_head, c.n_embd)),
+        *delta_net_state(c, il),
+    ]
 
 
 def hybrid_metadata(c: SynthConfig) -> dict[str, Any]:
-    return {Keys.Attention.HEAD_COUNT_KV: c.n_head_kv, Keys.Attention.KEY_LENGTH: c.head_dim,
-            Keys.Attention.VALUE_LENGTH: c.head_dim, Keys.SSM.CONV_KERNEL: CONV_KERNEL,
-            Keys.SSM.STATE_SIZE: c.head_dim, Keys.SSM.GROUP_COUNT: c.n_head_kv, Keys.SSM.TIME_STEP_RANK: c.n_head,
-            Keys.SSM.INNER_SIZE: c.head_dim * c.n_head, Keys.LLM.FULL_ATTENTION_INTERVAL: FULL_ATTENTION_INTERVAL}
+    return {
+        Keys.Attention.HEAD_COUNT_KV: c.n_head_kv,
+        Keys.Attention.KEY_LENGTH: c.head_dim,
+        Keys.Attention.VALUE_LENGTH: c.head_dim,
+        Keys.SSM.CONV_KERNEL: CONV_KERNEL,
+        Keys.SSM.STATE_SIZE: c.head_dim,
+        Keys.SSM.GROUP_COUNT: c.n_head_kv,
+        Keys.SSM.TIME_STEP_RANK: c.n_head,
+        Keys.SSM.INNER_SIZE: c.head_dim * c.n_head,
+        Keys.LLM.FULL_ATTENTION_INTERVAL: FULL_ATTENTION_INTERVAL,
+    }
 
 
 @dataclass(frozen=True)
@@ -108,18 +141,29 @@ class Qwen3NextMixer:
         return hybrid_metadata(c)
 
 
-HYBRID_DERIVED = {"n_layer": lambda g: max(g["n_layer"], 2 * FULL_ATTENTION_INTERVAL),
-                  "rope_dim": lambda g: g["head_dim"] // 2, "n_ff_shexp": lambda g: 2 * g["n_ff_exp"]}
+HYBRID_DERIVED = {
+    "n_layer": lambda g: max(g["n_layer"], 2 * FULL_ATTENTION_INTERVAL),
+    "rope_dim": lambda g: g["head_dim"] // 2,
+    "n_ff_shexp": lambda g: 2 * g["n_ff_exp"],
+}
 HYBRID_METADATA = EXPERT_FF | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_shexp}
 
 QWEN35MOE = ArchSpec(
-    MODEL_ARCH.QWEN35MOE, Qwen35Mixer(), Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
-    ffn_norm=T.ATTN_POST_NORM, derived=HYBRID_DERIVED, metadata=HYBRID_METADATA,
+    MODEL_ARCH.QWEN35MOE,
+    Qwen35Mixer(),
+    Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
+    ffn_norm=T.ATTN_POST_NORM,
+    derived=HYBRID_DERIVED,
+    metadata=HYBRID_METADATA,
     checks=((lambda c: c.n_dense_lead == 0, "qwen35moe has no dense layers"),),
 )
 
 QWEN3NEXT = ArchSpec(
-    MODEL_ARCH.QWEN3NEXT, Qwen3NextMixer(), Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
-    ffn_norm=T.ATTN_POST_NORM, derived=HYBRID_DERIVED, metadata=HYBRID_METADATA,
+    MODEL_ARCH.QWEN3NEXT,
+    Qwen3NextMixer(),
+    Moe(shared=SharedExpert(lambda c: c.n_ff_shexp, gated=True)),
+    ffn_norm=T.ATTN_POST_NORM,
+    derived=HYBRID_DERIVED,
+    metadata=HYBRID_METADATA,
     checks=((lambda c: c.n_dense_lead == 0, "qwen3next's synthetic model has no dense layers"),),
 )

@@ -167,6 +167,7 @@ def shape_routing(c: SynthConfig, tensors: list) -> list:
 
 # --- what the construction is judged by (the definitions of bench/train_moe/routing.py) ------------------------------
 
+
 def hot_share(selections: np.ndarray, fraction: float = 0.1) -> np.ndarray:
     """[M] share of each layer's selections [M, E] taken by its round(E * fraction) most selected experts."""
     n_hot = max(1, round(selections.shape[1] * fraction))

@@ -32,8 +32,10 @@ SPECIAL_TOKENS = (ENDOFTEXT, "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: the t
 PRE_TOKENIZER = "qwen2"
 # Qwen2's split: contractions, letters with one leading non-letter, single digits, punctuation runs, newlines,
 # whitespace (a run before a non-space keeps its last space for the next word).
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def train_tokenizer(text: str, vocab_size: int = VOCAB_SIZE):
@@ -41,13 +43,20 @@ def train_tokenizer(text: str, vocab_size: int = VOCAB_SIZE):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator([text], trainer=trainer)
     return tokenizer
 
@@ -87,15 +96,23 @@ def padded_vocab(vocab: Vocab, size: int) -> Vocab:
     No text ever becomes a padding token: BPE reaches a token only through merges, and the pre-tokenizer splits
     every digit into a piece of its own, so no piece is ever a whole <unusedN>."""
     extra = range(size - vocab.size)
-    return Vocab(vocab.tokens + [PADDING_TOKEN.format(i) for i in extra],
-                 vocab.token_types + [int(TokenType.UNUSED)] * len(extra), vocab.merges, vocab.eos_id)
+    return Vocab(
+        vocab.tokens + [PADDING_TOKEN.format(i) for i in extra],
+        vocab.token_types + [int(TokenType.UNUSED)] * len(extra),
+        vocab.merges,
+        vocab.eos_id,
+    )
 
 
 def with_user_defined(vocab: Vocab, texts: tuple[str, ...]) -> Vocab:
     """`vocab` with USER_DEFINED tokens appended: text the tokenizer matches whole before any splitting (tool-call
     markers and the like in real vocabularies)."""
-    return Vocab(vocab.tokens + list(texts), vocab.token_types + [int(TokenType.USER_DEFINED)] * len(texts),
-                 vocab.merges, vocab.eos_id)
+    return Vocab(
+        vocab.tokens + list(texts),
+        vocab.token_types + [int(TokenType.USER_DEFINED)] * len(texts),
+        vocab.merges,
+        vocab.eos_id,
+    )
 
 
 SPACE = "\u2581"
@@ -155,8 +172,21 @@ def vocab_metadata(vocab: Vocab, model: str = "gpt2", pre: str | None = PRE_TOKE
 
 
 # A few of SentencePiece's NFKC rules, for the unigram ("t5") vocabulary's normalization map.
-NFKC_SAMPLE = {"ﬁ": "fi", "ﬀ": "ff", "Ａ": "A", "１": "1", "①": "1", "\u3000": " ", "\u00a0": " ", "\t": " ",
-               "\n": " ", "e\u0301": "é", "…": "...", "™": "TM", "ｶﾞ": "ガ"}
+NFKC_SAMPLE = {
+    "ﬁ": "fi",
+    "ﬀ": "ff",
+    "Ａ": "A",
+    "１": "1",
+    "①": "1",
+    "\u3000": " ",
+    "\u00a0": " ",
+    "\t": " ",
+    "\n": " ",
+    "e\u0301": "é",
+    "…": "...",
+    "™": "TM",
+    "ｶﾞ": "ガ",
+}
 
 
 def precompiled_charsmap(rules: dict[str, str]) -> bytes:
@@ -182,8 +212,11 @@ def precompiled_charsmap(rules: dict[str, str]) -> bytes:
     while pending:
         index, node = pending.pop(0)
         children = sorted(b for b in node if b is not None)
-        offset = next(o for o in range(1, 1 << 20) if all(o ^ c not in used for c in children)
-                      and (None not in node or o not in used))
+        offset = next(
+            o
+            for o in range(1, 1 << 20)
+            if all(o ^ c not in used for c in children) and (None not in node or o not in used)
+        )
         entries[index] = entries.get(index, 0) | ((index ^ offset) << 10)
         if None in node:
             entries[offset] = (1 << 31) | node[None]

@@ -60,7 +60,7 @@ class Normal:
     mean: float = 0.0
 
     def sample(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(self.std) + np.float32(self.mean))
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(self.std) + np.float32(self.mean)
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,12 @@ class KvBPart:
     def sample(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         kv_b = Normal(self.std).sample(rng, (self.n_head * (self.nope + self.v), self.kv_lora))
         per_head = kv_b.reshape(self.n_head, self.nope + self.v, self.kv_lora)
-        cut = per_head[:, : self.nope].transpose(0, 2, 1) if self.part == "k" else per_head[:, self.nope:]
+        cut = per_head[:, : self.nope].transpose(0, 2, 1) if self.part == "k" else per_head[:, self.nope :]
         return np.ascontiguousarray(cut)
 
 
 # --- bytes -----------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class BlockLayout:
@@ -159,8 +160,9 @@ def byte_shape(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> tuple[int
     return (*shape[:-1], shape[-1] // block * type_size)
 
 
-def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: GGMLQuantizationType,
-                  std: float) -> np.ndarray:
+def random_blocks(
+    rng: np.random.Generator, shape: tuple[int, ...], qtype: GGMLQuantizationType, std: float
+) -> np.ndarray:
     """Valid random blocks of qtype for a tensor of `shape`, decoding to values of about N(0, std^2) scale."""
     layout = RANDOM_BLOCKS[qtype]
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -168,7 +170,7 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: GGMLQ
     blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
     d = std / layout.unit_std
     for offset, ratio in layout.fp16_scales:
-        blocks[:, offset:offset + 2] = np.array([d * ratio], dtype=np.float16).view(np.uint8)
+        blocks[:, offset : offset + 2] = np.array([d * ratio], dtype=np.float16).view(np.uint8)
     if layout.e8m0_offset is not None:
         blocks[:, layout.e8m0_offset] = np.uint8(128 + round(float(np.log2(d))))
     return blocks.reshape(byte_shape(shape, qtype))

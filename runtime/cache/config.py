@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from moerun.cache.plan import AUTO, Bandwidths
 
 from moeprep.profile.tracefile import TraceFile
+from moerun.cache.plan import AUTO, Bandwidths
 
 # Uploads one layer may start per step: an upload of a 30B-shaped expert (2.6 MB) takes ~50 us over pinned PCIe,
 # so a handful per layer keeps a step's upload time below its compute while the cache adapts within a few tokens.

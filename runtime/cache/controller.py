@@ -11,6 +11,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from moeprep.errors import MoeprepError
+from moeprep.gguf.anatomy import describe_model
+from moeprep.gguf.reader import GGUFModel
+from moeprep.gguf.roles import TensorRole
+from moeprep.profile.tracefile import TraceFile
+from moeprep.units import format_size
 from moerun.cache.config import CacheConfig
 from moerun.cache.host import host_experts, page_locked, should_pin
 from moerun.cache.placement import Placement, place, slot_room, usage_rows
@@ -21,13 +28,6 @@ from moerun.cache.warm import expert_usage, read_model_profile, warm_experts
 from moerun.kernels.cpu.formats import ExpertBytes
 from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
-
-from moeprep.errors import MoeprepError
-from moeprep.gguf.anatomy import describe_model
-from moeprep.gguf.reader import GGUFModel
-from moeprep.gguf.roles import TensorRole
-from moeprep.profile.tracefile import TraceFile
-from moeprep.units import format_size
 
 if TYPE_CHECKING:
     from moerun.cache.experts import CachedExperts
@@ -77,8 +77,9 @@ class ExpertCache:
         """Streaming's slot tables, one row per cached layer of a device: every expert "on the host" (-2 - e) until
         a slot holds it. The device's copy is what kernels read; the host's (page-locked) is where the host edits."""
         for d, device in enumerate(self.devices):
-            layers = [layer for layer, (n, on) in enumerate(zip(self.placement.slots, self.placement.device))
-                      if n and on == d]
+            layers = [
+                layer for layer, (n, on) in enumerate(zip(self.placement.slots, self.placement.device)) if n and on == d
+            ]
             if not layers:
                 continue
             host = (-2 - torch.arange(self.n_expert, dtype=torch.int32)).repeat(len(layers), 1)
@@ -224,8 +225,12 @@ class ExpertCache:
 
             per_expert = sum(b.data[0].numel() for b in layer.banks)
             n = max(1, min(self.n_expert, self.config.stage_bytes // per_expert))
-            self.scratch[key] = tuple(QWeight(torch.empty(n, *b.data.shape[1:], dtype=torch.uint8, device=bank.device),
-                                              b.qtype, b.rows, b.cols) for b in layer.banks)
+            self.scratch[key] = tuple(
+                QWeight(
+                    torch.empty(n, *b.data.shape[1:], dtype=torch.uint8, device=bank.device), b.qtype, b.rows, b.cols
+                )
+                for b in layer.banks
+            )
         return self.scratch[key]
 
     def device_of(self, layer: int) -> torch.device:
@@ -254,8 +259,14 @@ def streams(device: torch.device, pinned: bool | None, options: RuntimeOptions) 
     return device.type in options.stream_devices and (device.type != "cuda" or bool(pinned))
 
 
-def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
-               devices: list[torch.device] | torch.device, options: RuntimeOptions | None = None) -> ExpertCache:
+def open_cache(
+    g: GGUFModel,
+    config: CacheConfig,
+    n_layer: int,
+    top_k: int,
+    devices: list[torch.device] | torch.device,
+    options: RuntimeOptions | None = None,
+) -> ExpertCache:
     """Resolve the warm-start counts, the policy and the plan (cache/plan.py), place the slots in the budgets (one
     per device; moerun.devices resolves them), and make the shared cache state."""
     devices = [devices] if isinstance(devices, torch.device) else list(devices)
@@ -275,16 +286,20 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
     if config.pin is None:
         config = replace(config, pin=should_pin(anatomy.roles[TensorRole.EXPERT.value].n_bytes, device))
     if config.slots_per_layer is not None and config.plan not in (AUTO, "cache"):
-        raise MoeprepError(f"--cache-slots {config.slots_per_layer} fixes every layer's slots: it takes the cache "
-                           f"plan, not --cache-plan {config.plan}; give --cache-slots auto")
+        raise MoeprepError(
+            f"--cache-slots {config.slots_per_layer} fixes every layer's slots: it takes the cache "
+            f"plan, not --cache-plan {config.plan}; give --cache-slots auto"
+        )
     geo = anatomy.geometry
     moe = list(geo.moe_layers)
     usage = usage_rows(config.usage, geo.n_layer, moe, geo.n_expert, len(geo.nextn_layers))  # [M, E] or None
-    shape = Shape(len(moe), geo.n_expert, top_k, int(np.mean([geo.expert_bytes[b] for b in moe])),
-                  slot_room(anatomy, budgets))
+    shape = Shape(
+        len(moe), geo.n_expert, top_k, int(np.mean([geo.expert_bytes[b] for b in moe])), slot_room(anatomy, budgets)
+    )
     can_stream = config.stream and all(streams(d, config.pin, options) for d in devices)
-    measure = (ROUTING_POLICIES if config.policy == AUTO
-               else () if config.slots_per_layer is not None else (config.policy,))  # nothing to choose: no replay
+    measure = (
+        ROUTING_POLICIES if config.policy == AUTO else () if config.slots_per_layer is not None else (config.policy,)
+    )  # nothing to choose: no replay
     curves = routing_curves(config, profile, measure)
     if config.policy == AUTO:
         policy, why = choose_policy(curves, shape, config.bandwidths, can_stream)
@@ -297,8 +312,11 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
         lines = (why,)
     else:
         static = usage_curve(usage, geo.n_expert)
-        curve = curves.get(policy) or replace(static, policy=policy, source=f"a guess: {policy} hits as the "
-                                               f"hottest set would ({static.source}); no routing measured")
+        curve = curves.get(policy) or replace(
+            static,
+            policy=policy,
+            source=f"a guess: {policy} hits as the hottest set would ({static.source}); no routing measured",
+        )
         plan = choose_plan(config.plan, shape, curve, static, config.bandwidths, can_stream)
         for n_pin in range(plan.pinned, 0, -1):  # several GPUs: each must hold its block's whole layers
             pins = pinned_layers(usage, n_pin, len(moe), shape.rest_share(n_pin), geo.n_expert)
@@ -310,10 +328,13 @@ def open_cache(g: GGUFModel, config: CacheConfig, n_layer: int, top_k: int,
         config = replace(config, policy=plan.policy, stream=config.stream and plan.stream)
         lines = (why, plan.describe())
         if len(placement.pinned) != plan.pinned:
-            lines += (f"  {len(placement.pinned)} of the plan's {plan.pinned} whole layers pinned: the GPUs' blocks "
-                      "hold no more",)
-    return ExpertCache(placement, placement.n_expert, top_k, tuple(devices), config, options=options, plan=plan,
-                       why=lines)
+            lines += (
+                f"  {len(placement.pinned)} of the plan's {plan.pinned} whole layers pinned: the GPUs' blocks "
+                "hold no more",
+            )
+    return ExpertCache(
+        placement, placement.n_expert, top_k, tuple(devices), config, options=options, plan=plan, why=lines
+    )
 
 
 ROUTING_POLICIES = ("lru", "lfu", "classlru", "payback")  # what auto chooses among: the policy table's peers
@@ -328,8 +349,9 @@ def routing_curves(config: CacheConfig, profile, policies: tuple[str, ...]) -> d
         chunks = np.flatnonzero(t.heldout) if t.heldout.any() else np.arange(t.n_chunks)
         source = "the profile's held-out chunks" if t.heldout.any() else "the profile's chunks (none held out)"
         ids = np.concatenate([t.chunk(c) for c in chunks])
-        trace = TraceFile(ids.astype(np.int64), np.concatenate([[0], np.cumsum(np.diff(t.starts)[chunks])]),
-                          profile.model.n_expert)
+        trace = TraceFile(
+            ids.astype(np.int64), np.concatenate([[0], np.cumsum(np.diff(t.starts)[chunks])]), profile.model.n_expert
+        )
     if trace is None or not policies:
         return {}
     return trace_curves(trace, policies, source, free=config.uploads_per_layer_step)
@@ -343,13 +365,16 @@ def fixed_slots(placement: Placement, per_layer: int, expert_bytes) -> Placement
     for layer, n in enumerate(slots):
         if n:
             cache[placement.device[layer]] += n * expert_bytes[layer]
-    for gpu, (budget, used, before, wanted) in enumerate(zip(placement.budgets, placement.used,
-                                                             placement.cache_bytes, cache)):
+    for gpu, (budget, used, before, wanted) in enumerate(
+        zip(placement.budgets, placement.used, placement.cache_bytes, cache)
+    ):
         room = budget - (used - before)
         if wanted > room:
-            raise MoeprepError(f"--cache-slots {per_layer}: gpu {gpu}'s slots take {format_size(wanted)}, but its "
-                               f"budget of {format_size(budget)} leaves {format_size(room)} for slots; give fewer "
-                               "slots, a larger --vram-budget, or --cache-slots auto")
+            raise MoeprepError(
+                f"--cache-slots {per_layer}: gpu {gpu}'s slots take {format_size(wanted)}, but its "
+                f"budget of {format_size(budget)} leaves {format_size(room)} for slots; give fewer "
+                "slots, a larger --vram-budget, or --cache-slots auto"
+            )
     used = tuple(u - b + c for u, b, c in zip(placement.used, placement.cache_bytes, cache))
     return replace(placement, slots=slots, cache_bytes=tuple(cache), used=used)
 
@@ -358,9 +383,14 @@ def describe_cache(cache: ExpertCache) -> str:
     """What moerun prints at start: slots per layer and the share of all experts they hold."""
     p = cache.placement
     warm = "warmed from the profile's counts" if cache.config.usage is not None else "starting empty"
-    misses = ("decode steps read their misses from page-locked RAM (streamed)" if cache.streamed
-              else "the CPU computes the misses")
+    misses = (
+        "decode steps read their misses from page-locked RAM (streamed)"
+        if cache.streamed
+        else "the CPU computes the misses"
+    )
     host = "page-locked copies" if cache.config.pin else "the memory map"
-    summary = (f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
-               f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}; {misses}")
+    summary = (
+        f"{p.describe()}\n  policy {cache.config.policy}, {warm}; budget "
+        f"{', '.join(format_size(b) for b in p.budgets)}; experts uploaded from {host}; {misses}"
+    )
     return "\n".join((summary, *cache.why))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
 from moerun.cache.config import STAGE_MIN_TOKENS
 from moerun.cache.controller import ExpertCache
 from moerun.cache.host import read_only_tensor
@@ -51,9 +52,14 @@ class StepBuffers:
     @classmethod
     def make(cls, T: int, K: int, D: int, device: torch.device) -> StepBuffers:
         pinned = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, pin_memory=True)  # noqa: E731
-        return cls(pinned(T, 2 * K), pinned(T, D), pinned(T, K, dtype=torch.int32),
-                   torch.zeros(T, K, dtype=torch.int32, device=device), pinned(T, D),
-                   torch.zeros(T, D, device=device))
+        return cls(
+            pinned(T, 2 * K),
+            pinned(T, D),
+            pinned(T, K, dtype=torch.int32),
+            torch.zeros(T, K, dtype=torch.int32, device=device),
+            pinned(T, D),
+            torch.zeros(T, D, device=device),
+        )
 
 
 class CachedExperts(nn.Module):
@@ -70,8 +76,16 @@ class CachedExperts(nn.Module):
     of their own; at the second cut the CPU computes the misses while the GPU runs that graph, and the next graph adds
     the CPU's result."""
 
-    def __init__(self, layer: int, host: tuple[ExpertBytes, ExpertBytes, ExpertBytes], n_slots: int,
-                 activation: Activation, kernels: Kernels, cache: ExpertCache, hooks: Hooks) -> None:
+    def __init__(
+        self,
+        layer: int,
+        host: tuple[ExpertBytes, ExpertBytes, ExpertBytes],
+        n_slots: int,
+        activation: Activation,
+        kernels: Kernels,
+        cache: ExpertCache,
+        hooks: Hooks,
+    ) -> None:
         super().__init__()
         from moerun.kernels.qweight import QWeight
 
@@ -80,9 +94,16 @@ class CachedExperts(nn.Module):
         device = cache.device_of(layer)
         self.copy_stream = cache.copy_streams.get(device)  # uploads into this layer's slots
         self.host_tensors = tuple(read_only_tensor(t.data) for t in host)
-        self.banks = tuple(QWeight(torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8,
-                                               device=device), t.qtype, t.rows, t.cols,
-                                   second=h if cache.streamed else None) for t, h in zip(host, self.host_tensors))
+        self.banks = tuple(
+            QWeight(
+                torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8, device=device),
+                t.qtype,
+                t.rows,
+                t.cols,
+                second=h if cache.streamed else None,
+            )
+            for t, h in zip(host, self.host_tensors)
+        )
         if self.copy_stream is not None:  # freed while uploads still write them (a model dropped mid-step), the
             for bank in self.banks:  # banks' memory goes to no other tensor before those copies are done
                 bank.data.record_stream(self.copy_stream)
@@ -110,11 +131,13 @@ class CachedExperts(nn.Module):
             self.step_buffers[n_tokens] = StepBuffers.make(n_tokens, self.cache.top_k, self.host[0].cols, device)
 
     @classmethod
-    def for_layer(cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: Activation,
-                  kernels: Kernels) -> CachedExperts:
+    def for_layer(
+        cls, g: GGUFModel, layer: int, cache: ExpertCache, hooks: Hooks, activation: Activation, kernels: Kernels
+    ) -> CachedExperts:
         """The layer's experts with the slots the placement gave it, warmed with the hottest known experts."""
-        experts = cls(layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, kernels, cache,
-                      hooks)
+        experts = cls(
+            layer, cache.host_experts(g, layer), cache.placement.slots[layer], activation, kernels, cache, hooks
+        )
         experts.fill(cache.warm_order(layer))
         return experts
 
@@ -130,8 +153,14 @@ class CachedExperts(nn.Module):
                 self.uploaded.synchronize()  # at load: the first step finds them in place
             self.cache.publish()
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
-                i8: QAct | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        step: Step | None = None,
+        i8: QAct | None = None,
+    ) -> torch.Tensor:
         """`i8`: x's int8 rounding where its norm made one, for the GPU's products of x (_hits)."""
         if self.hooks.activation:
             raise MoeprepError("activation hooks (imatrix collection) need the model loaded without the expert cache")
@@ -242,25 +271,32 @@ class CachedExperts(nn.Module):
         ids_h, weights_h = routing[:, :k].astype(np.int64), np.ascontiguousarray(routing[:, k:], np.float32)
         return ids_h, weights_h, self.slot_of[ids_h] < 0
 
-    def _hits(self, x, slots, weights, ids, banks=None, experts=None, second=None, captured=False,
-              i8=None) -> torch.Tensor:
+    def _hits(
+        self, x, slots, weights, ids, banks=None, experts=None, second=None, captured=False, i8=None
+    ) -> torch.Tensor:
         """sum_k weights * expert(x) over the (t, k) whose slot in `banks` (default: the cache's) is not -1;
         experts[s]: the expert in slot s (for its biases; default: the policy's slots), and
         second[j] the expert of the second bank's matrix j (slot -2 - j; default: expert j, the host copies);
         `captured`: inside a captured step (no timing events); i8: x's int8 rounding, if made (the GPU's products
         take it)."""
         if x.device.type == "cpu":
-            return self._hits_on_cpu(x, slots, weights, banks or self.banks,
-                                     self.resident if experts is None else experts,
-                                     np.arange(len(self.slot_of)) if second is None else second.numpy())
+            return self._hits_on_cpu(
+                x,
+                slots,
+                weights,
+                banks or self.banks,
+                self.resident if experts is None else experts,
+                np.arange(len(self.slot_of)) if second is None else second.numpy(),
+            )
         from moerun.layers.gguf_gpu import bank_moe  # Triton: present where CUDA is
 
         timing = self.cache.timing and not captured
         if timing:
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
-        out = bank_moe(x, slots, weights, banks or self.banks, self.activation, self.act, self.biases, ids, i8,
-                       self.cache.routes)
+        out = bank_moe(
+            x, slots, weights, banks or self.banks, self.activation, self.act, self.biases, ids, i8, self.cache.routes
+        )
         if timing:
             events[1].record()
             self.cache.stats.gpu_events.append(events)
@@ -275,18 +311,39 @@ class CachedExperts(nn.Module):
             banks = tuple(replace(b, data=torch.cat([b.data, b.second])) for b in banks)
             experts = np.concatenate([experts, second])
             slots = torch.where(slots < -1, n - 2 - slots, slots)
-        slot_bytes = tuple(ExpertBytes(b.data.numpy(), b.qtype, b.rows, b.cols,
-                                       None if t.bias is None else t.bias[np.maximum(experts, 0)])
-                           for b, t in zip(banks, self.host))
+        slot_bytes = tuple(
+            ExpertBytes(
+                b.data.numpy(), b.qtype, b.rows, b.cols, None if t.bias is None else t.bias[np.maximum(experts, 0)]
+            )
+            for b, t in zip(banks, self.host)
+        )
         out = np.zeros(tuple(x.shape), np.float32)
-        moe_rows(x.float().numpy(), slots.numpy(), weights.float().numpy(), *slot_bytes, self.activation.name, out,
-                 self.cache.config.cpu_threads, self.activation.limit, self.cache.ggml)
+        moe_rows(
+            x.float().numpy(),
+            slots.numpy(),
+            weights.float().numpy(),
+            *slot_bytes,
+            self.activation.name,
+            out,
+            self.cache.config.cpu_threads,
+            self.activation.limit,
+            self.cache.ggml,
+        )
         return torch.from_numpy(out)
 
     def _misses(self, x: np.ndarray, ids_h, weights_h, missed, out: np.ndarray) -> None:
         with timed(self.cache.stats, "CPU experts"):
-            moe_rows(x, np.where(missed, ids_h, -1), weights_h, *self.host, self.activation.name, out,
-                     self.cache.config.cpu_threads, self.activation.limit, self.cache.ggml)
+            moe_rows(
+                x,
+                np.where(missed, ids_h, -1),
+                weights_h,
+                *self.host,
+                self.activation.name,
+                out,
+                self.cache.config.cpu_threads,
+                self.activation.limit,
+                self.cache.ggml,
+            )
 
     # ---- inside a captured decode step (graphs.py): the graph's side, then the host's work at each cut
 

@@ -51,8 +51,10 @@ def page_locked(data: np.ndarray, readers: tuple[torch.device, ...]) -> np.ndarr
     # portable, so every GPU's context reads it in place, at the host address (decode steps stream misses from it)
     error = torch.cuda.cudart().cudaHostRegister(copy.ctypes.data, copy.nbytes, 0)
     if int(error) != 0:
-        raise MoeprepError(f"cannot page-lock {format_size(copy.nbytes)} of expert bytes (CUDA error {int(error)}); "
-                           "run without pinning (CacheConfig(pin=False)) or free RAM")
+        raise MoeprepError(
+            f"cannot page-lock {format_size(copy.nbytes)} of expert bytes (CUDA error {int(error)}); "
+            "run without pinning (CacheConfig(pin=False)) or free RAM"
+        )
     weakref.finalize(raw, _unregister, copy.ctypes.data, readers)
     return copy
 

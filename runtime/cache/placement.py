@@ -47,14 +47,17 @@ class Placement:
 
     def describe(self) -> str:
         """What moerun prints at start: slots per layer, GPU blocks, bytes per GPU, the share cached."""
-        lines = [f"expert cache: {sum(self.slots)} slots = {self.share:.1%} of {len(self.moe_layers)} x "
-                 f"{self.n_expert} experts"]
+        lines = [
+            f"expert cache: {sum(self.slots)} slots = {self.share:.1%} of {len(self.moe_layers)} x "
+            f"{self.n_expert} experts"
+        ]
         for g, (budget, used, cache) in enumerate(zip(self.budgets, self.used, self.cache_bytes)):
             blocks = [b for b in self.moe_layers if self.device[b] == g]
             span = f"blocks {blocks[0]}-{blocks[-1]}" if blocks else "no MoE blocks"
-            lines.append(f"  gpu {g}: {span}, {format_size(cache)} of slots, {format_size(used)} of "
-                         f"{format_size(budget)} planned; slots per layer "
-                         + " ".join(str(self.slots[b]) for b in blocks))
+            lines.append(
+                f"  gpu {g}: {span}, {format_size(cache)} of slots, {format_size(used)} of "
+                f"{format_size(budget)} planned; slots per layer " + " ".join(str(self.slots[b]) for b in blocks)
+            )
         if self.pinned:
             lines.append(f"  pinned whole (every expert, never evicted): blocks {', '.join(map(str, self.pinned))}")
         return "\n".join(lines)
@@ -71,8 +74,13 @@ def slot_room(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESER
     return 0 if plan is None else sum(g.free for g in plan.gpus)
 
 
-def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
-          usage: np.ndarray | None = None, pinned: tuple[int, ...] = ()) -> Placement:
+def place(
+    anatomy: Anatomy,
+    budgets: list[int],
+    reserve: int = DEFAULT_RESERVE,
+    usage: np.ndarray | None = None,
+    pinned: tuple[int, ...] = (),
+) -> Placement:
     """Slots per MoE layer and a GPU per block. usage: [M, E] or [L, E] (dense rows zero) selection counts from a
     profile, or None for equal shares. pinned: MoE blocks whose slots hold every expert (the others share what is
     left). MoeprepError when the budgets cannot hold one slot per layer."""
@@ -87,13 +95,17 @@ def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
     free = np.array([g.free for g in plan.gpus], np.int64)  # [G]
     floor = np.where(np.isin(layers, pinned), geo.n_expert, 1)  # [M] slots a layer gets before any other
     if free.sum() < expert_bytes.sum():
-        raise MoeprepError(f"VRAM budget {', '.join(format_size(b) for b in budgets)}: after the non-expert weights "
-                           f"and a {format_size(reserve)} reserve per GPU, {format_size(int(free.sum()))} is left, "
-                           f"less than one expert slot in each of {len(layers)} MoE layers "
-                           f"({format_size(int(expert_bytes.sum()))}); give a larger --vram-budget")
+        raise MoeprepError(
+            f"VRAM budget {', '.join(format_size(b) for b in budgets)}: after the non-expert weights "
+            f"and a {format_size(reserve)} reserve per GPU, {format_size(int(free.sum()))} is left, "
+            f"less than one expert slot in each of {len(layers)} MoE layers "
+            f"({format_size(int(expert_bytes.sum()))}); give a larger --vram-budget"
+        )
     if free.sum() < (floor * expert_bytes).sum():
-        raise MoeprepError(f"VRAM budget {', '.join(format_size(b) for b in budgets)}: no room to pin "
-                           f"{len(pinned)} whole layers and keep a slot in every other")
+        raise MoeprepError(
+            f"VRAM budget {', '.join(format_size(b) for b in budgets)}: no room to pin "
+            f"{len(pinned)} whole layers and keep a slot in every other"
+        )
     demand = _allot(worth, expert_bytes, int(free.sum()), floor)
     gpu_of = _split(demand * expert_bytes, free)  # [M]
     slots = np.zeros(len(layers), np.int64)
@@ -102,9 +114,11 @@ def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
         if not len(mine):
             continue
         if free[g] < (floor[mine] * expert_bytes[mine]).sum():
-            raise MoeprepError(f"gpu {g}: {format_size(int(free[g]))} left after its share of the non-expert "
-                               f"weights and the reserve cannot hold one slot in each of its {len(mine)} MoE "
-                               f"layers; give it a larger --vram-budget or use fewer GPUs")
+            raise MoeprepError(
+                f"gpu {g}: {format_size(int(free[g]))} left after its share of the non-expert "
+                f"weights and the reserve cannot hold one slot in each of its {len(mine)} MoE "
+                f"layers; give it a larger --vram-budget or use fewer GPUs"
+            )
         slots[mine] = _allot(worth[mine], expert_bytes[mine], int(free[g]), floor[mine])
     n_blocks = geo.n_layer - len(geo.nextn_layers)  # the decoder's blocks: NextN blocks are not run
     device = _block_devices(n_blocks, layers, gpu_of)
@@ -112,21 +126,31 @@ def place(anatomy: Anatomy, budgets: list[int], reserve: int = DEFAULT_RESERVE,
     per_block[layers] = slots
     cache = np.bincount(gpu_of, weights=slots * expert_bytes, minlength=len(free)).astype(np.int64)
     used = [int(c) + g.non_expert + g.reserve for c, g in zip(cache, plan.gpus)]
-    return Placement(device=tuple(device), slots=tuple(int(s) for s in per_block), budgets=tuple(budgets),
-                     used=tuple(used), cache_bytes=tuple(int(c) for c in cache), n_expert=geo.n_expert,
-                     moe_layers=tuple(layers), pinned=tuple(sorted(pinned)))
+    return Placement(
+        device=tuple(device),
+        slots=tuple(int(s) for s in per_block),
+        budgets=tuple(budgets),
+        used=tuple(used),
+        cache_bytes=tuple(int(c) for c in cache),
+        n_expert=geo.n_expert,
+        moe_layers=tuple(layers),
+        pinned=tuple(sorted(pinned)),
+    )
 
 
-def usage_rows(usage: np.ndarray | None, n_layer: int, layers: list[int], n_expert: int,
-                n_nextn: int = 0) -> np.ndarray | None:
+def usage_rows(
+    usage: np.ndarray | None, n_layer: int, layers: list[int], n_expert: int, n_nextn: int = 0
+) -> np.ndarray | None:
     if usage is None:
         return None
     usage = np.asarray(usage)
     rows = usage.shape[0] if usage.ndim == 2 else -1
     # one row per MoE layer, or per block (the decoder's blocks: the trailing NextN blocks may be left out)
     if usage.ndim != 2 or usage.shape[1] != n_expert or rows not in (len(layers), n_layer, n_layer - n_nextn):
-        raise MoeprepError(f"expert usage of shape {usage.shape} does not fit this model ({len(layers)} MoE of "
-                           f"{n_layer} layers, {n_expert} experts); use a profile made for this model")
+        raise MoeprepError(
+            f"expert usage of shape {usage.shape} does not fit this model ({len(layers)} MoE of "
+            f"{n_layer} layers, {n_expert} experts); use a profile made for this model"
+        )
     return usage if rows == len(layers) else usage[layers]
 
 

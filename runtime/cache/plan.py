@@ -83,8 +83,14 @@ class HitCurve:
         return float(np.interp(share, (0.0, *self.sizes, 1.0), (self.uploads[0], *self.uploads, 0.0)))
 
 
-def trace_curves(t: TraceFile, policies: tuple[str, ...], source: str, sizes: tuple[float, ...] = CURVE_SIZES,
-                 max_tokens: int = REPLAY_TOKENS, free: int | None = None) -> dict[str, HitCurve]:
+def trace_curves(
+    t: TraceFile,
+    policies: tuple[str, ...],
+    source: str,
+    sizes: tuple[float, ...] = CURVE_SIZES,
+    max_tokens: int = REPLAY_TOKENS,
+    free: int | None = None,
+) -> dict[str, HitCurve]:
     """Each policy's curve from replaying the trace's first chunks (up to max_tokens), every chunk a fresh session
     with caches starting empty, at most `free` uploads per layer and token (the runtime's cap)."""
     from moeprep.profile.routing_stats import hit_rates
@@ -92,9 +98,16 @@ def trace_curves(t: TraceFile, policies: tuple[str, ...], source: str, sizes: tu
     t = first_tokens(t, max_tokens)
     sizes = tuple(s for s in sizes if cache_slots(s, t.n_expert) < t.n_expert) or (sizes[0],)
     _, hits, uploads = hit_rates(t, sizes, policies, free=free)  # [P, S, 2, M], [P, S, M]
-    return {p: HitCurve(p, sizes, tuple(float(h) for h in hits[i, :, 0].mean(axis=1)),
-                        tuple(float(u) for u in uploads[i].mean(axis=1)), f"{source}, {t.n_tokens} tokens replayed")
-            for i, p in enumerate(policies)}
+    return {
+        p: HitCurve(
+            p,
+            sizes,
+            tuple(float(h) for h in hits[i, :, 0].mean(axis=1)),
+            tuple(float(u) for u in uploads[i].mean(axis=1)),
+            f"{source}, {t.n_tokens} tokens replayed",
+        )
+        for i, p in enumerate(policies)
+    }
 
 
 def first_tokens(t: TraceFile, max_tokens: int) -> TraceFile:
@@ -159,7 +172,7 @@ def token_seconds(shape: Shape, curve: HitCurve, bw: Bandwidths, n_pin: int, str
         return 0.0
     share = shape.rest_share(n_pin)
     miss_gbps = bw.bus_gbps if stream else bw.cpu_gbps
-    per_layer = ((1.0 - curve.hit(share)) * shape.top_k / miss_gbps + curve.uploads_at(share) / bw.bus_gbps)
+    per_layer = (1.0 - curve.hit(share)) * shape.top_k / miss_gbps + curve.uploads_at(share) / bw.bus_gbps
     return rest * shape.expert_bytes * per_layer / 1e9
 
 
@@ -185,14 +198,15 @@ class Plan:
     def describe(self) -> str:
         """The line moerun prints at start: the plan and the numbers behind it."""
         others = ", ".join(f"{name} {s * 1e3:.3g}" for name, s in self.others)
-        return (f"cache plan {self.name}: {self.pinned} whole layers pinned, the rest under {self.policy}; "
-                f"predicted {self.seconds * 1e3:.3g} ms/token of expert traffic ({others or 'nothing else'}; "
-                f"llama.cpp's --n-cpu-moe split of the same VRAM, {self.split_layers} layers on the GPU: "
-                f"{self.split_seconds * 1e3:.3g}); hit rates from {self.source}")
+        return (
+            f"cache plan {self.name}: {self.pinned} whole layers pinned, the rest under {self.policy}; "
+            f"predicted {self.seconds * 1e3:.3g} ms/token of expert traffic ({others or 'nothing else'}; "
+            f"llama.cpp's --n-cpu-moe split of the same VRAM, {self.split_layers} layers on the GPU: "
+            f"{self.split_seconds * 1e3:.3g}); hit rates from {self.source}"
+        )
 
 
-def choose_plan(asked: str, shape: Shape, curve: HitCurve, static: HitCurve, bw: Bandwidths,
-                can_stream: bool) -> Plan:
+def choose_plan(asked: str, shape: Shape, curve: HitCurve, static: HitCurve, bw: Bandwidths, can_stream: bool) -> Plan:
     """The plan `asked` (auto: the one of fewest predicted seconds; ties go to the simpler, cache first). `curve`:
     the policy's; `static`: the hottest set's, for the static plan's layers that are not pinned."""
     if asked not in PLANS:
@@ -201,9 +215,11 @@ def choose_plan(asked: str, shape: Shape, curve: HitCurve, static: HitCurve, bw:
     paths = (True, False) if can_stream else (False,)  # the static plan's misses: streamed or the CPU's
     candidates: dict[str, list[tuple[float, int, str, bool]]] = {
         "cache": [(token_seconds(shape, curve, bw, 0, can_stream), 0, curve.policy, can_stream)],
-        "blend": [(token_seconds(shape, curve, bw, n, can_stream), n, curve.policy, can_stream)
-                  for n in range(1, top + 1)],
-        "static": [(token_seconds(shape, static, bw, top, stream), top, "static", stream) for stream in paths]}
+        "blend": [
+            (token_seconds(shape, curve, bw, n, can_stream), n, curve.policy, can_stream) for n in range(1, top + 1)
+        ],
+        "static": [(token_seconds(shape, static, bw, top, stream), top, "static", stream) for stream in paths],
+    }
     best = {name: min(c) for name, c in candidates.items() if c}
     name = min(best, key=lambda n: (best[n][0], PLANS.index(n))) if asked == AUTO else asked
     if name not in best:
@@ -211,8 +227,9 @@ def choose_plan(asked: str, shape: Shape, curve: HitCurve, static: HitCurve, bw:
     seconds, pinned, policy, stream = best[name]
     n_split, split = split_seconds(shape, bw)
     source = static.source if policy == "static" else curve.source
-    return Plan(name, pinned, policy, stream, seconds, n_split, split,
-                tuple((n, best[n][0]) for n in best if n != name), source)
+    return Plan(
+        name, pinned, policy, stream, seconds, n_split, split, tuple((n, best[n][0]) for n in best if n != name), source
+    )
 
 
 def choose_policy(curves: dict[str, HitCurve], shape: Shape, bw: Bandwidths, stream: bool) -> tuple[str, str]:
@@ -220,16 +237,21 @@ def choose_policy(curves: dict[str, HitCurve], shape: Shape, bw: Bandwidths, str
     curves of the runtime's policies; without any, GENERAL_POLICY."""
     measured = {p: c for p, c in curves.items() if p in POLICIES}
     if not measured:
-        return GENERAL_POLICY, (f"cache policy {GENERAL_POLICY}: no routing measured (give --expert-profile of a "
-                                "profile with held-out chunks); the best by net saving in most cells of the policy "
-                                "table")
+        return GENERAL_POLICY, (
+            f"cache policy {GENERAL_POLICY}: no routing measured (give --expert-profile of a "
+            "profile with held-out chunks); the best by net saving in most cells of the policy "
+            "table"
+        )
     cost = {p: token_seconds(shape, c, bw, 0, stream) for p, c in measured.items()}
     best = min(cost, key=lambda p: (cost[p], p != GENERAL_POLICY, p))
     share = shape.rest_share(0)
-    ranked = ", ".join(f"{p} {measured[p].hit(share):.1%} hits {cost[p] * 1e3:.3g} ms"
-                       for p in sorted(cost, key=cost.get))
-    return best, (f"cache policy {best}: fewest predicted ms/token of expert traffic at {share:.0%} cached "
-                  f"({ranked}; from {measured[best].source})")
+    ranked = ", ".join(
+        f"{p} {measured[p].hit(share):.1%} hits {cost[p] * 1e3:.3g} ms" for p in sorted(cost, key=cost.get)
+    )
+    return best, (
+        f"cache policy {best}: fewest predicted ms/token of expert traffic at {share:.0%} cached "
+        f"({ranked}; from {measured[best].source})"
+    )
 
 
 def pinned_layers(usage: np.ndarray | None, n_pin: int, n_moe: int, share: float, n_expert: int) -> tuple[int, ...]:

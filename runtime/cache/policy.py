@@ -4,8 +4,40 @@ They are defined in moeprep/profile/policy.py, which `moeprep profile` also uses
 importing torch: one definition, so a simulated hit rate is the runtime's. See that module for the semantics.
 """
 
-from moeprep.profile.policy import (DEFAULT_POLICY, POLICIES, AdmitAfterRepeat, Belady, ClassLru, Lfu, Lfuda, Lru,
-                                    Payback, Policy, Replacement, Replay, UploadCost, make_policy, next_uses, replay)
+from moeprep.profile.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    AdmitAfterRepeat,
+    Belady,
+    ClassLru,
+    Lfu,
+    Lfuda,
+    Lru,
+    Payback,
+    Policy,
+    Replacement,
+    Replay,
+    UploadCost,
+    make_policy,
+    next_uses,
+    replay,
+)
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "AdmitAfterRepeat", "Belady", "ClassLru", "Lfu", "Lfuda", "Lru", "Payback",
-           "Policy", "Replacement", "Replay", "UploadCost", "make_policy", "next_uses", "replay"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "AdmitAfterRepeat",
+    "Belady",
+    "ClassLru",
+    "Lfu",
+    "Lfuda",
+    "Lru",
+    "Payback",
+    "Policy",
+    "Replacement",
+    "Replay",
+    "UploadCost",
+    "make_policy",
+    "next_uses",
+    "replay",
+]

@@ -38,6 +38,7 @@ def expert_usage(g: GGUFModel, profile, n_layer: int) -> np.ndarray | None:
     table = np.asarray(baked, np.int64)
     n_blocks = int(g.get(f"{g.arch}.block_count", n_layer))  # profile bake writes every block, NextN ones too
     if table.size % n_blocks:
-        raise MoeprepError(f"{g.path}: {EXPERT_USAGE_KEY} holds {table.size} counts, not a multiple of {n_blocks} "
-                           "blocks")
+        raise MoeprepError(
+            f"{g.path}: {EXPERT_USAGE_KEY} holds {table.size} counts, not a multiple of {n_blocks} blocks"
+        )
     return table.reshape(n_blocks, -1)[:n_layer]

@@ -16,22 +16,22 @@ The reference modules are importable from here; the twins, which need numba or T
 """
 
 from moerun.layers.attention import (
-           Attention,
-           attend,
-           norm_rope,
-           norm_rope_store,
-           qk_norms_per_head,
+    Attention,
+    attend,
+    norm_rope,
+    norm_rope_store,
+    qk_norms_per_head,
 )
 from moerun.layers.block import Block
 from moerun.layers.embedding import Embedding
 from moerun.layers.ffn import (
-           ACTIVATIONS,
-           SWIGLU,
-           Activation,
-           FeedForward,
-           swiglu,
-           swiglu_clamp,
-           swiglu_oai,
+    ACTIVATIONS,
+    SWIGLU,
+    Activation,
+    FeedForward,
+    swiglu,
+    swiglu_clamp,
+    swiglu_oai,
 )
 from moerun.layers.linear import Linear
 from moerun.layers.moe import ExpertCompute, GGUFExperts, MoE, Router
@@ -40,7 +40,32 @@ from moerun.layers.ops import Kernels, device_of
 from moerun.layers.reference import TORCH_KERNELS
 from moerun.layers.rope import Rope, yarn_attn_factor
 
-__all__ = ["ACTIVATIONS", "SWIGLU", "TORCH_KERNELS", "Activation", "Attention", "Block", "Embedding", "ExpertCompute",
-           "FeedForward", "GGUFExperts", "Kernels", "Linear", "MoE", "RMSNorm", "Rope", "Router", "add_rms_norm",
-           "attend", "device_of", "norm_rope", "norm_rope_store", "qk_norms_per_head", "rms_norm", "swiglu",
-           "swiglu_clamp", "swiglu_oai", "yarn_attn_factor"]
+__all__ = [
+    "ACTIVATIONS",
+    "SWIGLU",
+    "TORCH_KERNELS",
+    "Activation",
+    "Attention",
+    "Block",
+    "Embedding",
+    "ExpertCompute",
+    "FeedForward",
+    "GGUFExperts",
+    "Kernels",
+    "Linear",
+    "MoE",
+    "RMSNorm",
+    "Rope",
+    "Router",
+    "add_rms_norm",
+    "attend",
+    "device_of",
+    "norm_rope",
+    "norm_rope_store",
+    "qk_norms_per_head",
+    "rms_norm",
+    "swiglu",
+    "swiglu_clamp",
+    "swiglu_oai",
+    "yarn_attn_factor",
+]

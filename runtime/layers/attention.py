@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from moerun.kv_cache import KVCache
 from moerun.layers.linear import Linear
 from moerun.layers.norm import RMSNorm
@@ -22,9 +23,16 @@ from torch import nn
 ATTEND_SCORE_BYTES = 256 << 20
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-           sinks: torch.Tensor | None = None, seqs: torch.Tensor | None = None,
-           score_bytes: int = ATTEND_SCORE_BYTES) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    seqs: torch.Tensor | None = None,
+    score_bytes: int = ATTEND_SCORE_BYTES,
+) -> torch.Tensor:
     """Softmax attention of q (T, H, Dk) over one sequence's k (S, G, Dk), v (S, G, Dv), or, given `seqs` (B,), over
     every sequence's k (n_seq, S, G, Dk), v (n_seq, S, G, Dv) when the tokens are B blocks of T/B consecutive rows,
     block b reading sequence seqs[b] (Step.blocks: B = T in a decode batch, one token per sequence; B prompt chunks in
@@ -40,8 +48,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     G, Dv = v.shape[-2:]
     rows = max(1, score_bytes // (4 * H * k.shape[-3]))
     if k.dim() == 3 and T > rows:  # one sequence's long prompt: blocks of query tokens
-        return torch.cat([attend(q[i : i + rows], k, v, allowed[i : i + rows], scale, sinks, score_bytes=score_bytes)
-                          for i in range(0, T, rows)])
+        return torch.cat(
+            [
+                attend(q[i : i + rows], k, v, allowed[i : i + rows], scale, sinks, score_bytes=score_bytes)
+                for i in range(0, T, rows)
+            ]
+        )
     if k.dim() == 3:  # one sequence: one block
         k, v = k[None], v[None]
     B, S = k.shape[:2]
@@ -65,10 +77,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
 class Attention(nn.Module):
     """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks and a sliding window."""
 
-    def __init__(self, *, wq: Linear, wk: Linear, wv: Linear, wo: Linear, rope: Rope, cache: KVCache,
-                 n_heads: int, n_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int = 0,
-                 sinks: torch.Tensor | None = None, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        *,
+        wq: Linear,
+        wk: Linear,
+        wv: Linear,
+        wo: Linear,
+        rope: Rope,
+        cache: KVCache,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -104,8 +132,15 @@ class Attention(nn.Module):
         return self.wqkv(x, i8).split(self.qkv_rows, dim=-1)
 
 
-def norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
-              rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+    rope: Rope,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q/K RMSNorm (per head, or over the whole projection as in olmoe: as long as its weight), then RoPE.
     q (T, H, Dh), k (T, G, Dh), v (T, G, Dv) -> q, k float32 and v as it came."""
     T = q.shape[0]
@@ -121,15 +156,21 @@ def qk_norms_per_head(q: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm |
     None, anything else (olmoe's over the whole projection), which only the torch reference does."""
     if q_norm is None and k_norm is None:
         return False
-    if (q_norm is not None and k_norm is not None
-            and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1]):
+    if q_norm is not None and k_norm is not None and q_norm.weight.numel() == k_norm.weight.numel() == q.shape[-1]:
         return True
     return None
 
 
-def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: RMSNorm | None,
-                    k_norm: RMSNorm | None, rope: Rope, step: Step, cache: KVCache,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+    rope: Rope,
+    step: Step,
+    cache: KVCache,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """norm_rope, then k and v into the KV cache: -> q (T, H, Dh) float32 and the slots attention reads
     (KVCache.update)."""
     q, k, v = norm_rope(q, k, v, q_norm, k_norm, rope, step.positions)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from moerun.layers.norm import RMSNorm
 from moerun.step import Step
-from torch import nn
 
 
 class Block(nn.Module):

@@ -41,9 +41,23 @@ def causal_conv(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class GatedDeltaNet(nn.Module):
     seq_on_host = True  # its recurrent state is indexed by step.seq as a number: no captured prompt steps
 
-    def __init__(self, *, project: nn.Module, conv: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor,
-                 norm: RMSNorm, out: Linear, n_k_heads: int, n_v_heads: int, k_dim: int, v_dim: int, eps: float,
-                 n_seq: int, grouped_heads: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        project: nn.Module,
+        conv: torch.Tensor,
+        dt_bias: torch.Tensor,
+        A: torch.Tensor,
+        norm: RMSNorm,
+        out: Linear,
+        n_k_heads: int,
+        n_v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        eps: float,
+        n_seq: int,
+        grouped_heads: bool = False,
+    ) -> None:
         """`project` maps x (T, D) to (qkv (T, C), z (T, Hv Dv), b (T, Hv), a (T, Hv)) in the layout above."""
         super().__init__()
         self.project, self.norm, self.out = project, norm, out
@@ -66,13 +80,20 @@ class GatedDeltaNet(nn.Module):
         if step.seqs is None:
             out = self._segment(qkv.float(), g, beta, step.seq, step.positions[0])
         else:  # tokens of several sequences: each one continues its own sequence's state
-            out = torch.cat([self._segment(qkv[t:t + 1].float(), g[t:t + 1], beta[t:t + 1], step.seqs[t],
-                                           step.positions[t]) for t in range(T)])
+            out = torch.cat(
+                [
+                    self._segment(
+                        qkv[t : t + 1].float(), g[t : t + 1], beta[t : t + 1], step.seqs[t], step.positions[t]
+                    )
+                    for t in range(T)
+                ]
+            )
         gated = self.norm(out) * F.silu(z.float()).view(T, self.Hv, self.Dv)
         return self.out(gated.reshape(T, self.Hv * self.Dv))
 
-    def _segment(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq: int | torch.Tensor,
-                 first_pos: torch.Tensor) -> torch.Tensor:
+    def _segment(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq: int | torch.Tensor, first_pos: torch.Tensor
+    ) -> torch.Tensor:
         """Consecutive tokens of one sequence: convolution and delta rule from its state -> (T, Hv, Dv)."""
         T, Hk, Hv, Dk, Dv = qkv.shape[0], self.Hk, self.Hv, self.Dk, self.Dv
         keep = (first_pos != 0).float()  # position 0 starts the sequence anew
@@ -91,5 +112,6 @@ class GatedDeltaNet(nn.Module):
         # In float64: in float32 a prompt's chunked prefill and its token-by-token decode drift apart by ~1e-4 of the
         # logits' range through the state's long memory; the rule is a small share of a step's work.
         out, self.state[seq] = (delta_rule_recurrent if T == 1 else delta_rule_chunked)(
-            q.double(), k.double(), v.reshape(T, Hv, Dv).double(), decay.double(), beta.double(), S.double())
+            q.double(), k.double(), v.reshape(T, Hv, Dv).double(), decay.double(), beta.double(), S.double()
+        )
         return out.float()

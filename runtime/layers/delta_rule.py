@@ -16,8 +16,9 @@ import torch.nn.functional as F
 CHUNK, SUBCHUNK = 64, 8  # prefill tokens per chunk of the delta rule, and per sub-chunk
 
 
-def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_rule_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, S: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule token by token (decode, and the reference for delta_rule_chunked): q, k, g (T, H, Dk), v (T, H,
     Dv), beta (T, H), state S (H, Dk, Dv) -> outputs S_t^T q_t (T, H, Dv), the last state. Per token the state decays
     per key channel by exp(g_t), then S += k_t beta_t (v_t - S^T k_t)^T."""
@@ -30,8 +31,16 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return out, S
 
 
-def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       S: torch.Tensor, chunk: int = CHUNK, sub: int = SUBCHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    S: torch.Tensor,
+    chunk: int = CHUNK,
+    sub: int = SUBCHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule_recurrent in chunks of `chunk` tokens: matrix products within a chunk, the state carried between
     chunks.
 
@@ -62,8 +71,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     exp = lambda x: x.to(v.dtype).exp()  # noqa: E731  (exponents computed in float64)
     out = torch.empty_like(v)
     for c0 in range(0, T + pad, C):
-        qc, kc, vc, bc = (x[:, c0:c0 + C] for x in (q, k, v, beta))
-        G = g[:, c0:c0 + C].double().cumsum(1)  # (H, C, Hd); float64, as its differences are what counts
+        qc, kc, vc, bc = (x[:, c0 : c0 + C] for x in (q, k, v, beta))
+        G = g[:, c0 : c0 + C].double().cumsum(1)  # (H, C, Hd); float64, as its differences are what counts
         Gs, ks, qs = G.view(H, n, s, Hd), kc.view(H, n, s, Hd), qc.view(H, n, s, Hd)
         # within a sub-chunk: the exact pairwise decays, (H, n, s t, s i, Hd)
         pair = exp((Gs[:, :, :, None] - Gs[:, :, None]).masked_fill(later_in_sub, float("-inf")))
@@ -79,6 +88,6 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         decay = exp(G)
         rhs = bc * (vc - (kc * decay) @ S)  # (H, C, Hd value)
         U = torch.linalg.solve_triangular(eye + bc * A.tril(-1), rhs, upper=False, unitriangular=True)
-        out[:, c0:c0 + C] = (qc * decay) @ S + P @ U
+        out[:, c0 : c0 + C] = (qc * decay) @ S + P @ U
         S = decay[:, -1, :, None] * S + (kc * exp(G[:, -1:] - G)).transpose(1, 2) @ U
     return out[:, :T].transpose(0, 1), S

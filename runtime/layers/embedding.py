@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from moerun.kernels.dequant import dequantize
 from moerun.kernels.dequant import supports as dequantizes
 from moerun.weights import Weights, device_bytes
-from torch import nn
 
 
 class Embedding(nn.Module):
@@ -20,8 +21,11 @@ class Embedding(nn.Module):
         info = w.info(name)
         self.n_vocab, self.dim = info.shape
         self.qtype = info.ggml_type if dequantizes(info.ggml_type) else None
-        rows = (device_bytes(w.gguf.raw(info).reshape(self.n_vocab, -1), w.device) if self.qtype is not None
-                else w.dense(name, torch.float32))
+        rows = (
+            device_bytes(w.gguf.raw(info).reshape(self.n_vocab, -1), w.device)
+            if self.qtype is not None
+            else w.dense(name, torch.float32)
+        )
         self.register_buffer("rows", rows, persistent=False)  # (V, row bytes) uint8, or (V, D) float32
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

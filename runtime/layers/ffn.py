@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
 from moerun.layers.linear import Linear
 from moerun.layers.ops import Kernels
 from moerun.step import Step
@@ -71,8 +72,9 @@ SWIGLU = Activation()
 class FeedForward(nn.Module):
     """Dense gated FFN: down(act(gate(x), up(x))); leading dense layers and shared experts."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear, kernels: Kernels,
-                 activation: Activation = SWIGLU) -> None:
+    def __init__(
+        self, gate: Linear, up: Linear, down: Linear, kernels: Kernels, activation: Activation = SWIGLU
+    ) -> None:
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
         self.activation, self.act = activation, activation.on(kernels)

@@ -18,9 +18,23 @@ from moerun.step import Step
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, *, wq: Linear, wk: Linear, wv: Linear, wo: Linear, q_norm: RMSNorm, k_norm: RMSNorm,
-                 rope: Rope, cache: KVCache, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
-                 kernels: Kernels) -> None:
+    def __init__(
+        self,
+        *,
+        wq: Linear,
+        wk: Linear,
+        wv: Linear,
+        wo: Linear,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+        rope: Rope,
+        cache: KVCache,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm, self.k_norm, self.rope, self.cache = q_norm, k_norm, rope, cache

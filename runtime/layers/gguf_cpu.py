@@ -8,6 +8,7 @@ import numba
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+
 from moerun.hooks import Hooks
 from moerun.kernels.cpu.formats import ExpertBytes, integer_kernel, supports
 from moerun.kernels.cpu.moe_rows import expert_matmul, ggml_kernel, moe_rows
@@ -35,22 +36,34 @@ class CPUExperts(GGUFExperts):
         return all(supports(w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type) for part in ("gate", "up", "down"))
 
     @classmethod
-    def load(cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels: Kernels,
-             ggml: GgmlCPU | None = None) -> CPUExperts:
+    def load(
+        cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels: Kernels, ggml: GgmlCPU | None = None
+    ) -> CPUExperts:
         experts = super().load(w, hooks, layer, activation, kernels)
         experts.ggml = ggml
-        experts.host = tuple(_host_bytes(w, f"blk.{layer}.ffn_{part}_exps", bias) for part, bias in
-                             zip(("gate", "up", "down"), (experts.gate_bias, experts.up_bias, experts.down_bias)))
+        experts.host = tuple(
+            _host_bytes(w, f"blk.{layer}.ffn_{part}_exps", bias)
+            for part, bias in zip(("gate", "up", "down"), (experts.gate_bias, experts.up_bias, experts.down_bias))
+        )
         return experts
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
-                i8=None) -> torch.Tensor:  # i8: the GPU's rounding, never made on the CPU
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None, i8=None
+    ) -> torch.Tensor:  # i8: the GPU's rounding, never made on the CPU
         if self.hooks.activation:
             return super().forward(x, ids, weights)
         out = torch.zeros(x.shape, dtype=torch.float32)
-        moe_rows(x.float().contiguous().numpy(), ids.numpy(), weights.float().contiguous().numpy(), *self.host,
-                 self.activation.name, out.numpy(), threads=_torch_threads(), limit=self.activation.limit,
-                 ggml=self.ggml)
+        moe_rows(
+            x.float().contiguous().numpy(),
+            ids.numpy(),
+            weights.float().contiguous().numpy(),
+            *self.host,
+            self.activation.name,
+            out.numpy(),
+            threads=_torch_threads(),
+            limit=self.activation.limit,
+            ggml=self.ggml,
+        )
         return out
 
 
@@ -83,8 +96,16 @@ class CPUQuantLinear(Linear):
 
     host: ExpertBytes
 
-    def __init__(self, host: ExpertBytes, weight: torch.Tensor | None, bias: torch.Tensor | None, name: str,
-                 hooks: Hooks, round_input, ggml: GgmlCPU | None = None) -> None:
+    def __init__(
+        self,
+        host: ExpertBytes,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        name: str,
+        hooks: Hooks,
+        round_input,
+        ggml: GgmlCPU | None = None,
+    ) -> None:
         torch.nn.Module.__init__(self)  # not Linear.__init__: the weight may be absent
         self.ggml = ggml
         self.weight = None if weight is None else torch.nn.Parameter(weight, requires_grad=False)
@@ -96,8 +117,9 @@ class CPUQuantLinear(Linear):
         return integer_kernel(qtype) or (qtype in HALF_TYPES and ggml is not None and ggml.row_dot(qtype) is not None)
 
     @classmethod
-    def load(cls, w: Weights, prefix: str, hooks: Hooks, bias: torch.Tensor | None,
-             ggml: GgmlCPU | None) -> CPUQuantLinear:
+    def load(
+        cls, w: Weights, prefix: str, hooks: Hooks, bias: torch.Tensor | None, ggml: GgmlCPU | None
+    ) -> CPUQuantLinear:
         """GGUF tensor `prefix`.weight's bytes, and its float32 copy where the numba kernels would need it."""
         host = _host_bytes(w, prefix, bias)
         name = f"{prefix}.weight"
@@ -122,5 +144,10 @@ def _host_bytes(w: Weights, prefix: str, bias: torch.Tensor | None) -> ExpertByt
     the caller read it (None: the file has none)."""
     info = w.info(f"{prefix}.weight")
     n_experts, rows, cols = info.shape if len(info.shape) == 3 else (1, *info.shape)
-    return ExpertBytes(w.gguf.raw(info).reshape(n_experts, rows, -1), info.ggml_type, rows, cols,
-                       None if bias is None else bias.cpu().numpy().reshape(n_experts, rows))
+    return ExpertBytes(
+        w.gguf.raw(info).reshape(n_experts, rows, -1),
+        info.ggml_type,
+        rows,
+        cols,
+        None if bias is None else bias.cpu().numpy().reshape(n_experts, rows),
+    )

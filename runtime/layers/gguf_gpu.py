@@ -22,10 +22,10 @@ import dataclasses
 
 import torch
 from gguf import GGMLQuantizationType as Q
+
 from moerun.hooks import Hooks
 from moerun.kernels import fused, tuning
 from moerun.kernels.act_i8 import QAct
-from moerun.kernels.tuning import INT8_ON, Int8Routes
 from moerun.kernels.dequant import supports as device_dequantizes
 from moerun.kernels.gguf_matmul import (
     QWeight,
@@ -38,6 +38,7 @@ from moerun.kernels.gguf_matmul import (
     moe_rounding,
     supports,
 )
+from moerun.kernels.tuning import INT8_ON, Int8Routes
 from moerun.layers.ffn import Activation
 from moerun.layers.linear import Linear
 from moerun.layers.moe import GGUFExperts
@@ -52,8 +53,9 @@ class QuantLinear(Linear):
     products of tuning.KEPT_DECODED_MIN_TOKENS or more tokens then run on cuBLAS over that copy. `routes`: the 8-bit
     routes its products take (the runtime's options)."""
 
-    def __init__(self, qweight: QWeight, bias: torch.Tensor | None, name: str, hooks: Hooks,
-                 routes: Int8Routes = INT8_ON) -> None:
+    def __init__(
+        self, qweight: QWeight, bias: torch.Tensor | None, name: str, hooks: Hooks, routes: Int8Routes = INT8_ON
+    ) -> None:
         torch.nn.Module.__init__(self)
         self.qweight, self.bias, self.name, self.hooks, self.routes = qweight, bias, name, hooks, routes
         self.register_buffer("blocks", qweight.data, persistent=False)  # so .to()/memory accounting see the bytes
@@ -78,7 +80,7 @@ class QuantLinear(Linear):
         self.decoded = decode_bf16(self.qweight)
         start = 0
         for p in self.parts:
-            p.decoded = self.decoded[start:start + p.qweight.rows]
+            p.decoded = self.decoded[start : start + p.qweight.rows]
             start += p.qweight.rows
 
     @classmethod
@@ -86,23 +88,31 @@ class QuantLinear(Linear):
         """One QuantLinear over the rows of `parts` stacked, for products of one input (q, k and v: one launch instead
         of three), or None unless all are QuantLinear of one type and width. Each part is re-pointed at its own rows
         of the stacked bytes, so the weights are held once and the parts still run alone (hooks see each tensor)."""
-        if not all(isinstance(p, QuantLinear) for p in parts) or len({(Q(p.qweight.qtype), p.qweight.cols)
-                                                                          for p in parts}) != 1:
+        if (
+            not all(isinstance(p, QuantLinear) for p in parts)
+            or len({(Q(p.qweight.qtype), p.qweight.cols) for p in parts}) != 1
+        ):
             return None
         data = torch.cat([p.qweight.data for p in parts])
         start = 0
         for p in parts:
             rows = p.qweight.rows
-            p.qweight = dataclasses.replace(p.qweight, data=data[start:start + rows])
+            p.qweight = dataclasses.replace(p.qweight, data=data[start : start + rows])
             p.blocks = p.qweight.data
             start += rows
         bias = None
         if any(p.bias is not None for p in parts):
-            bias = torch.cat([p.bias if p.bias is not None else data.new_zeros(p.qweight.rows, dtype=torch.float32)
-                              for p in parts])
+            bias = torch.cat(
+                [p.bias if p.bias is not None else data.new_zeros(p.qweight.rows, dtype=torch.float32) for p in parts]
+            )
         first = parts[0].qweight
-        stacked = cls(QWeight(data, first.qtype, start, first.cols), bias, "+".join(p.name for p in parts),
-                      parts[0].hooks, parts[0].routes)
+        stacked = cls(
+            QWeight(data, first.qtype, start, first.cols),
+            bias,
+            "+".join(p.name for p in parts),
+            parts[0].hooks,
+            parts[0].routes,
+        )
         stacked.parts = list(parts)
         return stacked
 
@@ -147,8 +157,9 @@ class DeviceExperts(GGUFExperts):
         self.banks = tuple(expert_bank(t) for t in (self.gate, self.up, self.down))
 
     @classmethod
-    def load(cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels,
-             routes: Int8Routes = INT8_ON) -> DeviceExperts:
+    def load(
+        cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels, routes: Int8Routes = INT8_ON
+    ) -> DeviceExperts:
         experts = super().load(w, hooks, layer, activation, kernels)
         experts.routes = routes
         return experts
@@ -160,17 +171,42 @@ class DeviceExperts(GGUFExperts):
         types = [w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type for part in ("gate", "up", "down")]
         return all(supports(t) and device_dequantizes(t) for t in types)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
-                i8: QAct | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        step: Step | None = None,
+        i8: QAct | None = None,
+    ) -> torch.Tensor:
         if self.hooks.activation:
             return super().forward(x, ids, weights)
-        return bank_moe(x, ids, weights, self.banks, self.activation, self.act,
-                        (self.gate_bias, self.up_bias, self.down_bias), ids, i8, self.routes)
+        return bank_moe(
+            x,
+            ids,
+            weights,
+            self.banks,
+            self.activation,
+            self.act,
+            (self.gate_bias, self.up_bias, self.down_bias),
+            ids,
+            i8,
+            self.routes,
+        )
 
 
-def bank_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, banks: tuple[QWeight, QWeight, QWeight],
-             activation: Activation, act, biases: tuple, ids: torch.Tensor, i8: QAct | None = None,
-             routes: Int8Routes = INT8_ON) -> torch.Tensor:
+def bank_moe(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    banks: tuple[QWeight, QWeight, QWeight],
+    activation: Activation,
+    act,
+    biases: tuple,
+    ids: torch.Tensor,
+    i8: QAct | None = None,
+    routes: Int8Routes = INT8_ON,
+) -> torch.Tensor:
     """sum_k weights[t, k] * expert(x[t]) over the (t, k) whose slot is not -1; the expert's weights are slot
     slots[t, k] of each bank (gate, up, down) and its biases row ids[t, k]; `act` computes `activation`; i8: x's int8
     rounding where its norm made one; `routes`: the 8-bit routes on. x (T, D) -> (T, D) float32."""

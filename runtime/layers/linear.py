@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
+
 from moerun.hooks import Hooks
 from moerun.kernels.rounding import Rounding, input_rounding
 from moerun.kernels.tuning import GEMV_MAX_TOKENS
@@ -23,22 +24,39 @@ class Linear(nn.Module):
     """y = x W^T (+ b) for the GGUF tensor `name`; reports its input to activation hooks, then rounds it as
     llama.cpp does for the stored weight type (see kernels/rounding.py)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str, hooks: Hooks,
-                 round_input: Rounding | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        name: str,
+        hooks: Hooks,
+        round_input: Rounding | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.name, self.hooks, self.round_input = name, hooks, round_input
 
     @classmethod
-    def load(cls, w: Weights, prefix: str, hooks: Hooks, dtype: torch.dtype | None = None,
-             shape: tuple[int, ...] | None = None) -> Linear:
+    def load(
+        cls,
+        w: Weights,
+        prefix: str,
+        hooks: Hooks,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> Linear:
         """`prefix.weight` as a dense `dtype` matrix (reshaped to `shape` if given) and, if the file has it,
         `prefix.bias`."""
         name = f"{prefix}.weight"
         weight, bias = w.dense(name, dtype), w.optional(f"{prefix}.bias", torch.float32)
-        return cls(weight if shape is None else weight.reshape(shape), bias, name, hooks,
-                   input_rounding(w.info(name).ggml_type))
+        return cls(
+            weight if shape is None else weight.reshape(shape),
+            bias,
+            name,
+            hooks,
+            input_rounding(w.info(name).ggml_type),
+        )
 
     def forward(self, x: torch.Tensor, i8: QAct | None = None) -> torch.Tensor:
         """`i8`: x's int8 rounding where its writer made one, which QuantLinear's products take; the others round x

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
 from moerun.config import (
     GATING_SIGMOID,
     GATING_SOFTMAX,
@@ -36,8 +37,9 @@ class Router(nn.Module):
     the sum of its two best experts and only the best `n_group_used` groups compete.
     """
 
-    def __init__(self, gate: Linear, args: ModelArgs, kernels: Kernels,
-                 selection_bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, gate: Linear, args: ModelArgs, kernels: Kernels, selection_bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.gate = gate
         self.k, self.gating, self.normalize = args.n_experts_used, args.gating, args.expert_weights_norm
@@ -52,8 +54,12 @@ class Router(nn.Module):
     def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, kernels: Kernels) -> Router:
         """ffn_gate_inp (+ bias) in float32, where near-ties decide routing; exp_probs_b if the model has one."""
         p = f"blk.{layer}"
-        return cls(Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32), args, kernels,
-                   selection_bias=w.optional(f"{p}.exp_probs_b.bias", torch.float32))
+        return cls(
+            Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32),
+            args,
+            kernels,
+            selection_bias=w.optional(f"{p}.exp_probs_b.bias", torch.float32),
+        )
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32. (`step`: for routers that read the positions,
@@ -100,8 +106,14 @@ class ExpertCompute(Protocol):
     """The routed experts' work: sum_k weights[t, k] * expert_{ids[t, k]}(x[t]). The expert cache replaces this.
     `step` is the step being computed (the expert cache reads its capture, if any)."""
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
-                 i8: QAct | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        step: Step | None = None,
+        i8: QAct | None = None,
+    ) -> torch.Tensor:
         """x (T, D), ids (T, K), weights (T, K) -> (T, D) float32; i8: x's int8 rounding where its norm made one
         (for the GPU's gate and up products; the others ignore it)."""
         ...
@@ -115,9 +127,16 @@ EXPERTS_PER_DEQUANT = 32
 class GGUFExperts(nn.Module):
     """Reference ExpertCompute: dequantizes each selected expert from the GGUF bytes and runs its rows."""
 
-    def __init__(self, gate: ExpertTensor, up: ExpertTensor, down: ExpertTensor, activation: Activation,
-                 kernels: Kernels, hooks: Hooks,
-                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None)) -> None:
+    def __init__(
+        self,
+        gate: ExpertTensor,
+        up: ExpertTensor,
+        down: ExpertTensor,
+        activation: Activation,
+        kernels: Kernels,
+        hooks: Hooks,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None),
+    ) -> None:
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
         self.activation, self.act = activation, activation.on(kernels)
@@ -128,11 +147,22 @@ class GGUFExperts(nn.Module):
     def load(cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels: Kernels) -> GGUFExperts:
         p = f"blk.{layer}"
         parts = ("gate", "up", "down")
-        return cls(*(w.experts(f"{p}.ffn_{part}_exps.weight") for part in parts), activation, kernels, hooks,
-                   tuple(w.optional(f"{p}.ffn_{part}_exps.bias", torch.float32) for part in parts))
+        return cls(
+            *(w.experts(f"{p}.ffn_{part}_exps.weight") for part in parts),
+            activation,
+            kernels,
+            hooks,
+            tuple(w.optional(f"{p}.ffn_{part}_exps.bias", torch.float32) for part in parts),
+        )
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, step: Step | None = None,
-                i8: QAct | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        step: Step | None = None,
+        i8: QAct | None = None,
+    ) -> torch.Tensor:
         if x.shape[0] == 1 and not self.hooks.activation:
             return self._forward_one_token(x, ids[0], weights[0])
         per_slot = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # (T, K, D)
@@ -144,8 +174,10 @@ class GGUFExperts(nn.Module):
                 if self.hooks.activation:
                     self.hooks.fire_activation(self.gate.name, xe, e)
                     self.hooks.fire_activation(self.up.name, xe, e)
-                h = self.act(self._matmul(self.gate, gate[i], xe, e, self.gate_bias),
-                             self._matmul(self.up, up[i], xe, e, self.up_bias))
+                h = self.act(
+                    self._matmul(self.gate, gate[i], xe, e, self.gate_bias),
+                    self._matmul(self.up, up[i], xe, e, self.up_bias),
+                )
                 if self.hooks.activation:
                     self.hooks.fire_activation(self.down.name, h, e)
                 y = self._matmul(self.down, down[i], h, e, self.down_bias)  # (n, D)
@@ -180,8 +212,15 @@ class GGUFExperts(nn.Module):
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts, optionally scaled by a sigmoid gate as in qwen2moe)."""
 
-    def __init__(self, layer: int, router: Router, experts: ExpertCompute, hooks: Hooks,
-                 shared: FeedForward | None = None, shared_gate: Linear | None = None) -> None:
+    def __init__(
+        self,
+        layer: int,
+        router: Router,
+        experts: ExpertCompute,
+        hooks: Hooks,
+        shared: FeedForward | None = None,
+        shared_gate: Linear | None = None,
+    ) -> None:
         super().__init__()
         self.layer, self.router, self.experts, self.hooks = layer, router, experts, hooks
         self.shared, self.shared_gate = shared, shared_gate

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from moerun.layers.ops import Kernels
 from moerun.weights import Weights
 
@@ -18,8 +19,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream plus a layer's output, and its norm: (x + delta, rms_norm(x + delta))."""
     h = x + delta
     return h, rms_norm(h, weight, eps)
@@ -44,8 +49,11 @@ class RMSNorm(nn.Module):
             return x, self.forward(x)
         return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
-    def add_forward_i8(self, x: torch.Tensor, delta: torch.Tensor | None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
+    def add_forward_i8(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, QAct | None]:
         """add_forward for a norm whose output products read: also that output's int8 rounding where the kernels
         make it in the same pass (None: the products round it themselves)."""
         if self.kernels.add_rms_norm_i8 is None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from moerun.config import ModelArgs
 from torch import nn
+
+from moerun.config import ModelArgs
 
 
 def yarn_attn_factor(args: ModelArgs, mscale: float = 1.0) -> float:
@@ -22,7 +23,11 @@ def yarn_attn_factor(args: ModelArgs, mscale: float = 1.0) -> float:
         def get_mscale(scale: float, m: float) -> float:
             return 1.0 if scale <= 1.0 else 0.1 * m * math.log(scale) + 1.0
 
-        attn = get_mscale(factor, mscale) / get_mscale(factor, args.yarn_log_mul) if args.yarn_log_mul else get_mscale(factor, 1.0)
+        attn = (
+            get_mscale(factor, mscale) / get_mscale(factor, args.yarn_log_mul)
+            if args.yarn_log_mul
+            else get_mscale(factor, 1.0)
+        )
         attn /= 1.0 + 0.1 * math.log(factor)
     return attn * args.rope_attn_factor
 
@@ -35,9 +40,17 @@ class Rope(nn.Module):
     channel pair (ramp between the beta_fast/beta_slow correction dims) and scales the magnitude.
     """
 
-    def __init__(self, args: ModelArgs, n_ctx: int, device: torch.device, *, base: float | None = None,
-                 dim: int | None = None, attn_factor: float | None = None,
-                 freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        n_ctx: int,
+        device: torch.device,
+        *,
+        base: float | None = None,
+        dim: int | None = None,
+        attn_factor: float | None = None,
+        freq_factors: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         dim = dim or args.rope_dim
         base = base or args.rope_base

@@ -18,14 +18,25 @@ import torch
 from torch import nn
 
 from moerun.backend import Backend, backend_for
-from moerun.cache.experts import CachedExperts
 from moerun.cache.controller import ExpertCache
+from moerun.cache.experts import CachedExperts
 from moerun.config import ModelArgs
 from moerun.devices import DeviceMap, on_device
 from moerun.hooks import Hooks
 from moerun.kv_cache import KVCache
-from moerun.layers import (SWIGLU, Activation, Attention, Block, Embedding, FeedForward, Linear, MoE, RMSNorm, Rope,
-                           Router)
+from moerun.layers import (
+    SWIGLU,
+    Activation,
+    Attention,
+    Block,
+    Embedding,
+    FeedForward,
+    Linear,
+    MoE,
+    RMSNorm,
+    Rope,
+    Router,
+)
 from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
 from moerun.weights import Weights
@@ -54,8 +65,9 @@ class BuildContext:
         self._contexts.setdefault(self.weights.device, self)
         if device not in self._contexts:
             w = self.weights
-            self._contexts[device] = replace(self, weights=Weights(w.gguf, w.dtype, device), _ropes={},
-                                             _contexts=self._contexts)
+            self._contexts[device] = replace(
+                self, weights=Weights(w.gguf, w.dtype, device), _ropes={}, _contexts=self._contexts
+            )
         return self._contexts[device]
 
     @property
@@ -74,8 +86,11 @@ class BuildContext:
     def feed_forward(self, layer: int, suffix: str = "", activation: Activation = SWIGLU) -> FeedForward:
         """The dense FFN ffn_{gate,up,down}`suffix` of `layer`."""
         p = f"blk.{layer}"
-        return FeedForward(*(self.linear(f"{p}.ffn_{part}{suffix}") for part in ("gate", "up", "down")),
-                           self.backend.kernels, activation)
+        return FeedForward(
+            *(self.linear(f"{p}.ffn_{part}{suffix}") for part in ("gate", "up", "down")),
+            self.backend.kernels,
+            activation,
+        )
 
     def router(self, layer: int) -> Router:
         return Router.load(self.args, self.weights, self.hooks, layer, self.backend.kernels)
@@ -101,22 +116,33 @@ class BuildContext:
         q_norm = self.norm(f"{p}.attn_q_norm.weight") if f"{p}.attn_q_norm.weight" in w else None
         k_norm = self.norm(f"{p}.attn_k_norm.weight") if f"{p}.attn_k_norm.weight" in w else None
         return Attention(
-            wq=self.linear(f"{p}.attn_q"), wk=self.linear(f"{p}.attn_k"), wv=self.linear(f"{p}.attn_v"),
-            wo=self.linear(f"{p}.attn_output"), rope=rope or self.rope(), cache=cache, n_heads=a.n_heads,
-            n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, v_head_dim=a.v_head_dim,
-            scale=scale or a.attn_scale or 1.0 / math.sqrt(a.head_dim), q_norm=q_norm, k_norm=k_norm,
+            wq=self.linear(f"{p}.attn_q"),
+            wk=self.linear(f"{p}.attn_k"),
+            wv=self.linear(f"{p}.attn_v"),
+            wo=self.linear(f"{p}.attn_output"),
+            rope=rope or self.rope(),
+            cache=cache,
+            n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim,
+            v_head_dim=a.v_head_dim,
+            scale=scale or a.attn_scale or 1.0 / math.sqrt(a.head_dim),
+            q_norm=q_norm,
+            k_norm=k_norm,
             window=a.sliding_window if a.swa_layers[layer] else 0,
-            sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32), kernels=self.backend.kernels)
+            sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32),
+            kernels=self.backend.kernels,
+        )
 
     def experts(self, layer: int, activation: Activation = SWIGLU) -> nn.Module:
         """The routed experts of `layer`: through the expert cache where there is one, else the backend's."""
         if self.cache is not None:
-            return CachedExperts.for_layer(self.weights.gguf, layer, self.cache, self.hooks, activation,
-                                           self.backend.kernels)
+            return CachedExperts.for_layer(
+                self.weights.gguf, layer, self.cache, self.hooks, activation, self.backend.kernels
+            )
         return self.backend.experts(self.weights, self.hooks, layer, activation)
 
-    def routed_experts(self, layer: int, activation: Activation = SWIGLU, shared: bool = False,
-                       **moe_options) -> MoE:
+    def routed_experts(self, layer: int, activation: Activation = SWIGLU, shared: bool = False, **moe_options) -> MoE:
         """The MoE block of `layer`: router, routed experts and, with `shared`, the *_shexp shared expert."""
         if shared:
             moe_options["shared"] = self.feed_forward(layer, "_shexp")
@@ -130,8 +156,7 @@ class BuildContext:
 
     def block(self, layer: int, attn: nn.Module, ffn: nn.Module, ffn_norm: str = "ffn_norm") -> Block:
         """Pre-norm residual block: attn_norm -> attn, then `ffn_norm` -> ffn."""
-        return Block(self.norm(f"blk.{layer}.attn_norm.weight"), attn, self.norm(f"blk.{layer}.{ffn_norm}.weight"),
-                     ffn)
+        return Block(self.norm(f"blk.{layer}.attn_norm.weight"), attn, self.norm(f"blk.{layer}.{ffn_norm}.weight"), ffn)
 
 
 class ByGroups(nn.Module):

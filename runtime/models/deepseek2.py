@@ -31,10 +31,12 @@ if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
 def read_args(g: GGUFModel) -> ModelArgs:
     args = ModelArgs.from_gguf(g, fixed={"rope_style": "normal"}, defaults={"gating": GATING_SOFTMAX})
     # The converter stores 0.1 * mscale_all_dim as the yarn log multiplier; llama.cpp divides the 0.1 back out.
-    return args.replace(yarn_log_mul=args.yarn_log_mul / 0.1,
-                        head_dim_mla=args.head_dim_mla or args.head_dim,
-                        v_head_dim_mla=args.v_head_dim_mla or args.v_head_dim,
-                        shared_expert_dim=args.expert_dim * args.n_shared_experts)
+    return args.replace(
+        yarn_log_mul=args.yarn_log_mul / 0.1,
+        head_dim_mla=args.head_dim_mla or args.head_dim,
+        v_head_dim_mla=args.v_head_dim_mla or args.v_head_dim,
+        shared_expert_dim=args.expert_dim * args.n_shared_experts,
+    )
 
 
 class MLAttention(nn.Module):
@@ -99,8 +101,9 @@ class MLAttention(nn.Module):
             q_nope = self.round_q(q_nope)
         q_latent = torch.einsum("thn,hcn->thc", q_nope.to(self.k_b.dtype), self.k_b).float()  # (T, H, C)
         k_all, v_all = self.cache.update(step, torch.cat([latent[:, None], k_pe], dim=-1), latent[:, None])
-        out = attend(torch.cat([q_latent, q_pe], dim=-1), k_all, v_all, step.mask(), self.scale,
-                     seqs=step.blocks)  # (T, H, C)
+        out = attend(
+            torch.cat([q_latent, q_pe], dim=-1), k_all, v_all, step.mask(), self.scale, seqs=step.blocks
+        )  # (T, H, C)
         if self.hooks.activation:
             self._fire("v", out, None)
         if self.round_out is not None:
@@ -125,6 +128,5 @@ def rope_attn_factor(args: ModelArgs) -> float:
 def build_block(ctx: BuildContext, layer: int) -> Block:
     args = ctx.args
     rope = ctx.rope(attn_factor=rope_attn_factor(args))
-    attn = MLAttention(ctx, layer, rope,
-                       ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank))
+    attn = MLAttention(ctx, layer, rope, ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank))
     return ctx.block(layer, attn, ctx.ffn(layer))

@@ -62,8 +62,10 @@ class TopKIndexer(nn.Module):
         def key(name: str) -> int:
             value = g.get(f"{g.arch}.attention.indexer.{name}")
             if value is None:
-                raise MoeprepError(f"{g.path}: metadata key {g.arch}.attention.indexer.{name} is missing; "
-                                   f"is this a complete {g.arch} GGUF?")
+                raise MoeprepError(
+                    f"{g.path}: metadata key {g.arch}.attention.indexer.{name} is missing; "
+                    f"is this a complete {g.arch} GGUF?"
+                )
             return int(value)
 
         self.n_heads, self.head_size, self.top_k = key("head_count"), key("key_length"), key("top_k")
@@ -71,14 +73,15 @@ class TopKIndexer(nn.Module):
         self.register_buffer("k_norm", w.dense(f"{p}.k_norm.weight", torch.float32), persistent=False)
         self.register_buffer("k_norm_bias", w.dense(f"{p}.k_norm.bias", torch.float32), persistent=False)
         self.q_a, self.q_a_norm = q_a, q_a_norm  # the attention's own, run here without its hooks
-        self.rope = Rope(ctx.args.replace(rope_style="neox"), ctx.n_ctx, w.device,
-                         attn_factor=rope_attn_factor(ctx.args))
+        self.rope = Rope(
+            ctx.args.replace(rope_style="neox"), ctx.n_ctx, w.device, attn_factor=rope_attn_factor(ctx.args)
+        )
         if self.head_size % 64:
             raise MoeprepError(f"{g.path}: indexer key_length {self.head_size} is not a multiple of 64")
-        self.register_buffer("hadamard", walsh_hadamard(rotation_block(self.head_size)).to(w.device),
-                             persistent=False)
-        self.register_buffer("cache", torch.zeros(ctx.n_seq, ctx.n_ctx, self.head_size, device=w.device),
-                             persistent=False)
+        self.register_buffer("hadamard", walsh_hadamard(rotation_block(self.head_size)).to(w.device), persistent=False)
+        self.register_buffer(
+            "cache", torch.zeros(ctx.n_seq, ctx.n_ctx, self.head_size, device=w.device), persistent=False
+        )
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., di) times the Hadamard matrix, block by block (it is symmetric)."""
@@ -134,8 +137,12 @@ class SparseMLA(nn.Module):
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
     args = ctx.args
-    mla = MLAttention(ctx, layer, ctx.rope(attn_factor=rope_attn_factor(args)),
-                      ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank))
+    mla = MLAttention(
+        ctx,
+        layer,
+        ctx.rope(attn_factor=rope_attn_factor(args)),
+        ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank),
+    )
     if mla.wq_a is None:
         raise MoeprepError(f"{ctx.weights.gguf.path}: deepseek32 needs the q LoRA (attn_q_a): its indexer reads it")
     return ctx.block(layer, SparseMLA(mla, TopKIndexer(ctx, layer, mla.wq_a, mla.q_a_norm)), ctx.ffn(layer))

@@ -10,8 +10,7 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    fixed = {"rope_style": "normal", "gating": GATING_SOFTMAX, "expert_weights_norm": True,
-             "expert_weights_scale": 0.0}
+    fixed = {"rope_style": "normal", "gating": GATING_SOFTMAX, "expert_weights_norm": True, "expert_weights_scale": 0.0}
     return ModelArgs.from_gguf(g, fixed=fixed)
 
 

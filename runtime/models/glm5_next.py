@@ -97,8 +97,10 @@ class Glm5NextArgs:
             if is_dsa and full[il]:
                 last = il
             elif is_dsa and last is None:
-                raise MoeprepError(f"{g.path}: DSA block {il} shares the indexer of an earlier DSA block, and there "
-                                   f"is none (attention.indexer.types = {g.get(key('attention.indexer.types'))})")
+                raise MoeprepError(
+                    f"{g.path}: DSA block {il} shares the indexer of an earlier DSA block, and there "
+                    f"is none (attention.indexer.types = {g.get(key('attention.indexer.types'))})"
+                )
             source.append(last if is_dsa else None)
         lower_bound = g.get(key("kda.gate_lower_bound"))
         return cls(
@@ -111,7 +113,8 @@ class Glm5NextArgs:
             conv_kernel=int(need("ssm.conv_kernel")),
             gate_lower_bound=None if lower_bound is None or math.isinf(lower_bound) else float(lower_bound),
             clamp_exp=clamp_exp,
-            clamp_shexp=per_block("swiglu_clamp_shexp", 0.0) if g.get(key("swiglu_clamp_shexp")) is not None
+            clamp_shexp=per_block("swiglu_clamp_shexp", 0.0)
+            if g.get(key("swiglu_clamp_shexp")) is not None
             else clamp_exp,
             indexer_heads=int(need("attention.indexer.head_count")),
             top_k=int(need("attention.indexer.top_k")),
@@ -126,8 +129,9 @@ class Glm5NextArgs:
 class HyperConnection(nn.Module):
     """One mixing site (hc_attn_* or hc_ffn_*): streams (T, N, D) -> the sublayer input, then the new streams."""
 
-    def __init__(self, fn: Linear, base: torch.Tensor, scale: torch.Tensor, n: int, norm_eps: float, eps: float,
-                 iterations: int) -> None:
+    def __init__(
+        self, fn: Linear, base: torch.Tensor, scale: torch.Tensor, n: int, norm_eps: float, eps: float, iterations: int
+    ) -> None:
         super().__init__()
         self.fn, self.n, self.norm_eps, self.eps, self.iterations = fn, n, norm_eps, eps, iterations
         self.register_buffer("base", base, persistent=False)  # (N (2 + N),): pre, post, then the N x N mixing
@@ -135,9 +139,15 @@ class HyperConnection(nn.Module):
 
     @classmethod
     def load(cls, w: Weights, hooks: Hooks, prefix: str, a: Glm5NextArgs, norm_eps: float) -> HyperConnection:
-        return cls(Linear.load(w, f"{prefix}_fn", hooks, torch.float32), w.dense(f"{prefix}_base.weight", torch.float32),
-                   w.dense(f"{prefix}_scale.weight", torch.float32), a.n_streams, norm_eps, a.hc_eps,
-                   a.sinkhorn_iterations)
+        return cls(
+            Linear.load(w, f"{prefix}_fn", hooks, torch.float32),
+            w.dense(f"{prefix}_base.weight", torch.float32),
+            w.dense(f"{prefix}_scale.weight", torch.float32),
+            a.n_streams,
+            norm_eps,
+            a.hc_eps,
+            a.sinkhorn_iterations,
+        )
 
     def split(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams (T, N, D) -> sublayer input (T, D), post weights (T, N), mixing comb (T, N src, N dst)."""
@@ -145,8 +155,8 @@ class HyperConnection(nn.Module):
         flat = streams.reshape(T, N * D)
         mixes = self.fn(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.norm_eps))  # (T, N (2 + N))
         pre = torch.sigmoid(mixes[:, :N] * self.scale[0] + self.base[:N]) + self.eps
-        post = 2 * torch.sigmoid(mixes[:, N:2 * N] * self.scale[1] + self.base[N:2 * N])
-        comb = (mixes[:, 2 * N:] * self.scale[2] + self.base[2 * N:]).view(T, N, N)  # [t, src, dst]
+        post = 2 * torch.sigmoid(mixes[:, N : 2 * N] * self.scale[1] + self.base[N : 2 * N])
+        comb = (mixes[:, 2 * N :] * self.scale[2] + self.base[2 * N :]).view(T, N, N)  # [t, src, dst]
         return (streams * pre[:, :, None]).sum(1), post, self._sinkhorn(comb)
 
     def _sinkhorn(self, logits: torch.Tensor) -> torch.Tensor:
@@ -167,8 +177,17 @@ class HyperConnection(nn.Module):
 class HyperBlock(nn.Module):
     """hc_attn -> attn_norm -> attention -> hc_attn merge, then the same around ffn_norm and the FFN."""
 
-    def __init__(self, hc_attn: HyperConnection, attn_norm: RMSNorm, attn: nn.Module, hc_ffn: HyperConnection,
-                 ffn_norm: RMSNorm, ffn: nn.Module, first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        hc_attn: HyperConnection,
+        attn_norm: RMSNorm,
+        attn: nn.Module,
+        hc_ffn: HyperConnection,
+        ffn_norm: RMSNorm,
+        ffn: nn.Module,
+        first: bool,
+        last: bool,
+    ) -> None:
         super().__init__()
         self.hc_attn, self.attn_norm, self.attn = hc_attn, attn_norm, attn
         self.hc_ffn, self.ffn_norm, self.ffn = hc_ffn, ffn_norm, ffn
@@ -225,13 +244,18 @@ class KimiDeltaAttention(nn.Module):
         if step.seqs is None:
             out = self._segment(qkv, g, beta, step.seq, step.positions[0])
         else:  # tokens of several sequences: each one continues its own sequence's state
-            out = torch.cat([self._segment(qkv[:, t:t + 1], g[t:t + 1], beta[t:t + 1], step.seqs[t], step.positions[t])
-                             for t in range(T)])
+            out = torch.cat(
+                [
+                    self._segment(qkv[:, t : t + 1], g[t : t + 1], beta[t : t + 1], step.seqs[t], step.positions[t])
+                    for t in range(T)
+                ]
+            )
         gate = torch.sigmoid(self.g_b(self.g_a(x))).view(T, H, Hd)
         return self.wo((self.o_norm(out) * gate).reshape(T, H * Hd))
 
-    def _segment(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq: int | torch.Tensor,
-                 first_pos: torch.Tensor) -> torch.Tensor:
+    def _segment(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq: int | torch.Tensor, first_pos: torch.Tensor
+    ) -> torch.Tensor:
         """Consecutive tokens of one sequence: convolution and delta rule from its state -> (T, H, Hd)."""
         T, H, Hd = g.shape
         keep = (first_pos != 0).float()  # position 0 starts the sequence anew
@@ -271,10 +295,16 @@ class LightningIndexer(nn.Module):
         self.gate = ctx.linear(f"blk.{layer}.indexer_compressor_gate")
         self.register_buffer("k_norm", w.dense(f"{p}.k_norm.weight", torch.float32), persistent=False)
         self.register_buffer("k_norm_bias", w.dense(f"{p}.k_norm.bias", torch.float32), persistent=False)
-        self.register_buffer("ape", w.dense(f"blk.{layer}.indexer_compressor_ape.weight", torch.float32),
-                             persistent=False)  # (KPOOL, di)
+        self.register_buffer(
+            "ape", w.dense(f"blk.{layer}.indexer_compressor_ape.weight", torch.float32), persistent=False
+        )  # (KPOOL, di)
         self.q_a, self.q_a_norm = q_a, q_a_norm  # the attention's own, run here without its hooks
-        self.kpool, self.n_top, self.norm_eps, self.n_heads = a.kpool, a.top_k // a.kpool, a.layer_norm_eps, a.indexer_heads
+        self.kpool, self.n_top, self.norm_eps, self.n_heads = (
+            a.kpool,
+            a.top_k // a.kpool,
+            a.layer_norm_eps,
+            a.indexer_heads,
+        )
         di = self.k_norm.numel()
         self.register_buffer("cache", torch.zeros(n_seq, n_ctx, 2, di, device=w.device), persistent=False)
 
@@ -348,7 +378,6 @@ class Selection:
         return self._by_rows[rows]
 
 
-
 class SparseMLA(nn.Module):
     """DSA: MLA over the positions an indexer selects (all of them while there are few): its own indexer, which
     records what it selected in `selection`, or, without one, the selection another block recorded there."""
@@ -371,11 +400,14 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     a = Glm5NextArgs.from_gguf(w.gguf)
     p = f"blk.{layer}"
     if a.dsa_layers[layer]:
-        mla = MLAttention(ctx, layer, ctx.rope(attn_factor=rope_attn_factor(args)),
-                          ctx.kv_cache(1, args.kv_lora_rank, args.kv_lora_rank))
+        mla = MLAttention(
+            ctx,
+            layer,
+            ctx.rope(attn_factor=rope_attn_factor(args)),
+            ctx.kv_cache(1, args.kv_lora_rank, args.kv_lora_rank),
+        )
         source = a.indexer_source[layer]
-        indexer = LightningIndexer(ctx, layer, a, mla.wq_a, mla.q_a_norm) \
-            if source == layer else None
+        indexer = LightningIndexer(ctx, layer, a, mla.wq_a, mla.q_a_norm) if source == layer else None
         selection = ctx.shared.setdefault(("dsa selection", source), Selection())  # one per indexer
         attn: nn.Module = SparseMLA(mla, indexer, selection)
     else:
@@ -384,9 +416,22 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     if layer < args.n_dense_lead:
         ffn: nn.Module = ctx.feed_forward(layer, activation=shared)
     else:
-        ffn = MoE(layer, ctx.router(layer), ctx.experts(layer, Activation("swiglu_clamp", a.clamp_exp[layer])),
-                  hooks, shared=ctx.feed_forward(layer, "_shexp", activation=shared))
+        ffn = MoE(
+            layer,
+            ctx.router(layer),
+            ctx.experts(layer, Activation("swiglu_clamp", a.clamp_exp[layer])),
+            hooks,
+            shared=ctx.feed_forward(layer, "_shexp", activation=shared),
+        )
     hc = lambda site: HyperConnection.load(w, hooks, f"{p}.hc_{site}", a, args.norm_eps)  # noqa: E731
     norm = lambda name: ctx.norm(f"{p}.{name}.weight")  # noqa: E731
-    return HyperBlock(hc("attn"), norm("attn_norm"), attn, hc("ffn"), norm("ffn_norm"), ffn,
-                      first=layer == 0, last=layer == args.n_layers - 1)
+    return HyperBlock(
+        hc("attn"),
+        norm("attn_norm"),
+        attn,
+        hc("ffn"),
+        norm("ffn_norm"),
+        ffn,
+        first=layer == 0,
+        last=layer == args.n_layers - 1,
+    )

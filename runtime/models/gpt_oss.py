@@ -19,6 +19,6 @@ def read_args(g: GGUFModel) -> ModelArgs:
 def build_block(ctx: BuildContext, layer: int) -> Block:
     args = ctx.args
     rope = ctx.rope(base=args.rope_base_swa) if args.swa_layers[layer] else ctx.rope()
-    attn = ctx.attention(layer, rope, scale=args.rope_dim ** -0.5)
+    attn = ctx.attention(layer, rope, scale=args.rope_dim**-0.5)
     moe = ctx.routed_experts(layer, activation=Activation("swiglu_oai"))
     return ctx.block(layer, attn, moe, ffn_norm="post_attention_norm")

@@ -28,21 +28,42 @@ TEMP_SCALE, TEMP_OFFSET = 0.1, 1.0
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    fixed = {"rope_style": "normal", "gating": GATING_SIGMOID, "expert_weights_norm": False, "n_dense_lead": 0,
-             "sliding_window": 0}  # its chunks are not a sliding window: Llama4Attention masks them
+    fixed = {
+        "rope_style": "normal",
+        "gating": GATING_SIGMOID,
+        "expert_weights_norm": False,
+        "n_dense_lead": 0,
+        "sliding_window": 0,
+    }  # its chunks are not a sliding window: Llama4Attention masks them
     args = ModelArgs.from_gguf(g, fixed=fixed)
     if args.n_experts_used != 1:
-        raise MoeprepError(f"{g.path}: llama4 with {args.n_experts_used} experts per token is not supported "
-                           "(Llama 4 routes each token to one expert)")
+        raise MoeprepError(
+            f"{g.path}: llama4 with {args.n_experts_used} experts per token is not supported "
+            "(Llama 4 routes each token to one expert)"
+        )
     return args
 
 
 class Llama4Attention(nn.Module):
     """GQA with RoPE, Q/K RMS-normalisation and chunks, or (`rope` None) with neither and a temperature."""
 
-    def __init__(self, *, wq: Linear, wk: Linear, wv: Linear, wo: Linear, rope: Rope | None, qk_norm: bool,
-                 chunk: int, cache: KVCache, n_heads: int, n_kv_heads: int, head_dim: int, eps: float,
-                 kernels: Kernels) -> None:
+    def __init__(
+        self,
+        *,
+        wq: Linear,
+        wk: Linear,
+        wv: Linear,
+        wo: Linear,
+        rope: Rope | None,
+        qk_norm: bool,
+        chunk: int,
+        cache: KVCache,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo, self.rope, self.cache = wq, wk, wv, wo, rope, cache
         self.qk_norm, self.chunk, self.eps, self.kernels = qk_norm, chunk, eps, kernels
@@ -89,15 +110,25 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     use_rope = (layer + 1) % no_rope_every != 0
     factors = "rope_freqs.weight" if "rope_freqs.weight" in w else None  # one tensor for every layer
     attn = Llama4Attention(
-        wq=ctx.linear(f"{p}.attn_q"), wk=ctx.linear(f"{p}.attn_k"), wv=ctx.linear(f"{p}.attn_v"),
-        wo=ctx.linear(f"{p}.attn_output"), rope=ctx.rope(freq_factors=factors) if use_rope else None,
-        qk_norm=a.n_experts != 128, chunk=CHUNK if chunked and use_rope else 0,
-        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.head_dim), n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-        head_dim=a.head_dim, eps=a.norm_eps, kernels=ctx.backend.kernels)
+        wq=ctx.linear(f"{p}.attn_q"),
+        wk=ctx.linear(f"{p}.attn_k"),
+        wv=ctx.linear(f"{p}.attn_v"),
+        wo=ctx.linear(f"{p}.attn_output"),
+        rope=ctx.rope(freq_factors=factors) if use_rope else None,
+        qk_norm=a.n_experts != 128,
+        chunk=CHUNK if chunked and use_rope else 0,
+        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.head_dim),
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        eps=a.norm_eps,
+        kernels=ctx.backend.kernels,
+    )
     step_moe = int(g.get(f"{g.arch}.interleave_moe_layer_step", 1))
     if step_moe > 0 and (layer + 1) % step_moe == 0:
-        ffn: nn.Module = WeightedInputMoE(layer, ctx.router(layer), ctx.experts(layer), ctx.hooks,
-                                          shared=ctx.feed_forward(layer, "_shexp"))
+        ffn: nn.Module = WeightedInputMoE(
+            layer, ctx.router(layer), ctx.experts(layer), ctx.hooks, shared=ctx.feed_forward(layer, "_shexp")
+        )
     else:
         ffn = ctx.feed_forward(layer)
     return ctx.block(layer, attn, ffn)

@@ -23,8 +23,13 @@ def read_args(g: GGUFModel) -> ModelArgs:
     dense = 0  # the leading layers without a router
     while f"blk.{dense}.ffn_gate_inp.weight" not in names and dense < int(g.get(f"{g.arch}.block_count", 0)):
         dense += 1
-    fixed = {"rope_style": "neox", "gating": GATING_SIGMOID, "expert_weights_norm": True,
-             "expert_weights_scale": 0.0, "n_dense_lead": dense}
+    fixed = {
+        "rope_style": "neox",
+        "gating": GATING_SIGMOID,
+        "expert_weights_norm": True,
+        "expert_weights_scale": 0.0,
+        "n_dense_lead": dense,
+    }
     # llama.cpp's default base for the sliding layers when the file gives none
     return ModelArgs.from_gguf(g, fixed=fixed, defaults={"rope_base_swa": 10000.0}, kv_heads_vary=True)
 
@@ -46,12 +51,21 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     sliding = a.swa_layers[layer]
     n_kv = a.kv_heads_by_layer[layer]
     attn: nn.Module = Attention(
-        wq=ctx.linear(f"{p}.attn_q"), wk=ctx.linear(f"{p}.attn_k"), wv=ctx.linear(f"{p}.attn_v"),
-        wo=ctx.linear(f"{p}.attn_output"), rope=ctx.rope(base=a.rope_base_swa) if sliding else ctx.rope(),
-        cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim), n_heads=a.n_heads, n_kv_heads=n_kv,
-        head_dim=a.head_dim, v_head_dim=a.v_head_dim, scale=1.0 / math.sqrt(a.head_dim),
-        window=a.sliding_window if sliding else 0, sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32),
-        kernels=ctx.backend.kernels)
+        wq=ctx.linear(f"{p}.attn_q"),
+        wk=ctx.linear(f"{p}.attn_k"),
+        wv=ctx.linear(f"{p}.attn_v"),
+        wo=ctx.linear(f"{p}.attn_output"),
+        rope=ctx.rope(base=a.rope_base_swa) if sliding else ctx.rope(),
+        cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim),
+        n_heads=a.n_heads,
+        n_kv_heads=n_kv,
+        head_dim=a.head_dim,
+        v_head_dim=a.v_head_dim,
+        scale=1.0 / math.sqrt(a.head_dim),
+        window=a.sliding_window if sliding else 0,
+        sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32),
+        kernels=ctx.backend.kernels,
+    )
     if a.attn_value_scale not in (0.0, 1.0):
         attn = ScaledOutput(attn, a.attn_value_scale)
     ffn = ctx.routed_experts(layer) if f"{p}.ffn_gate_inp.weight" in w else ctx.feed_forward(layer)

@@ -55,26 +55,47 @@ def delta_net(ctx: BuildContext, layer: int, project: nn.Module, grouped_heads: 
     def key(name: str) -> int:
         value = g.get(f"{g.arch}.ssm.{name}")
         if value is None:
-            raise MoeprepError(f"{g.path}: metadata key {g.arch}.ssm.{name} is missing; is this a complete {g.arch} GGUF?")
+            raise MoeprepError(
+                f"{g.path}: metadata key {g.arch}.ssm.{name} is missing; is this a complete {g.arch} GGUF?"
+            )
         return int(value)
 
     d_state, n_k, n_v, d_inner = key("state_size"), key("group_count"), key("time_step_rank"), key("inner_size")
     conv = w.dense(f"{p}.ssm_conv1d.weight", torch.float32)
-    return GatedDeltaNet(project=project, conv=conv.reshape(conv.shape[0], -1),
-                         dt_bias=w.dense(f"{p}.ssm_dt.bias", torch.float32), A=w.dense(f"{p}.ssm_a", torch.float32),
-                         norm=ctx.norm(f"{p}.ssm_norm.weight"), out=ctx.linear(f"{p}.ssm_out"), n_k_heads=n_k,
-                         n_v_heads=n_v, k_dim=d_state, v_dim=d_inner // n_v, eps=ctx.args.norm_eps, n_seq=ctx.n_seq,
-                         grouped_heads=grouped_heads)
+    return GatedDeltaNet(
+        project=project,
+        conv=conv.reshape(conv.shape[0], -1),
+        dt_bias=w.dense(f"{p}.ssm_dt.bias", torch.float32),
+        A=w.dense(f"{p}.ssm_a", torch.float32),
+        norm=ctx.norm(f"{p}.ssm_norm.weight"),
+        out=ctx.linear(f"{p}.ssm_out"),
+        n_k_heads=n_k,
+        n_v_heads=n_v,
+        k_dim=d_state,
+        v_dim=d_inner // n_v,
+        eps=ctx.args.norm_eps,
+        n_seq=ctx.n_seq,
+        grouped_heads=grouped_heads,
+    )
 
 
 def gated_attention(ctx: BuildContext, layer: int) -> GatedAttention:
     a, p = ctx.args, f"blk.{layer}"
     return GatedAttention(
-        wq=ctx.linear(f"{p}.attn_q"), wk=ctx.linear(f"{p}.attn_k"), wv=ctx.linear(f"{p}.attn_v"),
-        wo=ctx.linear(f"{p}.attn_output"), q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
-        k_norm=ctx.norm(f"{p}.attn_k_norm.weight"), rope=ctx.rope(),
-        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.head_dim), n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-        head_dim=a.head_dim, scale=a.attn_scale or 1.0 / math.sqrt(a.head_dim), kernels=ctx.backend.kernels)
+        wq=ctx.linear(f"{p}.attn_q"),
+        wk=ctx.linear(f"{p}.attn_k"),
+        wv=ctx.linear(f"{p}.attn_v"),
+        wo=ctx.linear(f"{p}.attn_output"),
+        q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
+        k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
+        rope=ctx.rope(),
+        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.head_dim),
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        scale=a.attn_scale or 1.0 / math.sqrt(a.head_dim),
+        kernels=ctx.backend.kernels,
+    )
 
 
 def shared_gated_moe(ctx: BuildContext, layer: int) -> nn.Module:
@@ -85,8 +106,9 @@ def shared_gated_moe(ctx: BuildContext, layer: int) -> nn.Module:
 def build_block(ctx: BuildContext, layer: int) -> Block:
     if recurrent_layers(ctx.weights.gguf, ctx.args.n_layers)[layer]:
         p = f"blk.{layer}"
-        project = SplitProjections(*(ctx.linear(f"{p}.{name}") for name in ("attn_qkv", "attn_gate", "ssm_beta",
-                                                                           "ssm_alpha")))
+        project = SplitProjections(
+            *(ctx.linear(f"{p}.{name}") for name in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))
+        )
         mixer: nn.Module = delta_net(ctx, layer, project)
     else:
         mixer = gated_attention(ctx, layer)

@@ -11,15 +11,29 @@ from torch import nn
 
 from moerun.layers import Block, Linear
 from moerun.models.base import BuildContext
-from moerun.models.qwen35moe import read_args  # noqa: F401  (the same hyperparameters)
-from moerun.models.qwen35moe import delta_net, gated_attention, recurrent_layers, shared_gated_moe
+from moerun.models.qwen35moe import (
+    delta_net,
+    gated_attention,
+    read_args,  # noqa: F401  (the same hyperparameters)
+    recurrent_layers,
+    shared_gated_moe,
+)
 
 
 class GroupedProjections(nn.Module):
     """ssm_in (or attn_qkv + attn_gate) and ssm_ba -> (qkv, z, b, a) in the delta net's flat layout."""
 
-    def __init__(self, qkvz: Linear | None, qkv: Linear | None, z: Linear | None, ba: Linear, n_k_heads: int,
-                 n_v_heads: int, k_dim: int, v_dim: int) -> None:
+    def __init__(
+        self,
+        qkvz: Linear | None,
+        qkv: Linear | None,
+        z: Linear | None,
+        ba: Linear,
+        n_k_heads: int,
+        n_v_heads: int,
+        k_dim: int,
+        v_dim: int,
+    ) -> None:
         super().__init__()
         self.qkvz, self.qkv, self.z, self.ba = qkvz, qkv, z, ba
         self.Hk, self.r, self.Dk, self.Dv = n_k_heads, n_v_heads // n_k_heads, k_dim, v_dim
@@ -42,9 +56,15 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
         d_state, d_inner = int(g.get(f"{g.arch}.ssm.state_size")), int(g.get(f"{g.arch}.ssm.inner_size"))
         fused = f"{p}.ssm_in.weight" in w
         project = GroupedProjections(
-            ctx.linear(f"{p}.ssm_in") if fused else None, None if fused else ctx.linear(f"{p}.attn_qkv"),
-            None if fused else ctx.linear(f"{p}.attn_gate"), ctx.linear(f"{p}.ssm_ba"), n_k, n_v, d_state,
-            d_inner // n_v)
+            ctx.linear(f"{p}.ssm_in") if fused else None,
+            None if fused else ctx.linear(f"{p}.attn_qkv"),
+            None if fused else ctx.linear(f"{p}.attn_gate"),
+            ctx.linear(f"{p}.ssm_ba"),
+            n_k,
+            n_v,
+            d_state,
+            d_inner // n_v,
+        )
         mixer: nn.Module = delta_net(ctx, layer, project, grouped_heads=True)
     else:
         mixer = gated_attention(ctx, layer)

@@ -16,7 +16,16 @@ from moeprep.gguf.roles import TensorRole
 from moeprep.gguf.writer import write_gguf
 from moeprep.synth import SYNTH_ARCHS, write_synth_model
 
-LEADING_DENSE = {"deepseek2": [0], "glm4moe": [0], "glm5-next": [0], "mimo2": [0], "llama4": [0, 2], "deepseek32": [0], "dots1": [0], "ernie4_5-moe": [0]}  # llama4: interleaved
+LEADING_DENSE = {
+    "deepseek2": [0],
+    "glm4moe": [0],
+    "glm5-next": [0],
+    "mimo2": [0],
+    "llama4": [0, 2],
+    "deepseek32": [0],
+    "dots1": [0],
+    "ernie4_5-moe": [0],
+}  # llama4: interleaved
 NEXTN = {"glm5-next": [5]}  # blocks with experts that no decoder runs
 
 
@@ -105,8 +114,9 @@ def test_unknown_architecture_says_so(synth_models: dict[str, Path], tmp_path: P
     from moeprep.gguf.writer import KVValue
 
     model = open_gguf(synth_models["qwen3moe"])
-    out = write_gguf(tmp_path / "mystery.gguf", model,
-                     kv_set={"general.architecture": KVValue("mystery", GGUFValueType.STRING)})[0]
+    out = write_gguf(
+        tmp_path / "mystery.gguf", model, kv_set={"general.architecture": KVValue("mystery", GGUFValueType.STRING)}
+    )[0]
     text = CliRunner().invoke(main, ["inspect", str(out)]).stdout
     assert "unknown: roles guessed from tensor names" in text
     assert describe_model(open_gguf(out)).roles == describe_model(model).roles

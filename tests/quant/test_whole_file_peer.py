@@ -15,32 +15,50 @@ from moeprep.synth.archs import ARCHS
 from tests.oracle import llama_quantize
 from tests.quant.test_quantize_cmd import run
 
-
 # llama.cpp's `pure` also requantizes dense FFNs (glm4moe's leading dense layer, shared experts): a --type rule
 # asks moeprep for the same.
 DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
 
 
-@pytest.mark.parametrize("arch,preset,attn_type,options", [
-    ("qwen3moe", "small", "Q4_K", {}), ("qwen3moe", "small", "Q6_K", {}), ("glm4moe", "small", "Q4_K", {}),
-    ("olmoe", "small", "Q8_0", {}), ("qwen2moe", "small", "Q4_K", {}), ("llama", "small", "Q6_K", {}),
-    ("deepseek2", "small", "Q4_K", {"mla_split": True}),  # 3-D attn_k_b / attn_v_b, one slice per head
-    ("deepseek2", "tiny", "Q4_K", {}), ("gpt-oss", "tiny", "Q4_K", {}),  # rows that cannot be Q4_K: the fallbacks
-    ("mimo2", "small", "Q4_K", {}), ("mimo2", "tiny", "Q4_K", {}),  # per-layer KV heads, sinks on some layers
-    ("qwen35moe", "small", "Q4_K", {}), ("qwen35moe", "tiny", "Q4_K", {}),  # delta-net tensors
-    ("qwen3next", "small", "Q4_K", {}), ("qwen3next", "tiny", "Q4_K", {}),  # ssm_in, ssm_ba
-    ("minimax-m2", "small", "Q4_K", {}), ("llama4", "small", "Q4_K", {}), ("deepseek32", "small", "Q4_K", {}),
-    ("dots1", "small", "Q4_K", {}), ("ernie4_5-moe", "small", "Q4_K", {}),
-    ("hunyuan-moe", "small", "Q4_K", {}),
-], ids=lambda v: ",".join(v) if isinstance(v, dict) else v)
-def test_tensors_equal_llama_cpp_quantize(arch: str, preset: str, attn_type: str, options: dict,
-                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "arch,preset,attn_type,options",
+    [
+        ("qwen3moe", "small", "Q4_K", {}),
+        ("qwen3moe", "small", "Q6_K", {}),
+        ("glm4moe", "small", "Q4_K", {}),
+        ("olmoe", "small", "Q8_0", {}),
+        ("qwen2moe", "small", "Q4_K", {}),
+        ("llama", "small", "Q6_K", {}),
+        ("deepseek2", "small", "Q4_K", {"mla_split": True}),  # 3-D attn_k_b / attn_v_b, one slice per head
+        ("deepseek2", "tiny", "Q4_K", {}),
+        ("gpt-oss", "tiny", "Q4_K", {}),  # rows that cannot be Q4_K: the fallbacks
+        ("mimo2", "small", "Q4_K", {}),
+        ("mimo2", "tiny", "Q4_K", {}),  # per-layer KV heads, sinks on some layers
+        ("qwen35moe", "small", "Q4_K", {}),
+        ("qwen35moe", "tiny", "Q4_K", {}),  # delta-net tensors
+        ("qwen3next", "small", "Q4_K", {}),
+        ("qwen3next", "tiny", "Q4_K", {}),  # ssm_in, ssm_ba
+        ("minimax-m2", "small", "Q4_K", {}),
+        ("llama4", "small", "Q4_K", {}),
+        ("deepseek32", "small", "Q4_K", {}),
+        ("dots1", "small", "Q4_K", {}),
+        ("ernie4_5-moe", "small", "Q4_K", {}),
+        ("hunyuan-moe", "small", "Q4_K", {}),
+    ],
+    ids=lambda v: ",".join(v) if isinstance(v, dict) else v,
+)
+def test_tensors_equal_llama_cpp_quantize(
+    arch: str, preset: str, attn_type: str, options: dict, tmp_path: Path
+) -> None:
     """Experts already in the target type (so llama.cpp copies them, as we do), attention in Q8_0/F16 to requantize."""
     source_attn = "F16" if attn_type == "Q8_0" else "Q8_0"
-    src = write_synth_model(tmp_path / "src.gguf", arch, preset=preset, expert_type=attn_type, attn_type=source_attn,
-                            **options)
+    src = write_synth_model(
+        tmp_path / "src.gguf", arch, preset=preset, expert_type=attn_type, attn_type=source_attn, **options
+    )
     ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
-    result = run("quantize", src, ours, "--attn", attn_type, "--type", f"{DENSE_FFN_RULE}={attn_type}", "--threads", "2")
+    result = run(
+        "quantize", src, ours, "--attn", attn_type, "--type", f"{DENSE_FFN_RULE}={attn_type}", "--threads", "2"
+    )
     assert result.exit_code == 0, result.output
     llama_quantize(src, peer, attn_type)
     a, b = open_gguf(ours), open_gguf(peer)

@@ -34,7 +34,7 @@ def delta_net_f64(x: np.ndarray, w: dict[str, np.ndarray], grouped: bool = False
     T = len(x)
     qkv, z, b, a = (x @ w[name].T for name in ("qkv", "z", "b", "a"))
     rows = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv])
-    conv = np.stack([(rows[t:t + K] * w["conv"].T).sum(0) for t in range(T)])
+    conv = np.stack([(rows[t : t + K] * w["conv"].T).sum(0) for t in range(T)])
     mixed = conv / (1 + np.exp(-conv))
     S, out = np.zeros((HV, DK, DV)), np.zeros((T, HV, DV))
     for t in range(T):
@@ -72,12 +72,29 @@ def make_delta_net(seed: int, n_seq: int = 1, grouped: bool = False) -> tuple[Ga
     dt, A = torch.randn(HV, generator=gen), -torch.exp(0.3 * torch.randn(HV, generator=gen))
     norm_w = 1 + 0.1 * torch.randn(DV, generator=gen)
     out = linear(gen, D, HV * DV)
-    layer = GatedDeltaNet(project=Projections(*proj), conv=conv, dt_bias=dt, A=A,
-                          norm=RMSNorm(norm_w, EPS, TORCH_KERNELS), out=out, n_k_heads=HK, n_v_heads=HV, k_dim=DK,
-                          v_dim=DV, eps=EPS, n_seq=n_seq, grouped_heads=grouped)
+    layer = GatedDeltaNet(
+        project=Projections(*proj),
+        conv=conv,
+        dt_bias=dt,
+        A=A,
+        norm=RMSNorm(norm_w, EPS, TORCH_KERNELS),
+        out=out,
+        n_k_heads=HK,
+        n_v_heads=HV,
+        k_dim=DK,
+        v_dim=DV,
+        eps=EPS,
+        n_seq=n_seq,
+        grouped_heads=grouped,
+    )
     weights = {name: lin.weight.double().numpy() for name, lin in zip(("qkv", "z", "b", "a"), proj)}
-    weights |= {"conv": conv.double().numpy(), "dt": dt.double().numpy(), "A": A.double().numpy(),
-                "norm": norm_w.double().numpy(), "out": out.weight.double().numpy()}
+    weights |= {
+        "conv": conv.double().numpy(),
+        "dt": dt.double().numpy(),
+        "A": A.double().numpy(),
+        "norm": norm_w.double().numpy(),
+        "out": out.weight.double().numpy(),
+    }
     return layer, weights
 
 
@@ -88,7 +105,9 @@ def test_delta_net_prefill_then_decode_equals_float64(n: int, grouped: bool) -> 
     x = torch.randn(n + 3, D, generator=torch.Generator().manual_seed(100 + n))
     want = delta_net_f64(x.double().numpy(), w, grouped)
     got = [layer(x[:n], Step(torch.arange(n), n_slots=n))]  # one prefill, in chunks past 64 tokens
-    got += [layer(x[t : t + 1], Step(torch.tensor([t]), n_slots=t + 1)) for t in range(n, n + 3)]  # then decode from its state
+    got += [
+        layer(x[t : t + 1], Step(torch.tensor([t]), n_slots=t + 1)) for t in range(n, n + 3)
+    ]  # then decode from its state
     got = torch.cat(got).double().numpy()
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # position 0 starts anew: the same prompt again gives the same outputs, whatever the state held
@@ -139,13 +158,25 @@ def test_gated_attention_equals_float64() -> None:
     wq, wk, wv, wo = linear(gen, 2 * H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
     qn, kn = 1 + 0.1 * torch.randn(Dh, generator=gen), 1 + 0.1 * torch.randn(Dh, generator=gen)
     # the fields of ModelArgs that a plain (unscaled) Rope reads
-    args = SimpleNamespace(rope_dim=R, rope_base=10000.0, rope_style="neox", rope_scaling="none", rope_freq_scale=1.0,
-                           rope_attn_factor=1.0)
+    args = SimpleNamespace(
+        rope_dim=R, rope_base=10000.0, rope_style="neox", rope_scaling="none", rope_freq_scale=1.0, rope_attn_factor=1.0
+    )
     rope = Rope(args, 64, torch.device("cpu"))
-    layer = GatedAttention(wq=wq, wk=wk, wv=wv, wo=wo, q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
-                           k_norm=RMSNorm(kn, EPS, TORCH_KERNELS), rope=rope,
-                           cache=KVCache(64, G, Dh, Dh, torch.float32, torch.device("cpu")), n_heads=H, n_kv_heads=G,
-                           head_dim=Dh, scale=Dh ** -0.5, kernels=TORCH_KERNELS)
+    layer = GatedAttention(
+        wq=wq,
+        wk=wk,
+        wv=wv,
+        wo=wo,
+        q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
+        k_norm=RMSNorm(kn, EPS, TORCH_KERNELS),
+        rope=rope,
+        cache=KVCache(64, G, Dh, Dh, torch.float32, torch.device("cpu")),
+        n_heads=H,
+        n_kv_heads=G,
+        head_dim=Dh,
+        scale=Dh**-0.5,
+        kernels=TORCH_KERNELS,
+    )
     x = torch.randn(T, D, generator=gen)
     got = layer(x, Step(torch.arange(T), n_slots=64)).double().numpy()
 
@@ -167,7 +198,7 @@ def test_gated_attention_equals_float64() -> None:
     q, k = rotate(rms(q, qn)), rotate(rms(k, kn))
     out = np.zeros((T, H, Dh))
     for h in range(H):
-        s = q[:, h] @ k[:, h // (H // G)].T * Dh ** -0.5
+        s = q[:, h] @ k[:, h // (H // G)].T * Dh**-0.5
         s[np.triu_indices(T, 1)] = -np.inf
         p = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[:, h // (H // G)]
@@ -185,13 +216,30 @@ def test_llama4_attention_equals_float64(rope: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     T, H, G, Dh, start = 12, 4, 2, 8, CHUNK - 6  # the step crosses the chunk boundary at its 7th token
     wq, wk, wv, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
-    args = SimpleNamespace(rope_dim=Dh, rope_base=10000.0, rope_style="normal", rope_scaling="none",
-                           rope_freq_scale=1.0, rope_attn_factor=1.0)
+    args = SimpleNamespace(
+        rope_dim=Dh,
+        rope_base=10000.0,
+        rope_style="normal",
+        rope_scaling="none",
+        rope_freq_scale=1.0,
+        rope_attn_factor=1.0,
+    )
     n_ctx = start + T
-    layer = Llama4Attention(wq=wq, wk=wk, wv=wv, wo=wo, rope=Rope(args, n_ctx, torch.device("cpu")) if rope else None,
-                            qk_norm=True, chunk=CHUNK if rope else 0,
-                            cache=KVCache(n_ctx, G, Dh, Dh, torch.float32, torch.device("cpu")), n_heads=H,
-                            n_kv_heads=G, head_dim=Dh, eps=EPS, kernels=TORCH_KERNELS)
+    layer = Llama4Attention(
+        wq=wq,
+        wk=wk,
+        wv=wv,
+        wo=wo,
+        rope=Rope(args, n_ctx, torch.device("cpu")) if rope else None,
+        qk_norm=True,
+        chunk=CHUNK if rope else 0,
+        cache=KVCache(n_ctx, G, Dh, Dh, torch.float32, torch.device("cpu")),
+        n_heads=H,
+        n_kv_heads=G,
+        head_dim=Dh,
+        eps=EPS,
+        kernels=TORCH_KERNELS,
+    )
     x = torch.randn(start + T, D, generator=gen)
     layer(x[:start], Step(torch.arange(start), n_slots=start))
     got = layer(x[start:], Step(torch.arange(start, start + T), n_slots=start + T)).double().numpy()
@@ -201,6 +249,7 @@ def test_llama4_attention_equals_float64(rope: bool) -> None:
     k = (xd @ wk.weight.double().numpy().T).reshape(-1, G, Dh)
     v = (xd @ wv.weight.double().numpy().T).reshape(-1, G, Dh)
     if rope:
+
         def rotate(t: np.ndarray, p: np.ndarray) -> np.ndarray:  # adjacent pairs
             ang = p[:, None, None] * 10000.0 ** (-np.arange(Dh // 2) * 2 / Dh)
             a, b = t[..., 0::2], t[..., 1::2]

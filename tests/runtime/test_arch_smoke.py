@@ -17,7 +17,17 @@ from moeprep.synth.corpus import CALIBRATION_PATH
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
 
-ARCHS = ["mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe", "hunyuan-moe"]
+ARCHS = [
+    "mimo2",
+    "qwen35moe",
+    "qwen3next",
+    "minimax-m2",
+    "llama4",
+    "deepseek32",
+    "dots1",
+    "ernie4_5-moe",
+    "hunyuan-moe",
+]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
 
@@ -42,8 +52,9 @@ def test_through_the_expert_cache(arch, synth_model):
     torch.testing.assert_close(cached.forward(prompt), plain.forward(prompt), rtol=1e-4, atol=1e-4)
     for i, token in enumerate([5, 17, 99, 5, 17]):
         pos = len(prompt) + i
-        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos), plain.forward(torch.tensor([token]), pos),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            cached.forward(torch.tensor([token]), pos), plain.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4
+        )
     stats = cached.expert_cache.stats
     assert stats.lookups.sum() == (len(prompt) + 5) * plain.args.n_experts_used * len(layers)
     assert 0 < stats.hits.sum() < stats.lookups.sum()
@@ -53,8 +64,23 @@ def test_through_the_expert_cache(arch, synth_model):
 def test_profile_counts_the_routed_layers(arch, synth_model, tmp_path):
     path = synth_model(arch, skew=1.0)
     out = tmp_path / "p.moeprof"
-    result = CliRunner().invoke(moeprep_main, ["profile", str(path), "--dataset", str(CALIBRATION_PATH), "-c", "64",
-                                               "--chunks", "3", "--holdout", "0.34", "-o", str(out)])
+    result = CliRunner().invoke(
+        moeprep_main,
+        [
+            "profile",
+            str(path),
+            "--dataset",
+            str(CALIBRATION_PATH),
+            "-c",
+            "64",
+            "--chunks",
+            "3",
+            "--holdout",
+            "0.34",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     counts = read_profile(out).counts
     assert list(counts.layers) == routed_layers(path)
@@ -76,8 +102,9 @@ def test_batched_decode_equals_each_sequence_alone(arch, synth_model):
     path = synth_model(arch, expert_type="F32", attn_type="F32")
     alone, batched = moerun.load_model(path), moerun.load_model(path, n_seq=2)
     prompts = [alone.tokenizer.encode(p) for p in ("def bisect(a, x):", "Once upon a time, in a land")]
-    expected = [torch.stack([alone.forward(torch.tensor(p))[-1], alone.forward(torch.tensor([7]), len(p))[0]])
-                for p in prompts]
+    expected = [
+        torch.stack([alone.forward(torch.tensor(p))[-1], alone.forward(torch.tensor([7]), len(p))[0]]) for p in prompts
+    ]
     first = [batched.forward(torch.tensor(p), 0, seq=s)[-1] for s, p in reversed(list(enumerate(prompts)))][::-1]
     step = batched.forward_batch(torch.tensor([7, 7]), torch.tensor([len(p) for p in prompts]), torch.tensor([0, 1]))
     for s in range(2):
@@ -104,7 +131,8 @@ def test_llama4_with_several_experts_per_token_is_refused(synth_model, tmp_path)
     from moeprep.gguf.writer import KVValue, write_gguf
 
     path = tmp_path / "two.gguf"
-    write_gguf(path, open_gguf(synth_model("llama4")),
-               kv_set={"llama4.expert_used_count": KVValue(2, GGUFValueType.UINT32)})
+    write_gguf(
+        path, open_gguf(synth_model("llama4")), kv_set={"llama4.expert_used_count": KVValue(2, GGUFValueType.UINT32)}
+    )
     with pytest.raises(MoeprepError, match="2 experts per token is not supported"):
         moerun.load_model(path)

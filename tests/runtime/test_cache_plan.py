@@ -17,8 +17,18 @@ from moeprep.gguf.reader import open_gguf
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
 from moerun.cache.placement import place, slot_room
-from moerun.cache.plan import (GENERAL_POLICY, Bandwidths, HitCurve, Shape, choose_plan, choose_policy,
-                               pinned_layers, split_seconds, token_seconds, usage_curve)
+from moerun.cache.plan import (
+    GENERAL_POLICY,
+    Bandwidths,
+    HitCurve,
+    Shape,
+    choose_plan,
+    choose_policy,
+    pinned_layers,
+    split_seconds,
+    token_seconds,
+    usage_curve,
+)
 from moerun.cli import main
 
 MIB = 1 << 20
@@ -82,8 +92,9 @@ def test_no_plan_predicts_slower_than_the_static_split(seed):
     rng = np.random.default_rng(seed)
     for _ in range(40):
         n_expert, top_k = int(rng.choice([32, 128, 256, 512])), int(rng.choice([4, 8, 10]))
-        s = shape(float(rng.uniform(0.02, 1.1)), int(rng.integers(2, 60)), n_expert, top_k,
-                  int(rng.integers(1, 12)) * MIB)
+        s = shape(
+            float(rng.uniform(0.02, 1.1)), int(rng.integers(2, 60)), n_expert, top_k, int(rng.integers(1, 12)) * MIB
+        )
         if s.room < s.n_moe * s.expert_bytes:
             continue
         hits = np.sort(rng.uniform(0, 1, 4))
@@ -112,9 +123,11 @@ def test_asked_plans_and_bad_names():
 def test_policy_chosen_by_predicted_traffic():
     """Fewer hits can win by fewer uploads; without measured routing the general default."""
     s = shape(0.25)
-    curves = {"lru": curve((0.5, 0.80, 0.85, 0.9), (4.0, 2.0, 1.5, 1.0)),
-              "payback": curve((0.45, 0.78, 0.83, 0.88), (0.2, 0.3, 0.3, 0.3), "payback"),
-              "lfu": curve((0.2, 0.5, 0.6, 0.7), (0.1, 0.1, 0.1, 0.1), "lfu")}
+    curves = {
+        "lru": curve((0.5, 0.80, 0.85, 0.9), (4.0, 2.0, 1.5, 1.0)),
+        "payback": curve((0.45, 0.78, 0.83, 0.88), (0.2, 0.3, 0.3, 0.3), "payback"),
+        "lfu": curve((0.2, 0.5, 0.6, 0.7), (0.1, 0.1, 0.1, 0.1), "lfu"),
+    }
     best, why = choose_policy(curves, s, H200, stream=True)
     assert best == "payback" and "cache policy payback" in why and "lru" in why
     curves["lru"] = curve((0.5, 0.95, 0.97, 0.98), (1.0, 0.2, 0.1, 0.1))
@@ -181,8 +194,12 @@ def test_pinned_layers_are_fully_resident_and_never_evicted(synth_model, plan):
     torch.testing.assert_close(model.forward(prompt), reference.forward(prompt), rtol=1e-4, atol=1e-4)
     for i, token in enumerate([5, 17, 99, 5, 17, 99, 5, 3, 42, 7]):
         pos = len(prompt) + i
-        torch.testing.assert_close(model.forward(torch.tensor([token]), pos),
-                                   reference.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model.forward(torch.tensor([token]), pos),
+            reference.forward(torch.tensor([token]), pos),
+            rtol=1e-4,
+            atol=1e-4,
+        )
     stats = cache.stats
     for layer in pinned:
         assert (layer.resident == before[layer.layer]).all()
@@ -202,8 +219,9 @@ def test_fixed_slots_take_the_cache_plan(synth_model):
 
 def test_auto_policy_and_plan_from_a_profiles_heldout_routing(profiled_model):
     model_path, profile_path = profiled_model
-    model = moerun.load_model(model_path, cache=CacheConfig(budgets=[budget_for(model_path, 1.2)],
-                                                            profile=str(profile_path)))
+    model = moerun.load_model(
+        model_path, cache=CacheConfig(budgets=[budget_for(model_path, 1.2)], profile=str(profile_path))
+    )
     cache = model.expert_cache
     policy_line, plan_line = cache.why
     assert "fewest predicted" in policy_line and "the profile's held-out chunks" in policy_line
@@ -222,8 +240,23 @@ def profiled_model(tmp_path_factory, synth_model):
     folder = tmp_path_factory.mktemp("plan-profile")
     model = synth_model("qwen3moe", preset="small", skew=1.0)
     out = folder / "p.moeprof"
-    result = CliRunner().invoke(moeprep_main, ["profile", str(model), "--dataset", str(CALIBRATION_PATH), "-c", "64",
-                                               "--chunks", "3", "--holdout", "0.34", "-o", str(out)])
+    result = CliRunner().invoke(
+        moeprep_main,
+        [
+            "profile",
+            str(model),
+            "--dataset",
+            str(CALIBRATION_PATH),
+            "-c",
+            "64",
+            "--chunks",
+            "3",
+            "--holdout",
+            "0.34",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     return model, out
 
@@ -231,8 +264,21 @@ def profiled_model(tmp_path_factory, synth_model):
 def test_cli_says_which_plan_and_policy(synth_model):
     path = synth_model("qwen3moe")
     budget = budget_for(path, 1.5)
-    common = ["bench", "-m", str(path), "--device", "cpu", "-p", "4", "-n", "4", "-t", "1",
-              "--vram-budget", str(budget)]
+    common = [
+        "bench",
+        "-m",
+        str(path),
+        "--device",
+        "cpu",
+        "-p",
+        "4",
+        "-n",
+        "4",
+        "-t",
+        "1",
+        "--vram-budget",
+        str(budget),
+    ]
     r = CliRunner().invoke(main, [*common, "--cache-plan", "static", "--cache-gbps", "25,6,40"])
     assert r.exit_code == 0, r.output
     lines = [line for line in r.stderr.splitlines() if line.startswith("cache plan ")]

@@ -9,8 +9,18 @@ import numpy as np
 import pytest
 
 from moeprep.errors import MoeprepError
-from moeprep.profile.policy import (POLICIES, SEED_TOKENS, SPAN, AdmitAfterRepeat, Belady, Payback, UploadCost,
-                                    make_policy, next_uses, replay)
+from moeprep.profile.policy import (
+    POLICIES,
+    SEED_TOKENS,
+    SPAN,
+    AdmitAfterRepeat,
+    Belady,
+    Payback,
+    UploadCost,
+    make_policy,
+    next_uses,
+    replay,
+)
 
 
 def skewed_stream(seed: int, n_tokens: int, n_expert: int, k: int, skew: float = 1.0) -> np.ndarray:
@@ -42,10 +52,15 @@ class Reference:
         self.t = 0
 
     def prio(self, e: int) -> tuple[float, int]:
-        primary = {"lru": 0.0, "static": 0.0, "lfu": self.uses.get(e, 0.0),
-                   "lfuda": self.uses.get(e, 0.0) + self.base.get(e, 0.0), "admit2": 0.0,
-                   "payback": self.recent.get(e, 0.0),
-                   "classlru": min(np.floor(np.log2(1.0 + self.decayed.get(e, 0.0))), 7)}[self.name]
+        primary = {
+            "lru": 0.0,
+            "static": 0.0,
+            "lfu": self.uses.get(e, 0.0),
+            "lfuda": self.uses.get(e, 0.0) + self.base.get(e, 0.0),
+            "admit2": 0.0,
+            "payback": self.recent.get(e, 0.0),
+            "classlru": min(np.floor(np.log2(1.0 + self.decayed.get(e, 0.0))), 7),
+        }[self.name]
         return primary, self.last.get(e, 0)
 
     def admits(self, c: int, victim: int | None) -> bool:
@@ -78,8 +93,9 @@ class Reference:
         self.t += 1
         misses = [e for e in row if e not in self.cache]
         n_empty = self.slots - len(self.cache)
-        fillers = sorted((e for e in self.last if e not in self.cache and e not in row), key=self.prio,
-                         reverse=True)[: max(n_empty, 0)]
+        fillers = sorted((e for e in self.last if e not in self.cache and e not in row), key=self.prio, reverse=True)[
+            : max(n_empty, 0)
+        ]
         pool = sorted(misses + fillers, key=self.prio, reverse=True)
         pool = pool[: self.free] if self.free is not None else pool
         uploads = 0
@@ -167,8 +183,7 @@ def test_a_step_of_many_tokens_counts_as_those_tokens_one_by_one(name: str) -> N
     whole.observe(0, ids)
     for row in ids:
         single.observe(0, row[None])
-    for field in ("uses", "last", "seen", "pending", "tokens", "last_tok", "prev_tok", "recent", "base",
-                  "decayed"):
+    for field in ("uses", "last", "seen", "pending", "tokens", "last_tok", "prev_tok", "recent", "base", "decayed"):
         if hasattr(whole, field):
             assert np.allclose(getattr(whole, field), getattr(single, field)), field
     assert whole.plan(0, np.full(4, -1), 4) == single.plan(0, np.full(4, -1), 4)

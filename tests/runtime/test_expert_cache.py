@@ -15,9 +15,9 @@ from click.testing import CliRunner
 import moerun
 from moeprep.cli import main as moeprep_main
 from moeprep.errors import MoeprepError
+from moeprep.synth.corpus import CALIBRATION_PATH
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
-from moeprep.synth.corpus import CALIBRATION_PATH
 from moerun.options import RuntimeOptions
 
 CPU_TOO = frozenset({"cuda", "cpu"})  # a CPU standing in for a GPU stages or streams as a GPU would
@@ -48,8 +48,12 @@ def test_cached_forward_equals_all_resident(synth_model, slots):
     torch.testing.assert_close(cached.forward(prompt), reference.forward(prompt), rtol=1e-4, atol=1e-4)
     for i, token in enumerate([5, 17, 99, 5, 17, 99, 5]):  # repeats: what the policy uploads gets hit
         pos = len(prompt) + i
-        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos),
-                                   reference.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            cached.forward(torch.tensor([token]), pos),
+            reference.forward(torch.tensor([token]), pos),
+            rtol=1e-4,
+            atol=1e-4,
+        )
         check_tables(cached)
     stats = cached.expert_cache.stats
     assert stats.lookups.sum() == (len(prompt) + 7) * reference.args.n_experts_used * len(cached_layers(cached))
@@ -83,8 +87,23 @@ def profiled(tmp_path_factory, synth_model):
     folder = tmp_path_factory.mktemp("cache-profile")
     model = synth_model("qwen3moe", preset="small", skew=1.0)
     out = folder / "p.moeprof"
-    result = CliRunner().invoke(moeprep_main, ["profile", str(model), "--dataset", str(CALIBRATION_PATH), "-c", "64",
-                                               "--chunks", "3", "--holdout", "0.34", "-o", str(out)])
+    result = CliRunner().invoke(
+        moeprep_main,
+        [
+            "profile",
+            str(model),
+            "--dataset",
+            str(CALIBRATION_PATH),
+            "-c",
+            "64",
+            "--chunks",
+            "3",
+            "--holdout",
+            "0.34",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     return model, out, synth_model("qwen3moe", preset="small", seed=1)
 
@@ -94,8 +113,9 @@ def test_profile_warm_start_fills_the_hottest_experts(profiled):
 
     model_path, profile_path, _ = profiled
     counts = read_profile(profile_path).counts
-    model = moerun.load_model(model_path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4,
-                                                            profile=str(profile_path)))
+    model = moerun.load_model(
+        model_path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, profile=str(profile_path))
+    )
     for layer in cached_layers(model):
         row = counts.selections[counts.layers.index(layer.layer)]
         hottest = set(np.argsort(-row, kind="stable")[:4].tolist())
@@ -131,8 +151,11 @@ def test_prefill_stages_busy_misses_on_the_device(synth_model, monkeypatch, bank
     order), the rest on the CPU for just the tokens that chose them."""
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     reference = moerun.load_model(path)
-    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=1, stage_bytes=bank_bytes),
-                               options=RuntimeOptions(staging_devices=CPU_TOO))
+    cached = moerun.load_model(
+        path,
+        cache=CacheConfig(budgets=BUDGET, slots_per_layer=1, stage_bytes=bank_bytes),
+        options=RuntimeOptions(staging_devices=CPU_TOO),
+    )
     prompt = torch.tensor(reference.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)\n    while lo < hi:"))
     ours, ref = cached.forward(prompt), reference.forward(prompt)
     stats = cached.expert_cache.stats
@@ -150,8 +173,9 @@ def check_streaming_tables(model) -> None:
         assert (layer.table.numpy() == layer.table_host).all() and not layer.pending
 
 
-@pytest.mark.parametrize("policy,stage", [("lru", False), ("static", False), ("lru", True)],
-                         ids=["lru", "static", "lru-staged"])
+@pytest.mark.parametrize(
+    "policy,stage", [("lru", False), ("static", False), ("lru", True)], ids=["lru", "static", "lru-staged"]
+)
 def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy, stage):
     """Streaming (a GPU whose experts are page-locked; the CPU stands in here, reading the host bytes with its own
     kernel): a decode-sized step, one token or a batch of sequences, runs every expert in the experts' launch, the
@@ -164,22 +188,31 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
 
     options = RuntimeOptions(stream_devices=CPU_TOO, staging_devices=CPU_TOO if stage else frozenset({"cuda"}))
     copies = []
-    monkeypatch.setattr(staging, "stage_second",
-                        lambda *a, stage=staging.stage_second: copies.append(a[0].numel()) or stage(*a))
+    monkeypatch.setattr(
+        staging, "stage_second", lambda *a, stage=staging.stage_second: copies.append(a[0].numel()) or stage(*a)
+    )
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     reference = moerun.load_model(path, n_seq=3)
     n_expert, k = reference.args.n_experts, reference.args.n_experts_used
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, 2, ... hottest first
-    cached = moerun.load_model(path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage,
-                                                               policy=policy), options=options)
+    cached = moerun.load_model(
+        path, n_seq=3, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage, policy=policy), options=options
+    )
     cache, layers = cached.expert_cache, cached_layers(cached)
     assert cache.streamed and all(b.second is not None for b in layers[0].banks)
     check_streaming_tables(cached)
-    prompts = [reference.tokenizer.encode(text) for text in ("def bisect(a, x):\n    lo, hi = 0, len(a)", "import os", "class A:")]
+    prompts = [
+        reference.tokenizer.encode(text)
+        for text in ("def bisect(a, x):\n    lo, hi = 0, len(a)", "import os", "class A:")
+    ]
     assert len(prompts[0]) > tuning.GEMV_MAX_TOKENS
     for seq, prompt in enumerate(prompts):
-        torch.testing.assert_close(cached.forward(torch.tensor(prompt), 0, seq),
-                                   reference.forward(torch.tensor(prompt), 0, seq), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            cached.forward(torch.tensor(prompt), 0, seq),
+            reference.forward(torch.tensor(prompt), 0, seq),
+            rtol=1e-4,
+            atol=1e-4,
+        )
         if seq == 0:  # the long prompt's misses went to the CPU, the short ones' are streamed
             assert cache.stats.streamed == 0 and cache.stats.hits.sum() < cache.stats.lookups.sum()
     assert cache.stats.streamed > 0
@@ -190,16 +223,24 @@ def test_decode_streams_misses_from_host_memory(synth_model, monkeypatch, policy
     monkeypatch.setattr(cache, "_plan", lambda routed, plan=cache._plan: calls.append(len(routed)) or plan(routed))
     pos = len(prompts[0])
     for i, token in enumerate([5, 17, 99, 3, 250, 5]):
-        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos + i),
-                                   reference.forward(torch.tensor([token]), pos + i), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            cached.forward(torch.tensor([token]), pos + i),
+            reference.forward(torch.tensor([token]), pos + i),
+            rtol=1e-4,
+            atol=1e-4,
+        )
         check_tables(cached)
         check_streaming_tables(cached)
     lengths = torch.tensor([len(p) for p in prompts])
     lengths[0] += 6
     for i, t in enumerate([7, 40, 7]):
         tokens, seqs = torch.tensor([t, t + 1, t + 2]), torch.arange(3)
-        torch.testing.assert_close(cached.forward_batch(tokens, lengths + i, seqs),
-                                   reference.forward_batch(tokens, lengths + i, seqs), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            cached.forward_batch(tokens, lengths + i, seqs),
+            reference.forward_batch(tokens, lengths + i, seqs),
+            rtol=1e-4,
+            atol=1e-4,
+        )
         check_streaming_tables(cached)
     stats = cache.stats
     assert calls == [len(layers)] * 8  # one plan per step, with every layer's routing, during the next step
@@ -220,8 +261,11 @@ def test_streamed_uploads_reach_the_table_once_copied(synth_model, monkeypatch):
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     n_expert = moerun.load_model(path).args.n_experts
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))
-    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage),
-                              options=RuntimeOptions(stream_devices=CPU_TOO))
+    model = moerun.load_model(
+        path,
+        cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage),
+        options=RuntimeOptions(stream_devices=CPU_TOO),
+    )
     layer = cached_layers(model)[0]
 
     class Copy:  # a copy stream's event, complete when the test says
@@ -258,8 +302,11 @@ def test_paused_steps_leave_the_warm_cache_alone(synth_model, monkeypatch, strea
     path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
     n_expert = moerun.load_model(path).args.n_experts
     usage = np.tile(np.arange(n_expert)[::-1], (3, 1))  # experts 0, 1, ... hottest first
-    model = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage, policy="lru"),
-                              options=RuntimeOptions(stream_devices=CPU_TOO if stream else frozenset({"cuda"})))
+    model = moerun.load_model(
+        path,
+        cache=CacheConfig(budgets=BUDGET, slots_per_layer=4, usage=usage, policy="lru"),
+        options=RuntimeOptions(stream_devices=CPU_TOO if stream else frozenset({"cuda"})),
+    )
     warm = [layer.resident.copy() for layer in cached_layers(model)]
     with model.expert_cache.pause():
         for i in range(6):
@@ -288,8 +335,9 @@ def test_runtime_hit_rate_is_what_the_profile_predicts():
     tokens = plain.tokenizer.encode(HELDOUT_TEXT.read_text()[:20000])
     chunks = np.array(tokens[:288]).reshape(3, 96)  # two chunks counted, the last one held out
     identity = identify_model(plain.gguf)
-    counts, trace = collect(plain, chunks, np.array([False, False, True]), identity.moe_layers, identity.n_expert,
-                            identity.n_expert_used)  # what `moeprep profile` records
+    counts, trace = collect(
+        plain, chunks, np.array([False, False, True]), identity.moe_layers, identity.n_expert, identity.n_expert_used
+    )  # what `moeprep profile` records
     table = simulate_caches(trace, counts)
     predicted = table.overall()  # [P, S, W]
     usage, heldout = counts.block_table(plain.args.n_layers), chunks[-1].tolist()
@@ -297,14 +345,21 @@ def test_runtime_hit_rate_is_what_the_profile_predicts():
         if policy.rule != "lru":  # the runtime runs every policy; lru cold and warm stand for them here
             continue
         for si, slots in enumerate(table.slots):
-            config = CacheConfig(budgets=BUDGET, slots_per_layer=slots, policy="lru", uploads_per_layer_step=None,
-                                 usage=usage if policy.warm else None)
+            config = CacheConfig(
+                budgets=BUDGET,
+                slots_per_layer=slots,
+                policy="lru",
+                uploads_per_layer_step=None,
+                usage=usage if policy.warm else None,
+            )
             cached = moerun.load_model(BENCH_MODEL, cache=config)
             for pos, token in enumerate(heldout):
                 cached.forward(torch.tensor([token]), pos)
             measured = cached.expert_cache.stats.hit_rate
-            print(f"{policy.name} {SIZES[si]:.0%} ({slots} slots): moerun {measured:.1%}, "
-                  f"profile {predicted[pi, si, 0]:.1%}")  # docs/BENCHMARKS.md quotes these (pytest -s)
+            print(
+                f"{policy.name} {SIZES[si]:.0%} ({slots} slots): moerun {measured:.1%}, "
+                f"profile {predicted[pi, si, 0]:.1%}"
+            )  # docs/BENCHMARKS.md quotes these (pytest -s)
             assert abs(measured - predicted[pi, si, 0]) <= 0.03, (policy.name, SIZES[si], measured, predicted[pi, si])
 
 
@@ -334,12 +389,15 @@ def test_glm5_next_through_the_cache(synth_model):
     plain = moerun.load_model(path)
     cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=2))
     layers = cached_layers(cached)
-    assert layers and {(layer.activation.name, layer.activation.limit) for layer in layers} == {("swiglu_clamp", SWIGLU_CLAMP)}
+    assert layers and {(layer.activation.name, layer.activation.limit) for layer in layers} == {
+        ("swiglu_clamp", SWIGLU_CLAMP)
+    }
     prompt = torch.tensor(plain.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)"))
     torch.testing.assert_close(cached.forward(prompt), plain.forward(prompt), rtol=1e-4, atol=1e-4)
     for i, token in enumerate([5, 17, 99, 5]):
         pos = len(prompt) + i
-        torch.testing.assert_close(cached.forward(torch.tensor([token]), pos), plain.forward(torch.tensor([token]), pos),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            cached.forward(torch.tensor([token]), pos), plain.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4
+        )
     stats = cached.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()

@@ -54,11 +54,26 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
     return math.exp(nll / count)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "mimo2", "qwen35moe", "qwen3next", "minimax-m2", "llama4", "deepseek32", "dots1", "ernie4_5-moe", "hunyuan-moe"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "qwen3moe",
+        "deepseek2",
+        "mimo2",
+        "qwen35moe",
+        "qwen3next",
+        "minimax-m2",
+        "llama4",
+        "deepseek32",
+        "dots1",
+        "ernie4_5-moe",
+        "hunyuan-moe",
+    ],
+)
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):
     path = synth_model(arch)
     model = moerun.load_model(path, n_ctx=128)
-    tokens = model.tokenizer.encode(calibration_text[:3000])[:3 * 128 + 17]
+    tokens = model.tokenizer.encode(calibration_text[:3000])[: 3 * 128 + 17]
     ours = moerun.perplexity(model, tokens, 128)
     bos = model.tokenizer.bos_id if model.tokenizer.add_bos else None
     reference = _llama_cpp_perplexity(path, tokens, 128, bos)

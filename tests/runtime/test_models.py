@@ -28,8 +28,8 @@ from gguf import GGUFValueType
 import moerun
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.writer import KVValue, write_gguf
-from moerun.step import Step
 from moerun.models import ARCHS
+from moerun.step import Step
 from tests.near_ties import MIN_JUDGED, judged, router_inputs, routing_margins, top1_margins
 from tests.oracle import llama_eval
 
@@ -63,8 +63,11 @@ class Comparison:
     def expert_agreement(self) -> float:
         """Share of (judged token, MoE layer) pairs where both chose the same set of experts."""
         assert self.our_experts.keys() == self.ref_experts.keys()
-        same = [set(a) == set(b) for layer in self.ref_experts
-                for a, b in zip(self.our_experts[layer][self.judged], self.ref_experts[layer][self.judged])]
+        same = [
+            set(a) == set(b)
+            for layer in self.ref_experts
+            for a, b in zip(self.our_experts[layer][self.judged], self.ref_experts[layer][self.judged])
+        ]
         return float(np.mean(same))
 
 
@@ -95,7 +98,9 @@ def compare(path: Path, text: str) -> Comparison:
 
 
 @torch.inference_mode()
-def _layer_by_layer(model: moerun.Model, tokens: torch.Tensor, ref_hidden: dict[int, np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+def _layer_by_layer(
+    model: moerun.Model, tokens: torch.Tensor, ref_hidden: dict[int, np.ndarray]
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """Run each of our layers on llama.cpp's input for it, and our head on llama.cpp's last hidden state.
     Returns those logits (T, V) and each layer's relative output error (T,) per position against llama.cpp's."""
     net, T = model.net, len(tokens)
@@ -157,11 +162,30 @@ def test_matches_llama_cpp(arch, weights, synth_model, calibration_text):
 # on every matmul input (five seeds) agrees at 96.1-96.9% top-1 / 98.6-99.4% experts (deepseek2 Q4_K), 96.9-98.4% /
 # 98.2-99.4% (deepseek2 Q8_0), 97.3-98.1% / 99.0-99.7% (glm4moe Q4_K), as far as it agrees with llama.cpp
 # (docs/runtime.md). Their end-to-end bar is that floor, with a little room below it.
-QUANTIZED = [("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K"), ("qwen3moe", "Q6_K"), ("gpt-oss", "MXFP4"),
-             ("gpt-oss", "Q8_0"), ("llama", "Q4_K"), ("qwen2moe", "Q6_K"), ("olmoe", "Q8_0"),
-             ("glm4moe", "Q4_K"), ("deepseek2", "Q4_K"), ("deepseek2", "Q8_0"),
-             ("mimo2", "Q8_0"), ("mimo2", "Q4_K"), ("qwen35moe", "Q8_0"), ("qwen35moe", "Q4_K"),
-             ("qwen3next", "Q8_0"), ("qwen3next", "Q4_K"), ("minimax-m2", "Q4_K"), ("llama4", "Q8_0"), ("dots1", "Q8_0"), ("ernie4_5-moe", "Q4_K"), ("hunyuan-moe", "Q4_K")]
+QUANTIZED = [
+    ("qwen3moe", "Q8_0"),
+    ("qwen3moe", "Q4_K"),
+    ("qwen3moe", "Q6_K"),
+    ("gpt-oss", "MXFP4"),
+    ("gpt-oss", "Q8_0"),
+    ("llama", "Q4_K"),
+    ("qwen2moe", "Q6_K"),
+    ("olmoe", "Q8_0"),
+    ("glm4moe", "Q4_K"),
+    ("deepseek2", "Q4_K"),
+    ("deepseek2", "Q8_0"),
+    ("mimo2", "Q8_0"),
+    ("mimo2", "Q4_K"),
+    ("qwen35moe", "Q8_0"),
+    ("qwen35moe", "Q4_K"),
+    ("qwen3next", "Q8_0"),
+    ("qwen3next", "Q4_K"),
+    ("minimax-m2", "Q4_K"),
+    ("llama4", "Q8_0"),
+    ("dots1", "Q8_0"),
+    ("ernie4_5-moe", "Q4_K"),
+    ("hunyuan-moe", "Q4_K"),
+]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
 
@@ -172,9 +196,13 @@ def test_quantized_matches_llama_cpp(arch, qtype, synth_model, calibration_text)
     c = compare(synth_model(arch, preset="small", expert_type=qtype, attn_type=qtype), calibration_text)
     assert max(c.layer_errors) <= 1e-2, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
     assert c.forced.expert_agreement >= 0.99, f"layer by layer, experts agree at {c.forced.expert_agreement:.2%}"
-    assert c.forced.top1_agreement >= 0.99, f"from llama.cpp's hidden states, top-1 agrees at {c.forced.top1_agreement:.2%}"
+    assert c.forced.top1_agreement >= 0.99, (
+        f"from llama.cpp's hidden states, top-1 agrees at {c.forced.top1_agreement:.2%}"
+    )
     experts_floor, top1_floor = CHAOTIC_FLOORS.get(arch, (0.99, 0.99))
-    assert c.expert_agreement >= experts_floor, f"experts agree at only {c.expert_agreement:.2%} of (token, layer) pairs"
+    assert c.expert_agreement >= experts_floor, (
+        f"experts agree at only {c.expert_agreement:.2%} of (token, layer) pairs"
+    )
     assert c.top1_agreement >= top1_floor, f"top-1 agrees at only {c.top1_agreement:.2%} of positions"
 
 
@@ -186,12 +214,16 @@ def _with_keys(src: Path, out: Path, **keys: tuple[object, GGUFValueType]) -> Pa
 U32 = GGUFValueType.UINT32
 
 
-@pytest.mark.parametrize("arch,options", [
-    ("deepseek2", {"mla_split": True}),  # attn_k_b / attn_v_b instead of attn_kv_b
-    ("deepseek2", {"yarn": True}),  # YaRN with deepseek2's yarn_log_multiplier
-    ("qwen3moe", {"yarn": True}),
-    ("gpt-oss", {"yarn": True}),
-], ids=lambda v: v if isinstance(v, str) else ",".join(v))
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("deepseek2", {"mla_split": True}),  # attn_k_b / attn_v_b instead of attn_kv_b
+        ("deepseek2", {"yarn": True}),  # YaRN with deepseek2's yarn_log_multiplier
+        ("qwen3moe", {"yarn": True}),
+        ("gpt-oss", {"yarn": True}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ",".join(v),
+)
 def test_variants_match_llama_cpp(arch, options, synth_model, calibration_text):
     c = compare(synth_model(arch, expert_type="F32", attn_type="F32", **options), calibration_text)
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
@@ -199,8 +231,11 @@ def test_variants_match_llama_cpp(arch, options, synth_model, calibration_text):
 
 def test_group_limited_routing_matches_llama_cpp(synth_model, calibration_text, tmp_path):
     """DeepSeek-V3's group-limited top-k: 16 experts in 4 groups, only the 2 best groups compete."""
-    path = _with_keys(synth_model("deepseek2", expert_type="F32", attn_type="F32"), tmp_path / "grouped.gguf",
-                      **{"deepseek2.expert_group_count": (4, U32), "deepseek2.expert_group_used_count": (2, U32)})
+    path = _with_keys(
+        synth_model("deepseek2", expert_type="F32", attn_type="F32"),
+        tmp_path / "grouped.gguf",
+        **{"deepseek2.expert_group_count": (4, U32), "deepseek2.expert_group_used_count": (2, U32)},
+    )
     assert moerun.load_model(path).args.n_expert_groups == 4
     c = compare(path, calibration_text)
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
@@ -220,8 +255,11 @@ def test_deepseek32_selection_matches_llama_cpp(synth_model, calibration_text, t
     """DSA with top_k 32 over 256 positions: where the indexer's 32nd and 33rd best scores are not tied, the first
     layer (whose input both engines share) attends to what llama.cpp's does. ReLU makes exact ties at 0 common in a
     small synthetic indexer; llama.cpp breaks them in an unspecified order, so those positions are not judged."""
-    path = _with_keys(synth_model("deepseek32", expert_type="F32", attn_type="F32"), tmp_path / "k32.gguf",
-                      **{"deepseek32.attention.indexer.top_k": (32, U32)})
+    path = _with_keys(
+        synth_model("deepseek32", expert_type="F32", attn_type="F32"),
+        tmp_path / "k32.gguf",
+        **{"deepseek32.attention.indexer.top_k": (32, U32)},
+    )
     model = moerun.load_model(path)
     tokens = torch.tensor(model.tokenizer.encode(calibration_text)[:N_POSITIONS])
     run = llama_eval(path, tokens.tolist())

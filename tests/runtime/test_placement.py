@@ -13,12 +13,24 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-def anatomy(n_layer: int = 8, dense: tuple[int, ...] = (), n_expert: int = 64, expert_bytes: int = 10 * MIB,
-            non_expert: int = 2 * GIB) -> Anatomy:
+def anatomy(
+    n_layer: int = 8,
+    dense: tuple[int, ...] = (),
+    n_expert: int = 64,
+    expert_bytes: int = 10 * MIB,
+    non_expert: int = 2 * GIB,
+) -> Anatomy:
     moe = [b for b in range(n_layer) if b not in dense]
-    geo = ModelGeometry(arch="qwen3moe", n_layer=n_layer, moe_layers=moe, dense_layers=list(dense),
-                        n_expert=n_expert, n_expert_used=8, n_ff_exp=1408,
-                        expert_bytes={b: expert_bytes for b in moe})
+    geo = ModelGeometry(
+        arch="qwen3moe",
+        n_layer=n_layer,
+        moe_layers=moe,
+        dense_layers=list(dense),
+        n_expert=n_expert,
+        n_expert_used=8,
+        n_ff_exp=1408,
+        expert_bytes={b: expert_bytes for b in moe},
+    )
     experts = len(moe) * n_expert * expert_bytes
     roles = {"expert": RoleSummary(len(moe) * 3, experts), "attention": RoleSummary(n_layer * 4, non_expert)}
     return Anatomy("m", "qwen3moe", True, experts + non_expert, 1, geo, roles, experts / (experts + non_expert))
