@@ -13,10 +13,12 @@ from functools import partial
 import torch
 
 from moerun.hooks import Hooks
+from moerun.kernels.cpu import fused as cpu_fused
 from moerun.kernels.ggml_cpu import GgmlCPU
 from moerun.kernels.tuning import INT8_ON, Int8Routes
 from moerun.layers.attention import attend, norm_rope_store, qk_norms_per_head
 from moerun.layers.ffn import Activation
+from moerun.layers.gguf_cpu import CPUExperts, CPUQuantLinear
 from moerun.layers.linear import Linear
 from moerun.layers.moe import ExpertCompute, GGUFExperts
 from moerun.layers.norm import add_rms_norm, rms_norm
@@ -55,15 +57,11 @@ class Backend:
             name = f"{prefix}.weight"
             blocks = w.blocks(name)
             if blocks is not None:
-                from moerun.layers.gguf_gpu import (
-                    QuantLinear,  # Triton: present where CUDA is
-                )
+                from moerun.layers.gguf_gpu import QuantLinear  # Triton: only CUDA builds of torch bring it
 
                 return QuantLinear(blocks, w.optional(f"{prefix}.bias", torch.float32), name, hooks, self.routes)
             info = w.info(name)
             if self.device.type == "cpu" and len(info.shape) == 2:
-                from moerun.layers.gguf_cpu import CPUQuantLinear
-
                 if CPUQuantLinear.can_run(info.ggml_type, self.ggml):
                     return CPUQuantLinear.load(w, prefix, hooks, w.optional(f"{prefix}.bias", torch.float32), self.ggml)
         return Linear.load(w, prefix, hooks, dtype, shape)
@@ -71,20 +69,14 @@ class Backend:
     def experts(self, w: Weights, hooks: Hooks, layer: int, activation: Activation) -> ExpertCompute:
         """The routed experts of `layer`: on a GPU DeviceExperts where the kernels decode the experts' types, on the
         CPU CPUExperts where its kernels do, otherwise the reference GGUFExperts."""
-        kind = GGUFExperts
-        if self.device.type == "cpu":
-            from moerun.layers.gguf_cpu import CPUExperts
-
-            if CPUExperts.can_run(w, layer):
-                return CPUExperts.load(w, hooks, layer, activation, self.kernels, self.ggml)
-        elif self.device.type == "cuda":
-            from moerun.layers.gguf_gpu import (
-                DeviceExperts,  # Triton: present where CUDA is
-            )
+        if self.device.type == "cpu" and CPUExperts.can_run(w, layer):
+            return CPUExperts.load(w, hooks, layer, activation, self.kernels, self.ggml)
+        if self.device.type == "cuda":
+            from moerun.layers.gguf_gpu import DeviceExperts  # Triton: only CUDA builds of torch bring it
 
             if DeviceExperts.can_run(w, layer):
                 return DeviceExperts.load(w, hooks, layer, activation, self.kernels, self.routes)
-        return kind.load(w, hooks, layer, activation, self.kernels)
+        return GGUFExperts.load(w, hooks, layer, activation, self.kernels)
 
 
 @functools.cache
@@ -104,7 +96,6 @@ def backend_for(device: torch.device, options: RuntimeOptions) -> Backend:
 
 def cpu_kernels() -> Kernels:
     """numba's Q/K norm + RoPE and expert choice; torch's norms and attention, which were as fast or faster."""
-    from moerun.kernels.cpu import fused as cpu_fused
 
     def cpu_norm_rope_store(q, k, v, q_norm, k_norm, rope, step, cache):
         """norm_rope_store with the Q/K norms per head (or absent) and RoPE in numba, k and v then stored by

@@ -17,6 +17,7 @@ code 2; set MOEPREP_DEBUG=1 for the traceback.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, replace
@@ -290,34 +291,8 @@ def model_options(command):
     `model_opts`, so an option added here reaches every command without touching their signatures."""
 
     @functools.wraps(command)
-    def with_model_options(
-        *args,
-        model_path,
-        ctx_size,
-        device,
-        threads,
-        vram_budget,
-        cache_slots,
-        expert_profile,
-        cache_policy,
-        dense_bf16,
-        cache_plan,
-        cache_gbps,
-        **kwargs,
-    ):
-        options = ModelOptions(
-            model_path,
-            ctx_size,
-            device,
-            threads,
-            vram_budget,
-            cache_slots,
-            expert_profile,
-            cache_policy,
-            dense_bf16,
-            cache_plan,
-            cache_gbps,
-        )
+    def with_model_options(*args, **kwargs):
+        options = ModelOptions(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(ModelOptions)})
         return command(*args, model_opts=options, **kwargs)
 
     for option in reversed(MODEL_OPTIONS):

@@ -55,7 +55,7 @@ class RuntimeOptions:
     def ggml_library(self) -> GgmlCPU | None:
         """The ggml library whose row dots the CPU kernels run: MOERUN_GGML_CPU_LIB's, else llama-cpp-python's;
         None where ggml_cpu is off or no library is there (moerun's numba kernels run)."""
-        from moerun.kernels import ggml_cpu
+        from moerun.kernels import ggml_cpu  # here, not at the top: `moerun --help` reads this module without numba
 
         return ggml_cpu.open_library(self.ggml_cpu_lib) if self.ggml_cpu else None
 

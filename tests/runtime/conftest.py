@@ -44,6 +44,19 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
     return make
 
 
+def profile_model(model: Path, out: Path) -> Path:
+    """`moeprep profile` of `model` on the calibration text, as the cache tests use it (3 chunks of 64 tokens, a
+    third held out) -> `out`, the .moeprof it wrote."""
+    from click.testing import CliRunner
+
+    from moeprep.cli import main as moeprep_main
+
+    args = ["profile", str(model), "--dataset", str(CALIBRATION_PATH), "-c", "64", "--chunks", "3", "--holdout", "0.34"]
+    result = CliRunner().invoke(moeprep_main, [*args, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """The test machines are small and shared; torch's thread pool only adds contention for tiny models."""

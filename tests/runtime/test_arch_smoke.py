@@ -8,14 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 import moerun
-from moeprep.cli import main as moeprep_main
 from moeprep.profile.format import read_profile
-from moeprep.synth.corpus import CALIBRATION_PATH
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
+from tests.runtime.conftest import profile_model
 
 ARCHS = [
     "mimo2",
@@ -64,24 +62,7 @@ def test_through_the_expert_cache(arch, synth_model):
 def test_profile_counts_the_routed_layers(arch, synth_model, tmp_path):
     path = synth_model(arch, skew=1.0)
     out = tmp_path / "p.moeprof"
-    result = CliRunner().invoke(
-        moeprep_main,
-        [
-            "profile",
-            str(path),
-            "--dataset",
-            str(CALIBRATION_PATH),
-            "-c",
-            "64",
-            "--chunks",
-            "3",
-            "--holdout",
-            "0.34",
-            "-o",
-            str(out),
-        ],
-    )
-    assert result.exit_code == 0, result.output
+    profile_model(path, out)
     counts = read_profile(out).counts
     assert list(counts.layers) == routed_layers(path)
     n_experts_used = moerun.load_model(path).args.n_experts_used

@@ -30,6 +30,7 @@ from moerun.cache.plan import (
     usage_curve,
 )
 from moerun.cli import main
+from tests.runtime.conftest import profile_model
 
 MIB = 1 << 20
 SIZES = (0.10, 0.25, 0.38, 0.50)
@@ -234,30 +235,10 @@ def test_auto_policy_and_plan_from_a_profiles_heldout_routing(profiled_model):
 
 @pytest.fixture(scope="module")
 def profiled_model(tmp_path_factory, synth_model):
-    from moeprep.cli import main as moeprep_main
-    from moeprep.synth.corpus import CALIBRATION_PATH
-
     folder = tmp_path_factory.mktemp("plan-profile")
     model = synth_model("qwen3moe", preset="small", skew=1.0)
     out = folder / "p.moeprof"
-    result = CliRunner().invoke(
-        moeprep_main,
-        [
-            "profile",
-            str(model),
-            "--dataset",
-            str(CALIBRATION_PATH),
-            "-c",
-            "64",
-            "--chunks",
-            "3",
-            "--holdout",
-            "0.34",
-            "-o",
-            str(out),
-        ],
-    )
-    assert result.exit_code == 0, result.output
+    profile_model(model, out)
     return model, out
 
 

@@ -15,10 +15,10 @@ from click.testing import CliRunner
 import moerun
 from moeprep.cli import main as moeprep_main
 from moeprep.errors import MoeprepError
-from moeprep.synth.corpus import CALIBRATION_PATH
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
 from moerun.options import RuntimeOptions
+from tests.runtime.conftest import profile_model
 
 CPU_TOO = frozenset({"cuda", "cpu"})  # a CPU standing in for a GPU stages or streams as a GPU would
 
@@ -87,24 +87,7 @@ def profiled(tmp_path_factory, synth_model):
     folder = tmp_path_factory.mktemp("cache-profile")
     model = synth_model("qwen3moe", preset="small", skew=1.0)
     out = folder / "p.moeprof"
-    result = CliRunner().invoke(
-        moeprep_main,
-        [
-            "profile",
-            str(model),
-            "--dataset",
-            str(CALIBRATION_PATH),
-            "-c",
-            "64",
-            "--chunks",
-            "3",
-            "--holdout",
-            "0.34",
-            "-o",
-            str(out),
-        ],
-    )
-    assert result.exit_code == 0, result.output
+    profile_model(model, out)
     return model, out, synth_model("qwen3moe", preset="small", seed=1)
 
 
