@@ -23,6 +23,7 @@ def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
     calibration = Path(__file__).parent / "data" / "calibration.txt"
     imatrix, quantized = folder / "demo.imatrix.gguf", folder / "demo-qwen3moe-attnQ4K.gguf"
     profile, baked, upload = folder / "demo-attnQ4K.moeprof", folder / "demo-attnQ4K-baked.gguf", folder / "upload"
+    trace = folder / "demo-qwen3-30b.trace.npz"
     calib = ["--dataset", str(calibration), "-c", "64", "--chunks", "6", "--holdout", "0.34"]
     return [
         (
@@ -88,6 +89,53 @@ def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
                 "16",
                 "-f",
                 str(calibration),
+            ],
+        ),
+        (
+            "Generate a routing trace of a named regime (Qwen3-30B-A3B-like reuse) at the model's shape",
+            [
+                "moeprep",
+                "routing",
+                "generate",
+                "--regime",
+                "qwen3-30b",
+                "--layers",
+                "4",
+                "--experts",
+                "16",
+                "--top-k",
+                "4",
+                "--tokens",
+                "2048",
+                "--chunk",
+                "512",
+                "-o",
+                str(trace),
+            ],
+        ),
+        (
+            "Its skew, reuse and the hit rates of the cache policies at 10-50% of the experts cached",
+            ["moeprep", "routing", "stats", str(trace)],
+        ),
+        (
+            "moerun bench replaying that routing: the same expert cache, its plan and policy chosen for this routing",
+            [
+                "moerun",
+                "bench",
+                "-m",
+                str(baked),
+                "--device",
+                "cpu",
+                "--vram-budget",
+                "1560M",
+                "--cache-slots",
+                "6",
+                "--routing",
+                str(trace),
+                "-p",
+                "32",
+                "-n",
+                "16",
             ],
         ),
         (
