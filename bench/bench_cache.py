@@ -14,7 +14,10 @@ on the next. `--settings cold` runs just that one (a model near the machine's RA
 
 `--routing TRACE` replays a routing trace in every setting (runtime/replay.py: `moerun bench --routing`): the
 routers run, the MoE layers use the trace's experts, so the cache meets that routing with the real kernels; a trace
-of another shape than the model's is refused. The warm settings' counts still come from --warm-text's own routing.
+of another shape than the model's is refused. With a trace, the warm settings' counts come from the trace's other
+chunks (those not replayed: held out, as a profile's counts are), so the warm start and the decode share a routing.
+`static` is the cold setting with the cache's plan forced to the static split (`--cache-plan static`: whole layers'
+experts on the GPU, the rest computed by the CPU), the plan llama.cpp's `--n-cpu-moe` makes, for the comparison.
 """
 
 from __future__ import annotations
@@ -38,6 +41,24 @@ from moerun.cache.config import CacheConfig
 from moerun.cache.controller import describe_cache
 
 
+def trace_counts(trace, n_layers: int, moe_layers: tuple[int, ...], n_tokens: int) -> np.ndarray:
+    """[L, E] how often each layer selected each expert over the trace's chunks that the replay does not read (the
+    replay reads the first chunk of at least n_tokens: moerun.replay.pick_chunk)."""
+    from moerun.replay import pick_chunk
+
+    replayed = pick_chunk(trace, n_tokens, "the trace")
+    counts = np.zeros((n_layers, trace.n_expert), np.int64)
+    for c in range(trace.n_chunks):
+        if c == replayed:
+            continue
+        ids = trace.ids[trace.starts[c] : trace.starts[c + 1]]  # [n, M, K]
+        for m, layer in enumerate(moe_layers):
+            counts[layer] += np.bincount(ids[:, m].ravel(), minlength=trace.n_expert)
+    if not counts.any():
+        raise MoeprepError("the trace has no chunk besides the replayed one to warm the cache from: write more tokens")
+    return counts
+
+
 def expert_counts(model, text: str, chunk: int = 512, max_tokens: int = 16384) -> np.ndarray:
     """[L, E] how often each layer selected each expert over the text, as `moeprep profile` counts them."""
     from moeprep.profile.collect import collect
@@ -58,6 +79,7 @@ SETTINGS = {
     "warm-64": (True, 64, {}),
     "cold-64": (False, 64, {}),
     "cold-cpu": (False, None, {"stream": False}),
+    "static": (False, None, {"plan": "static"}),
     "warm-cpu": (True, None, {"stream": False}),
 }
 # (warm, decode tokens, CacheConfig fields)
@@ -117,12 +139,25 @@ def main() -> None:
     if unknown:
         sys.exit(f"error: unknown settings {', '.join(unknown)}; choose from {', '.join(ALL_SETTINGS)}")
     warm = any(SETTINGS[name][0] for name in settings if name in SETTINGS)
-    if warm and not args.warm_text:
-        sys.exit("error: the warm settings need --warm-text")
+    if warm and not (args.warm_text or args.routing):
+        sys.exit("error: the warm settings need --warm-text (or a --routing trace to count over)")
     results, usage = {}, None
+    if warm and args.routing:
+        from moeprep.gguf.reader import open_gguf
+        from moeprep.profile.identity import identify_model
+
+        identity = identify_model(open_gguf(args.model))
+        try:
+            usage = trace_counts(
+                read_trace(args.routing), identity.n_layer, identity.moe_layers, args.prompt + args.gen
+            )
+        except MoeprepError as e:
+            sys.exit(f"error: {e}")
+        warm = False  # counted: the resident model is not needed for them
     if "resident" in settings or warm:
         resident = moerun.load_model(args.model, device="cuda", n_ctx=max(args.prompt + args.gen + 8, 520))
-        usage = expert_counts(resident, Path(args.warm_text).read_text(errors="replace")) if warm else None
+        if warm:
+            usage = expert_counts(resident, Path(args.warm_text).read_text(errors="replace"))
         if "resident" in settings:
             result = run_bench(resident, args.prompt, args.gen, text, **routing_args(args))
             print("== resident\n" + format_result(result), flush=True)
