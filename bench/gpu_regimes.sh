@@ -5,6 +5,7 @@
 # llama-bench `-ngl 99 --n-cpu-moe N` at about the same VRAM (built there from the llama-cpp-python sources; its
 # decode does not depend on the routing: a static split's experts stay where they are). Then, with ARCHS set, every
 # architecture on CUDA against its CPU path with its decode speed beside llama-bench (bench/bench_archs_gpu.py).
+# bench/seed_box.py turns the results into the estimate for the reference box (the last lines).
 #
 #   bash bench/gpu_regimes.sh OUTDIR [WORKDIR]    (bench/gpu_env.sh says what the two folders hold)
 #   env: REGIMES (all five), SETTINGS (cold,warm,static), BUDGET (8G), PEER_CPU_MOE (28), GEN (128), THREADS (16),
@@ -44,8 +45,10 @@ if [ -z "${SKIP_REGIMES-}" ]; then
   if [ -x "$LB" ] && [ ! -s "$RES/llama-bench.json" ]; then
     $LB -m "$MODEL" -p 512 -n ${GEN:-128} -r 2 -t ${THREADS:-16} -ngl 99 --n-cpu-moe ${PEER_CPU_MOE:-28} -o json \
         > "$RES/llama-bench.json" 2> "$RES/llama-bench.err"
-    python3 -c "import json,sys; [print('llama-bench n-cpu-moe ${PEER_CPU_MOE:-28}:', 'pp' if r['n_prompt'] else 'tg',
-        round(r['avg_ts'], 2)) for r in json.load(open(sys.argv[1]))]" "$RES/llama-bench.json"
+    $LB -m "$MODEL" -p 512 -n ${GEN:-128} -r 1 -t ${THREADS:-16} -ngl 99 -o json > "$RES/llama-bench-resident.json" \
+        2>> "$RES/llama-bench.err"
+    python3 -c "import json,sys; [print(f, 'pp' if r['n_prompt'] else 'tg', round(r['avg_ts'], 2)) for f in sys.argv[1:]
+        for r in json.load(open(f))]" "$RES/llama-bench.json" "$RES/llama-bench-resident.json"
     keep
   fi
   for R in $REGIMES; do
@@ -62,5 +65,10 @@ if [ -n "${ARCHS-}" ]; then
   python3 bench/bench_archs_gpu.py "$WORK/archs" --gen ${GEN:-128} $([ -x "$LB" ] && echo --llama-bench "$LB") \
       --json "$RES/archs.json" 2>&1 | grep -v Warning
   keep
+fi
+if compgen -G "$RES/cache-*.json" > /dev/null; then
+  python3 bench/seed_box.py "$MODEL" "$RES"/cache-*.json --peer-cpu-layers ${PEER_CPU_MOE:-28} $(python3 -c "import json
+try: print('--peer-gpu-tg', [r['avg_ts'] for r in json.load(open('$RES/llama-bench-resident.json')) if r['n_gen']][0])
+except Exception: pass") | tee "$RES/seed-box.md"; keep
 fi
 echo "total $((SECONDS - START))s"
