@@ -55,3 +55,52 @@ def test_bench_quantize_file_refuses_zero_rounds():
     )
     assert result.returncode == 2
     assert "--rounds and --threads must be at least 1" in result.stderr
+
+
+def load_bench(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_seed_box_estimate_adds_its_parts():
+    """Streamed misses cross the 25 GB/s bus, the CPU's misses read 45 GB/s RAM, and the GPU step is the slower of
+    the measured one and the bytes over 936 GB/s."""
+    from argparse import Namespace
+
+    seed_box = load_bench("seed_box")
+    speeds = Namespace(bus=25.0, ram=45.0, vram=936.0)
+    expert, dense, layers, top_k = 2_500_000, 1_000_000_000, 48, 8
+    streamed = {"hit_rate": 0.75, "streamed_per_token": 96.0, "uploads_per_token": 4.0}
+    streamed["ms_per_token"] = {"GPU experts (device)": 1.0, "rest": 1.0}
+    e = seed_box.estimate(streamed, expert, dense, layers, top_k, speeds)
+    assert e["bus_ms"] == pytest.approx(100 * 2.5e6 / 25e9 * 1e3)  # 10 ms
+    assert e["cpu_ms"] == 0  # every miss was streamed
+    gpu_bytes = dense + 0.75 * 384 * expert
+    assert e["gpu_ms"] == pytest.approx(max(2.0, gpu_bytes / 936e9 * 1e3))
+    assert e["tok_s"] == pytest.approx(1000 / (e["gpu_ms"] + e["bus_ms"]))
+    on_cpu = {**streamed, "streamed_per_token": 0.0, "uploads_per_token": 0.0}
+    e = seed_box.estimate(on_cpu, expert, dense, layers, top_k, speeds)
+    assert e["bus_ms"] == 0
+    assert e["cpu_ms"] == pytest.approx(96 * 2.5e6 / 45e9 * 1e3)
+
+
+def test_bench_cache_warms_from_the_trace_chunks_it_does_not_replay():
+    import numpy as np
+
+    from moeprep.profile.tracefile import TraceFile
+
+    bench_cache = load_bench("bench_cache")
+    ids = np.zeros((30, 2, 1), np.int64)
+    ids[:10] = 1  # chunk 0: too short for 12 tokens, counted
+    ids[10:22] = 2  # chunk 1: the first long enough, replayed, not counted
+    ids[22:, 0] = 3  # chunk 2: counted
+    trace = TraceFile(ids=ids, starts=np.array([0, 10, 22, 30]), n_expert=4)
+    counts = bench_cache.trace_counts(trace, 3, (1, 2), 12)
+    assert counts.tolist() == [[0, 0, 0, 0], [0, 10, 0, 8], [8, 10, 0, 0]]
+    lone = TraceFile(ids=ids[10:22], starts=np.array([0, 12]), n_expert=4)
+    with pytest.raises(Exception, match="no chunk besides the replayed one"):
+        bench_cache.trace_counts(lone, 3, (1, 2), 12)
