@@ -245,5 +245,25 @@ ARCHS: dict[str, ArchSpec] = {
         ),
         # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
         LLAMA4,
+        # Ling 2.0 (bailingmoe2): q, k and v in one attn_qkv, per-head q/k RMSNorm, partial NeoX RoPE (half of each
+        # head, as the released models rotate), DeepSeek-V3's FFN with group-limited sigmoid routing.
+        ArchSpec(
+            MODEL_ARCH.BAILINGMOE2,
+            GQA(qk_norm="head", fused_qkv=True),
+            Moe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
+            derived={
+                "n_dense_lead": lambda g: 1,
+                "n_expert_shared": lambda g: 1,
+                "expert_weights_scale": lambda g: 2.5,
+                "rope_dim": lambda g: g["head_dim"] // 2,
+            },
+            metadata=EXPERT_FF
+            | SIGMOID_ROUTING
+            | {
+                Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp,
+                Keys.LLM.EXPERT_GROUP_COUNT: lambda c: 4 if c.n_expert % 4 == 0 else 1,
+                Keys.LLM.EXPERT_GROUP_USED_COUNT: lambda c: 2 if c.n_expert % 4 == 0 else 1,
+            },
+        ),
     )
 }

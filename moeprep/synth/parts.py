@@ -94,14 +94,18 @@ class GQA:
     out_bias: bool = False
     qk_norm: str | None = None  # a key of QK_NORM_SIZES
     sinks: bool = False  # gpt-oss: one learned logit per head [H] that joins every softmax
+    fused_qkv: bool = False  # bailingmoe2: q, k and v rows in one attn_qkv [H d + 2 Hkv d, D]
 
     def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        out = [
-            matrix_in(T.ATTN_Q, il, (q, c.n_embd)),
-            matrix_in(T.ATTN_K, il, (kv, c.n_embd)),
-            matrix_in(T.ATTN_V, il, (kv, c.n_embd)),
-        ]
+        if self.fused_qkv:
+            out = [matrix_in(T.ATTN_QKV, il, (q + 2 * kv, c.n_embd))]
+        else:
+            out = [
+                matrix_in(T.ATTN_Q, il, (q, c.n_embd)),
+                matrix_in(T.ATTN_K, il, (kv, c.n_embd)),
+                matrix_in(T.ATTN_V, il, (kv, c.n_embd)),
+            ]
         if self.qkv_bias:
             out += [bias(T.ATTN_Q, il, (q,)), bias(T.ATTN_K, il, (kv,)), bias(T.ATTN_V, il, (kv,))]
         if self.qk_norm:

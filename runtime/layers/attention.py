@@ -75,14 +75,16 @@ def attend(
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks and a sliding window."""
+    """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks and a sliding window. The q, k
+    and v projections are three tensors (wq, wk, wv) or, in files that store them so (attn_qkv), one (wqkv)."""
 
     def __init__(
         self,
         *,
-        wq: Linear,
-        wk: Linear,
-        wv: Linear,
+        wq: Linear | None = None,
+        wk: Linear | None = None,
+        wv: Linear | None = None,
+        wqkv: Linear | None = None,
         wo: Linear,
         rope: Rope,
         cache: KVCache,
@@ -105,7 +107,9 @@ class Attention(nn.Module):
         self.scale, self.window = scale, window
         self.register_buffer("sinks", sinks, persistent=False)
         self.kernels = kernels
-        self.wqkv = self.kernels.stack_rows([wq, wk, wv])  # q, k and v in one product where the kernels can
+        self.qkv_in_file = wqkv is not None
+        # q, k and v in one product: the file's, or stacked where the kernels can
+        self.wqkv = wqkv if self.qkv_in_file else self.kernels.stack_rows([wq, wk, wv])
         self.qkv_rows = (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * v_head_dim)
 
     def forward(self, x: torch.Tensor, step: Step, i8: QAct | None = None) -> torch.Tensor:
@@ -127,7 +131,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, i8: QAct | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, D) -> q (T, H*Dh), k (T, G*Dh), v (T, G*Dv): one stacked product, or three where the weights
         differ in type or activation hooks must see each tensor's input under its own name."""
-        if self.wqkv is None or self.wqkv.hooks.activation:
+        if self.wqkv is None or (self.wqkv.hooks.activation and not self.qkv_in_file):
             return self.wq(x, i8), self.wk(x, i8), self.wv(x, i8)
         return self.wqkv(x, i8).split(self.qkv_rows, dim=-1)
 

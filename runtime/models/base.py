@@ -108,17 +108,19 @@ class BuildContext:
         return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device, self.n_seq)
 
     def attention(self, layer: int, rope: Rope | None = None, scale: float | None = None) -> Attention:
-        """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v/output (+ biases), optional
-        attn_q_norm/k_norm (per head or over the whole projection) and attn_sinks, a sliding window on the layers
-        that have one."""
+        """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v (or one attn_qkv)/output (+ biases),
+        optional attn_q_norm/k_norm (per head or over the whole projection) and attn_sinks, a sliding window on the
+        layers that have one."""
         a, w, p = self.args, self.weights, f"blk.{layer}"
         cache = self.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim)
         q_norm = self.norm(f"{p}.attn_q_norm.weight") if f"{p}.attn_q_norm.weight" in w else None
         k_norm = self.norm(f"{p}.attn_k_norm.weight") if f"{p}.attn_k_norm.weight" in w else None
+        if f"{p}.attn_qkv.weight" in w:
+            projections = {"wqkv": self.linear(f"{p}.attn_qkv")}
+        else:
+            projections = {f"w{x}": self.linear(f"{p}.attn_{x}") for x in "qkv"}
         return Attention(
-            wq=self.linear(f"{p}.attn_q"),
-            wk=self.linear(f"{p}.attn_k"),
-            wv=self.linear(f"{p}.attn_v"),
+            **projections,
             wo=self.linear(f"{p}.attn_output"),
             rope=rope or self.rope(),
             cache=cache,

@@ -23,6 +23,7 @@ LEADING_DENSE = {
     "mimo2": [0],
     "llama4": [0, 2],
     "deepseek32": [0],
+    "bailingmoe2": [0],
     "dots1": [0],
     "ernie4_5-moe": [0],
 }  # llama4: interleaved
