@@ -33,6 +33,7 @@ FAMILIES = {
     "ernie4_5-moe",
     "hunyuan-moe",
     "bailingmoe2",
+    "glm-dsa",
 }
 GOOD = """
 name = "Test"

@@ -44,10 +44,19 @@ INDEXER_HEAD = 64  # llama.cpp rotates the indexer's heads by a Hadamard matrix 
 @dataclass(frozen=True)
 class MLAWithIndexer:
     """DeepSeek-V3.2's attention: MLA (absorbed layout) plus its lightning indexer: k_norm [di] with a bias,
-    proj [Hi, D], attn_k [di, D], attn_q_b [Hi di, Cq]; Hi = n_head, di = INDEXER_HEAD."""
+    proj [Hi, D], attn_k [di, D], attn_q_b [Hi di, Cq]; Hi = n_head, di = INDEXER_HEAD. shared_indexers (GLM-5):
+    the odd blocks have no indexer and attend over the selection of the block before them
+    (attention.indexer.types)."""
+
+    shared_indexers: bool = False
+
+    def has_indexer(self, il: int) -> bool:
+        return not self.shared_indexers or il % 2 == 0
 
     def tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         Hi, di = c.n_head, INDEXER_HEAD
+        if not self.has_indexer(il):
+            return MLA().tensors(c, il)
         return [
             *MLA().tensors(c, il),
             norm(T.INDEXER_K_NORM, il, di),
@@ -58,11 +67,19 @@ class MLAWithIndexer:
         ]
 
     def metadata(self, c: SynthConfig) -> dict[str, Any]:
-        return MLA().metadata(c) | {
-            Keys.Attention.Indexer.HEAD_COUNT: c.n_head,
-            Keys.Attention.Indexer.KEY_LENGTH: INDEXER_HEAD,
-            Keys.Attention.Indexer.TOP_K: INDEXER_TOP_K,
-        }
+        return (
+            MLA().metadata(c)
+            | {
+                Keys.Attention.Indexer.HEAD_COUNT: c.n_head,
+                Keys.Attention.Indexer.KEY_LENGTH: INDEXER_HEAD,
+                Keys.Attention.Indexer.TOP_K: INDEXER_TOP_K,
+            }
+            | (
+                {"{arch}.attention.indexer.types": [int(self.has_indexer(il)) for il in range(c.n_layer)]}
+                if self.shared_indexers
+                else {}
+            )
+        )
 
 
 DEEPSEEK_DERIVED = {
@@ -202,6 +219,19 @@ ARCHS: dict[str, ArchSpec] = {
             metadata=EXPERT_FF | SIGMOID_ROUTING,
             checks=(
                 (lambda c: c.mla_split, "deepseek32 stores MLA absorbed: mla_split must be true"),
+                (lambda c: c.rope_dim <= INDEXER_HEAD, f"the indexer rotates rope_dim of its {INDEXER_HEAD} channels"),
+            ),
+        ),
+        # GLM-5 (glm-dsa): DeepSeek-V3.2's graph, the indexer with normal RoPE, every other block sharing the
+        # indexer of the block before it.
+        ArchSpec(
+            "glm-dsa",
+            MLAWithIndexer(shared_indexers=True),
+            Moe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
+            derived=DEEPSEEK_DERIVED | {"mla_split": lambda g: True},
+            metadata=EXPERT_FF | SIGMOID_ROUTING,
+            checks=(
+                (lambda c: c.mla_split, "glm-dsa stores MLA absorbed: mla_split must be true"),
                 (lambda c: c.rope_dim <= INDEXER_HEAD, f"the indexer rotates rope_dim of its {INDEXER_HEAD} channels"),
             ),
         ),

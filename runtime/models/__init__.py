@@ -13,6 +13,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "deepseek2": "deepseek2",
     "deepseek32": "deepseek32",
     "glm4moe": "glm4moe",
+    "glm-dsa": "glm_dsa",
     "glm5-next": "glm5_next",
     "dots1": "dots1",
     "ernie4_5-moe": "ernie4_5_moe",

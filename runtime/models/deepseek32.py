@@ -55,7 +55,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
 class TopKIndexer(nn.Module):
     seq_on_host = True  # its key cache is indexed by step.seq as a number: no captured prompt steps
 
-    def __init__(self, ctx: BuildContext, layer: int, q_a: Linear, q_a_norm: RMSNorm) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, q_a: Linear, q_a_norm: RMSNorm, rope_style: str = "neox") -> None:
         super().__init__()
         g, w, p = ctx.weights.gguf, ctx.weights, f"blk.{layer}.indexer"
 
@@ -74,7 +74,7 @@ class TopKIndexer(nn.Module):
         self.register_buffer("k_norm_bias", w.dense(f"{p}.k_norm.bias", torch.float32), persistent=False)
         self.q_a, self.q_a_norm = q_a, q_a_norm  # the attention's own, run here without its hooks
         self.rope = Rope(
-            ctx.args.replace(rope_style="neox"), ctx.n_ctx, w.device, attn_factor=rope_attn_factor(ctx.args)
+            ctx.args.replace(rope_style=rope_style), ctx.n_ctx, w.device, attn_factor=rope_attn_factor(ctx.args)
         )
         if self.head_size % 64:
             raise MoeprepError(f"{g.path}: indexer key_length {self.head_size} is not a multiple of 64")
@@ -120,18 +120,48 @@ class TopKIndexer(nn.Module):
         return scores.masked_fill(~step.mask(), float("-inf"))
 
 
-class SparseMLA(nn.Module):
-    """MLA over the positions the indexer selects."""
+class Selection:
+    """What a DSA block's indexer selected in the current step, for the DSA blocks after it that share its indexer
+    (attention.indexer.types 0: they have no indexer tensors and attend to the same positions, as in llama.cpp).
+    Blocks run in order, so a sharing block reads its source's selection of the same step. Selections are kept by
+    where the step's rows start in its positions tensor and how many there are, so that a step run in parts (rows
+    a:b of one positions tensor each) pairs each part with its own; a step starting at row 0 drops the others."""
 
-    def __init__(self, mla: MLAttention, indexer: TopKIndexer) -> None:
+    def __init__(self) -> None:
+        self._by_rows: dict[tuple[int, int], torch.Tensor | None] = {}
+
+    @staticmethod
+    def _rows(step: Step) -> tuple[int, int]:
+        return step.positions.storage_offset(), step.positions.shape[0]
+
+    def record(self, step: Step, selected: torch.Tensor | None) -> None:
+        """selected: (T, n_slots) bool, or None for every position."""
+        rows = self._rows(step)
+        if rows[0] == 0:
+            self._by_rows.clear()
+        self._by_rows[rows] = selected
+
+    def read(self, step: Step) -> torch.Tensor | None:
+        rows = self._rows(step)
+        assert rows in self._by_rows, "a DSA block sharing an indexer ran before the block that owns it"
+        return self._by_rows[rows]
+
+
+class SparseMLA(nn.Module):
+    """DSA: MLA over the positions an indexer selects (all of them while there are few): its own indexer, which
+    records what it selected in `selection`, or, without one, the selection another block recorded there."""
+
+    def __init__(self, mla: MLAttention, indexer: nn.Module | None, selection: Selection) -> None:
         super().__init__()
-        self.mla, self.indexer = mla, indexer
+        self.mla, self.indexer, self.selection = mla, indexer, selection
 
     def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
         # i8: the norm's int8 rounding of x, unused here: its products round x themselves
-        selected = self.indexer(x, step)
+        if self.indexer is not None:
+            self.selection.record(step, self.indexer(x, step))
+        selected = self.selection.read(step)
         if selected is not None:
-            step = dataclasses.replace(step, _masks={0: selected})
+            step = dataclasses.replace(step, _masks={0: selected.to(x.device)})
         return self.mla(x, step)
 
 
@@ -145,4 +175,5 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     )
     if mla.wq_a is None:
         raise MoeprepError(f"{ctx.weights.gguf.path}: deepseek32 needs the q LoRA (attn_q_a): its indexer reads it")
-    return ctx.block(layer, SparseMLA(mla, TopKIndexer(ctx, layer, mla.wq_a, mla.q_a_norm)), ctx.ffn(layer))
+    indexer = TopKIndexer(ctx, layer, mla.wq_a, mla.q_a_norm)
+    return ctx.block(layer, SparseMLA(mla, indexer, Selection()), ctx.ffn(layer))

@@ -26,7 +26,6 @@ Letters: H heads, Hd KDA head size, Di = H Hd.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from moerun.layers import Activation, Linear, MoE, RMSNorm
 from moerun.layers.delta_rule import delta_rule_chunked, delta_rule_recurrent
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import MLAttention, rope_attn_factor
+from moerun.models.deepseek32 import Selection, SparseMLA
 from moerun.step import Step
 from moerun.weights import Weights
 
@@ -349,50 +349,6 @@ class LightningIndexer(nn.Module):
         selected = slots[None, :] > positions - (positions + 1) % self.kpool
         selected[:, : P * self.kpool] |= chosen.repeat_interleave(self.kpool, dim=1)
         return selected & (slots[None, :] <= positions)
-
-
-class Selection:
-    """What a DSA block's indexer selected in the current step, for the DSA blocks after it that share its indexer
-    (attention.indexer.types 0: they have no indexer tensors and attend to the same positions, as in llama.cpp).
-    Blocks run in order, so a sharing block reads its source's selection of the same step. Selections are kept by
-    where the step's rows start in its positions tensor and how many there are, so that a step run in parts (rows
-    a:b of one positions tensor each) pairs each part with its own; a step starting at row 0 drops the others."""
-
-    def __init__(self) -> None:
-        self._by_rows: dict[tuple[int, int], torch.Tensor | None] = {}
-
-    @staticmethod
-    def _rows(step: Step) -> tuple[int, int]:
-        return step.positions.storage_offset(), step.positions.shape[0]
-
-    def record(self, step: Step, selected: torch.Tensor | None) -> None:
-        """selected: (T, n_slots) bool, or None for every position."""
-        rows = self._rows(step)
-        if rows[0] == 0:
-            self._by_rows.clear()
-        self._by_rows[rows] = selected
-
-    def read(self, step: Step) -> torch.Tensor | None:
-        rows = self._rows(step)
-        assert rows in self._by_rows, "a DSA block sharing an indexer ran before the block that owns it"
-        return self._by_rows[rows]
-
-
-class SparseMLA(nn.Module):
-    """DSA: MLA over the positions an indexer selects (all of them while there are few): its own indexer, which
-    records what it selected in `selection`, or, without one, the selection another block recorded there."""
-
-    def __init__(self, mla: MLAttention, indexer: LightningIndexer | None, selection: Selection) -> None:
-        super().__init__()
-        self.mla, self.indexer, self.selection = mla, indexer, selection
-
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        if self.indexer is not None:
-            self.selection.record(step, self.indexer(x, step))
-        selected = self.selection.read(step)
-        if selected is not None:
-            step = dataclasses.replace(step, _masks={0: selected.to(x.device)})
-        return self.mla(x, step)
 
 
 def build_block(ctx: BuildContext, layer: int) -> HyperBlock:

@@ -252,14 +252,17 @@ def test_split_set_loads_like_the_single_file(synth_model, tmp_path):
     torch.testing.assert_close(moerun.load_model(shards[0]).forward(tokens), moerun.load_model(src).forward(tokens))
 
 
-def test_deepseek32_selection_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+@pytest.mark.parametrize("arch", ["deepseek32", "glm-dsa"])
+def test_dsa_selection_matches_llama_cpp(arch, synth_model, calibration_text, tmp_path):
     """DSA with top_k 32 over 256 positions: where the indexer's 32nd and 33rd best scores are not tied, the first
-    layer (whose input both engines share) attends to what llama.cpp's does. ReLU makes exact ties at 0 common in a
-    small synthetic indexer; llama.cpp breaks them in an unspecified order, so those positions are not judged."""
+    layer (whose input both engines share) attends to what llama.cpp's does; in glm-dsa the second block has no
+    indexer and attends over the first one's selection, so it agrees at the same positions. ReLU makes exact ties
+    at 0 common in a small synthetic indexer; llama.cpp breaks them in an unspecified order, so those positions are
+    not judged."""
     path = _with_keys(
-        synth_model("deepseek32", expert_type="F32", attn_type="F32"),
+        synth_model(arch, expert_type="F32", attn_type="F32"),
         tmp_path / "k32.gguf",
-        **{"deepseek32.attention.indexer.top_k": (32, U32)},
+        **{f"{arch}.attention.indexer.top_k": (32, U32)},
     )
     model = moerun.load_model(path)
     tokens = torch.tensor(model.tokenizer.encode(calibration_text)[:N_POSITIONS])
@@ -277,3 +280,6 @@ def test_deepseek32_selection_matches_llama_cpp(synth_model, calibration_text, t
     sparse = np.arange(N_POSITIONS) >= k
     assert clear.mean() >= 0.8 and (clear & sparse).sum() >= 150
     assert errors[0][clear].max() <= 1e-4, f"layer 0 differs by {errors[0][clear].max():.2e} where no tie decides"
+    if arch == "glm-dsa":
+        assert model.net.blocks[1].attn.attn.indexer is None  # the second block shares the first one's
+        assert errors[1][clear].max() <= 1e-4, f"layer 1 differs by {errors[1][clear].max():.2e} where no tie decides"
