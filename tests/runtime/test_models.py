@@ -185,6 +185,8 @@ QUANTIZED = [
     ("dots1", "Q8_0"),
     ("ernie4_5-moe", "Q4_K"),
     ("hunyuan-moe", "Q4_K"),
+    ("gemma4", "Q8_0"),
+    ("gemma4", "Q4_K"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
