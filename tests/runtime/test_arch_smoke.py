@@ -118,3 +118,61 @@ def test_llama4_with_several_experts_per_token_is_refused(synth_model, tmp_path)
     )
     with pytest.raises(MoeprepError, match="2 experts per token is not supported"):
         moerun.load_model(path)
+
+
+def _fused_gate_up(src, out):
+    """`src` rewritten with each layer's ffn_gate_exps and ffn_up_exps as one ffn_gate_up_exps [E, 2I, D] (gate rows
+    first), the layout Gemma 4's converter writes."""
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import OutputTensor, copied_tensor, write_gguf
+
+    g = open_gguf(src)
+    infos = {t.name: t for t in g.tensors}
+    tensors = []
+    for t in g.tensors:
+        if t.name.endswith(".ffn_up_exps.weight"):
+            continue
+        if t.name.endswith(".ffn_gate_exps.weight"):
+            up = infos[t.name.replace("ffn_gate_exps", "ffn_up_exps")]
+            E, rows, cols = t.shape
+            fused = np.concatenate([g.raw(t).reshape(E, rows, -1), g.raw(up).reshape(E, rows, -1)], axis=1)
+            name = t.name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+            tensors.append(OutputTensor(name, t.ggml_type, (E, 2 * rows, cols), lambda data=fused: [data]))
+        else:
+            tensors.append(copied_tensor(g, t))
+    write_gguf(out, g, tensors=tensors)
+    return out
+
+
+def test_gemma4_fused_gate_up_experts_are_refused_in_one_line(synth_model, tmp_path):
+    """llama.cpp runs the fused layout to the same logits; moerun, which reads gate and up apart, says so."""
+    from moeprep.errors import MoeprepError
+    from tests.oracle import llama_eval
+
+    split = synth_model("gemma4", expert_type="F32", attn_type="F32")
+    fused = _fused_gate_up(split, tmp_path / "fused.gguf")
+    tokens = moerun.load_model(split).tokenizer.encode(PROMPT)
+    np.testing.assert_allclose(llama_eval(fused, tokens).logits, llama_eval(split, tokens).logits, rtol=0, atol=1e-5)
+    with pytest.raises(MoeprepError, match="fused ffn_gate_up_exps tensor are not supported"):
+        moerun.load_model(fused)
+
+
+@pytest.mark.parametrize(
+    "key,message",
+    [
+        ("gemma4.embedding_length_per_layer_input", "per-layer token embeddings"),
+        ("gemma4.attention.shared_kv_layers", "layers sharing KV caches"),
+    ],
+)
+def test_gemma4_edge_model_features_are_refused(key, message, synth_model, tmp_path):
+    """Gemma 4's dense E2B/E4B models' per-layer embeddings and shared KV caches are not run."""
+    from gguf import GGUFValueType
+
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import KVValue, write_gguf
+
+    path = tmp_path / "edge.gguf"
+    write_gguf(path, open_gguf(synth_model("gemma4")), kv_set={key: KVValue(2, GGUFValueType.UINT32)})
+    with pytest.raises(MoeprepError, match=message):
+        moerun.load_model(path)
