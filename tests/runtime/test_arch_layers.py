@@ -353,7 +353,10 @@ def test_gemma4_attention_equals_float64() -> None:
         )
         x = torch.randn(T, D, generator=gen)
         got = torch.cat(
-            [layer(x[:-1], Step(torch.arange(T - 1), n_slots=T - 1)), layer(x[-1:], Step(torch.tensor([T - 1]), n_slots=T))]
+            [
+                layer(x[:-1], Step(torch.arange(T - 1), n_slots=T - 1)),
+                layer(x[-1:], Step(torch.tensor([T - 1]), n_slots=T)),
+            ]
         )
         xd, pos = x.double().numpy(), np.arange(T)
         unit = lambda t: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS)  # noqa: E731
