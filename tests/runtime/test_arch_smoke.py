@@ -153,8 +153,23 @@ def test_gemma4_fused_gate_up_experts_are_refused_in_one_line(synth_model, tmp_p
     fused = _fused_gate_up(split, tmp_path / "fused.gguf")
     tokens = moerun.load_model(split).tokenizer.encode(PROMPT)
     np.testing.assert_allclose(llama_eval(fused, tokens).logits, llama_eval(split, tokens).logits, rtol=0, atol=1e-5)
-    with pytest.raises(MoeprepError, match="fused ffn_gate_up_exps tensor are not supported"):
+    with pytest.raises(MoeprepError, match="gemma4 with ffn_gate_up_exps .projections fused into one tensor"):
         moerun.load_model(fused)
+
+
+def test_gemma4_fused_qkv_is_refused_in_one_line(synth_model, tmp_path):
+    import dataclasses
+
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    g = open_gguf(synth_model("gemma4"))
+    renamed = {"blk.0.attn_q.weight": "blk.0.attn_qkv.weight"}
+    tensors = [dataclasses.replace(copied_tensor(g, t), name=renamed.get(t.name, t.name)) for t in g.tensors]
+    write_gguf(tmp_path / "qkv.gguf", g, tensors=tensors)
+    with pytest.raises(MoeprepError, match="gemma4 with attn_qkv .projections fused into one tensor"):
+        moerun.load_model(tmp_path / "qkv.gguf")
 
 
 @pytest.mark.parametrize(
