@@ -32,6 +32,7 @@ FAMILIES = {
     "dots1",
     "ernie4_5-moe",
     "hunyuan-moe",
+    "gemma4",
 }
 GOOD = """
 name = "Test"
