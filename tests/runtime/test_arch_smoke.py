@@ -144,17 +144,32 @@ def _fused_gate_up(src, out):
     return out
 
 
-def test_gemma4_fused_gate_up_experts_are_refused_in_one_line(synth_model, tmp_path):
-    """llama.cpp runs the fused layout to the same logits; moerun, which reads gate and up apart, says so."""
+def test_gemma4_fused_gate_up_experts_are_refused_then_split(synth_model, tmp_path):
+    """llama.cpp runs the fused layout to the same logits; moerun, which reads gate and up apart, names the command
+    that splits them, whose output holds the split file's tensors byte for byte and runs."""
+    from click.testing import CliRunner
+
+    from moeprep.cli import main as moeprep_main
     from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
     from tests.oracle import llama_eval
 
     split = synth_model("gemma4", expert_type="F32", attn_type="F32")
     fused = _fused_gate_up(split, tmp_path / "fused.gguf")
     tokens = moerun.load_model(split).tokenizer.encode(PROMPT)
     np.testing.assert_allclose(llama_eval(fused, tokens).logits, llama_eval(split, tokens).logits, rtol=0, atol=1e-5)
-    with pytest.raises(MoeprepError, match="gemma4 with ffn_gate_up_exps .projections fused into one tensor"):
+    with pytest.raises(MoeprepError, match="moeprep split-experts"):
         moerun.load_model(fused)
+    out = tmp_path / "split-again.gguf"
+    result = CliRunner().invoke(moeprep_main, ["split-experts", str(fused), str(out)])
+    assert result.exit_code == 0, result.output
+    a, b = open_gguf(split), open_gguf(out)
+    assert [(t.name, t.ggml_type, t.shape) for t in a.tensors] == [(t.name, t.ggml_type, t.shape) for t in b.tensors]
+    assert all(bytes(a.raw(t)) == bytes(b.raw(u)) for t, u in zip(a.tensors, b.tensors))
+    again = CliRunner().invoke(moeprep_main, ["split-experts", str(out), str(tmp_path / "third.gguf")])
+    assert again.exit_code == 2 and "already split" in again.output
+    prompt = torch.tensor(tokens)
+    assert torch.equal(moerun.load_model(out).forward(prompt), moerun.load_model(split).forward(prompt))
 
 
 def test_gemma4_fused_qkv_is_refused_in_one_line(synth_model, tmp_path):
