@@ -166,6 +166,25 @@ def to_mainline(source: str, out: str, split_max_size: str | None) -> None:
     click.echo(f"{dialect.fork} -> {dialect.mainline}: {', '.join(map(str, paths))} (tensors copied byte for byte)")
 
 
+@main.command("split-experts")
+@click.argument("source", metavar="IN", type=click.Path(path_type=str))
+@click.argument("out", metavar="OUT", type=click.Path(path_type=str))
+@click.option("--split-max-size", help="Write llama.cpp shards of at most this size (48G).")
+def split_experts(source: str, out: str, split_max_size: str | None) -> None:
+    """Rewrite fused ffn_gate_up_exps experts (Gemma 4's converter writes them) as ffn_gate_exps and ffn_up_exps, the
+    layout moerun runs: the same bytes, nothing requantized."""
+    from tqdm import tqdm
+
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.split_experts import split_experts as rewrite
+    from moeprep.units import parse_size
+
+    total = sum(t.n_bytes for t in open_gguf(source).tensors)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="split", dynamic_ncols=True) as bar:
+        paths = rewrite(source, out, parse_size(split_max_size) if split_max_size else None, bar.update)
+    click.echo(f"{', '.join(map(str, paths))}: experts' gate and up split (tensors copied byte for byte)")
+
+
 main.add_command(profile)  # the `moeprep profile` group lives with its package
 main.add_command(routing)  # `moeprep routing`: traces of named regimes and their statistics
 

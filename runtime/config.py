@@ -77,6 +77,10 @@ class ModelArgs:
     head_dim_mla: int
     v_head_dim_mla: int
     n_nextn_layers: int
+    # Gemma: the token embedding is multiplied by embed_scale (1: none); logits are soft-capped at logit_softcap
+    # (0: none)
+    embed_scale: float = 1.0
+    logit_softcap: float = 0.0
 
     @classmethod
     def from_gguf(

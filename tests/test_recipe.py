@@ -34,6 +34,7 @@ FAMILIES = {
     "hunyuan-moe",
     "bailingmoe2",
     "glm-dsa",
+    "gemma4",
 }
 GOOD = """
 name = "Test"

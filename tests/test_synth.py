@@ -221,9 +221,11 @@ def test_metadata_follows_the_arch_table(tiny_models: dict[str, Path]) -> None:
     assert kv["llama"]["llama.feed_forward_length"] == 32  # Mixtral: the experts' width
     assert kv["llama4"]["llama4.interleave_moe_layer_step"] == 2
     assert kv["mimo2"]["mimo2.attention.head_count_kv"] == [2, 4, 2]  # sliding layers have twice the KV heads
+    assert kv["gemma4"]["gemma4.attention.key_length_swa"] == 16 and kv["gemma4"]["gemma4.attention.key_length"] == 32
+    assert kv["gemma4"]["tokenizer.ggml.model"] == "gemma4" and "tokenizer.ggml.pre" not in kv["gemma4"]
     for arch, keys in kv.items():
         assert keys["general.architecture"] == arch
-        assert keys["tokenizer.ggml.pre"] == "qwen2"
+        assert arch == "gemma4" or keys["tokenizer.ggml.pre"] == "qwen2"  # Gemma 4's converter writes none
         used = 1 if arch == "llama4" else 4  # Llama 4 routes to one expert
         assert keys[f"{arch}.expert_count"] == 16 and keys[f"{arch}.expert_used_count"] == used
 

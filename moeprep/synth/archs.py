@@ -13,6 +13,7 @@ from typing import Any
 from gguf import MODEL_ARCH, Keys
 
 from moeprep.synth.config import SynthConfig
+from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mimo2 import MIMO2
@@ -295,5 +296,8 @@ ARCHS: dict[str, ArchSpec] = {
                 Keys.LLM.EXPERT_GROUP_USED_COUNT: lambda c: 2 if c.n_expert % 4 == 0 else 1,
             },
         ),
+        # Gemma 4 (26B-A4B): sliding and full layers of different head sizes, a dense GELU MLP beside the experts,
+        # norms after every sublayer, soft-capped logits, the gemma4 tokenizer (moeprep/synth/gemma4.py).
+        GEMMA4,
     )
 }

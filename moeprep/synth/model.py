@@ -21,7 +21,7 @@ from moeprep.synth.archs import ARCHS
 from moeprep.synth.config import SynthConfig, resolve_config
 from moeprep.synth.parts import ArchSpec, TensorSpec, model_metadata, model_tensors
 from moeprep.synth.routing import shape_routing
-from moeprep.synth.tokenizer import load_vocab, padded_vocab, vocab_metadata
+from moeprep.synth.tokenizer import load_vocab, padded_vocab, sentencepiece_style, vocab_metadata
 from moeprep.synth.weights import BIAS_CHANNEL, RANDOM_BLOCKS, byte_shape, quantize, random_blocks, tensor_rng
 
 Q = GGMLQuantizationType
@@ -140,6 +140,15 @@ def general_metadata(c: SynthConfig, types: list[GGMLQuantizationType]) -> dict[
     }
 
 
+def tokenizer_metadata(spec: ArchSpec, c: SynthConfig) -> dict[str, KVValue]:
+    """The tokenizer.ggml.* keys of the arch's tokenizer model, its vocabulary padded to n_vocab tokens: the shipped
+    byte-level BPE ("gpt2"), or the same recast as SentencePiece-style pieces ("gemma4", which llama.cpp splits its
+    own way and always starts with BOS: no pre-tokenizer name is written, as Gemma 4's converter writes none)."""
+    if spec.tokenizer == "gemma4":
+        return vocab_metadata(padded_vocab(sentencepiece_style(load_vocab()), c.n_vocab), model="gemma4", pre=None)
+    return vocab_metadata(padded_vocab(load_vocab(), c.n_vocab))
+
+
 def write_synth_model(
     path: str | Path,
     arch: str = "qwen3moe",
@@ -187,11 +196,10 @@ def write_synth_model(
     if not path.parent.is_dir():
         raise MoeprepError(f"{path.parent}: output folder does not exist")
     spec: ArchSpec = ARCHS[arch]
-    vocab = padded_vocab(load_vocab(), c.n_vocab)
     tensors, types = planned_tensors(c)
 
     writer = GGUFWriter(path=None, arch=spec.name)
-    metadata = general_metadata(c, types) | model_metadata(spec, c) | vocab_metadata(vocab)
+    metadata = general_metadata(c, types) | model_metadata(spec, c) | tokenizer_metadata(spec, c)
     for key, kv in metadata.items():
         writer.add_key_value(key, kv.value, kv.vtype, kv.sub_type)
     for t, qtype in zip(tensors, types):

@@ -274,10 +274,15 @@ class ArchSpec:
     derived: Mapping[str, Rule] = field(default_factory=dict)  # config fields this arch sets (see config.py)
     metadata: Mapping[str, MetaRule] = field(default_factory=dict)  # extra keys, templates of gguf.Keys
     checks: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = ()
+    tokenizer: str = "gpt2"  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "gemma4" (moeprep/synth/tokenizer.py)
 
     @property
     def name(self) -> str:
         return self.arch if isinstance(self.arch, str) else MODEL_ARCH_NAMES[self.arch]
+
+    def global_tensors(self, c: SynthConfig) -> list[TensorSpec]:
+        """Tensors outside the blocks besides the embedding, output norm and head (Gemma 4's rope_freqs)."""
+        return []
 
     def layer_tensors(self, c: SynthConfig, il: int) -> list[TensorSpec]:
         """attn_norm, attention, the FFN norm, then a dense FFN (leading layers) or the MoE block."""
@@ -293,8 +298,9 @@ class ArchSpec:
 
 
 def model_tensors(spec: ArchSpec, c: SynthConfig, n_vocab: int) -> list[TensorSpec]:
-    """Every tensor in file order: token_embd [V, D], the layers, output_norm [D], output [V, D]."""
-    out = [TensorSpec(tensor_name(T.TOKEN_EMBD), (n_vocab, c.n_embd), Embedding())]
+    """Every tensor in file order: token_embd [V, D], the arch's global tensors, the layers, output_norm [D],
+    output [V, D]."""
+    out = [TensorSpec(tensor_name(T.TOKEN_EMBD), (n_vocab, c.n_embd), Embedding()), *spec.global_tensors(c)]
     for il in range(c.n_layer):
         out += spec.layer_tensors(c, il)
     out += [

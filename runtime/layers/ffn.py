@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,12 +35,38 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+# ggml's tanh-approximated GELU: 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))).
+GELU_COEF_A = 0.044715
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_TABLE_RANGE = 10.0  # beyond +-this ggml's CPU GELU takes x (above) or 0 (below) instead of its table
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) of float32 x, in ggml_gelu_f32's order of float32 operations."""
+    return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)))
+
+
+def gelu_half_table(x: torch.Tensor) -> torch.Tensor:
+    """GELU as llama.cpp's CPU backend computes it for float32 tensors: x rounded to float16, looked up in a table of
+    gelu_tanh over every float16 value (its entries float16 too); x itself above GELU_TABLE_RANGE, 0 below minus
+    it. The two float16 roundings move a value by up to 2^-11 of it, well beyond float32's last bits."""
+    x = x.float()
+    table = gelu_tanh(x.half().float()).half().float()
+    return torch.where(x >= GELU_TABLE_RANGE, x, torch.where(x <= -GELU_TABLE_RANGE, torch.zeros_like(x), table))
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated GELU (ggml's geglu): GELU of the gate, as llama.cpp's CPU backend computes it, times up."""
+    return gelu_half_table(gate) * up
+
+
 # The torch reference of each activation by name: act(gate, up, limit); `limit` is read only by those with a clamp
 # that varies per model or block (gpt-oss's is fixed).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     "swiglu": lambda gate, up, limit: swiglu(gate, up),
     "swiglu_oai": lambda gate, up, limit: swiglu_oai(gate, up),
     "swiglu_clamp": swiglu_clamp,
+    "geglu": lambda gate, up, limit: geglu(gate, up),
 }
 
 

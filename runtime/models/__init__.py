@@ -17,6 +17,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "glm5-next": "glm5_next",
     "dots1": "dots1",
     "ernie4_5-moe": "ernie4_5_moe",
+    "gemma4": "gemma4",
     "gpt-oss": "gpt_oss",
     "hunyuan-moe": "hunyuan_moe",
     "llama": "llama",

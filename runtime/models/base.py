@@ -37,6 +37,7 @@ from moerun.layers import (
     Rope,
     Router,
 )
+from moerun.layers.softcap import SoftCappedHead
 from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
 from moerun.weights import Weights
@@ -178,7 +179,8 @@ class ByGroups(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding -> blocks -> final RMSNorm -> output head (token_embd when output.weight is absent).
+    """Token embedding (times args.embed_scale) -> blocks -> final RMSNorm -> output head (token_embd when
+    output.weight is absent; soft-capped where args.logit_softcap says).
 
     `layout` says which device runs each block (all on ctx's device without one): the embedding sits with the first
     block, the norm and head with the last, and the hidden state and the step move at each change of device."""
@@ -188,13 +190,14 @@ class Transformer(nn.Module):
         self.layout = layout or DeviceMap((ctx.weights.device,), (0,) * len(blocks))
         self.runs = self.layout.runs()  # [(device, slice of blocks)]
         w = ctx.on(self.layout.first).weights
-        self.embed = Embedding(w, "token_embd.weight")
+        self.embed = Embedding(w, "token_embd.weight", ctx.args.embed_scale)
         for block in blocks:
             block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
         last = ctx.on(self.layout.last)
         self.norm = last.norm("output_norm.weight")
-        self.output = last.linear("output" if "output.weight" in last.weights else "token_embd")
+        head = last.linear("output" if "output.weight" in last.weights else "token_embd")
+        self.output = SoftCappedHead(head, ctx.args.logit_softcap) if ctx.args.logit_softcap else head
 
     def forward(self, tokens: torch.Tensor, step: Step, outputs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the

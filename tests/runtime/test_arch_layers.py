@@ -1,7 +1,8 @@
 """The layers the newer architectures brought, against float64 references written here from the algorithm: the
 gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefilled in chunks, then decoded token by
 token from the state it left, two sequences side by side, a sequence started anew), gated attention
-(layers/gated_attention.py) and Llama 4's chunked and temperature-scaled attentions (models/llama4.py)."""
+(layers/gated_attention.py), Llama 4's chunked and temperature-scaled attentions (models/llama4.py), Gemma's GEGLU
+(layers/ffn.py), logit soft-capping (layers/softcap.py) and Gemma 4's attention (models/gemma4.py)."""
 
 from __future__ import annotations
 
@@ -270,3 +271,112 @@ def test_llama4_attention_equals_float64(rope: bool) -> None:
             out[t, h] = e @ vv / e.sum()
     want = out.reshape(T, H * Dh) @ wo.weight.double().numpy().T
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def gelu_tanh_f64(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * x * (1 + 0.044715 * x * x)))
+
+
+def test_geglu_equals_float64_within_its_float16_table() -> None:
+    """Gemma's GEGLU as llama.cpp's CPU backend computes it: GELU (tanh form) read from a float16 table, so within
+    two float16 roundings (input and entry, 2^-11 relative each) of float64; the gate itself above 10, 0 below -10."""
+    from moerun.layers.ffn import geglu
+
+    g = torch.cat([torch.linspace(-12, 12, 4801), torch.linspace(-1e-4, 1e-4, 101)]).float()
+    u = torch.linspace(-2, 3, len(g)).float()
+    got = geglu(g, u).double().numpy()
+    gd, ud = g.double().numpy(), u.double().numpy()
+    want = np.where(gd >= 10, gd, np.where(gd <= -10, 0.0, gelu_tanh_f64(gd))) * ud
+    # input rounding moves GELU by at most 1.13 |g| 2^-11 (its slope stays under 1.13), the entry's by |GELU| 2^-11;
+    # below 2^-14 float16 is subnormal, its steps 2^-24 apart, half a step each rounding
+    rel = (1.13 * np.abs(gd) + np.abs(gelu_tanh_f64(gd))) * 2.0**-11
+    bound = (rel + 2.0**-24 * 1.13) * np.abs(ud)
+    assert (np.abs(got - want) <= bound).all()
+    table = (np.abs(gd) < 10) & (np.abs(gd) > 1e-3)
+    assert (np.abs(got - want)[table] > 1e-7 * np.abs(want)[table]).any()  # the table's roundings are there
+    plain = (g * u).double().numpy()  # the gate itself times up, in float32
+    assert np.array_equal(got[gd >= 10], plain[gd >= 10]) and (got[gd <= -10] == 0).all()
+
+
+def test_softcap_equals_float64() -> None:
+    from moerun.layers.softcap import SoftCappedHead, softcap
+
+    gen = torch.Generator().manual_seed(3)
+    head = linear(gen, 50, D)
+    x = torch.randn(7, D, generator=gen) * 20
+    got = SoftCappedHead(head, 5.0)(x).double().numpy()
+    logits = x.double().numpy() @ head.weight.double().numpy().T
+    want = 5.0 * np.tanh(logits / 5.0)
+    assert np.abs(got - want).max() <= 1e-5 * 5.0
+    assert np.abs(got).max() <= 5.0 and np.abs(logits).max() > 10  # the cap bites
+    assert torch.equal(softcap(torch.tensor([0.0]), 5.0), torch.tensor([0.0]))
+
+
+def test_gemma4_attention_equals_float64() -> None:
+    """Gemma 4's attention on a full layer whose values are its keys' projection (no attn_v) and on a sliding one:
+    Q and K RMS-normalised per head with weights, V without one; NeoX RoPE turning only the pairs whose rope_freqs
+    divisor is 1 (the others 1e30); unscaled scores; the window on the sliding layer. A prompt, then a decode step."""
+    from moerun.models.gemma4 import Gemma4Attention
+
+    gen = torch.Generator().manual_seed(11)
+    T, H, G, Dh, window, rotated = 20, 4, 2, 8, 6, 1  # one of Dh/2 = 4 pairs turns
+    args = SimpleNamespace(
+        rope_dim=Dh,
+        rope_base=10000.0,
+        rope_style="neox",
+        rope_scaling="none",
+        rope_freq_scale=1.0,
+        rope_attn_factor=1.0,
+    )
+    factors = torch.tensor([1.0] * rotated + [1e30] * (Dh // 2 - rotated))
+    for sliding in (False, True):
+        wq, wk, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
+        wv = linear(gen, G * Dh, D) if sliding else wk
+        qn, kn = (1 + 0.2 * torch.randn(Dh, generator=gen) for _ in range(2))
+        layer = Gemma4Attention(
+            wq=wq,
+            wk=wk,
+            wv=wv,
+            wo=wo,
+            rope=Rope(args, T, torch.device("cpu"), freq_factors=factors),
+            cache=KVCache(T, G, Dh, Dh, torch.float32, torch.device("cpu")),
+            n_heads=H,
+            n_kv_heads=G,
+            head_dim=Dh,
+            v_head_dim=Dh,
+            scale=1.0,
+            q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
+            k_norm=RMSNorm(kn, EPS, TORCH_KERNELS),
+            window=window if sliding else 0,
+            kernels=TORCH_KERNELS,
+            eps=EPS,
+        )
+        x = torch.randn(T, D, generator=gen)
+        got = torch.cat(
+            [
+                layer(x[:-1], Step(torch.arange(T - 1), n_slots=T - 1)),
+                layer(x[-1:], Step(torch.tensor([T - 1]), n_slots=T)),
+            ]
+        )
+        xd, pos = x.double().numpy(), np.arange(T)
+        unit = lambda t: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS)  # noqa: E731
+        q = unit((xd @ wq.weight.double().numpy().T).reshape(T, H, Dh)) * qn.double().numpy()
+        k_raw = (xd @ wk.weight.double().numpy().T).reshape(T, G, Dh)
+        k = unit(k_raw) * kn.double().numpy()
+        v = unit((xd @ wv.weight.double().numpy().T).reshape(T, G, Dh))
+
+        def rotate(t: np.ndarray) -> np.ndarray:  # NeoX halves; pairs past `rotated` stand still
+            ang = pos[:, None, None] * 10000.0 ** (-np.arange(Dh // 2) * 2 / Dh) * (np.arange(Dh // 2) < rotated)
+            a, b = t[..., : Dh // 2], t[..., Dh // 2 :]
+            return np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1)
+
+        q, k = rotate(q), rotate(k)
+        out = np.zeros((T, H, Dh))
+        for t in range(T):
+            first = max(0, t - window + 1) if sliding else 0
+            for h in range(H):
+                s = k[first : t + 1, h // (H // G)] @ q[t, h]
+                e = np.exp(s - s.max())
+                out[t, h] = e @ v[first : t + 1, h // (H // G)] / e.sum()
+        want = out.reshape(T, H * Dh) @ wo.weight.double().numpy().T
+        assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max(), f"sliding={sliding}"

@@ -502,14 +502,16 @@ def test_layers_pass_the_norms_rounding_to_their_products(gen, monkeypatch):
 # --------------------------------------------------------------------------------------------------- whole model
 
 
-def test_model_with_fused_kernels(synth_model, monkeypatch):
-    """A qwen3moe prefill and decode steps with every layer on the fused kernels (as on CUDA) against the torch
-    ops, both in float32 (on the CPU in CI, on the GPU's path where there is one): the logits agree within float32
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
+def test_model_with_fused_kernels(arch, synth_model, monkeypatch):
+    """A prefill and decode steps with every layer on the fused kernels (as on CUDA) against the torch ops, both in
+    float32 (on the CPU in CI, on the GPU's path where there is one): the logits agree within float32
     summation-order noise. F32 weights, whose inputs are not rounded to 8-bit blocks (that rounding would turn a
-    last-bit difference into a quantization step now and then)."""
+    last-bit difference into a quantization step now and then). gemma4: layers of two head sizes, RoPE with
+    frequency divisors, GEGLU and soft-capped logits on the GPU's kernels."""
     import moerun
 
-    path = synth_model("qwen3moe", expert_type="F32", attn_type="F32")
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
     tokens = torch.tensor([3, 17, 99, 5, 250, 1000, 42, 7, 8, 9, 10, 11])
     reference = moerun.load_model(path, device=DEVICE, dtype=torch.float32, options=RuntimeOptions(fused=False))
     options = RuntimeOptions(triton_on_cpu=True)

@@ -70,6 +70,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "hunyuan-moe",
         "bailingmoe2",
         "glm-dsa",
+        "gemma4",
     ],
 )
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):

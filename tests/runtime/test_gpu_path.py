@@ -40,7 +40,7 @@ def logits_of(model, tokens: list[int]) -> torch.Tensor:
     return model.forward(torch.tensor(tokens)).float().cpu()
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2", "glm4moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "gemma4"])
 @pytest.mark.parametrize(("experts", "attn"), [("F16", "F16"), ("Q4_K", "Q8_0")])
 def test_gpu_path_matches_the_cpu_reference(synth_model, arch, experts, attn):
     path = synth_model(arch, preset="small", expert_type=experts, attn_type=attn)

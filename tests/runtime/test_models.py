@@ -186,6 +186,8 @@ QUANTIZED = [
     ("ernie4_5-moe", "Q4_K"),
     ("hunyuan-moe", "Q4_K"),
     ("bailingmoe2", "Q4_K"),
+    ("gemma4", "Q8_0"),
+    ("gemma4", "Q4_K"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
@@ -283,3 +285,19 @@ def test_dsa_selection_matches_llama_cpp(arch, synth_model, calibration_text, tm
     if arch == "glm-dsa":
         assert model.net.blocks[1].attn.attn.indexer is None  # the second block shares the first one's
         assert errors[1][clear].max() <= 1e-4, f"layer 1 differs by {errors[1][clear].max():.2e} where no tie decides"
+
+
+def test_gemma4_layer_without_router_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """A gemma4 layer with no ffn_gate_inp runs its dense MLP alone (its experts' branch and their norms absent)."""
+    from moeprep.gguf.writer import copied_tensor
+
+    src = open_gguf(synth_model("gemma4", expert_type="F32", attn_type="F32"))
+    moe_only = ("ffn_gate_inp", "_exps", "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")
+    kept = [t for t in src.tensors if not (t.name.startswith("blk.1.") and any(p in t.name for p in moe_only))]
+    path = tmp_path / "dense1.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in kept])
+    model = moerun.load_model(path)
+    assert model.net.blocks[1].moe is None and model.net.blocks[0].moe is not None
+    c = compare(path, calibration_text)
+    assert sorted(c.ref_experts) == [0, 2]
+    assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999

@@ -119,8 +119,40 @@ def _swiglu_clamp(g: np.float32, u: np.float32, limit: np.float32) -> np.float32
     return g / (F32(1) + np.exp(-g)) * u
 
 
+F16_MIN_NORMAL = 2.0**-14  # below it float16 values are subnormal, spaced 2^-24 apart
+F16_SUBNORMAL_STEP = 2.0**-24
+
+
+@numba.njit(**JIT)
+def _round_f16(x: np.float32) -> np.float32:
+    """x rounded to the nearest float16 value (ties to even), as a float32; |x| within float16's range."""
+    if abs(x) < F32(F16_MIN_NORMAL):
+        return F32(np.rint(x / F32(F16_SUBNORMAL_STEP)) * F32(F16_SUBNORMAL_STEP))
+    bits = np.array([x], np.float32).view(np.int32)[0]
+    bits = (bits + np.int32(0xFFF) + ((bits >> 13) & np.int32(1))) & np.int32(~0x1FFF)  # 23 -> 10 mantissa bits
+    return np.array([bits], np.int32).view(np.float32)[0]
+
+
+@numba.njit(**JIT)
+def _geglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """Gemma (moerun.layers.ffn.geglu): GELU of the gate as ggml's CPU backend computes it (float16 table over
+    [-10, 10], the gate itself above, 0 below), times up."""
+    if g >= F32(10):
+        return g * u
+    if g <= F32(-10):
+        return F32(0)
+    h = _round_f16(g)
+    gelu = F32(0.5) * h * (F32(1) + np.tanh(F32(0.7978845608028654) * h * (F32(1) + F32(0.044715) * h * h)))
+    return _round_f16(gelu) * u
+
+
 # Expert activations by name: moerun.layers.ACTIVATIONS' and moerun.models.glm5_next.swiglu_clamp.
-ACTIVATIONS: dict[str, Callable] = {"swiglu": _swiglu, "swiglu_oai": _swiglu_oai, "swiglu_clamp": _swiglu_clamp}
+ACTIVATIONS: dict[str, Callable] = {
+    "swiglu": _swiglu,
+    "swiglu_oai": _swiglu_oai,
+    "swiglu_clamp": _swiglu_clamp,
+    "geglu": _geglu,
+}
 
 
 _ACTIVATION_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
