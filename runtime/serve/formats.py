@@ -65,10 +65,15 @@ def _checked_object(value: Any) -> dict[str, Any]:
     return value
 
 
+def is_text_parameter(schema: dict[str, Any]) -> bool:
+    """Whether the XML-like formats write a parameter's value as bare text (else as JSON): a `string` one."""
+    return schema.get("type") == "string"
+
+
 def _typed(value: str, name: str, key: str, tools: dict[str, dict]) -> Any:
     """A bare-text argument value by its parameter's schema type."""
     schema = (tools.get(name) or {}).get("properties", {}).get(key, {})
-    if schema.get("type") == "string":
+    if is_text_parameter(schema):
         return value
     try:
         return json.loads(value)

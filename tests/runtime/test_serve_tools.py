@@ -416,6 +416,7 @@ CONSTRAINED_TOOLS = [
                 "properties": {
                     "city": {"enum": ["Paris", "Rome", "Oslo"]},
                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "note": {"type": "string", "maxLength": 12},
                 },
                 "required": ["city", "days"],
                 "additionalProperties": False,
@@ -437,22 +438,27 @@ CONSTRAINED_TOOLS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["hermes", "mistral", "deepseek-v3.1", "kimi-k2"])
+@pytest.mark.parametrize("family", [*sorted(FAMILIES), "harmony"])
 def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_model, tmp_path):
     """A model with no script (its output head all zeros: every token equally likely), sampled: tool_choice
-    "required" and a named function make the answer one call of a given tool, the family's markers (control tokens
-    where the real models' are) written by the grammar, the arguments valid against the tool's schema, whole and
-    streamed."""
+    "required" and a named function make the answer one call of a given tool in the family's own syntax, its
+    markers (control tokens where the real models' are) written by the grammar, the arguments valid against the
+    tool's schema (the XML-like formats' bare-text values included: a pattern, an enum, a bounded free text), whole
+    and streamed."""
     import jsonschema
 
-    detect, pieces, control = FAMILIES[family]
+    if family == "harmony":
+        detect, control = "messages in harmony channels: <|channel|>", HARMONY
+    else:
+        detect, _, control = FAMILIES[family]
+        detect = f"tool calls are written as {detect}"
     path = scripted_model(
         synth_model("qwen3moe", expert_type="F32", attn_type="F32"),
         tmp_path / "m.gguf",
-        TEMPLATE.replace("FORMAT", f"tool calls are written as {detect}"),
+        TEMPLATE.replace("FORMAT", detect),
         {},
         control,
-        extra_tokens=[p for p in pieces if p in control],
+        extra_tokens=list(control),
     )
     server = LiveServer(path)
     try:
@@ -471,7 +477,7 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
                 tool_choice=choice,
                 temperature=1.0,
                 seed=seed,
-                max_tokens=100,
+                max_tokens=200,
             )
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
             (call,) = r.choices[0].message.tool_calls
@@ -486,7 +492,7 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
                 tool_choice="required",
                 temperature=1.0,
                 seed=4,
-                max_tokens=100,
+                max_tokens=200,
                 stream=True,
             )
         )

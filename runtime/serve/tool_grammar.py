@@ -1,0 +1,254 @@
+"""Grammars (llguidance's lark syntax) that force one tool call in a tool format's own syntax, for `tool_choice`
+"required" or a named function: the call's markers as the format writes them (control tokens by id), the name of
+one of the offered tools, and arguments valid against that tool's JSON schema.
+
+Formats whose arguments are one JSON value embed the schema whole (`%json{...}`). The XML-like formats write each
+argument on its own: a parameter the parser reads as bare text (`formats.is_text_parameter`) is a terminal whose
+text follows the string's schema (enum, const, pattern, minLength/maxLength) and never contains a tag that would end
+the value, the call or the block early; any other parameter is a JSON value of its schema. Parameters come in the
+schema's order, the required ones always, the others optionally. `format` keywords are not enforced on bare text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import llguidance
+
+from moerun.serve.formats import DS_CALL, DS_END, DS_SEP, is_text_parameter
+
+# JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
+NO_FREE_WHITESPACE = {"whitespace_flexible": False}
+
+_REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching it alone (inside lark's /.../)."""
+    out = []
+    for ch in text:
+        if ch in _REGEX_SPECIAL:
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif not ch.isprintable() or ch.isspace():
+            out.append(f"\\x{{{ord(ch):x}}}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _pattern_regex(pattern: str) -> str:
+    """A JSON schema `pattern` (found anywhere in the string) as a regex the whole text must match."""
+    head, tail = "(?s:.*)", "(?s:.*)"
+    if pattern.startswith("^"):
+        pattern, head = pattern[1:], ""
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern, tail = pattern[:-1], ""
+    return f"{head}(?:{llguidance.regex_to_lark(pattern, 'dw')}){tail}"
+
+
+def _string_regex(schema: dict[str, Any]) -> list[str]:
+    """Regexes a bare-text string value must all match, from its schema."""
+    regexes = []
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if choices is not None:
+        texts = [c for c in choices if isinstance(c, str)]
+        regexes.append("|".join(_regex_literal(t) for t in texts) if texts else "[^\\x{0}-\\x{10ffff}]")
+    if isinstance(schema.get("pattern"), str):
+        regexes.append(_pattern_regex(schema["pattern"]))
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if low or high is not None:
+        regexes.append(f"(?s:.{{{int(low)},{'' if high is None else int(high)}}})")
+    return regexes or ["(?s:.*)"]
+
+
+class CallGrammar:
+    """One grammar being written: its rules and terminals, and the pieces a call is made of."""
+
+    def __init__(self, control: dict[str, int]) -> None:
+        self.control = control
+        self.rules: list[str] = []
+
+    def lit(self, text: str) -> str:
+        """A literal text; a control token's text as that token."""
+        return f"<[{self.control[text]}]>" if text in self.control else json.dumps(text)
+
+    def seq(self, *parts: str | Expr) -> Expr:
+        """Literal texts (control tokens where they are ones) and grammar expressions, in order."""
+        return Expr(" ".join(p.text if isinstance(p, Expr) else self.lit(p) for p in parts))
+
+    def json(self, schema: dict[str, Any]) -> Expr:
+        return Expr("%json " + json.dumps({**schema, "x-guidance": NO_FREE_WHITESPACE}))
+
+    def text_value(
+        self, schema: dict[str, Any], close: str, forbidden: tuple[str, ...], strip_newlines: bool = False
+    ) -> Expr:
+        """A bare-text value following the string `schema`, then `close`: one terminal holding both when `close` is
+        text (so that the value ends at the first `close`), the value and then the control token otherwise. The value
+        contains none of the `forbidden` texts (the tags after which the parser stops reading it); with
+        `strip_newlines` it neither begins nor ends with a newline (the parser strips those)."""
+        name = f"VALUE{len(self.rules)}"
+        regexes = _string_regex(schema)
+        if close in self.control:
+            parts = [f"/{r}/" for r in regexes]
+            if strip_newlines:
+                parts += ["~/\\n(?s:.*)/", "~/(?s:.*)\\n/"]
+            self.rules.append(f"{name}: " + " & ".join(parts))
+            return self.seq(Expr(name), close)
+        end = _regex_literal(close)
+        tags = "|".join(_regex_literal(t) for t in (close, *forbidden) if t not in self.control)
+        parts = [f"/(?:{r}){end}/" for r in regexes] + [f"~/(?s:.*)(?:{tags})(?s:.+)/"]
+        if strip_newlines:
+            parts += ["~/\\n(?s:.*)/", f"~/(?s:.*)\\n{end}/"]
+        self.rules.append(f"{name}: " + " & ".join(parts))
+        return Expr(name)
+
+    def parameters(self, parameters: dict[str, Any], one: Callable[[str, dict[str, Any]], Expr]) -> Expr:
+        """Each parameter written by `one(key, schema)`, in the schema's order, the required ones always."""
+        properties = parameters.get("properties") or {}
+        required = [k for k in parameters.get("required") or () if isinstance(k, str)]
+        keys = list(properties) + [k for k in required if k not in properties]
+        parts = [one(k, properties.get(k) or {}).text for k in keys]
+        parts = [p if k in required else f"({p})?" for k, p in zip(keys, parts)]
+        return Expr(" ".join(parts) if parts else '""')
+
+    def grammar(self, calls: list[Expr]) -> str:
+        return "start: " + " | ".join(f"({c.text})" for c in calls) + "\n" + "\n".join(self.rules) + "\n"
+
+
+class Expr:
+    """A grammar expression among literal texts (CallGrammar.seq)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _schema(parameters: dict[str, Any]) -> dict[str, Any]:
+    return parameters or {"type": "object"}
+
+
+def _hermes(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": _schema(parameters)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    return g.seq("<tool_call>", "\n", g.json(call), "\n", "</tool_call>")
+
+
+def _mistral(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    return g.seq("[TOOL_CALLS]", name, "[ARGS]", g.json(_schema(parameters)))
+
+
+def _deepseek_v31(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    return g.seq(
+        "<｜tool▁calls▁begin｜>", DS_CALL, name, DS_SEP, g.json(_schema(parameters)), DS_END, "<｜tool▁calls▁end｜>"
+    )
+
+
+def _kimi_k2(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    return g.seq(
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        f"functions.{name}:0",
+        "<|tool_call_argument_begin|>",
+        g.json(_schema(parameters)),
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    )
+
+
+def _harmony(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """After the prompt's `<|start|>assistant`: a commentary message to the function, its text the JSON arguments."""
+    return g.seq(
+        "<|channel|>",
+        f"commentary to=functions.{name} ",
+        "<|constrain|>",
+        "json",
+        "<|message|>",
+        g.json(_schema(parameters)),
+        "<|call|>",
+    )
+
+
+def _xml_functions(block: str) -> Callable[[CallGrammar, str, dict], Expr]:
+    """<BLOCK>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</BLOCK> (Qwen3-Coder,
+    Seed-OSS): the parser drops one newline on each side of a value, so a value keeps its own."""
+    forbidden = ("</parameter>", "</function>", f"</{block}>")
+
+    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
+        def one(key: str, schema: dict) -> Expr:
+            if is_text_parameter(schema):
+                return g.seq(f"<parameter={key}>", "\n", g.text_value(schema, "\n</parameter>", forbidden), "\n")
+            return g.seq(f"<parameter={key}>", "\n", g.json(schema), "\n</parameter>", "\n")
+
+        return g.seq(
+            f"<{block}>", f"\n<function={name}>\n", g.parameters(parameters, one), "</function>\n", f"</{block}>"
+        )
+
+    return call
+
+
+def _glm(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>"""
+
+    def one(key: str, schema: dict) -> Expr:
+        head = g.seq("<arg_key>", key, "</arg_key>", "\n", "<arg_value>")
+        if is_text_parameter(schema):
+            return g.seq(head, g.text_value(schema, "</arg_value>", ("</tool_call>",)), "\n")
+        return g.seq(head, g.json(schema), "</arg_value>", "\n")
+
+    return g.seq("<tool_call>", f"{name}\n", g.parameters(parameters, one), "</tool_call>")
+
+
+def _invoke_xml(prefix: str, block: str, string_attribute: bool) -> Callable[[CallGrammar, str, dict], Expr]:
+    """<BLOCK>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE</parameter>\\n...</invoke>\\n</BLOCK>, each tag
+    after `prefix` (MiniMax-M2; DeepSeek V3.2, whose parameters say string="true|false"); the parser strips the
+    newlines around a value, so a text value neither begins nor ends with one."""
+    close = f"</{prefix}parameter>"
+    forbidden = (f"</{prefix}invoke>", f"</{prefix}{block}>")
+
+    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
+        def one(key: str, schema: dict) -> Expr:
+            text = is_text_parameter(schema)
+            attribute = f' string="{"true" if text else "false"}"' if string_attribute else ""
+            head = f'<{prefix}parameter name="{key}"{attribute}>'
+            if text:
+                return g.seq(head, g.text_value(schema, close, forbidden, strip_newlines=True), "\n")
+            return g.seq(head, g.json(schema), close, "\n")
+
+        return g.seq(
+            f"<{prefix}{block}>",
+            f'\n<{prefix}invoke name="{name}">\n',
+            g.parameters(parameters, one),
+            f"</{prefix}invoke>\n",
+            f"</{prefix}{block}>",
+        )
+
+    return call
+
+
+# tool format -> (grammar, function name, its parameters' schema) -> the grammar expression of one call to it
+CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
+    "hermes": _hermes,
+    "mistral": _mistral,
+    "deepseek-v3.1": _deepseek_v31,
+    "kimi-k2": _kimi_k2,
+    "harmony": _harmony,
+    "qwen3-coder": _xml_functions("tool_call"),
+    "seed-oss": _xml_functions("seed:tool_call"),
+    "glm-4.5": _glm,
+    "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
+    "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),
+}
+
+
+def call_grammar(format_name: str, tools: list[dict[str, Any]], control: dict[str, int]) -> str:
+    """The lark grammar of one call, to one of `tools`, in the format `format_name` (a key of CALL_SHAPES)."""
+    g = CallGrammar(control)
+    shape = CALL_SHAPES[format_name]
+    return g.grammar([shape(g, t["function"]["name"], t["function"].get("parameters") or {}) for t in tools])
