@@ -2,7 +2,9 @@
 code chooses them: a template that writes tool calls in a format is served by that format's parser.
 
 A ToolFormat knows where the calls start in the model's text (`start`) and turns the text from there to the end of
-the answer into (name, arguments) pairs, raising ValueError when it is not calls in its format. Argument values the
+the answer into (name, arguments) pairs, raising ValueError when it is not calls in its format. The formats whose
+arguments are one JSON value also read the calls of a text still being written (`stream`): each call whose name is
+known and whose arguments have begun, with their JSON text as far as it goes, so that a stream can send it on. Argument values the
 format writes as bare text (the XML-like formats) are converted by the tool's JSON schema: kept as text for a
 `string` parameter, read as JSON otherwise (and kept as text where they are not JSON).
 """
@@ -37,12 +39,51 @@ def reasoning_tags(template: str | None) -> ReasoningTags | None:
 
 
 @dataclass(frozen=True)
+class PartialCall:
+    """A call being written: its name, and its arguments' JSON text as far as the model has written it."""
+
+    name: str
+    arguments: str
+    complete: bool  # the arguments' JSON value has ended
+
+
+@dataclass(frozen=True)
 class ToolFormat:
     name: str
     detect: tuple[str, ...]  # texts the template writes (all of them) when it uses this format
     start: str  # where the calls begin in the model's text
     parse: Callable[[str, dict[str, dict]], list[Call]]  # (text from `start` on, tool name -> parameters schema)
     markers: tuple[str, ...]  # the format's special texts (which may be control tokens the model writes)
+    stream: Callable[[str], list[PartialCall]] | None = None  # (text from `start` on so far) -> the calls begun
+
+
+# a JSON text in pieces: a string (maybe unclosed), a bracket, or a run of anything else
+_JSON_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"?|[{}\[\]]|[^"{}\[\]]+')
+
+
+def _json_span(text: str, at: int) -> tuple[int, bool]:
+    """From the `{` or `[` at `at`: where its JSON value ends (or the text does, if it has not), and whether it
+    ended."""
+    depth = 0
+    for m in _JSON_PIECE.finditer(text, at):
+        piece = m.group()
+        if piece in ("{", "["):
+            depth += 1
+        elif piece in ("}", "]"):
+            depth -= 1
+            if depth == 0:
+                return m.end(), True
+    return len(text), False
+
+
+def _arguments_from(name: str, text: str, prefixes: tuple[str, ...] = ("",)) -> PartialCall | None:
+    """The call `name` whose arguments object is the first `{` of `text`, after one of `prefixes` (and whitespace);
+    None until that `{` has come."""
+    i = text.find("{")
+    if i < 0 or text[:i].strip() not in prefixes:
+        return None
+    end, complete = _json_span(text, i)
+    return PartialCall(name, text[i:end], complete)
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -96,6 +137,34 @@ def _blocks(text: str, open_: str, close: str) -> list[str]:
 def _hermes(text: str, tools: dict[str, dict]) -> list[Call]:
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, one block per call."""
     return [_name_and_arguments(json.loads(body)) for body in _blocks(text, "<tool_call>", "</tool_call>")]
+
+
+# the opening of a {"name": ..., "arguments": {...}} call, up to its arguments' first character
+_NAMED_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+def _named_calls(text: str, at: int = 0) -> tuple[list[PartialCall], int | None]:
+    """{"name": ..., "arguments": {...}} objects from `at`, separated by commas (a JSON list's items) -> the calls
+    begun, and where the text after the last complete object starts (None: the last is not complete)."""
+    calls = []
+    while m := _NAMED_CALL.match(text, at):
+        end, complete = _json_span(text, m.end())
+        calls.append(PartialCall(json.loads(m.group(1)), text[m.end() : end], complete))
+        close = re.compile(r"\s*\}\s*,?").match(text, end) if complete else None
+        if close is None or not close.group().rstrip().endswith(","):
+            return calls, close.end() if close else None
+        at = close.end()
+    return calls, None
+
+
+def _hermes_stream(text: str) -> list[PartialCall]:
+    calls = []
+    for body in _blocks(text, "<tool_call>", "</tool_call>"):
+        begun, _ = _named_calls(body)
+        calls += begun[:1]
+        if not begun or not begun[0].complete:
+            break
+    return calls
 
 
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -153,6 +222,26 @@ def _mistral(text: str, tools: dict[str, dict]) -> list[Call]:
     return calls
 
 
+def _mistral_stream(text: str) -> list[PartialCall]:
+    calls = []
+    for body in text.split("[TOOL_CALLS]")[1:]:
+        head = body.lstrip()
+        if head.startswith("["):
+            begun, _ = _named_calls(head, 1)
+            calls += begun
+            if not begun or not begun[-1].complete:
+                break
+            continue
+        name, sep, rest = body.partition("[ARGS]")
+        call = _arguments_from(name.split("[CALL_ID]", 1)[0].strip(), rest) if sep else None
+        if call is None:
+            break
+        calls.append(call)
+        if not call.complete:
+            break
+    return calls
+
+
 DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 
@@ -169,6 +258,42 @@ def _deepseek(text: str, tools: dict[str, dict]) -> list[Call]:
             arguments = arguments.strip().removeprefix("```json").removesuffix("```")
         calls.append((name.strip(), _json_object(arguments.strip())))
     return calls
+
+
+def _deepseek_stream(text: str) -> list[PartialCall]:
+    calls = []
+    for body in _blocks(text, DS_CALL, DS_END):
+        name, sep, rest = body.partition(DS_SEP)
+        prefixes = ("",)
+        if name.strip() == "function":  # R1: the name on the separator's line, the arguments in a ```json fence
+            name, sep, rest = rest.partition("\n")
+            prefixes = ("", "```json")
+        call = _arguments_from(name.strip(), rest, prefixes) if sep else None
+        if call is None:
+            break
+        calls.append(call)
+        if not call.complete:
+            break
+    return calls
+
+
+def _kimi_k2_stream(text: str) -> list[PartialCall]:
+    calls = []
+    for body in _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>"):
+        call_id, sep, rest = body.partition("<|tool_call_argument_begin|>")
+        name = call_id.strip().removeprefix("functions.").rsplit(":", 1)[0]
+        call = _arguments_from(name, rest) if sep else None
+        if call is None:
+            break
+        calls.append(call)
+        if not call.complete:
+            break
+    return calls
+
+
+def harmony_arguments(name: str, body: str) -> PartialCall | None:
+    """A harmony message to functions.NAME, its text as far as written: the call once its JSON has begun."""
+    return _arguments_from(name, body)
 
 
 def _kimi_k2(text: str, tools: dict[str, dict]) -> list[Call]:
@@ -237,6 +362,7 @@ TOOL_FORMATS = (
             "<|tool_call_argument_begin|>",
             "<|tool_call_end|>",
         ),
+        _kimi_k2_stream,
     ),
     ToolFormat(
         "deepseek-v3.1",
@@ -244,6 +370,7 @@ TOOL_FORMATS = (
         "<｜tool▁calls▁begin｜>",
         _deepseek,
         ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", DS_CALL, DS_SEP, DS_END),
+        _deepseek_stream,
     ),
     ToolFormat(
         "seed-oss",
@@ -266,8 +393,10 @@ TOOL_FORMATS = (
         _xml_functions("tool_call"),
         ("<tool_call>", "</tool_call>"),
     ),
-    ToolFormat("mistral", ("[TOOL_CALLS]",), "[TOOL_CALLS]", _mistral, ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
-    ToolFormat("hermes", ("<tool_call>",), "<tool_call>", _hermes, ("<tool_call>", "</tool_call>")),
+    ToolFormat(
+        "mistral", ("[TOOL_CALLS]",), "[TOOL_CALLS]", _mistral, ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), _mistral_stream
+    ),
+    ToolFormat("hermes", ("<tool_call>",), "<tool_call>", _hermes, ("<tool_call>", "</tool_call>"), _hermes_stream),
 )
 
 

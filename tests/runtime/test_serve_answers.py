@@ -48,12 +48,25 @@ OUTPUTS = {
 
 
 def run(answer: ChatAnswer, text: str, piece: int) -> tuple[dict, dict]:
-    """-> (the whole message, the streamed deltas merged: text fields joined, tool_calls listed)."""
+    """-> (the whole message, the streamed deltas merged: text fields joined, tool calls assembled as a client
+    assembles them, by index with their arguments' pieces joined, each with the count of its pieces)."""
     merged: dict = {}
     deltas = [answer.push(text[i : i + piece]) for i in range(0, len(text), piece)] + [answer.end()]
     for d in filter(None, deltas):
         for k, v in d.items():
-            merged[k] = merged.get(k, [] if k == "tool_calls" else "") + v
+            if k != "tool_calls":
+                merged[k] = merged.get(k, "") + v
+                continue
+            calls = merged.setdefault("tool_calls", [])
+            for entry in v:
+                if entry["index"] == len(calls):
+                    assert set(entry) == {"index", "id", "type", "function"} and entry["function"]["name"]
+                    calls.append({**entry, "function": dict(entry["function"]), "pieces": 1})
+                else:
+                    assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+                    call = calls[entry["index"]]
+                    call["function"]["arguments"] += entry["function"]["arguments"]
+                    call["pieces"] += 1
     return answer.fields(), merged
 
 
@@ -62,13 +75,20 @@ def test_each_format_parses_its_calls_after_some_text_streamed_or_whole(name):
     assert set(OUTPUTS) == set(FORMATS)
     text = "Let me check.\n\n" + OUTPUTS[name]
     for piece in (1, 3, 7, len(text)):
-        message, merged = run(ChatAnswer(tools=FORMATS[name], schemas=SCHEMAS), text, piece)
+        answer = ChatAnswer(tools=FORMATS[name], schemas=SCHEMAS)
+        message, merged = run(answer, text, piece)
+        assert answer.finish_reason("stop") == "tool_calls"
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
         assert calls == CALLS and message["content"] == "Let me check."
-        assert merged["content"] == "Let me check." and merged["tool_calls"] == [
-            {"index": i, **c} for i, c in enumerate(message["tool_calls"])
-        ]
+        streamed = [{k: v for k, v in c.items() if k not in ("index", "pieces")} for c in merged["tool_calls"]]
+        assert merged["content"] == "Let me check." and streamed == message["tool_calls"]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message["tool_calls"])
+        if FORMATS[name].stream is not None and piece < 8:  # the arguments arrived in pieces as they were written
+            assert all(c["pieces"] > 1 for c in merged["tool_calls"])
+            assert [c["function"]["arguments"] for c in message["tool_calls"]] == [
+                '{"city": "Paris", "days": 3}',
+                '{"query": "moe 2"}',
+            ]
 
 
 def test_reasoning_then_content_then_a_call_and_the_finish_reason():
@@ -137,3 +157,69 @@ def test_harmony_channels_split_into_reasoning_content_and_calls():
     # text with no message header at all (a grammar's JSON) is the content
     message, merged = run(HarmonyAnswer(), '{"a": 1}', 3)
     assert message["content"] == merged["content"] == '{"a": 1}'
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+            '{"name": "search", "arguments": {"query": "moe 2"}}]',
+        ),
+        (
+            "deepseek-v3.1",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+            '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n'
+            '```json\n{"query": "moe 2"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        ),
+    ],
+)
+def test_streamed_arguments_of_the_other_shapes_mistral_nemo_lists_and_deepseek_r1_fences(name, text):
+    for piece in (1, 5):
+        message, merged = run(ChatAnswer(tools=FORMATS[name], schemas=SCHEMAS), text, piece)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+        assert [c["function"]["arguments"] for c in merged["tool_calls"]] == [
+            c["function"]["arguments"] for c in message["tool_calls"]
+        ]
+        assert all(c["pieces"] > 1 for c in merged["tool_calls"])
+
+
+def test_a_streamed_call_cut_short_stays_a_call_and_the_finish_reason_says_why():
+    """The length limit ends the answer inside a call's arguments: what was sent stays (a client has it), the
+    finish_reason is the limit's; before any argument was written, the text is the content."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    answer = ChatAnswer(tools=FORMATS["hermes"], schemas=SCHEMAS)
+    message, merged = run(answer, text, 4)
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    assert merged["tool_calls"][0]["function"]["arguments"] == '{"city": "Par' and message["content"] is None
+    assert answer.finish_reason("length") == "length"
+    answer = ChatAnswer(tools=FORMATS["hermes"], schemas=SCHEMAS)
+    message, _ = run(answer, '<tool_call>\n{"name": "get_wea', 4)
+    assert message["content"] == '<tool_call>\n{"name": "get_wea' and "tool_calls" not in message
+    assert answer.finish_reason("length") == "length"
+
+
+def test_harmony_calls_stream_their_arguments_and_parallel_false_keeps_the_first():
+    from moerun.serve.answers import HarmonyAnswer
+
+    calls = (
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}'
+        "<|call|><|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>"
+        '{"query": "moe 2"}<|call|>'
+    )
+    for piece in (1, 6):
+        message, merged = run(HarmonyAnswer(), calls, piece)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+        assert [(c["function"]["arguments"], c["pieces"] > 1) for c in merged["tool_calls"]] == [
+            ('{"city": "Paris", "days": 3}', True),
+            ('{"query": "moe 2"}', True),
+        ]
+        answer = HarmonyAnswer(parallel_tool_calls=False)
+        message, merged = run(answer, calls, piece)
+        assert (
+            [c["function"]["name"] for c in message["tool_calls"]]
+            == ["get_weather"]
+            == [c["function"]["name"] for c in merged["tool_calls"]]
+        )
+        assert answer.finish_reason("stop") == "tool_calls"

@@ -59,11 +59,14 @@ TOOLS = [
 ]
 CALL = ("get_weather", {"city": "Paris", "days": 2})
 ANSWER = "It is sunny in Paris."
+# CALL's arguments as the JSON-argument families' scripts write them: token by token, which a stream sends on
+ARGUMENT_PIECES = ['{"city": ', '"Paris", ', '"days": 2}']
+STREAMED_ARGUMENTS = "".join(ARGUMENT_PIECES)
 # family -> (what its template writes, the call as the model writes it, in pieces; pieces that are control tokens)
 FAMILIES = {
     "hermes": (
         "<tool_call>",
-        ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n', "</tool_call>"],
+        ["<tool_call>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_call>"],
         (),
     ),
     "qwen3-coder": (
@@ -88,7 +91,7 @@ FAMILIES = {
     ),
     "mistral": (
         "[TOOL_CALLS]",
-        ["[TOOL_CALLS]", "get_weather", "[ARGS]", '{"city": "Paris", "days": 2}'],
+        ["[TOOL_CALLS]", "get_weather", "[ARGS]", *ARGUMENT_PIECES],
         ("[TOOL_CALLS]", "[ARGS]"),
     ),
     "deepseek-v3.1": (
@@ -98,7 +101,7 @@ FAMILIES = {
             "<｜tool▁call▁begin｜>",
             "get_weather",
             "<｜tool▁sep｜>",
-            '{"city": "Paris", "days": 2}',
+            *ARGUMENT_PIECES,
             "<｜tool▁call▁end｜>",
             "<｜tool▁calls▁end｜>",
         ],
@@ -117,7 +120,7 @@ FAMILIES = {
             "<|tool_call_begin|>",
             "functions.get_weather:0",
             "<|tool_call_argument_begin|>",
-            '{"city": "Paris", "days": 2}',
+            *ARGUMENT_PIECES,
             "<|tool_call_end|>",
             "<|tool_calls_section_end|>",
         ],
@@ -250,7 +253,8 @@ def live(synth_model, tmp_path: Path, template: str, scripts: dict[str, list[str
 
 def collect(stream) -> tuple[dict, str]:
     """A streamed chat answer's deltas merged: content, reasoning_content and the tool calls as a client assembles
-    them (by index, arguments concatenated); and the finish_reason."""
+    them (by index, arguments concatenated, with the count of the deltas that carried a piece of them); and the
+    finish_reason."""
     merged: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
     finish = None
     for chunk in stream:
@@ -259,9 +263,12 @@ def collect(stream) -> tuple[dict, str]:
             merged["content"] += d.content or ""
             merged["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
             for call in d.tool_calls or []:
-                entry = merged["tool_calls"].setdefault(call.index, {"id": call.id, "name": "", "arguments": ""})
+                entry = merged["tool_calls"].setdefault(
+                    call.index, {"id": call.id, "name": "", "arguments": "", "pieces": 0}
+                )
                 entry["name"] += call.function.name or ""
                 entry["arguments"] += call.function.arguments or ""
+                entry["pieces"] += bool(call.function.arguments)
             finish = choice.finish_reason or finish
     return merged, finish
 
@@ -287,6 +294,9 @@ def test_a_tool_call_round_trip_for_each_parser_family(family, synth_model, tmp_
         assert finish == "tool_calls" and streamed["content"] == "Let me look."
         (entry,) = streamed["tool_calls"].values()
         assert (entry["name"], json.loads(entry["arguments"])) == CALL and len(entry["id"]) == 9
+        if STREAMED_ARGUMENTS in "".join(call_pieces):  # the JSON-argument families: the arguments as written
+            assert entry["pieces"] == len(ARGUMENT_PIECES) and entry["arguments"] == call.function.arguments
+            assert call.function.arguments == STREAMED_ARGUMENTS
         # the agent runs the tool and sends its result back
         messages += [
             choice.message.model_dump(exclude_none=True),
@@ -526,7 +536,7 @@ def test_a_harmony_round_trip_reasoning_and_a_call(synth_model, tmp_path):
                 "<|channel|>#2",
                 "commentary json",
                 "<|message|>#2",
-                '{"city": "Paris", "days": 2}',
+                *ARGUMENT_PIECES,
                 "<|call|>",
             ],
             "<after-tool>": ["<|channel|>#3", "final", "<|message|>#3", ANSWER, "<|return|>"],
@@ -549,7 +559,10 @@ def test_a_harmony_round_trip_reasoning_and_a_call(synth_model, tmp_path):
             client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
         )
         assert (streamed["reasoning_content"], streamed["content"], finish) == ("Need the weather.", "", "tool_calls")
-        assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()] == [CALL]
+        assert [(c["name"], c["arguments"], c["pieces"]) for c in streamed["tool_calls"].values()] == [
+            ("get_weather", STREAMED_ARGUMENTS, len(ARGUMENT_PIECES))
+        ]
+        assert call.function.arguments == STREAMED_ARGUMENTS
         messages += [
             message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
