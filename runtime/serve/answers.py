@@ -164,7 +164,9 @@ class ChatAnswer:
         while self._step(delta):
             pass
         if self.state == "calls" and self.tools.stream is not None:
-            entries = self.calls.stream(self.tools.stream(self._call_text))
+            begun = self.tools.stream(self._call_text)
+            known = [c.name in self.schemas for c in begun] if self.schemas else [True] * len(begun)
+            entries = self.calls.stream(begun[: known.index(False)] if False in known else begun)
             if entries:
                 delta["tool_calls"] = entries
         return delta or None
@@ -204,13 +206,13 @@ class ChatAnswer:
                 self._emit(delta, "content", pending)
                 self._pending = ""
                 return False
-            i = pending.find(self.tools.start)
+            i = min((j for start in self.tools.starts if (j := pending.find(start)) >= 0), default=-1)
             if i >= 0:
                 before = pending[:i].rstrip()
                 self._emit(delta, "content", before)
                 self.state, self._call_text, self._pending = "calls", pending[len(before) :], ""
                 return False
-            keep = _held(pending, self.tools.start)
+            keep = max(_held(pending, start) for start in self.tools.starts)
             self._emit(delta, "content", pending[: len(pending) - keep])
             self._pending = pending[len(pending) - keep :]
             return False

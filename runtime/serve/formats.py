@@ -29,6 +29,7 @@ class ReasoningTags:
 # Checked in order: the first whose end tag the template writes (<seed:think>'s end tag does not contain </think>)
 REASONING_TAGS = (
     ReasoningTags("<seed:think>", "</seed:think>"),
+    ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>"),  # Command-R7B's plan before its actions
     ReasoningTags("[THINK]", "[/THINK]"),
     ReasoningTags("<think>", "</think>"),
 )
@@ -55,6 +56,11 @@ class ToolFormat:
     parse: Callable[[str, dict[str, dict]], list[Call]]  # (text from `start` on, tool name -> parameters schema)
     markers: tuple[str, ...]  # the format's special texts (which may be control tokens the model writes)
     stream: Callable[[str], list[PartialCall]] | None = None  # (text from `start` on so far) -> the calls begun
+    other_starts: tuple[str, ...] = ()  # other texts the calls may begin with
+
+    @property
+    def starts(self) -> tuple[str, ...]:
+        return (self.start, *self.other_starts)
 
 
 # a JSON text in pieces: a string (maybe unclosed), a bracket, or a run of anything else
@@ -94,10 +100,13 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _name_and_arguments(obj: Any) -> Call:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    """{"name": ..., "arguments": {...}}; "parameters" for "arguments" (Llama 3.x), "tool_name" for "name"
+    (Command-R)."""
+    name = obj.get("name", obj.get("tool_name")) if isinstance(obj, dict) else None
+    if not isinstance(name, str):
         raise ValueError("a call is not an object with a string 'name'")
     arguments = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], _json_object(arguments) if isinstance(arguments, str) else _checked_object(arguments)
+    return name, _json_object(arguments) if isinstance(arguments, str) else _checked_object(arguments)
 
 
 def _checked_object(value: Any) -> dict[str, Any]:
@@ -139,8 +148,13 @@ def _hermes(text: str, tools: dict[str, dict]) -> list[Call]:
     return [_name_and_arguments(json.loads(body)) for body in _blocks(text, "<tool_call>", "</tool_call>")]
 
 
-# the opening of a {"name": ..., "arguments": {...}} call, up to its arguments' first character
-_NAMED_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+# the opening of a {"name": ..., "arguments": {...}} call, up to its arguments' first character; with the other
+# names of its keys (Llama 3.x: "parameters", after an optional "type": "function"; Command-R: "tool_name", after
+# a "tool_call_id")
+_NAMED_CALL = re.compile(
+    r'\s*\{\s*(?:"(?:type|tool_call_id)"\s*:\s*"[^"]*"\s*,\s*)?"(?:name|tool_name)"\s*:\s*("(?:[^"\\]|\\.)*")'
+    r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
 
 
 def _named_calls(text: str, at: int = 0) -> tuple[list[PartialCall], int | None]:
@@ -338,6 +352,80 @@ def _invoke_xml(prefix: str, block: str) -> Callable[[str, dict[str, dict]], lis
     return parse
 
 
+LLAMA_TAG = "<|python_tag|>"
+# a built-in tool's call, as Llama 3.1 writes it after <|python_tag|>: brave_search.call(query="...")
+_BUILTIN_CALL = re.compile(r"(\w+)\.call\((.*?)\)\s*(?=;|$)", re.DOTALL)
+_KEYWORD = re.compile(r"""\s*(\w+)\s*=\s*("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[^,]*)\s*(?:,|$)""")
+
+
+def _keyword_value(text: str) -> Any:
+    if text.startswith("'"):
+        return text[1:-1]
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text.strip()
+
+
+def _llama3(text: str, tools: dict[str, dict]) -> list[Call]:
+    """Llama 3.x: {"name": NAME, "parameters": {...}} as the answer or after <|python_tag|>, several separated by
+    ';'; or a built-in tool's <|python_tag|>NAME.call(KEY="VALUE", ...). The answer is JSON often enough without
+    being a call, so a call must name one of the tools."""
+    calls, rest = [], text.strip()
+    while rest:
+        rest = rest.removeprefix(LLAMA_TAG).lstrip()
+        if rest.startswith("{"):
+            value, end = json.JSONDecoder().raw_decode(rest)
+            call = _name_and_arguments(value)
+        elif m := _BUILTIN_CALL.match(rest):
+            call, end = (m.group(1), {k: _keyword_value(v) for k, v in _KEYWORD.findall(m.group(2))}), m.end()
+        else:
+            raise ValueError("not a Llama 3 tool call")
+        if tools and call[0] not in tools:
+            raise ValueError(f"no tool is named {call[0]!r}")
+        calls.append(call)
+        rest = rest[end:].lstrip().removeprefix(";").lstrip()
+    return calls
+
+
+def _llama3_stream(text: str) -> list[PartialCall]:
+    calls, at = [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip().removeprefix(LLAMA_TAG).lstrip())
+        begun, after = _named_calls(text, at)
+        calls += begun[:1]
+        if not begun or not begun[0].complete or after is None:
+            return calls
+        m = re.compile(r"\s*;").match(text, after)
+        if m is None:
+            return calls
+        at = m.end()
+
+
+def _command_r_actions(prefix: str, end: str) -> Callable[[str, dict[str, dict]], list[Call]]:
+    """A JSON list of {"tool_name": NAME, "parameters": {...}} after `prefix` (Command-R7B: <|START_ACTION|>;
+    Command-R: Action: and a ```json fence), up to `end`. Command-R's `directly-answer` tool is no call."""
+
+    def parse(text: str, tools: dict[str, dict]) -> list[Call]:
+        body = text.strip().removeprefix(prefix).strip().removeprefix("```json").split(end, 1)[0]
+        value, _ = json.JSONDecoder().raw_decode(body.strip())
+        calls = [_name_and_arguments(item) for item in (value if isinstance(value, list) else [value])]
+        calls = [c for c in calls if c[0] not in ("directly-answer", "directly_answer")]
+        if not calls:
+            raise ValueError("no tool call among the actions")
+        return calls
+
+    return parse
+
+
+def _command_r_stream(prefix: str) -> Callable[[str], list[PartialCall]]:
+    def stream(text: str) -> list[PartialCall]:
+        m = re.compile(rf"\s*{re.escape(prefix)}\s*(?:```json)?\s*\[").match(text)
+        return _named_calls(text, m.end())[0] if m else []
+
+    return stream
+
+
 # Checked in order, the more specific first: Qwen3-Coder's and GLM's templates write <tool_call> too
 TOOL_FORMATS = (
     ToolFormat(
@@ -392,6 +480,31 @@ TOOL_FORMATS = (
         "<tool_call>",
         _xml_functions("tool_call"),
         ("<tool_call>", "</tool_call>"),
+    ),
+    ToolFormat(
+        "command-r7b",
+        ("<|START_ACTION|>",),
+        "<|START_ACTION|>",
+        _command_r_actions("<|START_ACTION|>", "<|END_ACTION|>"),
+        ("<|START_ACTION|>", "<|END_ACTION|>"),
+        _command_r_stream("<|START_ACTION|>"),
+    ),
+    ToolFormat(
+        "command-r",
+        ("Action:", "```json", '"tool_name": '),
+        "Action:",
+        _command_r_actions("Action:", "```"),
+        (),
+        _command_r_stream("Action:"),
+    ),
+    ToolFormat(
+        "llama-3.x",
+        ("<|start_header_id|>ipython<|end_header_id|>", '"parameters": '),
+        LLAMA_TAG,
+        _llama3,
+        (LLAMA_TAG,),
+        _llama3_stream,
+        ('{"name"', '{"type": "function"'),
     ),
     ToolFormat(
         "mistral", ("[TOOL_CALLS]",), "[TOOL_CALLS]", _mistral, ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), _mistral_stream

@@ -140,6 +140,34 @@ def _hermes(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq("<tool_call>", "\n", g.json(call), "\n", "</tool_call>")
 
 
+def _llama3(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """{"name": NAME, "parameters": {...}}, the answer's whole text."""
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": name}, "parameters": _schema(parameters)},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+    return g.json(call)
+
+
+def _command_r(prefix: str, suffix: str, call_id: bool) -> Callable[[CallGrammar, str, dict], Expr]:
+    """A one-item JSON list of {"tool_call_id": "0"?, "tool_name": NAME, "parameters": {...}} between `prefix` and
+    `suffix` (Command-R7B: <|START_ACTION|> and <|END_ACTION|>; Command-R: Action: and a ```json fence)."""
+
+    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
+        properties = {"tool_call_id": {"const": "0"}} if call_id else {}
+        item = {
+            "type": "object",
+            "properties": {**properties, "tool_name": {"const": name}, "parameters": _schema(parameters)},
+            "required": [*properties, "tool_name", "parameters"],
+            "additionalProperties": False,
+        }
+        return g.seq(prefix, "[", g.json(item), "]", suffix)
+
+    return call
+
+
 def _mistral(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq("[TOOL_CALLS]", name, "[ARGS]", g.json(_schema(parameters)))
 
@@ -244,6 +272,9 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "glm-4.5": _glm,
     "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
     "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),
+    "llama-3.x": _llama3,
+    "command-r7b": _command_r("<|START_ACTION|>", "<|END_ACTION|>", call_id=True),
+    "command-r": _command_r("Action:\n```json\n", "\n```", call_id=False),
 }
 
 

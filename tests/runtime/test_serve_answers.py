@@ -11,7 +11,7 @@ from moerun.serve.answers import ChatAnswer
 from moerun.serve.formats import REASONING_TAGS, TOOL_FORMATS, reasoning_tags, tool_format
 
 FORMATS = {f.name: f for f in TOOL_FORMATS}
-THINK = REASONING_TAGS[2]
+THINK = next(t for t in REASONING_TAGS if t.start == "<think>")
 SCHEMAS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
     "search": {"type": "object", "properties": {"query": {"type": "string"}}},
@@ -30,6 +30,13 @@ OUTPUTS = {
     "glm-4.5": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
     "\n<arg_value>3</arg_value>\n</tool_call><tool_call>search\n<arg_key>query</arg_key>\n"
     "<arg_value>moe 2</arg_value>\n</tool_call>",
+    "llama-3.x": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+    '<|python_tag|>{"name": "search", "parameters": {"query": "moe 2"}}',
+    "command-r7b": '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": '
+    '"Paris", "days": 3}},\n    {"tool_call_id": "1", "tool_name": "search", "parameters": {"query": "moe 2"}}\n]'
+    "<|END_ACTION|>",
+    "command-r": 'Action:\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": {"city": "Paris", '
+    '"days": 3}\n    },\n    {\n        "tool_name": "search",\n        "parameters": {"query": "moe 2"}\n    }\n]```',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]search[ARGS]{"query": "moe 2"}',
     "deepseek-v3.1": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}'
     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "moe 2"}<｜tool▁call▁end｜>'
@@ -223,3 +230,36 @@ def test_harmony_calls_stream_their_arguments_and_parallel_false_keeps_the_first
             == [c["function"]["name"] for c in merged["tool_calls"]]
         )
         assert answer.finish_reason("stop") == "tool_calls"
+
+
+def test_llama3_built_in_calls_and_json_answers_that_are_not_calls():
+    llama = FORMATS["llama-3.x"]
+    schemas = {**SCHEMAS, "brave_search": {"type": "object", "properties": {"query": {"type": "string"}}}}
+    message, _ = run(
+        ChatAnswer(tools=llama, schemas=schemas), '<|python_tag|>brave_search.call(query="moe \\"2\\"")', 3
+    )
+    assert message["tool_calls"][0]["function"] == {"name": "brave_search", "arguments": '{"query": "moe \\"2\\""}'}
+    # JSON that names no tool is the answer, streamed or not
+    for piece in (2, 100):
+        answer = ChatAnswer(tools=llama, schemas=schemas)
+        message, merged = run(answer, 'Here: {"name": "Bob", "parameters": {"age": 3}}', piece)
+        assert message["content"] == merged["content"] == 'Here: {"name": "Bob", "parameters": {"age": 3}}'
+        assert "tool_calls" not in message and "tool_calls" not in merged and answer.finish_reason("stop") == "stop"
+
+
+def test_command_r7b_plan_is_the_reasoning_and_its_actions_the_calls():
+    tags = reasoning_tags("<|START_THINKING|>{{ plan }}<|END_THINKING|><|START_ACTION|>")
+    text = "<|START_THINKING|>I will look up the weather.<|END_THINKING|>" + OUTPUTS["command-r7b"]
+    for piece in (1, 9):
+        message, merged = run(ChatAnswer(tags, False, FORMATS["command-r7b"], SCHEMAS), text, piece)
+        assert message["reasoning_content"] == merged["reasoning_content"] == "I will look up the weather."
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+
+
+def test_llama3_and_command_r_formats_are_chosen_from_their_templates_text():
+    llama = "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- '\"parameters\": ' }}"
+    assert tool_format(llama).name == "llama-3.x"
+    assert tool_format('<|START_ACTION|>[{"tool_name": ...}]<|END_ACTION|> Action: ```json').name == "command-r7b"
+    assert tool_format("{{- '\\nAction:\\n```json\\n[\\n' }}{{- '\"tool_name\": \"' }}").name == "command-r"
+    # functionary v3.1 has the ipython role but writes <function=...>: not Llama's format
+    assert tool_format("<|start_header_id|>ipython<|end_header_id|> <function=name>{...}</function>") is None

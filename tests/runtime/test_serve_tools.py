@@ -132,6 +132,32 @@ FAMILIES = {
             "<|tool_calls_section_end|>",
         ),
     ),
+    "llama-3.x": (
+        '<|start_header_id|>ipython<|end_header_id|> "parameters": ',
+        ["<|python_tag|>", '{"name": "get_weather", "parameters": ', *ARGUMENT_PIECES, "}"],
+        ("<|python_tag|>",),
+    ),
+    "command-r7b": (
+        "<|START_ACTION|>",
+        [
+            "<|START_ACTION|>",
+            '[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": ',
+            *ARGUMENT_PIECES,
+            "}\n]",
+            "<|END_ACTION|>",
+        ],
+        ("<|START_ACTION|>", "<|END_ACTION|>"),
+    ),
+    "command-r": (
+        'Action: ```json "tool_name": ',
+        [
+            "Action:",
+            '\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": ',
+            *ARGUMENT_PIECES,
+            "\n    }\n]```",
+        ],
+        (),
+    ),
     "minimax-m2": (
         "<minimax:tool_call>",
         [
