@@ -18,7 +18,7 @@ import llguidance.torch
 import torch
 
 from moerun.serve.protocol import ApiError
-from moerun.serve.tool_grammar import CALL_SHAPES, NO_FREE_WHITESPACE, call_grammar
+from moerun.serve.tool_grammar import CALL_SHAPES, NO_FREE_WHITESPACE, Thinking, call_grammar, json_grammar
 from moerun.tokenizer import Tokenizer
 
 
@@ -41,20 +41,14 @@ class _Vocabulary:
 
 
 class Constraint:
-    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks.
-    With `after`, the grammar holds from the token after that one (the end of a reasoning the prompt opened)."""
+    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks."""
 
-    def __init__(self, grammars: Grammars, grammar: str, after: int | None = None) -> None:
+    def __init__(self, grammars: Grammars, grammar: str) -> None:
         self.grammars, self.matcher = grammars, grammars.matcher(grammar)
-        self.after = after
-        self.active = after is None
 
     def follow(self, token: int) -> None:
-        """The answer's next token: the matcher consumes it, or it is the one the grammar waits for."""
-        if self.active:
-            self.matcher.consume_token(token)
-        elif token == self.after:
-            self.active = True
+        """The answer's next token, which the matcher consumes."""
+        self.matcher.consume_token(token)
 
 
 class Grammars:
@@ -73,19 +67,36 @@ class Grammars:
             self._lltokenizer = llguidance.LLTokenizer(wrapper, eos_token=sorted(self._tokenizer.eog_ids))
         return self._lltokenizer
 
-    def json_schema(self, schema: dict[str, Any], param: str) -> str:
-        """A JSON schema's grammar, checked: an ApiError(400) naming `param` when llguidance cannot compile it."""
+    def json_schema(
+        self,
+        schema: dict[str, Any],
+        param: str,
+        control: dict[str, int] | None = None,
+        thinking: Thinking | None = None,
+    ) -> str:
+        """A JSON schema's grammar (after the reasoning `thinking` allows), checked: an ApiError(400) naming `param`
+        when llguidance cannot compile it."""
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=NO_FREE_WHITESPACE)
+            if thinking is None:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=NO_FREE_WHITESPACE)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(json_grammar(schema, control or {}, thinking))
         except ValueError as e:
             raise ApiError(400, f"'{param}': not a JSON schema ({e})", param=param) from e
         self.check(grammar, param)
         return grammar
 
-    def tool_call(self, format_name: str, tools: list[dict[str, Any]], control: dict[str, int], param: str) -> str:
+    def tool_call(
+        self,
+        format_name: str,
+        tools: list[dict[str, Any]],
+        control: dict[str, int],
+        param: str,
+        thinking: Thinking | None = None,
+    ) -> str:
         """A grammar for exactly one call, to one of `tools`, written in the tool format `format_name` with
-        arguments valid against the tool's schema (tool_grammar): for `tool_choice` "required" or a named function.
-        A format with no call grammar is an ApiError(400)."""
+        arguments valid against the tool's schema (tool_grammar), after the reasoning `thinking` allows: for
+        `tool_choice` "required" or a named function. A format with no call grammar is an ApiError(400)."""
         if format_name not in CALL_SHAPES:
             raise ApiError(
                 400,
@@ -94,7 +105,7 @@ class Grammars:
                 code="unsupported_value",
             )
         try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(format_name, tools, control))
+            grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(format_name, tools, control, thinking))
         except ValueError as e:
             raise ApiError(400, f"'{param}': the tools' schemas cannot be enforced ({e})", param=param) from e
         self.check(grammar, param)

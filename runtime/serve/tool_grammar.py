@@ -1,6 +1,8 @@
 """Grammars (llguidance's lark syntax) that force one tool call in a tool format's own syntax, for `tool_choice`
 "required" or a named function: the call's markers as the format writes them (control tokens by id), the name of
-one of the offered tools, and arguments valid against that tool's JSON schema.
+one of the offered tools, and arguments valid against that tool's JSON schema. Before the call, or before a
+`response_format`'s JSON, a thinking model may think (`Thinking`): its reasoning, free text up to the reasoning's
+end tag, is left unconstrained, and the grammar holds from the end tag on.
 
 Formats whose arguments are one JSON value embed the schema whole (`%json{...}`). The XML-like formats write each
 argument on its own: a parameter the parser reads as bare text (`formats.is_text_parameter`) is a terminal whose
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -115,8 +118,10 @@ class CallGrammar:
         parts = [p if k in required else f"({p})?" for k, p in zip(keys, parts)]
         return Expr(" ".join(parts) if parts else '""')
 
-    def grammar(self, calls: list[Expr]) -> str:
-        return "start: " + " | ".join(f"({c.text})" for c in calls) + "\n" + "\n".join(self.rules) + "\n"
+    def grammar(self, before: Expr, answers: list[Expr]) -> str:
+        """`before`, then one of `answers`."""
+        answer = " | ".join(f"({a.text})" for a in answers)
+        return f"start: {before.text} ({answer})\n" + "\n".join(self.rules) + "\n"
 
 
 class Expr:
@@ -124,6 +129,29 @@ class Expr:
 
     def __init__(self, text: str) -> None:
         self.text = text
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """The reasoning a model may write before the constrained answer: between `start` and `end` (gpt-oss: the
+    harmony analysis message), or from the answer's first token to `end` where the prompt opened it."""
+
+    start: str
+    end: str
+    opened: bool = False
+    harmony: bool = False
+
+
+def _thinking(g: CallGrammar, thinking: Thinking | None) -> Expr:
+    if thinking is None:
+        return Expr("")
+    if thinking.harmony:  # an analysis message, then the header of the next one up to its channel
+        body = g.text_value({}, "<|end|>", ())
+        return Expr(
+            f"({g.seq('<|channel|>', 'analysis', '<|message|>', body, '<|end|>', '<|start|>', 'assistant').text})?"
+        )
+    body = g.seq(g.text_value({}, thinking.end, ()), Expr('("\\n" "\\n"?)?'))
+    return body if thinking.opened else Expr(f"({g.seq(thinking.start, body).text})?")
 
 
 def _schema(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -278,8 +306,20 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
 }
 
 
-def call_grammar(format_name: str, tools: list[dict[str, Any]], control: dict[str, int]) -> str:
-    """The lark grammar of one call, to one of `tools`, in the format `format_name` (a key of CALL_SHAPES)."""
+def call_grammar(
+    format_name: str, tools: list[dict[str, Any]], control: dict[str, int], thinking: Thinking | None = None
+) -> str:
+    """The lark grammar of one call, to one of `tools`, in the format `format_name` (a key of CALL_SHAPES), after
+    the reasoning `thinking` allows."""
     g = CallGrammar(control)
     shape = CALL_SHAPES[format_name]
-    return g.grammar([shape(g, t["function"]["name"], t["function"].get("parameters") or {}) for t in tools])
+    calls = [shape(g, t["function"]["name"], t["function"].get("parameters") or {}) for t in tools]
+    return g.grammar(_thinking(g, thinking), calls)
+
+
+def json_grammar(schema: dict[str, Any], control: dict[str, int], thinking: Thinking) -> str:
+    """The lark grammar of a JSON value of `schema` after the reasoning `thinking` allows (gpt-oss: in a final
+    message)."""
+    g = CallGrammar(control)
+    answer = g.seq("<|channel|>", "final", "<|message|>", g.json(schema)) if thinking.harmony else g.json(schema)
+    return g.grammar(_thinking(g, thinking), [answer])

@@ -40,9 +40,14 @@ TEMPLATE = (
     "{%- endfor -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
     "{%- if messages[-1].role == 'tool' -%}{{ '<after-tool>' }}{%- else -%}{{ '<turn>' }}{%- endif -%}"
-    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think></think>' }}"
-    "{%- elif prompt_opens_thinking is defined -%}{{ '<think>' }}{%- endif -%}{%- endif -%}"
+    "THINKING{%- endif -%}"
 )
+# the reasoning as the template writes it in the prompt: closed (thinking off), opened, or left to the model
+THINKING = (
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think></think>' }}"
+    "{%- elif prompt_opens_thinking is defined -%}{{ '<think>' }}{%- endif -%}"
+)
+TEMPLATE, NO_THINKING_TEMPLATE = TEMPLATE.replace("THINKING", THINKING), TEMPLATE.replace("THINKING", "")
 TOOLS = [
     {
         "type": "function",
@@ -480,7 +485,8 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
     "required" and a named function make the answer one call of a given tool in the family's own syntax, its
     markers (control tokens where the real models' are) written by the grammar, the arguments valid against the
     tool's schema (the XML-like formats' bare-text values included: a pattern, an enum, a bounded free text), whole
-    and streamed."""
+    and streamed. The templates have no reasoning, and harmony's is not split out (reasoning_format none): random
+    text would think to the end of max_tokens."""
     import jsonschema
 
     if family == "harmony":
@@ -491,11 +497,12 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
     path = scripted_model(
         synth_model("qwen3moe", expert_type="F32", attn_type="F32"),
         tmp_path / "m.gguf",
-        TEMPLATE.replace("FORMAT", detect),
+        NO_THINKING_TEMPLATE.replace("FORMAT", detect),
         {},
         control,
         extra_tokens=list(control),
     )
+    no_reasoning = {"reasoning_format": "none"} if family == "harmony" else {}
     server = LiveServer(path)
     try:
         client = server.client()
@@ -514,6 +521,7 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
                 temperature=1.0,
                 seed=seed,
                 max_tokens=200,
+                extra_body=no_reasoning,
             )
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
             (call,) = r.choices[0].message.tool_calls
@@ -530,6 +538,7 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
                 seed=4,
                 max_tokens=200,
                 stream=True,
+                extra_body=no_reasoning,
             )
         )
         (entry,) = streamed["tool_calls"].values()
@@ -595,5 +604,100 @@ def test_a_harmony_round_trip_reasoning_and_a_call(synth_model, tmp_path):
         ]
         r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
+    finally:
+        server.close()
+
+
+def test_a_thinking_model_thinks_before_a_constrained_call_or_json(synth_model, tmp_path):
+    """The model opens its reasoning itself and thinks (scripted); the grammar holds from the reasoning's end tag
+    on, so the call (tool_choice required, or named) and the JSON (response_format) that follow it are valid
+    (sampled where the script's answer is not), and the reasoning is reasoning_content, whole and streamed."""
+    import jsonschema
+
+    thought = "The user asks about Paris."
+    server = live(
+        synth_model,
+        tmp_path,
+        TEMPLATE.replace("FORMAT", "reasoning in <think></think>, tool calls in <tool_call>"),
+        {"<turn>": ["<think>", thought, "</think>", ANSWER]},
+    )
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "Weather?"}]
+        for seed, choice in [(1, "required"), (2, {"type": "function", "function": {"name": "get_time"}})]:
+            kwargs = dict(tools=CONSTRAINED_TOOLS, tool_choice=choice, temperature=1.0, seed=seed, max_tokens=100)
+            message = client.chat.completions.create(model="m", messages=messages, **kwargs).choices[0].message
+            (call,) = message.tool_calls
+            assert message.reasoning_content == thought and not message.content
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            streamed, finish = collect(
+                client.chat.completions.create(model="m", messages=messages, stream=True, **kwargs)
+            )
+            (entry,) = streamed["tool_calls"].values()
+            assert (streamed["reasoning_content"], finish) == (thought, "tool_calls")
+            jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
+        schema = schemas["get_weather"]
+        message = (
+            client.chat.completions.create(
+                model="m",
+                messages=messages,
+                temperature=1.0,
+                seed=3,
+                max_tokens=100,
+                response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+            )
+            .choices[0]
+            .message
+        )
+        assert message.reasoning_content == thought
+        jsonschema.validate(json.loads(message.content), schema)
+        # thinking turned off (the prompt closes the reasoning): the grammar holds from the first token
+        message = (
+            client.chat.completions.create(
+                model="m",
+                messages=messages,
+                temperature=1.0,
+                seed=4,
+                max_tokens=100,
+                response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+            .choices[0]
+            .message
+        )
+        assert message.reasoning_content is None
+        jsonschema.validate(json.loads(message.content), schema)
+    finally:
+        server.close()
+
+
+def test_gpt_oss_analyses_before_a_constrained_call(synth_model, tmp_path):
+    """Harmony: the analysis message (scripted) comes before the call the grammar forces in a commentary message."""
+    import jsonschema
+
+    server = live(
+        synth_model,
+        tmp_path,
+        TEMPLATE.replace("FORMAT", "messages in harmony channels: <|channel|>"),
+        {"<turn>": ["<|channel|>", "analysis", "<|message|>", "Need the weather.", "<|end|>", "<|start|>", ANSWER]},
+        HARMONY,
+    )
+    try:
+        client = server.client()
+        kwargs = dict(
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=CONSTRAINED_TOOLS,
+            tool_choice="required",
+            temperature=1.0,
+            seed=5,
+            max_tokens=100,
+        )
+        r = client.chat.completions.create(model="m", **kwargs)
+        message = r.choices[0].message
+        (call,) = message.tool_calls
+        assert (message.reasoning_content, r.choices[0].finish_reason) == ("Need the weather.", "tool_calls")
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     finally:
         server.close()
