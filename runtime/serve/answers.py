@@ -129,10 +129,9 @@ class ChatAnswer:
     calls start to the end, parsed at the end into `tool_calls`).
 
     Streamed, the answer and the reasoning go out as they come, but for text that could still turn out to be the
-    start of a tag or of the tool calls, which is held back until it cannot. The tool calls of a format that reads
-    calls still being written (ToolFormat.stream: the JSON-argument ones) go out as they are written (ToolCalls);
-    the others' go out whole, one delta each, when the answer ends. Text that is not calls in the format after all
-    (and of which no call went out) goes to `content`. Whitespace around the reasoning (a template's `<think>\n`)
+    start of a tag or of the tool calls, which is held back until it cannot. The tool calls go out as they are
+    written (ToolFormat.stream, ToolCalls). Text that is not calls in the format after all (and of which no call went
+    out) goes to `content`. Whitespace around the reasoning (a template's `<think>\n`)
     is dropped.
     """
 
@@ -163,8 +162,8 @@ class ChatAnswer:
         delta: dict[str, Any] = {}
         while self._step(delta):
             pass
-        if self.state == "calls" and self.tools.stream is not None:
-            begun = self.tools.stream(self._call_text)
+        if self.state == "calls":
+            begun = self.tools.stream(self._call_text, self.schemas)
             known = [c.name in self.schemas for c in begun] if self.schemas else [True] * len(begun)
             entries = self.calls.stream(begun[: known.index(False)] if False in known else begun)
             if entries:

@@ -2,9 +2,11 @@
 code chooses them: a template that writes tool calls in a format is served by that format's parser.
 
 A ToolFormat knows where the calls start in the model's text (`start`) and turns the text from there to the end of
-the answer into (name, arguments) pairs, raising ValueError when it is not calls in its format. The formats whose
-arguments are one JSON value also read the calls of a text still being written (`stream`): each call whose name is
-known and whose arguments have begun, with their JSON text as far as it goes, so that a stream can send it on. Argument values the
+the answer into (name, arguments) pairs, raising ValueError when it is not calls in its format. It also reads the
+calls of a text still being written (`stream`): each call whose name is known, with its arguments' JSON text as far
+as it goes, so that a stream can send it on. The formats whose arguments are one JSON value give the model's own
+text, in pieces as it writes it; the XML-like ones, whose arguments come one by one, the JSON of the arguments
+complete so far. Argument values the
 format writes as bare text (the XML-like formats) are converted by the tool's JSON schema: kept as text for a
 `string` parameter, read as JSON otherwise (and kept as text where they are not JSON).
 """
@@ -55,7 +57,8 @@ class ToolFormat:
     start: str  # where the calls begin in the model's text
     parse: Callable[[str, dict[str, dict]], list[Call]]  # (text from `start` on, tool name -> parameters schema)
     markers: tuple[str, ...]  # the format's special texts (which may be control tokens the model writes)
-    stream: Callable[[str], list[PartialCall]] | None = None  # (text from `start` on so far) -> the calls begun
+    # (text from `start` on so far, tool name -> parameters schema) -> the calls begun
+    stream: Callable[[str, dict[str, dict]], list[PartialCall]]
     other_starts: tuple[str, ...] = ()  # other texts the calls may begin with
 
     @property
@@ -133,14 +136,28 @@ def _typed(value: str, name: str, key: str, tools: dict[str, dict]) -> Any:
 
 def _blocks(text: str, open_: str, close: str) -> list[str]:
     """The bodies between open_ and close, in order; the last may be unclosed (the answer ended inside it)."""
-    bodies, at = [], 0
+    return [body for body, _ in _closed_blocks(text, open_, close)]
+
+
+def _closed_blocks(text: str, open_: str, close: str) -> list[tuple[str, bool]]:
+    """(body, whether `close` came after it) of each block between open_ and close, in order."""
+    blocks, at = [], 0
     while (i := text.find(open_, at)) >= 0:
         j = text.find(close, i + len(open_))
-        bodies.append(text[i + len(open_) : j if j >= 0 else len(text)])
+        blocks.append((text[i + len(open_) : j if j >= 0 else len(text)], j >= 0))
         if j < 0:
             break
         at = j + len(close)
-    return bodies
+    return blocks
+
+
+def _arguments_so_far(name: str, arguments: dict[str, Any], closed: bool) -> PartialCall:
+    """A call of a format that writes its arguments one by one (the XML-like ones), as far as written: the JSON text
+    json.dumps gives its arguments, up to the last complete one, closed once the call is."""
+    fields = ", ".join(
+        f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}" for k, v in arguments.items()
+    )
+    return PartialCall(name, "{" + fields + ("}" if closed else ""), closed)
 
 
 def _hermes(text: str, tools: dict[str, dict]) -> list[Call]:
@@ -171,7 +188,7 @@ def _named_calls(text: str, at: int = 0) -> tuple[list[PartialCall], int | None]
     return calls, None
 
 
-def _hermes_stream(text: str) -> list[PartialCall]:
+def _hermes_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     calls = []
     for body in _blocks(text, "<tool_call>", "</tool_call>"):
         begun, _ = _named_calls(body)
@@ -203,6 +220,24 @@ def _xml_functions(block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
     return parse
 
 
+def _xml_functions_stream(block: str) -> Callable[[str, dict[str, dict]], list[PartialCall]]:
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        calls = []
+        for body, closed in _closed_blocks(text, f"<{block}>", f"</{block}>"):
+            m = re.match(r"\s*<function=([^>\n]+)>", body)
+            if not m:
+                break
+            name, inner = m.group(1).strip(), body[m.end() :]
+            inner, ended, _ = inner.partition("</function>")
+            arguments = {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _PARAMETER.findall(inner)}
+            calls.append(_arguments_so_far(name, arguments, closed or bool(ended)))
+            if not calls[-1].complete:
+                break
+        return calls
+
+    return stream
+
+
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
@@ -214,6 +249,23 @@ def _glm(text: str, tools: dict[str, dict]) -> list[Call]:
         if not name:
             raise ValueError("a <tool_call> without a function name")
         calls.append((name, {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _ARG.findall(body)}))
+    return calls
+
+
+def _glm_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    calls = []
+    for body, closed in _closed_blocks(text, "<tool_call>", "</tool_call>"):
+        head, sep, _ = body.partition("<arg_key>")
+        if not (sep or closed) or not head.strip():  # the name is known once its first argument or the end comes
+            break
+        name = head.strip()
+        calls.append(
+            _arguments_so_far(
+                name, {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _ARG.findall(body)}, closed
+            )
+        )
+        if not closed:
+            break
     return calls
 
 
@@ -236,7 +288,7 @@ def _mistral(text: str, tools: dict[str, dict]) -> list[Call]:
     return calls
 
 
-def _mistral_stream(text: str) -> list[PartialCall]:
+def _mistral_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     calls = []
     for body in text.split("[TOOL_CALLS]")[1:]:
         head = body.lstrip()
@@ -274,7 +326,7 @@ def _deepseek(text: str, tools: dict[str, dict]) -> list[Call]:
     return calls
 
 
-def _deepseek_stream(text: str) -> list[PartialCall]:
+def _deepseek_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     calls = []
     for body in _blocks(text, DS_CALL, DS_END):
         name, sep, rest = body.partition(DS_SEP)
@@ -291,7 +343,7 @@ def _deepseek_stream(text: str) -> list[PartialCall]:
     return calls
 
 
-def _kimi_k2_stream(text: str) -> list[PartialCall]:
+def _kimi_k2_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     calls = []
     for body in _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>"):
         call_id, sep, rest = body.partition("<|tool_call_argument_begin|>")
@@ -322,7 +374,9 @@ def _kimi_k2(text: str, tools: dict[str, dict]) -> list[Call]:
     return calls
 
 
-def _invoke_xml(prefix: str, block: str) -> Callable[[str, dict[str, dict]], list[Call]]:
+def _invoke_xml(
+    prefix: str, block: str
+) -> tuple[Callable[[str, dict[str, dict]], list[Call]], Callable[[str, dict[str, dict]], list[PartialCall]]]:
     """<BLOCK><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke></BLOCK>, each tag after
     `prefix` (MiniMax-M2: none; DeepSeek V3.2: ｜DSML｜, whose parameters say string="true|false")."""
     invoke = re.compile(rf'<{prefix}invoke name="([^"]+)">(.*?)(?:</{prefix}invoke>|$)', re.DOTALL)
@@ -330,26 +384,41 @@ def _invoke_xml(prefix: str, block: str) -> Callable[[str, dict[str, dict]], lis
         rf'<{prefix}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{prefix}parameter>', re.DOTALL
     )
 
+    def arguments(name: str, inner: str, tools: dict[str, dict]) -> dict[str, Any]:
+        out = {}
+        for key, is_string, value in parameter.findall(inner):
+            value = value.strip("\n")
+            out[key] = (
+                value
+                if is_string == "true"
+                else json.loads(value)
+                if is_string == "false"
+                else _typed(value, name, key, tools)
+            )
+        return out
+
     def parse(text: str, tools: dict[str, dict]) -> list[Call]:
         calls = []
         for body in _blocks(text, f"<{prefix}{block}>", f"</{prefix}{block}>"):
-            for name, inner in invoke.findall(body):
-                arguments = {}
-                for key, is_string, value in parameter.findall(inner):
-                    value = value.strip("\n")
-                    arguments[key] = (
-                        value
-                        if is_string == "true"
-                        else json.loads(value)
-                        if is_string == "false"
-                        else _typed(value, name, key, tools)
-                    )
-                calls.append((name, arguments))
+            calls += [(name, arguments(name, inner, tools)) for name, inner in invoke.findall(body)]
         if not calls:
             raise ValueError("no <invoke> in the tool-call block")
         return calls
 
-    return parse
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        calls = []
+        for body, closed in _closed_blocks(text, f"<{prefix}{block}>", f"</{prefix}{block}>"):
+            for m in invoke.finditer(body):
+                ended = closed or m.group(0).endswith(f"</{prefix}invoke>")
+                try:
+                    calls.append(_arguments_so_far(m.group(1), arguments(m.group(1), m.group(2), tools), ended))
+                except ValueError:  # a string="false" value that is not JSON: the call is not one after all
+                    return calls
+                if not ended:
+                    return calls
+        return calls
+
+    return parse, stream
 
 
 LLAMA_TAG = "<|python_tag|>"
@@ -388,7 +457,7 @@ def _llama3(text: str, tools: dict[str, dict]) -> list[Call]:
     return calls
 
 
-def _llama3_stream(text: str) -> list[PartialCall]:
+def _llama3_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     calls, at = [], 0
     while True:
         at = len(text) - len(text[at:].lstrip().removeprefix(LLAMA_TAG).lstrip())
@@ -418,13 +487,16 @@ def _command_r_actions(prefix: str, end: str) -> Callable[[str, dict[str, dict]]
     return parse
 
 
-def _command_r_stream(prefix: str) -> Callable[[str], list[PartialCall]]:
-    def stream(text: str) -> list[PartialCall]:
+def _command_r_stream(prefix: str) -> Callable[[str, dict[str, dict]], list[PartialCall]]:
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
         m = re.compile(rf"\s*{re.escape(prefix)}\s*(?:```json)?\s*\[").match(text)
         return _named_calls(text, m.end())[0] if m else []
 
     return stream
 
+
+_MINIMAX, _MINIMAX_STREAM = _invoke_xml("", "minimax:tool_call")
+_DSML, _DSML_STREAM = _invoke_xml("｜DSML｜", "function_calls")
 
 # Checked in order, the more specific first: Qwen3-Coder's and GLM's templates write <tool_call> too
 TOOL_FORMATS = (
@@ -432,12 +504,11 @@ TOOL_FORMATS = (
         "minimax-m2",
         ("<minimax:tool_call>",),
         "<minimax:tool_call>",
-        _invoke_xml("", "minimax:tool_call"),
+        _MINIMAX,
         ("<minimax:tool_call>", "</minimax:tool_call>"),
+        _MINIMAX_STREAM,
     ),
-    ToolFormat(
-        "deepseek-v3.2", ("｜DSML｜",), "<｜DSML｜function_calls>", _invoke_xml("｜DSML｜", "function_calls"), ()
-    ),
+    ToolFormat("deepseek-v3.2", ("｜DSML｜",), "<｜DSML｜function_calls>", _DSML, (), _DSML_STREAM),
     ToolFormat(
         "kimi-k2",
         ("<|tool_calls_section_begin|>",),
@@ -466,6 +537,7 @@ TOOL_FORMATS = (
         "<seed:tool_call>",
         _xml_functions("seed:tool_call"),
         ("<seed:tool_call>", "</seed:tool_call>"),
+        _xml_functions_stream("seed:tool_call"),
     ),
     ToolFormat(
         "glm-4.5",
@@ -473,6 +545,7 @@ TOOL_FORMATS = (
         "<tool_call>",
         _glm,
         ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+        _glm_stream,
     ),
     ToolFormat(
         "qwen3-coder",
@@ -480,6 +553,7 @@ TOOL_FORMATS = (
         "<tool_call>",
         _xml_functions("tool_call"),
         ("<tool_call>", "</tool_call>"),
+        _xml_functions_stream("tool_call"),
     ),
     ToolFormat(
         "command-r7b",

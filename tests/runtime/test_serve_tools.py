@@ -325,9 +325,9 @@ def test_a_tool_call_round_trip_for_each_parser_family(family, synth_model, tmp_
         assert finish == "tool_calls" and streamed["content"] == "Let me look."
         (entry,) = streamed["tool_calls"].values()
         assert (entry["name"], json.loads(entry["arguments"])) == CALL and len(entry["id"]) == 9
-        if STREAMED_ARGUMENTS in "".join(call_pieces):  # the JSON-argument families: the arguments as written
-            assert entry["pieces"] == len(ARGUMENT_PIECES) and entry["arguments"] == call.function.arguments
-            assert call.function.arguments == STREAMED_ARGUMENTS
+        assert entry["arguments"] == call.function.arguments  # the streamed pieces add up to the arguments
+        if STREAMED_ARGUMENTS in "".join(call_pieces):  # the JSON-argument families: in pieces, as written
+            assert entry["pieces"] == len(ARGUMENT_PIECES) and call.function.arguments == STREAMED_ARGUMENTS
         # the agent runs the tool and sends its result back
         messages += [
             choice.message.model_dump(exclude_none=True),
