@@ -701,3 +701,48 @@ def test_gpt_oss_analyses_before_a_constrained_call(synth_model, tmp_path):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     finally:
         server.close()
+
+
+def test_command_r7b_plan_action_and_response(synth_model, tmp_path):
+    """Command-R7B: the plan between <|START_THINKING|> and <|END_THINKING|> is the reasoning, the action list the
+    calls (streamed in pieces), and after the tool's result the text between the response markers (control tokens,
+    left out of the text) the content."""
+    markers = ("<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>")
+    _, call_pieces, control = FAMILIES["command-r7b"]
+    server = live(
+        synth_model,
+        tmp_path,
+        TEMPLATE.replace("FORMAT", "a plan in <|START_THINKING|><|END_THINKING|>, actions in <|START_ACTION|>"),
+        {
+            "<turn>": ["<|START_THINKING|>", "I will look up the weather.", "<|END_THINKING|>", *call_pieces],
+            "<after-tool>": ["<|START_RESPONSE|>", ANSWER, "<|END_RESPONSE|>"],
+        },
+        control + markers,
+    )
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        message = r.choices[0].message
+        assert (message.reasoning_content, message.content) == ("I will look up the weather.", None)
+        (call,) = message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather", STREAMED_ARGUMENTS)
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
+        assert (streamed["reasoning_content"], streamed["content"], finish) == (
+            "I will look up the weather.",
+            "",
+            "tool_calls",
+        )
+        assert [(c["arguments"], c["pieces"]) for c in streamed["tool_calls"].values()] == [
+            (STREAMED_ARGUMENTS, len(ARGUMENT_PIECES))
+        ]
+        messages += [
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
+        ]
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
+    finally:
+        server.close()
