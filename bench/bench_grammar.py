@@ -97,10 +97,18 @@ def run(sched: Scheduler, jobs: list[Job]) -> tuple[list[str], list[str], float,
     return texts, finish, time.perf_counter() - start, tokens
 
 
-def tool_call_validity(sched: Scheduler, grammars: Grammars, prompt: list[int], schemas: list[dict], n: int) -> None:
+def tool_call_validity(
+    sched: Scheduler,
+    grammars: Grammars,
+    prompt: list[int],
+    schemas: list[dict],
+    n: int,
+    names: list[str],
+    max_tokens: int,
+) -> None:
     """Per tool format: how many of n constrained calls parse into one call valid against its tool's schema."""
     formats = {f.name: f for f in TOOL_FORMATS}
-    for name in CALL_SHAPES:
+    for name in names:
         start = time.perf_counter()
         valid, failures = 0, []
         for at in range(0, n, 8):
@@ -114,7 +122,7 @@ def tool_call_validity(sched: Scheduler, grammars: Grammars, prompt: list[int], 
             jobs = [
                 Job(
                     prompt,
-                    1024,
+                    max_tokens,
                     moerun.make_sampler(1.0, seed=at + i),
                     grammar=Constraint(grammars, grammars.tool_call(name, tools, {}, "tool_choice")),
                 )
@@ -132,7 +140,7 @@ def tool_call_validity(sched: Scheduler, grammars: Grammars, prompt: list[int], 
                     jsonschema.validate(json.loads(function["arguments"]), by_name[function["name"]])
                     valid += 1
                 except (KeyError, ValueError, jsonschema.ValidationError) as e:
-                    failures.append((at + i, finish[i], str(e)[:100], text[:160]))
+                    failures.append((at + i, finish[i], str(e)[:100], text[:80] + " ... " + text[-80:]))
         print(f"tool calls, {name}: {valid}/{n} valid ({time.perf_counter() - start:.0f} s)")
         for f in failures:
             print("  invalid:", f)
@@ -146,7 +154,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tool-calls", type=int, default=0, help="constrained calls per tool format (0: none)")
+    parser.add_argument("--formats", default=",".join(CALL_SHAPES), help="the tool formats of --tool-calls")
+    parser.add_argument("--call-tokens", type=int, default=1024, help="the token limit of a constrained call")
     args = parser.parse_args()
+    names = args.formats.split(",")
+    unknown = sorted(set(names) - set(CALL_SHAPES))
+    if unknown:
+        parser.error(f"--formats: no tool format {', '.join(unknown)} (known: {', '.join(CALL_SHAPES)})")
     model = moerun.load_model(args.model, n_ctx=1024, n_seq=8, device=args.device)
     grammars = Grammars(model.tokenizer, ChatFormat(model.gguf, model.tokenizer).control_names())
     prompt = model.tokenizer.encode("Here is the record as JSON: ")
@@ -178,7 +192,8 @@ def main() -> None:
         print("  invalid:", f)
 
     if args.tool_calls:
-        tool_call_validity(sched, grammars, prompt, suite(max(args.schemas, 2 * args.tool_calls)), args.tool_calls)
+        schemas = suite(max(args.schemas, 2 * args.tool_calls))
+        tool_call_validity(sched, grammars, prompt, schemas, args.tool_calls, names, args.call_tokens)
     if not args.repeats:
         return
 
