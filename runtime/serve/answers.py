@@ -7,6 +7,7 @@ the model's text.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import secrets
@@ -112,7 +113,8 @@ class ToolCalls:
         ]
 
     def finish_reason(self, reason: str) -> str:
-        """ "tool_calls" when the answer made calls, all whole; otherwise why it ended (a limit cut a call short)."""
+        """The answer's finish_reason: tool_calls when it made calls, all whole; otherwise why it ended (a limit
+        that cut a call short)."""
         return "tool_calls" if self.ids and all(self.complete) else reason
 
 
@@ -126,13 +128,12 @@ def _json_equal(text: str, value: Any) -> bool:
 class ChatAnswer:
     """/v1/chat/completions: the assistant message, the model's text split into reasoning (between the template's
     reasoning tags, `reasoning_content`), the answer (`content`) and tool calls (from where the tool format's
-    calls start to the end, parsed at the end into `tool_calls`).
+    calls start to the end, read as they are written and parsed whole at the end into `tool_calls`).
 
     Streamed, the answer and the reasoning go out as they come, but for text that could still turn out to be the
     start of a tag or of the tool calls, which is held back until it cannot. The tool calls go out as they are
     written (ToolFormat.stream, ToolCalls). Text that is not calls in the format after all (and of which no call went
-    out) goes to `content`. Whitespace around the reasoning (a template's `<think>\n`)
-    is dropped.
+    out) goes to `content`. Whitespace around the reasoning (a template's `<think>\n`) is dropped.
     """
 
     def __init__(
@@ -144,7 +145,7 @@ class ChatAnswer:
         parallel_tool_calls: bool = True,
     ) -> None:
         self.tags, self.tools, self.schemas = reasoning, tools, schemas or {}
-        # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": buffering calls
+        # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": reading calls
         self.state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
         self._pending = ""  # text not classified yet
         self._strip = self.state == "reasoning"  # drop the whitespace that opens the next piece
@@ -164,8 +165,9 @@ class ChatAnswer:
             pass
         if self.state == "calls":
             begun = self.tools.stream(self._call_text, self.schemas)
-            known = [c.name in self.schemas for c in begun] if self.schemas else [True] * len(begun)
-            entries = self.calls.stream(begun[: known.index(False)] if False in known else begun)
+            if self.schemas:  # a call to a tool not offered waits for the end, where it may turn out to be text
+                begun = list(itertools.takewhile(lambda call: call.name in self.schemas, begun))
+            entries = self.calls.stream(begun)
             if entries:
                 delta["tool_calls"] = entries
         return delta or None

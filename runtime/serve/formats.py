@@ -174,6 +174,9 @@ _NAMED_CALL = re.compile(
 )
 
 
+_OBJECT_END = re.compile(r"\s*\}\s*,?")  # a call object's end, and the comma before the next one
+
+
 def _named_calls(text: str, at: int = 0) -> tuple[list[PartialCall], int | None]:
     """{"name": ..., "arguments": {...}} objects from `at`, separated by commas (a JSON list's items) -> the calls
     begun, and where the text after the last complete object starts (None: the last is not complete)."""
@@ -181,7 +184,7 @@ def _named_calls(text: str, at: int = 0) -> tuple[list[PartialCall], int | None]
     while m := _NAMED_CALL.match(text, at):
         end, complete = _json_span(text, m.end())
         calls.append(PartialCall(json.loads(m.group(1)), text[m.end() : end], complete))
-        close = re.compile(r"\s*\}\s*,?").match(text, end) if complete else None
+        close = _OBJECT_END.match(text, end) if complete else None
         if close is None or not close.group().rstrip().endswith(","):
             return calls, close.end() if close else None
         at = close.end()

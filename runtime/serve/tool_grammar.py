@@ -147,9 +147,7 @@ def _thinking(g: CallGrammar, thinking: Thinking | None) -> Expr:
         return Expr("")
     if thinking.harmony:  # an analysis message, then the header of the next one up to its channel
         body = g.text_value({}, "<|end|>", ())
-        return Expr(
-            f"({g.seq('<|channel|>', 'analysis', '<|message|>', body, '<|start|>', 'assistant').text})?"
-        )
+        return Expr(f"({g.seq('<|channel|>', 'analysis', '<|message|>', body, '<|start|>', 'assistant').text})?")
     body = g.seq(g.text_value({}, thinking.end, ()), Expr('("\\n" "\\n"?)?'))
     return body if thinking.opened else Expr(f"({g.seq(thinking.start, body).text})?")
 
