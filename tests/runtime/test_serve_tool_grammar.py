@@ -10,6 +10,7 @@ import jsonschema
 import llguidance
 import pytest
 
+from moerun.serve.answers import HarmonyAnswer
 from moerun.serve.formats import TOOL_FORMATS
 from moerun.serve.tool_grammar import CALL_SHAPES, Thinking, call_grammar, json_grammar
 
@@ -132,3 +133,16 @@ def test_minimax_text_values_neither_begin_nor_end_with_the_newlines_its_parser_
     assert parsed == ("edit", {"path": "a.py", "code": "a\n<b>\nc"})
     assert not accepts(lark, [call("\nabc")]) and not accepts(lark, [call("abc\n")])
     assert not accepts(lark, [call("a</invoke>b")])
+
+
+def test_gpt_oss_json_after_analysis_is_a_final_message():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    lark = json_grammar(schema, CONTROL_IDS, Thinking("<|channel|>", "<|end|>", harmony=True))
+    final = ["<|channel|>", "final", "<|message|>", '{"n":3}']
+    analysis = ["<|channel|>", "analysis", "<|message|>", "Count.", "<|end|>", "<|start|>", "assistant"]
+    assert accepts(lark, final) and accepts(lark, analysis + final)
+    assert not accepts(lark, ['{"n":3}']) and not accepts(lark, analysis + ['{"n":3}'])
+    answer = HarmonyAnswer()
+    answer.push("".join(analysis + final))
+    answer.end()
+    assert answer.fields() == {"role": "assistant", "content": '{"n":3}', "reasoning_content": "Count."}
