@@ -52,8 +52,9 @@ class ToolCalls:
     """An answer's tool calls as they go out: each call's id, name and arguments text. Streamed, a call goes out
     once its name is known and its arguments have begun (`stream`: the id, the name and the arguments so far), then
     its arguments in pieces as they are written; the pieces of a call's arguments add up to its final arguments
-    exactly. `finish` takes the calls parsed from the whole answer: a call streamed keeps the text sent (the model's
-    own JSON, which parses to the same arguments), what it lacks is sent; a call not streamed goes out whole."""
+    exactly; a call whose arguments have ended as a JSON object is whole. `finish` takes the calls parsed from the
+    whole answer: a call streamed keeps the text sent (the model's own JSON, which parses to the same arguments),
+    what it lacks is sent; a call not streamed goes out whole."""
 
     def __init__(self, parallel: bool) -> None:
         self.parallel = parallel
@@ -69,11 +70,13 @@ class ToolCalls:
             if i == len(self.ids):
                 self._add(call.name, call.arguments)
                 entries.append(self._entry(i))
-                continue
-            new = call.arguments[len(self.arguments[i]) :]
-            if new and call.arguments.startswith(self.arguments[i]):
-                self.arguments[i] = call.arguments
-                entries.append({"index": i, "function": {"arguments": new}})
+            else:
+                new = call.arguments[len(self.arguments[i]) :]
+                if new and call.arguments.startswith(self.arguments[i]):
+                    self.arguments[i] = call.arguments
+                    entries.append({"index": i, "function": {"arguments": new}})
+            if call.complete and self.arguments[i] == call.arguments:
+                self.complete[i] = _is_object(call.arguments)
         return entries
 
     def finish(self, calls: list[Call | None]) -> list[dict[str, Any]]:
@@ -121,6 +124,13 @@ class ToolCalls:
 def _json_equal(text: str, value: Any) -> bool:
     try:
         return json.loads(text) == value
+    except ValueError:
+        return False
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
     except ValueError:
         return False
 

@@ -263,3 +263,11 @@ def test_llama3_and_command_r_formats_are_chosen_from_their_templates_text():
     assert tool_format("{{- '\\nAction:\\n```json\\n[\\n' }}{{- '\"tool_name\": \"' }}").name == "command-r"
     # functionary v3.1 has the ipython role but writes <function=...>: not Llama's format
     assert tool_format("<|start_header_id|>ipython<|end_header_id|> <function=name>{...}</function>") is None
+
+
+def test_a_streamed_call_whose_json_ended_is_whole_though_the_text_after_it_is_not_the_format():
+    answer = ChatAnswer(tools=FORMATS["hermes"], schemas=SCHEMAS)
+    message, merged = run(answer, '<tool_call>\n{"name": "search", "arguments": {"query": "moe"}} oops', 5)
+    assert message["tool_calls"][0]["function"] == {"name": "search", "arguments": '{"query": "moe"}'}
+    assert merged["tool_calls"][0]["function"]["arguments"] == '{"query": "moe"}'
+    assert answer.finish_reason("stop") == "tool_calls"
