@@ -474,28 +474,55 @@ def _llama3_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
         at = m.end()
 
 
-def _command_r_actions(prefix: str, end: str) -> Callable[[str, dict[str, dict]], list[Call]]:
-    """A JSON list of {"tool_name": NAME, "parameters": {...}} after `prefix` (Command-R7B: <|START_ACTION|>;
-    Command-R: Action: and a ```json fence), up to `end`. Command-R's `directly-answer` tool is no call."""
+def _json_list(prefix: str, end: str | None = None) -> Callable[[str, dict[str, dict]], list[Call]]:
+    """A JSON list of {"name": NAME, "arguments": {...}} (or "tool_name" and "parameters") after `prefix`, up to
+    `end` where there is one: Command-R7B's <|START_ACTION|>, Command-R's Action: and its ```json fence, Granite's
+    <|tool_call|>, FireFunction's functools. Command-R's `directly-answer` tool is no call."""
 
     def parse(text: str, tools: dict[str, dict]) -> list[Call]:
-        body = text.strip().removeprefix(prefix).strip().removeprefix("```json").split(end, 1)[0]
-        value, _ = json.JSONDecoder().raw_decode(body.strip())
+        body = text.strip().removeprefix(prefix).strip().removeprefix("```json")
+        value, _ = json.JSONDecoder().raw_decode((body.split(end, 1)[0] if end else body).strip())
         calls = [_name_and_arguments(item) for item in (value if isinstance(value, list) else [value])]
         calls = [c for c in calls if c[0] not in ("directly-answer", "directly_answer")]
         if not calls:
-            raise ValueError("no tool call among the actions")
+            raise ValueError("no tool call in the list")
         return calls
 
     return parse
 
 
-def _command_r_stream(prefix: str) -> Callable[[str, dict[str, dict]], list[PartialCall]]:
+def _json_list_stream(prefix: str) -> Callable[[str, dict[str, dict]], list[PartialCall]]:
+    opening = re.compile(rf"\s*{re.escape(prefix)}\s*(?:```json)?\s*\[")
+
     def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
-        m = re.compile(rf"\s*{re.escape(prefix)}\s*(?:```json)?\s*\[").match(text)
+        m = opening.match(text)
         return _named_calls(text, m.end())[0] if m else []
 
     return stream
+
+
+def _functionary(text: str, tools: dict[str, dict]) -> list[Call]:
+    """<function=NAME>{...}</function>, one per call (functionary v3.1)."""
+    calls = []
+    for body in _blocks(text, "<function=", "</function>"):
+        name, sep, arguments = body.partition(">")
+        if not sep:
+            raise ValueError("a <function= without its '>'")
+        calls.append((name.strip(), _json_object(arguments.strip())))
+    return calls
+
+
+def _functionary_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    calls = []
+    for body in _blocks(text, "<function=", "</function>"):
+        name, sep, arguments = body.partition(">")
+        call = _arguments_from(name.strip(), arguments) if sep else None
+        if call is None:
+            break
+        calls.append(call)
+        if not call.complete:
+            break
+    return calls
 
 
 _MINIMAX, _MINIMAX_STREAM = _invoke_xml("", "minimax:tool_call")
@@ -562,18 +589,30 @@ TOOL_FORMATS = (
         "command-r7b",
         ("<|START_ACTION|>",),
         "<|START_ACTION|>",
-        _command_r_actions("<|START_ACTION|>", "<|END_ACTION|>"),
+        _json_list("<|START_ACTION|>", "<|END_ACTION|>"),
         ("<|START_ACTION|>", "<|END_ACTION|>"),
-        _command_r_stream("<|START_ACTION|>"),
+        _json_list_stream("<|START_ACTION|>"),
     ),
     ToolFormat(
         "command-r",
         ("Action:", "```json", '"tool_name": '),
         "Action:",
-        _command_r_actions("Action:", "```"),
+        _json_list("Action:", "```"),
         (),
-        _command_r_stream("Action:"),
+        _json_list_stream("Action:"),
     ),
+    ToolFormat(
+        "granite",
+        ("<|tool_call|>",),
+        "<|tool_call|>",
+        _json_list("<|tool_call|>"),
+        ("<|tool_call|>",),
+        _json_list_stream("<|tool_call|>"),
+    ),
+    ToolFormat(
+        "firefunction-v2", ("functools[",), "functools[", _json_list("functools"), (), _json_list_stream("functools")
+    ),
+    ToolFormat("functionary-v3.1", ("<function=", "</function>"), "<function=", _functionary, (), _functionary_stream),
     ToolFormat(
         "llama-3.x",
         ("<|start_header_id|>ipython<|end_header_id|>", '"parameters": '),

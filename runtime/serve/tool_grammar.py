@@ -194,6 +194,25 @@ def _command_r(prefix: str, suffix: str, call_id: bool) -> Callable[[CallGrammar
     return call
 
 
+def _named_list(prefix: str) -> Callable[[CallGrammar, str, dict], Expr]:
+    """A one-item JSON list of {"name": NAME, "arguments": {...}} after `prefix` (Granite, FireFunction)."""
+
+    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
+        item = {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": _schema(parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        return g.seq(prefix, "[", g.json(item), "]")
+
+    return call
+
+
+def _functionary(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    return g.seq(f"<function={name}>", g.json(_schema(parameters)), "</function>")
+
+
 def _mistral(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq("[TOOL_CALLS]", name, "[ARGS]", g.json(_schema(parameters)))
 
@@ -301,6 +320,9 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "llama-3.x": _llama3,
     "command-r7b": _command_r("<|START_ACTION|>", "<|END_ACTION|>", call_id=True),
     "command-r": _command_r("Action:\n```json\n", "\n```", call_id=False),
+    "granite": _named_list("<|tool_call|>"),
+    "firefunction-v2": _named_list(" functools"),
+    "functionary-v3.1": _functionary,
 }
 
 

@@ -37,6 +37,12 @@ OUTPUTS = {
     "<|END_ACTION|>",
     "command-r": 'Action:\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": {"city": "Paris", '
     '"days": 3}\n    },\n    {\n        "tool_name": "search",\n        "parameters": {"query": "moe 2"}\n    }\n]```',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+    '{"name": "search", "arguments": {"query": "moe 2"}}]',
+    "firefunction-v2": ' functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+    '{"name": "search", "arguments": {"query": "moe 2"}}]',
+    "functionary-v3.1": '<function=get_weather>{"city": "Paris", "days": 3}</function>'
+    '<function=search>{"query": "moe 2"}</function>',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]search[ARGS]{"query": "moe 2"}',
     "deepseek-v3.1": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}'
     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "moe 2"}<｜tool▁call▁end｜>'
@@ -256,13 +262,16 @@ def test_command_r7b_plan_is_the_reasoning_and_its_actions_the_calls():
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
 
 
-def test_llama3_and_command_r_formats_are_chosen_from_their_templates_text():
+def test_llama3_command_r_granite_firefunction_functionary_formats_are_chosen_from_their_templates_text():
     llama = "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- '\"parameters\": ' }}"
     assert tool_format(llama).name == "llama-3.x"
     assert tool_format('<|START_ACTION|>[{"tool_name": ...}]<|END_ACTION|> Action: ```json').name == "command-r7b"
     assert tool_format("{{- '\\nAction:\\n```json\\n[\\n' }}{{- '\"tool_name\": \"' }}").name == "command-r"
-    # functionary v3.1 has the ipython role but writes <function=...>: not Llama's format
-    assert tool_format("<|start_header_id|>ipython<|end_header_id|> <function=name>{...}</function>") is None
+    # functionary v3.1 has the ipython role but writes <function=...>{...}</function>: not Llama's format
+    functionary = "<|start_header_id|>ipython<|end_header_id|> <function=name>{...}</function>"
+    assert tool_format(functionary).name == "functionary-v3.1"
+    assert tool_format("{{ ' functools[' + calls | join(', ') + ']' }}").name == "firefunction-v2"
+    assert tool_format("respond only with <|tool_call|> followed by a JSON list").name == "granite"
 
 
 def test_a_streamed_call_whose_json_ended_is_whole_though_the_text_after_it_is_not_the_format():

@@ -163,6 +163,21 @@ FAMILIES = {
         ],
         (),
     ),
+    "granite": (
+        "<|tool_call|>",
+        ["<|tool_call|>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]"],
+        ("<|tool_call|>",),
+    ),
+    "firefunction-v2": (
+        "functools[",
+        [" functools", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]"],
+        (),
+    ),
+    "functionary-v3.1": (
+        "<function= </function>",
+        ["<function=get_weather>", *ARGUMENT_PIECES, "</function>"],
+        (),
+    ),
     "minimax-m2": (
         "<minimax:tool_call>",
         [
