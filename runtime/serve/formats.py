@@ -32,6 +32,7 @@ class ReasoningTags:
 REASONING_TAGS = (
     ReasoningTags("<seed:think>", "</seed:think>"),
     ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>"),  # Command-R7B's plan before its actions
+    ReasoningTags("<|channel>thought", "<channel|>"),  # Gemma 4's thought channel
     ReasoningTags("[THINK]", "[/THINK]"),
     ReasoningTags("<think>", "</think>"),
 )
@@ -525,6 +526,97 @@ def _functionary_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     return calls
 
 
+GEMMA_QUOTE = '<|"|>'  # Gemma 4's string delimiter, both ends
+_GEMMA_LITERAL = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
+_GEMMA_KEY = re.compile(r"\s*([^:{}\[\],<]+?)\s*:")
+
+
+def _gemma_value(text: str, at: int) -> tuple[Any, int]:
+    """One value of Gemma 4's argument syntax from `at` -> (the value, where it ends): strings between <|"|>
+    delimiters, numbers, true/false/null as JSON writes them, [a,b] lists and {key:value} objects with bare keys.
+    ValueError where the text is not one (or ends before the value does)."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    if text.startswith(GEMMA_QUOTE, at):
+        end = text.find(GEMMA_QUOTE, at + len(GEMMA_QUOTE))
+        if end < 0:
+            raise ValueError("an unclosed string")
+        return text[at + len(GEMMA_QUOTE) : end], end + len(GEMMA_QUOTE)
+    if text.startswith("{", at):
+        pairs, at, closed = _gemma_pairs(text, at)
+        if not closed:
+            raise ValueError("an unclosed object")
+        return dict(pairs), at
+    if text.startswith("[", at):
+        items, at = [], at + 1
+        while True:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if text.startswith("]", at):
+                return items, at + 1
+            if items:
+                if not text.startswith(",", at):
+                    raise ValueError("a list item without its comma")
+                at += 1
+            item, at = _gemma_value(text, at)
+            items.append(item)
+    m = _GEMMA_LITERAL.match(text, at)
+    if m is None or m.end() == len(text):  # (a number at the very end may go on)
+        raise ValueError(f"not a value: {text[at : at + 20]!r}")
+    return json.loads(m.group()), m.end()
+
+
+def _gemma_pairs(text: str, at: int) -> tuple[list[tuple[str, Any]], int, bool]:
+    """The key:value pairs of the {...} at `at`, as far as they are complete -> (the pairs, where they end, whether
+    the object closed)."""
+    pairs, at = [], at + 1
+    while True:
+        rest = text[at:].lstrip()
+        if rest.startswith("}"):
+            return pairs, len(text) - len(rest) + 1, True
+        if pairs:
+            if not rest.startswith(","):
+                return pairs, at, False
+            rest = rest[1:]
+        start = len(text) - len(rest)
+        key = _GEMMA_KEY.match(text, start)
+        if key is None:
+            return pairs, at, False
+        try:
+            value, end = _gemma_value(text, key.end())
+        except ValueError:
+            return pairs, at, False
+        pairs.append((key.group(1).removeprefix(GEMMA_QUOTE).removesuffix(GEMMA_QUOTE), value))
+        at = end
+
+
+def _gemma_calls(text: str) -> list[tuple[str, list[tuple[str, Any]], bool]]:
+    """<|tool_call>call:NAME{key:value,...}<tool_call|> blocks -> (name, the complete pairs, whether the call is
+    whole), up to the first that is not whole."""
+    calls = []
+    for body, _ in _closed_blocks(text, "<|tool_call>", "<tool_call|>"):
+        head, brace, _ = body.partition("{")
+        if not brace or not head.strip().startswith("call:"):
+            break
+        pairs, end, closed = _gemma_pairs(body, len(head))
+        calls.append((head.strip().removeprefix("call:").strip(), pairs, closed and not body[end:].strip()))
+        if not calls[-1][2]:
+            break
+    return calls
+
+
+def _gemma4(text: str, tools: dict[str, dict]) -> list[Call]:
+    """Gemma 4: <|tool_call>call:NAME{key:value,...}<tool_call|> per call, values in its own syntax (_gemma_value)."""
+    calls = _gemma_calls(text)
+    if not calls or not all(whole for _, _, whole in calls) or len(calls) < text.count("<|tool_call>"):
+        raise ValueError("not Gemma 4 tool calls")
+    return [(name, dict(pairs)) for name, pairs, _ in calls]
+
+
+def _gemma4_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    return [_arguments_so_far(name, dict(pairs), whole) for name, pairs, whole in _gemma_calls(text)]
+
+
 _MINIMAX, _MINIMAX_STREAM = _invoke_xml("", "minimax:tool_call")
 _DSML, _DSML_STREAM = _invoke_xml("｜DSML｜", "function_calls")
 
@@ -600,6 +692,14 @@ TOOL_FORMATS = (
         _json_list("Action:", "```"),
         (),
         _json_list_stream("Action:"),
+    ),
+    ToolFormat(
+        "gemma-4",
+        ("<|tool_call>", "<tool_call|>"),
+        "<|tool_call>",
+        _gemma4,
+        ("<|tool_call>", "<tool_call|>", GEMMA_QUOTE),
+        _gemma4_stream,
     ),
     ToolFormat(
         "granite",

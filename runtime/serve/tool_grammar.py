@@ -20,7 +20,7 @@ from typing import Any
 
 import llguidance
 
-from moerun.serve.formats import DS_CALL, DS_END, DS_SEP, is_text_parameter
+from moerun.serve.formats import DS_CALL, DS_END, DS_SEP, GEMMA_QUOTE, is_text_parameter
 
 # JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
 NO_FREE_WHITESPACE = {"whitespace_flexible": False}
@@ -118,6 +118,12 @@ class CallGrammar:
         parts = [p if k in required else f"({p})?" for k, p in zip(keys, parts)]
         return Expr(" ".join(parts) if parts else '""')
 
+    def rule(self, expr: Expr) -> Expr:
+        """`expr` as a rule of its own, named (for an expression used more than once)."""
+        name = f"r{len(self.rules)}"
+        self.rules.append(f"{name}: {expr.text}")
+        return Expr(name)
+
     def grammar(self, before: Expr, answers: list[Expr]) -> str:
         """`before`, then one of `answers`."""
         answer = " | ".join(f"({a.text})" for a in answers)
@@ -211,6 +217,74 @@ def _named_list(prefix: str) -> Callable[[CallGrammar, str, dict], Expr]:
 
 def _functionary(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq(f"<function={name}>", g.json(_schema(parameters)), "</function>")
+
+
+def _gemma_value(g: CallGrammar, schema: dict[str, Any]) -> Expr:
+    """A value of `schema` in Gemma 4's argument syntax (formats._gemma_value): strings between <|"|> delimiters,
+    numbers, booleans and null as JSON writes them, [a,b] lists, {key:value} objects with bare keys in sorted order
+    (as its template writes them). A schema of no type it knows takes a string, a number, a boolean or null."""
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            rest = {k: v for k, v in schema.items() if k != key}
+            return Expr("(" + " | ".join(_gemma_value(g, {**rest, **sub}).text for sub in schema[key]) + ")")
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if choices is not None:
+        texts = [
+            g.seq(GEMMA_QUOTE, c, GEMMA_QUOTE).text if isinstance(c, str) else g.lit(json.dumps(c)) for c in choices
+        ]
+        return Expr("(" + " | ".join(texts) + ")")
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return Expr("(" + " | ".join(_gemma_value(g, {**schema, "type": k}).text for k in kind) + ")")
+    if kind == "string":
+        return g.seq(GEMMA_QUOTE, g.text_value(schema, GEMMA_QUOTE, ()))
+    if kind in ("integer", "number", "boolean", "null"):
+        return g.json(schema)
+    if kind == "object" or "properties" in schema:
+        return _gemma_object(g, schema)
+    if kind == "array":
+        return _gemma_list(g, schema)
+    return Expr(
+        f"({_gemma_value(g, {'type': 'string'}).text} | {g.json({'type': ['number', 'boolean', 'null']}).text})"
+    )
+
+
+def _gemma_object(g: CallGrammar, schema: dict[str, Any]) -> Expr:
+    """{key:value,...}: the keys sorted, the required ones always, a comma between two."""
+    properties = schema.get("properties") or {}
+    required = {k for k in schema.get("required") or () if isinstance(k, str)}
+    keys = sorted(set(properties) | required)
+    # after[first]: the pairs from key i on, `first` when none was written before them (no comma to open with)
+    after = {True: Expr('""'), False: Expr('""')}
+    for key in reversed(keys):
+        value = g.rule(_gemma_value(g, properties.get(key) or {}))
+        pair = {first: g.seq("" if first else ",", f"{key}:", value) for first in (True, False)}
+        after = {
+            first: g.rule(
+                g.seq(pair[first], after[False])
+                if key in required
+                else Expr(f"({g.seq(pair[first], after[False]).text}) | {after[first].text}")
+            )
+            for first in (True, False)
+        }
+    return g.seq("{", after[True], "}")
+
+
+def _gemma_list(g: CallGrammar, schema: dict[str, Any]) -> Expr:
+    """[a,b,...] with minItems to maxItems items."""
+    item = g.rule(_gemma_value(g, schema.get("items") or {}))
+    low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+    if high is not None and int(high) == 0:
+        return g.seq("[", "]")
+    more = Expr(f'("," {item.text})*') if high is None else Expr('""')
+    for _ in range(max(0, (int(high) if high is not None else low) - max(low, 1))):
+        more = Expr(f'("," {item.text} {more.text})?')
+    items = g.seq(item, *[g.seq(",", item) for _ in range(max(low, 1) - 1)], more)
+    return g.seq("[", items, "]") if low else Expr(f'("[" "]" | {g.seq("[", items, "]").text})')
+
+
+def _gemma4(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    return g.seq("<|tool_call>", f"call:{name}", _gemma_object(g, _schema(parameters)), "<tool_call|>")
 
 
 def _mistral(g: CallGrammar, name: str, parameters: dict) -> Expr:
@@ -323,6 +397,7 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "granite": _named_list("<|tool_call|>"),
     "firefunction-v2": _named_list(" functools"),
     "functionary-v3.1": _functionary,
+    "gemma-4": _gemma4,
 }
 
 

@@ -37,6 +37,8 @@ OUTPUTS = {
     "<|END_ACTION|>",
     "command-r": 'Action:\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": {"city": "Paris", '
     '"days": 3}\n    },\n    {\n        "tool_name": "search",\n        "parameters": {"query": "moe 2"}\n    }\n]```',
+    "gemma-4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+    '<|tool_call>call:search{query:<|"|>moe 2<|"|>}<tool_call|>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
     '{"name": "search", "arguments": {"query": "moe 2"}}]',
     "firefunction-v2": ' functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
@@ -262,7 +264,7 @@ def test_command_r7b_plan_is_the_reasoning_and_its_actions_the_calls():
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
 
 
-def test_llama3_command_r_granite_firefunction_functionary_formats_are_chosen_from_their_templates_text():
+def test_the_json_list_llama3_functionary_and_gemma4_formats_are_chosen_from_their_templates_text():
     llama = "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- '\"parameters\": ' }}"
     assert tool_format(llama).name == "llama-3.x"
     assert tool_format('<|START_ACTION|>[{"tool_name": ...}]<|END_ACTION|> Action: ```json').name == "command-r7b"
@@ -272,6 +274,7 @@ def test_llama3_command_r_granite_firefunction_functionary_formats_are_chosen_fr
     assert tool_format(functionary).name == "functionary-v3.1"
     assert tool_format("{{ ' functools[' + calls | join(', ') + ']' }}").name == "firefunction-v2"
     assert tool_format("respond only with <|tool_call|> followed by a JSON list").name == "granite"
+    assert tool_format("{{- '<|tool_call>call:' + name + '{' -}}{{- '}<tool_call|>' -}}").name == "gemma-4"
 
 
 def test_a_streamed_call_whose_json_ended_is_whole_though_the_text_after_it_is_not_the_format():
@@ -280,3 +283,18 @@ def test_a_streamed_call_whose_json_ended_is_whole_though_the_text_after_it_is_n
     assert message["tool_calls"][0]["function"] == {"name": "search", "arguments": '{"query": "moe"}'}
     assert merged["tool_calls"][0]["function"]["arguments"] == '{"query": "moe"}'
     assert answer.finish_reason("stop") == "tool_calls"
+
+
+def test_gemma4_thought_channel_and_argument_syntax():
+    tags = reasoning_tags("{{ '<|channel>thought\\n<channel|>' }}<|tool_call>call:<tool_call|>")
+    text = '<|channel>thought\nThe weather.<channel|><|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,'
+    text += 'days:3,extra:{when:[1,2.5,true,null],note:<|"|>a:b{c}<|"|>}}<tool_call|>'
+    for piece in (1, 4, len(text)):
+        message, merged = run(ChatAnswer(tags, False, FORMATS["gemma-4"], SCHEMAS), text, piece)
+        assert message["reasoning_content"] == merged["reasoning_content"] == "The weather."
+        (call,) = message["tool_calls"]
+        arguments = {"city": 'Paris, "FR"', "days": 3, "extra": {"when": [1, 2.5, True, None], "note": "a:b{c}"}}
+        assert json.loads(call["function"]["arguments"]) == arguments
+        assert merged["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
+    message, _ = run(ChatAnswer(tools=FORMATS["gemma-4"], schemas=SCHEMAS), '<|tool_call>call:f{a:<|"|>x}', 3)
+    assert "tool_calls" not in message and message["content"] == '<|tool_call>call:f{a:<|"|>x}'

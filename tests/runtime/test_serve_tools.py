@@ -163,6 +163,11 @@ FAMILIES = {
         ],
         (),
     ),
+    "gemma-4": (
+        "<|tool_call> <tool_call|>",
+        ["<|tool_call>", "call:get_weather{city:", '<|"|>', "Paris", '<|"|>#2', ",days:2}", "<tool_call|>"],
+        ("<|tool_call>", "<tool_call|>", '<|"|>'),
+    ),
     "granite": (
         "<|tool_call|>",
         ["<|tool_call|>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]"],
