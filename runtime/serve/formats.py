@@ -13,6 +13,7 @@ format writes as bare text (the XML-like formats) are converted by the tool's JS
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Callable
@@ -54,7 +55,8 @@ class PartialCall:
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
-    detect: tuple[str, ...]  # texts the template writes (all of them) when it uses this format
+    # texts the template writes (all of them; of a tuple among them, one) when it uses this format
+    detect: tuple[str | tuple[str, ...], ...]
     start: str  # where the calls begin in the model's text
     parse: Callable[[str, dict[str, dict]], list[Call]]  # (text from `start` on, tool name -> parameters schema)
     markers: tuple[str, ...]  # the format's special texts (which may be control tokens the model writes)
@@ -617,6 +619,89 @@ def _gemma4_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     return [_arguments_so_far(name, dict(pairs), whole) for name, pairs, whole in _gemma_calls(text)]
 
 
+_PYTHON_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def _python_value(node: ast.AST) -> Any:
+    """A literal of a Python call's argument (LFM2 writes strings in quotes, other values as Python or JSON)."""
+    if isinstance(node, ast.Constant) and not isinstance(node.value, (bytes, complex)) and node.value is not ...:
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _PYTHON_NAMES:
+        return _PYTHON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _python_value(node.operand)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_python_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+        return {str(_python_value(k)): _python_value(v) for k, v in zip(node.keys, node.values)}
+    raise ValueError("not a literal argument")
+
+
+def _python_call(text: str) -> Call:
+    """NAME(key=value, ...) -> (name, arguments)."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"not a call: {e}") from e
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        raise ValueError("not a call of keyword arguments")
+    return node.func.id, {k.arg: _python_value(k.value) for k in node.keywords if k.arg is not None}
+
+
+# a Python call list in pieces: a quoted string (maybe unclosed), a bracket, or a run of anything else
+_PYTHON_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"?|\'(?:[^\'\\]|\\.)*\'?|[\[\](){}]|[^"\'\[\](){}]+')
+
+
+def _python_calls(text: str) -> tuple[list[str], bool, str]:
+    """The list `[f(...), g(...)]` at the start of `text` -> the texts of its complete calls, whether the list closed,
+    and the call still being written, up to its last complete argument or its opening parenthesis ("" when its name
+    has not ended)."""
+    text = text.lstrip()
+    calls, depth, start, upto = [], 0, None, 0
+    for m in _PYTHON_PIECE.finditer(text):
+        piece = m.group()
+        if piece in ("[", "(", "{"):
+            depth += 1
+            if depth == 2 and piece == "(" and start is not None:
+                upto = m.end()
+        elif piece in ("]", ")", "}"):
+            depth -= 1
+            if depth == 0:
+                return calls, True, ""
+            if depth == 1 and piece == ")":
+                calls.append(text[start : m.end()])
+                start, upto = None, 0
+        elif depth == 1 and start is None and piece.strip(" ,\n"):
+            start = m.start() + len(piece) - len(piece.lstrip(" ,\n"))
+        elif depth == 2 and "," in piece:
+            upto = m.start() + piece.rindex(",")
+    return calls, False, text[start:upto] if start is not None and upto else ""
+
+
+def _lfm2(text: str, tools: dict[str, dict]) -> list[Call]:
+    """LFM2: <|tool_call_start|>[NAME(key=value, ...), ...]<|tool_call_end|>, a Python list of calls, strings in
+    quotes."""
+    calls, closed, _ = _python_calls(text.strip().removeprefix("<|tool_call_start|>"))
+    if not closed or not calls:
+        raise ValueError("not an LFM2 call list")
+    return [_python_call(c) for c in calls]
+
+
+def _lfm2_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    """The calls whole, and the one being written (once its name has ended) up to its last complete argument."""
+    calls, _, partial = _python_calls(text.strip().removeprefix("<|tool_call_start|>"))
+    out = []
+    for call, whole in [(c, True) for c in calls] + ([(partial + ")", False)] if partial else []):
+        try:
+            name, arguments = _python_call(call)
+        except ValueError:
+            break
+        out.append(_arguments_so_far(name, arguments, whole))
+    return out
+
+
 _MINIMAX, _MINIMAX_STREAM = _invoke_xml("", "minimax:tool_call")
 _DSML, _DSML_STREAM = _invoke_xml("｜DSML｜", "function_calls")
 
@@ -702,6 +787,14 @@ TOOL_FORMATS = (
         _gemma4_stream,
     ),
     ToolFormat(
+        "lfm2",
+        (("<|tool_call_start|>", "<|tool_list_start|>"),),
+        "<|tool_call_start|>",
+        _lfm2,
+        ("<|tool_call_start|>", "<|tool_call_end|>"),
+        _lfm2_stream,
+    ),
+    ToolFormat(
         "granite",
         ("<|tool_call|>",),
         "<|tool_call|>",
@@ -730,4 +823,7 @@ TOOL_FORMATS = (
 
 
 def tool_format(template: str | None) -> ToolFormat | None:
-    return next((f for f in TOOL_FORMATS if template and all(d in template for d in f.detect)), None)
+    def writes(text: str | tuple[str, ...]) -> bool:
+        return any(t in template for t in text) if isinstance(text, tuple) else text in template
+
+    return next((f for f in TOOL_FORMATS if template and all(writes(d) for d in f.detect)), None)

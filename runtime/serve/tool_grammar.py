@@ -118,6 +118,21 @@ class CallGrammar:
         parts = [p if k in required else f"({p})?" for k, p in zip(keys, parts)]
         return Expr(" ".join(parts) if parts else '""')
 
+    def listed(self, items: list[tuple[Expr, bool]], separator: str) -> Expr:
+        """`items` (each an expression and whether it is required) in order, `separator` between two; the optional
+        ones may be left out."""
+        # after[first]: the items from one on, `first` when none was written before them (no separator to open with)
+        after = {True: Expr('""'), False: Expr('""')}
+        for item, required in reversed(items):
+            written = {
+                first: self.seq(item if first else self.seq(separator, item), after[False]) for first in (True, False)
+            }
+            after = {
+                first: self.rule(written[first] if required else Expr(f"({written[first].text}) | {after[first].text}"))
+                for first in (True, False)
+            }
+        return after[True]
+
     def rule(self, expr: Expr) -> Expr:
         """`expr` as a rule of its own, named (for an expression used more than once)."""
         name = f"r{len(self.rules)}"
@@ -253,21 +268,11 @@ def _gemma_object(g: CallGrammar, schema: dict[str, Any]) -> Expr:
     """{key:value,...}: the keys sorted, the required ones always, a comma between two."""
     properties = schema.get("properties") or {}
     required = {k for k in schema.get("required") or () if isinstance(k, str)}
-    keys = sorted(set(properties) | required)
-    # after[first]: the pairs from key i on, `first` when none was written before them (no comma to open with)
-    after = {True: Expr('""'), False: Expr('""')}
-    for key in reversed(keys):
-        value = g.rule(_gemma_value(g, properties.get(key) or {}))
-        pair = {first: g.seq("" if first else ",", f"{key}:", value) for first in (True, False)}
-        after = {
-            first: g.rule(
-                g.seq(pair[first], after[False])
-                if key in required
-                else Expr(f"({g.seq(pair[first], after[False]).text}) | {after[first].text}")
-            )
-            for first in (True, False)
-        }
-    return g.seq("{", after[True], "}")
+    items = [
+        (g.seq(f"{key}:", g.rule(_gemma_value(g, properties.get(key) or {}))), key in required)
+        for key in sorted(set(properties) | required)
+    ]
+    return g.seq("{", g.listed(items, ","), "}")
 
 
 def _gemma_list(g: CallGrammar, schema: dict[str, Any]) -> Expr:
@@ -285,6 +290,23 @@ def _gemma_list(g: CallGrammar, schema: dict[str, Any]) -> Expr:
 
 def _gemma4(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq("<|tool_call>", f"call:{name}", _gemma_object(g, _schema(parameters)), "<tool_call|>")
+
+
+def _lfm2(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<|tool_call_start|>[NAME(key=value, ...)]<|tool_call_end|>: a string value in single quotes (with no quote,
+    backslash or newline, which the Python reading would take otherwise), any other a JSON value, which reads as
+    Python too (true, false and null taken for True, False and None)."""
+    properties = parameters.get("properties") or {}
+    required = [k for k in parameters.get("required") or () if isinstance(k, str)]
+
+    def value(schema: dict) -> Expr:
+        if is_text_parameter(schema):
+            return g.seq("'", g.text_value(schema, "'", ("\\", "\n")))
+        return g.json(schema)
+
+    keys = list(properties) + [k for k in required if k not in properties]
+    items = [(g.seq(f"{key}=", value(properties.get(key) or {})), key in required) for key in keys]
+    return g.seq("<|tool_call_start|>", f"[{name}(", g.listed(items, ", "), ")]", "<|tool_call_end|>")
 
 
 def _mistral(g: CallGrammar, name: str, parameters: dict) -> Expr:
@@ -398,6 +420,7 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "firefunction-v2": _named_list(" functools"),
     "functionary-v3.1": _functionary,
     "gemma-4": _gemma4,
+    "lfm2": _lfm2,
 }
 
 

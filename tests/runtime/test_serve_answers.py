@@ -39,6 +39,7 @@ OUTPUTS = {
     '"days": 3}\n    },\n    {\n        "tool_name": "search",\n        "parameters": {"query": "moe 2"}\n    }\n]```',
     "gemma-4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
     '<|tool_call>call:search{query:<|"|>moe 2<|"|>}<tool_call|>',
+    "lfm2": "<|tool_call_start|>[get_weather(city='Paris', days=3), search(query=\"moe 2\")]<|tool_call_end|>",
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
     '{"name": "search", "arguments": {"query": "moe 2"}}]',
     "firefunction-v2": ' functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
@@ -264,7 +265,7 @@ def test_command_r7b_plan_is_the_reasoning_and_its_actions_the_calls():
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
 
 
-def test_the_json_list_llama3_functionary_and_gemma4_formats_are_chosen_from_their_templates_text():
+def test_the_json_list_llama3_functionary_gemma4_and_lfm2_formats_are_chosen_from_their_templates_text():
     llama = "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- '\"parameters\": ' }}"
     assert tool_format(llama).name == "llama-3.x"
     assert tool_format('<|START_ACTION|>[{"tool_name": ...}]<|END_ACTION|> Action: ```json').name == "command-r7b"
@@ -275,6 +276,8 @@ def test_the_json_list_llama3_functionary_and_gemma4_formats_are_chosen_from_the
     assert tool_format("{{ ' functools[' + calls | join(', ') + ']' }}").name == "firefunction-v2"
     assert tool_format("respond only with <|tool_call|> followed by a JSON list").name == "granite"
     assert tool_format("{{- '<|tool_call>call:' + name + '{' -}}{{- '}<tool_call|>' -}}").name == "gemma-4"
+    assert tool_format('"List of tools: <|tool_list_start|>["').name == "lfm2"  # LFM2; LFM2.5 writes the calls
+    assert tool_format('{{- "<|tool_call_start|>[" + calls + "]<|tool_call_end|>" -}}').name == "lfm2"
 
 
 def test_a_streamed_call_whose_json_ended_is_whole_though_the_text_after_it_is_not_the_format():
@@ -298,3 +301,16 @@ def test_gemma4_thought_channel_and_argument_syntax():
         assert merged["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
     message, _ = run(ChatAnswer(tools=FORMATS["gemma-4"], schemas=SCHEMAS), '<|tool_call>call:f{a:<|"|>x}', 3)
     assert "tool_calls" not in message and message["content"] == '<|tool_call>call:f{a:<|"|>x}'
+
+
+def test_lfm2_python_calls_with_python_and_json_values():
+    text = '<|tool_call_start|>[get_weather(city=\'Paris (FR)\', days=-3, opts={"a": true, "b": [1, null]}, ok=False)]'
+    text += "<|tool_call_end|>"
+    for piece in (1, 7, len(text)):
+        message, merged = run(ChatAnswer(tools=FORMATS["lfm2"], schemas=SCHEMAS), text, piece)
+        (call,) = message["tool_calls"]
+        arguments = {"city": "Paris (FR)", "days": -3, "opts": {"a": True, "b": [1, None]}, "ok": False}
+        assert json.loads(call["function"]["arguments"]) == arguments
+        assert merged["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
+    message, _ = run(ChatAnswer(tools=FORMATS["lfm2"], schemas=SCHEMAS), "<|tool_call_start|>[os.system('x')]", 5)
+    assert "tool_calls" not in message and message["content"] == "<|tool_call_start|>[os.system('x')]"

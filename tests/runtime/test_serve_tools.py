@@ -168,6 +168,11 @@ FAMILIES = {
         ["<|tool_call>", "call:get_weather{city:", '<|"|>', "Paris", '<|"|>#2', ",days:2}", "<tool_call|>"],
         ("<|tool_call>", "<tool_call|>", '<|"|>'),
     ),
+    "lfm2": (
+        "<|tool_call_start|>",
+        ["<|tool_call_start|>", "[get_weather(", "city='Paris', ", "days=2", ")]", "<|tool_call_end|>"],
+        ("<|tool_call_start|>", "<|tool_call_end|>"),
+    ),
     "granite": (
         "<|tool_call|>",
         ["<|tool_call|>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]"],
