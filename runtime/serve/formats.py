@@ -504,6 +504,32 @@ def _json_list_stream(prefix: str) -> Callable[[str, dict[str, dict]], list[Part
     return stream
 
 
+def _tool_calls_json(text: str, tools: dict[str, dict]) -> list[Call]:
+    """<tool_calls>...</tool_calls> holding {"name": ..., "arguments": {...}} objects, one a line (MiniMax-M1) or in a
+    JSON list (Apriel)."""
+    body = (_blocks(text, "<tool_calls>", "</tool_calls>") or [""])[0].strip()
+    if body.startswith("["):
+        value = json.loads(body)
+        calls = [_name_and_arguments(c) for c in (value if isinstance(value, list) else [value])]
+    else:
+        calls = [_name_and_arguments(json.loads(line)) for line in body.splitlines() if line.strip()]
+    if not calls:
+        raise ValueError("no call in <tool_calls>")
+    return calls
+
+
+def _tool_calls_json_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    body = (_blocks(text, "<tool_calls>", "</tool_calls>") or [""])[0]
+    head = body.lstrip()
+    calls, at = [], len(body) - len(head) + (1 if head.startswith("[") else 0)
+    while True:
+        begun, after = _named_calls(body, at)
+        calls += begun
+        if not begun or not begun[-1].complete or after is None:
+            return calls
+        at = after
+
+
 def _functionary(text: str, tools: dict[str, dict]) -> list[Call]:
     """<function=NAME>{...}</function>, one per call (functionary v3.1)."""
     calls = []
@@ -793,6 +819,22 @@ TOOL_FORMATS = (
         _lfm2,
         ("<|tool_call_start|>", "<|tool_call_end|>"),
         _lfm2_stream,
+    ),
+    ToolFormat(
+        "apriel",
+        ("<tool_calls>[",),
+        "<tool_calls>",
+        _tool_calls_json,
+        ("<tool_calls>", "</tool_calls>"),
+        _tool_calls_json_stream,
+    ),
+    ToolFormat(
+        "minimax-m1",
+        ("<tool_calls>", "</tool_calls>"),
+        "<tool_calls>",
+        _tool_calls_json,
+        ("<tool_calls>", "</tool_calls>"),
+        _tool_calls_json_stream,
     ),
     ToolFormat(
         "granite",

@@ -215,8 +215,8 @@ def _command_r(prefix: str, suffix: str, call_id: bool) -> Callable[[CallGrammar
     return call
 
 
-def _named_list(prefix: str) -> Callable[[CallGrammar, str, dict], Expr]:
-    """A one-item JSON list of {"name": NAME, "arguments": {...}} after `prefix` (Granite, FireFunction)."""
+def _named_list(prefix: str, suffix: str = "") -> Callable[[CallGrammar, str, dict], Expr]:
+    """A one-item JSON list of {"name": NAME, "arguments": {...}} after `prefix` (Granite, FireFunction, Apriel)."""
 
     def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
         item = {
@@ -225,9 +225,20 @@ def _named_list(prefix: str) -> Callable[[CallGrammar, str, dict], Expr]:
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        return g.seq(prefix, "[", g.json(item), "]")
+        return g.seq(prefix, "[", g.json(item), "]", *([suffix] if suffix else []))
 
     return call
+
+
+def _minimax_m1(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<tool_calls>\n{"name": NAME, "arguments": {...}}\n</tool_calls>"""
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": _schema(parameters)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    return g.seq("<tool_calls>", "\n", g.json(call), "\n", "</tool_calls>")
 
 
 def _functionary(g: CallGrammar, name: str, parameters: dict) -> Expr:
@@ -421,6 +432,8 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "functionary-v3.1": _functionary,
     "gemma-4": _gemma4,
     "lfm2": _lfm2,
+    "minimax-m1": _minimax_m1,
+    "apriel": _named_list("<tool_calls>", "</tool_calls>"),
 }
 
 

@@ -40,6 +40,10 @@ OUTPUTS = {
     "gemma-4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
     '<|tool_call>call:search{query:<|"|>moe 2<|"|>}<tool_call|>',
     "lfm2": "<|tool_call_start|>[get_weather(city='Paris', days=3), search(query=\"moe 2\")]<|tool_call_end|>",
+    "minimax-m1": '<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+    '{"name": "search", "arguments": {"query": "moe 2"}}\n</tool_calls>',
+    "apriel": '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+    '{"name": "search", "arguments": {"query": "moe 2"}}]</tool_calls>',
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
     '{"name": "search", "arguments": {"query": "moe 2"}}]',
     "firefunction-v2": ' functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
@@ -276,6 +280,8 @@ def test_the_json_list_llama3_functionary_gemma4_and_lfm2_formats_are_chosen_fro
     assert tool_format("{{ ' functools[' + calls | join(', ') + ']' }}").name == "firefunction-v2"
     assert tool_format("respond only with <|tool_call|> followed by a JSON list").name == "granite"
     assert tool_format("{{- '<|tool_call>call:' + name + '{' -}}{{- '}<tool_call|>' -}}").name == "gemma-4"
+    assert tool_format("respond with <tool_calls></tool_calls> XML tags").name == "minimax-m1"
+    assert tool_format("{{- '<tool_call>' -}} <tool_calls>[{...}]</tool_calls>").name == "apriel"  # not hermes
     assert tool_format('"List of tools: <|tool_list_start|>["').name == "lfm2"  # LFM2; LFM2.5 writes the calls
     assert tool_format('{{- "<|tool_call_start|>[" + calls + "]<|tool_call_end|>" -}}').name == "lfm2"
 

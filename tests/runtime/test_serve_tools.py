@@ -173,6 +173,16 @@ FAMILIES = {
         ["<|tool_call_start|>", "[get_weather(", "city='Paris', ", "days=2", ")]", "<|tool_call_end|>"],
         ("<|tool_call_start|>", "<|tool_call_end|>"),
     ),
+    "minimax-m1": (
+        "<tool_calls></tool_calls>",
+        ["<tool_calls>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_calls>"],
+        (),
+    ),
+    "apriel": (
+        "<tool_calls>[ </tool_calls>",
+        ["<tool_calls>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]", "</tool_calls>"],
+        (),
+    ),
     "granite": (
         "<|tool_call|>",
         ["<|tool_call|>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]"],
