@@ -9,6 +9,7 @@ argument on its own: a parameter the parser reads as bare text (`formats.is_text
 text follows the string's schema (enum, const, pattern, minLength/maxLength) and never contains a tag that would end
 the value, the call or the block early; any other parameter is a JSON value of its schema. Parameters come in the
 schema's order, the required ones always, the others optionally. `format` keywords are not enforced on bare text.
+Gemma 4 and LFM2 write values in syntaxes of their own (`_gemma_value`, `_lfm2`), which the grammar follows.
 """
 
 from __future__ import annotations
@@ -177,68 +178,40 @@ def _schema(parameters: dict[str, Any]) -> dict[str, Any]:
     return parameters or {"type": "object"}
 
 
+def _call_object(
+    name: str, parameters: dict, keys: tuple[str, str] = ("name", "arguments"), call_id: bool = False
+) -> dict[str, Any]:
+    """The JSON schema of a {"name": NAME, "arguments": {...}} call object, under the format's `keys` for the two
+    (Llama 3.x: "parameters"; Command-R: "tool_name", "parameters"), with Command-R7B's "tool_call_id" first."""
+    properties = {"tool_call_id": {"const": "0"}} if call_id else {}
+    properties |= {keys[0]: {"const": name}, keys[1]: _schema(parameters)}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
 def _hermes(g: CallGrammar, name: str, parameters: dict) -> Expr:
-    call = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": _schema(parameters)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-    return g.seq("<tool_call>", "\n", g.json(call), "\n", "</tool_call>")
+    return g.seq("<tool_call>", "\n", g.json(_call_object(name, parameters)), "\n", "</tool_call>")
 
 
 def _llama3(g: CallGrammar, name: str, parameters: dict) -> Expr:
     """{"name": NAME, "parameters": {...}}, the answer's whole text."""
-    call = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "parameters": _schema(parameters)},
-        "required": ["name", "parameters"],
-        "additionalProperties": False,
-    }
-    return g.json(call)
-
-
-def _command_r(prefix: str, suffix: str, call_id: bool) -> Callable[[CallGrammar, str, dict], Expr]:
-    """A one-item JSON list of {"tool_call_id": "0"?, "tool_name": NAME, "parameters": {...}} between `prefix` and
-    `suffix` (Command-R7B: <|START_ACTION|> and <|END_ACTION|>; Command-R: Action: and a ```json fence)."""
-
-    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
-        properties = {"tool_call_id": {"const": "0"}} if call_id else {}
-        item = {
-            "type": "object",
-            "properties": {**properties, "tool_name": {"const": name}, "parameters": _schema(parameters)},
-            "required": [*properties, "tool_name", "parameters"],
-            "additionalProperties": False,
-        }
-        return g.seq(prefix, "[", g.json(item), "]", suffix)
-
-    return call
-
-
-def _named_list(prefix: str, suffix: str = "") -> Callable[[CallGrammar, str, dict], Expr]:
-    """A one-item JSON list of {"name": NAME, "arguments": {...}} after `prefix` (Granite, FireFunction, Apriel)."""
-
-    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
-        item = {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": _schema(parameters)},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        return g.seq(prefix, "[", g.json(item), "]", *([suffix] if suffix else []))
-
-    return call
+    return g.json(_call_object(name, parameters, ("name", "parameters")))
 
 
 def _minimax_m1(g: CallGrammar, name: str, parameters: dict) -> Expr:
-    """<tool_calls>\n{"name": NAME, "arguments": {...}}\n</tool_calls>"""
-    call = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": _schema(parameters)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-    return g.seq("<tool_calls>", "\n", g.json(call), "\n", "</tool_calls>")
+    return g.seq("<tool_calls>", "\n", g.json(_call_object(name, parameters)), "\n", "</tool_calls>")
+
+
+def _call_list(
+    prefix: str, suffix: str = "", keys: tuple[str, str] = ("name", "arguments"), call_id: bool = False
+) -> Callable[[CallGrammar, str, dict], Expr]:
+    """A one-item JSON list of a call object between `prefix` and `suffix` (Granite: <|tool_call|>; FireFunction:
+    functools; Apriel: <tool_calls>; Command-R7B: <|START_ACTION|>; Command-R: Action: and a ```json fence)."""
+
+    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
+        item = g.json(_call_object(name, parameters, keys, call_id))
+        return g.seq(prefix, "[", item, "]", *([suffix] if suffix else []))
+
+    return call
 
 
 def _functionary(g: CallGrammar, name: str, parameters: dict) -> Expr:
@@ -425,15 +398,15 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
     "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),
     "llama-3.x": _llama3,
-    "command-r7b": _command_r("<|START_ACTION|>", "<|END_ACTION|>", call_id=True),
-    "command-r": _command_r("Action:\n```json\n", "\n```", call_id=False),
-    "granite": _named_list("<|tool_call|>"),
-    "firefunction-v2": _named_list(" functools"),
+    "command-r7b": _call_list("<|START_ACTION|>", "<|END_ACTION|>", ("tool_name", "parameters"), call_id=True),
+    "command-r": _call_list("Action:\n```json\n", "\n```", ("tool_name", "parameters")),
+    "granite": _call_list("<|tool_call|>"),
+    "firefunction-v2": _call_list(" functools"),
     "functionary-v3.1": _functionary,
     "gemma-4": _gemma4,
     "lfm2": _lfm2,
     "minimax-m1": _minimax_m1,
-    "apriel": _named_list("<tool_calls>", "</tool_calls>"),
+    "apriel": _call_list("<tool_calls>", "</tool_calls>"),
 }
 
 
