@@ -1,7 +1,14 @@
 """Structured output's validity and cost: `moerun serve`'s grammar-constrained decoding (llguidance) on a suite of
-generated JSON schemas, and decode speed with a grammar against without, at 1 and 8 streams.
+generated JSON schemas, and decode speed with a grammar against without, at 1 and 8 streams; with `--tool-calls N`,
+the validity of constrained tool calls (`tool_choice` "required") in every tool format.
 
     python bench/bench_grammar.py [--model bench/models/bench-qwen3moe-q4k.gguf] [--schemas 120] [--tokens 64]
+    python bench/bench_grammar.py --schemas 0 --repeats 0 --tool-calls 16
+
+Tool calls: for each tool format, N answers, each offered two tools whose parameters are object schemas of the
+suite, sampled at temperature 1 under the format's call grammar; each answer is parsed as the server parses it
+(answers.ChatAnswer / HarmonyAnswer) and must hold exactly one call, its arguments valid against the called tool's
+schema.
 
 Validity: each schema of the suite (nested objects, arrays with item bounds, enums, patterns, integers and numbers
 with bounds, booleans, consts, anyOf; strings bounded by maxLength or a pattern) gets one answer sampled at
@@ -21,9 +28,12 @@ from pathlib import Path
 import jsonschema
 
 import moerun
+from moerun.serve.answers import ChatAnswer, HarmonyAnswer
 from moerun.serve.chat import ChatFormat
+from moerun.serve.formats import TOOL_FORMATS
 from moerun.serve.grammar import Constraint, Grammars
 from moerun.serve.scheduler import Job, Scheduler
+from moerun.serve.tool_grammar import CALL_SHAPES
 
 PATTERNS = ["^[a-z]{3,8}$", "^[0-9]{3}-[0-9]{4}$", "^[A-Z][a-z]{2,6}$", "^(yes|no|maybe)$", "^[a-f0-9]{6}$"]
 WORDS = ["red", "green", "blue", "alpha", "beta", "north", "south", "low", "high", "cat", "dog"]
@@ -87,6 +97,55 @@ def run(sched: Scheduler, jobs: list[Job]) -> tuple[list[str], list[str], float,
     return texts, finish, time.perf_counter() - start, tokens
 
 
+def tool_call_validity(
+    sched: Scheduler,
+    grammars: Grammars,
+    prompt: list[int],
+    schemas: list[dict],
+    n: int,
+    names: list[str],
+    max_tokens: int,
+) -> None:
+    """Per tool format: how many of n constrained calls parse into one call valid against its tool's schema."""
+    formats = {f.name: f for f in TOOL_FORMATS}
+    for name in names:
+        start = time.perf_counter()
+        valid, failures = 0, []
+        for at in range(0, n, 8):
+            offered = [
+                [
+                    {"type": "function", "function": {"name": f"tool_{k}", "parameters": schemas[k % len(schemas)]}}
+                    for k in (2 * i, 2 * i + 1)
+                ]
+                for i in range(at, min(at + 8, n))
+            ]
+            jobs = [
+                Job(
+                    prompt,
+                    max_tokens,
+                    moerun.make_sampler(1.0, seed=at + i),
+                    grammar=Constraint(grammars, grammars.tool_call(name, tools, {}, "tool_choice")),
+                )
+                for i, tools in enumerate(offered)
+            ]
+            texts, finish, _, _ = run(sched, jobs)
+            for i, (tools, text) in enumerate(zip(offered, texts)):
+                by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+                answer = HarmonyAnswer() if name == "harmony" else ChatAnswer(tools=formats[name], schemas=by_name)
+                answer.push(text)
+                answer.end()
+                try:
+                    (call,) = answer.fields()["tool_calls"]
+                    function = call["function"]
+                    jsonschema.validate(json.loads(function["arguments"]), by_name[function["name"]])
+                    valid += 1
+                except (KeyError, ValueError, jsonschema.ValidationError) as e:
+                    failures.append((at + i, finish[i], str(e)[:100], text[:80] + " ... " + text[-80:]))
+        print(f"tool calls, {name}: {valid}/{n} valid ({time.perf_counter() - start:.0f} s)")
+        for f in failures:
+            print("  invalid:", f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=Path(__file__).parent / "models" / "bench-qwen3moe-q4k.gguf")
@@ -94,7 +153,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tool-calls", type=int, default=0, help="constrained calls per tool format (0: none)")
+    parser.add_argument("--formats", default=",".join(CALL_SHAPES), help="the tool formats of --tool-calls")
+    parser.add_argument("--call-tokens", type=int, default=1024, help="the token limit of a constrained call")
     args = parser.parse_args()
+    names = args.formats.split(",")
+    unknown = sorted(set(names) - set(CALL_SHAPES))
+    if unknown:
+        parser.error(f"--formats: no tool format {', '.join(unknown)} (known: {', '.join(CALL_SHAPES)})")
     model = moerun.load_model(args.model, n_ctx=1024, n_seq=8, device=args.device)
     grammars = Grammars(model.tokenizer, ChatFormat(model.gguf, model.tokenizer).control_names())
     prompt = model.tokenizer.encode("Here is the record as JSON: ")
@@ -124,6 +190,12 @@ def main() -> None:
     print(f"validity: {valid}/{len(schemas)} answers valid against their schema ({time.perf_counter() - start:.0f} s)")
     for f in failures:
         print("  invalid:", f)
+
+    if args.tool_calls:
+        schemas = suite(max(args.schemas, 2 * args.tool_calls))
+        tool_call_validity(sched, grammars, prompt, schemas, args.tool_calls, names, args.call_tokens)
+    if not args.repeats:
+        return
 
     long_schema = {
         "type": "array",

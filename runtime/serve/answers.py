@@ -7,13 +7,14 @@ the model's text.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import secrets
 import string
 from typing import Any
 
-from moerun.serve.formats import Call, ReasoningTags, ToolFormat
+from moerun.serve.formats import Call, PartialCall, ReasoningTags, ToolFormat, harmony_arguments
 
 
 class TextAnswer:
@@ -47,15 +48,102 @@ def _held(text: str, marker: str) -> int:
     return k + len(before) - len(before.rstrip())
 
 
+class ToolCalls:
+    """An answer's tool calls as they go out: each call's id, name and arguments text. Streamed, a call goes out
+    once its name is known and its arguments have begun (`stream`: the id, the name and the arguments so far), then
+    its arguments in pieces as they are written; the pieces of a call's arguments add up to its final arguments
+    exactly; a call whose arguments have ended as a JSON object is whole. `finish` takes the calls parsed from the
+    whole answer: a call streamed keeps the text sent (the model's own JSON, which parses to the same arguments),
+    what it lacks is sent; a call not streamed goes out whole."""
+
+    def __init__(self, parallel: bool) -> None:
+        self.parallel = parallel
+        self.ids: list[str] = []
+        self.names: list[str] = []
+        self.arguments: list[str] = []  # the text sent
+        self.complete: list[bool] = []
+
+    def stream(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
+        """The delta entries for what `calls` (the calls begun so far, in order) hold that was not sent."""
+        entries = []
+        for i, call in enumerate(calls if self.parallel else calls[:1]):
+            if i == len(self.ids):
+                self._add(call.name, call.arguments)
+                entries.append(self._entry(i))
+            else:
+                new = call.arguments[len(self.arguments[i]) :]
+                if new and call.arguments.startswith(self.arguments[i]):
+                    self.arguments[i] = call.arguments
+                    entries.append({"index": i, "function": {"arguments": new}})
+            if call.complete and self.arguments[i] == call.arguments:
+                self.complete[i] = _is_object(call.arguments)
+        return entries
+
+    def finish(self, calls: list[Call | None]) -> list[dict[str, Any]]:
+        """The delta entries that complete the calls sent with the calls parsed from the whole answer (None: a call
+        that did not parse, which leaves the one streamed in its place unfinished)."""
+        calls = calls if self.parallel else calls[:1]
+        entries = []
+        for i, call in enumerate(calls):
+            if call is None:
+                continue
+            name, arguments = call
+            final = json.dumps(arguments, ensure_ascii=False)
+            if i >= len(self.ids):
+                self._add(name, final)
+                self.complete[-1] = True
+                entries.append(self._entry(len(self.ids) - 1))
+            elif name == self.names[i] and _json_equal(self.arguments[i], arguments):
+                self.complete[i] = True
+            elif name == self.names[i] and final.startswith(self.arguments[i]):
+                entries.append({"index": i, "function": {"arguments": final[len(self.arguments[i]) :]}})
+                self.arguments[i], self.complete[i] = final, True
+        return entries
+
+    def _add(self, name: str, arguments: str) -> None:
+        self.ids.append(_call_id())
+        self.names.append(name)
+        self.arguments.append(arguments)
+        self.complete.append(False)
+
+    def _entry(self, i: int) -> dict[str, Any]:
+        return {"index": i, **self.whole()[i]}
+
+    def whole(self) -> list[dict[str, Any]]:
+        return [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            for call_id, name, arguments in zip(self.ids, self.names, self.arguments)
+        ]
+
+    def finish_reason(self, reason: str) -> str:
+        """The answer's finish_reason: tool_calls when it made calls, all whole; otherwise why it ended (a limit
+        that cut a call short)."""
+        return "tool_calls" if self.ids and all(self.complete) else reason
+
+
+def _json_equal(text: str, value: Any) -> bool:
+    try:
+        return json.loads(text) == value
+    except ValueError:
+        return False
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 class ChatAnswer:
     """/v1/chat/completions: the assistant message, the model's text split into reasoning (between the template's
     reasoning tags, `reasoning_content`), the answer (`content`) and tool calls (from where the tool format's
-    calls start to the end, parsed at the end into `tool_calls`).
+    calls start to the end, read as they are written and parsed whole at the end into `tool_calls`).
 
     Streamed, the answer and the reasoning go out as they come, but for text that could still turn out to be the
-    start of a tag or of the tool calls, which is held back until it cannot; the tool calls go out whole, one delta
-    each, when the answer ends. Text that is not calls in the format after all goes to `content`. Whitespace
-    around the reasoning (a template's `<think>\n`) is dropped.
+    start of a tag or of the tool calls, which is held back until it cannot. The tool calls go out as they are
+    written (ToolFormat.stream, ToolCalls). Text that is not calls in the format after all (and of which no call went
+    out) goes to `content`. Whitespace around the reasoning (a template's `<think>\n`) is dropped.
     """
 
     def __init__(
@@ -67,16 +155,14 @@ class ChatAnswer:
         parallel_tool_calls: bool = True,
     ) -> None:
         self.tags, self.tools, self.schemas = reasoning, tools, schemas or {}
-        self.parallel = parallel_tool_calls
-        # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": buffering calls
+        # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": reading calls
         self.state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
         self._pending = ""  # text not classified yet
         self._strip = self.state == "reasoning"  # drop the whitespace that opens the next piece
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.calls: list[Call] = []
+        self.calls = ToolCalls(parallel_tool_calls)
         self._call_text = ""
-        self.ids: list[str] = []
 
     @property
     def first_delta(self) -> dict[str, Any]:
@@ -87,6 +173,13 @@ class ChatAnswer:
         delta: dict[str, Any] = {}
         while self._step(delta):
             pass
+        if self.state == "calls":
+            begun = self.tools.stream(self._call_text, self.schemas)
+            if self.schemas:  # a call to a tool not offered waits for the end, where it may turn out to be text
+                begun = list(itertools.takewhile(lambda call: call.name in self.schemas, begun))
+            entries = self.calls.stream(begun)
+            if entries:
+                delta["tool_calls"] = entries
         return delta or None
 
     def _emit(self, delta: dict[str, Any], key: str, text: str) -> None:
@@ -124,13 +217,13 @@ class ChatAnswer:
                 self._emit(delta, "content", pending)
                 self._pending = ""
                 return False
-            i = pending.find(self.tools.start)
+            i = min((j for start in self.tools.starts if (j := pending.find(start)) >= 0), default=-1)
             if i >= 0:
                 before = pending[:i].rstrip()
                 self._emit(delta, "content", before)
                 self.state, self._call_text, self._pending = "calls", pending[len(before) :], ""
                 return False
-            keep = _held(pending, self.tools.start)
+            keep = max(_held(pending, start) for start in self.tools.starts)
             self._emit(delta, "content", pending[: len(pending) - keep])
             self._pending = pending[len(pending) - keep :]
             return False
@@ -151,37 +244,27 @@ class ChatAnswer:
                 calls = self.tools.parse(self._call_text, self.schemas)
             except ValueError:
                 calls = []
-            if calls:
-                self.calls = calls if self.parallel else calls[:1]
-                self.ids = [_call_id() for _ in self.calls]
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self._tool_calls())]
+            if calls or self.calls.ids:
+                entries = self.calls.finish(calls)
+                if entries:
+                    delta["tool_calls"] = entries
             else:  # not calls in the format after all: the text is the answer's
                 self._strip = False
                 self._emit(delta, "content", self._call_text)
         return delta
 
-    def _tool_calls(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-            }
-            for call_id, (name, arguments) in zip(self.ids, self.calls)
-        ]
-
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.calls else reason
+        return self.calls.finish_reason(reason)
 
     def fields(self) -> dict[str, Any]:
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": "".join(self.content) if self.content or not self.calls else None,
+            "content": "".join(self.content) if self.content or not self.calls.ids else None,
         }
         if self.tags is not None:
             message["reasoning_content"] = "".join(self.reasoning) if self.reasoning else None
-        if self.calls:
-            message["tool_calls"] = self._tool_calls()
+        if self.calls.ids:
+            message["tool_calls"] = self.calls.whole()
         return message
 
 
@@ -200,14 +283,14 @@ class HarmonyAnswer:
     `<|message|>`, its text, and an end marker. The `analysis` channel is the reasoning, `final` (and `commentary`
     addressed to no one) the content, and a message addressed to `functions.NAME` a tool call whose text is its
     JSON arguments. Streamed, the reasoning and the content go out as they come (but for text that could begin an
-    end marker); calls go out whole when the answer ends."""
+    end marker), and the calls as they are written (ToolCalls)."""
 
     first_delta = {"role": "assistant", "content": ""}
 
     def __init__(
         self, split_reasoning: bool = True, parallel_tool_calls: bool = True, parse_calls: bool = True
     ) -> None:
-        self.split, self.parallel, self.parse_calls = split_reasoning, parallel_tool_calls, parse_calls
+        self.split, self.parse_calls = split_reasoning, parse_calls
         self._pending = ""
         self._kind: str | None = None  # None: reading a header; "reasoning_content", "content", or "call"
         self._recipient = ""
@@ -215,15 +298,30 @@ class HarmonyAnswer:
         self._raw_calls: list[tuple[str, str]] = []
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.calls: list[Call] = []
-        self.ids: list[str] = []
+        self.calls = ToolCalls(parallel_tool_calls)
 
     def push(self, text: str) -> dict[str, Any] | None:
         self._pending += text
         delta: dict[str, Any] = {}
         while self._step(delta):
             pass
+        entries = self.calls.stream(self._begun_calls())
+        if entries:
+            delta["tool_calls"] = entries
         return delta or None
+
+    def _begun_calls(self) -> list[PartialCall]:
+        """The calls whose JSON has begun, in order, up to the first that is not JSON."""
+        bodies = self._raw_calls + (
+            [(self._recipient.removeprefix("functions."), self._call_body)] if self._kind == "call" else []
+        )
+        begun = []
+        for name, body in bodies:
+            call = harmony_arguments(name, body)
+            if call is None:
+                break
+            begun.append(call)
+        return begun
 
     def _emit(self, delta: dict[str, Any], kind: str, text: str) -> None:
         if kind == "reasoning_content" and not self.split:
@@ -275,31 +373,31 @@ class HarmonyAnswer:
         else:  # text outside any message (a grammar's JSON, or a model that skipped the headers): the answer's
             self._emit(delta, "content", self._pending)
         self._pending = ""
-        calls = []
-        for name, body in self._raw_calls:
+        calls: list[Call | None] = []
+        for i, (name, body) in enumerate(self._raw_calls):
             try:
                 arguments = json.loads(body) if body.strip() else {}
             except ValueError:
                 arguments = None
-            if not isinstance(arguments, dict):  # not a call after all: its text is the answer's
+            if isinstance(arguments, dict):
+                calls.append((name, arguments))
+            elif i < len(self.calls.ids):  # sent already: it stays, unfinished
+                calls.append(None)
+            else:  # not a call after all: its text is the answer's
                 self._emit(delta, "content", body)
-                continue
-            calls.append((name, arguments))
-        if calls:
-            self.calls = calls if self.parallel else calls[:1]
-            self.ids = [_call_id() for _ in self.calls]
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self._tool_calls())]
+        entries = self.calls.finish(calls)
+        if entries:
+            delta["tool_calls"] = entries
         return delta
 
-    _tool_calls = ChatAnswer._tool_calls
     finish_reason = ChatAnswer.finish_reason
 
     def fields(self) -> dict[str, Any]:
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": "".join(self.content) if self.content or not self.calls else None,
+            "content": "".join(self.content) if self.content or not self.calls.ids else None,
             "reasoning_content": "".join(self.reasoning) if self.reasoning else None,
         }
-        if self.calls:
-            message["tool_calls"] = self._tool_calls()
+        if self.calls.ids:
+            message["tool_calls"] = self.calls.whole()
         return message

@@ -18,6 +18,7 @@ import llguidance.torch
 import torch
 
 from moerun.serve.protocol import ApiError
+from moerun.serve.tool_grammar import CALL_SHAPES, NO_FREE_WHITESPACE, Thinking, call_grammar, json_grammar
 from moerun.tokenizer import Tokenizer
 
 
@@ -40,20 +41,14 @@ class _Vocabulary:
 
 
 class Constraint:
-    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks.
-    With `after`, the grammar holds from the token after that one (the end of a reasoning the prompt opened)."""
+    """One answer's grammar: the matcher, which follows the answer's tokens, and the Grammars that computes masks."""
 
-    def __init__(self, grammars: Grammars, grammar: str, after: int | None = None) -> None:
+    def __init__(self, grammars: Grammars, grammar: str) -> None:
         self.grammars, self.matcher = grammars, grammars.matcher(grammar)
-        self.after = after
-        self.active = after is None
 
     def follow(self, token: int) -> None:
-        """The answer's next token: the matcher consumes it, or it is the one the grammar waits for."""
-        if self.active:
-            self.matcher.consume_token(token)
-        elif token == self.after:
-            self.active = True
+        """The answer's next token, which the matcher consumes."""
+        self.matcher.consume_token(token)
 
 
 class Grammars:
@@ -72,45 +67,47 @@ class Grammars:
             self._lltokenizer = llguidance.LLTokenizer(wrapper, eos_token=sorted(self._tokenizer.eog_ids))
         return self._lltokenizer
 
-    def json_schema(self, schema: dict[str, Any], param: str) -> str:
-        """A JSON schema's grammar, checked: an ApiError(400) naming `param` when llguidance cannot compile it."""
+    def json_schema(
+        self,
+        schema: dict[str, Any],
+        param: str,
+        control: dict[str, int] | None = None,
+        thinking: Thinking | None = None,
+    ) -> str:
+        """A JSON schema's grammar (after the reasoning `thinking` allows), checked: an ApiError(400) naming `param`
+        when llguidance cannot compile it."""
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=NO_FREE_WHITESPACE)
+            if thinking is None:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=NO_FREE_WHITESPACE)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(json_grammar(schema, control or {}, thinking))
         except ValueError as e:
             raise ApiError(400, f"'{param}': not a JSON schema ({e})", param=param) from e
         self.check(grammar, param)
         return grammar
 
-    def tool_call(self, format_name: str, tools: list[dict[str, Any]], control: dict[str, int], param: str) -> str:
+    def tool_call(
+        self,
+        format_name: str,
+        tools: list[dict[str, Any]],
+        control: dict[str, int],
+        param: str,
+        thinking: Thinking | None = None,
+    ) -> str:
         """A grammar for exactly one call, to one of `tools`, written in the tool format `format_name` with
-        arguments valid against the tool's schema: for `tool_choice` "required" or a named function. Only the
-        formats whose arguments are one JSON value have one (CALL_SHAPES); others are an ApiError(400)."""
-        shape = CALL_SHAPES.get(format_name)
-        if shape is None:
+        arguments valid against the tool's schema (tool_grammar), after the reasoning `thinking` allows: for
+        `tool_choice` "required" or a named function. A format with no call grammar is an ApiError(400)."""
+        if format_name not in CALL_SHAPES:
             raise ApiError(
                 400,
                 f"'{param}': this model's tool-call format ({format_name}) cannot be constrained; use 'auto'",
                 param=param,
                 code="unsupported_value",
             )
-
-        def lit(text: str) -> str:  # a control token by its id, other text as a string
-            return f"<[{control[text]}]>" if text in control else json.dumps(text)
-
-        rules = []
-        for i, tool in enumerate(tools):
-            function = tool["function"]
-            pieces = shape(function["name"], function.get("parameters") or {"type": "object"})
-            rules.append(
-                f"call{i}: "
-                + " ".join(
-                    lit(p) if isinstance(p, str) else "%json " + json.dumps({**p, "x-guidance": NO_FREE_WHITESPACE})
-                    for p in pieces
-                )
-            )
-        grammar = llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n" + "\n".join(rules) + "\n"
-        )
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(format_name, tools, control, thinking))
+        except ValueError as e:
+            raise ApiError(400, f"'{param}': the tools' schemas cannot be enforced ({e})", param=param) from e
         self.check(grammar, param)
         return grammar
 
@@ -133,42 +130,3 @@ class Grammars:
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(matchers), -1)
         return allowed[:, : self._tokenizer.n_vocab]
-
-
-# JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
-NO_FREE_WHITESPACE = {"whitespace_flexible": False}
-
-
-def _hermes_call(name: str, parameters: dict) -> list[str | dict]:
-    call = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-    return ["<tool_call>", "\n", call, "\n", "</tool_call>"]
-
-
-# tool format -> (function name, its parameters' schema) -> the call's pieces: literal texts, and JSON schemas
-CALL_SHAPES = {
-    "hermes": _hermes_call,
-    "mistral": lambda name, parameters: ["[TOOL_CALLS]", name, "[ARGS]", parameters],
-    "deepseek-v3.1": lambda name, parameters: [
-        "<｜tool▁calls▁begin｜>",
-        "<｜tool▁call▁begin｜>",
-        name,
-        "<｜tool▁sep｜>",
-        parameters,
-        "<｜tool▁call▁end｜>",
-        "<｜tool▁calls▁end｜>",
-    ],
-    "kimi-k2": lambda name, parameters: [
-        "<|tool_calls_section_begin|>",
-        "<|tool_call_begin|>",
-        f"functions.{name}:0",
-        "<|tool_call_argument_begin|>",
-        parameters,
-        "<|tool_call_end|>",
-        "<|tool_calls_section_end|>",
-    ],
-}

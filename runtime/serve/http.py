@@ -42,6 +42,7 @@ from moerun.serve.protocol import (
     usage,
 )
 from moerun.serve.scheduler import Job, Output, QueueFull, Scheduler
+from moerun.serve.tool_grammar import Thinking
 
 MAX_BODY_BYTES = 8 << 20  # far above any context's worth of prompt text; larger bodies get a 413
 MAX_QUEUE = 64  # requests waiting for a free sequence before new ones get a 503
@@ -130,7 +131,14 @@ class Server:
         control_text = self.chat.control_texts(
             markers + (calls.markers if calls else ()) + (HARMONY_MARKERS if self.chat.harmony else ())
         )
-        grammar, grammar_after = None, None
+        # a thinking model may think before a constrained answer, unconstrained, unless the prompt closed its
+        # reasoning (thinking turned off) or the reasoning is not split out of the answer (reasoning_format none)
+        thinking = None
+        if self.chat.harmony and req.split_reasoning:
+            thinking = Thinking("<|channel|>", "<|end|>", harmony=True)
+        elif tags is not None and not text.rstrip().endswith(tags.end):
+            thinking = Thinking(tags.start, tags.end, in_reasoning)
+        grammar = None
         if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
             chosen = [
                 t
@@ -143,16 +151,12 @@ class Server:
                 chosen,
                 self.chat.control_ids(),
                 "tool_choice",
+                thinking,
             )
-            tags = None  # the call from its first token on: no reasoning to split out
         elif req.json_schema is not None:
-            grammar = await asyncio.to_thread(self.grammars.json_schema, req.json_schema, "response_format")
-            # where the prompt opened the reasoning and its end tag is one token, the JSON follows that token;
-            # otherwise the answer is the JSON from its first token on, with no reasoning to split out
-            end = self.chat.encode_text(tags.end) if in_reasoning else []
-            grammar_after = end[0] if len(end) == 1 else None
-            if grammar_after is None:
-                tags = None
+            grammar = await asyncio.to_thread(
+                self.grammars.json_schema, req.json_schema, "response_format", self.chat.control_ids(), thinking
+            )
         if self.chat.harmony:
 
             def answer() -> Answer:
@@ -162,7 +166,7 @@ class Server:
             def answer() -> Answer:
                 return ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls)
 
-        return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar, grammar_after)
+        return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids. Called in a worker thread, as chat.encode is: tokenizing a long prompt
@@ -180,7 +184,6 @@ class Server:
         prompt: list[int],
         control_text: dict[int, bytes],
         grammar: str | None,
-        grammar_after: int | None = None,
     ) -> list[Job]:
         """One job per choice, each with a sampler of its own (choice i seeded with seed + i)."""
         s = req.sampling
@@ -212,7 +215,7 @@ class Server:
                 s.ignore_eos,
                 req.logprobs,
                 control_text,
-                None if grammar is None else Constraint(self.grammars, grammar, grammar_after),
+                None if grammar is None else Constraint(self.grammars, grammar),
             )
             for i in range(req.n)
         ]
@@ -226,7 +229,6 @@ class Server:
         answer: Callable[[], Answer],
         control_text: dict[int, bytes] | None = None,
         grammar: str | None = None,
-        grammar_after: int | None = None,
     ) -> web.StreamResponse:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -239,7 +241,7 @@ class Server:
                 code="context_length_exceeded",
             )
         # (a matcher compiles its grammar: in a worker thread, as the prompt was tokenized)
-        jobs = await asyncio.to_thread(self._jobs, req, prompt, control_text or {}, grammar, grammar_after)
+        jobs = await asyncio.to_thread(self._jobs, req, prompt, control_text or {}, grammar)
         outputs: asyncio.Queue[tuple[int, Output | Exception]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

@@ -312,10 +312,10 @@ class Scheduler:
             )
 
     def _start_masks(self, runs: list[_Running]) -> tuple[list[int], Future | None]:
-        """The rows among `runs` under a grammar now, and their next-token masks, computed in a worker thread (the
+        """The rows among `runs` under a grammar, and their next-token masks, computed in a worker thread (the
         grammar engine lets go of the GIL): they are known before the pass, whose tokens they do not depend on,
         so they take no time of their own where the pass runs meanwhile (on a GPU, or on the other CPU cores)."""
-        rows = [i for i, r in enumerate(runs) if r.job.grammar is not None and r.job.grammar.active]
+        rows = [i for i, r in enumerate(runs) if r.job.grammar is not None]
         if not rows:
             return rows, None
         if self._mask_thread is None:

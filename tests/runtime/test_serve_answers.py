@@ -11,7 +11,7 @@ from moerun.serve.answers import ChatAnswer
 from moerun.serve.formats import REASONING_TAGS, TOOL_FORMATS, reasoning_tags, tool_format
 
 FORMATS = {f.name: f for f in TOOL_FORMATS}
-THINK = REASONING_TAGS[2]
+THINK = next(t for t in REASONING_TAGS if t.start == "<think>")
 SCHEMAS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
     "search": {"type": "object", "properties": {"query": {"type": "string"}}},
@@ -30,6 +30,26 @@ OUTPUTS = {
     "glm-4.5": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
     "\n<arg_value>3</arg_value>\n</tool_call><tool_call>search\n<arg_key>query</arg_key>\n"
     "<arg_value>moe 2</arg_value>\n</tool_call>",
+    "llama-3.x": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+    '<|python_tag|>{"name": "search", "parameters": {"query": "moe 2"}}',
+    "command-r7b": '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": '
+    '"Paris", "days": 3}},\n    {"tool_call_id": "1", "tool_name": "search", "parameters": {"query": "moe 2"}}\n]'
+    "<|END_ACTION|>",
+    "command-r": 'Action:\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": {"city": "Paris", '
+    '"days": 3}\n    },\n    {\n        "tool_name": "search",\n        "parameters": {"query": "moe 2"}\n    }\n]```',
+    "gemma-4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+    '<|tool_call>call:search{query:<|"|>moe 2<|"|>}<tool_call|>',
+    "lfm2": "<|tool_call_start|>[get_weather(city='Paris', days=3), search(query=\"moe 2\")]<|tool_call_end|>",
+    "minimax-m1": '<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+    '{"name": "search", "arguments": {"query": "moe 2"}}\n</tool_calls>',
+    "apriel": '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+    '{"name": "search", "arguments": {"query": "moe 2"}}]</tool_calls>',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+    '{"name": "search", "arguments": {"query": "moe 2"}}]',
+    "firefunction-v2": ' functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+    '{"name": "search", "arguments": {"query": "moe 2"}}]',
+    "functionary-v3.1": '<function=get_weather>{"city": "Paris", "days": 3}</function>'
+    '<function=search>{"query": "moe 2"}</function>',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]search[ARGS]{"query": "moe 2"}',
     "deepseek-v3.1": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 3}'
     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "moe 2"}<｜tool▁call▁end｜>'
@@ -48,12 +68,25 @@ OUTPUTS = {
 
 
 def run(answer: ChatAnswer, text: str, piece: int) -> tuple[dict, dict]:
-    """-> (the whole message, the streamed deltas merged: text fields joined, tool_calls listed)."""
+    """-> (the whole message, the streamed deltas merged: text fields joined, tool calls assembled as a client
+    assembles them, by index with their arguments' pieces joined, each with the count of its pieces)."""
     merged: dict = {}
     deltas = [answer.push(text[i : i + piece]) for i in range(0, len(text), piece)] + [answer.end()]
     for d in filter(None, deltas):
         for k, v in d.items():
-            merged[k] = merged.get(k, [] if k == "tool_calls" else "") + v
+            if k != "tool_calls":
+                merged[k] = merged.get(k, "") + v
+                continue
+            calls = merged.setdefault("tool_calls", [])
+            for entry in v:
+                if entry["index"] == len(calls):
+                    assert set(entry) == {"index", "id", "type", "function"} and entry["function"]["name"]
+                    calls.append({**entry, "function": dict(entry["function"]), "pieces": 1})
+                else:
+                    assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+                    call = calls[entry["index"]]
+                    call["function"]["arguments"] += entry["function"]["arguments"]
+                    call["pieces"] += 1
     return answer.fields(), merged
 
 
@@ -62,13 +95,20 @@ def test_each_format_parses_its_calls_after_some_text_streamed_or_whole(name):
     assert set(OUTPUTS) == set(FORMATS)
     text = "Let me check.\n\n" + OUTPUTS[name]
     for piece in (1, 3, 7, len(text)):
-        message, merged = run(ChatAnswer(tools=FORMATS[name], schemas=SCHEMAS), text, piece)
+        answer = ChatAnswer(tools=FORMATS[name], schemas=SCHEMAS)
+        message, merged = run(answer, text, piece)
+        assert answer.finish_reason("stop") == "tool_calls"
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
         assert calls == CALLS and message["content"] == "Let me check."
-        assert merged["content"] == "Let me check." and merged["tool_calls"] == [
-            {"index": i, **c} for i, c in enumerate(message["tool_calls"])
-        ]
+        streamed = [{k: v for k, v in c.items() if k not in ("index", "pieces")} for c in merged["tool_calls"]]
+        assert merged["content"] == "Let me check." and streamed == message["tool_calls"]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message["tool_calls"])
+        if piece < 8:  # the arguments arrived in pieces as they were written
+            assert all(c["pieces"] > 1 for c in merged["tool_calls"])
+            assert [c["function"]["arguments"] for c in message["tool_calls"]] == [
+                '{"city": "Paris", "days": 3}',
+                '{"query": "moe 2"}',
+            ]
 
 
 def test_reasoning_then_content_then_a_call_and_the_finish_reason():
@@ -137,3 +177,146 @@ def test_harmony_channels_split_into_reasoning_content_and_calls():
     # text with no message header at all (a grammar's JSON) is the content
     message, merged = run(HarmonyAnswer(), '{"a": 1}', 3)
     assert message["content"] == merged["content"] == '{"a": 1}'
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+            '{"name": "search", "arguments": {"query": "moe 2"}}]',
+        ),
+        (
+            "deepseek-v3.1",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+            '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n'
+            '```json\n{"query": "moe 2"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        ),
+    ],
+)
+def test_streamed_arguments_of_the_other_shapes_mistral_nemo_lists_and_deepseek_r1_fences(name, text):
+    for piece in (1, 5):
+        message, merged = run(ChatAnswer(tools=FORMATS[name], schemas=SCHEMAS), text, piece)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+        assert [c["function"]["arguments"] for c in merged["tool_calls"]] == [
+            c["function"]["arguments"] for c in message["tool_calls"]
+        ]
+        assert all(c["pieces"] > 1 for c in merged["tool_calls"])
+
+
+def test_a_streamed_call_cut_short_stays_a_call_and_the_finish_reason_says_why():
+    """The length limit ends the answer inside a call's arguments: what was sent stays (a client has it), the
+    finish_reason is the limit's; before any argument was written, the text is the content."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    answer = ChatAnswer(tools=FORMATS["hermes"], schemas=SCHEMAS)
+    message, merged = run(answer, text, 4)
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    assert merged["tool_calls"][0]["function"]["arguments"] == '{"city": "Par' and message["content"] is None
+    assert answer.finish_reason("length") == "length"
+    answer = ChatAnswer(tools=FORMATS["hermes"], schemas=SCHEMAS)
+    message, _ = run(answer, '<tool_call>\n{"name": "get_wea', 4)
+    assert message["content"] == '<tool_call>\n{"name": "get_wea' and "tool_calls" not in message
+    assert answer.finish_reason("length") == "length"
+
+
+def test_harmony_calls_stream_their_arguments_and_parallel_false_keeps_the_first():
+    from moerun.serve.answers import HarmonyAnswer
+
+    calls = (
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}'
+        "<|call|><|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json<|message|>"
+        '{"query": "moe 2"}<|call|>'
+    )
+    for piece in (1, 6):
+        message, merged = run(HarmonyAnswer(), calls, piece)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+        assert [(c["function"]["arguments"], c["pieces"] > 1) for c in merged["tool_calls"]] == [
+            ('{"city": "Paris", "days": 3}', True),
+            ('{"query": "moe 2"}', True),
+        ]
+        answer = HarmonyAnswer(parallel_tool_calls=False)
+        message, merged = run(answer, calls, piece)
+        assert (
+            [c["function"]["name"] for c in message["tool_calls"]]
+            == ["get_weather"]
+            == [c["function"]["name"] for c in merged["tool_calls"]]
+        )
+        assert answer.finish_reason("stop") == "tool_calls"
+
+
+def test_llama3_built_in_calls_and_json_answers_that_are_not_calls():
+    llama = FORMATS["llama-3.x"]
+    schemas = {**SCHEMAS, "brave_search": {"type": "object", "properties": {"query": {"type": "string"}}}}
+    message, _ = run(
+        ChatAnswer(tools=llama, schemas=schemas), '<|python_tag|>brave_search.call(query="moe \\"2\\"")', 3
+    )
+    assert message["tool_calls"][0]["function"] == {"name": "brave_search", "arguments": '{"query": "moe \\"2\\""}'}
+    # JSON that names no tool is the answer, streamed or not
+    for piece in (2, 100):
+        answer = ChatAnswer(tools=llama, schemas=schemas)
+        message, merged = run(answer, 'Here: {"name": "Bob", "parameters": {"age": 3}}', piece)
+        assert message["content"] == merged["content"] == 'Here: {"name": "Bob", "parameters": {"age": 3}}'
+        assert "tool_calls" not in message and "tool_calls" not in merged and answer.finish_reason("stop") == "stop"
+
+
+def test_command_r7b_plan_is_the_reasoning_and_its_actions_the_calls():
+    tags = reasoning_tags("<|START_THINKING|>{{ plan }}<|END_THINKING|><|START_ACTION|>")
+    text = "<|START_THINKING|>I will look up the weather.<|END_THINKING|>" + OUTPUTS["command-r7b"]
+    for piece in (1, 9):
+        message, merged = run(ChatAnswer(tags, False, FORMATS["command-r7b"], SCHEMAS), text, piece)
+        assert message["reasoning_content"] == merged["reasoning_content"] == "I will look up the weather."
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+
+
+def test_the_json_list_llama3_functionary_gemma4_and_lfm2_formats_are_chosen_from_their_templates_text():
+    llama = "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- '\"parameters\": ' }}"
+    assert tool_format(llama).name == "llama-3.x"
+    assert tool_format('<|START_ACTION|>[{"tool_name": ...}]<|END_ACTION|> Action: ```json').name == "command-r7b"
+    assert tool_format("{{- '\\nAction:\\n```json\\n[\\n' }}{{- '\"tool_name\": \"' }}").name == "command-r"
+    # functionary v3.1 has the ipython role but writes <function=...>{...}</function>: not Llama's format
+    functionary = "<|start_header_id|>ipython<|end_header_id|> <function=name>{...}</function>"
+    assert tool_format(functionary).name == "functionary-v3.1"
+    assert tool_format("{{ ' functools[' + calls | join(', ') + ']' }}").name == "firefunction-v2"
+    assert tool_format("respond only with <|tool_call|> followed by a JSON list").name == "granite"
+    assert tool_format("{{- '<|tool_call>call:' + name + '{' -}}{{- '}<tool_call|>' -}}").name == "gemma-4"
+    assert tool_format("respond with <tool_calls></tool_calls> XML tags").name == "minimax-m1"
+    assert tool_format("{{- '<tool_call>' -}} <tool_calls>[{...}]</tool_calls>").name == "apriel"  # not hermes
+    assert tool_format('"List of tools: <|tool_list_start|>["').name == "lfm2"  # LFM2; LFM2.5 writes the calls
+    assert tool_format('{{- "<|tool_call_start|>[" + calls + "]<|tool_call_end|>" -}}').name == "lfm2"
+
+
+def test_a_streamed_call_whose_json_ended_is_whole_though_the_text_after_it_is_not_the_format():
+    answer = ChatAnswer(tools=FORMATS["hermes"], schemas=SCHEMAS)
+    message, merged = run(answer, '<tool_call>\n{"name": "search", "arguments": {"query": "moe"}} oops', 5)
+    assert message["tool_calls"][0]["function"] == {"name": "search", "arguments": '{"query": "moe"}'}
+    assert merged["tool_calls"][0]["function"]["arguments"] == '{"query": "moe"}'
+    assert answer.finish_reason("stop") == "tool_calls"
+
+
+def test_gemma4_thought_channel_and_argument_syntax():
+    tags = reasoning_tags("{{ '<|channel>thought\\n<channel|>' }}<|tool_call>call:<tool_call|>")
+    text = '<|channel>thought\nThe weather.<channel|><|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,'
+    text += 'days:3,extra:{when:[1,2.5,true,null],note:<|"|>a:b{c}<|"|>}}<tool_call|>'
+    for piece in (1, 4, len(text)):
+        message, merged = run(ChatAnswer(tags, False, FORMATS["gemma-4"], SCHEMAS), text, piece)
+        assert message["reasoning_content"] == merged["reasoning_content"] == "The weather."
+        (call,) = message["tool_calls"]
+        arguments = {"city": 'Paris, "FR"', "days": 3, "extra": {"when": [1, 2.5, True, None], "note": "a:b{c}"}}
+        assert json.loads(call["function"]["arguments"]) == arguments
+        assert merged["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
+    message, _ = run(ChatAnswer(tools=FORMATS["gemma-4"], schemas=SCHEMAS), '<|tool_call>call:f{a:<|"|>x}', 3)
+    assert "tool_calls" not in message and message["content"] == '<|tool_call>call:f{a:<|"|>x}'
+
+
+def test_lfm2_python_calls_with_python_and_json_values():
+    text = '<|tool_call_start|>[get_weather(city=\'Paris (FR)\', days=-3, opts={"a": true, "b": [1, null]}, ok=False)]'
+    text += "<|tool_call_end|>"
+    for piece in (1, 7, len(text)):
+        message, merged = run(ChatAnswer(tools=FORMATS["lfm2"], schemas=SCHEMAS), text, piece)
+        (call,) = message["tool_calls"]
+        arguments = {"city": "Paris (FR)", "days": -3, "opts": {"a": True, "b": [1, None]}, "ok": False}
+        assert json.loads(call["function"]["arguments"]) == arguments
+        assert merged["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
+    message, _ = run(ChatAnswer(tools=FORMATS["lfm2"], schemas=SCHEMAS), "<|tool_call_start|>[os.system('x')]", 5)
+    assert "tool_calls" not in message and message["content"] == "<|tool_call_start|>[os.system('x')]"

@@ -40,9 +40,14 @@ TEMPLATE = (
     "{%- endfor -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
     "{%- if messages[-1].role == 'tool' -%}{{ '<after-tool>' }}{%- else -%}{{ '<turn>' }}{%- endif -%}"
-    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think></think>' }}"
-    "{%- elif prompt_opens_thinking is defined -%}{{ '<think>' }}{%- endif -%}{%- endif -%}"
+    "THINKING{%- endif -%}"
 )
+# the reasoning as the template writes it in the prompt: closed (thinking off), opened, or left to the model
+THINKING = (
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think></think>' }}"
+    "{%- elif prompt_opens_thinking is defined -%}{{ '<think>' }}{%- endif -%}"
+)
+TEMPLATE, NO_THINKING_TEMPLATE = TEMPLATE.replace("THINKING", THINKING), TEMPLATE.replace("THINKING", "")
 TOOLS = [
     {
         "type": "function",
@@ -59,11 +64,14 @@ TOOLS = [
 ]
 CALL = ("get_weather", {"city": "Paris", "days": 2})
 ANSWER = "It is sunny in Paris."
+# CALL's arguments as the JSON-argument families' scripts write them: token by token, which a stream sends on
+ARGUMENT_PIECES = ['{"city": ', '"Paris", ', '"days": 2}']
+STREAMED_ARGUMENTS = "".join(ARGUMENT_PIECES)
 # family -> (what its template writes, the call as the model writes it, in pieces; pieces that are control tokens)
 FAMILIES = {
     "hermes": (
         "<tool_call>",
-        ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n', "</tool_call>"],
+        ["<tool_call>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_call>"],
         (),
     ),
     "qwen3-coder": (
@@ -88,7 +96,7 @@ FAMILIES = {
     ),
     "mistral": (
         "[TOOL_CALLS]",
-        ["[TOOL_CALLS]", "get_weather", "[ARGS]", '{"city": "Paris", "days": 2}'],
+        ["[TOOL_CALLS]", "get_weather", "[ARGS]", *ARGUMENT_PIECES],
         ("[TOOL_CALLS]", "[ARGS]"),
     ),
     "deepseek-v3.1": (
@@ -98,7 +106,7 @@ FAMILIES = {
             "<｜tool▁call▁begin｜>",
             "get_weather",
             "<｜tool▁sep｜>",
-            '{"city": "Paris", "days": 2}',
+            *ARGUMENT_PIECES,
             "<｜tool▁call▁end｜>",
             "<｜tool▁calls▁end｜>",
         ],
@@ -117,7 +125,7 @@ FAMILIES = {
             "<|tool_call_begin|>",
             "functions.get_weather:0",
             "<|tool_call_argument_begin|>",
-            '{"city": "Paris", "days": 2}',
+            *ARGUMENT_PIECES,
             "<|tool_call_end|>",
             "<|tool_calls_section_end|>",
         ],
@@ -128,6 +136,67 @@ FAMILIES = {
             "<|tool_call_end|>",
             "<|tool_calls_section_end|>",
         ),
+    ),
+    "llama-3.x": (
+        '<|start_header_id|>ipython<|end_header_id|> "parameters": ',
+        ["<|python_tag|>", '{"name": "get_weather", "parameters": ', *ARGUMENT_PIECES, "}"],
+        ("<|python_tag|>",),
+    ),
+    "command-r7b": (
+        "<|START_ACTION|>",
+        [
+            "<|START_ACTION|>",
+            '[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": ',
+            *ARGUMENT_PIECES,
+            "}\n]",
+            "<|END_ACTION|>",
+        ],
+        ("<|START_ACTION|>", "<|END_ACTION|>"),
+    ),
+    "command-r": (
+        'Action: ```json "tool_name": ',
+        [
+            "Action:",
+            '\n```json\n[\n    {\n        "tool_name": "get_weather",\n        "parameters": ',
+            *ARGUMENT_PIECES,
+            "\n    }\n]```",
+        ],
+        (),
+    ),
+    "gemma-4": (
+        "<|tool_call> <tool_call|>",
+        ["<|tool_call>", "call:get_weather{city:", '<|"|>', "Paris", '<|"|>#2', ",days:2}", "<tool_call|>"],
+        ("<|tool_call>", "<tool_call|>", '<|"|>'),
+    ),
+    "lfm2": (
+        "<|tool_call_start|>",
+        ["<|tool_call_start|>", "[get_weather(", "city='Paris', ", "days=2", ")]", "<|tool_call_end|>"],
+        ("<|tool_call_start|>", "<|tool_call_end|>"),
+    ),
+    "minimax-m1": (
+        "<tool_calls></tool_calls>",
+        ["<tool_calls>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_calls>"],
+        (),
+    ),
+    "apriel": (
+        "<tool_calls>[ </tool_calls>",
+        ["<tool_calls>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]", "</tool_calls>"],
+        (),
+    ),
+    "granite": (
+        "<|tool_call|>",
+        ["<|tool_call|>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]"],
+        ("<|tool_call|>",),
+    ),
+    "firefunction-v2": (
+        "functools[",
+        [" functools", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]"],
+        (),
+    ),
+    "functionary-v3.1": (
+        "<function= </function>",
+        ["<function=get_weather>", *ARGUMENT_PIECES, "</function>"],
+        (),
     ),
     "minimax-m2": (
         "<minimax:tool_call>",
@@ -250,7 +319,8 @@ def live(synth_model, tmp_path: Path, template: str, scripts: dict[str, list[str
 
 def collect(stream) -> tuple[dict, str]:
     """A streamed chat answer's deltas merged: content, reasoning_content and the tool calls as a client assembles
-    them (by index, arguments concatenated); and the finish_reason."""
+    them (by index, arguments concatenated, with the count of the deltas that carried a piece of them); and the
+    finish_reason."""
     merged: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
     finish = None
     for chunk in stream:
@@ -259,9 +329,12 @@ def collect(stream) -> tuple[dict, str]:
             merged["content"] += d.content or ""
             merged["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
             for call in d.tool_calls or []:
-                entry = merged["tool_calls"].setdefault(call.index, {"id": call.id, "name": "", "arguments": ""})
+                entry = merged["tool_calls"].setdefault(
+                    call.index, {"id": call.id, "name": "", "arguments": "", "pieces": 0}
+                )
                 entry["name"] += call.function.name or ""
                 entry["arguments"] += call.function.arguments or ""
+                entry["pieces"] += bool(call.function.arguments)
             finish = choice.finish_reason or finish
     return merged, finish
 
@@ -287,6 +360,9 @@ def test_a_tool_call_round_trip_for_each_parser_family(family, synth_model, tmp_
         assert finish == "tool_calls" and streamed["content"] == "Let me look."
         (entry,) = streamed["tool_calls"].values()
         assert (entry["name"], json.loads(entry["arguments"])) == CALL and len(entry["id"]) == 9
+        assert entry["arguments"] == call.function.arguments  # the streamed pieces add up to the arguments
+        if STREAMED_ARGUMENTS in "".join(call_pieces):  # the JSON-argument families: in pieces, as written
+            assert entry["pieces"] == len(ARGUMENT_PIECES) and call.function.arguments == STREAMED_ARGUMENTS
         # the agent runs the tool and sends its result back
         messages += [
             choice.message.model_dump(exclude_none=True),
@@ -416,6 +492,7 @@ CONSTRAINED_TOOLS = [
                 "properties": {
                     "city": {"enum": ["Paris", "Rome", "Oslo"]},
                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "note": {"type": "string", "maxLength": 12},
                 },
                 "required": ["city", "days"],
                 "additionalProperties": False,
@@ -437,23 +514,30 @@ CONSTRAINED_TOOLS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["hermes", "mistral", "deepseek-v3.1", "kimi-k2"])
+@pytest.mark.parametrize("family", [*sorted(FAMILIES), "harmony"])
 def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_model, tmp_path):
     """A model with no script (its output head all zeros: every token equally likely), sampled: tool_choice
-    "required" and a named function make the answer one call of a given tool, the family's markers (control tokens
-    where the real models' are) written by the grammar, the arguments valid against the tool's schema, whole and
-    streamed."""
+    "required" and a named function make the answer one call of a given tool in the family's own syntax, its
+    markers (control tokens where the real models' are) written by the grammar, the arguments valid against the
+    tool's schema (the XML-like formats' bare-text values included: a pattern, an enum, a bounded free text), whole
+    and streamed. The templates have no reasoning, and harmony's is not split out (reasoning_format none): random
+    text would think to the end of max_tokens."""
     import jsonschema
 
-    detect, pieces, control = FAMILIES[family]
+    if family == "harmony":
+        detect, control = "messages in harmony channels: <|channel|>", HARMONY
+    else:
+        detect, _, control = FAMILIES[family]
+        detect = f"tool calls are written as {detect}"
     path = scripted_model(
         synth_model("qwen3moe", expert_type="F32", attn_type="F32"),
         tmp_path / "m.gguf",
-        TEMPLATE.replace("FORMAT", f"tool calls are written as {detect}"),
+        NO_THINKING_TEMPLATE.replace("FORMAT", detect),
         {},
         control,
-        extra_tokens=[p for p in pieces if p in control],
+        extra_tokens=list(control),
     )
+    no_reasoning = {"reasoning_format": "none"} if family == "harmony" else {}
     server = LiveServer(path)
     try:
         client = server.client()
@@ -471,7 +555,8 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
                 tool_choice=choice,
                 temperature=1.0,
                 seed=seed,
-                max_tokens=100,
+                max_tokens=200,
+                extra_body=no_reasoning,
             )
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
             (call,) = r.choices[0].message.tool_calls
@@ -486,8 +571,9 @@ def test_tool_choice_required_and_named_always_give_a_valid_call(family, synth_m
                 tool_choice="required",
                 temperature=1.0,
                 seed=4,
-                max_tokens=100,
+                max_tokens=200,
                 stream=True,
+                extra_body=no_reasoning,
             )
         )
         (entry,) = streamed["tool_calls"].values()
@@ -520,7 +606,7 @@ def test_a_harmony_round_trip_reasoning_and_a_call(synth_model, tmp_path):
                 "<|channel|>#2",
                 "commentary json",
                 "<|message|>#2",
-                '{"city": "Paris", "days": 2}',
+                *ARGUMENT_PIECES,
                 "<|call|>",
             ],
             "<after-tool>": ["<|channel|>#3", "final", "<|message|>#3", ANSWER, "<|return|>"],
@@ -543,10 +629,153 @@ def test_a_harmony_round_trip_reasoning_and_a_call(synth_model, tmp_path):
             client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
         )
         assert (streamed["reasoning_content"], streamed["content"], finish) == ("Need the weather.", "", "tool_calls")
-        assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()] == [CALL]
+        assert [(c["name"], c["arguments"], c["pieces"]) for c in streamed["tool_calls"].values()] == [
+            ("get_weather", STREAMED_ARGUMENTS, len(ARGUMENT_PIECES))
+        ]
+        assert call.function.arguments == STREAMED_ARGUMENTS
         messages += [
             message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ]
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
+    finally:
+        server.close()
+
+
+def test_a_thinking_model_thinks_before_a_constrained_call_or_json(synth_model, tmp_path):
+    """The model opens its reasoning itself and thinks (scripted); the grammar holds from the reasoning's end tag
+    on, so the call (tool_choice required, or named) and the JSON (response_format) that follow it are valid
+    (sampled where the script's answer is not), and the reasoning is reasoning_content, whole and streamed."""
+    import jsonschema
+
+    thought = "The user asks about Paris."
+    server = live(
+        synth_model,
+        tmp_path,
+        TEMPLATE.replace("FORMAT", "reasoning in <think></think>, tool calls in <tool_call>"),
+        {"<turn>": ["<think>", thought, "</think>", ANSWER]},
+    )
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "Weather?"}]
+        for seed, choice in [(1, "required"), (2, {"type": "function", "function": {"name": "get_time"}})]:
+            kwargs = dict(tools=CONSTRAINED_TOOLS, tool_choice=choice, temperature=1.0, seed=seed, max_tokens=100)
+            message = client.chat.completions.create(model="m", messages=messages, **kwargs).choices[0].message
+            (call,) = message.tool_calls
+            assert message.reasoning_content == thought and not message.content
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            streamed, finish = collect(
+                client.chat.completions.create(model="m", messages=messages, stream=True, **kwargs)
+            )
+            (entry,) = streamed["tool_calls"].values()
+            assert (streamed["reasoning_content"], finish) == (thought, "tool_calls")
+            jsonschema.validate(json.loads(entry["arguments"]), schemas[entry["name"]])
+        schema = schemas["get_weather"]
+        message = (
+            client.chat.completions.create(
+                model="m",
+                messages=messages,
+                temperature=1.0,
+                seed=3,
+                max_tokens=100,
+                response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+            )
+            .choices[0]
+            .message
+        )
+        assert message.reasoning_content == thought
+        jsonschema.validate(json.loads(message.content), schema)
+        # thinking turned off (the prompt closes the reasoning): the grammar holds from the first token
+        message = (
+            client.chat.completions.create(
+                model="m",
+                messages=messages,
+                temperature=1.0,
+                seed=4,
+                max_tokens=100,
+                response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+            .choices[0]
+            .message
+        )
+        assert message.reasoning_content is None
+        jsonschema.validate(json.loads(message.content), schema)
+    finally:
+        server.close()
+
+
+def test_gpt_oss_analyses_before_a_constrained_call(synth_model, tmp_path):
+    """Harmony: the analysis message (scripted) comes before the call the grammar forces in a commentary message."""
+    import jsonschema
+
+    server = live(
+        synth_model,
+        tmp_path,
+        TEMPLATE.replace("FORMAT", "messages in harmony channels: <|channel|>"),
+        {"<turn>": ["<|channel|>", "analysis", "<|message|>", "Need the weather.", "<|end|>", "<|start|>", ANSWER]},
+        HARMONY,
+    )
+    try:
+        client = server.client()
+        kwargs = dict(
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=CONSTRAINED_TOOLS,
+            tool_choice="required",
+            temperature=1.0,
+            seed=5,
+            max_tokens=100,
+        )
+        r = client.chat.completions.create(model="m", **kwargs)
+        message = r.choices[0].message
+        (call,) = message.tool_calls
+        assert (message.reasoning_content, r.choices[0].finish_reason) == ("Need the weather.", "tool_calls")
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in CONSTRAINED_TOOLS}
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    finally:
+        server.close()
+
+
+def test_command_r7b_plan_action_and_response(synth_model, tmp_path):
+    """Command-R7B: the plan between <|START_THINKING|> and <|END_THINKING|> is the reasoning, the action list the
+    calls (streamed in pieces), and after the tool's result the text between the response markers (control tokens,
+    left out of the text) the content."""
+    markers = ("<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>")
+    _, call_pieces, control = FAMILIES["command-r7b"]
+    server = live(
+        synth_model,
+        tmp_path,
+        TEMPLATE.replace("FORMAT", "a plan in <|START_THINKING|><|END_THINKING|>, actions in <|START_ACTION|>"),
+        {
+            "<turn>": ["<|START_THINKING|>", "I will look up the weather.", "<|END_THINKING|>", *call_pieces],
+            "<after-tool>": ["<|START_RESPONSE|>", ANSWER, "<|END_RESPONSE|>"],
+        },
+        control + markers,
+    )
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        message = r.choices[0].message
+        assert (message.reasoning_content, message.content) == ("I will look up the weather.", None)
+        (call,) = message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather", STREAMED_ARGUMENTS)
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
+        assert (streamed["reasoning_content"], streamed["content"], finish) == (
+            "I will look up the weather.",
+            "",
+            "tool_calls",
+        )
+        assert [(c["arguments"], c["pieces"]) for c in streamed["tool_calls"].values()] == [
+            (STREAMED_ARGUMENTS, len(ARGUMENT_PIECES))
+        ]
+        messages += [
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
         ]
         r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
