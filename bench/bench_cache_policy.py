@@ -39,7 +39,8 @@ from moeprep.profile.routing_stats import SIZES as REGIME_SIZES
 from moeprep.profile.routing_stats import hit_rates
 
 HERE = Path(__file__).resolve().parent
-COMPARED = ("lru", "lfu", "lfuda", "classlru", "admit2", "payback", "cost-payback")  # every policy that adapts; static needs a profile
+# every policy that adapts; static needs a profile
+COMPARED = ("lru", "lfu", "lfuda", "classlru", "admit2", "payback", "cost-payback")
 REGIME_POLICIES = ("lru", "lfu", "classlru", "payback", "cost-payback", "belady", "oracle")
 PEERS = ("lru", "lfu", "classlru")  # what payback must match at every share
 
