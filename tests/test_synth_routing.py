@@ -184,3 +184,21 @@ def test_llama_cpp_routes_the_regime_model_as_moerun(tmp_path: Path) -> None:
     for layer, ids in ours.items():
         same = (np.sort(ids, axis=1)[:, :, None] == np.sort(ref[layer], axis=1)[:, None, :]).any(axis=2).mean()
         assert same > 0.97, (layer, same)
+
+
+def test_cli_routing_option(tmp_path: Path) -> None:
+    """`moeprep synth --routing`: a choice among the routings; a regime the shape cannot carry is one line, exit 2,
+    and no file."""
+    from click.testing import CliRunner
+
+    from moeprep.cli import main
+
+    out = tmp_path / "token-id.gguf"
+    r = CliRunner().invoke(main, ["synth", str(out), "--preset", "small", "--routing", "token-id"])
+    assert r.exit_code == 0 and out.exists(), r.output
+    bad = tmp_path / "regime.gguf"
+    r = CliRunner().invoke(main, ["synth", str(bad), "--preset", "small", "--routing", "qwen3-30b"])
+    assert r.exit_code == 2 and "3 or more kv heads" in r.output and "Traceback" not in r.output, r.output
+    assert not bad.exists()
+    r = CliRunner().invoke(main, ["synth", str(bad), "--routing", "text"])
+    assert r.exit_code == 2 and "token-id" in r.output
