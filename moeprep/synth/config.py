@@ -16,6 +16,7 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from moeprep.errors import MoeprepError
+from moeprep.synth.context_routing import CONTEXT_REGIMES, MIN_EMBD, MIN_HEAD_DIM, MIN_KV_HEADS
 from moeprep.synth.tokenizer import VOCAB_SIZE
 
 Q = GGMLQuantizationType
@@ -170,7 +171,7 @@ COMMON_DEFAULTS: dict[str, Rule] = {
     "tensor_types": lambda g: (),
 }
 # the keys of moeprep.synth.routing.ROUTINGS: uniform, the token-id lookup, the regimes the weights can be built for
-ROUTING_KINDS = ("random", "token-id", "qwen3-30b")
+ROUTING_KINDS = ("random", "token-id", *CONTEXT_REGIMES)
 CONTEXT_ROUTING_ARCHS = ("qwen3moe",)  # regime routing needs per-head Q/K norms and whole-head NeoX rotary
 
 GEOMETRY_FIELDS = tuple(
@@ -199,13 +200,16 @@ CHECKS: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (
     (lambda c: c.n_vocab >= VOCAB_SIZE, f"n_vocab must be at least the tokenizer's {VOCAB_SIZE} tokens"),
     (lambda c: c.routing in ROUTING_KINDS, f"routing must be one of {', '.join(ROUTING_KINDS)}"),
     (
-        lambda c: c.routing in ("random", "token-id") or c.arch in CONTEXT_ROUTING_ARCHS,
+        lambda c: c.routing not in CONTEXT_REGIMES or c.arch in CONTEXT_ROUTING_ARCHS,
         f"routing by a regime is built for {', '.join(CONTEXT_ROUTING_ARCHS)} only (random and token-id: any)",
     ),
     (
-        lambda c: c.routing in ("random", "token-id") or (c.n_embd > 128 and c.head_dim >= 48 and c.n_head_kv >= 3),
-        "routing by a regime needs n_embd of at least 129, head_dim of at least 48 and 3 or more kv heads (its "
-        "subspaces and attention heads: moeprep/synth/context_routing.py)",
+        lambda c: (
+            c.routing not in CONTEXT_REGIMES
+            or (c.n_embd >= MIN_EMBD and c.head_dim >= MIN_HEAD_DIM and c.n_head_kv >= MIN_KV_HEADS)
+        ),
+        f"routing by a regime needs n_embd of at least {MIN_EMBD}, head_dim of at least {MIN_HEAD_DIM} and "
+        f"{MIN_KV_HEADS} or more kv heads (its subspaces and attention heads: moeprep/synth/context_routing.py)",
     ),
 )
 

@@ -35,14 +35,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from moeprep.synth.config import SynthConfig
 from moeprep.synth.tokenizer import TOKENIZER_PATH, VOCAB_SIZE
 from moeprep.synth.weights import BIAS_CHANNEL, BIAS_CHANNEL_VALUE, Normal, Router, skew_offsets, tensor_rng
+
+if TYPE_CHECKING:  # config imports this module for the regimes' names and shape limits
+    from moeprep.synth.config import SynthConfig
 
 CONTEXT_DIMS = 16  # C: the topic and context subspaces
 TOKEN_DIMS = 48  # Z: a token's identity and the previous token's (more dims: experts' shares less correlated)
@@ -55,6 +58,7 @@ CALIBRATION = TOKENIZER_PATH.parent / "calibration.txt"
 ROW_CHUNK = 4096  # embedding rows drawn at once
 MIN_EMBD = 2 * CONTEXT_DIMS + 2 * TOKEN_DIMS + 1  # the four subspaces and the bias channel
 MIN_HEAD_DIM = TOKEN_DIMS  # a value head carries a whole identity
+MIN_KV_HEADS = 3  # a KV group for each kind of context-layer head
 
 
 @dataclass(frozen=True)
@@ -413,14 +417,13 @@ class ContextRouter:
         return (rows / weight[None, :]).astype(np.float32)
 
 
-def shape_context_routing(c: SynthConfig, tensors: list) -> list:
-    """The tensor list of a model routed by regime c.routing (see the module docstring)."""
-    from moeprep.synth.archs import ARCHS, tensor_name
-    from moeprep.synth.parts import T
+def shape_context_routing(c: SynthConfig, tensors: list, tensor_name: Callable, ffn_norm) -> list:
+    """The tensor list of a model routed by regime c.routing (see the module docstring); `tensor_name(tensor, layer)`
+    names a layer's tensor (moeprep/synth/parts.py's), `ffn_norm` is the arch's FFN norm tensor."""
+    from gguf import MODEL_TENSOR as T
 
     regime = CONTEXT_REGIMES[c.routing]
     by_name = {t.name: t for t in tensors}
-    ffn_norm = ARCHS[c.arch].ffn_norm
     layer = ContextLayer.build(c.rope_freq_base, c.head_dim, regime.window, c.n_ctx)
     attn_norm = by_name[tensor_name(T.ATTN_NORM, 0)]
     context = {

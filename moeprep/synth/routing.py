@@ -160,12 +160,18 @@ def _text(c: SynthConfig, tensors: list) -> list:
     return out
 
 
+def _regime(c: SynthConfig, tensors: list) -> list:
+    from moeprep.synth.archs import ARCHS, tensor_name
+
+    return shape_context_routing(c, tensors, tensor_name, ARCHS[c.arch].ffn_norm)
+
+
 # SynthConfig.routing -> how the tensor list is changed; "random": as drawn (uniform routing, moved only by skew);
 # a regime's name: moeprep/synth/context_routing.py.
 ROUTINGS: dict[str, Callable[[SynthConfig, list], list]] = {
     "random": lambda c, tensors: tensors,
     "token-id": _text,
-    **{name: shape_context_routing for name in CONTEXT_REGIMES},
+    **{name: _regime for name in CONTEXT_REGIMES},
 }
 assert tuple(ROUTINGS) == ROUTING_KINDS
 
