@@ -214,8 +214,8 @@ main.add_command(routing)  # `moeprep routing`: traces of named regimes and thei
     type=click.Choice(ROUTING_KINDS),
     default=None,
     help="How the routers pick experts: random (uniform), token-id (a lookup from the token), or a routing regime "
-    "built into the weights (qwen3-30b: context-driven reuse as Qwen3-30B-A3B's; docs/synth.md). Default: the "
-    "preset's (bench-60g and qwen3-30b-a3b: qwen3-30b; others: random).",
+    "built into the weights (qwen3-30b, fine-512, skewed-256: `moeprep routing regimes`; docs/synth.md). Default: "
+    "the preset's (bench-60g and qwen3-30b-a3b: qwen3-30b; others: random).",
 )
 def synth(
     out: str,

@@ -138,28 +138,30 @@ def test_context_layer_kernels() -> None:
     assert previous[1] > 0.75 and previous[1] > 10 * max(previous[0], previous[2])
 
 
-def test_bench_model_routing_meets_the_qwen3_regime(tmp_path: Path) -> None:
-    """bench-60g's construction scaled down, profiled by moeprep on 8192 tokens of held-out text in chunks of 1024
-    (the regime's own trace length): `moeprep routing stats` on the profile meets every target of the qwen3-30b
-    regime (moeprep/profile/regimes.py), each at least a point inside its range, in every layer as well as
-    overall. Random routers on the same model (routing="random") fail them."""
+@pytest.mark.parametrize("name", ["qwen3-30b", "fine-512", "skewed-256"])
+def test_scaled_model_meets_its_regime(name: str, tmp_path: Path) -> None:
+    """bench-60g's construction scaled down, at the regime's expert count and top-k, profiled by moeprep on 8192
+    tokens of held-out text in chunks of 1024 (the regime's own trace length): `moeprep routing stats` on the
+    profile meets every target of the regime (moeprep/profile/regimes.py), each at least a point inside its range,
+    in every layer as well as overall. Random routers on the same model (routing="random") fail them."""
     from moeprep.profile.dataset import DatasetSpec
     from moeprep.profile.regimes import check_targets, regime
     from moeprep.profile.run import ProfileRequest, profile_model
     from moeprep.profile.tracefile import trace_from_profile
 
-    path = write_synth_model(tmp_path / "regime.gguf", **REGIME_SCALED)
+    r = regime(name)
+    shape = dict(REGIME_SCALED, n_expert=r.shape.experts, n_expert_used=r.shape.top_k, routing=name)
+    path = write_synth_model(tmp_path / "regime.gguf", **shape)
     p = profile_model(ProfileRequest(path, DatasetSpec(str(HELDOUT)), ctx=1024, tokens=8192, holdout=0))
     trace = trace_from_profile(p, str(path))
-    assert (trace.n_tokens, trace.n_chunks, trace.n_expert, trace.top_k) == (8192, 8, 128, 8)
-    r = regime("qwen3-30b")
+    assert (trace.n_tokens, trace.n_chunks, trace.n_expert, trace.top_k) == (8192, 8, r.shape.experts, r.shape.top_k)
     for layer in range(trace.n_layers):
         one = dataclasses.replace(trace, ids=trace.ids[:, layer : layer + 1], weights=None)
         for check in check_targets(r, one):
             low, high = check.target.low, check.target.high
             assert low + 0.01 <= check.value <= high - 0.01, (layer, check.target.describe(), check.value)
 
-    plain = write_synth_model(tmp_path / "random.gguf", **{**REGIME_SCALED, "routing": "random"})
+    plain = write_synth_model(tmp_path / "random.gguf", **{**shape, "routing": "random"})
     q = profile_model(ProfileRequest(plain, DatasetSpec(str(HELDOUT)), ctx=1024, tokens=2048, holdout=0))
     assert not all(c.met for c in check_targets(r, trace_from_profile(q, str(plain))))
 

@@ -71,13 +71,19 @@ class ContextRouting:
     token: float
     previous: float
     popularity: float
+    head: int = 0  # experts per layer every context favours (a heavy head of popularity) ...
+    head_boost: float = 0.0  # ... by this much on their logits
 
 
 # regime name -> its construction, tuned with `moeprep profile` and `moeprep routing stats` on the held-out text
 # (tests/test_synth_routing.py checks regimes.py's targets for it at a small shape)
 CONTEXT_REGIMES: dict[str, ContextRouting] = {
     "qwen3-30b": ContextRouting(window=64.0, context=3.0, token=1.1, previous=1.2, popularity=0.1),
-}
+    "fine-512": ContextRouting(window=14.0, context=1.5, token=1.0, previous=1.6, popularity=0.0),
+    "skewed-256": ContextRouting(
+        window=2.0, context=0.6, token=0.7, previous=0.7, popularity=0.3, head=12, head_boost=1.9
+    ),
+}  # chat-glm (its chunks' kinds) and trained (a recording) are traces only
 
 
 # --- the attention kernels ------------------------------------------------------------------------------------------
@@ -412,6 +418,7 @@ class ContextRouter:
             scale = std * np.sqrt(basis.shape[1]) * rms / (share * np.sqrt(n_embd - 1))
             rows += scale * _unit_rows(rng.standard_normal((n_expert, basis.shape[1]))) @ basis.T
         offsets = r.popularity * rng.standard_normal(n_expert) + skew_offsets(rng, n_expert, self.skew, self.skew_scale)
+        offsets[rng.permutation(n_expert)[: r.head]] += r.head_boost
         rows[:, BIAS_CHANNEL] = offsets * rms / BIAS_CHANNEL_VALUE
         weight = _norm_values(self.seed, self.norm, n_embd)
         return (rows / weight[None, :]).astype(np.float32)
