@@ -1,33 +1,35 @@
 """Routing by a named regime, built into the weights: the model's own router picks experts from a context that
 drifts along the text, as a real model's does (moeprep/profile/regimes.py describes the regimes and their targets).
 
-A token's experts come from three things the forward pass carries in the residual stream, each in its own subspace
+A token's experts come from what the forward pass carries in the residual stream, each part in its own subspace
 (orthonormal bases, seeded, zero in the bias channel):
 
-- Its topic: every token v has a topic direction n_v in R^C (C = CONTEXT_DIMS), a seeded random unit vector minus the
-  mean over the calibration text's tokens (moeprep/data/calibration.txt, weighted by how often each occurs), so
+- Its topic: every token v has a topic direction n_v in R^C (C = CONTEXT_DIMS), a seeded random vector centred and
+  whitened over the calibration text's tokens (moeprep/data/calibration.txt, weighted by how often each occurs), so
   frequent tokens do not pin the context to one place. The embedding holds it along basis B_topic.
-- The context: layer 0's attention averages the topics of recent positions. Its queries and keys read only the
-  bias channel (a constant), so after the per-head Q/K norm every query and key is one fixed vector whose energy sits
-  in chosen rotary pairs; RoPE then makes the score of a key Delta positions back sum_p a_p cos(theta_p Delta), a
-  recency kernel: the coefficients a_p (one per rotary pair, set through the Q/K norm weights) are fitted so that
-  the score falls by Delta / window over the first few windows and stays at least about 4 below the peak at any
-  further distance up to the model's context length. The values carry the topic, the output writes the average
-  (scaled to a steady size) along basis B_context. So the context is a moving average of the recent tokens' topics
-  with an about exponential window: an AR(1)-like state that forgets itself over about `window` tokens, like the
-  regime generator's latent state, except that its steps are the text's own tokens.
-- Its identity: a private random unit vector z_v in R^Z (Z = TOKEN_DIMS) along basis B_token: what the context does
-  not explain, the per-token spread of a real router.
+- The context, written by layer 0's attention (ContextLayer). Its queries and keys read only the bias channel (a
+  constant), so after the per-head Q/K norm every query and key is a fixed vector whose energy sits in chosen rotary
+  pairs; RoPE then makes the score of a key Delta positions back sum_p a_p cos(theta_p (Delta - lag)), a kernel over
+  relative position whose coefficients a_p (set through the Q/K norm weights) are fitted by non-negative least
+  squares. SHORT heads average the topics with a drop of Delta / window (about exponential weights over `window`
+  tokens), LONG heads over LONG_WINDOW times that; the output writes the short average minus the long one along
+  B_context, scaled to a steady size. So the context is a band-passed moving average of the recent tokens' topics:
+  an AR(1)-like state that forgets itself over about `window` tokens, like the regime generator's latent state,
+  except that its steps are the text's own tokens, and without the offset a text's overall leaning would give it.
+- Its identity: a private random unit vector z_v in R^Z (Z = TOKEN_DIMS) along B_token, and the previous token's,
+  which PREVIOUS heads (a kernel peaked one position back) copy along B_previous: what the context does not
+  explain, the per-token spread of a real router, different at every pair of tokens.
 
-Layer l's router row for expert e is context_scale * B_context u_le + token_scale * B_token u'_le (u, u' seeded unit
-vectors, independent per layer), compensated channel by channel for the FFN norm's weight, plus a per-expert offset
-in the bias channel (popularity). Scales are set so that, for a normed hidden state, the context's part of a logit
-has standard deviation about `context` and the identity's about `token`. Everything else that writes into the
-residual stream (the other layers' attention, every expert) is scaled by RESIDUAL_SCALE, so the three parts reach
-every layer's router nearly unchanged; the other layers' attention and the experts stay random.
+Layer l's router row for expert e reads the three with seeded unit directions of its own (u_le in R^C, u'_le and
+u''_le in R^Z), compensated channel by channel for the FFN norm's weight, plus per-expert offsets in the bias channel
+(popularity, and a favoured head of experts where the regime has one). Scales are set so that, for a normed hidden
+state, each part of a logit has the standard deviation the regime names (ContextRouting). Everything else that
+writes into the residual stream (the other layers' attention, every expert) is scaled by RESIDUAL_SCALE, so the
+parts reach every layer's router nearly unchanged; the other layers' attention and the experts stay random.
 
 This is a weight construction only: the runtime, llama.cpp and `moeprep profile` run the model as any other.
-Built for qwen3moe (per-head Q/K norm, NeoX rotary over whole heads); other architectures are refused.
+Built for qwen3moe (per-head Q/K norm, NeoX rotary over whole heads), with room for the subspaces and a KV group per
+kind of head (MIN_EMBD, MIN_HEAD_DIM, MIN_KV_HEADS); other architectures are refused.
 Letters: V vocabulary, D n_embd, H heads, G kv heads, d head_dim, E experts, C context dims, Z token dims.
 """
 
