@@ -400,6 +400,7 @@ class Payback(Replacement):
         self.ghost = np.zeros((j, n, n_expert), bool)
         self.score = np.zeros((n, j))  # decayed ghost hits per predictor
         self.score_decay = 0.5 ** (1.0 / adapt)
+        self.step_values: tuple[np.ndarray, np.ndarray] | None = None  # (rows, [J, R, E] priorities) of the last step
 
     def estimates(self, rows: np.ndarray) -> np.ndarray:
         """[J, R, E] each predictor's primary value (larger: kept longer)."""
@@ -416,14 +417,20 @@ class Payback(Replacement):
         np.add.at(pooled, which, self.score)
         return pooled[which[rows]].argmax(axis=1)
 
+    def values(self, rows: np.ndarray) -> np.ndarray:
+        """[J, R, E] every predictor's priorities; those the last step computed where nothing changed since (the
+        plan that follows a step reads them again)."""
+        if self.step_values is not None and np.array_equal(self.step_values[0], rows):
+            return self.step_values[1]
+        return self.estimates(rows) * SPAN + self.last[rows][None]
+
     def priority(self, rows: np.ndarray) -> np.ndarray:
-        chosen = self.estimates(rows)[self.predictor(rows), np.arange(len(rows))]
-        return chosen * SPAN + self.last[rows]
+        return self.values(rows)[self.predictor(rows), np.arange(len(rows))]
 
     def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
-        for j in range(len(self.ESTIMATES)):  # ghost hits, on the ghosts from before this step
-            hits = np.bincount(flat_rows, weights=self.ghost[j, flat_rows, flat_ids], minlength=len(self.slots))
-            self.score[rows, j] = self.score[rows, j] * self.score_decay**n_tok + hits[rows]
+        # ghost hits, on the ghosts from before this step (the flat uses come row by row, n_tok * K each)
+        hits = self.ghost[:, flat_rows, flat_ids].reshape(len(self.ESTIMATES), len(rows), -1).sum(axis=2)
+        self.score[rows] = self.score[rows] * self.score_decay**n_tok + hits.T
         age = n_tok - 1 - flat_tok
         for h, decay in enumerate(self.decays):
             self.recent[h, rows] *= decay**n_tok
@@ -433,14 +440,24 @@ class Payback(Replacement):
         # each ghost: the row's S experts its predictor ranks highest among its own and this step's
         step = np.zeros((len(self.slots), self.n_expert), bool)
         step[flat_rows, flat_ids] = True
-        values = self.estimates(rows) * SPAN + self.last[rows][None]
-        for j in range(len(self.ESTIMATES)):
-            held = self.ghost[j, rows] | step[rows]
-            rank = _rank_desc(np.where(held, values[j], -np.inf))
-            self.ghost[j, rows] = held & (rank < self.slots[rows, None])
+        self.step_values = None
+        values = self.values(rows)
+        held = self.ghost[:, rows] | step[rows][None]  # [J, R, E]
+        worst_first = np.where(held, -values, np.inf)  # held experts have distinct priorities (their last uses)
+        kept = np.ones_like(held)
+        sizes = self.slots[rows]
+        for size in np.unique(sizes[sizes < self.n_expert]):  # rows of one size at once (a model: all its layers)
+            at = np.flatnonzero(sizes == size)
+            best = np.argpartition(worst_first[:, at], size - 1, axis=2)[..., :size]
+            part = np.zeros((len(self.ESTIMATES), len(at), self.n_expert), bool)
+            np.put_along_axis(part, best, True, axis=2)
+            kept[:, at] = part
+        self.ghost[:, rows] = held & kept
+        self.step_values = (rows.copy(), values)
 
     def _seeded(self, shares: np.ndarray) -> None:
         # a profile's share as the steady decayed counts of an expert used at that rate
+        self.step_values = None
         self.recent += shares[None] * self.top_k / (1.0 - self.decays[:, None, None])
         self.class_count += shares * self.top_k / (1.0 - self.class_decay)
 
