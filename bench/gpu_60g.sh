@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine: the 60 GB benchmark-shaped model (`moeprep synth --preset bench-60g`: 46 layers, 128 experts of
-# 9.28 MiB, routing that follows the text), moerun's expert cache at a 24 GiB budget cold and warmed by expert
+# 9.28 MiB, routed by the qwen3-30b regime), moerun's expert cache at a 24 GiB budget cold and warmed by expert
 # counts, moerun with every weight on the GPU, and llama-bench on the same file with the experts of 29 layers in host
 # RAM (about the same VRAM) and all on the GPU.
 #
 #   bash bench/gpu_60g.sh OUTDIR [WORKDIR]    (bench/gpu_env.sh says what the two folders hold)
-#   env: BUDGET (24G), PEER_CPU_MOE (29), GEN (128), THREADS (16), STEPS ("cold peer resident-warm peer-resident"; also
+#   env: ROUTING (qwen3-30b: a `moeprep synth --routing` choice), BUDGET (24G), PEER_CPU_MOE (29), GEN (128),
+#        THREADS (16), STEPS ("cold peer resident-warm peer-resident"; also
 #        cpu, warm-64, cpu-experts, gpu-tests: the GPU tests, run first, beside the model's writing and before the
 #        build), TEST_TIMEOUT (420 s), BUILD_DEADLINE (420 s)
 #
@@ -15,13 +16,13 @@
 source bench/gpu_env.sh "$@"
 free -g | head -2
 
-MODEL=$WORK/bench-60g.gguf
+MODEL=$WORK/bench-60g-${ROUTING:-qwen3-30b}.gguf
 if [ ! -f "$MODEL" ]; then  # written beside the GPU tests (it is mostly disk time)
   FREE_GB=$(df -BG --output=avail "$WORK" | tail -1 | tr -dc 0-9)
   LAYERS=$(( (FREE_GB - 4) * 100 / 129 )); [ "$LAYERS" -gt 46 ] && LAYERS=46
   echo "free ${FREE_GB} GB: the model gets $LAYERS of 46 layers"
   python3 -c "from moeprep.synth import write_synth_model as w; w('$MODEL', 'qwen3moe', preset='bench-60g',
-      fast_random_blocks=True, n_layer=$LAYERS)" > "$OUT/synth.log" 2>&1 &
+      fast_random_blocks=True, n_layer=$LAYERS, routing='${ROUTING:-qwen3-30b}')" > "$OUT/synth.log" 2>&1 &
   SYNTH=$!
 fi
 # The GPU tests first, before the llama.cpp build takes the cores: the cache tests time uploads against steps, and

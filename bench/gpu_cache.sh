@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On a GPU machine: the expert cache on the Qwen3-30B-A3B-shaped model with routing that follows the text,
+# On a GPU machine: the expert cache on the Qwen3-30B-A3B-shaped model routed by the qwen3-30b regime,
 # `moerun bench` all resident / at a VRAM budget cold / warmed by a profile, next to llama-bench (built there from the
 # llama-cpp-python sources) all on the GPU and with --n-cpu-moe for about the same VRAM.
 #
 #   bash bench/gpu_cache.sh OUTDIR [WORKDIR]    (bench/gpu_env.sh says what the two folders hold)
-#   env: BUDGET (8G), PEER_CPU_MOE (28), GEN (128), THREADS (16), TESTS (the GPU tests to run first; "" for none),
+#   env: ROUTING (qwen3-30b: a `moeprep synth --routing` choice), BUDGET (8G), PEER_CPU_MOE (28), GEN (128),
+#        THREADS (16), TESTS (the GPU tests to run first; "" for none),
 #        CLI (also time `moerun bench` on the command line), FUSED_BENCH (also run bench_fused.py),
 #        PEER_RESIDENT (also llama-bench with every expert on the GPU)
 source bench/gpu_env.sh "$@"
@@ -18,9 +19,9 @@ if [ -f "$PEER_SRC" ]; then
 ) &
 fi
 
-MODEL=$WORK/bench-30b-text.gguf
+MODEL=$WORK/bench-30b-${ROUTING:-qwen3-30b}.gguf
 python3 -c "from moeprep.synth import write_synth_model as w; w('$MODEL', 'qwen3moe', preset='qwen3-30b-a3b',
-    expert_type='Q4_K', attn_type='Q8_0', fast_random_blocks=True, routing='text', n_vocab=32000)" > "$OUT/synth.log" 2>&1 &
+    expert_type='Q4_K', attn_type='Q8_0', fast_random_blocks=True, routing='${ROUTING:-qwen3-30b}', n_vocab=32000)" > "$OUT/synth.log" 2>&1 &
 SYNTH=$!
 timeout 90 python3 -m pytest -q -p no:cacheprovider --noconftest tests/runtime/test_fused.py -k "not with_fused_kernels" 2>&1 | tail -8 | tee "$OUT/fused-tests.log"
 if ! grep -q " passed" "$OUT/fused-tests.log" || grep -q "failed\|error" "$OUT/fused-tests.log"; then

@@ -17,6 +17,7 @@ from moeprep import __version__
 from moeprep.cli_groups import MoeprepGroup
 from moeprep.profile.cli import profile
 from moeprep.routing_cli import routing
+from moeprep.synth.config import ROUTING_KINDS
 
 
 @click.group(cls=MoeprepGroup)
@@ -227,6 +228,14 @@ main.add_command(routing)  # `moeprep routing`: traces of named regimes and thei
     type=click.IntRange(min=1),
     help="Vocabulary size: the tokenizer's 2048 tokens padded with unused ones (real models: 150k-262k).",
 )
+@click.option(
+    "--routing",
+    type=click.Choice(ROUTING_KINDS),
+    default=None,
+    help="How the routers pick experts: random (uniform), token-id (a lookup from the token), or a routing regime "
+    "built into the weights (qwen3-30b, fine-512, skewed-256: `moeprep routing regimes`; docs/synth.md). Default: "
+    "the preset's (bench-60g and qwen3-30b-a3b: qwen3-30b; others: random).",
+)
 def synth(
     out: str,
     arch: str,
@@ -240,6 +249,7 @@ def synth(
     n_expert_used: int | None,
     fast_random_blocks: bool,
     n_vocab: int | None,
+    routing: str | None,
 ) -> None:
     """Write a synthetic MoE model (random weights, real tokenizer) that llama.cpp loads: test and demo fixtures."""
     from moeprep.synth import write_synth_model
@@ -258,6 +268,7 @@ def synth(
         n_expert_used=n_expert_used,
         fast_random_blocks=fast_random_blocks,
         n_vocab=n_vocab,
+        routing=routing,
     )
     click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")
 

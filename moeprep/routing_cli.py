@@ -81,8 +81,8 @@ def extract(profile: Path, output: Path) -> None:
     help="Check the trace against this regime's targets (default: the regime that generated it).",
 )
 def stats(trace: Path, as_json: bool, per_layer: bool, name: str | None) -> None:
-    """Skew, reuse and the hit rates of LRU, LFU, ClassLRU, payback, Belady and the frequency oracle at 10 / 25 /
-    38 / 50% of the experts cached, cold and after 64 tokens; a TRACE file or a .moeprof profile."""
+    """Skew, reuse and the hit rates of LRU, LFU, ClassLRU, payback, cost-payback, Belady and the frequency oracle at
+    10 / 25 / 38 / 50% of the experts cached, cold and after 64 tokens; a TRACE file or a .moeprof profile."""
     from tqdm import tqdm
 
     from moeprep.profile.regimes import REGIMES, Shape, check_targets

@@ -1,7 +1,9 @@
-"""The benchmark workload: the bench-60g shape, and routing that follows the text with real skew and reuse."""
+"""The benchmark workload: the bench-60g shape, its routing by the qwen3-30b regime built into the weights, and the
+token-id routing kept beside it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,21 @@ SCALED = dict(
     n_head_kv=2,
     head_dim=64,
     n_ff_exp=64,
+    n_vocab=2048,
+    n_ctx=1024,
+    fast_random_blocks=True,
+    routing="token-id",
+)
+# the same for the regime construction: 2 MoE layers (every layer reads the same context; more only add samples),
+# 4 kv heads (it takes three kinds of attention head)
+REGIME_SCALED = dict(
+    preset="bench-60g",
+    n_layer=2,
+    n_embd=256,
+    n_head=8,
+    n_head_kv=4,
+    head_dim=64,
+    n_ff_exp=32,
     n_vocab=2048,
     n_ctx=1024,
     fast_random_blocks=True,
@@ -51,8 +68,14 @@ def test_bench_60g_shape() -> None:
 def test_routing_option() -> None:
     with pytest.raises(MoeprepError, match="routing must be one of"):
         synth_config("qwen3moe", routing="semantic")
+    with pytest.raises(MoeprepError, match="routing by a regime is built for qwen3moe"):
+        synth_config("deepseek2", preset="small", routing="qwen3-30b")
+    with pytest.raises(MoeprepError, match="3 or more kv heads"):
+        synth_config("qwen3moe", **{**REGIME_SCALED, "n_head_kv": 2})
     plain = planned_tensors(synth_config("qwen3moe"))[0]
     assert [type(t.init).__name__ for t in plain][:1] == ["Embedding"]  # the default draws as before
+    for preset in ("bench-60g", "qwen3-30b-a3b"):  # the bench models' presets route by the qwen3-30b regime
+        assert synth_config("qwen3moe", preset=preset).routing == "qwen3-30b"
 
 
 def test_token_directions_put_neighbours_together() -> None:
@@ -72,9 +95,10 @@ def test_token_directions_put_neighbours_together() -> None:
     assert neighbours > strangers + 0.2, (neighbours, strangers)
 
 
-def test_scaled_down_model_routes_with_real_statistics(tmp_path: Path) -> None:
-    """moeprep profile over held-out text: the hottest 10% of the experts take 25-50% of the selections and
-    30-45% of a token's experts are selected again by the next token, in every layer (uniform routing: 10%, 6%)."""
+def test_token_id_routing_statistics(tmp_path: Path) -> None:
+    """token-id routing, moeprep profile over held-out text: the hottest 10% of the experts take 25-50% of the
+    selections and 30-45% of a token's experts are selected again by the next token, in every layer (uniform
+    routing: 10%, 6%)."""
     from moeprep.profile.dataset import DatasetSpec
     from moeprep.profile.run import ProfileRequest, profile_model
 
@@ -85,3 +109,98 @@ def test_scaled_down_model_routes_with_real_statistics(tmp_path: Path) -> None:
     assert p.counts.tokens.min() == 2048
     assert ((0.25 <= top) & (top <= 0.50)).all(), top
     assert ((0.30 <= reuse) & (reuse <= 0.45)).all(), reuse
+
+
+def test_context_layer_kernels() -> None:
+    """The context layer's three kinds of head, as the runtime's NeoX rotary and Q/K norm compute them: the short
+    average's weights fall off over about its window, the long one's over ten times that, and the previous-token
+    heads put most of their weight one position back."""
+    from moeprep.synth.context_routing import LONG, PREVIOUS, SHORT, ContextLayer
+
+    d, base, n = 64, 1e6, 1024
+    layer = ContextLayer.build(base, d, 64.0, n)
+    theta = base ** (-np.arange(0, d, 2) / d)
+
+    def rotate(x: np.ndarray, pos: int) -> np.ndarray:
+        c, s = np.cos(pos * theta), np.sin(pos * theta)
+        return np.concatenate([x[: d // 2] * c - x[d // 2 :] * s, x[: d // 2] * s + x[d // 2 :] * c])
+
+    def weights(kind: int) -> np.ndarray:  # [n] over keys 0..n-1 positions back of the last query
+        q, k = np.sqrt(d) * layer.query[kind] * layer.norm, np.sqrt(d) * layer.key[kind] * layer.norm
+        scores = np.array([rotate(q, n - 1) @ rotate(k, j) for j in range(n)]) / np.sqrt(d)
+        w = np.exp(scores - scores.max())[::-1]
+        return w / w.sum()
+
+    lags = np.arange(n)
+    short, long, previous = weights(SHORT), weights(LONG), weights(PREVIOUS)
+    assert 40 < short @ lags < 100 and short[:256].sum() > 0.97
+    assert 250 < long @ lags < 550
+    assert previous[1] > 0.75 and previous[1] > 10 * max(previous[0], previous[2])
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b", "fine-512", "skewed-256"])
+def test_scaled_model_meets_its_regime(name: str, tmp_path: Path) -> None:
+    """bench-60g's construction scaled down, at the regime's expert count and top-k, profiled by moeprep on 8192
+    tokens of held-out text in chunks of 1024 (the regime's own trace length): `moeprep routing stats` on the
+    profile meets every target of the regime (moeprep/profile/regimes.py), each at least a point inside its range,
+    in every layer as well as overall. Random routers on the same model (routing="random") fail them."""
+    from moeprep.profile.dataset import DatasetSpec
+    from moeprep.profile.regimes import check_targets, regime
+    from moeprep.profile.run import ProfileRequest, profile_model
+    from moeprep.profile.tracefile import trace_from_profile
+
+    r = regime(name)
+    shape = dict(REGIME_SCALED, n_expert=r.shape.experts, n_expert_used=r.shape.top_k, routing=name)
+    path = write_synth_model(tmp_path / "regime.gguf", **shape)
+    p = profile_model(ProfileRequest(path, DatasetSpec(str(HELDOUT)), ctx=1024, tokens=8192, holdout=0))
+    trace = trace_from_profile(p, str(path))
+    assert (trace.n_tokens, trace.n_chunks, trace.n_expert, trace.top_k) == (8192, 8, r.shape.experts, r.shape.top_k)
+    for layer in range(trace.n_layers):
+        one = dataclasses.replace(trace, ids=trace.ids[:, layer : layer + 1], weights=None)
+        for check in check_targets(r, one):
+            low, high = check.target.low, check.target.high
+            assert low + 0.01 <= check.value <= high - 0.01, (layer, check.target.describe(), check.value)
+
+    plain = write_synth_model(tmp_path / "random.gguf", **{**shape, "routing": "random"})
+    q = profile_model(ProfileRequest(plain, DatasetSpec(str(HELDOUT)), ctx=1024, tokens=2048, holdout=0))
+    assert not all(c.met for c in check_targets(r, trace_from_profile(q, str(plain))))
+
+
+def test_llama_cpp_routes_the_regime_model_as_moerun(tmp_path: Path) -> None:
+    """The regime is weights only: llama.cpp, running the model as any qwen3moe, picks the experts moerun picks
+    (the context comes from its own attention and rotary), but for rare flips of near-equal logits."""
+    import torch
+
+    from moerun.model import load_model
+    from tests.oracle import llama_eval, llama_tokenize
+
+    path = write_synth_model(tmp_path / "regime.gguf", **REGIME_SCALED)
+    tokens = llama_tokenize(path, HELDOUT.read_text()[:4000])[:384]
+    ref = llama_eval(path, tokens).experts(REGIME_SCALED["n_layer"])
+    model = load_model(path)
+    ours = {}
+    handle = model.add_routing_hook(lambda ev: ours.__setitem__(ev.layer, ev.expert_ids.numpy().copy()))
+    with torch.inference_mode():
+        model.forward(torch.tensor(tokens), start_pos=0)
+    handle.remove()
+    for layer, ids in ours.items():
+        same = (np.sort(ids, axis=1)[:, :, None] == np.sort(ref[layer], axis=1)[:, None, :]).any(axis=2).mean()
+        assert same > 0.97, (layer, same)
+
+
+def test_cli_routing_option(tmp_path: Path) -> None:
+    """`moeprep synth --routing`: a choice among the routings; a regime the shape cannot carry is one line, exit 2,
+    and no file."""
+    from click.testing import CliRunner
+
+    from moeprep.cli import main
+
+    out = tmp_path / "token-id.gguf"
+    r = CliRunner().invoke(main, ["synth", str(out), "--preset", "small", "--routing", "token-id"])
+    assert r.exit_code == 0 and out.exists(), r.output
+    bad = tmp_path / "regime.gguf"
+    r = CliRunner().invoke(main, ["synth", str(bad), "--preset", "small", "--routing", "qwen3-30b"])
+    assert r.exit_code == 2 and "3 or more kv heads" in r.output and "Traceback" not in r.output, r.output
+    assert not bad.exists()
+    r = CliRunner().invoke(main, ["synth", str(bad), "--routing", "text"])
+    assert r.exit_code == 2 and "token-id" in r.output

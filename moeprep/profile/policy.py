@@ -367,7 +367,105 @@ class UploadCost:
 
 
 class Payback(Replacement):
-    """Cost/benefit: an upload happens only when the CPU time it is expected to save beats its own copy time.
+    """The default: each layer's cache ranks its experts by whichever of several predictors of reuse has been paying
+    back most for caches of its size, judged on ghost caches (what each predictor would hold), never on the future.
+
+    Predictors (ESTIMATES, in order): the last use (LRU); recent uses decayed with half-lives of 4 and 16 tokens;
+    lifetime counts, kept for evicted experts (LFU); ClassLRU's frequency class (8 classes of log2 counts decayed
+    over 128 tokens); and that class's rate plus the 4-token rate (frequency with a short-term boost). A tie goes to
+    the more recent expert. For every predictor the policy keeps a ghost cache of the row's size: after each step it
+    holds, of its own experts and the step's, the S the predictor ranks highest, as an uncapped plan would. A ghost
+    hit (a chosen expert the ghost held before the step) scores for its predictor; scores decay with a half-life of
+    `adapt` tokens and are pooled over the rows of the same size (a model's layers: one routing, many samples, so the
+    choice settles within a few tokens). The real cache ranks by the best-scoring predictor (ties: the earlier one),
+    and a miss goes in when it outranks the lowest resident, as in every policy here. A step of several tokens (a
+    prompt) counts every token but moves the ghosts once.
+
+    So on routing whose reuse comes from context it keeps the recently and repeatedly used (beating LRU where few
+    slots hold only the last token's experts), on skewed routing the frequent, and on mixed routing the frequent
+    and recent together; at worst it does what the best of its predictors, LRU, LFU and ClassLRU among them, does."""
+
+    name = "payback"
+    ESTIMATES = ("recency", "decay-4", "decay-16", "lifetime", "class", "class+decay-4")
+    HALF_LIVES = (4.0, 16.0)  # of the decayed counts
+    CLASSES, CLASS_HALF_LIFE = 8, 128.0  # ClassLRU's
+
+    def __init__(self, slots, n_expert: int, top_k: int, adapt: float = 256.0):
+        super().__init__(slots, n_expert, top_k)
+        n, j = len(self.slots), len(self.ESTIMATES)
+        self.decays = 0.5 ** (1.0 / np.array(self.HALF_LIVES))
+        self.recent = np.zeros((len(self.HALF_LIVES), n, n_expert))
+        self.class_decay = 0.5 ** (1.0 / self.CLASS_HALF_LIFE)
+        self.class_count = np.zeros((n, n_expert))
+        self.ghost = np.zeros((j, n, n_expert), bool)
+        self.score = np.zeros((n, j))  # decayed ghost hits per predictor
+        self.score_decay = 0.5 ** (1.0 / adapt)
+        self.step_values: tuple[np.ndarray, np.ndarray] | None = None  # (rows, [J, R, E] priorities) of the last step
+
+    def estimates(self, rows: np.ndarray) -> np.ndarray:
+        """[J, R, E] each predictor's primary value (larger: kept longer)."""
+        level = np.minimum(np.floor(np.log2(1.0 + self.class_count[rows])), self.CLASSES - 1)
+        class_rate = self.class_count[rows] * (1.0 - self.class_decay)
+        short_rate = self.recent[0, rows] * (1.0 - self.decays[0])
+        recency = np.zeros((len(rows), self.n_expert))
+        return np.stack([recency, *self.recent[:, rows], self.uses[rows], level, class_rate + short_rate])
+
+    def predictor(self, rows: np.ndarray) -> np.ndarray:
+        """[R] the predictor each row's cache ranks by: the best score among the rows of its size."""
+        sizes, which = np.unique(self.slots, return_inverse=True)
+        pooled = np.zeros((len(sizes), len(self.ESTIMATES)))
+        np.add.at(pooled, which, self.score)
+        return pooled[which[rows]].argmax(axis=1)
+
+    def values(self, rows: np.ndarray) -> np.ndarray:
+        """[J, R, E] every predictor's priorities; those the last step computed where nothing changed since (the
+        plan that follows a step reads them again)."""
+        if self.step_values is not None and np.array_equal(self.step_values[0], rows):
+            return self.step_values[1]
+        return self.estimates(rows) * SPAN + self.last[rows][None]
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        return self.values(rows)[self.predictor(rows), np.arange(len(rows))]
+
+    def _used(self, rows, flat_rows, flat_ids, flat_tok, n_tok) -> None:
+        # ghost hits, on the ghosts from before this step (the flat uses come row by row, n_tok * K each)
+        hits = self.ghost[:, flat_rows, flat_ids].reshape(len(self.ESTIMATES), len(rows), -1).sum(axis=2)
+        self.score[rows] = self.score[rows] * self.score_decay**n_tok + hits.T
+        age = n_tok - 1 - flat_tok
+        for h, decay in enumerate(self.decays):
+            self.recent[h, rows] *= decay**n_tok
+            np.add.at(self.recent[h], (flat_rows, flat_ids), decay**age)
+        self.class_count[rows] *= self.class_decay**n_tok
+        np.add.at(self.class_count, (flat_rows, flat_ids), self.class_decay**age)
+        # each ghost: the row's S experts its predictor ranks highest among its own and this step's
+        step = np.zeros((len(self.slots), self.n_expert), bool)
+        step[flat_rows, flat_ids] = True
+        self.step_values = None
+        values = self.values(rows)
+        held = self.ghost[:, rows] | step[rows][None]  # [J, R, E]
+        worst_first = np.where(held, -values, np.inf)  # held experts have distinct priorities (their last uses)
+        kept = np.ones_like(held)
+        sizes = self.slots[rows]
+        for size in np.unique(sizes[sizes < self.n_expert]):  # rows of one size at once (a model: all its layers)
+            at = np.flatnonzero(sizes == size)
+            best = np.argpartition(worst_first[:, at], size - 1, axis=2)[..., :size]
+            part = np.zeros((len(self.ESTIMATES), len(at), self.n_expert), bool)
+            np.put_along_axis(part, best, True, axis=2)
+            kept[:, at] = part
+        self.ghost[:, rows] = held & kept
+        self.step_values = (rows.copy(), values)
+
+    def _seeded(self, shares: np.ndarray) -> None:
+        # a profile's share as the steady decayed counts of an expert used at that rate
+        self.step_values = None
+        self.recent += shares[None] * self.top_k / (1.0 - self.decays[:, None, None])
+        self.class_count += shares * self.top_k / (1.0 - self.class_decay)
+
+
+class CostPayback(Replacement):
+    """Cost/benefit (usage decay and pay-back eviction, the kind of policy the GLM fork ships; the chat-glm regime's
+    targets are stated for it): an upload happens only when the CPU time it is expected to save beats its own copy
+    time.
 
     Each expert's expected uses over the next `horizon` tokens are its recent uses, decayed by 1 - 1/horizon per
     token (a seeded profile starts them at share * K * horizon). Replacing victim v by candidate c saves
@@ -375,7 +473,7 @@ class Payback(Replacement):
     uses_c - uses_v > upload_s / hit_saves_s + margin (the expert's bytes cancel; an empty slot has uses_v = 0).
     The margin keeps two experts of about equal use from trading places every step."""
 
-    name = "payback"
+    name = "cost-payback"
 
     def __init__(
         self, slots, n_expert: int, top_k: int, cost: UploadCost = UploadCost(), horizon: int = 32, margin: float = 0.5
@@ -443,7 +541,7 @@ def next_uses(ids: np.ndarray) -> np.ndarray:
 
 
 POLICIES: dict[str, type[Replacement]] = {
-    p.name: p for p in (Static, Lru, Lfu, Lfuda, ClassLru, AdmitAfterRepeat, Payback)
+    p.name: p for p in (Static, Lru, Lfu, Lfuda, ClassLru, AdmitAfterRepeat, Payback, CostPayback)
 }
 DEFAULT_POLICY = "payback"
 

@@ -313,8 +313,8 @@ REGIMES: dict[str, Regime] = {
             "GLM-5.3-Flash-like: 288 experts top-8, chat turns or long text",
             Shape(8, 288, 8),
             (
-                Target("payback", 0.65, 0.75, size=0.35, label="chat"),
-                Target("payback", 0.83, 0.90, size=0.35, label="long"),
+                Target("cost-payback", 0.65, 0.75, size=0.35, label="chat"),
+                Target("cost-payback", 0.83, 0.90, size=0.35, label="long"),
             ),
             _latent_generator("chat-glm", CHAT, SOURCES["chat-glm"], ("chat", "long"), CHAT_TURNS),
             SOURCES["chat-glm"],

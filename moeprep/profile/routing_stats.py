@@ -9,7 +9,7 @@ trace can be checked against the regime it claims to follow.
 - reuse within 8: the same against the union of the previous 8 tokens' choices (tokens with 8 predecessors);
 - hit rates: every chunk a fresh decode session, every MoE layer a cache of its own of `size` x E experts that
   starts empty, stepped one token at a time as moerun decodes (moeprep/profile/policy.py's `replay`), for LRU, LFU,
-  ClassLRU, payback, Belady's offline optimum and the frequency oracle (the trace's own hottest experts of each
+  ClassLRU, payback, cost-payback, Belady's offline optimum and the frequency oracle (the trace's own hottest experts of each
   layer, held fixed: what no profile of other text can beat as a static set). "cold" counts every token of a
   chunk, "warm" only the tokens after its first WARM_AFTER.
 
@@ -27,7 +27,7 @@ from moeprep.profile.policy import POLICIES, Belady, UploadCost, make_policy, ne
 from moeprep.profile.tracefile import TraceFile
 
 SIZES = (0.10, 0.25, 0.38, 0.50)  # cache size as a share of a layer's experts
-STAT_POLICIES = ("lru", "lfu", "classlru", "payback", "belady", "oracle")
+STAT_POLICIES = ("lru", "lfu", "classlru", "payback", "cost-payback", "belady", "oracle")
 WARM_AFTER = 64  # tokens of a chunk before "warm" hit rates count
 REUSE_WINDOW = 8
 CHUNK_BATCH = 16  # chunks replayed side by side
@@ -56,7 +56,7 @@ class RoutingStats:
 
     def net_saving(self, policy: str, size: float) -> float:
         """Expert reads a layer saves per token (warm): hits x K - uploads x what an upload costs in reads (the
-        payback policy's UploadCost). Belady and the oracle are not online policies: their uploads are not real."""
+        cost-payback policy's UploadCost). Belady and the oracle are not online policies: their uploads are not real."""
         cost = UploadCost()
         uploads = self.uploads[self.policies.index(policy), self.sizes.index(size)].mean()
         return self.rate(policy, size) * self.top_k - uploads * cost.upload_s / cost.hit_saves_s

@@ -16,6 +16,7 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from moeprep.errors import MoeprepError
+from moeprep.synth.context_routing import CONTEXT_REGIMES, MIN_EMBD, MIN_HEAD_DIM, MIN_KV_HEADS
 from moeprep.synth.tokenizer import VOCAB_SIZE
 
 Q = GGMLQuantizationType
@@ -62,7 +63,7 @@ class SynthConfig:
     mla_split: bool  # deepseek2: write attn_k_b/attn_v_b (absorbed MLA) instead of attn_kv_b
     yarn: bool  # write YaRN rope-scaling keys (factor YARN_FACTOR over n_ctx / YARN_FACTOR original positions)
     n_vocab: int  # the shipped tokenizer's tokens, then padding tokens (real models have 150k-260k)
-    routing: str  # "random", or "text": routers follow the text (skew and reuse as real models; synth/routing.py)
+    routing: str  # a key of moeprep.synth.routing.ROUTINGS: "random", "token-id" or a routing regime's name
     tensor_types: tuple[tuple[str, GGMLQuantizationType], ...]  # (tensor base name, type) over the role's type
 
     @property
@@ -108,7 +109,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         expert_type="F16",
         attn_type="F16",
     ),
-    # The shape of Qwen3-30B-A3B (about 17 GB at Q4_K); meant for fast_random_blocks=True.
+    # The shape of Qwen3-30B-A3B (about 17 GB at Q4_K), routed as the qwen3-30b regime; meant for
+    # fast_random_blocks=True.
     "qwen3-30b-a3b": dict(
         n_layer=48,
         n_embd=2048,
@@ -124,9 +126,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_freq_base=1_000_000.0,
         expert_type="Q4_K",
         attn_type="Q4_K",
+        routing="qwen3-30b",
     ),
-    # The 60 GB benchmark shape (9.28 MiB per expert), with routing that follows the text so an
-    # expert cache meets real skew and reuse; meant for fast_random_blocks=True.
+    # The 60 GB benchmark shape (9.28 MiB per expert), routed as the qwen3-30b regime so an expert cache meets a
+    # real model's reuse; meant for fast_random_blocks=True.
     "bench-60g": dict(
         n_layer=46,
         n_embd=4096,
@@ -144,7 +147,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         attn_type="Q8_0",
         n_vocab=32000,
         tensor_types=(("ffn_down_exps", "Q4_0"), ("output", "Q8_0")),
-        routing="text",
+        routing="qwen3-30b",
     ),
 }
 
@@ -167,7 +170,9 @@ COMMON_DEFAULTS: dict[str, Rule] = {
     "routing": lambda g: "random",
     "tensor_types": lambda g: (),
 }
-ROUTING_KINDS = ("random", "text")  # the keys of moeprep.synth.routing.ROUTINGS
+# the keys of moeprep.synth.routing.ROUTINGS: uniform, the token-id lookup, the regimes the weights can be built for
+ROUTING_KINDS = ("random", "token-id", *CONTEXT_REGIMES)
+CONTEXT_ROUTING_ARCHS = ("qwen3moe",)  # regime routing needs per-head Q/K norms and whole-head NeoX rotary
 
 GEOMETRY_FIELDS = tuple(
     f.name
@@ -194,6 +199,18 @@ CHECKS: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (
     (lambda c: c.n_embd >= 2, "n_embd must be at least 2 (channel 0 is the router's bias channel)"),
     (lambda c: c.n_vocab >= VOCAB_SIZE, f"n_vocab must be at least the tokenizer's {VOCAB_SIZE} tokens"),
     (lambda c: c.routing in ROUTING_KINDS, f"routing must be one of {', '.join(ROUTING_KINDS)}"),
+    (
+        lambda c: c.routing not in CONTEXT_REGIMES or c.arch in CONTEXT_ROUTING_ARCHS,
+        f"routing by a regime is built for {', '.join(CONTEXT_ROUTING_ARCHS)} only (random and token-id: any)",
+    ),
+    (
+        lambda c: (
+            c.routing not in CONTEXT_REGIMES
+            or (c.n_embd >= MIN_EMBD and c.head_dim >= MIN_HEAD_DIM and c.n_head_kv >= MIN_KV_HEADS)
+        ),
+        f"routing by a regime needs n_embd of at least {MIN_EMBD}, head_dim of at least {MIN_HEAD_DIM} and "
+        f"{MIN_KV_HEADS} or more kv heads (its subspaces and attention heads: moeprep/synth/context_routing.py)",
+    ),
 )
 
 

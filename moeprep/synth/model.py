@@ -112,7 +112,8 @@ def tensor_data_size(c: SynthConfig) -> int:
 def tensor_bytes(t: TensorSpec, qtype: GGMLQuantizationType, c: SynthConfig) -> np.ndarray:
     """uint8 [..., row_bytes]: random blocks straight away in fast mode, otherwise float draws then quantized."""
     rng = tensor_rng(c.seed, t.draw)
-    if c.fast_random_blocks and qtype in RANDOM_BLOCKS:
+    # a constructed tensor (regime routing's context layer) is quantized from its values even in fast mode
+    if c.fast_random_blocks and qtype in RANDOM_BLOCKS and not getattr(t.init, "exact", False):
         assert t.residual_axis in (None, -2), t.name  # residual biases are F32, never random blocks
         data = random_blocks(rng, t.shape, qtype, t.init.std)
         if t.residual_axis is not None:

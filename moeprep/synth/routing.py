@@ -1,8 +1,11 @@
-"""Routing that follows the text: how a benchmark model's router picks experts the way real models do.
+"""How a synthetic model's routers pick experts: the table of routings (`SynthConfig.routing`), and `token-id`.
 
 With random weights a router picks experts nearly uniformly and independently token by token, so an expert cache
 gets only its share of the experts, whatever its policy. Real models route with skew (some experts much busier)
-and locality (a token reuses many of the previous token's experts). `routing="text"` builds both in, from text:
+and locality (a token reuses many of the previous token's experts). A routing regime's name (`qwen3-30b`) builds
+context-driven routing into the weights (moeprep/synth/context_routing.py): what the benchmark models use.
+`routing="token-id"` is the older construction, kept for comparison: in effect a lookup from the token id to an
+expert set, so context barely moves a token's choice and the hit rate comes from the skew of token frequencies:
 
 - Token directions. Tokens that follow each other in the shipped calibration text (moeprep/data/calibration.txt,
   never the held-out text a benchmark decodes) get nearby directions in an R-dimensional space: a spectral
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeprep.synth.config import ROUTING_KINDS, SynthConfig
+from moeprep.synth.context_routing import CONTEXT_REGIMES, shape_context_routing
 from moeprep.synth.tokenizer import TOKENIZER_PATH, VOCAB_SIZE
 from moeprep.synth.weights import BIAS_CHANNEL, BIAS_CHANNEL_VALUE, Normal, Router, skew_offsets, tensor_rng
 
@@ -156,8 +160,19 @@ def _text(c: SynthConfig, tensors: list) -> list:
     return out
 
 
-# SynthConfig.routing -> how the tensor list is changed; "random": as drawn (uniform routing, moved only by skew).
-ROUTINGS: dict[str, Callable[[SynthConfig, list], list]] = {"random": lambda c, tensors: tensors, "text": _text}
+def _regime(c: SynthConfig, tensors: list) -> list:
+    from moeprep.synth.archs import ARCHS, tensor_name
+
+    return shape_context_routing(c, tensors, tensor_name, ARCHS[c.arch].ffn_norm)
+
+
+# SynthConfig.routing -> how the tensor list is changed; "random": as drawn (uniform routing, moved only by skew);
+# a regime's name: moeprep/synth/context_routing.py.
+ROUTINGS: dict[str, Callable[[SynthConfig, list], list]] = {
+    "random": lambda c, tensors: tensors,
+    "token-id": _text,
+    **{name: _regime for name in CONTEXT_REGIMES},
+}
 assert tuple(ROUTINGS) == ROUTING_KINDS
 
 

@@ -337,7 +337,7 @@ def open_cache(
     )
 
 
-ROUTING_POLICIES = ("lru", "lfu", "classlru", "payback")  # what auto chooses among: the policy table's peers
+ROUTING_POLICIES = ("lru", "lfu", "classlru", "payback", "cost-payback")  # what auto chooses among
 
 
 def routing_curves(config: CacheConfig, profile, policies: tuple[str, ...]) -> dict:

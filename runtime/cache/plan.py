@@ -47,8 +47,8 @@ PLANS = ("auto", "cache", "blend", "static")
 AUTO = "auto"
 REPLAY_TOKENS = 1024  # tokens of a trace replayed at start to measure the policies (a second or so per policy)
 CURVE_SIZES = (0.05, 0.10, 0.25, 0.38, 0.50, 0.75)  # shares of a layer's experts where a trace is replayed
-GENERAL_POLICY = DEFAULT_POLICY  # without routing to measure: the best by net saving in most cells of the policy
-# table (docs/BENCHMARKS.md, "Cache policies on named routing regimes")
+GENERAL_POLICY = DEFAULT_POLICY  # without routing to measure: at least the best of LRU, LFU and ClassLRU by hit rate
+# in every cell of the policy table (docs/BENCHMARKS.md, "Cache policies on named routing regimes")
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,8 @@ def choose_policy(curves: dict[str, HitCurve], shape: Shape, bw: Bandwidths, str
     if not measured:
         return GENERAL_POLICY, (
             f"cache policy {GENERAL_POLICY}: no routing measured (give --expert-profile of a "
-            "profile with held-out chunks); the best by net saving in most cells of the policy "
-            "table"
+            "profile with held-out chunks); as many hits as the best of lru, lfu and classlru on every "
+            "routing regime of the policy table"
         )
     cost = {p: token_seconds(shape, c, bw, 0, stream) for p, c in measured.items()}
     best = min(cost, key=lambda p: (cost[p], p != GENERAL_POLICY, p))

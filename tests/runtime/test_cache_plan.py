@@ -5,6 +5,8 @@ The runtime parts run on a CPU standing in for the GPU."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import DEFAULT_RESERVE, describe_model
 from moeprep.gguf.reader import open_gguf
 from moerun.cache.config import CacheConfig
+from moerun.cache.controller import ROUTING_POLICIES
 from moerun.cache.experts import CachedExperts
 from moerun.cache.placement import place, slot_room
 from moerun.cache.plan import (
@@ -227,7 +230,10 @@ def test_auto_policy_and_plan_from_a_profiles_heldout_routing(profiled_model):
     policy_line, plan_line = cache.why
     assert "fewest predicted" in policy_line and "the profile's held-out chunks" in policy_line
     chosen = policy_line.split(":")[0].split()[-1]
-    assert chosen in ("lru", "lfu", "classlru", "payback")
+    # every policy auto weighs was measured on the held-out routing, and the one taken predicts the least time
+    ranked = re.findall(r"([a-z-]+) [0-9.]+% hits ([0-9.e-]+) ms", policy_line)
+    ms = {p: float(v) for p, v in ranked}
+    assert sorted(ms) == sorted(ROUTING_POLICIES) and ms[chosen] == min(ms.values()), policy_line
     assert plan_line.startswith(f"cache plan {cache.plan.name}") and cache.config.policy == cache.plan.policy
     if cache.plan.name != "static":
         assert cache.config.policy == chosen
