@@ -77,6 +77,10 @@ class ModelArgs:
     head_dim_mla: int
     v_head_dim_mla: int
     n_nextn_layers: int
+    # Granite's multipliers (0: none); llama.cpp reads them for the Granite family only, so its arch modules set them
+    embedding_scale: float = 0.0  # multiplies the token embeddings
+    residual_scale: float = 0.0  # multiplies each layer's attention and FFN outputs before their residual adds
+    logit_scale: float = 0.0  # divides the logits
 
     @classmethod
     def from_gguf(

@@ -15,6 +15,7 @@ from gguf import MODEL_ARCH, Keys
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.llama4 import LLAMA4
+from moeprep.synth.mamba2 import GRANITEHYBRID
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.parts import (
     EXPERT_FF,
@@ -245,5 +246,8 @@ ARCHS: dict[str, ArchSpec] = {
         ),
         # Llama 4: dense and MoE layers interleaved, top-1 sigmoid routing (moeprep/synth/llama4.py).
         LLAMA4,
+        # Granite 4.0 hybrid: Mamba-2 layers beside GQA ones, softmax routing and a shared expert
+        # (moeprep/synth/mamba2.py).
+        GRANITEHYBRID,
     )
 }

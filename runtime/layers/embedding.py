@@ -16,8 +16,10 @@ class Embedding(nn.Module):
     bytes a value wherever it lived: 1.2 GB for a 152k-token vocabulary of 2048, on a GPU VRAM the expert cache could
     have used. A type the device dequantizer does not read (IQ4_XS) is kept as that float32 table."""
 
-    def __init__(self, w: Weights, name: str) -> None:
+    def __init__(self, w: Weights, name: str, scale: float = 0.0) -> None:
+        """`scale`: multiplies every embedding (Granite's embedding_scale); 0 means none."""
         super().__init__()
+        self.scale = scale
         info = w.info(name)
         self.n_vocab, self.dim = info.shape
         self.qtype = info.ggml_type if dequantizes(info.ggml_type) else None
@@ -31,4 +33,5 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (T,) -> (T, D) float32."""
         rows = self.rows[tokens]
-        return rows if self.qtype is None else dequantize(rows, self.qtype, self.dim)
+        x = rows if self.qtype is None else dequantize(rows, self.qtype, self.dim)
+        return x * self.scale if self.scale else x

@@ -16,6 +16,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "dots1": "dots1",
     "ernie4_5-moe": "ernie4_5_moe",
     "gpt-oss": "gpt_oss",
+    "granitehybrid": "granite_hybrid",
     "hunyuan-moe": "hunyuan_moe",
     "llama": "llama",
     "llama4": "llama4",

@@ -186,12 +186,14 @@ class Transformer(nn.Module):
         self.layout = layout or DeviceMap((ctx.weights.device,), (0,) * len(blocks))
         self.runs = self.layout.runs()  # [(device, slice of blocks)]
         w = ctx.on(self.layout.first).weights
-        self.embed = Embedding(w, "token_embd.weight")
+        self.embed = Embedding(w, "token_embd.weight", ctx.args.embedding_scale)
         for block in blocks:
             block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
         last = ctx.on(self.layout.last)
         self.norm = last.norm("output_norm.weight")
+        if ctx.args.logit_scale:  # the head is linear: dividing the final norm's weight divides the logits
+            self.norm.weight.div_(ctx.args.logit_scale)
         self.output = last.linear("output" if "output.weight" in last.weights else "token_embd")
 
     def forward(self, tokens: torch.Tensor, step: Step, outputs: torch.Tensor | None = None) -> torch.Tensor:

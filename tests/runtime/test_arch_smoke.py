@@ -25,6 +25,7 @@ ARCHS = [
     "dots1",
     "ernie4_5-moe",
     "hunyuan-moe",
+    "granitehybrid",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
