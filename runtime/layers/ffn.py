@@ -34,12 +34,18 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def relu_sqr(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Nemotron-H's ungated experts: relu(up)^2; `gate` is not read (weights.expert_tensor_names passes up there)."""
+    return F.relu(up).square()
+
+
 # The torch reference of each activation by name: act(gate, up, limit); `limit` is read only by those with a clamp
 # that varies per model or block (gpt-oss's is fixed).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     "swiglu": lambda gate, up, limit: swiglu(gate, up),
     "swiglu_oai": lambda gate, up, limit: swiglu_oai(gate, up),
     "swiglu_clamp": swiglu_clamp,
+    "relu_sqr": lambda gate, up, limit: relu_sqr(gate, up),
 }
 
 

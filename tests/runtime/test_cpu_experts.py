@@ -159,6 +159,7 @@ ACT = {
     "swiglu": moerun.layers.swiglu,
     "swiglu_oai": moerun.layers.swiglu_oai,
     "swiglu_clamp": partial(swiglu_clamp, limit=LIMIT),
+    "relu_sqr": moerun.layers.ffn.relu_sqr,
 }
 
 
@@ -175,7 +176,7 @@ def test_activations_equal_torch():
 
 @pytest.mark.parametrize(
     "qtype,activation",
-    [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai"), (Q.Q4_K, "swiglu_clamp")],
+    [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai"), (Q.Q4_K, "swiglu_clamp"), (Q.Q8_0, "relu_sqr")],
     ids=lambda v: getattr(v, "name", v),
 )
 @pytest.mark.parametrize("T", [1, 5])
