@@ -19,7 +19,6 @@ from moeprep.gguf.reader import GGUFModel, TensorInfo, dequantize_raw
 from moerun.kernels.dequant import dequantize, supports
 from moerun.kernels.rounding import input_rounding
 
-
 EXPERT_PARTS = ("gate", "up", "down")
 
 
