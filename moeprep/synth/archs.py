@@ -15,7 +15,7 @@ from gguf import MODEL_ARCH, Keys
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.llama4 import LLAMA4
-from moeprep.synth.mamba2 import GRANITEHYBRID
+from moeprep.synth.mamba2 import GRANITEHYBRID, NEMOTRON_H_MOE
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.parts import (
     EXPERT_FF,
@@ -249,5 +249,8 @@ ARCHS: dict[str, ArchSpec] = {
         # Granite 4.0 hybrid: Mamba-2 layers beside GQA ones, softmax routing and a shared expert
         # (moeprep/synth/mamba2.py).
         GRANITEHYBRID,
+        # Nemotron-H MoE (Nemotron-3-Nano): Mamba-2, attention and ungated relu^2 MoE layers by a per-layer pattern,
+        # sigmoid routing with exp_probs_b (moeprep/synth/mamba2.py).
+        NEMOTRON_H_MOE,
     )
 }

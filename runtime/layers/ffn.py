@@ -73,6 +73,7 @@ class Activation:
 
 
 SWIGLU = Activation()
+RELU_SQR = Activation("relu_sqr")
 
 
 class FeedForward(nn.Module):
@@ -88,3 +89,15 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor, step: Step | None = None, i8: QAct | None = None) -> torch.Tensor:
         """x (T, D), and its int8 rounding where its norm made one (for gate and up) -> (T, D)."""
         return self.down(self.act(self.gate(x, i8), self.up(x, i8)))
+
+
+class UngatedFeedForward(nn.Module):
+    """Dense FFN without a gate: down(relu(up x)^2) (Nemotron-H's shared expert)."""
+
+    def __init__(self, up: Linear, down: Linear) -> None:
+        super().__init__()
+        self.up, self.down = up, down
+
+    def forward(self, x: torch.Tensor, step: Step | None = None, i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), and its int8 rounding where its norm made one (for up) -> (T, D)."""
+        return self.down(F.relu(self.up(x, i8)).square())

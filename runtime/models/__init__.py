@@ -22,6 +22,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "llama4": "llama4",
     "mimo2": "mimo2",
     "minimax-m2": "minimax_m2",
+    "nemotron_h_moe": "nemotron_h_moe",
     "olmoe": "olmoe",
     "qwen2moe": "qwen2moe",
     "qwen35moe": "qwen35moe",

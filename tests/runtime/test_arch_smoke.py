@@ -26,6 +26,7 @@ ARCHS = [
     "ernie4_5-moe",
     "hunyuan-moe",
     "granitehybrid",
+    "nemotron_h_moe",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"

@@ -69,6 +69,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "ernie4_5-moe",
         "hunyuan-moe",
         "granitehybrid",
+        "nemotron_h_moe",
     ],
 )
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):
