@@ -3,8 +3,9 @@
 `llama_eval` runs tokens through llama.cpp's low-level API on the CPU and records, through the graph's eval
 callback (llama_context_params.cb_eval), the int32 tensors `ffn_moe_topk-<layer>` that hold each token's chosen
 experts. Their bytes are read with libggml's ggml_backend_tensor_get, row by row since the tensor is a view.
-It also records each layer's output, the residual stream `l_out-<layer>`, so a test can feed llama.cpp's own hidden
-states into our layers one at a time. The KV cache is kept in F32 and flash attention is off, so the reference does
+It also records each layer's output, the residual stream `l_out-<layer>` (`nemotron_h_block_out-<layer>` in
+nemotron-h's graph, LAYER_OUT_PREFIXES), so a test can feed llama.cpp's own hidden states into our layers one at a
+time. The KV cache is kept in F32 and flash attention is off, so the reference does
 not round K/V to F16.
 
 llama-cpp-python is a declared test dependency: importing this module without it fails, it does not skip.
