@@ -28,14 +28,16 @@ def host_experts(g: GGUFModel, layer: int) -> tuple[ExpertBytes, ExpertBytes, Ex
     from moerun.weights import dequantize_bytes, expert_tensor_names
 
     infos = {t.name: t for t in g.tensors}
-    parts = []
+    parts: dict[str, ExpertBytes] = {}  # one object for a tensor named twice (ungated experts' up as their gate)
     for name in expert_tensor_names(infos, layer):
+        if name in parts:
+            continue
         info = infos[name]
         n_expert, rows, cols = info.shape
         bias = infos.get(name.removesuffix("weight") + "bias")
         bias_values = None if bias is None else dequantize_bytes(g.raw(bias), bias.ggml_type, bias.shape).numpy()
-        parts.append(ExpertBytes(g.raw(info).reshape(n_expert, rows, -1), info.ggml_type, rows, cols, bias_values))
-    return tuple(parts)
+        parts[name] = ExpertBytes(g.raw(info).reshape(n_expert, rows, -1), info.ggml_type, rows, cols, bias_values)
+    return tuple(parts[name] for name in expert_tensor_names(infos, layer))
 
 
 def page_locked(data: np.ndarray, readers: tuple[torch.device, ...]) -> np.ndarray:

@@ -119,3 +119,14 @@ def test_llama4_with_several_experts_per_token_is_refused(synth_model, tmp_path)
     )
     with pytest.raises(MoeprepError, match="2 experts per token is not supported"):
         moerun.load_model(path)
+
+
+def test_ungated_experts_take_one_slot_bank_for_up(synth_model):
+    """nemotron_h_moe's experts have no gate: up stands in for it, in the same slots (no second copy uploaded), so
+    a slot holds what the cache's plan counted for it (up and down)."""
+    path = synth_model("nemotron_h_moe", expert_type="F32", attn_type="F32")
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4))
+    layers = [m for m in cached.net.modules() if isinstance(m, CachedExperts)]
+    assert layers
+    for layer in layers:
+        assert layer.banks[0] is layer.banks[1] and len(layer.uploads) == 2
