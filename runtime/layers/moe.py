@@ -146,8 +146,9 @@ class GGUFExperts(nn.Module):
     @classmethod
     def load(cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels: Kernels) -> GGUFExperts:
         names = expert_tensor_names(w, layer)
+        tensors = {name: w.experts(name) for name in dict.fromkeys(names)}  # a tensor named twice is loaded once
         return cls(
-            *(w.experts(name) for name in names),
+            *(tensors[name] for name in names),
             activation,
             kernels,
             hooks,
