@@ -30,7 +30,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def layer_kind(g: GGUFModel, args: ModelArgs, layer: int) -> str:
-    """ "mamba", "attention" or "ffn", as llama.cpp's nemotron-h loader tells them apart."""
+    """The layer's one part: "mamba", "attention" or "ffn", as llama.cpp's nemotron-h loader tells them apart."""
     ffn = g.get(f"{g.arch}.feed_forward_length", 0)
     n_ff = ffn[layer] if isinstance(ffn, list) else ffn
     if n_ff:
