@@ -81,6 +81,10 @@ class ModelArgs:
     # (0: none)
     embed_scale: float = 1.0
     logit_softcap: float = 0.0
+    # Granite's multipliers (0: none); llama.cpp reads them for the Granite family only, so its arch modules set them
+    # (its embedding multiplier goes to embed_scale)
+    residual_scale: float = 0.0  # multiplies each layer's attention and FFN outputs before their residual adds
+    logit_scale: float = 0.0  # divides the logits
 
     @classmethod
     def from_gguf(

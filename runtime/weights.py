@@ -19,6 +19,16 @@ from moeprep.gguf.reader import GGUFModel, TensorInfo, dequantize_raw
 from moerun.kernels.dequant import dequantize, supports
 from moerun.kernels.rounding import input_rounding
 
+EXPERT_PARTS = ("gate", "up", "down")
+
+
+def expert_tensor_names(names, layer: int) -> tuple[str, str, str]:
+    """The gate, up and down expert tensors of `layer` (`names`: the file's tensor names, or anything answering `in`).
+    Experts without a gate (Nemotron-H's, relu(up x)^2) name their up tensor in the gate's place: their activation
+    reads only up, so the gated experts' kernels, the expert cache's banks included, run them unchanged."""
+    gate, up, down = (f"blk.{layer}.ffn_{part}_exps.weight" for part in EXPERT_PARTS)
+    return (gate if gate in names else up), up, down
+
 
 def dequantize_bytes(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """float32 tensor of `shape` from its GGUF bytes, on the host (a writable copy where the bytes are the map's)."""

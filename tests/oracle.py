@@ -3,8 +3,9 @@
 `llama_eval` runs tokens through llama.cpp's low-level API on the CPU and records, through the graph's eval
 callback (llama_context_params.cb_eval), the int32 tensors `ffn_moe_topk-<layer>` that hold each token's chosen
 experts. Their bytes are read with libggml's ggml_backend_tensor_get, row by row since the tensor is a view.
-It also records each layer's output, the residual stream `l_out-<layer>`, so a test can feed llama.cpp's own hidden
-states into our layers one at a time. The KV cache is kept in F32 and flash attention is off, so the reference does
+It also records each layer's output, the residual stream `l_out-<layer>` (`nemotron_h_block_out-<layer>` in
+nemotron-h's graph, LAYER_OUT_PREFIXES), so a test can feed llama.cpp's own hidden states into our layers one at a
+time. The KV cache is kept in F32 and flash attention is off, so the reference does
 not round K/V to F16.
 
 llama-cpp-python is a declared test dependency: importing this module without it fails, it does not skip.
@@ -26,6 +27,8 @@ GGML_TYPE_F32 = 0
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
 TOPK_PREFIX = b"ffn_moe_topk-"
 LAYER_OUT_PREFIX = b"l_out-"
+# Graphs whose residual stream after a layer has another name (nemotron-h's l_out is an FFN layer's output alone)
+LAYER_OUT_PREFIXES = {"nemotron_h_moe": b"nemotron_h_block_out-"}
 
 
 class GGMLTensor(ctypes.Structure):
@@ -103,11 +106,12 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
     assert model, f"llama.cpp could not load {path}"
     topk: dict[int, list[np.ndarray]] = {}
     layer_out: dict[int, np.ndarray] = {}
+    out_prefix = LAYER_OUT_PREFIXES.get(open_gguf(path).arch, LAYER_OUT_PREFIX)
 
     @llama_cpp.ggml_backend_sched_eval_callback
     def on_tensor(tensor_p, ask, user_data):
         t = GGMLTensor.from_address(tensor_p)
-        wanted = t.name.startswith(TOPK_PREFIX) or (t.name.startswith(LAYER_OUT_PREFIX) and t.type == GGML_TYPE_F32)
+        wanted = t.name.startswith(TOPK_PREFIX) or (t.name.startswith(out_prefix) and t.type == GGML_TYPE_F32)
         if ask:  # the scheduler asks whether to stop after this tensor: only for the ones we read
             return wanted
         if not wanted:
@@ -123,7 +127,7 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
             assert t.nb[1] == D * 4, "l_out is a contiguous (T, D) float32 tensor"
             out = np.empty((n_rows, D), dtype=np.float32)
             _ggml_base().ggml_backend_tensor_get(tensor_p, out.ctypes.data, 0, out.nbytes)
-            layer_out[int(t.name[len(LAYER_OUT_PREFIX) :])] = out
+            layer_out[int(t.name[len(out_prefix) :])] = out
         return True
 
     cparams = llama_cpp.llama_context_default_params()

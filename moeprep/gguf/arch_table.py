@@ -151,14 +151,16 @@ KDA = {  # Kimi delta attention layers: attn_q/k/v/output, short convolutions, l
     "ssm_dt": R.OTHER,
     "ssm_norm": R.OTHER,
 }
-MAMBA2 = {  # Mamba-2 mixer layers beside attention (Granite 4, Nemotron-H)
-    "ssm_in": R.OTHER,
+MAMBA2 = {  # Mamba-2 mixer layers beside attention (Granite 4, Nemotron-H); their in and out projections are
+    # requantized as attention's (llama-quantize does so; tests/quant/test_whole_file_peer.py checks the bytes on
+    # synthetic granitehybrid files)
+    "ssm_in": R.ATTENTION,
     "ssm_conv1d": R.OTHER,
     "ssm_dt": R.OTHER,
     "ssm_a": R.OTHER,
     "ssm_d": R.OTHER,
     "ssm_norm": R.OTHER,
-    "ssm_out": R.OTHER,
+    "ssm_out": R.ATTENTION,
 }
 MAMBA1 = MAMBA2 | {  # Jamba's Mamba-1 mixer: x projection and the dt/B/C norms
     "ssm_x": R.OTHER,

@@ -16,6 +16,7 @@ from moeprep.synth.config import SynthConfig
 from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.llama4 import LLAMA4
+from moeprep.synth.mamba2 import GRANITEHYBRID, NEMOTRON_H_MOE
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.parts import (
     EXPERT_FF,
@@ -299,5 +300,11 @@ ARCHS: dict[str, ArchSpec] = {
         # Gemma 4 (26B-A4B): sliding and full layers of different head sizes, a dense GELU MLP beside the experts,
         # norms after every sublayer, soft-capped logits, the gemma4 tokenizer (moeprep/synth/gemma4.py).
         GEMMA4,
+        # Granite 4.0 hybrid: Mamba-2 layers beside GQA ones, softmax routing and a shared expert
+        # (moeprep/synth/mamba2.py).
+        GRANITEHYBRID,
+        # Nemotron-H MoE (Nemotron-3-Nano): Mamba-2, attention and ungated relu^2 MoE layers by a per-layer pattern,
+        # sigmoid routing with exp_probs_b (moeprep/synth/mamba2.py).
+        NEMOTRON_H_MOE,
     )
 }

@@ -94,16 +94,18 @@ class CachedExperts(nn.Module):
         device = cache.device_of(layer)
         self.copy_stream = cache.copy_streams.get(device)  # uploads into this layer's slots
         self.host_tensors = tuple(read_only_tensor(t.data) for t in host)
-        self.banks = tuple(
-            QWeight(
-                torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8, device=device),
-                t.qtype,
-                t.rows,
-                t.cols,
-                second=h if cache.streamed else None,
-            )
-            for t, h in zip(host, self.host_tensors)
-        )
+        made: dict[int, QWeight] = {}  # one bank for a host tensor given twice (ungated experts' up as their gate)
+        for t, h in zip(host, self.host_tensors):
+            if id(t) not in made:
+                made[id(t)] = QWeight(
+                    torch.empty(n_slots, t.rows, t.data.shape[-1], dtype=torch.uint8, device=device),
+                    t.qtype,
+                    t.rows,
+                    t.cols,
+                    second=h if cache.streamed else None,
+                )
+        self.banks = tuple(made[id(t)] for t in host)
+        self.uploads = tuple((made.pop(id(t)), h) for t, h in zip(host, self.host_tensors) if id(t) in made)
         if self.copy_stream is not None:  # freed while uploads still write them (a model dropped mid-step), the
             for bank in self.banks:  # banks' memory goes to no other tensor before those copies are done
                 bank.data.record_stream(self.copy_stream)
@@ -434,6 +436,6 @@ class CachedExperts(nn.Module):
             self.slot_of[old] = -1
             if self.table_host is not None:
                 self.table_host[old] = -2 - old  # streamed from the host until the next step reads the table
-        for bank, t in zip(self.banks, self.host_tensors):
+        for bank, t in self.uploads:
             bank.data[slot].copy_(t[expert], non_blocking=True)
         self.resident[slot], self.slot_of[expert] = expert, slot

@@ -20,23 +20,24 @@ from moeprep.gguf.reader import GGUFModel
 from moeprep.units import format_size
 from moerun.kernels.cpu.formats import ExpertBytes
 
-PARTS = ("gate", "up", "down")
 PIN_SPARE = 8 << 30  # RAM left free after pinning the experts
 
 
 def host_experts(g: GGUFModel, layer: int) -> tuple[ExpertBytes, ExpertBytes, ExpertBytes]:
     """A layer's gate, up and down expert tensors as host bytes (the memory map) with their biases."""
-    from moerun.weights import dequantize_bytes
+    from moerun.weights import dequantize_bytes, expert_tensor_names
 
     infos = {t.name: t for t in g.tensors}
-    parts = []
-    for part in PARTS:
-        info = infos[f"blk.{layer}.ffn_{part}_exps.weight"]
+    parts: dict[str, ExpertBytes] = {}  # one object for a tensor named twice (ungated experts' up as their gate)
+    for name in expert_tensor_names(infos, layer):
+        if name in parts:
+            continue
+        info = infos[name]
         n_expert, rows, cols = info.shape
-        bias = infos.get(f"blk.{layer}.ffn_{part}_exps.bias")
+        bias = infos.get(name.removesuffix("weight") + "bias")
         bias_values = None if bias is None else dequantize_bytes(g.raw(bias), bias.ggml_type, bias.shape).numpy()
-        parts.append(ExpertBytes(g.raw(info).reshape(n_expert, rows, -1), info.ggml_type, rows, cols, bias_values))
-    return tuple(parts)
+        parts[name] = ExpertBytes(g.raw(info).reshape(n_expert, rows, -1), info.ggml_type, rows, cols, bias_values)
+    return tuple(parts[name] for name in expert_tensor_names(infos, layer))
 
 
 def page_locked(data: np.ndarray, readers: tuple[torch.device, ...]) -> np.ndarray:

@@ -26,9 +26,11 @@ from moerun.layers.block import Block
 from moerun.layers.embedding import Embedding
 from moerun.layers.ffn import (
     ACTIVATIONS,
+    RELU_SQR,
     SWIGLU,
     Activation,
     FeedForward,
+    UngatedFeedForward,
     geglu,
     swiglu,
     swiglu_clamp,
@@ -43,8 +45,10 @@ from moerun.layers.rope import Rope, yarn_attn_factor
 
 __all__ = [
     "ACTIVATIONS",
+    "RELU_SQR",
     "SWIGLU",
     "TORCH_KERNELS",
+    "UngatedFeedForward",
     "Activation",
     "Attention",
     "Block",

@@ -60,6 +60,11 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gelu_half_table(gate) * up
 
 
+def relu_sqr(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Nemotron-H's ungated experts: relu(up)^2; `gate` is not read (weights.expert_tensor_names passes up there)."""
+    return F.relu(up).square()
+
+
 # The torch reference of each activation by name: act(gate, up, limit); `limit` is read only by those with a clamp
 # that varies per model or block (gpt-oss's is fixed).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
@@ -67,6 +72,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
     "swiglu_oai": lambda gate, up, limit: swiglu_oai(gate, up),
     "swiglu_clamp": swiglu_clamp,
     "geglu": lambda gate, up, limit: geglu(gate, up),
+    "relu_sqr": lambda gate, up, limit: relu_sqr(gate, up),
 }
 
 
@@ -94,6 +100,7 @@ class Activation:
 
 
 SWIGLU = Activation()
+RELU_SQR = Activation("relu_sqr")
 
 
 class FeedForward(nn.Module):
@@ -109,3 +116,15 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor, step: Step | None = None, i8: QAct | None = None) -> torch.Tensor:
         """x (T, D), and its int8 rounding where its norm made one (for gate and up) -> (T, D)."""
         return self.down(self.act(self.gate(x, i8), self.up(x, i8)))
+
+
+class UngatedFeedForward(nn.Module):
+    """Dense FFN without a gate: down(relu(up x)^2) (Nemotron-H's shared expert)."""
+
+    def __init__(self, up: Linear, down: Linear) -> None:
+        super().__init__()
+        self.up, self.down = up, down
+
+    def forward(self, x: torch.Tensor, step: Step | None = None, i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), and its int8 rounding where its norm made one (for up) -> (T, D)."""
+        return self.down(F.relu(self.up(x, i8)).square())

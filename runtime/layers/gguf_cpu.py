@@ -19,7 +19,7 @@ from moerun.layers.linear import Linear
 from moerun.layers.moe import GGUFExperts
 from moerun.layers.ops import Kernels
 from moerun.step import Step
-from moerun.weights import Weights
+from moerun.weights import Weights, expert_tensor_names
 
 # ------------------------------------------------------------------------------------------- the ExpertCompute
 
@@ -33,7 +33,7 @@ class CPUExperts(GGUFExperts):
 
     @classmethod
     def can_run(cls, w: Weights, layer: int) -> bool:
-        return all(supports(w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type) for part in ("gate", "up", "down"))
+        return all(supports(w.info(name).ggml_type) for name in expert_tensor_names(w, layer))
 
     @classmethod
     def load(
@@ -42,8 +42,10 @@ class CPUExperts(GGUFExperts):
         experts = super().load(w, hooks, layer, activation, kernels)
         experts.ggml = ggml
         experts.host = tuple(
-            _host_bytes(w, f"blk.{layer}.ffn_{part}_exps", bias)
-            for part, bias in zip(("gate", "up", "down"), (experts.gate_bias, experts.up_bias, experts.down_bias))
+            _host_bytes(w, name.removesuffix(".weight"), bias)
+            for name, bias in zip(
+                expert_tensor_names(w, layer), (experts.gate_bias, experts.up_bias, experts.down_bias)
+            )
         )
         return experts
 

@@ -43,7 +43,7 @@ from moerun.layers.ffn import Activation
 from moerun.layers.linear import Linear
 from moerun.layers.moe import GGUFExperts
 from moerun.step import Step
-from moerun.weights import ExpertTensor, Weights
+from moerun.weights import ExpertTensor, Weights, expert_tensor_names
 
 __all__ = ["DeviceExperts", "QuantLinear", "QWeight", "supports"]
 
@@ -168,7 +168,7 @@ class DeviceExperts(GGUFExperts):
     def can_run(cls, w: Weights, layer: int) -> bool:
         """The kernels decode all three expert types, and ExpertTensor keeps their bytes on the device (it does so
         for the types the device dequantizer reads, which its reference path for hooks needs; IQ4_XS is not one)."""
-        types = [w.info(f"blk.{layer}.ffn_{part}_exps.weight").ggml_type for part in ("gate", "up", "down")]
+        types = [w.info(name).ggml_type for name in expert_tensor_names(w, layer)]
         return all(supports(t) and device_dequantizes(t) for t in types)
 
     def forward(

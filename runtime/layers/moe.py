@@ -21,7 +21,7 @@ from moerun.layers.ffn import Activation, FeedForward
 from moerun.layers.linear import Linear
 from moerun.layers.ops import Kernels
 from moerun.step import Step
-from moerun.weights import ExpertTensor, Weights
+from moerun.weights import ExpertTensor, Weights, expert_tensor_names
 
 if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
     from moerun.kernels.act_i8 import QAct
@@ -145,14 +145,14 @@ class GGUFExperts(nn.Module):
 
     @classmethod
     def load(cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels: Kernels) -> GGUFExperts:
-        p = f"blk.{layer}"
-        parts = ("gate", "up", "down")
+        names = expert_tensor_names(w, layer)
+        tensors = {name: w.experts(name) for name in dict.fromkeys(names)}  # a tensor named twice is loaded once
         return cls(
-            *(w.experts(f"{p}.ffn_{part}_exps.weight") for part in parts),
+            *(tensors[name] for name in names),
             activation,
             kernels,
             hooks,
-            tuple(w.optional(f"{p}.ffn_{part}_exps.bias", torch.float32) for part in parts),
+            tuple(w.optional(name.removesuffix("weight") + "bias", torch.float32) for name in names),
         )
 
     def forward(

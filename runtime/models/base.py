@@ -198,6 +198,8 @@ class Transformer(nn.Module):
         self.norm = last.norm("output_norm.weight")
         head = last.linear("output" if "output.weight" in last.weights else "token_embd")
         self.output = SoftCappedHead(head, ctx.args.logit_softcap) if ctx.args.logit_softcap else head
+        if ctx.args.logit_scale:  # the head is linear: dividing the final norm's weight divides the logits
+            self.norm.weight.div_(ctx.args.logit_scale)
 
     def forward(self, tokens: torch.Tensor, step: Step, outputs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the

@@ -79,13 +79,16 @@ def test_an_alias_is_its_architecture() -> None:
 
 
 def test_same_name_different_role_by_family() -> None:
-    """ssm_in is a requantized delta-net input in Qwen3.5 but a kept Mamba-2 input in Nemotron-H: the union could not
-    say."""
+    """A name's role comes from its family's table (the union could not say). Mamba-2's ssm_in and ssm_out are
+    requantized as attention's and its small ssm_a/ssm_d kept, as llama-quantize does (the bytes:
+    tests/quant/test_whole_file_peer.py on synthetic granitehybrid files)."""
     assert tensor_role("blk.0.ssm_beta.weight", role_table("kimi-linear")[0]) == R.ATTENTION
     assert tensor_role("blk.0.ssm_beta.weight", role_table("qwen35moe")[0]) == R.ATTENTION
     assert tensor_role("blk.0.ssm_conv1d.weight", role_table("qwen35moe")[0]) == R.OTHER
     assert tensor_role("blk.0.attn_kv_a_mqa.weight", role_table("glm5-next")[0]) == R.ATTENTION
-    assert tensor_role("blk.0.ssm_in.weight", role_table("nemotron_h_moe")[0]) == R.OTHER
+    assert tensor_role("blk.0.ssm_in.weight", role_table("nemotron_h_moe")[0]) == R.ATTENTION
+    assert tensor_role("blk.0.ssm_out.weight", role_table("granitehybrid")[0]) == R.ATTENTION
+    assert tensor_role("blk.0.ssm_d", role_table("granitehybrid")[0]) == R.OTHER
 
 
 def _blocks(*blocks: tuple[str, ...]) -> list[str]:

@@ -44,6 +44,9 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
         ("dots1", "small", "Q4_K", {}),
         ("ernie4_5-moe", "small", "Q4_K", {}),
         ("hunyuan-moe", "small", "Q4_K", {}),
+        ("granitehybrid", "small", "Q4_K", {}),
+        ("granitehybrid", "tiny", "Q4_K", {}),  # Mamba-2 tensors: ssm_in, ssm_out, 2-D ssm_a/ssm_d/ssm_norm
+        ("nemotron_h_moe", "small", "Q4_K", {}),  # ungated experts and shared expert
     ],
     ids=lambda v: ",".join(v) if isinstance(v, dict) else v,
 )

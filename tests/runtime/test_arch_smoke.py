@@ -28,6 +28,8 @@ ARCHS = [
     "bailingmoe2",
     "glm-dsa",
     "gemma4",
+    "granitehybrid",
+    "nemotron_h_moe",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
@@ -208,3 +210,14 @@ def test_gemma4_edge_model_features_are_refused(key, message, synth_model, tmp_p
     write_gguf(path, open_gguf(synth_model("gemma4")), kv_set={key: KVValue(2, GGUFValueType.UINT32)})
     with pytest.raises(MoeprepError, match=message):
         moerun.load_model(path)
+
+
+def test_ungated_experts_take_one_slot_bank_for_up(synth_model):
+    """nemotron_h_moe's experts have no gate: up stands in for it, in the same slots (no second copy uploaded), so
+    a slot holds what the cache's plan counted for it (up and down)."""
+    path = synth_model("nemotron_h_moe", expert_type="F32", attn_type="F32")
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=4))
+    layers = [m for m in cached.net.modules() if isinstance(m, CachedExperts)]
+    assert layers
+    for layer in layers:
+        assert layer.banks[0] is layer.banks[1] and len(layer.uploads) == 2

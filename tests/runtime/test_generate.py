@@ -71,6 +71,8 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "bailingmoe2",
         "glm-dsa",
         "gemma4",
+        "granitehybrid",
+        "nemotron_h_moe",
     ],
 )
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):

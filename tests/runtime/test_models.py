@@ -188,6 +188,10 @@ QUANTIZED = [
     ("bailingmoe2", "Q4_K"),
     ("gemma4", "Q8_0"),
     ("gemma4", "Q4_K"),
+    ("granitehybrid", "Q8_0"),
+    ("granitehybrid", "Q4_K"),
+    ("nemotron_h_moe", "Q8_0"),
+    ("nemotron_h_moe", "Q4_K"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
@@ -301,3 +305,16 @@ def test_gemma4_layer_without_router_matches_llama_cpp(synth_model, calibration_
     c = compare(path, calibration_text)
     assert sorted(c.ref_experts) == [0, 2]
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_granitehybrid_without_rope_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """rope.scaling.finetuned false: llama.cpp's granite loader reads it as no RoPE at all (Granite-4.0-H is NoPE)."""
+    path = _with_keys(
+        synth_model("granitehybrid", expert_type="F32", attn_type="F32"),
+        tmp_path / "nope.gguf",
+        **{"granitehybrid.rope.scaling.finetuned": (False, GGUFValueType.BOOL)},
+    )
+    assert moerun.load_model(path).args.rope_dim == 0
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999

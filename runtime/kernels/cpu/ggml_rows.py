@@ -1,6 +1,9 @@
 """The CPU expert kernels on ggml's row dot products (kernels/ggml_cpu.py) where the installed llama.cpp has them
 for a tensor's type: the same plan and activations as moe_rows.py's kernels (work.py), ggml's input roundings and
-dots."""
+dots.
+
+numba's cache keys a compiled kernel by its own file only: the kernels here and in moe_rows.py compile work.py's
+activations in, so a new activation there needs these files to change too (or their caches cleared) to be seen."""
 
 from __future__ import annotations
 

@@ -296,7 +296,8 @@ def moe_rows(
 ) -> None:
     """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
     (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b, `activation` a
-    key of ACTIVATIONS and `limit` its clamp where it takes one (swiglu_clamp). `threads`: numba threads for this
+    key of ACTIVATIONS (an ungated expert, relu_sqr, is given its up tensor as gate too) and `limit` its clamp where
+    it takes one (swiglu_clamp). `threads`: numba threads for this
     call (default: numba's setting for the calling thread). One compiled call: _moe_ggml where the library `ggml`
     has a row dot for all three tensors' types (ggml_cpu.py), else _moe (moerun's own kernels)."""
     x, ids, weights = (

@@ -146,12 +146,20 @@ def _geglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
     return _round_f16(gelu) * u
 
 
+@numba.njit(**JIT)
+def _relu_sqr(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """Nemotron-H's ungated experts: relu(u)^2, the gate not read."""
+    r = max(u, F32(0))
+    return r * r
+
+
 # Expert activations by name: moerun.layers.ACTIVATIONS' and moerun.models.glm5_next.swiglu_clamp.
 ACTIVATIONS: dict[str, Callable] = {
     "swiglu": _swiglu,
     "swiglu_oai": _swiglu_oai,
     "swiglu_clamp": _swiglu_clamp,
     "geglu": _geglu,
+    "relu_sqr": _relu_sqr,
 }
 
 
