@@ -35,6 +35,7 @@ FAMILIES = {
     "bailingmoe2",
     "glm-dsa",
     "gemma4",
+    "afmoe",
 }
 GOOD = """
 name = "Test"

@@ -12,6 +12,7 @@ from typing import Any
 
 from gguf import MODEL_ARCH, Keys
 
+from moeprep.synth.afmoe import AFMOE
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
@@ -299,5 +300,8 @@ ARCHS: dict[str, ArchSpec] = {
         # Gemma 4 (26B-A4B): sliding and full layers of different head sizes, a dense GELU MLP beside the experts,
         # norms after every sublayer, soft-capped logits, the gemma4 tokenizer (moeprep/synth/gemma4.py).
         GEMMA4,
+        # Arcee's AFMoE (Trinity): gated attention, sandwich norms, NoPE full-attention layers between sliding
+        # ones, DeepSeek-V3-style routing beside a shared expert (moeprep/synth/afmoe.py).
+        AFMOE,
     )
 }

@@ -22,7 +22,7 @@ from moerun.layers.attention import (
     norm_rope_store,
     qk_norms_per_head,
 )
-from moerun.layers.block import Block
+from moerun.layers.block import Block, SandwichBlock
 from moerun.layers.embedding import Embedding
 from moerun.layers.ffn import (
     ACTIVATIONS,
@@ -56,6 +56,7 @@ __all__ = [
     "Linear",
     "MoE",
     "RMSNorm",
+    "SandwichBlock",
     "Rope",
     "Router",
     "add_rms_norm",

@@ -9,6 +9,7 @@ from types import ModuleType
 from moeprep.errors import MoeprepError
 
 ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
+    "afmoe": "afmoe",
     "bailingmoe2": "bailingmoe2",
     "deepseek2": "deepseek2",
     "deepseek32": "deepseek32",

@@ -26,6 +26,7 @@ ARCHS = [
     "ernie4_5-moe",
     "hunyuan-moe",
     "bailingmoe2",
+    "afmoe",
     "glm-dsa",
     "gemma4",
 ]

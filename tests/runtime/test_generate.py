@@ -69,6 +69,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "ernie4_5-moe",
         "hunyuan-moe",
         "bailingmoe2",
+        "afmoe",
         "glm-dsa",
         "gemma4",
     ],
