@@ -36,6 +36,7 @@ FAMILIES = {
     "glm-dsa",
     "gemma4",
     "afmoe",
+    "smallthinker",
 }
 GOOD = """
 name = "Test"

@@ -60,6 +60,11 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gelu_half_table(gate) * up
 
 
+def reglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """ReLU-gated (ggml's reglu; SmallThinker's experts): relu(gate) * up."""
+    return torch.relu(gate) * up
+
+
 # The torch reference of each activation by name: act(gate, up, limit); `limit` is read only by those with a clamp
 # that varies per model or block (gpt-oss's is fixed).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
@@ -67,6 +72,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
     "swiglu_oai": lambda gate, up, limit: swiglu_oai(gate, up),
     "swiglu_clamp": swiglu_clamp,
     "geglu": lambda gate, up, limit: geglu(gate, up),
+    "reglu": lambda gate, up, limit: reglu(gate, up),
 }
 
 

@@ -30,6 +30,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "qwen35moe": "qwen35moe",
     "qwen3moe": "qwen3moe",
     "qwen3next": "qwen3next",
+    "smallthinker": "smallthinker",
 }
 
 

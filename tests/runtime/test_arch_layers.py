@@ -483,3 +483,13 @@ def test_sandwich_block_equals_float64() -> None:
     hd = xd + rms(np.tanh(rms(xd, norms[0]) @ wa.weight.double().numpy().T), norms[1])
     want = hd + rms(np.tanh(rms(hd, norms[2]) @ wf.weight.double().numpy().T), norms[3])
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_reglu_equals_float64() -> None:
+    """SmallThinker's experts: relu(gate) * up, across the kink at 0."""
+    from moerun.layers.ffn import reglu
+
+    g = torch.linspace(-3, 3, 601, dtype=torch.float32)
+    u = torch.flip(g, [0]) * 0.7 + 0.1
+    want = np.maximum(g.double().numpy(), 0.0) * u.double().numpy()
+    assert np.abs(reglu(g, u).double().numpy() - want).max() <= 1e-6 * np.abs(want).max()

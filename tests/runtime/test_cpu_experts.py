@@ -160,6 +160,7 @@ ACT = {
     "swiglu_oai": moerun.layers.swiglu_oai,
     "swiglu_clamp": partial(swiglu_clamp, limit=LIMIT),
     "geglu": moerun.layers.geglu,
+    "reglu": moerun.layers.reglu,
 }
 
 
@@ -176,7 +177,14 @@ def test_activations_equal_torch():
 
 @pytest.mark.parametrize(
     "qtype,activation",
-    [(Q.Q4_K, "swiglu"), (Q.Q8_0, "swiglu"), (Q.MXFP4, "swiglu_oai"), (Q.Q4_K, "swiglu_clamp"), (Q.Q4_K, "geglu")],
+    [
+        (Q.Q4_K, "swiglu"),
+        (Q.Q8_0, "swiglu"),
+        (Q.MXFP4, "swiglu_oai"),
+        (Q.Q4_K, "swiglu_clamp"),
+        (Q.Q4_K, "geglu"),
+        (Q.Q4_K, "reglu"),
+    ],
     ids=lambda v: getattr(v, "name", v),
 )
 @pytest.mark.parametrize("T", [1, 5])

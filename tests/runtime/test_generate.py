@@ -70,6 +70,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "hunyuan-moe",
         "bailingmoe2",
         "afmoe",
+        "smallthinker",
         "glm-dsa",
         "gemma4",
     ],

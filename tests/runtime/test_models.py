@@ -190,6 +190,7 @@ QUANTIZED = [
     ("gemma4", "Q4_K"),
     ("afmoe", "Q8_0"),
     ("afmoe", "Q4_K"),
+    ("smallthinker", "Q8_0"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}

@@ -146,12 +146,19 @@ def _geglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
     return _round_f16(gelu) * u
 
 
+@numba.njit(**JIT)
+def _reglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """SmallThinker (moerun.layers.ffn.reglu): relu(gate) * up."""
+    return max(g, F32(0)) * u
+
+
 # Expert activations by name: moerun.layers.ACTIVATIONS' and moerun.models.glm5_next.swiglu_clamp.
 ACTIVATIONS: dict[str, Callable] = {
     "swiglu": _swiglu,
     "swiglu_oai": _swiglu_oai,
     "swiglu_clamp": _swiglu_clamp,
     "geglu": _geglu,
+    "reglu": _reglu,
 }
 
 
