@@ -37,6 +37,7 @@ FAMILIES = {
     "gemma4",
     "afmoe",
     "smallthinker",
+    "lfm2moe",
 }
 GOOD = """
 name = "Test"

@@ -16,6 +16,7 @@ from moeprep.synth.afmoe import AFMOE
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
+from moeprep.synth.lfm2moe import LFM2MOE
 from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.parts import (
@@ -321,5 +322,7 @@ ARCHS: dict[str, ArchSpec] = {
             },
             checks=(FULL_ROTARY,),
         ),
+        # LFM2 MoE: gated short-convolution layers beside GQA, sigmoid routing (moeprep/synth/lfm2moe.py).
+        LFM2MOE,
     )
 }

@@ -23,6 +23,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "hunyuan-moe": "hunyuan_moe",
     "llama": "llama",
     "llama4": "llama4",
+    "lfm2moe": "lfm2moe",
     "mimo2": "mimo2",
     "minimax-m2": "minimax_m2",
     "olmoe": "olmoe",

@@ -25,6 +25,7 @@ LEADING_DENSE = {
     "deepseek32": [0],
     "bailingmoe2": [0],
     "afmoe": [0],
+    "lfm2moe": [0],
     "glm-dsa": [0],
     "dots1": [0],
     "ernie4_5-moe": [0],

@@ -3,8 +3,8 @@ gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefil
 token from the state it left, two sequences side by side, a sequence started anew), gated attention
 (layers/gated_attention.py), Llama 4's chunked and temperature-scaled attentions (models/llama4.py), Gemma's GEGLU
 (layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), AFMoE's
-output-gated attention with and without RoPE (models/afmoe.py, layers/rope.py) and the post-normed block
-(layers/block.py)."""
+output-gated attention with and without RoPE (models/afmoe.py, layers/rope.py), the post-normed block
+(layers/block.py), ReGLU (layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
 
 from __future__ import annotations
 
@@ -493,3 +493,37 @@ def test_reglu_equals_float64() -> None:
     u = torch.flip(g, [0]) * 0.7 + 0.1
     want = np.maximum(g.double().numpy(), 0.0) * u.double().numpy()
     assert np.abs(reglu(g, u).double().numpy() - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def short_conv_f64(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
+    """LFM2's short convolution from position 0 in float64: b, c, v = in_proj x; y_t = sum_j conv[:, j] (b v)_{t-K+1+j}
+    (zeros before the first token); out = out_proj (c y)."""
+    b, c, v = np.split(x @ w["in"].T, 3, axis=-1)
+    K = w["conv"].shape[1]
+    bx = np.concatenate([np.zeros((K - 1, b.shape[1])), b * v])
+    y = np.stack([(bx[t : t + K] * w["conv"].T).sum(0) for t in range(len(x))])
+    return (c * y) @ w["out"].T
+
+
+def test_short_conv_equals_float64_in_pieces_and_per_sequence() -> None:
+    """A prompt in two pieces, then a decode step of two sequences side by side, then a sequence started anew at
+    position 0 (its old state ignored)."""
+    from moerun.layers.short_conv import ShortConv
+
+    gen = torch.Generator().manual_seed(23)
+    taps = 3
+    w_in, w_out = linear(gen, 3 * D, D), linear(gen, D, D)
+    conv = torch.randn(D, taps, generator=gen) / math.sqrt(taps)
+    layer = ShortConv(in_proj=w_in, conv=conv, out_proj=w_out, n_seq=2)
+    w = {"in": w_in.weight.double().numpy(), "out": w_out.weight.double().numpy(), "conv": conv.double().numpy()}
+    a, b = torch.randn(10, D, generator=gen), torch.randn(6, D, generator=gen)
+    want_a, want_b = short_conv_f64(a.double().numpy(), w), short_conv_f64(b.double().numpy(), w)
+    scale = max(np.abs(want_a).max(), np.abs(want_b).max())
+    got_a = [layer(a[:4], Step(torch.arange(4), n_slots=4, seq=0)), layer(a[4:9], Step(torch.arange(4, 9), n_slots=9))]
+    got_b = layer(b[:5], Step(torch.arange(5), n_slots=5, seq=1))
+    both = layer(torch.stack([a[9], b[5]]), Step(torch.tensor([9, 5]), n_slots=10, seqs=torch.tensor([0, 1])))
+    assert np.abs(torch.cat(got_a).double().numpy() - want_a[:9]).max() <= 1e-5 * scale
+    assert np.abs(got_b.double().numpy() - want_b[:5]).max() <= 1e-5 * scale
+    assert np.abs(both.double().numpy() - np.stack([want_a[9], want_b[5]])).max() <= 1e-5 * scale
+    again = layer(b[:3], Step(torch.arange(3), n_slots=3, seq=0))  # sequence 0 anew: a's rows forgotten
+    assert np.abs(again.double().numpy() - want_b[:3]).max() <= 1e-5 * scale

@@ -30,6 +30,7 @@ ARCHS = [
     "glm-dsa",
     "gemma4",
     "smallthinker",
+    "lfm2moe",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
@@ -241,3 +242,15 @@ def test_smallthinker_without_sliding_window_matches_llama_cpp(synth_model, cali
     sliding = moerun.load_model(src).forward(torch.tensor(tokens)).numpy()
     assert np.abs(sliding - ref).max() > 1e-2 * np.abs(ref).max()  # the two variants differ
     assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_lfm2moe_without_gating_function_is_refused(synth_model, tmp_path):
+    """llama.cpp's lfm2moe loader requires expert_gating_func; moerun refuses such a file in one line too."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+
+    path = tmp_path / "no-gating.gguf"
+    write_gguf(path, open_gguf(synth_model("lfm2moe")), kv_remove=["lfm2moe.expert_gating_func"])
+    with pytest.raises(MoeprepError, match="lfm2moe.expert_gating_func is missing"):
+        moerun.load_model(path)

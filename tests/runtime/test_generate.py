@@ -71,6 +71,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "bailingmoe2",
         "afmoe",
         "smallthinker",
+        "lfm2moe",
         "glm-dsa",
         "gemma4",
     ],
