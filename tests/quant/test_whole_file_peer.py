@@ -44,6 +44,8 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
         ("dots1", "small", "Q4_K", {}),
         ("ernie4_5-moe", "small", "Q4_K", {}),
         ("hunyuan-moe", "small", "Q4_K", {}),
+        ("afmoe", "small", "Q4_K", {}),  # attn_gate
+        ("smallthinker", "small", "Q4_K", {}),
     ],
     ids=lambda v: ",".join(v) if isinstance(v, dict) else v,
 )
