@@ -35,6 +35,9 @@ FAMILIES = {
     "bailingmoe2",
     "glm-dsa",
     "gemma4",
+    "afmoe",
+    "smallthinker",
+    "lfm2moe",
 }
 GOOD = """
 name = "Test"
@@ -69,6 +72,10 @@ def test_recipe_plans_on_its_architecture(path: Path, tmp_path: Path) -> None:
     if recipe.arch in ("deepseek2", "deepseek32"):
         k_b = [p for p in plan.tensors if ".attn_k_b." in p.tensor.name]
         assert k_b and all(p.new_type == T.Q8_0 and "attn_k_b=Q8_0" in p.reason for p in k_b)
+    if recipe.arch == "lfm2moe":  # the short-convolution layers' projections, the taps left alone
+        conv = {p.tensor.name.split(".")[3]: p for p in plan.tensors if ".shortconv." in p.tensor.name}
+        assert all(conv[part].requantize and "shortconv" in conv[part].reason for part in ("in_proj", "out_proj"))
+        assert not conv["conv"].requantize
 
 
 def test_every_recipe_explains_its_choices() -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gguf import MODEL_ARCH, Keys
+from gguf import MODEL_ARCH, ExpertGatingFuncType, Keys
 
+from moeprep.synth.afmoe import AFMOE
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
+from moeprep.synth.lfm2moe import LFM2MOE
 from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mamba2 import GRANITEHYBRID, NEMOTRON_H_MOE
 from moeprep.synth.mimo2 import MIMO2
@@ -100,6 +102,11 @@ DEEPSEEK_DERIVED = {
 # Softmax routing whose choice adds exp_probs_b to the probabilities (ERNIE 4.5): the skew goes there, in
 # probability units.
 SOFTMAX_BIASED = Gating(router_logit_std=3.0, skew_in_probs_bias=True, skew_scale=0.3, func=None)
+
+# Softmax routing whose file names its gating function (SmallThinker's loader reads no default).
+SOFTMAX_NAMED = Gating(
+    router_logit_std=3.0, skew_in_probs_bias=False, skew_scale=6.0, func=ExpertGatingFuncType.SOFTMAX
+)
 
 FULL_ROTARY = (lambda c: c.rope_dim == c.head_dim, "this architecture rotates whole heads (rope_dim == head_dim)")
 HEADS_SPAN_EMBD = (
@@ -306,5 +313,23 @@ ARCHS: dict[str, ArchSpec] = {
         # Nemotron-H MoE (Nemotron-3-Nano): Mamba-2, attention and ungated relu^2 MoE layers by a per-layer pattern,
         # sigmoid routing with exp_probs_b (moeprep/synth/mamba2.py).
         NEMOTRON_H_MOE,
+        # Arcee's AFMoE (Trinity): gated attention, sandwich norms, NoPE full-attention layers between sliding
+        # ones, DeepSeek-V3-style routing beside a shared expert (moeprep/synth/afmoe.py).
+        AFMOE,
+        # SmallThinker, its sliding-window variant: plain GQA, every layer MoE with ReLU-gated experts routed from
+        # the block's input, softmax top-k renormalised; the first layer of every 4 full and without RoPE.
+        ArchSpec(
+            MODEL_ARCH.SMALLTHINKER,
+            GQA(),
+            Moe(gating=SOFTMAX_NAMED),
+            metadata=EXPERT_FF
+            | {
+                Keys.LLM.EXPERT_GATING_FUNC: lambda c: int(SOFTMAX_NAMED.func),
+                Keys.Attention.SLIDING_WINDOW: lambda c: c.sliding_window,
+            },
+            checks=(FULL_ROTARY,),
+        ),
+        # LFM2 MoE: gated short-convolution layers beside GQA, sigmoid routing (moeprep/synth/lfm2moe.py).
+        LFM2MOE,
     )
 }

@@ -274,6 +274,7 @@ class ArchSpec:
     derived: Mapping[str, Rule] = field(default_factory=dict)  # config fields this arch sets (see config.py)
     metadata: Mapping[str, MetaRule] = field(default_factory=dict)  # extra keys, templates of gguf.Keys
     checks: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = ()
+    output_norm: MODEL_TENSOR = T.OUTPUT_NORM  # lfm2moe stores its final norm as token_embd_norm
     tokenizer: str = "gpt2"  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "gemma4" (moeprep/synth/tokenizer.py)
 
     @property
@@ -304,7 +305,7 @@ def model_tensors(spec: ArchSpec, c: SynthConfig, n_vocab: int) -> list[TensorSp
     for il in range(c.n_layer):
         out += spec.layer_tensors(c, il)
     out += [
-        norm(T.OUTPUT_NORM, None, c.n_embd),
+        norm(spec.output_norm, None, c.n_embd),
         TensorSpec(tensor_name(T.OUTPUT), (n_vocab, c.n_embd), Normal(1 / math.sqrt(c.n_embd))),
     ]
     return out

@@ -22,7 +22,7 @@ from moerun.layers.attention import (
     norm_rope_store,
     qk_norms_per_head,
 )
-from moerun.layers.block import Block
+from moerun.layers.block import Block, SandwichBlock
 from moerun.layers.embedding import Embedding
 from moerun.layers.ffn import (
     ACTIVATIONS,
@@ -32,6 +32,7 @@ from moerun.layers.ffn import (
     FeedForward,
     UngatedFeedForward,
     geglu,
+    reglu,
     swiglu,
     swiglu_clamp,
     swiglu_oai,
@@ -60,12 +61,14 @@ __all__ = [
     "Linear",
     "MoE",
     "RMSNorm",
+    "SandwichBlock",
     "Rope",
     "Router",
     "add_rms_norm",
     "attend",
     "device_of",
     "geglu",
+    "reglu",
     "norm_rope",
     "norm_rope_store",
     "qk_norms_per_head",

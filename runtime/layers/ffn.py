@@ -65,6 +65,11 @@ def relu_sqr(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.relu(up).square()
 
 
+def reglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """ReLU-gated (ggml's reglu; SmallThinker's experts): relu(gate) * up."""
+    return torch.relu(gate) * up
+
+
 # The torch reference of each activation by name: act(gate, up, limit); `limit` is read only by those with a clamp
 # that varies per model or block (gpt-oss's is fixed).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
@@ -73,6 +78,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
     "swiglu_clamp": swiglu_clamp,
     "geglu": lambda gate, up, limit: geglu(gate, up),
     "relu_sqr": lambda gate, up, limit: relu_sqr(gate, up),
+    "reglu": lambda gate, up, limit: reglu(gate, up),
 }
 
 

@@ -228,9 +228,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, i8: QAct | None = None) -> torch.Tensor:
         """x (T, D), and its int8 rounding where its norm made one (for the experts' and shared expert's gate and up)
         -> (T, D)."""
-        ids, weights = self.router(x, step)  # (T, K)
-        if self.hooks.routing:
-            self.hooks.fire_routing(self.layer, step.positions, ids, weights)
+        ids, weights = self.route(x, step)  # (T, K)
         out = self.experts(x, ids, weights, step, i8)
         if self.shared is not None:
             shared = self.shared(x, step, i8)
@@ -238,3 +236,11 @@ class MoE(nn.Module):
                 shared = shared * torch.sigmoid(self.shared_gate(x, i8))
             out = out + shared
         return out
+
+    def route(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice for x (T, D), reported to the routing hooks: ids (T, K), weights (T, K). A block
+        that routes from another input than the experts' (SmallThinker's) calls it and the experts apart."""
+        ids, weights = self.router(x, step)
+        if self.hooks.routing:
+            self.hooks.fire_routing(self.layer, step.positions, ids, weights)
+        return ids, weights

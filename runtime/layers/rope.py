@@ -38,6 +38,9 @@ class Rope(nn.Module):
     style "normal" rotates adjacent pairs (x0, x1), (x2, x3)...; "neox" rotates (x_i, x_{i + dim/2}).
     Linear scaling divides positions by the factor; YaRN blends interpolated and original frequencies per
     channel pair (ramp between the beta_fast/beta_slow correction dims) and scales the magnitude.
+
+    `rotate` False gives a NoPE layer's table: cos 1 and sin 0 at every position, no magnitude scale, so the layer
+    passes through every kernel that takes a RoPE table with its q and k unchanged.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class Rope(nn.Module):
         dim: int | None = None,
         attn_factor: float | None = None,
         freq_factors: torch.Tensor | None = None,
+        rotate: bool = True,
     ) -> None:
         super().__init__()
         dim = dim or args.rope_dim
@@ -68,6 +72,8 @@ class Rope(nn.Module):
             mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
         else:
             inv_freq = inv_freq * freq_scale
+        if not rotate:
+            inv_freq, mscale = torch.zeros_like(inv_freq), 1.0
         angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (S, dim/2)
         self.register_buffer("cos", (angles.cos() * mscale).float().to(device), persistent=False)
         self.register_buffer("sin", (angles.sin() * mscale).float().to(device), persistent=False)

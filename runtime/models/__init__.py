@@ -9,6 +9,7 @@ from types import ModuleType
 from moeprep.errors import MoeprepError
 
 ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
+    "afmoe": "afmoe",
     "bailingmoe2": "bailingmoe2",
     "deepseek2": "deepseek2",
     "deepseek32": "deepseek32",
@@ -23,6 +24,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "hunyuan-moe": "hunyuan_moe",
     "llama": "llama",
     "llama4": "llama4",
+    "lfm2moe": "lfm2moe",
     "mimo2": "mimo2",
     "minimax-m2": "minimax_m2",
     "nemotron_h_moe": "nemotron_h_moe",
@@ -31,6 +33,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "qwen35moe": "qwen35moe",
     "qwen3moe": "qwen3moe",
     "qwen3next": "qwen3next",
+    "smallthinker": "smallthinker",
 }
 
 

@@ -24,6 +24,8 @@ LEADING_DENSE = {
     "llama4": [0, 2],
     "deepseek32": [0],
     "bailingmoe2": [0],
+    "afmoe": [0],
+    "lfm2moe": [0],
     "glm-dsa": [0],
     "dots1": [0],
     "ernie4_5-moe": [0],

@@ -47,6 +47,8 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
         ("granitehybrid", "small", "Q4_K", {}),
         ("granitehybrid", "tiny", "Q4_K", {}),  # Mamba-2 tensors: ssm_in, ssm_out, 2-D ssm_a/ssm_d/ssm_norm
         ("nemotron_h_moe", "small", "Q4_K", {}),  # ungated experts and shared expert
+        ("afmoe", "small", "Q4_K", {}),  # attn_gate
+        ("smallthinker", "small", "Q4_K", {}),
     ],
     ids=lambda v: ",".join(v) if isinstance(v, dict) else v,
 )

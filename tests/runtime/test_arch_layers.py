@@ -2,7 +2,9 @@
 gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefilled in chunks, then decoded token by
 token from the state it left, two sequences side by side, a sequence started anew), gated attention
 (layers/gated_attention.py), Llama 4's chunked and temperature-scaled attentions (models/llama4.py), Gemma's GEGLU
-(layers/ffn.py), logit soft-capping (layers/softcap.py) and Gemma 4's attention (models/gemma4.py)."""
+(layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), AFMoE's
+output-gated attention with and without RoPE (models/afmoe.py, layers/rope.py), the post-normed block
+(layers/block.py), ReGLU (layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
 
 from __future__ import annotations
 
@@ -380,3 +382,148 @@ def test_gemma4_attention_equals_float64() -> None:
                 out[t, h] = e @ v[first : t + 1, h // (H // G)] / e.sum()
         want = out.reshape(T, H * Dh) @ wo.weight.double().numpy().T
         assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max(), f"sliding={sliding}"
+
+
+@pytest.mark.parametrize("rotate", [True, False], ids=["rope", "nope"])
+def test_afmoe_attention_equals_float64(rotate: bool) -> None:
+    """AFMoE's attention: per-head Q/K RMSNorm, NeoX RoPE over whole heads (or none: a NoPE layer's table), causal
+    softmax over grouped KV heads within a sliding window, the output times sigmoid(attn_gate x) channel by channel,
+    then the output projection. A prompt, then a decode step."""
+    from moerun.models.afmoe import OutputGatedAttention
+
+    gen = torch.Generator().manual_seed(17)
+    T, H, G, Dh, window = 20, 4, 2, 8, 6
+    args = SimpleNamespace(
+        rope_dim=Dh,
+        rope_base=10000.0,
+        rope_style="neox",
+        rope_scaling="none",
+        rope_freq_scale=1.0,
+        rope_attn_factor=1.0,
+    )
+    wq, wk, wv, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
+    wgate = linear(gen, H * Dh, D)
+    qn, kn = (1 + 0.2 * torch.randn(Dh, generator=gen) for _ in range(2))
+    layer = OutputGatedAttention(
+        wq=wq,
+        wk=wk,
+        wv=wv,
+        wo=wo,
+        wgate=wgate,
+        rope=Rope(args, T, torch.device("cpu"), rotate=rotate),
+        cache=KVCache(T, G, Dh, Dh, torch.float32, torch.device("cpu")),
+        n_heads=H,
+        n_kv_heads=G,
+        head_dim=Dh,
+        v_head_dim=Dh,
+        scale=Dh**-0.5,
+        q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
+        k_norm=RMSNorm(kn, EPS, TORCH_KERNELS),
+        window=window,
+        kernels=TORCH_KERNELS,
+    )
+    x = torch.randn(T, D, generator=gen)
+    got = torch.cat(
+        [layer(x[:-1], Step(torch.arange(T - 1), n_slots=T - 1)), layer(x[-1:], Step(torch.tensor([T - 1]), n_slots=T))]
+    )
+    xd, pos = x.double().numpy(), np.arange(T)
+    w = {name: t.weight.double().numpy() for name, t in (("q", wq), ("k", wk), ("v", wv), ("o", wo), ("g", wgate))}
+    rms = lambda t, g: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS) * g.double().numpy()  # noqa: E731
+    q, k = rms((xd @ w["q"].T).reshape(T, H, Dh), qn), rms((xd @ w["k"].T).reshape(T, G, Dh), kn)
+    v = (xd @ w["v"].T).reshape(T, G, Dh)
+    if rotate:
+        ang = pos[:, None, None] * 10000.0 ** (-np.arange(Dh // 2) * 2 / Dh)
+        halves = lambda t: (t[..., : Dh // 2], t[..., Dh // 2 :])  # noqa: E731
+        q, k = (
+            np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1)
+            for a, b in (halves(q), halves(k))
+        )
+    out = np.zeros((T, H, Dh))
+    for t in range(T):
+        first = max(0, t - window + 1)
+        for h in range(H):
+            s = k[first : t + 1, h // (H // G)] @ q[t, h] * Dh**-0.5
+            e = np.exp(s - s.max())
+            out[t, h] = e @ v[first : t + 1, h // (H // G)] / e.sum()
+    want = (out.reshape(T, H * Dh) / (1 + np.exp(-(xd @ w["g"].T)))) @ w["o"].T
+    assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_sandwich_block_equals_float64() -> None:
+    """h = x + post_a(attn(norm_a(x))); out = h + post_f(ffn(norm_f(h))), with the input handed over as a pair
+    (x, delta) as blocks hand it on, and the output pair summed."""
+    from moerun.layers import SandwichBlock
+
+    gen = torch.Generator().manual_seed(19)
+    T = 7
+    norms = [1 + 0.2 * torch.randn(D, generator=gen) for _ in range(4)]
+    wa, wf = linear(gen, D, D), linear(gen, D, D)
+
+    class Sublayer(torch.nn.Module):  # a projection and a tanh: anything that is not its input's scale
+        def __init__(self, w: Linear) -> None:
+            super().__init__()
+            self.w = w
+
+        def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+            return torch.tanh(self.w(x))
+
+    block = SandwichBlock(
+        RMSNorm(norms[0], EPS, TORCH_KERNELS),
+        Sublayer(wa),
+        RMSNorm(norms[1], EPS, TORCH_KERNELS),
+        RMSNorm(norms[2], EPS, TORCH_KERNELS),
+        Sublayer(wf),
+        RMSNorm(norms[3], EPS, TORCH_KERNELS),
+    )
+    x, delta = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
+    h, f = block(x, delta, Step(torch.arange(T), n_slots=T))
+    got = (h + f).double().numpy()
+    rms = lambda t, g: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS) * g.double().numpy()  # noqa: E731
+    xd = (x + delta).double().numpy()
+    hd = xd + rms(np.tanh(rms(xd, norms[0]) @ wa.weight.double().numpy().T), norms[1])
+    want = hd + rms(np.tanh(rms(hd, norms[2]) @ wf.weight.double().numpy().T), norms[3])
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_reglu_equals_float64() -> None:
+    """SmallThinker's experts: relu(gate) * up, across the kink at 0."""
+    from moerun.layers.ffn import reglu
+
+    g = torch.linspace(-3, 3, 601, dtype=torch.float32)
+    u = torch.flip(g, [0]) * 0.7 + 0.1
+    want = np.maximum(g.double().numpy(), 0.0) * u.double().numpy()
+    assert np.abs(reglu(g, u).double().numpy() - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def short_conv_f64(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
+    """LFM2's short convolution from position 0 in float64: b, c, v = in_proj x; y_t = sum_j conv[:, j] (b v)_{t-K+1+j}
+    (zeros before the first token); out = out_proj (c y)."""
+    b, c, v = np.split(x @ w["in"].T, 3, axis=-1)
+    K = w["conv"].shape[1]
+    bx = np.concatenate([np.zeros((K - 1, b.shape[1])), b * v])
+    y = np.stack([(bx[t : t + K] * w["conv"].T).sum(0) for t in range(len(x))])
+    return (c * y) @ w["out"].T
+
+
+def test_short_conv_equals_float64_in_pieces_and_per_sequence() -> None:
+    """A prompt in two pieces, then a decode step of two sequences side by side, then a sequence started anew at
+    position 0 (its old state ignored)."""
+    from moerun.layers.short_conv import ShortConv
+
+    gen = torch.Generator().manual_seed(23)
+    taps = 3
+    w_in, w_out = linear(gen, 3 * D, D), linear(gen, D, D)
+    conv = torch.randn(D, taps, generator=gen) / math.sqrt(taps)
+    layer = ShortConv(in_proj=w_in, conv=conv, out_proj=w_out, n_seq=2)
+    w = {"in": w_in.weight.double().numpy(), "out": w_out.weight.double().numpy(), "conv": conv.double().numpy()}
+    a, b = torch.randn(10, D, generator=gen), torch.randn(6, D, generator=gen)
+    want_a, want_b = short_conv_f64(a.double().numpy(), w), short_conv_f64(b.double().numpy(), w)
+    scale = max(np.abs(want_a).max(), np.abs(want_b).max())
+    got_a = [layer(a[:4], Step(torch.arange(4), n_slots=4, seq=0)), layer(a[4:9], Step(torch.arange(4, 9), n_slots=9))]
+    got_b = layer(b[:5], Step(torch.arange(5), n_slots=5, seq=1))
+    both = layer(torch.stack([a[9], b[5]]), Step(torch.tensor([9, 5]), n_slots=10, seqs=torch.tensor([0, 1])))
+    assert np.abs(torch.cat(got_a).double().numpy() - want_a[:9]).max() <= 1e-5 * scale
+    assert np.abs(got_b.double().numpy() - want_b[:5]).max() <= 1e-5 * scale
+    assert np.abs(both.double().numpy() - np.stack([want_a[9], want_b[5]])).max() <= 1e-5 * scale
+    again = layer(b[:3], Step(torch.arange(3), n_slots=3, seq=0))  # sequence 0 anew: a's rows forgotten
+    assert np.abs(again.double().numpy() - want_b[:3]).max() <= 1e-5 * scale

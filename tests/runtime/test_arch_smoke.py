@@ -26,10 +26,13 @@ ARCHS = [
     "ernie4_5-moe",
     "hunyuan-moe",
     "bailingmoe2",
+    "afmoe",
     "glm-dsa",
     "gemma4",
     "granitehybrid",
     "nemotron_h_moe",
+    "smallthinker",
+    "lfm2moe",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
@@ -221,3 +224,46 @@ def test_ungated_experts_take_one_slot_bank_for_up(synth_model):
     assert layers
     for layer in layers:
         assert layer.banks[0] is layer.banks[1] and len(layer.uploads) == 2
+
+
+def test_smallthinker_without_gating_function_is_refused(synth_model, tmp_path):
+    """llama.cpp's smallthinker loader reads no default gating function (its graph aborts without one)."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+
+    path = tmp_path / "no-gating.gguf"
+    write_gguf(path, open_gguf(synth_model("smallthinker")), kv_remove=["smallthinker.expert_gating_func"])
+    with pytest.raises(MoeprepError, match="smallthinker.expert_gating_func is missing"):
+        moerun.load_model(path)
+
+
+def test_smallthinker_without_sliding_window_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """The variant without attention.sliding_window: every layer full attention with RoPE (the synthetic file's
+    layer 0 has none in the sliding-window variant, so a leftover NoPE layer shows)."""
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+    from tests.oracle import llama_eval
+
+    path = tmp_path / "full.gguf"
+    src = synth_model("smallthinker", expert_type="F32", attn_type="F32")
+    write_gguf(path, open_gguf(src), kv_remove=["smallthinker.attention.sliding_window"])
+    model = moerun.load_model(path)
+    assert not any(model.args.swa_layers) and model.args.sliding_window == 0
+    tokens = model.tokenizer.encode(calibration_text)[:64]
+    ours, ref = model.forward(torch.tensor(tokens)).numpy(), llama_eval(path, tokens).logits
+    sliding = moerun.load_model(src).forward(torch.tensor(tokens)).numpy()
+    assert np.abs(sliding - ref).max() > 1e-2 * np.abs(ref).max()  # the two variants differ
+    assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_lfm2moe_without_gating_function_is_refused(synth_model, tmp_path):
+    """llama.cpp's lfm2moe loader requires expert_gating_func; moerun refuses such a file in one line too."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+
+    path = tmp_path / "no-gating.gguf"
+    write_gguf(path, open_gguf(synth_model("lfm2moe")), kv_remove=["lfm2moe.expert_gating_func"])
+    with pytest.raises(MoeprepError, match="lfm2moe.expert_gating_func is missing"):
+        moerun.load_model(path)

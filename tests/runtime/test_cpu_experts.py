@@ -161,6 +161,7 @@ ACT = {
     "swiglu_clamp": partial(swiglu_clamp, limit=LIMIT),
     "geglu": moerun.layers.geglu,
     "relu_sqr": moerun.layers.ffn.relu_sqr,
+    "reglu": moerun.layers.reglu,
 }
 
 
@@ -184,6 +185,7 @@ def test_activations_equal_torch():
         (Q.Q4_K, "swiglu_clamp"),
         (Q.Q4_K, "geglu"),
         (Q.Q8_0, "relu_sqr"),
+        (Q.Q4_K, "reglu"),
     ],
     ids=lambda v: getattr(v, "name", v),
 )

@@ -192,6 +192,11 @@ QUANTIZED = [
     ("granitehybrid", "Q4_K"),
     ("nemotron_h_moe", "Q8_0"),
     ("nemotron_h_moe", "Q4_K"),
+    ("afmoe", "Q8_0"),
+    ("afmoe", "Q4_K"),
+    ("smallthinker", "Q8_0"),
+    ("lfm2moe", "Q8_0"),
+    ("lfm2moe", "Q4_K"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}

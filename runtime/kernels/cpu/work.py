@@ -153,6 +153,12 @@ def _relu_sqr(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
     return r * r
 
 
+@numba.njit(**JIT)
+def _reglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """SmallThinker (moerun.layers.ffn.reglu): relu(gate) * up."""
+    return max(g, F32(0)) * u
+
+
 # Expert activations by name: moerun.layers.ACTIVATIONS' and moerun.models.glm5_next.swiglu_clamp.
 ACTIVATIONS: dict[str, Callable] = {
     "swiglu": _swiglu,
@@ -160,6 +166,7 @@ ACTIVATIONS: dict[str, Callable] = {
     "swiglu_clamp": _swiglu_clamp,
     "geglu": _geglu,
     "relu_sqr": _relu_sqr,
+    "reglu": _reglu,
 }
 
 

@@ -1,0 +1,91 @@
+"""Arcee's AFMoE (Trinity Nano/Mini/Large), as llama.cpp's afmoe graph (src/models/afmoe.cpp) computes it.
+
+The token embedding is scaled by sqrt(D). Attention: GQA with per-head Q/K RMSNorm and NeoX RoPE, the output gated
+per channel by sigmoid(attn_gate x) (x: the block's normed input) before attn_output; three sliding-window layers to
+one full-attention layer unless the file gives another pattern (the sliding layers' RoPE base is freq_base_swa
+where the file has it); every 4th layer (the full-attention one, in the released models) has no RoPE at all, a
+rule llama.cpp fixes whatever the file says. Both sublayers' outputs are RMS-normalised again before the residual
+add (post_attention_norm, post_ffw_norm). FFN: leading dense SwiGLU layers, then sigmoid routing with exp_probs_b,
+renormalised and scaled as the file's keys say, beside a shared expert."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from moeprep.errors import MoeprepError
+from moeprep.gguf.reader import GGUFModel
+from moerun.config import GATING_SIGMOID, ModelArgs
+from moerun.layers import Attention, Linear, SandwichBlock
+from moerun.models.base import BuildContext
+from moerun.step import Step
+
+NO_ROPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step, which its afmoe loader never reads from the file
+SWA_PATTERN = 4  # three sliding layers, then a full one, where the file has no sliding_window_pattern
+
+
+def read_args(g: GGUFModel) -> ModelArgs:
+    dim = int(g.get(f"{g.arch}.embedding_length", 0))
+    fixed = {"rope_style": "neox", "embed_scale": float(np.float32(math.sqrt(dim)))}  # sqrtf(n_embd)
+    args = ModelArgs.from_gguf(g, fixed=fixed, defaults={"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN})
+    if args.head_dim != args.v_head_dim:
+        raise MoeprepError(f"{g.path}: afmoe needs key_length == value_length (got {args.head_dim}, {args.v_head_dim})")
+    # one shared expert is expert_feed_forward_length wide; several are as wide together
+    return args.replace(shared_expert_dim=args.expert_dim * args.n_shared_experts)
+
+
+class OutputGatedAttention(Attention):
+    """The shared Attention with its output multiplied by sigmoid(wgate x), channel by channel, before wo."""
+
+    def __init__(self, *, wgate: Linear, **attention) -> None:
+        super().__init__(**attention)
+        self.wgate = wgate
+
+    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.project(x, i8)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.v_head_dim)
+        q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
+        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, None, step.blocks)
+        gate = torch.sigmoid(self.wgate(x, i8).float())  # (T, H * Dv)
+        return self.wo(out.reshape(T, self.n_heads * self.v_head_dim) * gate)
+
+
+def build_block(ctx: BuildContext, layer: int) -> SandwichBlock:
+    a, p = ctx.args, f"blk.{layer}"
+    sliding = a.swa_layers[layer]
+    rotate = (layer + 1) % NO_ROPE_EVERY != 0
+    attn = OutputGatedAttention(
+        wq=ctx.linear(f"{p}.attn_q"),
+        wk=ctx.linear(f"{p}.attn_k"),
+        wv=ctx.linear(f"{p}.attn_v"),
+        wo=ctx.linear(f"{p}.attn_output"),
+        wgate=ctx.linear(f"{p}.attn_gate"),
+        rope=ctx.rope(base=a.rope_base_swa if sliding else a.rope_base, rotate=rotate),
+        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim),
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        v_head_dim=a.v_head_dim,
+        scale=1.0 / math.sqrt(a.head_dim),
+        q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
+        k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
+        window=a.sliding_window if sliding else 0,
+        kernels=ctx.backend.kernels,
+    )
+    if layer < a.n_dense_lead:
+        ffn = ctx.feed_forward(layer)
+    else:
+        ffn = ctx.routed_experts(layer, shared=f"{p}.ffn_gate_shexp.weight" in ctx.weights)
+    return SandwichBlock(
+        ctx.norm(f"{p}.attn_norm.weight"),
+        attn,
+        ctx.norm(f"{p}.post_attention_norm.weight"),
+        ctx.norm(f"{p}.ffn_norm.weight"),
+        ffn,
+        ctx.norm(f"{p}.post_ffw_norm.weight"),
+    )

@@ -1,0 +1,62 @@
+"""Liquid AI's LFM2 MoE (LFM2-8B-A1B, LFM2-24B-A2B), as llama.cpp's lfm2 graph (src/models/lfm2.cpp) computes it
+for lfm2moe files.
+
+A layer whose head_count_kv is 0 mixes tokens with LFM2's gated short convolution (layers/short_conv.py, its state
+kept per sequence); the others are GQA with per-head Q/K RMSNorm and NeoX RoPE. FFN: leading dense SwiGLU layers,
+then the file's gating function (llama.cpp refuses a file without one) with exp_probs_b, top-k renormalised and
+never scaled. The final norm is stored as token_embd_norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeprep.errors import MoeprepError
+from moeprep.gguf.reader import GGUFModel
+from moerun.config import ModelArgs
+from moerun.layers import Attention, Block
+from moerun.layers.short_conv import ShortConv
+from moerun.models.base import BuildContext
+
+
+def read_args(g: GGUFModel) -> ModelArgs:
+    arch = g.arch
+    for key in ("expert_gating_func", "shortconv.l_cache"):
+        if g.get(f"{arch}.{key}") is None:
+            raise MoeprepError(f"{g.path}: metadata key {arch}.{key} is missing; is this a complete {arch} GGUF?")
+    fixed = {"rope_style": "neox", "expert_weights_norm": True, "expert_weights_scale": 0.0, "sliding_window": 0}
+    return ModelArgs.from_gguf(g, fixed=fixed, kv_heads_vary=True)
+
+
+def build_block(ctx: BuildContext, layer: int) -> Block:
+    a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
+    n_kv = a.kv_heads_by_layer[layer]
+    if n_kv == 0:  # a short-convolution layer
+        mixer: torch.nn.Module = ShortConv(
+            in_proj=ctx.linear(f"{p}.shortconv.in_proj"),
+            conv=w.dense(f"{p}.shortconv.conv.weight", torch.float32),
+            out_proj=ctx.linear(f"{p}.shortconv.out_proj"),
+            n_seq=ctx.n_seq,
+        )
+    else:
+        if a.head_dim != a.v_head_dim:
+            raise MoeprepError(f"{w.gguf.path}: lfm2moe needs key_length == value_length")
+        mixer = Attention(
+            wq=ctx.linear(f"{p}.attn_q"),
+            wk=ctx.linear(f"{p}.attn_k"),
+            wv=ctx.linear(f"{p}.attn_v"),
+            wo=ctx.linear(f"{p}.attn_output"),
+            rope=ctx.rope(),
+            cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim),
+            n_heads=a.n_heads,
+            n_kv_heads=n_kv,
+            head_dim=a.head_dim,
+            v_head_dim=a.v_head_dim,
+            scale=1.0 / math.sqrt(a.head_dim),
+            q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
+            k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
+            kernels=ctx.backend.kernels,
+        )
+    ffn = ctx.feed_forward(layer) if layer < a.n_dense_lead else ctx.routed_experts(layer)
+    return ctx.block(layer, mixer, ffn)
