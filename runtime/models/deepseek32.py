@@ -165,7 +165,8 @@ class SparseMLA(nn.Module):
         return self.mla(x, step)
 
 
-def build_block(ctx: BuildContext, layer: int) -> Block:
+def indexed_mla(ctx: BuildContext, layer: int) -> MLAttention:
+    """The absorbed MLA of a DSA block, with the q LoRA its indexer reads."""
     args = ctx.args
     mla = MLAttention(
         ctx,
@@ -174,6 +175,12 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
         ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank),
     )
     if mla.wq_a is None:
-        raise MoeprepError(f"{ctx.weights.gguf.path}: deepseek32 needs the q LoRA (attn_q_a): its indexer reads it")
+        g = ctx.weights.gguf
+        raise MoeprepError(f"{g.path}: {g.arch} needs the q LoRA (attn_q_a): its indexer reads it")
+    return mla
+
+
+def build_block(ctx: BuildContext, layer: int) -> Block:
+    mla = indexed_mla(ctx, layer)
     indexer = TopKIndexer(ctx, layer, mla.wq_a, mla.q_a_norm)
     return ctx.block(layer, SparseMLA(mla, indexer, Selection()), ctx.ffn(layer))

@@ -13,9 +13,8 @@ from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
 from moerun.layers import Block
 from moerun.models.base import BuildContext
-from moerun.models.deepseek2 import MLAttention, rope_attn_factor
 from moerun.models.deepseek2 import read_args as deepseek2_args
-from moerun.models.deepseek32 import Selection, SparseMLA, TopKIndexer
+from moerun.models.deepseek32 import Selection, SparseMLA, TopKIndexer, indexed_mla
 
 LONG_CONTEXT = 1 << 20  # from this training context on, files without indexer types have GLM-5.2's layout
 
@@ -53,16 +52,8 @@ def indexer_sources(g: GGUFModel, n_blocks: int) -> list[int]:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    args = ctx.args
-    mla = MLAttention(
-        ctx,
-        layer,
-        ctx.rope(attn_factor=rope_attn_factor(args)),
-        ctx.kv_cache(1, args.kv_lora_rank + args.rope_dim, args.kv_lora_rank),
-    )
-    if mla.wq_a is None:
-        raise MoeprepError(f"{ctx.weights.gguf.path}: glm-dsa needs the q LoRA (attn_q_a): its indexer reads it")
-    source = indexer_sources(ctx.weights.gguf, args.n_layers)[layer]
+    mla = indexed_mla(ctx, layer)
+    source = indexer_sources(ctx.weights.gguf, ctx.args.n_layers)[layer]
     indexer = TopKIndexer(ctx, layer, mla.wq_a, mla.q_a_norm, rope_style="normal") if source == layer else None
     selection = ctx.shared.setdefault(("dsa selection", source), Selection())  # one per indexer
     return ctx.block(layer, SparseMLA(mla, indexer, selection), ctx.ffn(layer))
