@@ -349,35 +349,49 @@ def _deepseek_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     return calls
 
 
-def _kimi_k2_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
-    calls = []
-    for body in _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>"):
-        call_id, sep, rest = body.partition("<|tool_call_argument_begin|>")
-        name = call_id.strip().removeprefix("functions.").rsplit(":", 1)[0]
-        call = _arguments_from(name, rest) if sep else None
-        if call is None:
-            break
-        calls.append(call)
-        if not call.complete:
-            break
-    return calls
+def _name_then_json(
+    start: str, end: str, sep: str, name_of: Callable[[str], str], missing: str
+) -> tuple[Callable[[str, dict[str, dict]], list[Call]], Callable[[str, dict[str, dict]], list[PartialCall]]]:
+    """(parse, stream) of a format whose calls are START name-part SEP {json arguments} END, one block per call;
+    name_of turns the text before SEP into the tool's name; `missing`: the error of a block without SEP."""
+
+    def parse(text: str, tools: dict[str, dict]) -> list[Call]:
+        calls = []
+        for body in _blocks(text, start, end):
+            head, found, arguments = body.partition(sep)
+            if not found:
+                raise ValueError(missing)
+            calls.append((name_of(head), _json_object(arguments.strip())))
+        return calls
+
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        calls = []
+        for body in _blocks(text, start, end):
+            head, found, rest = body.partition(sep)
+            call = _arguments_from(name_of(head), rest) if found else None
+            if call is None:
+                break
+            calls.append(call)
+            if not call.complete:
+                break
+        return calls
+
+    return parse, stream
+
+
+# <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>, in a section (Kimi K2)
+_kimi_k2, _kimi_k2_stream = _name_then_json(
+    "<|tool_call_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_call_argument_begin|>",
+    lambda head: head.strip().removeprefix("functions.").rsplit(":", 1)[0],
+    "a Kimi tool call without its arguments",
+)
 
 
 def harmony_arguments(name: str, body: str) -> PartialCall | None:
     """A harmony message to functions.NAME, its text as far as written: the call once its JSON has begun."""
     return _arguments_from(name, body)
-
-
-def _kimi_k2(text: str, tools: dict[str, dict]) -> list[Call]:
-    """<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>, in a section."""
-    calls = []
-    for body in _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>"):
-        call_id, sep, arguments = body.partition("<|tool_call_argument_begin|>")
-        if not sep:
-            raise ValueError("a Kimi tool call without its arguments")
-        name = call_id.strip().removeprefix("functions.").rsplit(":", 1)[0]
-        calls.append((name, _json_object(arguments.strip())))
-    return calls
 
 
 def _invoke_xml(
@@ -530,28 +544,10 @@ def _tool_calls_json_stream(text: str, tools: dict[str, dict]) -> list[PartialCa
         at = after
 
 
-def _functionary(text: str, tools: dict[str, dict]) -> list[Call]:
-    """<function=NAME>{...}</function>, one per call (functionary v3.1)."""
-    calls = []
-    for body in _blocks(text, "<function=", "</function>"):
-        name, sep, arguments = body.partition(">")
-        if not sep:
-            raise ValueError("a <function= without its '>'")
-        calls.append((name.strip(), _json_object(arguments.strip())))
-    return calls
-
-
-def _functionary_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
-    calls = []
-    for body in _blocks(text, "<function=", "</function>"):
-        name, sep, arguments = body.partition(">")
-        call = _arguments_from(name.strip(), arguments) if sep else None
-        if call is None:
-            break
-        calls.append(call)
-        if not call.complete:
-            break
-    return calls
+# <function=NAME>{...}</function>, one per call (functionary v3.1)
+_functionary, _functionary_stream = _name_then_json(
+    "<function=", "</function>", ">", str.strip, "a <function= without its '>'"
+)
 
 
 GEMMA_QUOTE = '<|"|>'  # Gemma 4's string delimiter, both ends
