@@ -29,6 +29,19 @@ GATING_SOFTMAX_WEIGHT = 3
 PLAIN_MOE: dict[str, Any] = {"expert_weights_scale": 0.0, "gating": GATING_SOFTMAX, "n_dense_lead": 0}
 
 
+def missing_key(g: GGUFModel, key: str) -> MoeprepError:
+    """The error of a metadata key (its full name) a complete file of g's architecture has."""
+    return MoeprepError(f"{g.path}: metadata key {key} is missing; is this a complete {g.arch} GGUF?")
+
+
+def required_key(g: GGUFModel, key: str) -> Any:
+    """The value of metadata key `key` (its full name), refused in one line where the file lacks it."""
+    value = g.get(key)
+    if value is None:
+        raise missing_key(g, key)
+    return value
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     arch: str
@@ -117,9 +130,7 @@ class ModelArgs:
         def need(key: str) -> Any:
             value = get(key, "", None)
             if value is None:
-                raise MoeprepError(
-                    f"{g.path}: metadata key {key.format(arch=arch)} is missing; is this a complete {arch} GGUF?"
-                )
+                raise missing_key(g, key.format(arch=arch))
             return value
 
         dim, n_heads = int(need(LLM.EMBEDDING_LENGTH)), int(need(ATT.HEAD_COUNT))

@@ -22,7 +22,7 @@ from torch import nn
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
-from moerun.config import ModelArgs
+from moerun.config import ModelArgs, required_key
 from moerun.layers import Block, Linear, RMSNorm, Rope
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import MLAttention, rope_attn_factor
@@ -60,13 +60,7 @@ class TopKIndexer(nn.Module):
         g, w, p = ctx.weights.gguf, ctx.weights, f"blk.{layer}.indexer"
 
         def key(name: str) -> int:
-            value = g.get(f"{g.arch}.attention.indexer.{name}")
-            if value is None:
-                raise MoeprepError(
-                    f"{g.path}: metadata key {g.arch}.attention.indexer.{name} is missing; "
-                    f"is this a complete {g.arch} GGUF?"
-                )
-            return int(value)
+            return int(required_key(g, f"{g.arch}.attention.indexer.{name}"))
 
         self.n_heads, self.head_size, self.top_k = key("head_count"), key("key_length"), key("top_k")
         self.k, self.q, self.proj = ctx.linear(f"{p}.attn_k"), ctx.linear(f"{p}.attn_q_b"), ctx.linear(f"{p}.proj")

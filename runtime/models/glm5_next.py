@@ -35,7 +35,7 @@ from torch import nn
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
-from moerun.config import GATING_SIGMOID, ModelArgs
+from moerun.config import GATING_SIGMOID, ModelArgs, required_key
 from moerun.hooks import Hooks
 from moerun.layers import Activation, Linear, MoE, RMSNorm
 from moerun.layers.delta_rule import delta_rule_chunked, delta_rule_recurrent
@@ -82,10 +82,7 @@ class Glm5NextArgs:
             return tuple(float(v) for v in value) if isinstance(value, list) else (float(value),) * n_blocks
 
         def need(name: str) -> object:
-            value = g.get(key(name))
-            if value is None:
-                raise MoeprepError(f"{g.path}: metadata key {key(name)} is missing; is this a complete glm5-next GGUF?")
-            return value
+            return required_key(g, key(name))
 
         clamp_exp = per_block("swiglu_clamp_exp", 0.0)
         dsa = tuple(bool(n) for n in need("attention.head_count_kv"))

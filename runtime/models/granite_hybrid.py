@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
-from moerun.config import PLAIN_MOE, ModelArgs
+from moerun.config import PLAIN_MOE, ModelArgs, required_key
 from moerun.layers import Block
 from moerun.layers.mamba2 import Mamba2
 from moerun.models.base import BuildContext
@@ -42,12 +41,7 @@ def mamba2_mixer(ctx: BuildContext, layer: int) -> Mamba2:
     g, w, p = ctx.weights.gguf, ctx.weights, f"blk.{layer}"
 
     def key(name: str) -> int:
-        value = g.get(f"{g.arch}.ssm.{name}")
-        if value is None:
-            raise MoeprepError(
-                f"{g.path}: metadata key {g.arch}.ssm.{name} is missing; is this a complete {g.arch} GGUF?"
-            )
-        return int(value)
+        return int(required_key(g, f"{g.arch}.ssm.{name}"))
 
     conv = w.dense(f"{p}.ssm_conv1d.weight", torch.float32)
     return Mamba2(

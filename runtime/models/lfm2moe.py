@@ -14,7 +14,7 @@ import torch
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
-from moerun.config import ModelArgs
+from moerun.config import ModelArgs, required_key
 from moerun.layers import Attention, Block
 from moerun.layers.short_conv import ShortConv
 from moerun.models.base import BuildContext
@@ -23,8 +23,7 @@ from moerun.models.base import BuildContext
 def read_args(g: GGUFModel) -> ModelArgs:
     arch = g.arch
     for key in ("expert_gating_func", "shortconv.l_cache"):
-        if g.get(f"{arch}.{key}") is None:
-            raise MoeprepError(f"{g.path}: metadata key {arch}.{key} is missing; is this a complete {arch} GGUF?")
+        required_key(g, f"{arch}.{key}")
     fixed = {"rope_style": "neox", "expert_weights_norm": True, "expert_weights_scale": 0.0, "sliding_window": 0}
     return ModelArgs.from_gguf(g, fixed=fixed, kv_heads_vary=True)
 

@@ -12,9 +12,8 @@ import math
 import torch
 from torch import nn
 
-from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
-from moerun.config import PLAIN_MOE, ModelArgs
+from moerun.config import PLAIN_MOE, ModelArgs, required_key
 from moerun.layers import Block, Linear
 from moerun.layers.delta_net import GatedDeltaNet
 from moerun.layers.gated_attention import GatedAttention
@@ -53,12 +52,7 @@ def delta_net(ctx: BuildContext, layer: int, project: nn.Module, grouped_heads: 
     g, w, p = ctx.weights.gguf, ctx.weights, f"blk.{layer}"
 
     def key(name: str) -> int:
-        value = g.get(f"{g.arch}.ssm.{name}")
-        if value is None:
-            raise MoeprepError(
-                f"{g.path}: metadata key {g.arch}.ssm.{name} is missing; is this a complete {g.arch} GGUF?"
-            )
-        return int(value)
+        return int(required_key(g, f"{g.arch}.ssm.{name}"))
 
     d_state, n_k, n_v, d_inner = key("state_size"), key("group_count"), key("time_step_rank"), key("inner_size")
     conv = w.dense(f"{p}.ssm_conv1d.weight", torch.float32)
