@@ -114,6 +114,24 @@ class TopKIndexer(nn.Module):
         return scores.masked_fill(~step.mask(), float("-inf"))
 
 
+def shared_indexer_sources(types: list[int], dsa: list[bool], where: str) -> list[int | None]:
+    """For each block, the DSA block whose indexer's selection it attends over (attention.indexer.types: 1, its own;
+    0, the last DSA block before it with one; blocks past the list have their own); None for a block without DSA.
+    A sharing block with no such block before it is refused in one line."""
+    full = list(types) + [1] * len(dsa)
+    sources, last = [], None
+    for il, is_dsa in enumerate(dsa):
+        if is_dsa and full[il]:
+            last = il
+        elif is_dsa and last is None:
+            raise MoeprepError(
+                f"{where}: DSA block {il} shares the indexer of an earlier DSA block, and there "
+                f"is none (attention.indexer.types = {list(types)})"
+            )
+        sources.append(last if is_dsa else None)
+    return sources
+
+
 class Selection:
     """What a DSA block's indexer selected in the current step, for the DSA blocks after it that share its indexer
     (attention.indexer.types 0: they have no indexer tensors and attend to the same positions, as in llama.cpp).

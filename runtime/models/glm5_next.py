@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs, required_key
 from moerun.hooks import Hooks
@@ -41,7 +40,7 @@ from moerun.layers import Activation, Linear, MoE, RMSNorm
 from moerun.layers.delta_rule import delta_rule_chunked, delta_rule_recurrent
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import MLAttention, rope_attn_factor
-from moerun.models.deepseek32 import Selection, SparseMLA
+from moerun.models.deepseek32 import Selection, SparseMLA, shared_indexer_sources
 from moerun.step import Step
 from moerun.weights import Weights
 
@@ -86,19 +85,8 @@ class Glm5NextArgs:
 
         clamp_exp = per_block("swiglu_clamp_exp", 0.0)
         dsa = tuple(bool(n) for n in need("attention.head_count_kv"))
-        # 1: the block has its own indexer; 0: it reuses the selection of the last DSA block before it that has one.
-        # The key lists the trunk blocks; the NextN blocks always have their own.
-        full = list(g.get(key("attention.indexer.types"), [])) + [1] * n_blocks
-        source, last = [], None
-        for il, is_dsa in enumerate(dsa):
-            if is_dsa and full[il]:
-                last = il
-            elif is_dsa and last is None:
-                raise MoeprepError(
-                    f"{g.path}: DSA block {il} shares the indexer of an earlier DSA block, and there "
-                    f"is none (attention.indexer.types = {g.get(key('attention.indexer.types'))})"
-                )
-            source.append(last if is_dsa else None)
+        # the key lists the trunk blocks; the NextN blocks always have their own indexer
+        source = shared_indexer_sources(g.get(key("attention.indexer.types"), []), list(dsa), str(g.path))
         lower_bound = g.get(key("kda.gate_lower_bound"))
         return cls(
             dsa_layers=dsa,

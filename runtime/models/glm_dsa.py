@@ -14,7 +14,7 @@ from moerun.config import GATING_SIGMOID, ModelArgs
 from moerun.layers import Block
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import read_args as deepseek2_args
-from moerun.models.deepseek32 import Selection, SparseMLA, TopKIndexer, indexed_mla
+from moerun.models.deepseek32 import Selection, SparseMLA, TopKIndexer, indexed_mla, shared_indexer_sources
 
 LONG_CONTEXT = 1 << 20  # from this training context on, files without indexer types have GLM-5.2's layout
 
@@ -38,17 +38,7 @@ def indexer_sources(g: GGUFModel, n_blocks: int) -> list[int]:
         raise MoeprepError(
             f"{g.path}: {g.arch}.attention.indexer.types lists {len(types)} blocks; the model has {n_blocks}"
         )
-    sources, last = [], None
-    for il in range(n_blocks):
-        if types[il]:
-            last = il
-        elif last is None:
-            raise MoeprepError(
-                f"{g.path}: block {il} shares the indexer of an earlier block ({g.arch}.attention.indexer.types), "
-                "but no block before it has one"
-            )
-        sources.append(last)
-    return sources
+    return shared_indexer_sources(types, [True] * n_blocks, str(g.path))
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:

@@ -37,7 +37,10 @@ def test_without_types_a_long_context_takes_the_released_layout():
 
 @pytest.mark.parametrize(
     ("types", "message"),
-    [([0, 1, 1], "block 0 shares the indexer of an earlier block"), ([1, 0], "lists 2 blocks; the model has 3")],
+    [
+        ([0, 1, 1], "DSA block 0 shares the indexer of an earlier DSA block, and there is none"),
+        ([1, 0], "lists 2 blocks; the model has 3"),
+    ],
 )
 def test_a_layout_llama_cpp_cannot_run_is_refused_in_one_line(types, message):
     with pytest.raises(MoeprepError, match=message) as e:
