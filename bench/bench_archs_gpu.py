@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def main() -> None:
     archs = args.archs.split(",") if args.archs else sorted(ARCHS)
     unknown = sorted(set(archs) - set(ARCHS))
     if unknown:
-        raise SystemExit(f"error: moerun does not run {', '.join(unknown)}; it runs {', '.join(sorted(ARCHS))}")
+        print(f"error: moerun does not run {', '.join(unknown)}; it runs {', '.join(sorted(ARCHS))}", file=sys.stderr)
+        sys.exit(2)
     folder = Path(args.outdir)
     folder.mkdir(parents=True, exist_ok=True)
     text = CALIBRATION_PATH.read_text()

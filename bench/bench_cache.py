@@ -104,6 +104,12 @@ def routing_args(args) -> dict:
     return {"routing": read_trace(args.routing), "routing_name": args.routing} if args.routing else {}
 
 
+def refuse(message: str) -> None:
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -127,7 +133,7 @@ def main() -> None:
         if args.routing:
             read_trace(args.routing)  # a damaged or foreign trace: refused before any model is loaded
     except MoeprepError as e:
-        sys.exit(f"error: {e}")
+        refuse(str(e))
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
     if args.setting:
         result = run_setting(args, args.setting, text)
@@ -137,10 +143,10 @@ def main() -> None:
     settings = args.settings.split(",") if args.settings else ALL_SETTINGS if args.warm_text else ("resident", "cold")
     unknown = sorted(set(settings) - set(ALL_SETTINGS))
     if unknown:
-        sys.exit(f"error: unknown settings {', '.join(unknown)}; choose from {', '.join(ALL_SETTINGS)}")
+        refuse(f"unknown settings {', '.join(unknown)}; choose from {', '.join(ALL_SETTINGS)}")
     warm = any(SETTINGS[name][0] for name in settings if name in SETTINGS)
     if warm and not (args.warm_text or args.routing):
-        sys.exit("error: the warm settings need --warm-text (or a --routing trace to count over)")
+        refuse("the warm settings need --warm-text (or a --routing trace to count over)")
     results, usage = {}, None
     if warm and args.routing:
         from moeprep.gguf.reader import open_gguf
@@ -152,7 +158,7 @@ def main() -> None:
                 read_trace(args.routing), identity.n_layer, identity.moe_layers, args.prompt + args.gen
             )
         except MoeprepError as e:
-            sys.exit(f"error: {e}")
+            refuse(str(e))
         warm = False  # counted: the resident model is not needed for them
     if "resident" in settings or warm:
         resident = moerun.load_model(args.model, device="cuda", n_ctx=max(args.prompt + args.gen + 8, 520))

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
+from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.profile.identity import identify_model
 
@@ -65,7 +67,12 @@ def main() -> None:
     ap.add_argument("--vram", type=float, default=936.0, help="GB/s of GPU memory")
     ap.add_argument("--peer-gpu-tg", type=float, help="llama-bench -ngl 99 tg tok/s on the GPU machine (its step)")
     args = ap.parse_args()
-    expert, dense, layers, _, top_k = model_bytes(args.model)
+    try:
+        expert, dense, layers, _, top_k = model_bytes(args.model)
+        results = {path: json.loads(Path(path).read_text()) for path in args.results}
+    except (OSError, ValueError, MoeprepError) as e:  # a missing or foreign file: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     peer_cpu = args.peer_cpu_layers * top_k * expert / args.ram / 1e6
     peer_gpu = (dense + (layers - args.peer_cpu_layers) * top_k * expert) / args.vram / 1e6
     if args.peer_gpu_tg:
@@ -75,8 +82,8 @@ def main() -> None:
     print(f"llama.cpp --n-cpu-moe {args.peer_cpu_layers} on the seed box, estimated: {peer:.1f} tok/s")
     print("| results | setting | hit rate | GPU ms | bus ms | CPU ms | tok/s, estimated | against the split |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for path in args.results:
-        for setting, result in json.loads(Path(path).read_text()).items():
+    for path, settings in results.items():
+        for setting, result in settings.items():
             report = result.get("cache_decode")
             if not report:
                 continue

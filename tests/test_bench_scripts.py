@@ -104,3 +104,22 @@ def test_bench_cache_warms_from_the_trace_chunks_it_does_not_replay():
     lone = TraceFile(ids=ids[10:22], starts=np.array([0, 12]), n_expert=4)
     with pytest.raises(Exception, match="no chunk besides the replayed one"):
         bench_cache.trace_counts(lone, 3, (1, 2), 12)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench/seed_box.py", "missing.gguf", "results.json"], "missing.gguf"),
+        (["bench/bench_archs_gpu.py", "out", "--archs", "nope"], "moerun does not run nope"),
+        (
+            ["bench/bench_cache.py", "bench/models/bench-qwen3moe-q4k.gguf", "--budget", "1G", "-f", "README.md"]
+            + ["--routing", "missing.npz"],
+            "no such routing trace",
+        ),
+    ],
+)
+def test_bench_scripts_refuse_bad_input_in_one_line(argv, message):
+    result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not (ROOT / "out").exists()
