@@ -13,6 +13,7 @@ prefill, warm-up and decode see the trace's routing in its order, and the cache'
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -129,11 +130,15 @@ def _run(model, n_prompt: int, n_gen: int, tokens: torch.Tensor, warmup: bool) -
 def _warm_up(model, tokens: torch.Tensor, n_prompt: int) -> None:
     """A prefill as long as the test's (Triton compiles a kernel per shape: a 512-token prompt's first run spends
     seconds compiling) over the prompt reversed, so its routing is not the test's own, and two decode steps in the
-    decode test's KV bucket; the tests overwrite what they write to the KV cache."""
-    model.forward(tokens[: max(n_prompt, WARMUP_TOKENS)].flip(0), 0, last_only=True)
-    for i in range(2):
-        model.decode(int(tokens[i]), n_prompt + i)
-    model.synchronize()
+    decode test's KV bucket; the tests overwrite what they write to the KV cache. The expert cache's policy does not
+    see these steps: a cold cache starts the prompt empty, and a replayed trace's routing (taken by position) is not
+    taught to the policy twice, which would make its experts look reused."""
+    cache = model.expert_cache
+    with cache.pause() if cache is not None else contextlib.nullcontext():
+        model.forward(tokens[: max(n_prompt, WARMUP_TOKENS)].flip(0), 0, last_only=True)
+        for i in range(2):
+            model.decode(int(tokens[i]), n_prompt + i)
+        model.synchronize()
 
 
 def _reset(model) -> None:

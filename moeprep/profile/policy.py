@@ -9,9 +9,10 @@ independent caches ("rows") over E experts each, stepped together; the runtime u
 hit rate is the runtime's.
 
 A step, as the runtime runs it: the step's tokens look up their experts in the residency at the step's start (the
-forward cannot wait for an upload); then the policy counts the uses, and `plan` chooses at most `free` uploads,
-which land before the next step. Candidates are the step's missed experts (and, while slots are still empty, the
-best-known others). They are taken best first, at most `free`: each goes into an empty slot, or replaces the
+forward cannot wait for an upload); then the policy counts the uses, and `plan` chooses its uploads, which land
+before the next step. Candidates are the step's missed experts (and, while slots are still empty, the best-known
+others). They are taken best first, at most `free` beyond the row's empty slots (so a cold cache fills in its first
+step, a prompt's, not `free` experts a step): each goes into an empty slot, or replaces the
 lowest-priority resident when it has a higher priority and the policy admits it. So after a plan a row holds, of
 its residents and the admitted candidates, the S of highest priority. A policy is its priority (which experts to
 keep) and its admission test (whether a candidate may replace that victim).
@@ -154,8 +155,9 @@ class Replacement:
         self.tokens[rows] += n_t
 
     def plan_rows(self, rows: np.ndarray, free: int | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Uploads for `rows`, at most `free` each (None: no cap). -> (placed [R, J], victims [R, J]) expert ids,
-        -1 where nothing went in or an empty slot was filled. Updates `cached`; clears `pending`."""
+        """Uploads for `rows`, at most `free` each beyond their empty slots (None: no cap). -> (placed [R, J],
+        victims [R, J]) expert ids, -1 where nothing went in or an empty slot was filled. Updates `cached`; clears
+        `pending`."""
         n_r = len(rows)
         cached = self.cached[rows]
         n_empty = np.maximum(self.slots[rows] - cached.sum(axis=1), 0)
@@ -175,8 +177,9 @@ class Replacement:
         order = np.lexsort((-prio[r, e], r))
         r, e = r[order], e[order]
         j = np.arange(len(r)) - np.searchsorted(r, r)  # rank within the row
-        if free is not None:
-            keep = j < np.broadcast_to(np.asarray(free), (n_r,))[sub][r]
+        if free is not None:  # the cap bounds evictions: while a row has empty slots, filling them costs no hit
+            cap = np.broadcast_to(np.asarray(free), (n_r,))[sub] + n_empty[sub]
+            keep = j < cap[r]
             r, e, j = r[keep], e[keep], j[keep]
         n_j = int(j.max(initial=-1)) + 1
         cand = np.full((len(sub), n_j), -1, np.int64)

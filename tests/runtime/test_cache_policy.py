@@ -127,7 +127,7 @@ class Reference:
             : max(n_empty, 0)
         ]
         pool = sorted(misses + fillers, key=self.prio, reverse=True)
-        pool = pool[: self.free] if self.free is not None else pool
+        pool = pool[: self.free + max(n_empty, 0)] if self.free is not None else pool  # empty slots are not capped
         uploads = 0
         for c in pool:
             victim = None
@@ -160,8 +160,25 @@ def test_batched_policy_matches_reference(name: str, free: int | None) -> None:
         want = np.array([ref.step(tok) for tok in stream])
         assert (r.hits[row] == want[:, 0]).all(), (name, s, np.flatnonzero(r.hits[row] != want[:, 0])[:5])
         assert (r.uploads[row] == want[:, 1]).all(), (name, s)
-        if free is not None:
-            assert r.uploads[row].max() <= free
+        if free is not None:  # the cap bounds evictions: once the slots are full (caches never shrink), `free` a step
+            full = np.cumsum(r.uploads[row]) - r.uploads[row] >= s
+            assert r.uploads[row][full].max(initial=0) <= free and r.uploads[row].max() <= free + s
+
+
+@pytest.mark.parametrize("name", ["lru", "payback"])
+def test_an_empty_cache_fills_in_one_step_beyond_the_cap(name: str) -> None:
+    """A prompt's step on a cold cache: every slot it can fill is filled at once, while evictions stay capped."""
+    n_expert, k, slots, free = 32, 4, 12, 2
+    policy = make_policy(name, [slots], n_expert, k)
+    prompt = np.arange(40)[:, None] * 3 % n_expert + np.arange(k)[None, :]  # 40 tokens touching 32 experts
+    policy.observe(0, prompt % n_expert)
+    table = np.full(slots, -1)
+    uploads = policy.plan(0, table.copy(), free)
+    assert len(uploads) == slots and len({s for s, _ in uploads}) == slots
+    for slot, expert in uploads:
+        table[slot] = expert
+    policy.observe(0, np.array([[e for e in range(n_expert) if e not in table][:k]]))  # four misses
+    assert len(policy.plan(0, table.copy(), free)) <= free
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -180,7 +197,8 @@ def test_runtime_calls_equal_the_replay(name: str) -> None:
             assert np.isin(step, table[layer]).sum() == want[layer, t]
             policy.observe(layer, step[None])
             uploads = policy.plan(layer, table[layer].copy(), free)
-            assert len(uploads) <= free and len({s for s, _ in uploads}) == len(uploads)
+            n_empty = int((table[layer] < 0).sum())
+            assert len(uploads) <= free + n_empty and len({s for s, _ in uploads}) == len(uploads)
             for slot, expert in uploads:
                 assert expert not in table[layer]
                 table[layer][slot] = expert

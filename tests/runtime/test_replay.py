@@ -79,6 +79,19 @@ def test_cache_hits_on_a_replayed_trace_are_the_policy_replays(model_path):
     assert np.allclose(rates[0, 0, 0] * n_gen * n_k, got)
 
 
+def test_the_bench_warm_up_leaves_a_cold_cache_cold(model_path):
+    """The warm-up runs the prompt's positions, so a replayed trace's routing, once before the timed prompt: the
+    policy must not see it, or the prompt's experts would look reused and a cold cache would start warm."""
+    stats = []
+    for warmup in (False, True):
+        config = CacheConfig(budgets=BUDGET, slots_per_layer=4, policy="payback")
+        model = moerun.load_model(model_path, cache=config)
+        run_bench(model, 16, 24, warmup=warmup, routing=trace_for(model))
+        stats.append((model.expert_cache.stats.hits.tolist(), model.expert_cache.stats.uploads))
+    assert stats[0] == stats[1]
+    assert sum(stats[0][0]) > 0
+
+
 def test_cli_bench_replays_and_refuses_another_shape(model_path, tmp_path):
     model = moerun.load_model(model_path)
     good = tmp_path / "good.npz"
