@@ -5,11 +5,12 @@ token are turned into expert traffic at a machine's bus and CPU expert speeds, n
 the same VRAM (at llama.cpp's CPU expert speed).
 
     python bench/bench_cache_plan.py [--model bench/models/bench-qwen3moe-q4k.gguf] [--gbps 48,7.4,60] [-n 256]
-                                     [--json OUT]
+                                     [--cold [--prompt 256]] [--json OUT]
 
 The model's shape (6 MoE layers, 32 experts, top-4) is every regime's here (regimes are generated for any shape);
 the warm-start counts come from the trace's other chunks (what a profile of other text gives), the decode replays
-its first chunk, and the plan's hit curves are measured on the trace itself (as `moerun bench --routing` does).
+its first chunk (with --cold: no counts, as without a profile, and the decode follows a prompt of --prompt tokens
+of the same chunk, which fills the empty cache), and the plan's hit curves are measured on the trace itself (as `moerun bench --routing` does).
 A CPU stands in for the GPU and streams its misses through the CPU's kernel, so the speeds are not a GPU's: the
 traffic column is the cost model's formula applied to the counts the runtime measured.
 """
@@ -39,7 +40,11 @@ SHARES = (0.10, 0.25, 0.50)
 CHUNK = 512
 
 
-def measure(model_path: Path, regime: str, share: float, plan: str, bw: Bandwidths, n_gen: int) -> dict:
+def measure(
+    model_path: Path, regime: str, share: float, plan: str, bw: Bandwidths, n_gen: int, n_prompt: int | None = None
+) -> dict:
+    """One plan at one share of one regime; n_prompt None: warm (counts from the trace's other chunks, no prompt),
+    else cold after a prompt of n_prompt tokens."""
     probe = moerun.load_model(model_path)
     a = describe_model(probe.gguf)
     geo = a.geometry
@@ -54,10 +59,11 @@ def measure(model_path: Path, regime: str, share: float, plan: str, bw: Bandwidt
     overhead = big - slot_room(a, [big])
     room = int(share * len(moe) * geo.n_expert * eb)
     options = replace(RuntimeOptions.from_environment(), stream_devices=frozenset({"cuda", "cpu"}))
-    config = CacheConfig(budgets=[overhead + room], usage=usage, plan=plan, bandwidths=bw, trace=t)
-    model = moerun.load_model(model_path, cache=config, n_ctx=n_gen + 8, options=options)
+    cold = n_prompt is not None
+    config = CacheConfig(budgets=[overhead + room], usage=None if cold else usage, plan=plan, bandwidths=bw, trace=t)
+    model = moerun.load_model(model_path, cache=config, n_ctx=(n_prompt or 0) + n_gen + 8, options=options)
     cache = model.expert_cache
-    run_bench(model, 0, n_gen, warmup=False, routing=t)
+    run_bench(model, n_prompt or 0, n_gen, warmup=False, routing=t)
     s = cache.stats
     lookups, hits = int(s.lookups.sum()), int(s.hits.sum())
     streamed, uploads = s.streamed, s.uploads
@@ -93,6 +99,8 @@ def main() -> None:
     )
     ap.add_argument("-n", "--n-gen", type=int, default=256)
     ap.add_argument("--regimes", default="all")
+    ap.add_argument("--cold", action="store_true", help="no warm-start counts; the decode follows a prompt")
+    ap.add_argument("--prompt", type=int, default=256, help="with --cold: the prompt's tokens (default 256)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     bw = Bandwidths(*(float(x) for x in args.gbps.split(",")))  # bus, moerun's CPU experts, llama.cpp's
@@ -110,7 +118,7 @@ def main() -> None:
     for regime in regimes:
         for share in SHARES:
             for plan in PLANS:
-                r = measure(args.model, regime, share, plan, bw, args.n_gen)
+                r = measure(args.model, regime, share, plan, bw, args.n_gen, args.prompt if args.cold else None)
                 rows.append(r)
                 print(
                     f"| {regime} | {share:.0%} | {plan} | {r['plan']} / {r['policy']} / {r['pinned']} | "

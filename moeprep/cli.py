@@ -236,6 +236,12 @@ main.add_command(routing)  # `moeprep routing`: traces of named regimes and thei
     "built into the weights (qwen3-30b, fine-512, skewed-256: `moeprep routing regimes`; docs/synth.md). Default: "
     "the preset's (bench-60g and qwen3-30b-a3b: qwen3-30b; others: random).",
 )
+@click.option(
+    "--chat-template",
+    is_flag=True,
+    help="Write a ChatML chat template with tool calls (<tool_call>{json}</tool_call>), so `moerun serve` can serve "
+    "the model to chat and tool-calling clients.",
+)
 def synth(
     out: str,
     arch: str,
@@ -250,6 +256,7 @@ def synth(
     fast_random_blocks: bool,
     n_vocab: int | None,
     routing: str | None,
+    chat_template: bool,
 ) -> None:
     """Write a synthetic MoE model (random weights, real tokenizer) that llama.cpp loads: test and demo fixtures."""
     from moeprep.synth import write_synth_model
@@ -269,6 +276,7 @@ def synth(
         fast_random_blocks=fast_random_blocks,
         n_vocab=n_vocab,
         routing=routing,
+        chat_template=chat_template,
     )
     click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")
 

@@ -6,19 +6,50 @@ smoke test of the installed package.
 
 from __future__ import annotations
 
+import json
 import shlex
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from moeprep.errors import MoeprepError
 
+SERVER_START_S = 300  # the first start on a fresh install compiles the CPU kernels
 
-def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
-    """(what the step shows, the command) in order; paths inside `folder`."""
+
+@dataclass
+class ServeStep:
+    """A server started with `argv` (a free port added), sent `requests` (path, JSON body) as a client would, then
+    stopped."""
+
+    argv: list[str]
+    requests: list[tuple[str, dict]]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def demo_steps(folder: Path) -> list[tuple[str, list[str] | ServeStep]]:
+    """(what the step shows, the command or the server step) in order; paths inside `folder`."""
     model = folder / "demo-qwen3moe.gguf"
     calibration = Path(__file__).parent / "data" / "calibration.txt"
     imatrix, quantized = folder / "demo.imatrix.gguf", folder / "demo-qwen3moe-attnQ4K.gguf"
@@ -27,8 +58,20 @@ def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
     calib = ["--dataset", str(calibration), "-c", "64", "--chunks", "6", "--holdout", "0.34"]
     return [
         (
-            "Write a small synthetic Qwen3-MoE model (skewed routing, byte-level BPE tokenizer)",
-            ["moeprep", "synth", str(model), "--arch", "qwen3moe", "--preset", "small", "--skew", "0.5"],
+            "Write a small synthetic Qwen3-MoE model (skewed routing, byte-level BPE tokenizer, a chat template with "
+            "tool calls)",
+            [
+                "moeprep",
+                "synth",
+                str(model),
+                "--arch",
+                "qwen3moe",
+                "--preset",
+                "small",
+                "--skew",
+                "0.5",
+                "--chat-template",
+            ],
         ),
         (
             "Inspect it: layers, experts, bytes per tensor role, and expert-cache slots on two 24 GB GPUs",
@@ -66,6 +109,32 @@ def demo_steps(folder: Path) -> list[tuple[str, list[str]]]:
         (
             "Generate with moeprep's own runtime on the requantized model",
             ["moerun", "-m", str(baked), "-p", "The expert cache", "-n", "16", "--seed", "0"],
+        ),
+        (
+            "Serve it over the OpenAI API and send two requests as a client would: a chat turn, and a forced tool "
+            "call (tool_choice required: a grammar makes the arguments valid JSON of the tool's schema; the synthetic "
+            "model's words are random)",
+            ServeStep(
+                ["moerun", "serve", "-m", str(baked), "--device", "cpu", "-c", "512", "-np", "2"],
+                [
+                    (
+                        "/v1/chat/completions",
+                        {
+                            "messages": [{"role": "user", "content": "What does an expert cache hold?"}],
+                            "max_tokens": 12,
+                        },
+                    ),
+                    (
+                        "/v1/chat/completions",
+                        {
+                            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                            "tools": [WEATHER_TOOL],
+                            "tool_choice": "required",
+                            "max_tokens": 128,  # room for the call's longest form: its city at most 24 characters
+                        },
+                    ),
+                ],
+            ),
         ),
         (
             "moerun bench with the expert cache warmed by the profile: 6 slots per layer of 16 experts (the CPU stands "
@@ -163,15 +232,81 @@ def run_demo(folder: Path) -> None:
     if folder.exists() and any(folder.iterdir()):
         raise MoeprepError(f"{folder}: not empty; give the demo a new or empty folder")
     folder.mkdir(parents=True, exist_ok=True)
-    for i, (title, argv) in enumerate(demo_steps(folder), 1):
+    for i, (title, step) in enumerate(demo_steps(folder), 1):
         click.secho(f"\n== step {i}: {title}", bold=True)
-        click.echo(f"$ {shlex.join(argv)}")
         start = time.perf_counter()
-        runner = [sys.executable, "-m", "moerun"] if argv[0] == "moerun" else [sys.executable, "-m", "moeprep"]
-        result = subprocess.run(runner + argv[1:], capture_output=True, text=True)
-        click.echo(result.stdout.rstrip())
-        if result.returncode != 0:
-            click.echo(result.stderr.rstrip(), err=True)
-            raise MoeprepError(f"demo step {i} ({argv[0]} {argv[1]}) failed with exit code {result.returncode}")
+        if isinstance(step, ServeStep):
+            run_serve_step(step, folder / "server.log", f"demo step {i}")
+        else:
+            click.echo(f"$ {shlex.join(step)}")
+            result = subprocess.run(_runner(step[0]) + step[1:], capture_output=True, text=True)
+            click.echo(result.stdout.rstrip())
+            if result.returncode != 0:
+                click.echo(result.stderr.rstrip(), err=True)
+                raise MoeprepError(f"demo step {i} ({step[0]} {step[1]}) failed with exit code {result.returncode}")
         click.secho(f"   ({time.perf_counter() - start:.1f} s)", dim=True)
     click.secho(f"\nDone. The demo's files are in {folder}", bold=True)
+
+
+def _runner(program: str) -> list[str]:
+    """The installed package's command line, run by this Python (the console scripts may not be on PATH)."""
+    return [sys.executable, "-m", "moerun" if program == "moerun" else "moeprep"]
+
+
+def run_serve_step(step: ServeStep, log: Path, what: str) -> list[dict]:
+    """Start the server on a free local port (its output to `log`), send the requests, print each answer's message,
+    stop the server. -> the answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [*step.argv, "--port", str(port)]
+    click.echo(f"$ {shlex.join(argv)} &")
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        server = subprocess.Popen(_runner(argv[0]) + argv[1:], stdout=out, stderr=subprocess.STDOUT)
+    answers = []
+    try:
+        _wait_for_health(server, base, log, what)
+        for path, body in step.requests:
+            click.echo(f"$ curl {base}{path} -d '{json.dumps(body)}'")
+            answers.append(_post(base + path, body, what))
+            choice = answers[-1]["choices"][0]
+            message = {k: v for k, v in choice["message"].items() if v is not None}
+            click.echo(json.dumps({"message": message, "finish_reason": choice["finish_reason"]}, indent=1))
+        return answers
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _wait_for_health(server: subprocess.Popen, base: str, log: Path, what: str) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise MoeprepError(f"{what}: the server exited with code {server.returncode}: {' / '.join(tail)}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:  # not listening yet (urllib's errors are OSErrors)
+            pass
+        time.sleep(0.5)
+    raise MoeprepError(f"{what}: the server did not answer /health within {SERVER_START_S} s (its log: {log})")
+
+
+def _post(url: str, body: dict, what: str) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise MoeprepError(f"{what}: {url} answered {e.code}: {e.read().decode(errors='replace')[:300]}") from None
+    except OSError as e:
+        raise MoeprepError(f"{what}: {url}: {e}") from None

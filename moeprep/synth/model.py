@@ -18,6 +18,7 @@ from moeprep.gguf.roles import TensorRole, parse_tensor_name, role_table, tensor
 from moeprep.gguf.writer import KVValue
 from moeprep.quant import registry
 from moeprep.synth.archs import ARCHS
+from moeprep.synth.chat import chat_metadata
 from moeprep.synth.config import SynthConfig, resolve_config
 from moeprep.synth.parts import ArchSpec, TensorSpec, model_metadata, model_tensors
 from moeprep.synth.routing import shape_routing
@@ -165,6 +166,7 @@ def write_synth_model(
     n_embd: int | None = None,
     n_ff_exp: int | None = None,
     fast_random_blocks: bool = False,
+    chat_template: bool = False,
     on_tensor: Callable[[str, int], None] | None = None,
     **overrides,
 ) -> Path:
@@ -173,6 +175,7 @@ def write_synth_model(
     expert_type / attn_type: F32 F16 BF16 Q8_0 Q4_0 Q4_K Q6_K MXFP4 (None: the preset's). attn_type covers every
     always-resident matrix: attention, shared experts, dense FFN layers. skew 0..1: uneven expert popularity.
     fast_random_blocks: quantized tensors as valid random blocks (no float weights; minutes for 17 GB).
+    chat_template: write a ChatML template with tool calls (moeprep/synth/chat.py), for serving the model.
     overrides: any SynthConfig field (head_dim, n_head_kv, mla_split, yarn, sliding_window, ...).
     on_tensor(name, n_bytes) is called after each tensor is written (progress bars)."""
     sizes = {
@@ -197,10 +200,14 @@ def write_synth_model(
     if not path.parent.is_dir():
         raise MoeprepError(f"{path.parent}: output folder does not exist")
     spec: ArchSpec = ARCHS[arch]
+    if chat_template and spec.tokenizer != "gpt2":
+        raise MoeprepError(f"--chat-template needs the byte-level BPE vocabulary; {arch} writes {spec.tokenizer}'s")
     tensors, types = planned_tensors(c)
 
     writer = GGUFWriter(path=None, arch=spec.name)
     metadata = general_metadata(c, types) | model_metadata(spec, c) | tokenizer_metadata(spec, c)
+    if chat_template:
+        metadata |= chat_metadata()
     for key, kv in metadata.items():
         writer.add_key_value(key, kv.value, kv.vtype, kv.sub_type)
     for t, qtype in zip(tensors, types):
