@@ -197,6 +197,8 @@ QUANTIZED = [
     ("smallthinker", "Q8_0"),
     ("lfm2moe", "Q8_0"),
     ("lfm2moe", "Q4_K"),
+    ("step35", "Q8_0"),
+    ("step35", "Q4_K"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
