@@ -143,7 +143,10 @@ STEP35 = Step35ArchSpec(
     | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp * c.n_expert_shared},
     checks=(
         (lambda c: c.rope_dim == c.head_dim, "step35 rotates whole heads on its sliding layers (rope_dim == head_dim)"),
-        (lambda c: c.head_dim % 4 == 0, "step35's full layers rotate half of each head: head_dim must be a multiple of 4"),
+        (
+            lambda c: c.head_dim % 4 == 0,
+            "step35's full layers rotate half of each head: head_dim must be a multiple of 4",
+        ),
         (lambda c: c.sliding_window > 0, "step35 needs a sliding window (its sliding layers)"),
         (
             lambda c: n_trunk(c) >= 3,

@@ -43,7 +43,9 @@ def read_args(g: GGUFModel) -> ModelArgs:
         raise MoeprepError(f"{g.path}: step35 with RoPE scaling ({args.rope_scaling}) is not supported")
     if args.rope_dim % 4:
         raise MoeprepError(f"{g.path}: step35's full layers rotate half of rope.dimension_count ({args.rope_dim})")
-    if len(args.swa_layers) != args.n_layers or not args.sliding_window:
+    pattern = g.get(f"{g.arch}.attention.sliding_window_pattern")
+    if not args.sliding_window or not isinstance(pattern, list) or len(pattern) < args.n_layers:
+        # llama.cpp's step35 loader requires both as well
         raise MoeprepError(
             f"{g.path}: step35 needs attention.sliding_window and a per-layer attention.sliding_window_pattern"
         )
@@ -94,6 +96,10 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
         return ctx.block(layer, attn, ctx.feed_forward(layer, activation=shared))
     routed = swiglu(per_layer(g, "swiglu_clamp_exp", a.n_layers)[layer])
     moe = MoE(
-        layer, ctx.router(layer), ctx.experts(layer, routed), ctx.hooks, shared=ctx.feed_forward(layer, "_shexp", shared)
+        layer,
+        ctx.router(layer),
+        ctx.experts(layer, routed),
+        ctx.hooks,
+        shared=ctx.feed_forward(layer, "_shexp", shared),
     )
     return ctx.block(layer, attn, moe)

@@ -242,6 +242,19 @@ def test_smallthinker_without_gating_function_is_refused(synth_model, tmp_path):
         moerun.load_model(path)
 
 
+@pytest.mark.parametrize("key", ["attention.sliding_window", "attention.sliding_window_pattern"])
+def test_step35_without_its_sliding_window_keys_is_refused(key, synth_model, tmp_path):
+    """llama.cpp's step35 loader requires the window and the per-layer pattern; so does moerun, in one line."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+
+    path = tmp_path / "no-window.gguf"
+    write_gguf(path, open_gguf(synth_model("step35")), kv_remove=[f"step35.{key}"])
+    with pytest.raises(MoeprepError, match="step35 needs attention.sliding_window and a per-layer"):
+        moerun.load_model(path)
+
+
 def test_smallthinker_without_sliding_window_matches_llama_cpp(synth_model, calibration_text, tmp_path):
     """The variant without attention.sliding_window: every layer full attention with RoPE (the synthetic file's
     layer 0 has none in the sliding-window variant, so a leftover NoPE layer shows)."""
