@@ -151,19 +151,22 @@ class ModelArgs:
         n_layers = int(need(LLM.BLOCK_COUNT)) - n_nextn
         n_kv_heads = int(get(ATT.HEAD_COUNT_KV, "n_kv_heads", n_heads))
         kv_list = g.get(ATT.HEAD_COUNT_KV.format(arch=arch))
+        heads = tuple(int(v) for v in head_list[:n_layers]) if isinstance(head_list, list) else (n_heads,) * n_layers
+        if isinstance(kv_list, list):
+            kv_heads = tuple(int(v) for v in kv_list[:n_layers])
+        elif kv_list is None and isinstance(head_list, list):  # llama.cpp: each layer's KV heads default to its heads
+            kv_heads = heads
+        else:
+            kv_heads = (n_kv_heads,) * n_layers
         values = dict(
             arch=arch,
             n_vocab=n_vocab,
             dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
-            heads_by_layer=(
-                tuple(int(v) for v in head_list[:n_layers]) if isinstance(head_list, list) else (n_heads,) * n_layers
-            ),
+            heads_by_layer=heads,
             n_kv_heads=n_kv_heads,
-            kv_heads_by_layer=(
-                tuple(int(v) for v in kv_list[:n_layers]) if isinstance(kv_list, list) else (n_kv_heads,) * n_layers
-            ),
+            kv_heads_by_layer=kv_heads,
             head_dim=head_dim,
             v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // first_heads)),
             n_ctx_train=n_ctx_train,

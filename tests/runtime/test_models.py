@@ -314,6 +314,23 @@ def test_gemma4_layer_without_router_matches_llama_cpp(synth_model, calibration_
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
 
 
+def test_step35_without_its_optional_tensors_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """llama.cpp's step35 loader takes rope_freqs, attn_gate and the Q/K norms where the file has them: without
+    them the full layers rotate with plain frequencies, no head is gated and Q/K are not normed."""
+    from moeprep.gguf.writer import copied_tensor
+
+    src = open_gguf(synth_model("step35", expert_type="F32", attn_type="F32"))
+    optional = ("rope_freqs", "attn_gate", "attn_q_norm", "attn_k_norm")
+    kept = [t for t in src.tensors if not any(part in t.name for part in optional)]
+    path = tmp_path / "plain.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in kept])
+    block = moerun.load_model(path).net.blocks[1].attn.attn
+    assert block.wgate is None and block.q_norm is None
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
 def test_granitehybrid_without_rope_matches_llama_cpp(synth_model, calibration_text, tmp_path):
     """rope.scaling.finetuned false: llama.cpp's granite loader reads it as no RoPE at all (Granite-4.0-H is NoPE)."""
     path = _with_keys(
