@@ -48,7 +48,8 @@ class ModelArgs:
     n_vocab: int
     dim: int  # D
     n_layers: int  # L, decoder blocks run (nextn/MTP blocks excluded)
-    n_heads: int  # H
+    n_heads: int  # H, the most any layer has
+    heads_by_layer: tuple[int, ...]  # per layer (step35's sliding and full layers differ)
     n_kv_heads: int  # the most any layer has
     kv_heads_by_layer: tuple[int, ...]  # per layer (mimo2's sliding and full layers differ)
     head_dim: int  # Dh for Q and K
@@ -107,18 +108,22 @@ class ModelArgs:
         fixed: dict[str, Any] | None = None,
         defaults: dict[str, Any] | None = None,
         kv_heads_vary: bool = False,
+        heads_vary: bool = False,
     ) -> ModelArgs:
         """Read the metadata of `g`. `defaults` fill keys the file lacks; `fixed` are arch facts that win over it.
         `kv_heads_vary`: the arch builds each layer with its own KV head count (kv_heads_by_layer), so a per-layer
-        head_count_kv need not be uniform."""
+        head_count_kv need not be uniform; `heads_vary`: the same for the query heads (head_count,
+        heads_by_layer)."""
         arch = g.arch
         defaults = defaults or {}
+        varying = {ATT.HEAD_COUNT_KV} if kv_heads_vary else set()
+        varying |= {ATT.HEAD_COUNT} if heads_vary else set()
 
         def get(key: str, field: str, default: Any) -> Any:
             value = g.get(key.format(arch=arch))
             if value is None:
                 return defaults.get(field, default)
-            if isinstance(value, list) and kv_heads_vary and key == ATT.HEAD_COUNT_KV:
+            if isinstance(value, list) and key in varying:
                 return max(value)
             if isinstance(value, list):  # per-layer arrays: supported when uniform over the layers that use them
                 used = [v for v in value if v] or [0]
@@ -134,7 +139,9 @@ class ModelArgs:
             return value
 
         dim, n_heads = int(need(LLM.EMBEDDING_LENGTH)), int(need(ATT.HEAD_COUNT))
-        head_dim = int(get(ATT.KEY_LENGTH, "head_dim", dim // n_heads))
+        head_list = g.get(ATT.HEAD_COUNT.format(arch=arch))
+        first_heads = int(head_list[0]) if isinstance(head_list, list) else n_heads  # llama.cpp's n_head()
+        head_dim = int(get(ATT.KEY_LENGTH, "head_dim", dim // first_heads))
         n_ctx_train = int(get(LLM.CONTEXT_LENGTH, "n_ctx_train", 4096))
         rope_base = float(get(ROPE.FREQ_BASE, "rope_base", 10000.0))
         n_nextn = int(get(LLM.NEXTN_PREDICT_LAYERS, "n_nextn_layers", 0))
@@ -144,18 +151,24 @@ class ModelArgs:
         n_layers = int(need(LLM.BLOCK_COUNT)) - n_nextn
         n_kv_heads = int(get(ATT.HEAD_COUNT_KV, "n_kv_heads", n_heads))
         kv_list = g.get(ATT.HEAD_COUNT_KV.format(arch=arch))
+        heads = tuple(int(v) for v in head_list[:n_layers]) if isinstance(head_list, list) else (n_heads,) * n_layers
+        if isinstance(kv_list, list):
+            kv_heads = tuple(int(v) for v in kv_list[:n_layers])
+        elif kv_list is None and isinstance(head_list, list):  # llama.cpp: each layer's KV heads default to its heads
+            kv_heads = heads
+        else:
+            kv_heads = (n_kv_heads,) * n_layers
         values = dict(
             arch=arch,
             n_vocab=n_vocab,
             dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
+            heads_by_layer=heads,
             n_kv_heads=n_kv_heads,
-            kv_heads_by_layer=(
-                tuple(int(v) for v in kv_list[:n_layers]) if isinstance(kv_list, list) else (n_kv_heads,) * n_layers
-            ),
+            kv_heads_by_layer=kv_heads,
             head_dim=head_dim,
-            v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // n_heads)),
+            v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // first_heads)),
             n_ctx_train=n_ctx_train,
             norm_eps=float(get(ATT.LAYERNORM_RMS_EPS, "norm_eps", 1e-6)),
             ffn_dim=ffn_dim,

@@ -4,7 +4,7 @@
 callback (llama_context_params.cb_eval), the int32 tensors `ffn_moe_topk-<layer>` that hold each token's chosen
 experts. Their bytes are read with libggml's ggml_backend_tensor_get, row by row since the tensor is a view.
 It also records each layer's output, the residual stream `l_out-<layer>` (`nemotron_h_block_out-<layer>` in
-nemotron-h's graph, LAYER_OUT_PREFIXES), so a test can feed llama.cpp's own hidden states into our layers one at a
+nemotron-h's graph, LAYER_OUT_PREFIXES; the next layer's input in step35's, NEXT_LAYER_IN), so a test can feed llama.cpp's own hidden states into our layers one at a
 time. The KV cache is kept in F32 and flash attention is off, so the reference does
 not round K/V to F16.
 
@@ -29,6 +29,9 @@ TOPK_PREFIX = b"ffn_moe_topk-"
 LAYER_OUT_PREFIX = b"l_out-"
 # Graphs whose residual stream after a layer has another name (nemotron-h's l_out is an FFN layer's output alone)
 LAYER_OUT_PREFIXES = {"nemotron_h_moe": b"nemotron_h_block_out-"}
+# Graphs that rename l_out when the next layer reads it: step35's layer i's output is attn_norm_in-(i + 1), the
+# last layer's h_nextn (what its NextN blocks read); attn_norm_in-0 is the token embedding.
+NEXT_LAYER_IN = {"step35": (b"attn_norm_in-", b"h_nextn")}
 
 
 class GGMLTensor(ctypes.Structure):
@@ -106,12 +109,23 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
     assert model, f"llama.cpp could not load {path}"
     topk: dict[int, list[np.ndarray]] = {}
     layer_out: dict[int, np.ndarray] = {}
-    out_prefix = LAYER_OUT_PREFIXES.get(open_gguf(path).arch, LAYER_OUT_PREFIX)
+    arch = open_gguf(path).arch
+    out_prefix = LAYER_OUT_PREFIXES.get(arch, LAYER_OUT_PREFIX)
+    next_in, last_out = NEXT_LAYER_IN.get(arch, (None, None))
+
+    def layer_of(name: bytes) -> int | None:
+        """The layer whose output (the residual stream after it) tensor `name` is, if it is one; -1: the last."""
+        if next_in is None:
+            return int(name[len(out_prefix) :]) if name.startswith(out_prefix) else None
+        if name == last_out:
+            return -1
+        following = int(name[len(next_in) :]) if name.startswith(next_in) else 0
+        return following - 1 if following > 0 else None
 
     @llama_cpp.ggml_backend_sched_eval_callback
     def on_tensor(tensor_p, ask, user_data):
         t = GGMLTensor.from_address(tensor_p)
-        wanted = t.name.startswith(TOPK_PREFIX) or (t.name.startswith(out_prefix) and t.type == GGML_TYPE_F32)
+        wanted = t.name.startswith(TOPK_PREFIX) or (layer_of(t.name) is not None and t.type == GGML_TYPE_F32)
         if ask:  # the scheduler asks whether to stop after this tensor: only for the ones we read
             return wanted
         if not wanted:
@@ -127,7 +141,7 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
             assert t.nb[1] == D * 4, "l_out is a contiguous (T, D) float32 tensor"
             out = np.empty((n_rows, D), dtype=np.float32)
             _ggml_base().ggml_backend_tensor_get(tensor_p, out.ctypes.data, 0, out.nbytes)
-            layer_out[int(t.name[len(out_prefix) :])] = out
+            layer_out[layer_of(t.name)] = out
         return True
 
     cparams = llama_cpp.llama_context_default_params()
@@ -153,6 +167,9 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+    if -1 in layer_out:  # the last layer's, named for no layer
+        last = max(layer_out) + 1
+        layer_out[last] = layer_out.pop(-1)
     return OracleRun(logits, {layer: np.concatenate(parts) for layer, parts in topk.items()}, layer_out)
 
 

@@ -38,6 +38,7 @@ FAMILIES = {
     "afmoe",
     "smallthinker",
     "lfm2moe",
+    "step35",
 }
 GOOD = """
 name = "Test"

@@ -38,6 +38,7 @@ from moeprep.synth.parts import (
     tensor_name,
 )
 from moeprep.synth.qwen35moe import QWEN3NEXT, QWEN35MOE
+from moeprep.synth.step35 import STEP35
 
 __all__ = ["ARCHS", "tensor_name"]  # tensor_name: moeprep/synth/routing.py looks it up beside the table
 
@@ -331,5 +332,9 @@ ARCHS: dict[str, ArchSpec] = {
         ),
         # LFM2 MoE: gated short-convolution layers beside GQA, sigmoid routing (moeprep/synth/lfm2moe.py).
         LFM2MOE,
+        # Step-3.5: sliding and full layers with their own query heads and rotated widths, a per-head sigmoid gate
+        # on the attention output, DeepSeek-V3-style routing beside a shared expert, clamped SwiGLU, a NextN block
+        # (moeprep/synth/step35.py).
+        STEP35,
     )
 }

@@ -35,6 +35,7 @@ from moerun.layers.ffn import (
     reglu,
     swiglu,
     swiglu_clamp,
+    swiglu_limited,
     swiglu_oai,
 )
 from moerun.layers.linear import Linear
@@ -75,6 +76,7 @@ __all__ = [
     "rms_norm",
     "swiglu",
     "swiglu_clamp",
+    "swiglu_limited",
     "swiglu_oai",
     "yarn_attn_factor",
 ]

@@ -76,7 +76,10 @@ def attend(
 
 class Attention(nn.Module):
     """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks and a sliding window. The q, k
-    and v projections are three tensors (wq, wk, wv) or, in files that store them so (attn_qkv), one (wqkv)."""
+    and v projections are three tensors (wq, wk, wv) or, in files that store them so (attn_qkv), one (wqkv).
+
+    `wgate` (attn_gate) gates the output before wo by sigmoid(wgate x), x the block's normed input: H outputs gate
+    each head as a whole (step35), H * Dv outputs each channel (afmoe)."""
 
     def __init__(
         self,
@@ -97,10 +100,11 @@ class Attention(nn.Module):
         k_norm: RMSNorm | None = None,
         window: int = 0,
         sinks: torch.Tensor | None = None,
+        wgate: Linear | None = None,
         kernels: Kernels,
     ) -> None:
         super().__init__()
-        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.wq, self.wk, self.wv, self.wo, self.wgate = wq, wk, wv, wo, wgate
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rope, self.cache = rope, cache
         self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = n_heads, n_kv_heads, head_dim, v_head_dim
@@ -122,6 +126,10 @@ class Attention(nn.Module):
         # k_all, v_all: (S, G, Dh), or (n_seq, S, G, Dh) that the step's blocks index
         q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
         attend_args = (q, k_all, v_all, step.mask(self.window), self.scale, self.sinks, step.blocks)
+        if self.wgate is not None:  # the gate changes the output, so no kernel rounds it for wo beforehand
+            gate = torch.sigmoid(self.wgate(x, i8).float()).view(T, self.n_heads, -1)  # (T, H, 1) or (T, H, Dv)
+            out = self.kernels.attend(*attend_args) * gate
+            return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
         if self.kernels.attend_i8 is None:
             out, out_i8 = self.kernels.attend(*attend_args), None  # (T, H, Dv)
         else:

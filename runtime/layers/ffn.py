@@ -35,6 +35,12 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def swiglu_limited(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Step-3.5's clamped SwiGLU (llama.cpp's default for a swiglu_clamp key): SiLU of the gate, then capped at
+    `limit`; up clamped to +-limit. Unlike swiglu_clamp, the cap comes after the SiLU."""
+    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+
+
 # ggml's tanh-approximated GELU: 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))).
 GELU_COEF_A = 0.044715
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -76,6 +82,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
     "swiglu": lambda gate, up, limit: swiglu(gate, up),
     "swiglu_oai": lambda gate, up, limit: swiglu_oai(gate, up),
     "swiglu_clamp": swiglu_clamp,
+    "swiglu_limited": swiglu_limited,
     "geglu": lambda gate, up, limit: geglu(gate, up),
     "relu_sqr": lambda gate, up, limit: relu_sqr(gate, up),
     "reglu": lambda gate, up, limit: reglu(gate, up),
@@ -84,9 +91,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
 
 @dataclass(frozen=True)
 class Activation:
-    """An FFN's or experts' gated activation, act(gate, up): a name of ACTIVATIONS and, for swiglu_clamp, its clamp
-    (glm5-next sets one per block). One value that every implementation reads: the torch reference (`__call__`),
-    the fused kernels (`Kernels.activations`) and the CPU experts (moe_rows' activation and limit)."""
+    """An FFN's or experts' gated activation, act(gate, up): a name of ACTIVATIONS and, for swiglu_clamp and
+    swiglu_limited, its clamp (glm5-next and step35 set one per block). One value that every implementation reads:
+    the torch reference (`__call__`), the fused kernels (`Kernels.activations`) and the CPU experts (moe_rows'
+    activation and limit)."""
 
     name: str = "swiglu"
     limit: float = 0.0
@@ -102,7 +110,7 @@ class Activation:
         """The function computing it with `kernels`: their fused one where they have it (never for a clamp that
         varies), else this torch reference."""
         fused = kernels.activations.get(self.name)
-        return fused if fused is not None and self.name != "swiglu_clamp" else self
+        return fused if fused is not None and self.name not in ("swiglu_clamp", "swiglu_limited") else self
 
 
 SWIGLU = Activation()

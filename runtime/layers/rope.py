@@ -63,7 +63,8 @@ class Rope(nn.Module):
         mscale = yarn_attn_factor(args) if attn_factor is None else attn_factor
         inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
         if freq_factors is not None:  # llama3-style per-channel-pair divisors (rope_freqs.weight)
-            inv_freq = inv_freq / freq_factors.double().cpu()
+            # the first dim/2 of them: step35's one tensor serves layers that rotate fewer channels than others
+            inv_freq = inv_freq / freq_factors.double().cpu()[: dim // 2]
         if args.rope_scaling == "yarn":
             low, high = _yarn_corr_dims(dim, args.rope_orig_ctx, base, args.yarn_beta_fast, args.yarn_beta_slow)
             y = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(0.001, high - low)

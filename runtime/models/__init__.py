@@ -34,6 +34,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "qwen3moe": "qwen3moe",
     "qwen3next": "qwen3next",
     "smallthinker": "smallthinker",
+    "step35": "step35",
 }
 
 

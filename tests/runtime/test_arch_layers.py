@@ -2,9 +2,10 @@
 gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefilled in chunks, then decoded token by
 token from the state it left, two sequences side by side, a sequence started anew), gated attention
 (layers/gated_attention.py), Llama 4's chunked and temperature-scaled attentions (models/llama4.py), Gemma's GEGLU
-(layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), AFMoE's
-output-gated attention with and without RoPE (models/afmoe.py, layers/rope.py), the post-normed block
-(layers/block.py), ReGLU (layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
+(layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), the output-gated
+attention of AFMoE (with and without RoPE) and step35 (gated per head, half of each head rotated with divisors)
+(layers/attention.py, layers/rope.py), the post-normed block (layers/block.py), ReGLU and step35's clamped SwiGLU
+(layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
 
 from __future__ import annotations
 
@@ -384,15 +385,28 @@ def test_gemma4_attention_equals_float64() -> None:
         assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max(), f"sliding={sliding}"
 
 
-@pytest.mark.parametrize("rotate", [True, False], ids=["rope", "nope"])
-def test_afmoe_attention_equals_float64(rotate: bool) -> None:
-    """AFMoE's attention: per-head Q/K RMSNorm, NeoX RoPE over whole heads (or none: a NoPE layer's table), causal
-    softmax over grouped KV heads within a sliding window, the output times sigmoid(attn_gate x) channel by channel,
-    then the output projection. A prompt, then a decode step."""
-    from moerun.models.afmoe import OutputGatedAttention
+# (per-head gate, rotated channels as a share of the head (0: a NoPE layer), RoPE divisors): AFMoE's layers with and
+# without RoPE, and a step35 full-attention layer (half of each head rotated, a divisor table twice as long as it
+# reads, as the one step35 tensor serves wider rotations too).
+GATED_ATTENTION_CASES = {
+    "afmoe-rope": (False, 1.0, False),
+    "afmoe-nope": (False, 0.0, False),
+    "step35": (True, 0.5, True),
+}
 
+
+@pytest.mark.parametrize("case", GATED_ATTENTION_CASES)
+def test_output_gated_attention_equals_float64(case: str) -> None:
+    """The shared Attention with attn_gate (AFMoE's, step35's): per-head Q/K RMSNorm, NeoX RoPE over the first
+    channels of each head (with per-pair frequency divisors, or none), causal softmax over grouped KV heads within a
+    sliding window, the output times sigmoid(attn_gate x) channel by channel (AFMoE) or head by head (step35), then
+    the output projection. A prompt, then a decode step."""
+    from moerun.layers import Attention
+
+    per_head, share, divided = GATED_ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(17)
     T, H, G, Dh, window = 20, 4, 2, 8, 6
+    rot = int(Dh * share) or Dh
     args = SimpleNamespace(
         rope_dim=Dh,
         rope_base=10000.0,
@@ -401,16 +415,17 @@ def test_afmoe_attention_equals_float64(rotate: bool) -> None:
         rope_freq_scale=1.0,
         rope_attn_factor=1.0,
     )
+    divisors = 1 + 3 * torch.rand(Dh // 2, generator=gen) if divided else None
     wq, wk, wv, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
-    wgate = linear(gen, H * Dh, D)
+    wgate = linear(gen, H if per_head else H * Dh, D)
     qn, kn = (1 + 0.2 * torch.randn(Dh, generator=gen) for _ in range(2))
-    layer = OutputGatedAttention(
+    layer = Attention(
         wq=wq,
         wk=wk,
         wv=wv,
         wo=wo,
         wgate=wgate,
-        rope=Rope(args, T, torch.device("cpu"), rotate=rotate),
+        rope=Rope(args, T, torch.device("cpu"), dim=rot, freq_factors=divisors, rotate=share > 0),
         cache=KVCache(T, G, Dh, Dh, torch.float32, torch.device("cpu")),
         n_heads=H,
         n_kv_heads=G,
@@ -431,13 +446,17 @@ def test_afmoe_attention_equals_float64(rotate: bool) -> None:
     rms = lambda t, g: t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS) * g.double().numpy()  # noqa: E731
     q, k = rms((xd @ w["q"].T).reshape(T, H, Dh), qn), rms((xd @ w["k"].T).reshape(T, G, Dh), kn)
     v = (xd @ w["v"].T).reshape(T, G, Dh)
-    if rotate:
-        ang = pos[:, None, None] * 10000.0 ** (-np.arange(Dh // 2) * 2 / Dh)
-        halves = lambda t: (t[..., : Dh // 2], t[..., Dh // 2 :])  # noqa: E731
-        q, k = (
-            np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1)
-            for a, b in (halves(q), halves(k))
-        )
+    if share > 0:
+        inv_freq = 10000.0 ** (-np.arange(rot // 2) * 2 / rot)
+        if divided:
+            inv_freq = inv_freq / divisors.double().numpy()[: rot // 2]
+        ang = pos[:, None, None] * inv_freq
+
+        def rotate(t: np.ndarray) -> np.ndarray:
+            a, b, rest = t[..., : rot // 2], t[..., rot // 2 : rot], t[..., rot:]
+            return np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang), rest], -1)
+
+        q, k = rotate(q), rotate(k)
     out = np.zeros((T, H, Dh))
     for t in range(T):
         first = max(0, t - window + 1)
@@ -445,7 +464,9 @@ def test_afmoe_attention_equals_float64(rotate: bool) -> None:
             s = k[first : t + 1, h // (H // G)] @ q[t, h] * Dh**-0.5
             e = np.exp(s - s.max())
             out[t, h] = e @ v[first : t + 1, h // (H // G)] / e.sum()
-    want = (out.reshape(T, H * Dh) / (1 + np.exp(-(xd @ w["g"].T)))) @ w["o"].T
+    gate = 1 / (1 + np.exp(-(xd @ w["g"].T)))  # (T, H) or (T, H Dh)
+    gated = out * gate[:, :, None] if per_head else out.reshape(T, H * Dh) * gate
+    want = gated.reshape(T, H * Dh) @ w["o"].T
     assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
 
 
@@ -483,6 +504,18 @@ def test_sandwich_block_equals_float64() -> None:
     hd = xd + rms(np.tanh(rms(xd, norms[0]) @ wa.weight.double().numpy().T), norms[1])
     want = hd + rms(np.tanh(rms(hd, norms[2]) @ wf.weight.double().numpy().T), norms[3])
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_swiglu_limited_equals_float64() -> None:
+    """step35's clamped SwiGLU: min(silu(gate), limit) * clamp(up, -limit, limit), across both clamps."""
+    from moerun.layers.ffn import swiglu_limited
+
+    g = torch.linspace(-6, 6, 1201, dtype=torch.float32)
+    u = torch.flip(g, [0]) * 0.7 + 0.1
+    gd, ud, limit = g.double().numpy(), u.double().numpy(), 1.5
+    want = np.minimum(gd / (1 + np.exp(-gd)), limit) * np.clip(ud, -limit, limit)
+    assert np.abs(swiglu_limited(g, u, limit).double().numpy() - want).max() <= 1e-6 * np.abs(want).max()
+    assert (gd / (1 + np.exp(-gd)) > limit).any() and (np.abs(ud) > limit).any()  # both clamps bite
 
 
 def test_reglu_equals_float64() -> None:

@@ -33,17 +33,21 @@ ARCHS = [
     "nemotron_h_moe",
     "smallthinker",
     "lfm2moe",
+    "step35",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
 
 
 def routed_layers(path) -> list[int]:
-    """Layers with a router, as the file says (ffn_gate_inp)."""
+    """Layers with a router that the decoder runs, as the file says (ffn_gate_inp; the NextN blocks at the end, which
+    it does not run, left out)."""
     from moeprep.gguf.reader import open_gguf
 
-    names = {t.name for t in open_gguf(path).tensors}
-    return sorted(int(n.split(".")[1]) for n in names if n.endswith(".ffn_gate_inp.weight"))
+    g = open_gguf(path)
+    trunk = int(g.get(f"{g.arch}.block_count")) - int(g.get(f"{g.arch}.nextn_predict_layers", 0))
+    layers = (int(t.name.split(".")[1]) for t in g.tensors if t.name.endswith(".ffn_gate_inp.weight"))
+    return sorted(layer for layer in layers if layer < trunk)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -235,6 +239,19 @@ def test_smallthinker_without_gating_function_is_refused(synth_model, tmp_path):
     path = tmp_path / "no-gating.gguf"
     write_gguf(path, open_gguf(synth_model("smallthinker")), kv_remove=["smallthinker.expert_gating_func"])
     with pytest.raises(MoeprepError, match="smallthinker.expert_gating_func is missing"):
+        moerun.load_model(path)
+
+
+@pytest.mark.parametrize("key", ["attention.sliding_window", "attention.sliding_window_pattern"])
+def test_step35_without_its_sliding_window_keys_is_refused(key, synth_model, tmp_path):
+    """llama.cpp's step35 loader requires the window and the per-layer pattern; so does moerun, in one line."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+
+    path = tmp_path / "no-window.gguf"
+    write_gguf(path, open_gguf(synth_model("step35")), kv_remove=[f"step35.{key}"])
+    with pytest.raises(MoeprepError, match="step35 needs attention.sliding_window and a per-layer"):
         moerun.load_model(path)
 
 

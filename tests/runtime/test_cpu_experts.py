@@ -30,7 +30,7 @@ from moerun.kernels.cpu import formats, work
 from moerun.kernels.cpu.formats import ExpertBytes
 from moerun.kernels.cpu.moe_rows import expert_matmul, moe_rows
 from moerun.kernels.dequant import dequantize, supports
-from moerun.layers import swiglu_clamp
+from moerun.layers import swiglu_clamp, swiglu_limited
 from moerun.options import RuntimeOptions
 
 QTYPES = list(formats.FORMATS)
@@ -162,7 +162,9 @@ ACT = {
     "geglu": moerun.layers.geglu,
     "relu_sqr": moerun.layers.ffn.relu_sqr,
     "reglu": moerun.layers.reglu,
+    "swiglu_limited": partial(swiglu_limited, limit=LIMIT),
 }
+CLAMPED = {"swiglu_clamp": swiglu_clamp, "swiglu_limited": swiglu_limited}  # the activations that read a limit
 
 
 def test_activations_equal_torch():
@@ -170,8 +172,8 @@ def test_activations_equal_torch():
     g = torch.linspace(-12, 12, 4001, dtype=torch.float32)
     u = torch.flip(g, [0]) * 0.7
     for name, act in work.ACTIVATIONS.items():
-        limit = 1.5 if name == "swiglu_clamp" else 0.0
-        torch_act = partial(swiglu_clamp, limit=limit) if name == "swiglu_clamp" else ACT[name]
+        limit = 1.5 if name in CLAMPED else 0.0
+        torch_act = partial(CLAMPED[name], limit=limit) if name in CLAMPED else ACT[name]
         fast = np.array([act(np.float32(a), np.float32(b), np.float32(limit)) for a, b in zip(g.numpy(), u.numpy())])
         np.testing.assert_allclose(fast, torch_act(g, u).numpy(), rtol=4e-6, atol=1e-30, err_msg=name)
 
@@ -186,6 +188,7 @@ def test_activations_equal_torch():
         (Q.Q4_K, "geglu"),
         (Q.Q8_0, "relu_sqr"),
         (Q.Q4_K, "reglu"),
+        (Q.Q4_K, "swiglu_limited"),
     ],
     ids=lambda v: getattr(v, "name", v),
 )

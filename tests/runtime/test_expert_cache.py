@@ -384,3 +384,22 @@ def test_glm5_next_through_the_cache(synth_model):
         )
     stats = cached.expert_cache.stats
     assert 0 < stats.hits.sum() < stats.lookups.sum()
+
+
+def test_step35_clamp_reaches_the_cache(synth_model):
+    """step35's clamped SwiGLU (swiglu_limited) reaches the cache's slots and the CPU's misses on the layer whose
+    swiglu_clamp_exp is above 0, and only there (the synthetic model clamps its last trunk layer, enough to bite)."""
+    from moeprep.synth.step35 import SWIGLU_CLAMP
+
+    path = synth_model("step35", expert_type="F32", attn_type="F32")
+    plain = moerun.load_model(path)
+    cached = moerun.load_model(path, cache=CacheConfig(budgets=BUDGET, slots_per_layer=2))
+    activations = {layer.layer: (layer.activation.name, layer.activation.limit) for layer in cached_layers(cached)}
+    assert activations == {1: ("swiglu", 0.0), 2: ("swiglu_limited", SWIGLU_CLAMP)}
+    prompt = torch.tensor(plain.tokenizer.encode("def bisect(a, x):\n    lo, hi = 0, len(a)"))
+    torch.testing.assert_close(cached.forward(prompt), plain.forward(prompt), rtol=1e-4, atol=1e-4)
+    for i, token in enumerate([5, 17, 99, 5]):
+        pos = len(prompt) + i
+        torch.testing.assert_close(
+            cached.forward(torch.tensor([token]), pos), plain.forward(torch.tensor([token]), pos), rtol=1e-4, atol=1e-4
+        )

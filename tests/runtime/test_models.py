@@ -197,6 +197,8 @@ QUANTIZED = [
     ("smallthinker", "Q8_0"),
     ("lfm2moe", "Q8_0"),
     ("lfm2moe", "Q4_K"),
+    ("step35", "Q8_0"),
+    ("step35", "Q4_K"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
@@ -310,6 +312,23 @@ def test_gemma4_layer_without_router_matches_llama_cpp(synth_model, calibration_
     c = compare(path, calibration_text)
     assert sorted(c.ref_experts) == [0, 2]
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_step35_without_its_optional_tensors_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """llama.cpp's step35 loader takes rope_freqs, attn_gate and the Q/K norms where the file has them: without
+    them the full layers rotate with plain frequencies, no head is gated and Q/K are not normed."""
+    from moeprep.gguf.writer import copied_tensor
+
+    src = open_gguf(synth_model("step35", expert_type="F32", attn_type="F32"))
+    optional = ("rope_freqs", "attn_gate", "attn_q_norm", "attn_k_norm")
+    kept = [t for t in src.tensors if not any(part in t.name for part in optional)]
+    path = tmp_path / "plain.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in kept])
+    block = moerun.load_model(path).net.blocks[1].attn.attn
+    assert block.wgate is None and block.q_norm is None
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
 
 
 def test_granitehybrid_without_rope_matches_llama_cpp(synth_model, calibration_text, tmp_path):

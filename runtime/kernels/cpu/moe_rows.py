@@ -297,7 +297,7 @@ def moe_rows(
     """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
     (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b, `activation` a
     key of ACTIVATIONS (an ungated expert, relu_sqr, is given its up tensor as gate too) and `limit` its clamp where
-    it takes one (swiglu_clamp). `threads`: numba threads for this
+    it takes one (swiglu_clamp, swiglu_limited). `threads`: numba threads for this
     call (default: numba's setting for the calling thread). One compiled call: _moe_ggml where the library `ggml`
     has a row dot for all three tensors' types (ggml_cpu.py), else _moe (moerun's own kernels)."""
     x, ids, weights = (

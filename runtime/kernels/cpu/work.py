@@ -119,6 +119,14 @@ def _swiglu_clamp(g: np.float32, u: np.float32, limit: np.float32) -> np.float32
     return g / (F32(1) + np.exp(-g)) * u
 
 
+@numba.njit(**JIT)
+def _swiglu_limited(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """step35 (moerun.layers.ffn.swiglu_limited): SiLU of the gate capped at `limit` after it, up clamped to
+    +-limit."""
+    u = max(min(u, limit), -limit)
+    return min(g / (F32(1) + np.exp(-g)), limit) * u
+
+
 F16_MIN_NORMAL = 2.0**-14  # below it float16 values are subnormal, spaced 2^-24 apart
 F16_SUBNORMAL_STEP = 2.0**-24
 
@@ -159,7 +167,7 @@ def _reglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
     return max(g, F32(0)) * u
 
 
-# Expert activations by name: moerun.layers.ACTIVATIONS' and moerun.models.glm5_next.swiglu_clamp.
+# Expert activations by name: moerun.layers.ACTIVATIONS'.
 ACTIVATIONS: dict[str, Callable] = {
     "swiglu": _swiglu,
     "swiglu_oai": _swiglu_oai,
@@ -167,6 +175,7 @@ ACTIVATIONS: dict[str, Callable] = {
     "geglu": _geglu,
     "relu_sqr": _relu_sqr,
     "reglu": _reglu,
+    "swiglu_limited": _swiglu_limited,
 }
 
 
