@@ -38,6 +38,7 @@ FAMILIES = {
     "afmoe",
     "smallthinker",
     "lfm2moe",
+    "laguna",
 }
 GOOD = """
 name = "Test"

@@ -13,14 +13,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import Attention, Linear, SandwichBlock
+from moerun.layers import Attention, OutputGate, SandwichBlock
 from moerun.models.base import BuildContext
-from moerun.step import Step
 
 NO_ROPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step, which its afmoe loader never reads from the file
 SWA_PATTERN = 4  # three sliding layers, then a full one, where the file has no sliding_window_pattern
@@ -36,35 +34,15 @@ def read_args(g: GGUFModel) -> ModelArgs:
     return args.replace(shared_expert_dim=args.expert_dim * args.n_shared_experts)
 
 
-class OutputGatedAttention(Attention):
-    """The shared Attention with its output multiplied by sigmoid(wgate x), channel by channel, before wo."""
-
-    def __init__(self, *, wgate: Linear, **attention) -> None:
-        super().__init__(**attention)
-        self.wgate = wgate
-
-    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.project(x, i8)
-        q = q.view(T, self.n_heads, self.head_dim)
-        k = k.view(T, self.n_kv_heads, self.head_dim)
-        v = v.view(T, self.n_kv_heads, self.v_head_dim)
-        q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
-        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, None, step.blocks)
-        gate = torch.sigmoid(self.wgate(x, i8).float())  # (T, H * Dv)
-        return self.wo(out.reshape(T, self.n_heads * self.v_head_dim) * gate)
-
-
 def build_block(ctx: BuildContext, layer: int) -> SandwichBlock:
     a, p = ctx.args, f"blk.{layer}"
     sliding = a.swa_layers[layer]
     rotate = (layer + 1) % NO_ROPE_EVERY != 0
-    attn = OutputGatedAttention(
+    attn = Attention(
         wq=ctx.linear(f"{p}.attn_q"),
         wk=ctx.linear(f"{p}.attn_k"),
         wv=ctx.linear(f"{p}.attn_v"),
         wo=ctx.linear(f"{p}.attn_output"),
-        wgate=ctx.linear(f"{p}.attn_gate"),
         rope=ctx.rope(base=a.rope_base_swa if sliding else a.rope_base, rotate=rotate),
         cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim),
         n_heads=a.n_heads,
@@ -75,6 +53,7 @@ def build_block(ctx: BuildContext, layer: int) -> SandwichBlock:
         q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
         k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
         window=a.sliding_window if sliding else 0,
+        gate=OutputGate(ctx.linear(f"{p}.attn_gate"), "sigmoid", per_head=False),
         kernels=ctx.backend.kernels,
     )
     if layer < a.n_dense_lead:

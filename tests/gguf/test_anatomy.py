@@ -30,6 +30,7 @@ LEADING_DENSE = {
     "dots1": [0],
     "ernie4_5-moe": [0],
     "nemotron_h_moe": [0, 2],
+    "laguna": [0],
 }  # llama4: interleaved; nemotron_h_moe: its Mamba-2 and attention layers have no FFN at all
 NEXTN = {"glm5-next": [5]}  # blocks with experts that no decoder runs
 

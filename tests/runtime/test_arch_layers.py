@@ -2,8 +2,8 @@
 gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefilled in chunks, then decoded token by
 token from the state it left, two sequences side by side, a sequence started anew), gated attention
 (layers/gated_attention.py), Llama 4's chunked and temperature-scaled attentions (models/llama4.py), Gemma's GEGLU
-(layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), AFMoE's
-output-gated attention with and without RoPE (models/afmoe.py, layers/rope.py), the post-normed block
+(layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), the output-gated
+attention of AFMoE and Laguna with and without RoPE (layers/attention.py, layers/rope.py), the post-normed block
 (layers/block.py), ReGLU (layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
 
 from __future__ import annotations
@@ -384,13 +384,23 @@ def test_gemma4_attention_equals_float64() -> None:
         assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max(), f"sliding={sliding}"
 
 
-@pytest.mark.parametrize("rotate", [True, False], ids=["rope", "nope"])
-def test_afmoe_attention_equals_float64(rotate: bool) -> None:
-    """AFMoE's attention: per-head Q/K RMSNorm, NeoX RoPE over whole heads (or none: a NoPE layer's table), causal
-    softmax over grouped KV heads within a sliding window, the output times sigmoid(attn_gate x) channel by channel,
-    then the output projection. A prompt, then a decode step."""
-    from moerun.models.afmoe import OutputGatedAttention
+GATES = {  # (function, per head): AFMoE's, Laguna M.1's, Laguna XS.2's; and a NoPE layer (AFMoE's every 4th)
+    "sigmoid-channel": ("sigmoid", False, True),
+    "sigmoid-channel-nope": ("sigmoid", False, False),
+    "softplus-channel": ("softplus", False, True),
+    "softplus-head": ("softplus", True, True),
+}
 
+
+@pytest.mark.parametrize("gate", GATES)
+def test_output_gated_attention_equals_float64(gate: str) -> None:
+    """The shared Attention with an OutputGate (layers/attention.py), as AFMoE and Laguna build it: per-head Q/K
+    RMSNorm, NeoX RoPE over whole heads (or none: a NoPE layer's table), causal softmax over grouped KV heads within
+    a sliding window, the output times fn(attn_gate x) channel by channel or head by head, then the output
+    projection. A prompt, then a decode step."""
+    from moerun.layers import Attention, OutputGate
+
+    function, per_head, rotate = GATES[gate]
     gen = torch.Generator().manual_seed(17)
     T, H, G, Dh, window = 20, 4, 2, 8, 6
     args = SimpleNamespace(
@@ -402,14 +412,13 @@ def test_afmoe_attention_equals_float64(rotate: bool) -> None:
         rope_attn_factor=1.0,
     )
     wq, wk, wv, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
-    wgate = linear(gen, H * Dh, D)
+    wgate = linear(gen, H if per_head else H * Dh, D)
     qn, kn = (1 + 0.2 * torch.randn(Dh, generator=gen) for _ in range(2))
-    layer = OutputGatedAttention(
+    layer = Attention(
         wq=wq,
         wk=wk,
         wv=wv,
         wo=wo,
-        wgate=wgate,
         rope=Rope(args, T, torch.device("cpu"), rotate=rotate),
         cache=KVCache(T, G, Dh, Dh, torch.float32, torch.device("cpu")),
         n_heads=H,
@@ -420,6 +429,7 @@ def test_afmoe_attention_equals_float64(rotate: bool) -> None:
         q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
         k_norm=RMSNorm(kn, EPS, TORCH_KERNELS),
         window=window,
+        gate=OutputGate(wgate, function, per_head),
         kernels=TORCH_KERNELS,
     )
     x = torch.randn(T, D, generator=gen)
@@ -445,7 +455,10 @@ def test_afmoe_attention_equals_float64(rotate: bool) -> None:
             s = k[first : t + 1, h // (H // G)] @ q[t, h] * Dh**-0.5
             e = np.exp(s - s.max())
             out[t, h] = e @ v[first : t + 1, h // (H // G)] / e.sum()
-    want = (out.reshape(T, H * Dh) / (1 + np.exp(-(xd @ w["g"].T)))) @ w["o"].T
+    g = xd @ w["g"].T  # (T, H) or (T, H * Dh)
+    g = 1 / (1 + np.exp(-g)) if function == "sigmoid" else np.log1p(np.exp(g))
+    gated = out * g[:, :, None] if per_head else out * g.reshape(T, H, Dh)
+    want = gated.reshape(T, H * Dh) @ w["o"].T
     assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
 
 

@@ -33,6 +33,7 @@ ARCHS = [
     "nemotron_h_moe",
     "smallthinker",
     "lfm2moe",
+    "laguna",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"

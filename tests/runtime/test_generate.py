@@ -76,6 +76,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "gemma4",
         "granitehybrid",
         "nemotron_h_moe",
+        "laguna",
     ],
 )
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):

@@ -1,0 +1,73 @@
+"""poolside's Laguna (XS.2 and M.1), as llama.cpp's laguna graph (src/models/laguna.cpp) computes it.
+
+Attention: GQA with per-head Q/K RMSNorm and NeoX RoPE, the output multiplied by softplus(attn_gate x) (x: the
+block's normed input) before attn_output, one gate value per head or per channel as the attn_gate tensor's rows
+say (XS.2: per head; M.1: per channel). A file with attention.sliding_window is hybrid (XS.2): the first layer of
+every four (or of the file's sliding_window_pattern) attends to everything, the others slide; the sliding layers
+may have their own query head count (a per-layer head_count) and take plain RoPE over rope.dimension_count_swa
+channels with base rope.freq_base_swa, never the file's context scaling, which (YaRN in the released models) the
+full-attention layers apply. Without the key (M.1) every layer is full attention.
+
+FFN: leading dense SwiGLU layers, then sigmoid routing with exp_probs_b, renormalised and scaled as the file's keys
+say (sigmoid where it names no gating function), beside one shared expert of expert_shared_feed_forward_length.
+No norms after the sublayers and no embedding scale, unlike AFMoE."""
+
+from __future__ import annotations
+
+import math
+
+from moeprep.errors import MoeprepError
+from moeprep.gguf.reader import GGUFModel
+from moerun.config import GATING_SIGMOID, ModelArgs
+from moerun.layers import Attention, Block, OutputGate
+from moerun.models.base import BuildContext
+
+SWA_PATTERN = 4  # one full-attention layer, then three sliding ones, where the file has no sliding_window_pattern
+
+
+def read_args(g: GGUFModel) -> ModelArgs:
+    defaults = {"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN, "swa_full_first": True, "n_shared_experts": 1}
+    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults=defaults, heads_vary=True)
+    if args.head_dim != args.v_head_dim:
+        raise MoeprepError(
+            f"{g.path}: laguna needs key_length == value_length (got {args.head_dim}, {args.v_head_dim})"
+        )
+    # one shared expert of its own width; the routed experts' times their count where the file gives none
+    return args.replace(shared_expert_dim=args.shared_expert_dim or args.expert_dim * args.n_shared_experts)
+
+
+def output_gate(ctx: BuildContext, layer: int, n_heads: int) -> OutputGate:
+    """softplus(attn_gate x), one value per head or per channel as the tensor's rows say."""
+    name, a = f"blk.{layer}.attn_gate", ctx.args
+    rows = ctx.weights.info(f"{name}.weight").shape[0]
+    if rows not in (n_heads, n_heads * a.v_head_dim):
+        raise MoeprepError(
+            f"{ctx.weights.gguf.path}: {name}.weight has {rows} rows; laguna's gate has one per head ({n_heads}) or "
+            f"one per channel ({n_heads * a.v_head_dim})"
+        )
+    return OutputGate(ctx.linear(name), "softplus", per_head=rows == n_heads)
+
+
+def build_block(ctx: BuildContext, layer: int) -> Block:
+    a, p = ctx.args, f"blk.{layer}"
+    sliding, n_heads = a.swa_layers[layer], a.heads_by_layer[layer]
+    rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False) if sliding else ctx.rope()
+    attn = Attention(
+        wq=ctx.linear(f"{p}.attn_q"),
+        wk=ctx.linear(f"{p}.attn_k"),
+        wv=ctx.linear(f"{p}.attn_v"),
+        wo=ctx.linear(f"{p}.attn_output"),
+        rope=rope,
+        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim),
+        n_heads=n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        v_head_dim=a.v_head_dim,
+        scale=1.0 / math.sqrt(a.head_dim),
+        q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
+        k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
+        window=a.sliding_window if sliding else 0,
+        gate=output_gate(ctx, layer, n_heads),
+        kernels=ctx.backend.kernels,
+    )
+    return ctx.block(layer, attn, ctx.ffn(layer))
