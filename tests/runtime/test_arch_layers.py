@@ -3,7 +3,8 @@ gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefil
 token from the state it left, two sequences side by side, a sequence started anew), gated attention
 (layers/gated_attention.py), Llama 4's chunked and temperature-scaled attentions (models/llama4.py), Gemma's GEGLU
 (layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), the output-gated
-attention of AFMoE and Laguna with and without RoPE (layers/attention.py, layers/rope.py), the post-normed block
+attention of AFMoE and Laguna with and without RoPE (layers/attention.py, layers/rope.py), RoPE with and without
+the model's context scaling (layers/rope.py: Laguna's sliding layers), the post-normed block
 (layers/block.py), ReGLU (layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
 
 from __future__ import annotations
@@ -460,6 +461,45 @@ def test_output_gated_attention_equals_float64(gate: str) -> None:
     gated = out * g[:, :, None] if per_head else out * g.reshape(T, H, Dh)
     want = gated.reshape(T, H * Dh) @ w["o"].T
     assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["yarn", "plain"])
+def test_rope_with_and_without_context_scaling_equals_float64(scaled: bool) -> None:
+    """A model with YaRN (factor 4): its scaled table blends interpolated and original frequencies between the
+    correction dims and scales the magnitude; `scaled` False (Laguna's sliding layers) is plain RoPE over its own
+    base and channel count whatever the model's scaling. NeoX halves over the first `dim` of 16 channels."""
+    Dh, dim, base, T, factor, orig, fast, slow = 16, 12, 5000.0, 40, 4.0, 64, 32.0, 1.0
+    args = SimpleNamespace(
+        rope_dim=8,
+        rope_base=500000.0,
+        rope_style="neox",
+        rope_scaling="yarn",
+        rope_freq_scale=1 / factor,
+        rope_orig_ctx=orig,
+        yarn_beta_fast=fast,
+        yarn_beta_slow=slow,
+        yarn_log_mul=0.0,
+        rope_attn_factor=1.0,
+    )
+    rope = Rope(args, T, torch.device("cpu"), base=base, dim=dim, scaled=scaled)
+    x = torch.randn(T, 3, Dh, generator=torch.Generator().manual_seed(23))
+    got = rope(x, torch.arange(T)).double().numpy()
+    theta = base ** (-np.arange(0, dim, 2) / dim)  # (dim/2,)
+    magnitude = 1.0
+    if scaled:
+        corr = lambda n: dim * math.log(orig / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+        low, high = max(0.0, math.floor(corr(fast))), min(dim - 1.0, math.ceil(corr(slow)))
+        keep = 1 - np.clip((np.arange(dim // 2) - low) / max(0.001, high - low), 0, 1)
+        theta = theta / factor * (1 - keep) + theta * keep
+        # YaRN's magnitude 1 + 0.1 ln(factor) (llama.cpp's context divides it out of its attention factor only for
+        # its rope op to multiply it back)
+        magnitude = 1.0 + 0.1 * math.log(factor)
+    ang = np.arange(T)[:, None, None] * theta
+    xd = x.double().numpy()
+    a, b = xd[..., : dim // 2], xd[..., dim // 2 : dim]
+    rotated = np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1) * magnitude
+    want = np.concatenate([rotated, xd[..., dim:]], -1)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_sandwich_block_equals_float64() -> None:
