@@ -305,3 +305,21 @@ def test_laguna_sliding_window_pattern_key_matches_llama_cpp(synth_model, calibr
     tokens = model.tokenizer.encode(calibration_text)[:64]
     ours, ref = model.forward(torch.tensor(tokens)).numpy(), llama_eval(path, tokens).logits
     assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_laguna_gate_of_another_width_is_refused_in_one_line(synth_model, tmp_path):
+    """llama.cpp aborts on an attn_gate whose rows are neither the heads nor the channels; moerun names both."""
+    from gguf import GGMLQuantizationType
+
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import OutputTensor, copied_tensor, write_gguf
+
+    g = open_gguf(synth_model("laguna", expert_type="F32", attn_type="F32"))
+    tensors = [copied_tensor(g, t) for t in g.tensors]
+    at = next(i for i, t in enumerate(tensors) if t.name == "blk.0.attn_gate.weight")
+    odd = np.zeros((3, tensors[at].shape[1]), np.float32)
+    tensors[at] = OutputTensor(tensors[at].name, GGMLQuantizationType.F32, odd.shape, lambda: [odd.tobytes()])
+    write_gguf(tmp_path / "odd-gate.gguf", g, tensors=tensors)
+    with pytest.raises(MoeprepError, match=r"blk\.0\.attn_gate\.weight has 3 rows; .* per head \(4\) or .* \(64\)"):
+        moerun.load_model(tmp_path / "odd-gate.gguf")
