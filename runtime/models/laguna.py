@@ -2,9 +2,10 @@
 
 Attention: GQA with per-head Q/K RMSNorm and NeoX RoPE, the output multiplied by softplus(attn_gate x) (x: the
 block's normed input) before attn_output, one gate value per head or per channel as the attn_gate tensor's rows
-say (XS.2: per head; M.1: per channel). A file with attention.sliding_window is hybrid (XS.2): the first layer of
-every four (or of the file's sliding_window_pattern) attends to everything, the others slide; the sliding layers
-may have their own query head count (a per-layer head_count) and take plain RoPE over rope.dimension_count_swa
+say (XS.2: per head; M.1: per channel). Query and KV head counts may differ by layer (per-layer head_count and
+head_count_kv arrays, as llama.cpp reads them: XS.2's sliding layers have more query heads than its full ones).
+A file with attention.sliding_window is hybrid (XS.2): the first layer of every four (or of the file's
+sliding_window_pattern) attends to everything, the others slide and take plain RoPE over rope.dimension_count_swa
 channels with base rope.freq_base_swa, never the file's context scaling, which (YaRN in the released models) the
 full-attention layers apply. Without the key (M.1) every layer is full attention.
 
@@ -27,7 +28,7 @@ SWA_PATTERN = 4  # one full-attention layer, then three sliding ones, where the 
 
 def read_args(g: GGUFModel) -> ModelArgs:
     defaults = {"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN, "swa_full_first": True, "n_shared_experts": 1}
-    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults=defaults, heads_vary=True)
+    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults=defaults, heads_vary=True, kv_heads_vary=True)
     if args.head_dim != args.v_head_dim:
         raise MoeprepError(
             f"{g.path}: laguna needs key_length == value_length (got {args.head_dim}, {args.v_head_dim})"
@@ -50,7 +51,7 @@ def output_gate(ctx: BuildContext, layer: int, n_heads: int) -> OutputGate:
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
     a, p = ctx.args, f"blk.{layer}"
-    sliding, n_heads = a.swa_layers[layer], a.heads_by_layer[layer]
+    sliding, n_heads, n_kv = a.swa_layers[layer], a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
     rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False) if sliding else ctx.rope()
     attn = Attention(
         wq=ctx.linear(f"{p}.attn_q"),
@@ -58,9 +59,9 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
         wv=ctx.linear(f"{p}.attn_v"),
         wo=ctx.linear(f"{p}.attn_output"),
         rope=rope,
-        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim),
+        cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim),
         n_heads=n_heads,
-        n_kv_heads=a.n_kv_heads,
+        n_kv_heads=n_kv,
         head_dim=a.head_dim,
         v_head_dim=a.v_head_dim,
         scale=1.0 / math.sqrt(a.head_dim),
