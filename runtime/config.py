@@ -141,7 +141,10 @@ class ModelArgs:
             return value
 
         dim, n_heads = int(need(LLM.EMBEDDING_LENGTH)), int(need(ATT.HEAD_COUNT))
-        head_dim = int(get(ATT.KEY_LENGTH, "head_dim", dim // n_heads))
+        head_list = g.get(ATT.HEAD_COUNT.format(arch=arch))
+        # where heads vary, the default head size divides by the first layer's count, as llama.cpp's n_head() does
+        first_heads = (int(head_list[0]) or n_heads) if heads_vary and isinstance(head_list, list) else n_heads
+        head_dim = int(get(ATT.KEY_LENGTH, "head_dim", dim // first_heads))
         n_ctx_train = int(get(LLM.CONTEXT_LENGTH, "n_ctx_train", 4096))
         rope_base = float(get(ROPE.FREQ_BASE, "rope_base", 10000.0))
         n_nextn = int(get(LLM.NEXTN_PREDICT_LAYERS, "n_nextn_layers", 0))
@@ -151,7 +154,6 @@ class ModelArgs:
         n_layers = int(need(LLM.BLOCK_COUNT)) - n_nextn
         n_kv_heads = int(get(ATT.HEAD_COUNT_KV, "n_kv_heads", n_heads))
         kv_list = g.get(ATT.HEAD_COUNT_KV.format(arch=arch))
-        head_list = g.get(ATT.HEAD_COUNT.format(arch=arch))
         rope_dim = int(get(ROPE.DIMENSION_COUNT, "rope_dim", head_dim))
         values = dict(
             arch=arch,
@@ -167,7 +169,7 @@ class ModelArgs:
                 tuple(int(v) for v in kv_list[:n_layers]) if isinstance(kv_list, list) else (n_kv_heads,) * n_layers
             ),
             head_dim=head_dim,
-            v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // n_heads)),
+            v_head_dim=int(get(ATT.VALUE_LENGTH, "v_head_dim", dim // first_heads)),
             n_ctx_train=n_ctx_train,
             norm_eps=float(get(ATT.LAYERNORM_RMS_EPS, "norm_eps", 1e-6)),
             ffn_dim=ffn_dim,
