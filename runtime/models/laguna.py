@@ -20,7 +20,7 @@ import math
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import Attention, Block, OutputGate
+from moerun.layers import Block, OutputGate
 from moerun.models.base import BuildContext
 
 SWA_PATTERN = 4  # one full-attention layer, then three sliding ones, where the file has no sliding_window_pattern
@@ -50,25 +50,8 @@ def output_gate(ctx: BuildContext, layer: int, n_heads: int) -> OutputGate:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    a, p = ctx.args, f"blk.{layer}"
-    sliding, n_heads, n_kv = a.swa_layers[layer], a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
-    rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False) if sliding else ctx.rope()
-    attn = Attention(
-        wq=ctx.linear(f"{p}.attn_q"),
-        wk=ctx.linear(f"{p}.attn_k"),
-        wv=ctx.linear(f"{p}.attn_v"),
-        wo=ctx.linear(f"{p}.attn_output"),
-        rope=rope,
-        cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim),
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=a.head_dim,
-        v_head_dim=a.v_head_dim,
-        scale=1.0 / math.sqrt(a.head_dim),
-        q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
-        k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
-        window=a.sliding_window if sliding else 0,
-        gate=output_gate(ctx, layer, n_heads),
-        kernels=ctx.backend.kernels,
-    )
+    a = ctx.args
+    rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False) if a.swa_layers[layer] else ctx.rope()
+    gate = output_gate(ctx, layer, a.heads_by_layer[layer])
+    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate)  # llama.cpp fixes the scale
     return ctx.block(layer, attn, ctx.ffn(layer))
