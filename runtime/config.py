@@ -49,7 +49,7 @@ class ModelArgs:
     dim: int  # D
     n_layers: int  # L, decoder blocks run (nextn/MTP blocks excluded)
     n_heads: int  # H, the most any layer has
-    heads_by_layer: tuple[int, ...]  # per layer (step35's sliding and full layers differ)
+    heads_by_layer: tuple[int, ...]  # per layer (step35's and laguna's sliding and full layers differ)
     n_kv_heads: int  # the most any layer has
     kv_heads_by_layer: tuple[int, ...]  # per layer (mimo2's sliding and full layers differ)
     head_dim: int  # Dh for Q and K
@@ -60,6 +60,7 @@ class ModelArgs:
     # RoPE
     rope_style: str  # "normal" (adjacent pairs) or "neox" (halves)
     rope_dim: int
+    rope_dim_swa: int  # rotated channels on the sliding-window layers (laguna's differ from the full layers')
     rope_base: float
     rope_base_swa: float
     rope_scaling: str  # "none", "linear", "yarn"
@@ -111,9 +112,10 @@ class ModelArgs:
         heads_vary: bool = False,
     ) -> ModelArgs:
         """Read the metadata of `g`. `defaults` fill keys the file lacks; `fixed` are arch facts that win over it.
-        `kv_heads_vary`: the arch builds each layer with its own KV head count (kv_heads_by_layer), so a per-layer
-        head_count_kv need not be uniform; `heads_vary`: the same for the query heads (head_count,
-        heads_by_layer)."""
+        `kv_heads_vary`, `heads_vary`: the arch builds each layer with its own KV head count (kv_heads_by_layer) or
+        query head count (heads_by_layer), so a per-layer head_count_kv or head_count need not be uniform.
+        defaults["swa_pattern"] is the arch's period of sliding layers where the file gives none, and
+        defaults["swa_full_first"] says the full layer comes first in each period (llama.cpp's dense_first)."""
         arch = g.arch
         defaults = defaults or {}
         varying = {ATT.HEAD_COUNT_KV} if kv_heads_vary else set()
@@ -140,7 +142,7 @@ class ModelArgs:
 
         dim, n_heads = int(need(LLM.EMBEDDING_LENGTH)), int(need(ATT.HEAD_COUNT))
         head_list = g.get(ATT.HEAD_COUNT.format(arch=arch))
-        first_heads = int(head_list[0]) if isinstance(head_list, list) else n_heads  # llama.cpp's n_head()
+        first_heads = (int(head_list[0]) or n_heads) if isinstance(head_list, list) else n_heads  # llama.cpp's n_head()
         head_dim = int(get(ATT.KEY_LENGTH, "head_dim", dim // first_heads))
         n_ctx_train = int(get(LLM.CONTEXT_LENGTH, "n_ctx_train", 4096))
         rope_base = float(get(ROPE.FREQ_BASE, "rope_base", 10000.0))
@@ -158,6 +160,7 @@ class ModelArgs:
             kv_heads = heads
         else:
             kv_heads = (n_kv_heads,) * n_layers
+        rope_dim = int(get(ROPE.DIMENSION_COUNT, "rope_dim", head_dim))
         values = dict(
             arch=arch,
             n_vocab=n_vocab,
@@ -173,7 +176,8 @@ class ModelArgs:
             norm_eps=float(get(ATT.LAYERNORM_RMS_EPS, "norm_eps", 1e-6)),
             ffn_dim=ffn_dim,
             rope_style="normal",
-            rope_dim=int(get(ROPE.DIMENSION_COUNT, "rope_dim", head_dim)),
+            rope_dim=rope_dim,
+            rope_dim_swa=int(get(ROPE.DIMENSION_COUNT_SWA, "rope_dim_swa", rope_dim)),
             rope_base=rope_base,
             rope_base_swa=float(get(ROPE.FREQ_BASE_SWA, "rope_base_swa", rope_base)),
             rope_scaling=str(get(ROPE.SCALING_TYPE, "rope_scaling", "linear")),
@@ -206,7 +210,11 @@ class ModelArgs:
         )
         values.update(fixed or {})
         values["swa_layers"] = _swa_layers(
-            g, values["n_layers"], values["sliding_window"], defaults.get("swa_pattern", 0)
+            g,
+            values["n_layers"],
+            values["sliding_window"],
+            defaults.get("swa_pattern", 0),
+            defaults.get("swa_full_first", False),
         )
         return cls(**values)
 
@@ -221,13 +229,16 @@ class ModelArgs:
         return 1.0 / self.rope_factor
 
 
-def _swa_layers(g: GGUFModel, n_layers: int, window: int, default_pattern: int) -> tuple[bool, ...]:
+def _swa_layers(g: GGUFModel, n_layers: int, window: int, default_pattern: int, full_first: bool) -> tuple[bool, ...]:
     """Which layers use the sliding window: an explicit per-layer list, or a period n where all but the last layer
-    of every n use it (gpt-oss: n = 2, even layers slide); period 0 means every layer."""
+    of every n use it (gpt-oss: n = 2, even layers slide), or with `full_first` all but the first (laguna); period 0
+    means every layer."""
     if not window:
         return (False,) * n_layers
     pattern = g.get(ATT.SLIDING_WINDOW_PATTERN.format(arch=g.arch), default_pattern)
     if isinstance(pattern, list):
         return tuple(bool(p) for p in pattern[:n_layers])
     n = int(pattern)
+    if full_first:
+        return tuple(n == 0 or layer % n != 0 for layer in range(n_layers))
     return tuple(n == 0 or layer % n < n - 1 for layer in range(n_layers))

@@ -39,6 +39,7 @@ FAMILIES = {
     "smallthinker",
     "lfm2moe",
     "step35",
+    "laguna",
 }
 GOOD = """
 name = "Test"

@@ -17,6 +17,7 @@ The reference modules are importable from here; the twins, which need numba or T
 
 from moerun.layers.attention import (
     Attention,
+    OutputGate,
     attend,
     norm_rope,
     norm_rope_store,
@@ -61,6 +62,7 @@ __all__ = [
     "Kernels",
     "Linear",
     "MoE",
+    "OutputGate",
     "RMSNorm",
     "SandwichBlock",
     "Rope",

@@ -1,10 +1,12 @@
-"""Softmax attention over the KV cache (`attend`), the Q/K norms and RoPE before it, and grouped-query `Attention`."""
+"""Softmax attention over the KV cache (`attend`), the Q/K norms and RoPE before it, grouped-query `Attention` and
+the `OutputGate` some models multiply its output by."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from moerun.kv_cache import KVCache
 from moerun.layers.linear import Linear
@@ -74,12 +76,28 @@ def attend(
     return out.reshape(B, G, HG, Tb, Dv).permute(0, 3, 1, 2, 4).reshape(T, H, Dv)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks and a sliding window. The q, k
-    and v projections are three tensors (wq, wk, wv) or, in files that store them so (attn_qkv), one (wqkv).
+GATE_FUNCTIONS = {"sigmoid": torch.sigmoid, "softplus": F.softplus}
 
-    `wgate` (attn_gate) gates the output before wo by sigmoid(wgate x), x the block's normed input: H outputs gate
-    each head as a whole (step35), H * Dv outputs each channel (afmoe)."""
+
+class OutputGate(nn.Module):
+    """The attention output (T, H, Dv) times fn(attn_gate x), x the attention's input, before the output projection:
+    one value per channel (attn_gate [H Dv, D]: AFMoE, Laguna M.1) or one per head, broadcast over its channels
+    (attn_gate [H, D]: Laguna XS.2, Step-3.5). fn is sigmoid (AFMoE, Step-3.5) or softplus (Laguna), in float32."""
+
+    def __init__(self, wgate: Linear, function: str, per_head: bool) -> None:
+        super().__init__()
+        self.wgate, self.function, self.per_head = wgate, GATE_FUNCTIONS[function], per_head
+
+    def forward(self, out: torch.Tensor, x: torch.Tensor, i8: QAct | None = None) -> torch.Tensor:
+        T, H, Dv = out.shape
+        gate = self.function(self.wgate(x, i8).float())  # (T, H) or (T, H * Dv)
+        return out * (gate[:, :, None] if self.per_head else gate.view(T, H, Dv))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks, a sliding window and an output
+    gate. The q, k and v projections are three tensors (wq, wk, wv) or, in files that store them so (attn_qkv), one
+    (wqkv)."""
 
     def __init__(
         self,
@@ -100,17 +118,17 @@ class Attention(nn.Module):
         k_norm: RMSNorm | None = None,
         window: int = 0,
         sinks: torch.Tensor | None = None,
-        wgate: Linear | None = None,
+        gate: OutputGate | None = None,
         kernels: Kernels,
     ) -> None:
         super().__init__()
-        self.wq, self.wk, self.wv, self.wo, self.wgate = wq, wk, wv, wo, wgate
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rope, self.cache = rope, cache
         self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = n_heads, n_kv_heads, head_dim, v_head_dim
         self.scale, self.window = scale, window
         self.register_buffer("sinks", sinks, persistent=False)
-        self.kernels = kernels
+        self.gate, self.kernels = gate, kernels
         self.qkv_in_file = wqkv is not None
         # q, k and v in one product: the file's, or stacked where the kernels can
         self.wqkv = wqkv if self.qkv_in_file else self.kernels.stack_rows([wq, wk, wv])
@@ -126,14 +144,12 @@ class Attention(nn.Module):
         # k_all, v_all: (S, G, Dh), or (n_seq, S, G, Dh) that the step's blocks index
         q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
         attend_args = (q, k_all, v_all, step.mask(self.window), self.scale, self.sinks, step.blocks)
-        if self.wgate is not None:  # the gate changes the output, so no kernel rounds it for wo beforehand
-            gate = torch.sigmoid(self.wgate(x, i8).float()).view(T, self.n_heads, -1)  # (T, H, 1) or (T, H, Dv)
-            out = self.kernels.attend(*attend_args) * gate
-            return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
-        if self.kernels.attend_i8 is None:
+        if self.kernels.attend_i8 is None or self.gate is not None:  # a gated output is rounded for wo by wo
             out, out_i8 = self.kernels.attend(*attend_args), None  # (T, H, Dv)
         else:
             out, out_i8 = self.kernels.attend_i8(*attend_args)  # and out as (T, H * Dv) rounded for wo, or None
+        if self.gate is not None:
+            out = self.gate(out, x, i8)
         return self.wo(out.reshape(T, self.n_heads * self.v_head_dim), out_i8)
 
     def project(self, x: torch.Tensor, i8: QAct | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

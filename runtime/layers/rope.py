@@ -40,7 +40,9 @@ class Rope(nn.Module):
     channel pair (ramp between the beta_fast/beta_slow correction dims) and scales the magnitude.
 
     `rotate` False gives a NoPE layer's table: cos 1 and sin 0 at every position, no magnitude scale, so the layer
-    passes through every kernel that takes a RoPE table with its q and k unchanged.
+    passes through every kernel that takes a RoPE table with its q and k unchanged. `scaled` False gives plain RoPE
+    whatever the model's context scaling: positions as they are, no YaRN blend, no magnitude scale (laguna's
+    sliding-window layers).
     """
 
     def __init__(
@@ -54,18 +56,19 @@ class Rope(nn.Module):
         attn_factor: float | None = None,
         freq_factors: torch.Tensor | None = None,
         rotate: bool = True,
+        scaled: bool = True,
     ) -> None:
         super().__init__()
         dim = dim or args.rope_dim
         base = base or args.rope_base
         self.dim, self.style = dim, args.rope_style
-        freq_scale = args.rope_freq_scale
-        mscale = yarn_attn_factor(args) if attn_factor is None else attn_factor
+        freq_scale = args.rope_freq_scale if scaled else 1.0
+        mscale = (yarn_attn_factor(args) if scaled else 1.0) if attn_factor is None else attn_factor
         inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
         if freq_factors is not None:  # llama3-style per-channel-pair divisors (rope_freqs.weight)
             # the first dim/2 of them: step35's one tensor serves layers that rotate fewer channels than others
             inv_freq = inv_freq / freq_factors.double().cpu()[: dim // 2]
-        if args.rope_scaling == "yarn":
+        if scaled and args.rope_scaling == "yarn":
             low, high = _yarn_corr_dims(dim, args.rope_orig_ctx, base, args.yarn_beta_fast, args.yarn_beta_slow)
             y = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(0.001, high - low)
             extrapolate = 1 - y.clamp(0, 1)  # 1: keep the original frequency, 0: interpolate

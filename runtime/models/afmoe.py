@@ -17,7 +17,7 @@ import numpy as np
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import Attention, SandwichBlock
+from moerun.layers import OutputGate, SandwichBlock
 from moerun.models.base import BuildContext
 
 NO_ROPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step, which its afmoe loader never reads from the file
@@ -38,24 +38,9 @@ def build_block(ctx: BuildContext, layer: int) -> SandwichBlock:
     a, p = ctx.args, f"blk.{layer}"
     sliding = a.swa_layers[layer]
     rotate = (layer + 1) % NO_ROPE_EVERY != 0
-    attn = Attention(  # attn_gate [H Dv, D]: the shared Attention's gate, channel by channel
-        wq=ctx.linear(f"{p}.attn_q"),
-        wk=ctx.linear(f"{p}.attn_k"),
-        wv=ctx.linear(f"{p}.attn_v"),
-        wo=ctx.linear(f"{p}.attn_output"),
-        wgate=ctx.linear(f"{p}.attn_gate"),
-        rope=ctx.rope(base=a.rope_base_swa if sliding else a.rope_base, rotate=rotate),
-        cache=ctx.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim),
-        n_heads=a.n_heads,
-        n_kv_heads=a.n_kv_heads,
-        head_dim=a.head_dim,
-        v_head_dim=a.v_head_dim,
-        scale=1.0 / math.sqrt(a.head_dim),
-        q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
-        k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
-        window=a.sliding_window if sliding else 0,
-        kernels=ctx.backend.kernels,
-    )
+    rope = ctx.rope(base=a.rope_base_swa if sliding else a.rope_base, rotate=rotate)
+    gate = OutputGate(ctx.linear(f"{p}.attn_gate"), "sigmoid", per_head=False)
+    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate)  # llama.cpp fixes the scale
     if layer < a.n_dense_lead:
         ffn = ctx.feed_forward(layer)
     else:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moeprep.errors import MoeprepError
 from moerun.backend import Backend, backend_for
 from moerun.cache.controller import ExpertCache
 from moerun.cache.experts import CachedExperts
@@ -33,6 +34,7 @@ from moerun.layers import (
     FeedForward,
     Linear,
     MoE,
+    OutputGate,
     RMSNorm,
     Rope,
     Router,
@@ -108,12 +110,15 @@ class BuildContext:
     def kv_cache(self, n_kv_heads: int, k_dim: int, v_dim: int) -> KVCache:
         return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device, self.n_seq)
 
-    def attention(self, layer: int, rope: Rope | None = None, scale: float | None = None) -> Attention:
+    def attention(
+        self, layer: int, rope: Rope | None = None, scale: float | None = None, gate: OutputGate | None = None
+    ) -> Attention:
         """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v (or one attn_qkv)/output (+ biases),
-        optional attn_q_norm/k_norm (per head or over the whole projection) and attn_sinks, a sliding window on the
-        layers that have one."""
+        optional attn_q_norm/k_norm (per head or over the whole projection) and attn_sinks, the layer's own query and
+        KV head counts, a sliding window on the layers that have one, and the arch's output `gate` if it has one."""
         a, w, p = self.args, self.weights, f"blk.{layer}"
-        cache = self.kv_cache(a.n_kv_heads, a.head_dim, a.v_head_dim)
+        n_heads, n_kv_heads = a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
+        cache = self.kv_cache(n_kv_heads, a.head_dim, a.v_head_dim)
         q_norm = self.norm(f"{p}.attn_q_norm.weight") if f"{p}.attn_q_norm.weight" in w else None
         k_norm = self.norm(f"{p}.attn_k_norm.weight") if f"{p}.attn_k_norm.weight" in w else None
         if f"{p}.attn_qkv.weight" in w:
@@ -125,8 +130,8 @@ class BuildContext:
             wo=self.linear(f"{p}.attn_output"),
             rope=rope or self.rope(),
             cache=cache,
-            n_heads=a.n_heads,
-            n_kv_heads=a.n_kv_heads,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
             head_dim=a.head_dim,
             v_head_dim=a.v_head_dim,
             scale=scale or a.attn_scale or 1.0 / math.sqrt(a.head_dim),
@@ -134,8 +139,22 @@ class BuildContext:
             k_norm=k_norm,
             window=a.sliding_window if a.swa_layers[layer] else 0,
             sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32),
+            gate=gate,
             kernels=self.backend.kernels,
         )
+
+    def output_gate(self, layer: int, function: str) -> OutputGate:
+        """function(attn_gate x) on `layer`'s attention output, one value per head or per channel as the tensor's rows
+        say; any other row count is refused in one line."""
+        name, a = f"blk.{layer}.attn_gate", self.args
+        n_heads = a.heads_by_layer[layer]
+        rows = self.weights.info(f"{name}.weight").shape[0]
+        if rows not in (n_heads, n_heads * a.v_head_dim):
+            raise MoeprepError(
+                f"{self.weights.gguf.path}: {name}.weight has {rows} rows; {a.arch}'s gate has one per head "
+                f"({n_heads}) or one per channel ({n_heads * a.v_head_dim})"
+            )
+        return OutputGate(self.linear(name), function, per_head=rows == n_heads)
 
     def experts(self, layer: int, activation: Activation = SWIGLU) -> nn.Module:
         """The routed experts of `layer`: through the expert cache where there is one, else the backend's."""

@@ -40,17 +40,11 @@ def read_args(g: GGUFModel) -> ModelArgs:
         "n_dense_lead": 0,
         "sliding_window": WINDOW if sliding else 0,
     }
-    args = ModelArgs.from_gguf(g, fixed=fixed)
+    # the full layer first in every period (llama.cpp's dense_first)
+    args = ModelArgs.from_gguf(g, fixed=fixed, defaults={"swa_pattern": SWA_PATTERN, "swa_full_first": True})
     if args.rope_dim != args.head_dim or args.head_dim != args.v_head_dim:
         raise MoeprepError(f"{g.path}: smallthinker needs rope.dimension_count == key_length == value_length")
-    if not sliding:
-        return args
-    pattern = g.get(f"{arch}.attention.sliding_window_pattern", SWA_PATTERN)
-    if isinstance(pattern, list):
-        swa = tuple(bool(p) for p in pattern[: args.n_layers])
-    else:  # the full layer first in every period (llama.cpp's dense_first)
-        swa = tuple(int(pattern) == 0 or layer % int(pattern) != 0 for layer in range(args.n_layers))
-    return args.replace(swa_layers=swa)
+    return args
 
 
 def rotates(args: ModelArgs, layer: int) -> bool:

@@ -19,7 +19,7 @@ import math
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import SWIGLU, Activation, Attention, Block, MoE
+from moerun.layers import SWIGLU, Activation, Block, MoE
 from moerun.models.base import BuildContext
 
 CLAMP_EPS = 1e-6  # a limit at or below it is no clamp (llama.cpp's test)
@@ -67,30 +67,13 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
     g = w.gguf
     sliding = a.swa_layers[layer]
-    n_heads, n_kv = a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
     if sliding:
-        rope = ctx.rope(base=a.rope_base_swa, dim=int(g.get(f"{g.arch}.rope.dimension_count_swa", a.rope_dim)))
+        rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa)
     else:
         factors = "rope_freqs.weight" if "rope_freqs.weight" in w else None
         rope = ctx.rope(dim=a.rope_dim // 2, freq_factors=factors)
-    attn = Attention(
-        wq=ctx.linear(f"{p}.attn_q"),
-        wk=ctx.linear(f"{p}.attn_k"),
-        wv=ctx.linear(f"{p}.attn_v"),
-        wo=ctx.linear(f"{p}.attn_output"),
-        wgate=ctx.linear(f"{p}.attn_gate") if f"{p}.attn_gate.weight" in w else None,
-        rope=rope,
-        cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim),
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=a.head_dim,
-        v_head_dim=a.v_head_dim,
-        scale=1.0 / math.sqrt(a.head_dim),
-        q_norm=ctx.norm(f"{p}.attn_q_norm.weight") if f"{p}.attn_q_norm.weight" in w else None,
-        k_norm=ctx.norm(f"{p}.attn_k_norm.weight") if f"{p}.attn_k_norm.weight" in w else None,
-        window=a.sliding_window if sliding else 0,
-        kernels=ctx.backend.kernels,
-    )
+    gate = ctx.output_gate(layer, "sigmoid") if f"{p}.attn_gate.weight" in w else None  # one value per head
+    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate)
     shared = swiglu(per_layer(g, "swiglu_clamp_shexp", a.n_layers)[layer])  # the dense FFN's and the shared expert's
     if f"{p}.ffn_gate_inp.weight" not in w:
         return ctx.block(layer, attn, ctx.feed_forward(layer, activation=shared))

@@ -49,6 +49,9 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
         ("nemotron_h_moe", "small", "Q4_K", {}),  # ungated experts and shared expert
         ("afmoe", "small", "Q4_K", {}),  # attn_gate
         ("smallthinker", "small", "Q4_K", {}),
+        ("laguna", "small", "Q4_K", {}),  # a per-head attn_gate, per-layer query heads
+        ("laguna", "small", "Q4_K", {"sliding_window": 0}),  # M.1's per-channel attn_gate
+        ("laguna", "tiny", "Q4_K", {}),
     ],
     ids=lambda v: ",".join(v) if isinstance(v, dict) else v,
 )

@@ -3,8 +3,9 @@ gated delta net (layers/delta_net.py, over layers/delta_rule.py: a prompt prefil
 token from the state it left, two sequences side by side, a sequence started anew), gated attention
 (layers/gated_attention.py), Llama 4's chunked and temperature-scaled attentions (models/llama4.py), Gemma's GEGLU
 (layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), the output-gated
-attention of AFMoE (with and without RoPE) and step35 (gated per head, half of each head rotated with divisors)
-(layers/attention.py, layers/rope.py), the post-normed block (layers/block.py), ReGLU and step35's clamped SwiGLU
+attention of AFMoE (with and without RoPE), step35 (gated per head, half of each head rotated with divisors) and
+Laguna (softplus gates) (layers/attention.py, layers/rope.py), RoPE with and without the model's context scaling
+(layers/rope.py: Laguna's sliding layers), the post-normed block (layers/block.py), ReGLU and step35's clamped SwiGLU
 (layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
 
 from __future__ import annotations
@@ -385,25 +386,27 @@ def test_gemma4_attention_equals_float64() -> None:
         assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max(), f"sliding={sliding}"
 
 
-# (per-head gate, rotated channels as a share of the head (0: a NoPE layer), RoPE divisors): AFMoE's layers with and
-# without RoPE, and a step35 full-attention layer (half of each head rotated, a divisor table twice as long as it
-# reads, as the one step35 tensor serves wider rotations too).
+# (gate function, per-head gate, rotated channels as a share of the head (0: a NoPE layer), RoPE divisors): AFMoE's
+# layers with and without RoPE, a step35 full-attention layer (half of each head rotated, a divisor table twice as
+# long as it reads, as the one step35 tensor serves wider rotations too), Laguna M.1's and XS.2's layers.
 GATED_ATTENTION_CASES = {
-    "afmoe-rope": (False, 1.0, False),
-    "afmoe-nope": (False, 0.0, False),
-    "step35": (True, 0.5, True),
+    "afmoe-rope": ("sigmoid", False, 1.0, False),
+    "afmoe-nope": ("sigmoid", False, 0.0, False),
+    "step35": ("sigmoid", True, 0.5, True),
+    "laguna-m1": ("softplus", False, 1.0, False),
+    "laguna-xs2": ("softplus", True, 1.0, False),
 }
 
 
 @pytest.mark.parametrize("case", GATED_ATTENTION_CASES)
 def test_output_gated_attention_equals_float64(case: str) -> None:
-    """The shared Attention with attn_gate (AFMoE's, step35's): per-head Q/K RMSNorm, NeoX RoPE over the first
-    channels of each head (with per-pair frequency divisors, or none), causal softmax over grouped KV heads within a
-    sliding window, the output times sigmoid(attn_gate x) channel by channel (AFMoE) or head by head (step35), then
-    the output projection. A prompt, then a decode step."""
-    from moerun.layers import Attention
+    """The shared Attention with an OutputGate (layers/attention.py), as AFMoE, step35 and Laguna build it: per-head
+    Q/K RMSNorm, NeoX RoPE over the first channels of each head (with per-pair frequency divisors, or none), causal
+    softmax over grouped KV heads within a sliding window, the output times fn(attn_gate x) channel by channel or
+    head by head, then the output projection. A prompt, then a decode step."""
+    from moerun.layers import Attention, OutputGate
 
-    per_head, share, divided = GATED_ATTENTION_CASES[case]
+    function, per_head, share, divided = GATED_ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(17)
     T, H, G, Dh, window = 20, 4, 2, 8, 6
     rot = int(Dh * share) or Dh
@@ -424,7 +427,6 @@ def test_output_gated_attention_equals_float64(case: str) -> None:
         wk=wk,
         wv=wv,
         wo=wo,
-        wgate=wgate,
         rope=Rope(args, T, torch.device("cpu"), dim=rot, freq_factors=divisors, rotate=share > 0),
         cache=KVCache(T, G, Dh, Dh, torch.float32, torch.device("cpu")),
         n_heads=H,
@@ -435,6 +437,7 @@ def test_output_gated_attention_equals_float64(case: str) -> None:
         q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
         k_norm=RMSNorm(kn, EPS, TORCH_KERNELS),
         window=window,
+        gate=OutputGate(wgate, function, per_head),
         kernels=TORCH_KERNELS,
     )
     x = torch.randn(T, D, generator=gen)
@@ -464,10 +467,50 @@ def test_output_gated_attention_equals_float64(case: str) -> None:
             s = k[first : t + 1, h // (H // G)] @ q[t, h] * Dh**-0.5
             e = np.exp(s - s.max())
             out[t, h] = e @ v[first : t + 1, h // (H // G)] / e.sum()
-    gate = 1 / (1 + np.exp(-(xd @ w["g"].T)))  # (T, H) or (T, H Dh)
-    gated = out * gate[:, :, None] if per_head else out.reshape(T, H * Dh) * gate
+    g = xd @ w["g"].T  # (T, H) or (T, H * Dh)
+    g = 1 / (1 + np.exp(-g)) if function == "sigmoid" else np.log1p(np.exp(g))
+    gated = out * g[:, :, None] if per_head else out * g.reshape(T, H, Dh)
     want = gated.reshape(T, H * Dh) @ w["o"].T
     assert np.abs(got.double().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["yarn", "plain"])
+def test_rope_with_and_without_context_scaling_equals_float64(scaled: bool) -> None:
+    """A model with YaRN (factor 4): its scaled table blends interpolated and original frequencies between the
+    correction dims and scales the magnitude; `scaled` False (Laguna's sliding layers) is plain RoPE over its own
+    base and channel count whatever the model's scaling. NeoX halves over the first `dim` of 16 channels."""
+    Dh, dim, base, T, factor, orig, fast, slow = 16, 12, 5000.0, 40, 4.0, 64, 32.0, 1.0
+    args = SimpleNamespace(
+        rope_dim=8,
+        rope_base=500000.0,
+        rope_style="neox",
+        rope_scaling="yarn",
+        rope_freq_scale=1 / factor,
+        rope_orig_ctx=orig,
+        yarn_beta_fast=fast,
+        yarn_beta_slow=slow,
+        yarn_log_mul=0.0,
+        rope_attn_factor=1.0,
+    )
+    rope = Rope(args, T, torch.device("cpu"), base=base, dim=dim, scaled=scaled)
+    x = torch.randn(T, 3, Dh, generator=torch.Generator().manual_seed(23))
+    got = rope(x, torch.arange(T)).double().numpy()
+    theta = base ** (-np.arange(0, dim, 2) / dim)  # (dim/2,)
+    magnitude = 1.0
+    if scaled:
+        corr = lambda n: dim * math.log(orig / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+        low, high = max(0.0, math.floor(corr(fast))), min(dim - 1.0, math.ceil(corr(slow)))
+        keep = 1 - np.clip((np.arange(dim // 2) - low) / max(0.001, high - low), 0, 1)
+        theta = theta / factor * (1 - keep) + theta * keep
+        # YaRN's magnitude 1 + 0.1 ln(factor) (llama.cpp's context divides it out of its attention factor only for
+        # its rope op to multiply it back)
+        magnitude = 1.0 + 0.1 * math.log(factor)
+    ang = np.arange(T)[:, None, None] * theta
+    xd = x.double().numpy()
+    a, b = xd[..., : dim // 2], xd[..., dim // 2 : dim]
+    rotated = np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], -1) * magnitude
+    want = np.concatenate([rotated, xd[..., dim:]], -1)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_sandwich_block_equals_float64() -> None:

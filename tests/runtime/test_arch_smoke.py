@@ -34,6 +34,7 @@ ARCHS = [
     "smallthinker",
     "lfm2moe",
     "step35",
+    "laguna",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
@@ -284,3 +285,58 @@ def test_lfm2moe_without_gating_function_is_refused(synth_model, tmp_path):
     write_gguf(path, open_gguf(synth_model("lfm2moe")), kv_remove=["lfm2moe.expert_gating_func"])
     with pytest.raises(MoeprepError, match="lfm2moe.expert_gating_func is missing"):
         moerun.load_model(path)
+
+
+def test_laguna_layouts(synth_model):
+    """XS.2's layout: a full-attention layer first in every four, the sliding ones with twice its query heads, their
+    own RoPE (plain, over rope.dimension_count_swa channels) and a gate value per head; M.1's: every layer full, one
+    head count, a gate value per channel."""
+    xs2 = moerun.load_model(synth_model("laguna"))
+    a = xs2.args
+    assert a.swa_layers == (False, True, True, True, False) and a.heads_by_layer == (4, 8, 8, 8, 4)
+    attns = [block.attn.attn for block in xs2.net.blocks]
+    assert [attn.gate.per_head for attn in attns] == [True] * 5
+    assert [attn.window for attn in attns] == [0, a.sliding_window, a.sliding_window, a.sliding_window, 0]
+    assert attns[0].rope.dim == a.rope_dim < attns[1].rope.dim == a.rope_dim_swa == a.head_dim
+    m1 = moerun.load_model(synth_model("laguna", sliding_window=0))
+    assert not any(m1.args.swa_layers) and set(m1.args.heads_by_layer) == {m1.args.n_heads}
+    assert all(not block.attn.attn.gate.per_head and block.attn.attn.window == 0 for block in m1.net.blocks)
+
+
+def test_laguna_sliding_window_pattern_key_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """A file's attention.sliding_window_pattern overrides the period of 4: with 2, layers 0, 2 and 4 are full (layer
+    2 keeping its 8 query heads: the per-layer head_count, not the layer's kind, sets them)."""
+    from gguf import GGUFValueType
+
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import KVValue, write_gguf
+    from tests.oracle import llama_eval
+
+    src = synth_model("laguna", expert_type="F32", attn_type="F32")
+    g = open_gguf(src)
+    path = tmp_path / "period2.gguf"
+    pattern = {"laguna.attention.sliding_window_pattern": KVValue(2, GGUFValueType.UINT32)}
+    write_gguf(path, g, kv_set=pattern)
+    model = moerun.load_model(path)
+    assert model.args.swa_layers == (False, True, False, True, False)
+    tokens = model.tokenizer.encode(calibration_text)[:64]
+    ours, ref = model.forward(torch.tensor(tokens)).numpy(), llama_eval(path, tokens).logits
+    assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_laguna_gate_of_another_width_is_refused_in_one_line(synth_model, tmp_path):
+    """llama.cpp aborts on an attn_gate whose rows are neither the heads nor the channels; moerun names both."""
+    from gguf import GGMLQuantizationType
+
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import OutputTensor, copied_tensor, write_gguf
+
+    g = open_gguf(synth_model("laguna", expert_type="F32", attn_type="F32"))
+    tensors = [copied_tensor(g, t) for t in g.tensors]
+    at = next(i for i, t in enumerate(tensors) if t.name == "blk.0.attn_gate.weight")
+    odd = np.zeros((3, tensors[at].shape[1]), np.float32)
+    tensors[at] = OutputTensor(tensors[at].name, GGMLQuantizationType.F32, odd.shape, lambda: [odd.tobytes()])
+    write_gguf(tmp_path / "odd-gate.gguf", g, tensors=tensors)
+    with pytest.raises(MoeprepError, match=r"blk\.0\.attn_gate\.weight has 3 rows; .* per head \(4\) or .* \(64\)"):
+        moerun.load_model(tmp_path / "odd-gate.gguf")
