@@ -9,8 +9,9 @@ import numpy as np
 from moeprep.profile.tracefile import TraceFile
 from moerun.cache.plan import AUTO, Bandwidths
 
-# Uploads one layer may start per step besides filling its empty slots (evictions, that is): an upload of a 30B-shaped expert (2.6 MB) takes ~50 us over pinned PCIe,
-# so a handful per layer keeps a step's upload time below its compute while the cache adapts within a few tokens.
+# Uploads one layer may start per step besides filling its empty slots (evictions, that is): an upload of a
+# 30B-shaped expert (2.6 MB) takes ~50 us over pinned PCIe, so a handful per layer keeps a step's upload time below
+# its compute while the cache adapts within a few tokens.
 UPLOADS_PER_LAYER_STEP = 2
 
 
