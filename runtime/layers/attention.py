@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moerun.kv_cache import KVCache
 from moerun.layers.linear import Linear
-from moerun.layers.norm import RMSNorm
+from moerun.layers.norm import RMSNorm, unit_rms
 from moerun.layers.ops import Kernels
 from moerun.layers.rope import Rope
 from moerun.step import Step
@@ -95,9 +95,9 @@ class OutputGate(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional per-head Q/K RMSNorm, QKV biases, sinks, a sliding window and an output
-    gate. The q, k and v projections are three tensors (wq, wk, wv) or, in files that store them so (attn_qkv), one
-    (wqkv)."""
+    """Grouped-query attention with optional per-head Q/K RMSNorm (and V's, without a weight: `v_norm_eps`), QKV
+    biases, sinks, a sliding window and an output gate. The q, k and v projections are three tensors (wq, wk, wv) or,
+    in files that store them so (attn_qkv), one (wqkv)."""
 
     def __init__(
         self,
@@ -119,6 +119,7 @@ class Attention(nn.Module):
         window: int = 0,
         sinks: torch.Tensor | None = None,
         gate: OutputGate | None = None,
+        v_norm_eps: float | None = None,
         kernels: Kernels,
     ) -> None:
         super().__init__()
@@ -128,7 +129,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = n_heads, n_kv_heads, head_dim, v_head_dim
         self.scale, self.window = scale, window
         self.register_buffer("sinks", sinks, persistent=False)
-        self.gate, self.kernels = gate, kernels
+        self.gate, self.v_norm_eps, self.kernels = gate, v_norm_eps, kernels
         self.qkv_in_file = wqkv is not None
         # q, k and v in one product: the file's, or stacked where the kernels can
         self.wqkv = wqkv if self.qkv_in_file else self.kernels.stack_rows([wq, wk, wv])
@@ -141,6 +142,8 @@ class Attention(nn.Module):
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.v_head_dim)
+        if self.v_norm_eps is not None:  # Gemma 4: V normalised per head, without a weight, before it is stored
+            v = unit_rms(v, self.v_norm_eps)
         # k_all, v_all: (S, G, Dh), or (n_seq, S, G, Dh) that the step's blocks index
         q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
         attend_args = (q, k_all, v_all, step.mask(self.window), self.scale, self.sinks, step.blocks)

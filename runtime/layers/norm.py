@@ -19,6 +19,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation over the last axis without a weight (ggml_rms_norm), float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def add_rms_norm(
     x: torch.Tensor,
     delta: torch.Tensor,

@@ -34,6 +34,7 @@ from moerun.config import GATING_SOFTMAX, ModelArgs
 from moerun.hooks import Hooks
 from moerun.layers import Activation, Attention, FeedForward, MoE, RMSNorm, Router
 from moerun.layers.moe import ExpertCompute
+from moerun.layers.norm import unit_rms
 from moerun.models.base import BuildContext
 from moerun.step import Step
 
@@ -68,30 +69,6 @@ def read_args(g: GGUFModel) -> ModelArgs:
         "logit_softcap": float(g.get(f"{arch}.final_logit_softcapping", 0.0)),
     }
     return ModelArgs.from_gguf(g, fixed=fixed, kv_heads_vary=True)
-
-
-def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation over the last axis without a weight (ggml_rms_norm), float32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-class Gemma4Attention(Attention):
-    """The shared Attention with V RMS-normalised per head (no weight, epsilon `eps`) before it is stored."""
-
-    def __init__(self, *, eps: float, **attention) -> None:
-        super().__init__(**attention)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.project(x, i8)
-        q = q.view(T, self.n_heads, self.head_dim)
-        k = k.view(T, self.n_kv_heads, self.head_dim)
-        v = unit_rms(v.view(T, self.n_kv_heads, self.v_head_dim), self.eps)
-        q, k_all, v_all = self.kernels.norm_rope_store(q, k, v, self.q_norm, self.k_norm, self.rope, step, self.cache)
-        out = self.kernels.attend(q, k_all, v_all, step.mask(self.window), self.scale, None, step.blocks)
-        return self.wo(out.reshape(T, self.n_heads * self.v_head_dim))
 
 
 class Gemma4MoE(MoE):
@@ -184,7 +161,7 @@ def build_block(ctx: BuildContext, layer: int) -> Gemma4Block:
     n_kv = a.kv_heads_by_layer[layer]
     wk = ctx.linear(f"{p}.attn_k")
     factors = "rope_freqs.weight" if not sliding and "rope_freqs.weight" in w else None  # the full layers' only
-    attn = Gemma4Attention(
+    attn = Attention(
         wq=ctx.linear(f"{p}.attn_q"),
         wk=wk,
         wv=ctx.linear(f"{p}.attn_v") if f"{p}.attn_v.weight" in w else wk,  # no attn_v: the keys' projection
@@ -199,8 +176,8 @@ def build_block(ctx: BuildContext, layer: int) -> Gemma4Block:
         q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
         k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
         window=a.sliding_window if sliding else 0,
+        v_norm_eps=a.norm_eps,
         kernels=ctx.backend.kernels,
-        eps=a.norm_eps,
     )
     moe = mlp_post_norm = None
     if f"{p}.ffn_gate_inp.weight" in w:

@@ -320,7 +320,7 @@ def test_gemma4_attention_equals_float64() -> None:
     """Gemma 4's attention on a full layer whose values are its keys' projection (no attn_v) and on a sliding one:
     Q and K RMS-normalised per head with weights, V without one; NeoX RoPE turning only the pairs whose rope_freqs
     divisor is 1 (the others 1e30); unscaled scores; the window on the sliding layer. A prompt, then a decode step."""
-    from moerun.models.gemma4 import Gemma4Attention
+    from moerun.layers import Attention
 
     gen = torch.Generator().manual_seed(11)
     T, H, G, Dh, window, rotated = 20, 4, 2, 8, 6, 1  # one of Dh/2 = 4 pairs turns
@@ -337,7 +337,7 @@ def test_gemma4_attention_equals_float64() -> None:
         wq, wk, wo = linear(gen, H * Dh, D), linear(gen, G * Dh, D), linear(gen, D, H * Dh)
         wv = linear(gen, G * Dh, D) if sliding else wk
         qn, kn = (1 + 0.2 * torch.randn(Dh, generator=gen) for _ in range(2))
-        layer = Gemma4Attention(
+        layer = Attention(
             wq=wq,
             wk=wk,
             wv=wv,
@@ -352,8 +352,8 @@ def test_gemma4_attention_equals_float64() -> None:
             q_norm=RMSNorm(qn, EPS, TORCH_KERNELS),
             k_norm=RMSNorm(kn, EPS, TORCH_KERNELS),
             window=window if sliding else 0,
+            v_norm_eps=EPS,
             kernels=TORCH_KERNELS,
-            eps=EPS,
         )
         x = torch.randn(T, D, generator=gen)
         got = torch.cat(
