@@ -16,6 +16,7 @@ from moeprep.synth.afmoe import AFMOE
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
+from moeprep.synth.kimi_k3 import KIMI_K3
 from moeprep.synth.lfm2moe import LFM2MOE
 from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mamba2 import GRANITEHYBRID, NEMOTRON_H_MOE
@@ -336,5 +337,8 @@ ARCHS: dict[str, ArchSpec] = {
         # on the attention output, DeepSeek-V3-style routing beside a shared expert, clamped SwiGLU, a NextN block
         # (moeprep/synth/step35.py).
         STEP35,
+        # Kimi-K3: Kimi-Linear's KDA and MLA layers with cross-layer residual attention, a latent MoE, the situ
+        # activation and gated MLA (moeprep/synth/kimi_k3.py).
+        KIMI_K3,
     )
 }
