@@ -22,6 +22,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "gpt-oss": "gpt_oss",
     "granitehybrid": "granite_hybrid",
     "hunyuan-moe": "hunyuan_moe",
+    "kimi-k3": "kimi_k3",
     "llama": "llama",
     "llama4": "llama4",
     "lfm2moe": "lfm2moe",
