@@ -61,7 +61,7 @@ def is_mla(il: int) -> bool:
 
 def res_score(name: str, c: SynthConfig) -> TensorSpec:
     """A residual-attention score vector [D]: the scores sum(rms_norm(x) w) come out O(1)."""
-    return TensorSpec(name, (c.n_embd,), Normal(1 / math.sqrt(c.n_embd)))
+    return TensorSpec(name, (c.n_embd,), Normal(0.25 / math.sqrt(c.n_embd)))
 
 
 def kda_full_gate(c: SynthConfig, il: int) -> list[TensorSpec]:

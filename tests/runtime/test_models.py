@@ -106,12 +106,31 @@ def _layer_by_layer(
     net, T = model.net, len(tokens)
     step = Step(torch.arange(T), n_slots=T)
     errors = []
+    embed = net.embed(tokens)
+    hidden = lambda layer: embed if layer < 0 else torch.from_numpy(ref_hidden[layer])  # noqa: E731
+    banking = model.args.arch == "kimi-k3"
     for layer, block in enumerate(net.blocks):
-        x = net.embed(tokens) if layer == 0 else torch.from_numpy(ref_hidden[layer - 1])
         ref = ref_hidden[layer]
-        h, delta = block(x, None, step)
-        errors.append(np.abs((h + delta).numpy() - ref).max(-1) / np.abs(ref).max())
-    return net.output(net.norm(torch.from_numpy(ref_hidden[len(net.blocks) - 1]))).numpy(), errors
+        if banking:  # the inputs its banking blocks kept, then the stream (models/kimi_k3.py)
+            x = _banked(net, layer, hidden) if layer else embed
+            last, block.last = block.last, False  # its stream, not the final mix
+            out, _ = block(x, None, step)
+            block.last, out = last, out[:, -1]
+        else:
+            h, delta = block(hidden(layer - 1), None, step)
+            out = h + delta
+        errors.append(np.abs(out.numpy() - ref).max(-1) / np.abs(ref).max())
+    final = hidden(len(net.blocks) - 1)
+    if banking:  # the final mix over the banked inputs
+        banked = _banked(net, len(net.blocks), hidden)[:, :-1]
+        final = net.blocks[-1].mix(banked, final, "output")
+    return net.output(net.norm(final)).numpy(), errors
+
+
+def _banked(net: torch.nn.Module, layer: int, hidden) -> torch.Tensor:
+    """kimi-k3's residual before block `layer` (> 0) from llama.cpp's hidden states: (T, B + 1, D)."""
+    kept = [hidden(j - 1) for j in range(layer) if net.blocks[j].bank]
+    return torch.stack([*kept, hidden(layer - 1)], dim=1)
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -139,13 +158,18 @@ def test_cached_decode_equals_uncached(arch, synth_model, calibration_text):
     torch.testing.assert_close(model.forward(tokens[:24], 0), full[:24], rtol=1e-4, atol=1e-4 * full.abs().max().item())
 
 
+# KDA's delta rule carries each F16 rounding of q, k, v and the gates on in its state: kimi-k3's layers reach 4.3e-4
+# given llama.cpp's input (glm5-next's KDA blocks are held to 1e-3 in tests/test_glm5_next.py); F32 stays below 1e-5.
+F16_LAYER_BOUNDS = {"kimi-k3": 1e-3}
+
+
 @pytest.mark.parametrize("weights", ["F32", "F16"])
 @pytest.mark.parametrize("arch", ONE_STREAM_ARCHS)
 def test_matches_llama_cpp(arch, weights, synth_model, calibration_text):
     c = compare(synth_model(arch, expert_type=weights, attn_type=weights), calibration_text)
     # F16 products round their inputs to F16 (2^-11 relative) in both engines, and llama.cpp's order of those
     # products depends on the CPU's vector width: 1.13e-4 measured for deepseek2 on an AVX512-BF16 machine
-    bound = 1e-4 if weights == "F32" else 2.5e-4
+    bound = 1e-4 if weights == "F32" else F16_LAYER_BOUNDS.get(arch, 2.5e-4)
     assert max(c.layer_errors) <= bound, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
     assert c.rel_error <= 1e-3, f"logits differ from llama.cpp's: relative error {c.rel_error:.2e}"
     assert c.top1_agreement == 1.0, f"top-1 differs at {np.flatnonzero(c.ours.argmax(-1) != c.ref.argmax(-1))}"
@@ -199,6 +223,7 @@ QUANTIZED = [
     ("lfm2moe", "Q4_K"),
     ("step35", "Q8_0"),
     ("step35", "Q4_K"),
+    ("kimi-k3", "Q8_0"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
