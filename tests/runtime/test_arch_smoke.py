@@ -34,6 +34,7 @@ ARCHS = [
     "smallthinker",
     "lfm2moe",
     "step35",
+    "kimi-k3",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"

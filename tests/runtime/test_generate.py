@@ -77,6 +77,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "granitehybrid",
         "nemotron_h_moe",
         "step35",
+        "kimi-k3",
     ],
 )
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):
