@@ -518,6 +518,42 @@ def test_swiglu_limited_equals_float64() -> None:
     assert (gd / (1 + np.exp(-gd)) > limit).any() and (np.abs(ud) > limit).any()  # both clamps bite
 
 
+def test_situ_equals_float64() -> None:
+    """Kimi-K3's situ: beta tanh(gate / beta) sigmoid(gate) * up_beta tanh(up / up_beta), both saturations biting;
+    with up_beta 0 the up branch passes as it is."""
+    from moerun.layers.ffn import situ
+
+    g = torch.linspace(-6, 6, 1201, dtype=torch.float32)
+    u = torch.flip(g, [0]) * 0.7 + 0.1
+    gd, ud, beta, up_beta = g.double().numpy(), u.double().numpy(), 2.0, 1.5
+    act = beta * np.tanh(gd / beta) / (1 + np.exp(-gd))
+    for ub, up in ((up_beta, up_beta * np.tanh(ud / up_beta)), (0.0, ud)):
+        want = act * up
+        assert np.abs(situ(g, u, beta, ub).double().numpy() - want).max() <= 1e-6 * np.abs(want).max()
+    assert (np.abs(gd) > 2 * beta).any() and (np.abs(ud) > 2 * up_beta).any()  # deep in both saturations
+
+
+def test_residual_mix_equals_float64() -> None:
+    """Kimi-K3's residual attention: softmax over sum(rms_norm(c) w) of the banked inputs and the stream, then the
+    candidates summed with those weights; the stream itself while nothing is banked."""
+    from moerun.models.kimi_k3 import residual_mix
+
+    rng = np.random.default_rng(0)
+    T, B, D = 5, 3, 32
+    banked, h = rng.standard_normal((T, B, D)) * rng.uniform(0.5, 4, (T, B, 1)), rng.standard_normal((T, D))
+    w = rng.standard_normal(D) / np.sqrt(D)
+    cand = np.concatenate([banked, h[:, None]], axis=1)
+    scores = (cand / np.sqrt((cand**2).mean(-1, keepdims=True) + EPS) * w).sum(-1)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = (cand * p[..., None]).sum(1)
+    f = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    got = residual_mix(f(banked), f(h), f(w), EPS).double().numpy()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert (p.max(-1) < 0.9).all()  # no token takes one candidate alone
+    assert torch.equal(residual_mix(f(banked[:, :0]), f(h), f(w), EPS), f(h))
+
+
 def test_reglu_equals_float64() -> None:
     """SmallThinker's experts: relu(gate) * up, across the kink at 0."""
     from moerun.layers.ffn import reglu
