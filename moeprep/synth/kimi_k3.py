@@ -37,7 +37,6 @@ from moeprep.synth.parts import (
     T,
     TensorSpec,
     matrix_in,
-    norm,
     tensor_name,
 )
 from moeprep.synth.weights import NORM_NOISE, Normal
@@ -52,7 +51,10 @@ SITU_LINEAR_BETA = 1.5
 
 
 def latent(c: SynthConfig) -> int:
-    return c.n_embd // 2
+    """L: half of D, or all of it where half would break rows of 256 values that K-quants need (the small
+    preset)."""
+    half = c.n_embd // 2
+    return half if half % 256 == 0 or c.n_embd % 256 else c.n_embd
 
 
 def is_mla(il: int) -> bool:

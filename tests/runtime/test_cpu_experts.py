@@ -179,7 +179,10 @@ def test_activations_equal_torch():
         if name == "situ":
             torch_act = partial(situ, beta=limit, up_beta=up_limit)
         fast = np.array(
-            [act(np.float32(a), np.float32(b), np.float32(limit), np.float32(up_limit)) for a, b in zip(g.numpy(), u.numpy())]
+            [
+                act(np.float32(a), np.float32(b), np.float32(limit), np.float32(up_limit))
+                for a, b in zip(g.numpy(), u.numpy())
+            ]
         )
         np.testing.assert_allclose(fast, torch_act(g, u).numpy(), rtol=4e-6, atol=1e-30, err_msg=name)
 

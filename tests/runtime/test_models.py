@@ -224,6 +224,7 @@ QUANTIZED = [
     ("step35", "Q8_0"),
     ("step35", "Q4_K"),
     ("kimi-k3", "Q8_0"),
+    ("kimi-k3", "Q4_K"),
 ]
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93)}
