@@ -5,7 +5,8 @@ token from the state it left, two sequences side by side, a sequence started ane
 (layers/ffn.py), logit soft-capping (layers/softcap.py), Gemma 4's attention (models/gemma4.py), the output-gated
 attention of AFMoE (with and without RoPE) and step35 (gated per head, half of each head rotated with divisors)
 (layers/attention.py, layers/rope.py), the post-normed block (layers/block.py), ReGLU and step35's clamped SwiGLU
-(layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
+(layers/ffn.py), LFM2's gated short convolution (layers/short_conv.py), and Kimi-K3's situ activation (layers/ffn.py),
+latent MoE (layers/moe.py) and cross-layer residual mix (models/kimi_k3.py)."""
 
 from __future__ import annotations
 
@@ -596,3 +597,42 @@ def test_short_conv_equals_float64_in_pieces_and_per_sequence() -> None:
     assert np.abs(both.double().numpy() - np.stack([want_a[9], want_b[5]])).max() <= 1e-5 * scale
     again = layer(b[:3], Step(torch.arange(3), n_slots=3, seq=0))  # sequence 0 anew: a's rows forgotten
     assert np.abs(again.double().numpy() - want_b[:3]).max() <= 1e-5 * scale
+
+
+def test_latent_moe_equals_float64(synth_model) -> None:
+    """Kimi-K3's LatentMoE (layers/moe.py) on its synthetic file (F32): the experts the router chose run situ on
+    ffn_routed_down x (L < D), their weighted sum RMS-normed by ffn_routed_norm and taken back to D by ffn_routed_up,
+    plus the situ shared expert on x itself."""
+    import moerun
+    from moeprep.gguf.reader import open_gguf
+    from moerun.layers import LatentMoE
+    from moerun.weights import Weights
+
+    path = synth_model("kimi-k3", expert_type="F32", attn_type="F32")
+    model = moerun.load_model(path)
+    layer = 1
+    moe = model.net.blocks[layer].ffn
+    assert isinstance(moe, LatentMoE)
+    w = Weights(open_gguf(path), torch.float64, torch.device("cpu"))
+    t = lambda name: w.dense(f"blk.{layer}.{name}.weight").numpy()  # noqa: E731
+    L, D = t("ffn_routed_down").shape
+    assert L < D
+    beta, up_beta = moe.experts.activation.limit, moe.experts.activation.up_limit
+    situ = lambda g, u: beta * np.tanh(g / beta) / (1 + np.exp(-g)) * up_beta * np.tanh(u / up_beta)  # noqa: E731
+
+    x = torch.randn(7, D, generator=torch.Generator().manual_seed(0))
+    chosen = []
+    handle = model.add_routing_hook(lambda ev: chosen.append((ev.expert_ids, ev.weights)))
+    got = moe(x, Step(torch.arange(7), n_slots=7)).double().numpy()
+    handle.remove()
+    (ids, weights), xd = chosen[0], x.double().numpy()
+    gate, up, down = (w.dense(f"blk.{layer}.ffn_{p}_exps.weight").numpy() for p in ("gate", "up", "down"))
+    latent = xd @ t("ffn_routed_down").T  # (T, L)
+    routed = np.zeros_like(latent)
+    for i in range(len(xd)):
+        for e, g in zip(ids[i].tolist(), weights[i].double().tolist()):
+            routed[i] += g * down[e] @ situ(gate[e] @ latent[i], up[e] @ latent[i])
+    normed = routed / np.sqrt((routed**2).mean(-1, keepdims=True) + EPS) * t("ffn_routed_norm")
+    shared = situ(xd @ t("ffn_gate_shexp").T, xd @ t("ffn_up_shexp").T) @ t("ffn_down_shexp").T
+    want = normed @ t("ffn_routed_up").T + shared
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
