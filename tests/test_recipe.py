@@ -39,6 +39,7 @@ FAMILIES = {
     "smallthinker",
     "lfm2moe",
     "step35",
+    "kimi-k3",
 }
 GOOD = """
 name = "Test"
