@@ -3,7 +3,7 @@ cross-layer residual attention, a latent MoE, the situ activation and gated MLA.
 
 Layers. attention.head_count_kv 0 marks a KDA layer (glm5-next's KimiDeltaAttention, with K3's one full-rank output
 gate ssm_g and its q/k L2 norm at the model's RMS epsilon), any other an MLA layer: deepseek2's absorbed MLAttention
-without RoPE, scaled by 1/sqrt(key_length_mla), its output multiplied by sigmoid(attn_gate x) before attn_output.
+without RoPE, scaled by 1/sqrt(key_length_mla), its output multiplied by sigmoid(attn_gate x) before attn_output where the file has attn_gate.
 Leading dense blocks, then sigmoid-routed experts beside a shared expert; every FFN uses situ (layers.ffn.situ)
 in place of SwiGLU.
 
@@ -138,7 +138,11 @@ def build_block(ctx: BuildContext, layer: int) -> ResidualAttentionBlock:
     a = ctx.shared.setdefault("kimi-k3 args", KimiK3Args.from_gguf(w.gguf, args.norm_eps))
     if a.mla_layers[layer]:
         attn: nn.Module = MLAttention(
-            ctx, layer, ctx.rope(), ctx.kv_cache(1, args.kv_lora_rank, args.kv_lora_rank), gated=True
+            ctx,
+            layer,
+            ctx.rope(),
+            ctx.kv_cache(1, args.kv_lora_rank, args.kv_lora_rank),
+            gated=f"{p}.attn_gate.weight" in w,  # optional, as in llama.cpp's loader
         )
         attn.scale = 1.0 / math.sqrt(args.head_dim_mla)  # no RoPE, so none of its magnitude corrections
     else:

@@ -285,3 +285,17 @@ def test_lfm2moe_without_gating_function_is_refused(synth_model, tmp_path):
     write_gguf(path, open_gguf(synth_model("lfm2moe")), kv_remove=["lfm2moe.expert_gating_func"])
     with pytest.raises(MoeprepError, match="lfm2moe.expert_gating_func is missing"):
         moerun.load_model(path)
+
+
+@pytest.mark.parametrize("key", ["attn_res.block_size", "activation.situ_beta", "kda.head_dim"])
+def test_kimi_k3_without_its_keys_is_refused(key, synth_model, tmp_path):
+    """llama.cpp's kimi-k3 loader requires the residual-attention block size, the situ betas and the KDA head size;
+    so does moerun, in one line naming the key."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+
+    path = tmp_path / "no-key.gguf"
+    write_gguf(path, open_gguf(synth_model("kimi-k3")), kv_remove=[f"kimi-k3.{key}"])
+    with pytest.raises(MoeprepError, match=f"kimi-k3.{key}"):
+        moerun.load_model(path)

@@ -372,3 +372,19 @@ def test_granitehybrid_without_rope_matches_llama_cpp(synth_model, calibration_t
     c = compare(path, calibration_text)
     assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
     assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_kimi_k3_without_its_optional_tensors_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """llama.cpp's kimi-k3 loader takes the MLA output gate and the latent experts' norm where the file has them:
+    without them the MLA output goes to attn_output as it is and the experts' sum straight to ffn_routed_up."""
+    from moeprep.gguf.writer import copied_tensor
+
+    src = open_gguf(synth_model("kimi-k3", expert_type="F32", attn_type="F32"))
+    kept = [t for t in src.tensors if not any(part in t.name for part in ("attn_gate", "ffn_routed_norm"))]
+    path = tmp_path / "plain.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in kept])
+    blocks = moerun.load_model(path).net.blocks
+    assert blocks[3].attn.attn.wgate is None and blocks[1].ffn.latent_norm is None
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
