@@ -135,7 +135,7 @@ class ResidualAttentionBlock(nn.Module):
 
 def build_block(ctx: BuildContext, layer: int) -> ResidualAttentionBlock:
     args, w, hooks, p = ctx.args, ctx.weights, ctx.hooks, f"blk.{layer}"
-    a = ctx.shared.setdefault("kimi-k3 args", KimiK3Args.from_gguf(w.gguf, args.norm_eps))
+    a = KimiK3Args.from_gguf(w.gguf, args.norm_eps)
     if a.mla_layers[layer]:
         attn: nn.Module = MLAttention(
             ctx,
