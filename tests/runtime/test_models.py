@@ -388,3 +388,23 @@ def test_kimi_k3_without_its_optional_tensors_matches_llama_cpp(synth_model, cal
     c = compare(path, calibration_text)
     assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
     assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_kimi_k3_without_residual_attention_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """attn_res.block_size 0 turns the residual attention off (llama.cpp then loads no *_res_score): a plain
+    pre-norm residual stream through every block, the final norm reading the last block's."""
+    from moeprep.gguf.writer import copied_tensor
+
+    src = open_gguf(synth_model("kimi-k3", expert_type="F32", attn_type="F32"))
+    kept = [t for t in src.tensors if "res_score" not in t.name]
+    path = tmp_path / "no-res.gguf"
+    write_gguf(
+        path,
+        src,
+        tensors=[copied_tensor(src, t) for t in kept],
+        kv_set={"kimi-k3.attn_res.block_size": KVValue(0, U32)},
+    )
+    assert not any(block.bank for block in moerun.load_model(path).net.blocks)
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
