@@ -116,7 +116,9 @@ def llama_eval(path: str | pathlib.Path, tokens: list[int], n_threads: int = 2) 
     def layer_of(name: bytes) -> int | None:
         """The layer whose output (the residual stream after it) tensor `name` is, if it is one; -1: the last."""
         if next_in is None:
-            return int(name[len(out_prefix) :]) if name.startswith(out_prefix) else None
+            # only the tensor itself: not its views ("l_out-3 (reshaped)", kimi-k3's residual bank)
+            suffix = name[len(out_prefix) :]
+            return int(suffix) if name.startswith(out_prefix) and suffix.isdigit() else None
         if name == last_out:
             return -1
         following = int(name[len(next_in) :]) if name.startswith(next_in) else 0

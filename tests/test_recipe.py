@@ -40,6 +40,7 @@ FAMILIES = {
     "lfm2moe",
     "step35",
     "laguna",
+    "kimi-k3",
 }
 GOOD = """
 name = "Test"

@@ -16,6 +16,7 @@ from moeprep.synth.afmoe import AFMOE
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
+from moeprep.synth.kimi_k3 import KIMI_K3
 from moeprep.synth.laguna import LAGUNA
 from moeprep.synth.lfm2moe import LFM2MOE
 from moeprep.synth.llama4 import LLAMA4
@@ -340,5 +341,8 @@ ARCHS: dict[str, ArchSpec] = {
         # poolside's Laguna: a softplus output gate, RoPE by layer kind, sliding layers with more heads (XS.2) or
         # none (M.1), DeepSeek-V3-style routing beside a shared expert of its own width (moeprep/synth/laguna.py).
         LAGUNA,
+        # Kimi-K3: Kimi-Linear's KDA and MLA layers with cross-layer residual attention, a latent MoE, the situ
+        # activation and gated MLA (moeprep/synth/kimi_k3.py).
+        KIMI_K3,
     )
 }

@@ -328,8 +328,9 @@ class CachedExperts(nn.Module):
             self.activation.name,
             out,
             self.cache.config.cpu_threads,
-            self.activation.limit,
-            self.cache.ggml,
+            limit=self.activation.limit,
+            up_limit=self.activation.up_limit,
+            ggml=self.cache.ggml,
         )
         return torch.from_numpy(out)
 
@@ -343,8 +344,9 @@ class CachedExperts(nn.Module):
                 self.activation.name,
                 out,
                 self.cache.config.cpu_threads,
-                self.activation.limit,
-                self.cache.ggml,
+                limit=self.activation.limit,
+                up_limit=self.activation.up_limit,
+                ggml=self.cache.ggml,
             )
 
     # ---- inside a captured decode step (graphs.py): the graph's side, then the host's work at each cut

@@ -34,13 +34,14 @@ from moerun.layers.ffn import (
     UngatedFeedForward,
     geglu,
     reglu,
+    situ,
     swiglu,
     swiglu_clamp,
     swiglu_limited,
     swiglu_oai,
 )
 from moerun.layers.linear import Linear
-from moerun.layers.moe import ExpertCompute, GGUFExperts, MoE, Router
+from moerun.layers.moe import ExpertCompute, GGUFExperts, LatentMoE, MoE, Router
 from moerun.layers.norm import RMSNorm, add_rms_norm, rms_norm
 from moerun.layers.ops import Kernels, device_of
 from moerun.layers.reference import TORCH_KERNELS
@@ -60,6 +61,7 @@ __all__ = [
     "FeedForward",
     "GGUFExperts",
     "Kernels",
+    "LatentMoE",
     "Linear",
     "MoE",
     "OutputGate",
@@ -76,6 +78,7 @@ __all__ = [
     "norm_rope_store",
     "qk_norms_per_head",
     "rms_norm",
+    "situ",
     "swiglu",
     "swiglu_clamp",
     "swiglu_limited",

@@ -76,41 +76,53 @@ def reglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.relu(gate) * up
 
 
-# The torch reference of each activation by name: act(gate, up, limit); `limit` is read only by those with a clamp
-# that varies per model or block (gpt-oss's is fixed).
-ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "swiglu": lambda gate, up, limit: swiglu(gate, up),
-    "swiglu_oai": lambda gate, up, limit: swiglu_oai(gate, up),
-    "swiglu_clamp": swiglu_clamp,
-    "swiglu_limited": swiglu_limited,
-    "geglu": lambda gate, up, limit: geglu(gate, up),
-    "relu_sqr": lambda gate, up, limit: relu_sqr(gate, up),
-    "reglu": lambda gate, up, limit: reglu(gate, up),
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, up_beta: float) -> torch.Tensor:
+    """Kimi-K3's situ: beta tanh(gate / beta) sigmoid(gate), times up saturated as up_beta tanh(up / up_beta)
+    where up_beta > 0 (up itself otherwise). Each division is a product with the reciprocal, as llama.cpp scales."""
+    act = beta * torch.tanh(gate * (1.0 / beta)) * torch.sigmoid(gate)
+    if up_beta > 0:
+        up = up_beta * torch.tanh(up * (1.0 / up_beta))
+    return act * up
+
+
+# The torch reference of each activation by name: act(gate, up, limit, up_limit); `limit` is read only by those with
+# a clamp that varies per model or block (gpt-oss's is fixed) and situ (its beta), `up_limit` only by situ.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float, float], torch.Tensor]] = {
+    "swiglu": lambda gate, up, limit, up_limit: swiglu(gate, up),
+    "swiglu_oai": lambda gate, up, limit, up_limit: swiglu_oai(gate, up),
+    "swiglu_clamp": lambda gate, up, limit, up_limit: swiglu_clamp(gate, up, limit),
+    "swiglu_limited": lambda gate, up, limit, up_limit: swiglu_limited(gate, up, limit),
+    "geglu": lambda gate, up, limit, up_limit: geglu(gate, up),
+    "relu_sqr": lambda gate, up, limit, up_limit: relu_sqr(gate, up),
+    "reglu": lambda gate, up, limit, up_limit: reglu(gate, up),
+    "situ": situ,
 }
 
 
 @dataclass(frozen=True)
 class Activation:
     """An FFN's or experts' gated activation, act(gate, up): a name of ACTIVATIONS and, for swiglu_clamp and
-    swiglu_limited, its clamp (glm5-next and step35 set one per block). One value that every implementation reads:
+    swiglu_limited, its clamp (glm5-next and step35 set one per block); for situ its beta (`limit`) and linear beta
+    (`up_limit`). One value that every implementation reads:
     the torch reference (`__call__`), the fused kernels (`Kernels.activations`) and the CPU experts (moe_rows'
     activation and limit)."""
 
     name: str = "swiglu"
     limit: float = 0.0
+    up_limit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.name!r} (known: {', '.join(ACTIVATIONS)})")
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return ACTIVATIONS[self.name](gate, up, self.limit)
+        return ACTIVATIONS[self.name](gate, up, self.limit, self.up_limit)
 
     def on(self, kernels: Kernels) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The function computing it with `kernels`: their fused one where they have it (never for a clamp that
         varies), else this torch reference."""
         fused = kernels.activations.get(self.name)
-        return fused if fused is not None and self.name not in ("swiglu_clamp", "swiglu_limited") else self
+        return fused if fused is not None and self.name not in ("swiglu_clamp", "swiglu_limited", "situ") else self
 
 
 SWIGLU = Activation()

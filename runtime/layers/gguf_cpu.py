@@ -64,6 +64,7 @@ class CPUExperts(GGUFExperts):
             out.numpy(),
             threads=_torch_threads(),
             limit=self.activation.limit,
+            up_limit=self.activation.up_limit,
             ggml=self.ggml,
         )
         return out

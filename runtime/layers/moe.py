@@ -244,3 +244,32 @@ class MoE(nn.Module):
         if self.hooks.routing:
             self.hooks.fire_routing(self.layer, step.positions, ids, weights)
         return ids, weights
+
+
+class LatentMoE(MoE):
+    """A MoE whose routed experts run in a narrower latent space (Kimi-K3): the router and the shared experts read
+    x (T, D); the experts read down(x) (T, L), and their weighted sum, RMS-normed by `latent_norm` where there is one,
+    goes back through up (L -> D)."""
+
+    def __init__(
+        self,
+        layer: int,
+        router: Router,
+        experts: ExpertCompute,
+        hooks: Hooks,
+        down: Linear,
+        up: Linear,
+        latent_norm: nn.Module | None = None,
+        shared: FeedForward | None = None,
+    ) -> None:
+        super().__init__(layer, router, experts, hooks, shared=shared)
+        self.down, self.up, self.latent_norm = down, up, latent_norm
+
+    def forward(self, x: torch.Tensor, step: Step, i8: QAct | None = None) -> torch.Tensor:
+        """x (T, D), and its int8 rounding where its norm made one (for down and the shared expert) -> (T, D)."""
+        ids, weights = self.route(x, step)
+        out = self.experts(self.down(x, i8), ids, weights, step)  # (T, L)
+        if self.latent_norm is not None:
+            out = self.latent_norm(out)
+        out = self.up(out)
+        return out if self.shared is None else out + self.shared(x, step, i8)

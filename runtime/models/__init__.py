@@ -23,6 +23,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "granitehybrid": "granite_hybrid",
     "hunyuan-moe": "hunyuan_moe",
     "laguna": "laguna",
+    "kimi-k3": "kimi_k3",
     "llama": "llama",
     "llama4": "llama4",
     "lfm2moe": "lfm2moe",

@@ -40,7 +40,9 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, layer: int, rope: Rope, cache: KVCache) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, rope: Rope, cache: KVCache, gated: bool = False) -> None:
+        """`gated`: sigmoid(attn_gate x) multiplies the attention output before attn_output, per head channel
+        (Kimi-K3), x the block's normed input."""
         super().__init__()
         args, w, hooks, p = ctx.args, ctx.weights, ctx.hooks, f"blk.{layer}"
         self.n_heads, self.rank, self.rope_dim = args.n_heads, args.kv_lora_rank, args.rope_dim
@@ -72,6 +74,7 @@ class MLAttention(nn.Module):
         self.k_b = nn.Parameter(k_b.contiguous(), requires_grad=False)  # (H, C, N)
         self.v_b = nn.Parameter(v_b.contiguous(), requires_grad=False)  # (H, Dv, C)
         self.wo = ctx.linear(f"{p}.attn_output")
+        self.wgate = ctx.linear(f"{p}.attn_gate") if gated else None
         self.rope, self.cache, self.hooks = rope, cache, hooks
         # llama.cpp pre-scales the softmax by YaRN's magnitude correction squared (see its deepseek2 graph).
         freq_scale = args.rope_freq_scale
@@ -108,8 +111,10 @@ class MLAttention(nn.Module):
             self._fire("v", out, None)
         if self.round_out is not None:
             out = self.round_out(out)
-        out = torch.einsum("thc,hvc->thv", out.to(self.v_b.dtype), self.v_b).float()  # (T, H, Dv)
-        return self.wo(out.reshape(T, H * self.v_dim))
+        out = torch.einsum("thc,hvc->thv", out.to(self.v_b.dtype), self.v_b).float().reshape(T, H * self.v_dim)
+        if self.wgate is not None:
+            out = out * torch.sigmoid(self.wgate(x, i8).float())
+        return self.wo(out)
 
     def _fire(self, stage: str, x: torch.Tensor, latent: torch.Tensor | None) -> None:
         """Activation hooks for the 3-D MLA matrices, with one row per (token, head); attn_kv_b sees the latent."""

@@ -12,7 +12,7 @@ KDA. q, k, v each through a short causal convolution (its last kernel-1 inputs k
 k L2-normalised per head; per head a (Hd, Hd) state S decays per key channel by exp(g), g = softplus(f_b(f_a(x))
 + dt_bias) * ssm_a (or lower_bound * sigmoid(-(...) * ssm_a) when the file sets kda.gate_lower_bound), then takes
 the delta-rule write S += k beta (v - S^T k)^T; the output S^T q / sqrt(Hd) is RMS-normed per head, gated by
-sigmoid(g_b(g_a(x))) and projected by attn_output. The state lives in this module, per sequence; a step whose first
+sigmoid(g_b(g_a(x))) (Kimi-K3: one full-rank sigmoid(g(x))) and projected by attn_output. The state lives in this module, per sequence; a step whose first
 position is 0 starts its sequence's state anew. A step of several tokens runs the delta rule in chunks of 64
 (delta_rule_chunked in runtime/layers/delta_rule.py), a single token step by step (delta_rule_recurrent).
 
@@ -70,6 +70,7 @@ class Glm5NextArgs:
     top_k: int  # positions the indexer keeps, in pools of kpool
     kpool: int
     layer_norm_eps: float  # the indexer key's LayerNorm
+    l2_eps: float = L2_EPS  # KDA's q/k L2 norm
 
     @classmethod
     def from_gguf(cls, g: GGUFModel) -> Glm5NextArgs:
@@ -209,10 +210,13 @@ class KimiDeltaAttention(nn.Module):
         self.register_buffer("dt_bias", w.dense(f"{p}.ssm_dt.bias", torch.float32), persistent=False)  # (Di,)
         self.register_buffer("A", w.dense(f"{p}.ssm_a", torch.float32), persistent=False)  # (H,) -exp(A_log)
         self.beta = ctx.linear(f"{p}.ssm_beta")
-        self.g_a, self.g_b = ctx.linear(f"{p}.ssm_g_a"), ctx.linear(f"{p}.ssm_g_b")
+        # the output gate: low rank (ssm_g_b ssm_g_a), or Kimi-K3's full-rank ssm_g
+        full_gate = f"{p}.ssm_g.weight" in w
+        self.g_a = None if full_gate else ctx.linear(f"{p}.ssm_g_a")
+        self.g_b = ctx.linear(f"{p}.ssm_g" if full_gate else f"{p}.ssm_g_b")
         self.o_norm = ctx.norm(f"{p}.ssm_norm.weight")
         self.wo = ctx.linear(f"{p}.attn_output")
-        self.lower_bound = a.gate_lower_bound
+        self.lower_bound, self.l2_eps = a.gate_lower_bound, a.l2_eps
         device = w.device
         self.register_buffer("conv_state", torch.zeros(n_seq, 3, self.K - 1, Di, device=device), persistent=False)
         self.register_buffer("state", torch.zeros(n_seq, self.H, self.Hd, self.Hd, device=device), persistent=False)
@@ -235,7 +239,7 @@ class KimiDeltaAttention(nn.Module):
                     for t in range(T)
                 ]
             )
-        gate = torch.sigmoid(self.g_b(self.g_a(x))).view(T, H, Hd)
+        gate = torch.sigmoid(self.g_b(x if self.g_a is None else self.g_a(x))).view(T, H, Hd)
         return self.wo((self.o_norm(out) * gate).reshape(T, H * Hd))
 
     def _segment(
@@ -248,7 +252,7 @@ class KimiDeltaAttention(nn.Module):
         self.conv_state[seq] = padded[:, T:]
         windows = padded.unfold(1, self.K, 1)  # (3, T, Di, K)
         q, k, v = F.silu((windows * self.conv[:, None]).sum(-1)).view(3, T, H, Hd)
-        q, k = (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + L2_EPS) for t in (q, k))
+        q, k = (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + self.l2_eps) for t in (q, k))
         S = self.state[seq] * keep  # (H, Hd key, Hd value)
         out, self.state[seq] = (delta_rule_recurrent if T == 1 else delta_rule_chunked)(q, k, v, g, beta, S)
         return out / math.sqrt(Hd)

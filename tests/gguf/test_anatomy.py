@@ -32,6 +32,7 @@ LEADING_DENSE = {
     "nemotron_h_moe": [0, 2],
     "step35": [0],
     "laguna": [0],
+    "kimi-k3": [0],
 }  # llama4: interleaved; nemotron_h_moe: its Mamba-2 and attention layers have no FFN at all
 NEXTN = {"glm5-next": [5], "step35": [3]}  # blocks with experts that no decoder runs
 

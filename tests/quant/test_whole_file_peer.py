@@ -15,9 +15,9 @@ from moeprep.synth.archs import ARCHS
 from tests.oracle import llama_quantize
 from tests.quant.test_quantize_cmd import run
 
-# llama.cpp's `pure` also requantizes dense FFNs (glm4moe's leading dense layer, shared experts): a --type rule
-# asks moeprep for the same.
-DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
+# llama.cpp's `pure` also requantizes dense FFNs (glm4moe's leading dense layer, shared experts, Kimi-K3's latent
+# projections): a --type rule asks moeprep for the same.
+DENSE_FFN_RULE = r"ffn_(gate|up|down|routed_down|routed_up)(_shexp)?\.weight$"
 
 
 @pytest.mark.parametrize(
@@ -52,6 +52,8 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down)(_shexp)?\.weight$"
         ("laguna", "small", "Q4_K", {}),  # a per-head attn_gate, per-layer query heads
         ("laguna", "small", "Q4_K", {"sliding_window": 0}),  # M.1's per-channel attn_gate
         ("laguna", "tiny", "Q4_K", {}),
+        ("kimi-k3", "small", "Q4_K", {}),  # ssm_g, gated MLA, ffn_routed_*, residual scores
+        ("kimi-k3", "tiny", "Q4_K", {}),
     ],
     ids=lambda v: ",".join(v) if isinstance(v, dict) else v,
 )

@@ -6,7 +6,8 @@ token from the state it left, two sequences side by side, a sequence started ane
 attention of AFMoE (with and without RoPE), step35 (gated per head, half of each head rotated with divisors) and
 Laguna (softplus gates) (layers/attention.py, layers/rope.py), RoPE with and without the model's context scaling
 (layers/rope.py: Laguna's sliding layers), the post-normed block (layers/block.py), ReGLU and step35's clamped SwiGLU
-(layers/ffn.py) and LFM2's gated short convolution (layers/short_conv.py)."""
+(layers/ffn.py), LFM2's gated short convolution (layers/short_conv.py), and Kimi-K3's situ activation (layers/ffn.py),
+latent MoE (layers/moe.py) and cross-layer residual mix (models/kimi_k3.py)."""
 
 from __future__ import annotations
 
@@ -561,6 +562,42 @@ def test_swiglu_limited_equals_float64() -> None:
     assert (gd / (1 + np.exp(-gd)) > limit).any() and (np.abs(ud) > limit).any()  # both clamps bite
 
 
+def test_situ_equals_float64() -> None:
+    """Kimi-K3's situ: beta tanh(gate / beta) sigmoid(gate) * up_beta tanh(up / up_beta), both saturations biting;
+    with up_beta 0 the up branch passes as it is."""
+    from moerun.layers.ffn import situ
+
+    g = torch.linspace(-6, 6, 1201, dtype=torch.float32)
+    u = torch.flip(g, [0]) * 0.7 + 0.1
+    gd, ud, beta, up_beta = g.double().numpy(), u.double().numpy(), 2.0, 1.5
+    act = beta * np.tanh(gd / beta) / (1 + np.exp(-gd))
+    for ub, up in ((up_beta, up_beta * np.tanh(ud / up_beta)), (0.0, ud)):
+        want = act * up
+        assert np.abs(situ(g, u, beta, ub).double().numpy() - want).max() <= 1e-6 * np.abs(want).max()
+    assert (np.abs(gd) > 2 * beta).any() and (np.abs(ud) > 2 * up_beta).any()  # deep in both saturations
+
+
+def test_residual_mix_equals_float64() -> None:
+    """Kimi-K3's residual attention: softmax over sum(rms_norm(c) w) of the banked inputs and the stream, then the
+    candidates summed with those weights; the stream itself while nothing is banked."""
+    from moerun.models.kimi_k3 import residual_mix
+
+    rng = np.random.default_rng(0)
+    T, B, D = 5, 3, 32
+    banked, h = rng.standard_normal((T, B, D)) * rng.uniform(0.5, 4, (T, B, 1)), rng.standard_normal((T, D))
+    w = rng.standard_normal(D) / np.sqrt(D)
+    cand = np.concatenate([banked, h[:, None]], axis=1)
+    scores = (cand / np.sqrt((cand**2).mean(-1, keepdims=True) + EPS) * w).sum(-1)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = (cand * p[..., None]).sum(1)
+    f = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    got = residual_mix(f(banked), f(h), f(w), EPS).double().numpy()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert (p.max(-1) < 0.9).all()  # no token takes one candidate alone
+    assert torch.equal(residual_mix(f(banked[:, :0]), f(h), f(w), EPS), f(h))
+
+
 def test_reglu_equals_float64() -> None:
     """SmallThinker's experts: relu(gate) * up, across the kink at 0."""
     from moerun.layers.ffn import reglu
@@ -603,3 +640,42 @@ def test_short_conv_equals_float64_in_pieces_and_per_sequence() -> None:
     assert np.abs(both.double().numpy() - np.stack([want_a[9], want_b[5]])).max() <= 1e-5 * scale
     again = layer(b[:3], Step(torch.arange(3), n_slots=3, seq=0))  # sequence 0 anew: a's rows forgotten
     assert np.abs(again.double().numpy() - want_b[:3]).max() <= 1e-5 * scale
+
+
+def test_latent_moe_equals_float64(synth_model) -> None:
+    """Kimi-K3's LatentMoE (layers/moe.py) on its synthetic file (F32): the experts the router chose run situ on
+    ffn_routed_down x (L < D), their weighted sum RMS-normed by ffn_routed_norm and taken back to D by ffn_routed_up,
+    plus the situ shared expert on x itself."""
+    import moerun
+    from moeprep.gguf.reader import open_gguf
+    from moerun.layers import LatentMoE
+    from moerun.weights import Weights
+
+    path = synth_model("kimi-k3", expert_type="F32", attn_type="F32")
+    model = moerun.load_model(path)
+    layer = 1
+    moe = model.net.blocks[layer].ffn
+    assert isinstance(moe, LatentMoE)
+    w = Weights(open_gguf(path), torch.float64, torch.device("cpu"))
+    t = lambda name: w.dense(f"blk.{layer}.{name}.weight").numpy()  # noqa: E731
+    L, D = t("ffn_routed_down").shape
+    assert L < D
+    beta, up_beta = moe.experts.activation.limit, moe.experts.activation.up_limit
+    situ = lambda g, u: beta * np.tanh(g / beta) / (1 + np.exp(-g)) * up_beta * np.tanh(u / up_beta)  # noqa: E731
+
+    x = torch.randn(7, D, generator=torch.Generator().manual_seed(0))
+    chosen = []
+    handle = model.add_routing_hook(lambda ev: chosen.append((ev.expert_ids, ev.weights)))
+    got = moe(x, Step(torch.arange(7), n_slots=7)).double().numpy()
+    handle.remove()
+    (ids, weights), xd = chosen[0], x.double().numpy()
+    gate, up, down = (w.dense(f"blk.{layer}.ffn_{p}_exps.weight").numpy() for p in ("gate", "up", "down"))
+    latent = xd @ t("ffn_routed_down").T  # (T, L)
+    routed = np.zeros_like(latent)
+    for i in range(len(xd)):
+        for e, g in zip(ids[i].tolist(), weights[i].double().tolist()):
+            routed[i] += g * down[e] @ situ(gate[e] @ latent[i], up[e] @ latent[i])
+    normed = routed / np.sqrt((routed**2).mean(-1, keepdims=True) + EPS) * t("ffn_routed_norm")
+    shared = situ(xd @ t("ffn_gate_shexp").T, xd @ t("ffn_up_shexp").T) @ t("ffn_down_shexp").T
+    want = normed @ t("ffn_routed_up").T + shared
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

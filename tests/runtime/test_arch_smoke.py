@@ -35,6 +35,7 @@ ARCHS = [
     "lfm2moe",
     "step35",
     "laguna",
+    "kimi-k3",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
@@ -340,3 +341,17 @@ def test_laguna_gate_of_another_width_is_refused_in_one_line(synth_model, tmp_pa
     write_gguf(tmp_path / "odd-gate.gguf", g, tensors=tensors)
     with pytest.raises(MoeprepError, match=r"blk\.0\.attn_gate\.weight has 3 rows; .* per head \(4\) or .* \(64\)"):
         moerun.load_model(tmp_path / "odd-gate.gguf")
+
+
+@pytest.mark.parametrize("key", ["attn_res.block_size", "activation.situ_beta", "kda.head_dim"])
+def test_kimi_k3_without_its_keys_is_refused(key, synth_model, tmp_path):
+    """llama.cpp's kimi-k3 loader requires the residual-attention block size, the situ betas and the KDA head size;
+    so does moerun, in one line naming the key."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import write_gguf
+
+    path = tmp_path / "no-key.gguf"
+    write_gguf(path, open_gguf(synth_model("kimi-k3")), kv_remove=[f"kimi-k3.{key}"])
+    with pytest.raises(MoeprepError, match=f"kimi-k3.{key}"):
+        moerun.load_model(path)

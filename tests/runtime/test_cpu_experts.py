@@ -30,7 +30,7 @@ from moerun.kernels.cpu import formats, work
 from moerun.kernels.cpu.formats import ExpertBytes
 from moerun.kernels.cpu.moe_rows import expert_matmul, moe_rows
 from moerun.kernels.dequant import dequantize, supports
-from moerun.layers import swiglu_clamp, swiglu_limited
+from moerun.layers import situ, swiglu_clamp, swiglu_limited
 from moerun.options import RuntimeOptions
 
 QTYPES = list(formats.FORMATS)
@@ -152,9 +152,9 @@ def _moe_reference(x, ids, weights, gate, up, down, act) -> np.ndarray:
     return out
 
 
-# The torch activation each of moe_rows' is checked against, and the limit moe_rows is given (about the size of g
-# and u below, so that the clamp bites).
-LIMIT = 0.3
+# The torch activation each of moe_rows' is checked against, and the limits moe_rows is given (about the size of g
+# and u below, so that the clamps and situ's saturations bite).
+LIMIT, UP_LIMIT = 0.3, 0.2
 ACT = {
     "swiglu": moerun.layers.swiglu,
     "swiglu_oai": moerun.layers.swiglu_oai,
@@ -163,6 +163,7 @@ ACT = {
     "relu_sqr": moerun.layers.ffn.relu_sqr,
     "reglu": moerun.layers.reglu,
     "swiglu_limited": partial(swiglu_limited, limit=LIMIT),
+    "situ": partial(situ, beta=LIMIT, up_beta=UP_LIMIT),
 }
 CLAMPED = {"swiglu_clamp": swiglu_clamp, "swiglu_limited": swiglu_limited}  # the activations that read a limit
 
@@ -172,9 +173,17 @@ def test_activations_equal_torch():
     g = torch.linspace(-12, 12, 4001, dtype=torch.float32)
     u = torch.flip(g, [0]) * 0.7
     for name, act in work.ACTIVATIONS.items():
-        limit = 1.5 if name in CLAMPED else 0.0
+        limit = 1.5 if name in CLAMPED or name == "situ" else 0.0
+        up_limit = 1.2 if name == "situ" else 0.0  # situ's saturation of up
         torch_act = partial(CLAMPED[name], limit=limit) if name in CLAMPED else ACT[name]
-        fast = np.array([act(np.float32(a), np.float32(b), np.float32(limit)) for a, b in zip(g.numpy(), u.numpy())])
+        if name == "situ":
+            torch_act = partial(situ, beta=limit, up_beta=up_limit)
+        fast = np.array(
+            [
+                act(np.float32(a), np.float32(b), np.float32(limit), np.float32(up_limit))
+                for a, b in zip(g.numpy(), u.numpy())
+            ]
+        )
         np.testing.assert_allclose(fast, torch_act(g, u).numpy(), rtol=4e-6, atol=1e-30, err_msg=name)
 
 
@@ -189,6 +198,7 @@ def test_activations_equal_torch():
         (Q.Q8_0, "relu_sqr"),
         (Q.Q4_K, "reglu"),
         (Q.Q4_K, "swiglu_limited"),
+        (Q.Q4_K, "situ"),
     ],
     ids=lambda v: getattr(v, "name", v),
 )
@@ -207,7 +217,7 @@ def test_moe_rows_matches_float64(qtype, activation, T, ggml):
     weights = rng.random((T, K)).astype(np.float32)
     start = rng.standard_normal((T, D)).astype(np.float32)
     out = start.copy()
-    moe_rows(x, ids, weights, gate, up, down, activation, out, limit=LIMIT, ggml=ggml)
+    moe_rows(x, ids, weights, gate, up, down, activation, out, limit=LIMIT, up_limit=UP_LIMIT, ggml=ggml)
     ref = start + _moe_reference(x, ids, weights, gate, up, down, ACT[activation])
     # g and u carry float32 roundings (about 1e-6 relative, test_matmul_matches_float64); h's 8-bit rounding can
     # then land one step (1/127 of its block's peak) the other way on a few of the I values, each moving the

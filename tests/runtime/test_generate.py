@@ -78,6 +78,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "nemotron_h_moe",
         "step35",
         "laguna",
+        "kimi-k3",
     ],
 )
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):

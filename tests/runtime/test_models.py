@@ -106,12 +106,31 @@ def _layer_by_layer(
     net, T = model.net, len(tokens)
     step = Step(torch.arange(T), n_slots=T)
     errors = []
+    embed = net.embed(tokens)
+    hidden = lambda layer: embed if layer < 0 else torch.from_numpy(ref_hidden[layer])  # noqa: E731
+    banking = model.args.arch == "kimi-k3"
     for layer, block in enumerate(net.blocks):
-        x = net.embed(tokens) if layer == 0 else torch.from_numpy(ref_hidden[layer - 1])
         ref = ref_hidden[layer]
-        h, delta = block(x, None, step)
-        errors.append(np.abs((h + delta).numpy() - ref).max(-1) / np.abs(ref).max())
-    return net.output(net.norm(torch.from_numpy(ref_hidden[len(net.blocks) - 1]))).numpy(), errors
+        if banking:  # the inputs its banking blocks kept, then the stream (models/kimi_k3.py)
+            x = _banked(net, layer, hidden) if layer else embed
+            last, block.last = block.last, False  # its stream, not the final mix
+            out, _ = block(x, None, step)
+            block.last, out = last, out[:, -1]
+        else:
+            h, delta = block(hidden(layer - 1), None, step)
+            out = h + delta
+        errors.append(np.abs(out.numpy() - ref).max(-1) / np.abs(ref).max())
+    final = hidden(len(net.blocks) - 1)
+    if banking:  # the final mix over the banked inputs
+        banked = _banked(net, len(net.blocks), hidden)[:, :-1]
+        final = net.blocks[-1].mix(banked, final, "output")
+    return net.output(net.norm(final)).numpy(), errors
+
+
+def _banked(net: torch.nn.Module, layer: int, hidden) -> torch.Tensor:
+    """kimi-k3's residual before block `layer` (> 0) from llama.cpp's hidden states: (T, B + 1, D)."""
+    kept = [hidden(j - 1) for j in range(layer) if net.blocks[j].bank]
+    return torch.stack([*kept, hidden(layer - 1)], dim=1)
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -139,13 +158,18 @@ def test_cached_decode_equals_uncached(arch, synth_model, calibration_text):
     torch.testing.assert_close(model.forward(tokens[:24], 0), full[:24], rtol=1e-4, atol=1e-4 * full.abs().max().item())
 
 
+# KDA's delta rule carries each F16 rounding of q, k, v and the gates on in its state: kimi-k3's layers reach 4.3e-4
+# given llama.cpp's input (glm5-next's KDA blocks are held to 1e-3 in tests/test_glm5_next.py); F32 stays below 1e-5.
+F16_LAYER_BOUNDS = {"kimi-k3": 1e-3}
+
+
 @pytest.mark.parametrize("weights", ["F32", "F16"])
 @pytest.mark.parametrize("arch", ONE_STREAM_ARCHS)
 def test_matches_llama_cpp(arch, weights, synth_model, calibration_text):
     c = compare(synth_model(arch, expert_type=weights, attn_type=weights), calibration_text)
     # F16 products round their inputs to F16 (2^-11 relative) in both engines, and llama.cpp's order of those
     # products depends on the CPU's vector width: 1.13e-4 measured for deepseek2 on an AVX512-BF16 machine
-    bound = 1e-4 if weights == "F32" else 2.5e-4
+    bound = 1e-4 if weights == "F32" else F16_LAYER_BOUNDS.get(arch, 2.5e-4)
     assert max(c.layer_errors) <= bound, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
     assert c.rel_error <= 1e-3, f"logits differ from llama.cpp's: relative error {c.rel_error:.2e}"
     assert c.top1_agreement == 1.0, f"top-1 differs at {np.flatnonzero(c.ours.argmax(-1) != c.ref.argmax(-1))}"
@@ -203,7 +227,12 @@ QUANTIZED = [
     ("step35", "Q4_K"),
     ("laguna", "Q8_0"),
     ("laguna", "Q4_K"),
+    ("kimi-k3", "Q8_0"),
+    ("kimi-k3", "Q4_K"),
 ]
+# kimi-k3's KDA layers carry one flipped 8-bit rounding on in their state: layer by layer its outputs equal
+# llama.cpp's bit for bit at the median position, and the one or two positions after a flip reach 1.2e-2 (Q4_K).
+QUANTIZED_LAYER_BOUNDS = {"kimi-k3": 2e-2}
 # (experts, top-1) end-to-end agreement floors for the chaotic synthetic models, from the self-jitter runs above.
 CHAOTIC_FLOORS = {"glm4moe": (0.98, 0.96), "deepseek2": (0.97, 0.93), "laguna": (0.97, 0.93)}
 
@@ -224,7 +253,8 @@ def test_laguna_full_attention_quantized_matches_llama_cpp(qtype, synth_model, c
 
 
 def _assert_quantized_agreement(arch: str, c: Comparison) -> None:
-    assert max(c.layer_errors) <= 1e-2, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
+    bound = QUANTIZED_LAYER_BOUNDS.get(arch, 1e-2)
+    assert max(c.layer_errors) <= bound, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
     assert c.forced.expert_agreement >= 0.99, f"layer by layer, experts agree at {c.forced.expert_agreement:.2%}"
     assert c.forced.top1_agreement >= 0.99, (
         f"from llama.cpp's hidden states, top-1 agrees at {c.forced.top1_agreement:.2%}"
@@ -356,6 +386,42 @@ def test_granitehybrid_without_rope_matches_llama_cpp(synth_model, calibration_t
         **{"granitehybrid.rope.scaling.finetuned": (False, GGUFValueType.BOOL)},
     )
     assert moerun.load_model(path).args.rope_dim == 0
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_kimi_k3_without_its_optional_tensors_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """llama.cpp's kimi-k3 loader takes the MLA output gate and the latent experts' norm where the file has them:
+    without them the MLA output goes to attn_output as it is and the experts' sum straight to ffn_routed_up."""
+    from moeprep.gguf.writer import copied_tensor
+
+    src = open_gguf(synth_model("kimi-k3", expert_type="F32", attn_type="F32"))
+    kept = [t for t in src.tensors if not any(part in t.name for part in ("attn_gate", "ffn_routed_norm"))]
+    path = tmp_path / "plain.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in kept])
+    blocks = moerun.load_model(path).net.blocks
+    assert blocks[3].attn.attn.wgate is None and blocks[1].ffn.latent_norm is None
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_kimi_k3_without_residual_attention_matches_llama_cpp(synth_model, calibration_text, tmp_path):
+    """attn_res.block_size 0 turns the residual attention off (llama.cpp then loads no *_res_score): a plain
+    pre-norm residual stream through every block, the final norm reading the last block's."""
+    from moeprep.gguf.writer import copied_tensor
+
+    src = open_gguf(synth_model("kimi-k3", expert_type="F32", attn_type="F32"))
+    kept = [t for t in src.tensors if "res_score" not in t.name]
+    path = tmp_path / "no-res.gguf"
+    write_gguf(
+        path,
+        src,
+        tensors=[copied_tensor(src, t) for t in kept],
+        kv_set={"kimi-k3.attn_res.block_size": KVValue(0, U32)},
+    )
+    assert not any(block.bank for block in moerun.load_model(path).net.blocks)
     c = compare(path, calibration_text)
     assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
     assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999

@@ -62,11 +62,11 @@ def _ggml_rows(dot, w, bias, item, order, act_row, q, n, y):
 
 @numba.njit(**JIT)
 def _ggml_gate_up_item(
-    gate_dot, gate_w, gate_b, up_dot, up_w, up_b, act_code, limit, item, order, token, xg, xu, n, g, u, h
+    gate_dot, gate_w, gate_b, up_dot, up_w, up_b, act_code, limit, up_limit, item, order, token, xg, xu, n, g, u, h
 ):
     _ggml_rows(gate_dot, gate_w, gate_b, item, order, token, xg, n, g)
     _ggml_rows(up_dot, up_w, up_b, item, order, token, xu, n, u)
-    _activate_item(act_code, limit, item, order, g, u, h)
+    _activate_item(act_code, limit, up_limit, item, order, g, u, h)
 
 
 @numba.njit(parallel=True, **JIT)
@@ -86,6 +86,7 @@ def _moe_ggml(
     down_b,
     act_code,
     limit,
+    up_limit,
     out,
 ):
     """_moe with ggml's row dots (gate_k, up_k, down_k: the tensors' ggml kernels) and its roundings of the inputs."""
@@ -115,6 +116,7 @@ def _moe_ggml(
             up_b,
             act_code,
             F32(limit),
+            F32(up_limit),
             gate_items[it],
             order,
             token,

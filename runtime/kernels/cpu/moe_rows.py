@@ -142,6 +142,7 @@ def _gate_up_item(
     up_b,
     act_code,
     limit,
+    up_limit,
     item,
     order,
     token,
@@ -157,10 +158,10 @@ def _gate_up_item(
     u,
     h,
 ):
-    """The gate and up rows of a work item, then h = act(g, u, limit) on its rows and pairs."""
+    """The gate and up rows of a work item, then h = act(g, u, limit, up_limit) on its rows and pairs."""
     _rows_one(gate_code, gate_w, gate_b, item, order, token, xq, xf, xd, xs, g)
     _rows_one(up_code, up_w, up_b, item, order, token, uq, uf, ud, us, u)
-    _activate_item(act_code, limit, item, order, g, u, h)
+    _activate_item(act_code, limit, up_limit, item, order, g, u, h)
 
 
 @numba.njit(parallel=True, **JIT)
@@ -180,6 +181,7 @@ def _moe(
     down_b,
     act_code,
     limit,
+    up_limit,
     out,
 ):
     """moe_rows in one call (see there): returns -1, or an expert id past the stack (then out is untouched).
@@ -222,6 +224,7 @@ def _moe(
             up_b,
             act_code,
             F32(limit),
+            F32(up_limit),
             gate_items[it],
             order,
             token,
@@ -292,12 +295,13 @@ def moe_rows(
     out: np.ndarray,
     threads: int | None = None,
     limit: float = 0.0,
+    up_limit: float = 0.0,
     ggml: GgmlCPU | None = None,
 ) -> None:
     """out (T, D) += sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), for x (T, D) float32, ids (T, K) integers
     (< 0: no expert) and weights (T, K) float32; an expert is down(act(gate x + b, up x + b)) + b, `activation` a
     key of ACTIVATIONS (an ungated expert, relu_sqr, is given its up tensor as gate too) and `limit` its clamp where
-    it takes one (swiglu_clamp, swiglu_limited). `threads`: numba threads for this
+    it takes one (swiglu_clamp, swiglu_limited), or situ's beta, `up_limit` situ's linear beta. `threads`: numba threads for this
     call (default: numba's setting for the calling thread). One compiled call: _moe_ggml where the library `ggml`
     has a row dot for all three tensors' types (ggml_cpu.py), else _moe (moerun's own kernels)."""
     x, ids, weights = (
@@ -324,6 +328,7 @@ def moe_rows(
             down.kernel_bias,
             _ACTIVATION_CODES[activation],
             float(limit),
+            float(up_limit),
             out,
         )
     else:
@@ -344,6 +349,7 @@ def moe_rows(
             down.kernel_bias,
             _ACTIVATION_CODES[activation],
             float(limit),
+            float(up_limit),
             out,
         )
     if bad >= 0:

@@ -94,16 +94,17 @@ def _items(start, n_rows, items_wanted):
     return items
 
 
-# An activation is act(g, u, limit) (float32 each); `limit` is moe_rows' argument, read by those that have one.
+# An activation is act(g, u, limit, up_limit) (float32 each); `limit` and `up_limit` are moe_rows' arguments, read by
+# those that have them.
 
 
 @numba.njit(**JIT)
-def _swiglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+def _swiglu(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
     return g / (F32(1) + np.exp(-g)) * u
 
 
 @numba.njit(**JIT)
-def _swiglu_oai(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+def _swiglu_oai(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
     """gpt-oss (alpha 1.702, its limit 7, not the argument): the gate capped at the limit, up clamped to +-limit and
     shifted by 1."""
     g = min(g, F32(7))
@@ -112,7 +113,7 @@ def _swiglu_oai(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
 
 
 @numba.njit(**JIT)
-def _swiglu_clamp(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+def _swiglu_clamp(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
     """glm5-next (`swiglu_clamp_exp` in its GGUF): the gate capped at `limit` before SiLU, up clamped to +-limit."""
     g = min(g, limit)
     u = max(min(u, limit), -limit)
@@ -120,7 +121,7 @@ def _swiglu_clamp(g: np.float32, u: np.float32, limit: np.float32) -> np.float32
 
 
 @numba.njit(**JIT)
-def _swiglu_limited(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+def _swiglu_limited(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
     """step35 (moerun.layers.ffn.swiglu_limited): SiLU of the gate capped at `limit` after it, up clamped to
     +-limit."""
     u = max(min(u, limit), -limit)
@@ -142,7 +143,7 @@ def _round_f16(x: np.float32) -> np.float32:
 
 
 @numba.njit(**JIT)
-def _geglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+def _geglu(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
     """Gemma (moerun.layers.ffn.geglu): GELU of the gate as ggml's CPU backend computes it (float16 table over
     [-10, 10], the gate itself above, 0 below), times up."""
     if g >= F32(10):
@@ -155,16 +156,26 @@ def _geglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
 
 
 @numba.njit(**JIT)
-def _relu_sqr(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+def _relu_sqr(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
     """Nemotron-H's ungated experts: relu(u)^2, the gate not read."""
     r = max(u, F32(0))
     return r * r
 
 
 @numba.njit(**JIT)
-def _reglu(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+def _reglu(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
     """SmallThinker (moerun.layers.ffn.reglu): relu(gate) * up."""
     return max(g, F32(0)) * u
+
+
+@numba.njit(**JIT)
+def _situ(g: np.float32, u: np.float32, limit: np.float32, up_limit: np.float32) -> np.float32:
+    """Kimi-K3 (moerun.layers.ffn.situ): beta tanh(g / beta) sigmoid(g) times up, itself saturated as
+    up_beta tanh(u / up_beta) where up_beta > 0; beta is `limit`, up_beta `up_limit`."""
+    a = limit * np.tanh(g * (F32(1) / limit)) * (F32(1) / (F32(1) + np.exp(-g)))
+    if up_limit > F32(0):
+        u = up_limit * np.tanh(u * (F32(1) / up_limit))
+    return a * u
 
 
 # Expert activations by name: moerun.layers.ACTIVATIONS'.
@@ -176,6 +187,7 @@ ACTIVATIONS: dict[str, Callable] = {
     "relu_sqr": _relu_sqr,
     "reglu": _reglu,
     "swiglu_limited": _swiglu_limited,
+    "situ": _situ,
 }
 
 
@@ -186,15 +198,15 @@ _ACTIVATIONS = tuple(ACTIVATIONS.values())
 
 
 @numba.njit(**JIT)
-def _activate_item(code, limit, item, order, g, u, h):
-    """h = act(g, u, limit) on the pairs and rows of a work item."""
+def _activate_item(code, limit, up_limit, item, order, g, u, h):
+    """h = act(g, u, limit, up_limit) on the pairs and rows of a work item."""
     i = 0
     for act in literal_unroll(_ACTIVATIONS):
         if i == code:
             for j in range(item[1], item[2]):
                 p = order[j]
                 for r in range(item[3], item[4]):
-                    h[p, r] = act(g[p, r], u[p, r], limit)
+                    h[p, r] = act(g[p, r], u[p, r], limit, up_limit)
         i += 1
 
 
