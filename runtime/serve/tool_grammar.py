@@ -22,26 +22,10 @@ from typing import Any
 import llguidance
 
 from moerun.serve.formats import DS_CALL, DS_END, DS_SEP, GEMMA_QUOTE, is_text_parameter
+from moerun.serve.json_rules import SchemaRules, regex_literal
 
 # JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
 NO_FREE_WHITESPACE = {"whitespace_flexible": False}
-
-_REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
-
-
-def _regex_literal(text: str) -> str:
-    """`text` as a regex matching it alone (inside lark's /.../)."""
-    out = []
-    for ch in text:
-        if ch in _REGEX_SPECIAL:
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif not ch.isprintable() or ch.isspace():
-            out.append(f"\\x{{{ord(ch):x}}}")
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def _pattern_regex(pattern: str) -> str:
@@ -60,7 +44,7 @@ def _string_regex(schema: dict[str, Any]) -> list[str]:
     choices = [schema["const"]] if "const" in schema else schema.get("enum")
     if choices is not None:
         texts = [c for c in choices if isinstance(c, str)]
-        regexes.append("|".join(_regex_literal(t) for t in texts) if texts else "[^\\x{0}-\\x{10ffff}]")
+        regexes.append("|".join(regex_literal(t) for t in texts) if texts else "[^\\x{0}-\\x{10ffff}]")
     if isinstance(schema.get("pattern"), str):
         regexes.append(_pattern_regex(schema["pattern"]))
     low, high = schema.get("minLength", 0), schema.get("maxLength")
@@ -69,12 +53,18 @@ def _string_regex(schema: dict[str, Any]) -> list[str]:
     return regexes or ["(?s:.*)"]
 
 
+def _embedded(schema: Any) -> str:
+    """A JSON schema llguidance compiles itself, written without free whitespace."""
+    return "%json " + json.dumps({**schema, "x-guidance": NO_FREE_WHITESPACE} if isinstance(schema, dict) else schema)
+
+
 class CallGrammar:
     """One grammar being written: its rules and terminals, and the pieces a call is made of."""
 
     def __init__(self, control: dict[str, int]) -> None:
         self.control = control
         self.rules: list[str] = []
+        self.schemas = SchemaRules(self.rules, _embedded)
 
     def lit(self, text: str) -> str:
         """A literal text; a control token's text as that token."""
@@ -85,7 +75,8 @@ class CallGrammar:
         return Expr(" ".join(p.text if isinstance(p, Expr) else self.lit(p) for p in parts))
 
     def json(self, schema: dict[str, Any]) -> Expr:
-        return Expr("%json " + json.dumps({**schema, "x-guidance": NO_FREE_WHITESPACE}))
+        """A JSON value of `schema`, its numbers of bounded length (json_rules)."""
+        return Expr(self.schemas.value(schema))
 
     def text_value(
         self, schema: dict[str, Any], close: str, forbidden: tuple[str, ...], strip_newlines: bool = False
@@ -102,8 +93,8 @@ class CallGrammar:
                 parts += ["~/\\n(?s:.*)/", "~/(?s:.*)\\n/"]
             self.rules.append(f"{name}: " + " & ".join(parts))
             return self.seq(Expr(name), close)
-        end = _regex_literal(close)
-        tags = "|".join(_regex_literal(t) for t in (close, *forbidden) if t not in self.control)
+        end = regex_literal(close)
+        tags = "|".join(regex_literal(t) for t in (close, *forbidden) if t not in self.control)
         parts = [f"/(?:{r}){end}/" for r in regexes] + [f"~/(?s:.*)(?:{tags})(?s:.+)/"]
         if strip_newlines:
             parts += ["~/\\n(?s:.*)/", f"~/(?s:.*)\\n{end}/"]
@@ -421,9 +412,10 @@ def call_grammar(
     return g.grammar(_thinking(g, thinking), calls)
 
 
-def json_grammar(schema: dict[str, Any], control: dict[str, int], thinking: Thinking) -> str:
+def json_grammar(schema: dict[str, Any], control: dict[str, int], thinking: Thinking | None = None) -> str:
     """The lark grammar of a JSON value of `schema` after the reasoning `thinking` allows (gpt-oss: in a final
     message)."""
     g = CallGrammar(control)
-    answer = g.seq("<|channel|>", "final", "<|message|>", g.json(schema)) if thinking.harmony else g.json(schema)
+    harmony = thinking is not None and thinking.harmony
+    answer = g.seq("<|channel|>", "final", "<|message|>", g.json(schema)) if harmony else g.json(schema)
     return g.grammar(_thinking(g, thinking), [answer])
