@@ -180,11 +180,16 @@ _NAMED_CALL = re.compile(
 _OBJECT_END = re.compile(r"\s*\}\s*,?")  # a call object's end, and the comma before the next one
 
 
-def _named_calls(text: str, at: int = 0) -> tuple[list[PartialCall], int | None]:
-    """{"name": ..., "arguments": {...}} objects from `at`, separated by commas (a JSON list's items) -> the calls
-    begun, and where the text after the last complete object starts (None: the last is not complete)."""
+# the opening of a {"NAME": {...}} call (Apertus), up to its arguments' first character
+_KEYED_CALL = re.compile(r'\s*\{\s*("(?:[^"\\]|\\.)*")\s*:\s*(?=\{)')
+
+
+def _named_calls(text: str, at: int = 0, opening: re.Pattern = _NAMED_CALL) -> tuple[list[PartialCall], int | None]:
+    """{"name": ..., "arguments": {...}} objects (or others whose `opening` holds the name) from `at`, separated by
+    commas (a JSON list's items) -> the calls begun, and where the text after the last complete object starts (None:
+    the last is not complete)."""
     calls = []
-    while m := _NAMED_CALL.match(text, at):
+    while m := opening.match(text, at):
         end, complete = _json_span(text, m.end())
         calls.append(PartialCall(json.loads(m.group(1)), text[m.end() : end], complete))
         close = _OBJECT_END.match(text, end) if complete else None
@@ -724,6 +729,50 @@ def _lfm2_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     return out
 
 
+def _keyed_list(text: str, tools: dict[str, dict]) -> list[Call]:
+    """Apertus: <|tools_prefix|>[{"NAME": {...}}, ...]<|tools_suffix|>, each call an object of one key, the tool's
+    name, whose value is the arguments."""
+    body = text.strip().removeprefix(APERTUS_START).split(APERTUS_END, 1)[0].strip()
+    value, _ = json.JSONDecoder().raw_decode(body)
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(item, dict) and len(item) == 1 for item in items):
+        raise ValueError("not a list of {name: arguments} objects")
+    return [(name, _checked_object(arguments)) for item in items for name, arguments in item.items()]
+
+
+def _keyed_list_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    m = re.match(rf"\s*{re.escape(APERTUS_START)}\s*\[", text)
+    return _named_calls(text, m.end(), _KEYED_CALL)[0] if m else []
+
+
+def _one_object(prefix: str) -> Callable[[str, dict[str, dict]], list[Call]]:
+    """One {"name": ..., "arguments": {...}} object after `prefix` (GigaChat 3's function call message)."""
+
+    def parse(text: str, tools: dict[str, dict]) -> list[Call]:
+        body = text.strip().removeprefix(prefix.strip()).strip()
+        value, _ = json.JSONDecoder().raw_decode(body)
+        return [_name_and_arguments(value)]
+
+    return parse
+
+
+def _one_object_stream(prefix: str) -> Callable[[str, dict[str, dict]], list[PartialCall]]:
+    opening = re.compile(rf"\s*{re.escape(prefix.strip())}\s*")
+
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        m = opening.match(text)
+        return _named_calls(text, m.end())[0][:1] if m else []
+
+    return stream
+
+
+APERTUS_START, APERTUS_END = "<|tools_prefix|>", "<|tools_suffix|>"
+# GigaChat 3: a message of the role "function call" after the answer's text (its separators are tokens that end in
+# the newlines the template writes after them)
+GIGACHAT_MESSAGE, GIGACHAT_ROLE = "<|message_sep|>\n\n", "<|role_sep|>\n"
+GIGACHAT_CALL = f"{GIGACHAT_MESSAGE}function call{GIGACHAT_ROLE}"
+GIGACHAT31_CALL = "<|function_call|>"  # GigaChat 3.1: the call follows the answer's text in its message
+
 _MINIMAX, _MINIMAX_STREAM = _invoke_xml("", "minimax:tool_call")
 _DSML, _DSML_STREAM = _invoke_xml("｜DSML｜", "function_calls")
 
@@ -809,8 +858,41 @@ TOOL_FORMATS = (
         _gemma4_stream,
     ),
     ToolFormat(
+        "apertus",
+        (APERTUS_START,),
+        APERTUS_START,
+        _keyed_list,
+        (APERTUS_START, APERTUS_END),
+        _keyed_list_stream,
+    ),
+    ToolFormat(
+        "gigachat-3.1",
+        ("<|role_sep|>", GIGACHAT31_CALL),
+        GIGACHAT31_CALL,
+        _one_object(GIGACHAT31_CALL),
+        (GIGACHAT31_CALL,),
+        _one_object_stream(GIGACHAT31_CALL),
+    ),
+    ToolFormat(
+        "gigachat-3",
+        ("<|role_sep|>", "<|message_sep|>", "'function call'"),
+        GIGACHAT_CALL,
+        _one_object(GIGACHAT_CALL),
+        (GIGACHAT_MESSAGE, GIGACHAT_ROLE),
+        _one_object_stream(GIGACHAT_CALL),
+    ),
+    ToolFormat(
+        "nemotron-v2",
+        ("<TOOLCALL>",),
+        "<TOOLCALL>",
+        _json_list("<TOOLCALL>", "</TOOLCALL>"),
+        ("<TOOLCALL>", "</TOOLCALL>"),
+        _json_list_stream("<TOOLCALL>"),
+    ),
+    ToolFormat(
         "lfm2",
-        (("<|tool_call_start|>", "<|tool_list_start|>"),),
+        # LFM2's templates list the tools between tokens of their own; LFM2.5 Instruct's, after plain text
+        (("<|tool_call_start|>", "<|tool_list_start|>", "List of tools: ["),),
         "<|tool_call_start|>",
         _lfm2,
         ("<|tool_call_start|>", "<|tool_call_end|>"),

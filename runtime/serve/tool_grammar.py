@@ -21,7 +21,18 @@ from typing import Any
 
 import llguidance
 
-from moerun.serve.formats import DS_CALL, DS_END, DS_SEP, GEMMA_QUOTE, is_text_parameter
+from moerun.serve.formats import (
+    APERTUS_END,
+    APERTUS_START,
+    DS_CALL,
+    DS_END,
+    DS_SEP,
+    GEMMA_QUOTE,
+    GIGACHAT31_CALL,
+    GIGACHAT_MESSAGE,
+    GIGACHAT_ROLE,
+    is_text_parameter,
+)
 from moerun.serve.json_rules import SchemaRules, regex_literal
 
 # JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
@@ -203,6 +214,17 @@ def _call_list(
         return g.seq(prefix, "[", item, "]", *([suffix] if suffix else []))
 
     return call
+
+
+def _apertus(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<|tools_prefix|>[{"NAME": {...}}]<|tools_suffix|>"""
+    call = {"type": "object", "properties": {name: _schema(parameters)}, "required": [name]}
+    return g.seq(APERTUS_START, "[", g.json({**call, "additionalProperties": False}), "]", APERTUS_END)
+
+
+def _gigachat(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """The function call message: its separators (tokens), the role, one {"name": ..., "arguments": ...} object."""
+    return g.seq(GIGACHAT_MESSAGE, "function call", GIGACHAT_ROLE, g.json(_call_object(name, parameters)))
 
 
 def _functionary(g: CallGrammar, name: str, parameters: dict) -> Expr:
@@ -398,6 +420,10 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "lfm2": _lfm2,
     "minimax-m1": _minimax_m1,
     "apriel": _call_list("<tool_calls>", "</tool_calls>"),
+    "apertus": _apertus,
+    "gigachat-3": _gigachat,
+    "gigachat-3.1": lambda g, name, parameters: g.seq(GIGACHAT31_CALL, g.json(_call_object(name, parameters))),
+    "nemotron-v2": _call_list("<TOOLCALL>", "</TOOLCALL>"),
 }
 
 

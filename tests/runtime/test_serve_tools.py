@@ -173,6 +173,38 @@ FAMILIES = {
         ["<|tool_call_start|>", "[get_weather(", "city='Paris', ", "days=2", ")]", "<|tool_call_end|>"],
         ("<|tool_call_start|>", "<|tool_call_end|>"),
     ),
+    "lfm2.5": (
+        "List of tools: [",
+        ["<|tool_call_start|>", "[get_weather(", "city='Paris', ", "days=2", ")]", "<|tool_call_end|>"],
+        ("<|tool_call_start|>", "<|tool_call_end|>"),
+    ),
+    "apertus": (
+        "<|tools_prefix|>",
+        ["<|tools_prefix|>", '[{"get_weather": ', *ARGUMENT_PIECES, "}]", "<|tools_suffix|>"],
+        ("<|tools_prefix|>", "<|tools_suffix|>"),
+    ),
+    "gigachat-3": (
+        "<|role_sep|> <|message_sep|> 'function call'",
+        [
+            "<|message_sep|>\n\n",
+            "function call",
+            "<|role_sep|>\n",
+            '{"name": "get_weather", "arguments": ',
+            *ARGUMENT_PIECES,
+            "}",
+        ],
+        ("<|message_sep|>\n\n", "<|role_sep|>\n"),
+    ),
+    "gigachat-3.1": (
+        "<|role_sep|> <|function_call|>",
+        ["<|function_call|>", '{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}"],
+        ("<|function_call|>",),
+    ),
+    "nemotron-v2": (
+        "<TOOLCALL>",
+        ["<TOOLCALL>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]", "</TOOLCALL>"],
+        ("<TOOLCALL>", "</TOOLCALL>"),
+    ),
     "minimax-m1": (
         "<tool_calls></tool_calls>",
         ["<tool_calls>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_calls>"],
