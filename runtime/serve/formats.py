@@ -249,35 +249,47 @@ def _xml_functions_stream(block: str) -> Callable[[str, dict[str, dict]], list[P
     return stream
 
 
-_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+def _arg_tags(
+    suffix: str = "", name_end: str = "<arg_key>"
+) -> tuple[Callable[[str, dict[str, dict]], list[Call]], Callable[[str, dict[str, dict]], list[PartialCall]]]:
+    """(parse, stream) of <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>, each
+    tag's name ending in `suffix` (GLM-4.5 and later: none; Hunyuan Hy3: ":opensource", its name ended by a
+    <tool_sep:opensource>); the name ends at `name_end`."""
+    call_open, call_close = f"<tool_call{suffix}>", f"</tool_call{suffix}>"
+    argument = re.compile(
+        rf"<arg_key{suffix}>(.*?)</arg_key{suffix}>\s*<arg_value{suffix}>(.*?)</arg_value{suffix}>", re.DOTALL
+    )
+
+    def arguments(name: str, body: str, tools: dict[str, dict]) -> dict[str, Any]:
+        return {k.strip(): _typed(v, name, k.strip(), tools) for k, v in argument.findall(body)}
+
+    def parse(text: str, tools: dict[str, dict]) -> list[Call]:
+        calls = []
+        for body in _blocks(text, call_open, call_close):
+            name = body.split(name_end, 1)[0].strip()
+            if not name:
+                raise ValueError(f"a {call_open} without a function name")
+            calls.append((name, arguments(name, body, tools)))
+        return calls
+
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        calls = []
+        for body, closed in _closed_blocks(text, call_open, call_close):
+            head, sep, _ = body.partition(name_end)
+            if not (sep or closed) or not head.strip():  # the name is known once what ends it comes
+                break
+            name = head.strip()
+            calls.append(_arguments_so_far(name, arguments(name, body, tools), closed))
+            if not closed:
+                break
+        return calls
+
+    return parse, stream
 
 
-def _glm(text: str, tools: dict[str, dict]) -> list[Call]:
-    """<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call> (GLM-4.5 and later)."""
-    calls = []
-    for body in _blocks(text, "<tool_call>", "</tool_call>"):
-        name = body.split("<arg_key>", 1)[0].strip()
-        if not name:
-            raise ValueError("a <tool_call> without a function name")
-        calls.append((name, {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _ARG.findall(body)}))
-    return calls
-
-
-def _glm_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
-    calls = []
-    for body, closed in _closed_blocks(text, "<tool_call>", "</tool_call>"):
-        head, sep, _ = body.partition("<arg_key>")
-        if not (sep or closed) or not head.strip():  # the name is known once its first argument or the end comes
-            break
-        name = head.strip()
-        calls.append(
-            _arguments_so_far(
-                name, {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _ARG.findall(body)}, closed
-            )
-        )
-        if not closed:
-            break
-    return calls
+_glm, _glm_stream = _arg_tags()
+HY3 = ":opensource"  # the suffix of Hunyuan Hy3's tags
+_hy3, _hy3_stream = _arg_tags(HY3, f"<tool_sep{HY3}>")
 
 
 def _mistral(text: str, tools: dict[str, dict]) -> list[Call]:
@@ -391,6 +403,25 @@ _kimi_k2, _kimi_k2_stream = _name_then_json(
     "<|tool_call_argument_begin|>",
     lambda head: head.strip().removeprefix("functions.").rsplit(":", 1)[0],
     "a Kimi tool call without its arguments",
+)
+
+
+# <|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|>, after <|tool_calls|> (Solar
+# Open)
+_solar, _solar_stream = _name_then_json(
+    "<|tool_call:begin|>",
+    "<|tool_call:end|>",
+    "<|tool_call:args|>",
+    lambda head: head.split("<|tool_call:name|>", 1)[-1].strip(),
+    "a Solar Open tool call without its arguments",
+)
+SOLAR_MARKERS = (
+    "<|tool_calls|>",
+    "<|tool_call:begin|>",
+    "<|tool_call:name|>",
+    "<|tool_call:args|>",
+    "<|tool_call:end|>",
+    "<|calls|>",
 )
 
 
@@ -816,6 +847,23 @@ TOOL_FORMATS = (
         _xml_functions("seed:tool_call"),
         ("<seed:tool_call>", "</seed:tool_call>"),
         _xml_functions_stream("seed:tool_call"),
+    ),
+    ToolFormat(
+        "hy3",
+        ("'<tool_sep{}>'.format(HYTK)", f"HYTK = '{HY3}'"),
+        f"<tool_calls{HY3}>",
+        _hy3,
+        tuple(f"<{tag}{HY3}>" for tag in ("tool_calls", "/tool_calls", "tool_call", "/tool_call", "tool_sep"))
+        + tuple(f"<{tag}{HY3}>" for tag in ("arg_key", "/arg_key", "arg_value", "/arg_value")),
+        _hy3_stream,
+    ),
+    ToolFormat(
+        "solar-open",
+        ("<|tool_call:begin|>", "<|tool_call:args|>"),
+        "<|tool_calls|>",
+        _solar,
+        SOLAR_MARKERS,
+        _solar_stream,
     ),
     ToolFormat(
         "glm-4.5",

@@ -31,6 +31,7 @@ from moerun.serve.formats import (
     GIGACHAT31_CALL,
     GIGACHAT_MESSAGE,
     GIGACHAT_ROLE,
+    HY3,
     is_text_parameter,
 )
 from moerun.serve.json_rules import SchemaRules, regex_literal
@@ -359,16 +360,41 @@ def _xml_functions(block: str) -> Callable[[CallGrammar, str, dict], Expr]:
     return call
 
 
-def _glm(g: CallGrammar, name: str, parameters: dict) -> Expr:
-    """<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>"""
+def _arg_tags(suffix: str = "", name_end: str = "\n", block: str = "") -> Callable[[CallGrammar, str, dict], Expr]:
+    """<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>, each tag's name ending
+    in `suffix`, `name_end` after the name, the call inside `block` where there is one (GLM-4.5 and later: no suffix,
+    no block; Hunyuan Hy3: :opensource, <tool_sep:opensource>\n, <tool_calls:opensource>)."""
 
-    def one(key: str, schema: dict) -> Expr:
-        head = g.seq("<arg_key>", key, "</arg_key>", "\n", "<arg_value>")
-        if is_text_parameter(schema):
-            return g.seq(head, g.text_value(schema, "</arg_value>", ("</tool_call>",)), "\n")
-        return g.seq(head, g.json(schema), "</arg_value>", "\n")
+    def tag(name: str) -> str:
+        return f"<{name}{suffix}>"
 
-    return g.seq("<tool_call>", f"{name}\n", g.parameters(parameters, one), "</tool_call>")
+    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
+        def one(key: str, schema: dict) -> Expr:
+            head = g.seq(tag("arg_key"), key, tag("/arg_key"), "\n", tag("arg_value"))
+            if is_text_parameter(schema):
+                return g.seq(head, g.text_value(schema, tag("/arg_value"), (tag("/tool_call"),)), "\n")
+            return g.seq(head, g.json(schema), tag("/arg_value"), "\n")
+
+        body = g.seq(tag("tool_call"), name, name_end, g.parameters(parameters, one), tag("/tool_call"))
+        return g.seq(tag(block), "\n", body, "\n", tag(f"/{block}")) if block else body
+
+    return call
+
+
+def _solar(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|><|calls|>,
+    the id a short word of letters and digits."""
+    return g.seq(
+        "<|tool_calls|>",
+        "<|tool_call:begin|>",
+        Expr("/[A-Za-z0-9]{1,16}/"),
+        "<|tool_call:name|>",
+        name,
+        "<|tool_call:args|>",
+        g.json(_schema(parameters)),
+        "<|tool_call:end|>",
+        "<|calls|>",
+    )
 
 
 def _invoke_xml(prefix: str, block: str, string_attribute: bool) -> Callable[[CallGrammar, str, dict], Expr]:
@@ -407,7 +433,9 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "harmony": _harmony,
     "qwen3-coder": _xml_functions("tool_call"),
     "seed-oss": _xml_functions("seed:tool_call"),
-    "glm-4.5": _glm,
+    "glm-4.5": _arg_tags(),
+    "hy3": _arg_tags(HY3, f"<tool_sep{HY3}>\n", "tool_calls"),
+    "solar-open": _solar,
     "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
     "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),
     "llama-3.x": _llama3,
