@@ -249,6 +249,41 @@ def _xml_functions_stream(block: str) -> Callable[[str, dict[str, dict]], list[P
     return stream
 
 
+_MINICPM_CALL = re.compile(r'<function name="([^"]+)">(.*?)(</function>|$)', re.DOTALL)
+_MINICPM_PARAM = re.compile(r'<param name="([^"]+)">(.*?)</param>', re.DOTALL)
+CDATA_OPEN, CDATA_CLOSE = "<![CDATA[", "]]>"
+
+
+def _minicpm5_calls(text: str, tools: dict[str, dict]) -> list[tuple[str, dict[str, Any], bool]]:
+    """MiniCPM5's <function name="NAME"><param name="KEY">VALUE</param>...</function> calls -> (name, the complete
+    arguments, whether the call closed); a value in a CDATA block is the block's text."""
+    calls = []
+    for m in _MINICPM_CALL.finditer(text):
+        name, arguments = m.group(1).strip(), {}
+        for key, value in _MINICPM_PARAM.findall(m.group(2)):
+            if value.startswith(CDATA_OPEN) and value.endswith(CDATA_CLOSE):
+                value = value[len(CDATA_OPEN) : -len(CDATA_CLOSE)]
+            arguments[key.strip()] = _typed(value, name, key.strip(), tools)
+        calls.append((name, arguments, bool(m.group(3))))
+    return calls
+
+
+def _minicpm5(text: str, tools: dict[str, dict]) -> list[Call]:
+    calls = _minicpm5_calls(text, tools)
+    if not calls or not all(closed for _, _, closed in calls):
+        raise ValueError("not MiniCPM5 function calls")
+    return [(name, arguments) for name, arguments, _ in calls]
+
+
+def _minicpm5_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    calls = []
+    for name, arguments, closed in _minicpm5_calls(text, tools):
+        calls.append(_arguments_so_far(name, arguments, closed))
+        if not closed:
+            break
+    return calls
+
+
 def _arg_tags(
     suffix: str = "", name_end: str = "<arg_key>"
 ) -> tuple[Callable[[str, dict[str, dict]], list[Call]], Callable[[str, dict[str, dict]], list[PartialCall]]]:
@@ -904,6 +939,14 @@ TOOL_FORMATS = (
         _gemma4,
         ("<|tool_call>", "<tool_call|>", GEMMA_QUOTE),
         _gemma4_stream,
+    ),
+    ToolFormat(
+        "minicpm5",
+        ("Tool usage guidelines:", '<function name="', '<param name="'),
+        '<function name="',
+        _minicpm5,
+        (),
+        _minicpm5_stream,
     ),
     ToolFormat(
         "apertus",

@@ -24,6 +24,7 @@ import llguidance
 from moerun.serve.formats import (
     APERTUS_END,
     APERTUS_START,
+    CDATA_OPEN,
     DS_CALL,
     DS_END,
     DS_SEP,
@@ -381,6 +382,19 @@ def _arg_tags(suffix: str = "", name_end: str = "\n", block: str = "") -> Callab
     return call
 
 
+def _minicpm5(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<function name="NAME"><param name="KEY">VALUE</param>...</function>: a text value written as it is, never in
+    a CDATA block (nor holding the tags that would end it early), any other a JSON value."""
+
+    def one(key: str, schema: dict) -> Expr:
+        head = f'<param name="{key}">'
+        if is_text_parameter(schema):
+            return g.seq(head, g.text_value(schema, "</param>", ("</function>", CDATA_OPEN)))
+        return g.seq(head, g.json(schema), "</param>")
+
+    return g.seq(f'<function name="{name}">', g.parameters(parameters, one), "</function>")
+
+
 def _solar(g: CallGrammar, name: str, parameters: dict) -> Expr:
     """<|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|><|calls|>,
     the id a short word of letters and digits."""
@@ -436,6 +450,7 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "glm-4.5": _arg_tags(),
     "hy3": _arg_tags(HY3, f"<tool_sep{HY3}>\n", "tool_calls"),
     "solar-open": _solar,
+    "minicpm5": _minicpm5,
     "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
     "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),
     "llama-3.x": _llama3,

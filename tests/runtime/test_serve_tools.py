@@ -249,6 +249,16 @@ FAMILIES = {
             "<|calls|>",
         ),
     ),
+    "minicpm5": (
+        'Tool usage guidelines: <function name=" <param name="',
+        [
+            '<function name="get_weather">',
+            '<param name="city">Paris</param>',
+            '<param name="days">2</param>',
+            "</function>",
+        ],
+        (),
+    ),
     "minimax-m1": (
         "<tool_calls></tool_calls>",
         ["<tool_calls>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_calls>"],
