@@ -153,11 +153,17 @@ class ChatAnswer:
         tools: ToolFormat | None = None,
         schemas: dict[str, dict] | None = None,
         parallel_tool_calls: bool = True,
+        opening: str = "",
+        content_marker: str = "",
     ) -> None:
+        """`opening`: text the prompt ended with that the answer is read as beginning with; `content_marker`: what
+        opens the answer's text where the format marks it (both ToolFormat's, functionary v3.2's, given whether or
+        not calls are parsed)."""
         self.tags, self.tools, self.schemas = reasoning, tools, schemas or {}
         # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": reading calls
         self.state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
-        self._pending = ""  # text not classified yet
+        self._pending = opening  # text not classified yet
+        self._marker = content_marker  # dropped where the content begins with it (then "")
         self._strip = self.state == "reasoning"  # drop the whitespace that opens the next piece
         self.content: list[str] = []
         self.reasoning: list[str] = []
@@ -213,6 +219,12 @@ class ChatAnswer:
             self._pending = pending[len(pending) - keep :]
             return False
         if self.state == "content":
+            if self._marker:
+                if len(pending) < len(self._marker) and self._marker.startswith(pending):
+                    return False  # it may be the marker: wait
+                if pending.startswith(self._marker):
+                    self._pending = pending = pending[len(self._marker) :]
+                self._marker = ""
             if self.tools is None:
                 self._emit(delta, "content", pending)
                 self._pending = ""

@@ -63,6 +63,11 @@ class ToolFormat:
     # (text from `start` on so far, tool name -> parameters schema) -> the calls begun
     stream: Callable[[str, dict[str, dict]], list[PartialCall]]
     other_starts: tuple[str, ...] = ()  # other texts the calls may begin with
+    # text the generation prompt ends with that opens the answer's first part (functionary v3.2's `>>>`, after
+    # which the model names the part's recipient): the answer is read as if it began with it
+    prompt_end: str = ""
+    # what opens a stretch of plain text among the calls (functionary v3.2's `>>>all\n`), dropped from the content
+    content_marker: str = ""
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -247,6 +252,46 @@ def _xml_functions_stream(block: str) -> Callable[[str, dict[str, dict]], list[P
         return calls
 
     return stream
+
+
+RECIPIENT = ">>>"  # functionary v3.2: what opens each part of an answer, before the part's recipient
+
+
+def _recipient_parts(text: str) -> tuple[list[PartialCall], bool]:
+    """Functionary v3.2's parts: >>>NAME\n{...} a call, >>>all\nTEXT text (skipped here) -> the calls begun, and
+    whether the text holds nothing else (a part that is neither breaks off the reading)."""
+    calls, at = [], 0
+    while (i := text.find(RECIPIENT, at)) >= 0:
+        head, sep, _ = text[i + len(RECIPIENT) :].partition("\n")
+        if not sep:
+            return calls, not head.strip() or RECIPIENT not in head
+        body = i + len(RECIPIENT) + len(head) + 1
+        if head.strip() == "all":
+            at = body
+            continue
+        rest = text[body:]
+        if not rest.strip():
+            return calls, True
+        if not rest.lstrip().startswith("{"):
+            return calls, False
+        brace = body + len(rest) - len(rest.lstrip())
+        end, complete = _json_span(text, brace)
+        calls.append(PartialCall(head.strip(), text[brace:end], complete))
+        if not complete:
+            return calls, True
+        at = end
+    return calls, not text[at:].strip() or at > 0
+
+
+def _functionary_v32(text: str, tools: dict[str, dict]) -> list[Call]:
+    calls, clean = _recipient_parts(text)
+    if not calls or not clean or not all(c.complete for c in calls):
+        raise ValueError("not functionary v3.2 calls")
+    return [(c.name, _json_object(c.arguments)) for c in calls]
+
+
+def _functionary_v32_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    return _recipient_parts(text)[0]
 
 
 _MINICPM_CALL = re.compile(r'<function name="([^"]+)">(.*?)(</function>|$)', re.DOTALL)
@@ -939,6 +984,16 @@ TOOL_FORMATS = (
         _gemma4,
         ("<|tool_call>", "<tool_call|>", GEMMA_QUOTE),
         _gemma4_stream,
+    ),
+    ToolFormat(
+        "functionary-v3.2",
+        (">>>all", ">>>${recipient}"),
+        RECIPIENT,
+        _functionary_v32,
+        (),
+        _functionary_v32_stream,
+        prompt_end=RECIPIENT,
+        content_marker=f"{RECIPIENT}all\n",
     ),
     ToolFormat(
         "minicpm5",

@@ -229,6 +229,11 @@ def _gigachat(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq(GIGACHAT_MESSAGE, "function call", GIGACHAT_ROLE, g.json(_call_object(name, parameters)))
 
 
+def _functionary_v32(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """NAME\n{...}, after the `>>>` the prompt ends with."""
+    return g.seq(f"{name}\n", g.json(_schema(parameters)))
+
+
 def _functionary(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq(f"<function={name}>", g.json(_schema(parameters)), "</function>")
 
@@ -451,6 +456,7 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "hy3": _arg_tags(HY3, f"<tool_sep{HY3}>\n", "tool_calls"),
     "solar-open": _solar,
     "minicpm5": _minicpm5,
+    "functionary-v3.2": _functionary_v32,
     "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
     "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),
     "llama-3.x": _llama3,

@@ -867,3 +867,46 @@ def test_command_r7b_plan_action_and_response(synth_model, tmp_path):
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
     finally:
         server.close()
+
+
+FUNCTIONARY_V32 = (
+    "{#- >>>all >>>${recipient} -#}"
+    "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n>>>' }}{%- endif -%}"
+)
+
+
+@pytest.mark.parametrize("text_first", [True, False])
+def test_functionary_v32_parts_after_the_prompts_recipient_marker(text_first, synth_model, tmp_path):
+    """functionary v3.2: the prompt ends with `>>>`, after which the model names the part's recipient: `all` for
+    text (the marker dropped from the content), a function's name for a call, its JSON arguments on the next line;
+    with text first or the call at once, whole and streamed; with tool_choice none the text is the content alone;
+    tool_choice required constrains the answer to a call after the prompt's marker."""
+    call = ["get_weather\n", *ARGUMENT_PIECES]
+    # (the second marker a token of its own text: the prompt's must be the one the script starts from)
+    script = ["all\n", "Let me look.", " >>>", *call] if text_first else call
+    server = live(synth_model, tmp_path, FUNCTIONARY_V32, {">>>": script})
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "Weather?"}]
+        content = "Let me look." if text_first else None
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        (made,) = r.choices[0].message.tool_calls
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (content, "tool_calls")
+        assert (made.function.name, json.loads(made.function.arguments)) == CALL
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
+        (entry,) = streamed["tool_calls"].values()
+        assert (streamed["content"], finish) == (content or "", "tool_calls")
+        assert entry["arguments"] == STREAMED_ARGUMENTS and entry["pieces"] == len(ARGUMENT_PIECES)
+        if text_first:  # no tools parsed: the text part, without its marker, and the call's text as written
+            r = client.chat.completions.create(model="m", messages=messages, temperature=0)
+            assert r.choices[0].message.content == "Let me look. >>>" + "".join(call)
+        forced = client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, tool_choice="required", temperature=0
+        )
+        (made,) = forced.choices[0].message.tool_calls
+        assert made.function.name == "get_weather" and forced.choices[0].message.content is None
+    finally:
+        server.close()
