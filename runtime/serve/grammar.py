@@ -77,7 +77,7 @@ class Grammars:
         when llguidance cannot compile it."""
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(json_grammar(schema, control or {}, thinking))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # (TypeError: a keyword's value of the wrong type)
             raise ApiError(400, f"'{param}': not a JSON schema ({e})", param=param) from e
         self.check(grammar, param)
         return grammar
@@ -102,7 +102,7 @@ class Grammars:
             )
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(format_name, tools, control, thinking))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # (TypeError: a keyword's value of the wrong type)
             raise ApiError(400, f"'{param}': the tools' schemas cannot be enforced ({e})", param=param) from e
         self.check(grammar, param)
         return grammar

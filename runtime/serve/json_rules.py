@@ -243,10 +243,11 @@ class SchemaRules:
     def _number(self, schema: dict[str, Any], integer: bool) -> str | None:
         if "multipleOf" in schema:  # llguidance's rule, which the multiple bounds after the point; bounded before
             cap = 10**NUMBER_INTEGER_DIGITS - 1
-            low = schema.get("minimum", -cap)
-            high = schema.get("maximum", cap)
-            bounded = {**schema, "minimum": max(low, -cap), "maximum": min(high, cap)}
-            return self.embed(bounded)
+            low, high = _bound(schema, "minimum"), _bound(schema, "maximum")
+            low_json = -cap if low is None or low < -cap else schema["minimum"]
+            return self.embed(
+                {**schema, "minimum": low_json, "maximum": cap if high is None or high > cap else schema["maximum"]}
+            )
         if set(schema) - _ANNOTATIONS - _NUMBER_KEYS:
             return None
         regexes = bounded_number_regexes(schema, integer)
