@@ -187,6 +187,28 @@ def bounded_number_regexes(schema: dict[str, Any], integer: bool) -> list[str]:
     return regexes
 
 
+def _holds_number(schema: Any) -> bool:
+    """Whether a value of `schema` may be or hold a number (where it cannot, llguidance compiles it unchanged)."""
+    if schema is True:
+        return True
+    if not isinstance(schema, dict) or "const" in schema or "enum" in schema:
+        return False
+    if any(isinstance(schema.get(k), list) and any(map(_holds_number, schema[k])) for k in ("anyOf", "oneOf")):
+        return True
+    kind = schema.get("type")
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if kinds & {"number", "integer"} or (kind is None and not set(schema) & {"properties", "items", "anyOf", "oneOf"}):
+        return True
+    if "object" in kinds or (kind is None and "properties" in schema):
+        properties = schema.get("properties") or {}
+        unlisted = set(schema.get("required") or ()) - set(properties)  # required keys of any value
+        extra = schema.get("additionalProperties", True)
+        return bool(unlisted) or any(_holds_number(v) for v in [*properties.values(), extra])
+    if "array" in kinds:
+        return _holds_number(schema.get("items", True))
+    return False
+
+
 class SchemaRules:
     """Writes JSON schemas into a lark grammar's `rules` (shared with the grammar around them: names here begin
     with `j`/`J`), and gives the expression of each. `embed` writes a schema llguidance compiles itself (`%json`)."""
@@ -208,10 +230,10 @@ class SchemaRules:
     def _written(self, schema: Any) -> str | None:
         """The expression of `schema` written here, or None when llguidance compiles it unchanged (no number can
         appear in it, or it uses a keyword this writer does not know)."""
+        if not _holds_number(schema):
+            return None
         if schema is True or schema == {}:
             return self.any_value()
-        if not isinstance(schema, dict):
-            return None
         keys = set(schema) - _ANNOTATIONS
         for choice in ("anyOf", "oneOf"):
             if isinstance(schema.get(choice), list) and schema[choice]:
@@ -235,7 +257,7 @@ class SchemaRules:
         if kind == "object" or (kind is None and "properties" in keys):
             return self._object(schema) if keys <= _OBJECT_KEYS else None
         if kind == "array":
-            return self._array(schema) if keys <= _ARRAY_KEYS else None
+            return self._array(schema) if keys <= _ARRAY_KEYS and isinstance(schema.get("items", {}), dict) else None
         if kind is None and not keys:
             return self.any_value()
         return None

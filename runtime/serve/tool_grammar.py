@@ -4,7 +4,8 @@ one of the offered tools, and arguments valid against that tool's JSON schema. B
 `response_format`'s JSON, a thinking model may think (`Thinking`): its reasoning, free text up to the reasoning's
 end tag, is left unconstrained, and the grammar holds from the end tag on.
 
-Formats whose arguments are one JSON value embed the schema whole (`%json{...}`). The XML-like formats write each
+JSON values (a `response_format`'s, the arguments of the formats whose arguments are one JSON value, the XML-like
+formats' typed values) follow their schema with numbers of bounded length (json_rules). The XML-like formats write each
 argument on its own: a parameter the parser reads as bare text (`formats.is_text_parameter`) is a terminal whose
 text follows the string's schema (enum, const, pattern, minLength/maxLength) and never contains a tag that would end
 the value, the call or the block early; any other parameter is a JSON value of its schema. Parameters come in the

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from moerun.serve.json_rules import NUMBER_FRACTION_DIGITS, NUMBER_INTEGER_DIGITS
-from moerun.serve.tool_grammar import call_grammar, json_grammar
+from moerun.serve.tool_grammar import NO_FREE_WHITESPACE, call_grammar, json_grammar
 from tests.runtime.test_serve_tool_grammar import accepts
 from tests.runtime.test_serve_tools import FAMILIES, NO_THINKING_TEMPLATE, LiveServer, scripted_model
 
@@ -198,3 +198,23 @@ def test_a_model_steered_to_write_digits_forever_ends_with_a_valid_number(family
         assert 10 ** (NUMBER_INTEGER_DIGITS - 1) <= arguments["x"] < 10**NUMBER_INTEGER_DIGITS
     finally:
         server.close()
+
+
+def _whole(schema: dict) -> bool:
+    """Whether the grammar of `schema` is llguidance's own rule for it, unchanged: one %json of it, no rule of ours."""
+    lines = [line for line in json_grammar(schema, {}).splitlines() if line.strip()]
+    embedded = "%json " + json.dumps({**schema, "x-guidance": NO_FREE_WHITESPACE})
+    return len(lines) == 1 and lines[0].startswith("start:") and embedded in lines[0]
+
+
+def test_a_schema_where_no_number_can_appear_goes_to_llguidance_whole():
+    plain = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^[a-z]+$"}, "e": {"enum": [1, 2]}},
+        "additionalProperties": False,
+    }
+    assert _whole(plain) and not _whole({**plain, "additionalProperties": True})
+    lark = json_grammar(plain, {})
+    assert accepts(lark, ['{"s":"ab","e":2}']) and not accepts(lark, ['{"s":"a1"}'])
+    # a keyword this writer does not know, where a number may appear: llguidance's rule, unchanged
+    assert _whole({"$defs": {"n": {"type": "number"}}, "type": "array", "items": {"$ref": "#/$defs/n"}})
