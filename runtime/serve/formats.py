@@ -27,11 +27,18 @@ Call = tuple[str, dict[str, Any]]
 class ReasoningTags:
     start: str
     end: str
+    written: str = ""  # what the template writes when it uses these tags, where it is not the end tag
+
+    @property
+    def detect(self) -> str:
+        return self.written or self.end
 
 
-# Checked in order: the first whose end tag the template writes (<seed:think>'s end tag does not contain </think>)
+# Checked in order: the first the template writes (its end tag, mostly; <seed:think>'s does not contain </think>)
 REASONING_TAGS = (
     ReasoningTags("<seed:think>", "</seed:think>"),
+    # Hunyuan Hy3's template builds its tags from a suffix of its own: '</think{}>'.format(HYTK)
+    ReasoningTags("<think:opensource>", "</think:opensource>", "'</think{}>'.format(HYTK)"),
     ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>"),  # Command-R7B's plan before its actions
     ReasoningTags("<|channel>thought", "<channel|>"),  # Gemma 4's thought channel
     ReasoningTags("[THINK]", "[/THINK]"),
@@ -40,7 +47,7 @@ REASONING_TAGS = (
 
 
 def reasoning_tags(template: str | None) -> ReasoningTags | None:
-    return next((t for t in REASONING_TAGS if template and t.end in template), None)
+    return next((t for t in REASONING_TAGS if template and t.detect in template), None)
 
 
 @dataclass(frozen=True)

@@ -341,3 +341,15 @@ def test_lfm2_python_calls_with_python_and_json_values():
         assert merged["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
     message, _ = run(ChatAnswer(tools=FORMATS["lfm2"], schemas=SCHEMAS), "<|tool_call_start|>[os.system('x')]", 5)
     assert "tool_calls" not in message and message["content"] == "<|tool_call_start|>[os.system('x')]"
+
+
+def test_hunyuan_hy3_reasoning_tags_built_by_its_template():
+    tags = reasoning_tags("{%- set HYTK = ':opensource' %}{%- set think_end_token = '</think{}>'.format(HYTK) %}")
+    assert (tags.start, tags.end) == ("<think:opensource>", "</think:opensource>")
+    text = "<think:opensource>Weather first.</think:opensource>Checking." + OUTPUTS["hy3"]
+    message, merged = run(ChatAnswer(tags, False, FORMATS["hy3"], SCHEMAS), text, 5)
+    assert message["reasoning_content"] == merged["reasoning_content"] == "Weather first."
+    assert message["content"] == "Checking." and [c["function"]["name"] for c in message["tool_calls"]] == [
+        "get_weather",
+        "search",
+    ]
