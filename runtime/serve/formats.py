@@ -37,6 +37,8 @@ class ReasoningTags:
 # Checked in order: the first the template writes (its end tag, mostly; <seed:think>'s does not contain </think>)
 REASONING_TAGS = (
     ReasoningTags("<seed:think>", "</seed:think>"),
+    # Kimi K3's think section, its tags written by the template's open_tag and close_tag macros
+    ReasoningTags("<|open|>think<|sep|>", "<|close|>think<|sep|>", "{{- '<|close|>' + tag + '<|sep|>' -}}"),
     # Hunyuan Hy3's template builds its tags from a suffix of its own: '</think{}>'.format(HYTK)
     ReasoningTags("<think:opensource>", "</think:opensource>", "'</think{}>'.format(HYTK)"),
     ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>"),  # Command-R7B's plan before its actions
@@ -75,6 +77,9 @@ class ToolFormat:
     prompt_end: str = ""
     # what opens a stretch of plain text among the calls (functionary v3.2's `>>>all\n`), dropped from the content
     content_marker: str = ""
+    # the tags around the answer's sections, dropped from the content wherever they come (Kimi K3's), with or without
+    # calls: a format that has them keeps its markers in the model's text always
+    dropped: tuple[str, ...] = ()
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -299,6 +304,74 @@ def _functionary_v32(text: str, tools: dict[str, dict]) -> list[Call]:
 
 def _functionary_v32_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     return _recipient_parts(text)[0]
+
+
+def xtml_tag(name: str, close: bool = False) -> str:
+    """Kimi K3's tag of a section, without attributes."""
+    return f"{'<|close|>' if close else '<|open|>'}{name}<|sep|>"
+
+
+def xtml_escape(text: str) -> str:
+    """An attribute's value as Kimi K3's template writes it."""
+    return text.replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _xtml_unescape(text: str) -> str:
+    return text.replace("&quot;", '"').replace("&amp;", "&")
+
+
+_XTML_CALL = re.compile(r'<\|open\|>call tool="([^"]*)"[^<]*?<\|sep\|>(.*?)(<\|close\|>call<\|sep\|>|$)', re.DOTALL)
+_XTML_ARGUMENT = re.compile(
+    r'<\|open\|>argument key="([^"]*)"(?: type="([^"]*)")?[^<]*?<\|sep\|>(.*?)<\|close\|>argument<\|sep\|>', re.DOTALL
+)
+_XTML_JSON = re.compile(r"<\|open\|>json[^<]*?<\|sep\|>(.*?)<\|close\|>json<\|sep\|>", re.DOTALL)
+
+
+def _xtml_value(value: str, kind: str, name: str, key: str, tools: dict[str, dict]) -> Any:
+    """An argument's text by its type attribute (`string`: the text; another: JSON), by the schema without one."""
+    if not kind:
+        return _typed(value, name, key, tools)
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _xtml_calls(text: str, tools: dict[str, dict]) -> list[tuple[str, dict[str, Any], bool]]:
+    """Kimi K3's <|open|>call tool="NAME" index="N"<|sep|> sections -> (name, the complete arguments, whether the
+    call closed); the arguments one <|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|> each, or
+    one <|open|>json ...<|sep|>{...}<|close|>json<|sep|>."""
+    calls = []
+    for m in _XTML_CALL.finditer(text):
+        name, body, closed = _xtml_unescape(m.group(1)), m.group(2), bool(m.group(3))
+        block = _XTML_JSON.search(body)
+        if block:
+            arguments = _json_object(block.group(1))
+        else:
+            arguments = {
+                _xtml_unescape(k): _xtml_value(v, kind, name, _xtml_unescape(k), tools)
+                for k, kind, v in _XTML_ARGUMENT.findall(body)
+            }
+        calls.append((name, arguments, closed))
+    return calls
+
+
+def _kimi_k3(text: str, tools: dict[str, dict]) -> list[Call]:
+    calls = _xtml_calls(text, tools)
+    if not calls or not all(closed for _, _, closed in calls):
+        raise ValueError("not Kimi K3 calls")
+    return [(name, arguments) for name, arguments, _ in calls]
+
+
+def _kimi_k3_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    calls = []
+    for name, arguments, closed in _xtml_calls(text, tools):
+        calls.append(_arguments_so_far(name, arguments, closed))
+        if not closed:
+            break
+    return calls
 
 
 _MINICPM_CALL = re.compile(r'<function name="([^"]+)">(.*?)(</function>|$)', re.DOTALL)
@@ -934,6 +1007,15 @@ TOOL_FORMATS = (
         _xml_functions("seed:tool_call"),
         ("<seed:tool_call>", "</seed:tool_call>"),
         _xml_functions_stream("seed:tool_call"),
+    ),
+    ToolFormat(
+        "kimi-k3",
+        ("<|open|>", "<|close|>", "<|end_of_msg|>"),
+        xtml_tag("tools"),
+        _kimi_k3,
+        ("<|open|>", "<|close|>", "<|sep|>"),
+        _kimi_k3_stream,
+        dropped=(xtml_tag("response"), xtml_tag("response", close=True), xtml_tag("message", close=True)),
     ),
     ToolFormat(
         "hy3",

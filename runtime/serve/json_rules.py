@@ -64,8 +64,7 @@ def regex_literal(text: str) -> str:
 
 def number_regex(integer: bool = False) -> str:
     """A JSON number (an integer: no fraction) within the digit caps, as a regex."""
-    whole = f"-?(?:0|[1-9][0-9]{{0,{NUMBER_INTEGER_DIGITS - 1}}})"
-    return whole if integer else f"{whole}(?:\\.[0-9]{{1,{NUMBER_FRACTION_DIGITS}}})?"
+    return f"-?{_any_magnitude(integer)}"
 
 
 def _digits(value: Decimal) -> tuple[str, str]:
@@ -79,60 +78,83 @@ def _class(low: str, high: str) -> str:
     return low if low == high else f"[{low}-{high}]"
 
 
+# Every regex below writes numbers within the digit caps, an integer's with no fraction, so that the regexes of one
+# number agree on where it can go on: llguidance then sees the end of a number whose bounds let it go no further
+# (where regexes of other shapes intersect to nothing, it offered only the end of generation at that point)
+_I, _F = NUMBER_INTEGER_DIGITS, NUMBER_FRACTION_DIGITS
+
+
+def _any_fraction(integer: bool) -> str:
+    return "" if integer else f"(?:\\.[0-9]{{1,{_F}}})?"
+
+
+def _any_magnitude(integer: bool) -> str:
+    return f"(?:0|[1-9][0-9]{{0,{_I - 1}}}){_any_fraction(integer)}"
+
+
 def _fraction_at_most(bound: str) -> str:
-    """Fraction digits F (after the point, at least one) with 0.F <= 0.bound."""
-    options = [f"{bound[:k]}{_class('0', str(int(bound[k]) - 1))}[0-9]*" for k in range(len(bound)) if bound[k] != "0"]
-    options += [bound[:k] for k in range(1, len(bound))] + [f"{bound}0*" if bound else "0+"]
+    """Fraction digits (after the point, one to the cap) of 0.F <= 0.bound (bound: at most the cap's digits)."""
+    options = [
+        f"{bound[:k]}{_class('0', str(int(bound[k]) - 1))}[0-9]{{0,{_F - k - 1}}}"
+        for k in range(len(bound))
+        if bound[k] != "0"
+    ]
+    options += [bound[:k] for k in range(1, len(bound))]
+    options.append(f"{bound}0{{0,{_F - len(bound)}}}" if bound else f"0{{1,{_F}}}")
     return "(?:" + "|".join(options) + ")"
 
 
 def _fraction_at_least(bound: str) -> str:
-    """Fraction digits F (at least one) with 0.F >= 0.bound."""
-    options = [f"{bound[:k]}{_class(str(int(bound[k]) + 1), '9')}[0-9]*" for k in range(len(bound)) if bound[k] != "9"]
-    options.append(f"{bound}[0-9]*" if bound else "[0-9]+")
+    """Fraction digits (one to the cap) of 0.F >= 0.bound."""
+    options = [
+        f"{bound[:k]}{_class(str(int(bound[k]) + 1), '9')}[0-9]{{0,{_F - k - 1}}}"
+        for k in range(len(bound))
+        if bound[k] != "9"
+    ]
+    options.append(f"{bound}[0-9]{{0,{_F - len(bound)}}}" if bound else f"[0-9]{{1,{_F}}}")
     return "(?:" + "|".join(options) + ")"
 
 
-def _magnitude_at_most(value: Decimal) -> str:
-    """Unsigned number texts (JSON syntax) of a value <= `value` (>= 0)."""
+def _magnitude_at_most(value: Decimal, integer: bool) -> str:
+    """Unsigned number texts of a value <= `value` (>= 0, on the caps' grid)."""
     whole, fraction = _digits(value)
-    n, options = len(whole), []
+    n, options, rest = len(whole), [], _any_fraction(integer)
     if n > 1:  # fewer integer digits
-        options.append(f"(?:0|[1-9][0-9]{{0,{n - 2}}})(?:\\.[0-9]+)?")
+        options.append(f"(?:0|[1-9][0-9]{{0,{n - 2}}}){rest}")
     for k in range(n):  # as many, smaller at digit k
         low = "1" if k == 0 and n > 1 else "0"
         if int(whole[k]) > int(low):
-            options.append(f"{whole[:k]}{_class(low, str(int(whole[k]) - 1))}[0-9]{{{n - k - 1}}}(?:\\.[0-9]+)?")
-    options.append(f"{whole}(?:\\.{_fraction_at_most(fraction)})?")  # the same integer part
+            options.append(f"{whole[:k]}{_class(low, str(int(whole[k]) - 1))}[0-9]{{{n - k - 1}}}{rest}")
+    options.append(whole if integer else f"{whole}(?:\\.{_fraction_at_most(fraction)})?")  # the same integer part
     return "(?:" + "|".join(options) + ")"
 
 
-def _magnitude_at_least(value: Decimal) -> str:
-    """Unsigned number texts of a value >= `value` (>= 0)."""
+def _magnitude_at_least(value: Decimal, integer: bool) -> str:
+    """Unsigned number texts of a value >= `value` (>= 0, on the caps' grid)."""
     whole, fraction = _digits(value)
-    n = len(whole)
-    options = [f"[1-9][0-9]{{{n},}}(?:\\.[0-9]+)?"]  # more integer digits
+    n, options, rest = len(whole), [], _any_fraction(integer)
+    if n < _I:  # more integer digits
+        options.append(f"[1-9][0-9]{{{n},{_I - 1}}}{rest}")
     for k in range(n):  # as many, greater at digit k
         if whole[k] != "9":
-            options.append(f"{whole[:k]}{_class(str(int(whole[k]) + 1), '9')}[0-9]{{{n - k - 1}}}(?:\\.[0-9]+)?")
-    same = f"(?:\\.{_fraction_at_least(fraction)})" + ("" if fraction else "?")
-    options.append(f"{whole}{same}")
+            options.append(f"{whole[:k]}{_class(str(int(whole[k]) + 1), '9')}[0-9]{{{n - k - 1}}}{rest}")
+    if integer:
+        options.append(whole)
+    else:
+        options.append(f"{whole}(?:\\.{_fraction_at_least(fraction)})" + ("" if fraction else "?"))
     return "(?:" + "|".join(options) + ")"
 
 
-_ANY_MAGNITUDE = r"(?:0|[1-9][0-9]*)(?:\.[0-9]+)?"
-
-
-def _at_most(value: Decimal) -> str:
+def _at_most(value: Decimal, integer: bool) -> str:
     if value >= 0:
-        return f"(?:-{_ANY_MAGNITUDE}|{_magnitude_at_most(value)})"
-    return f"-{_magnitude_at_least(-value)}"
+        return f"(?:-{_any_magnitude(integer)}|{_magnitude_at_most(value, integer)})"
+    return f"-{_magnitude_at_least(-value, integer)}"
 
 
-def _at_least(value: Decimal) -> str:
+def _at_least(value: Decimal, integer: bool) -> str:
     if value <= 0:
-        return f"(?:-{_magnitude_at_most(-value)}|{_ANY_MAGNITUDE})"
-    return _magnitude_at_least(value)
+        return f"(?:-{_magnitude_at_most(-value, integer)}|{_any_magnitude(integer)})"
+    return _magnitude_at_least(value, integer)
 
 
 def _bound(schema: dict[str, Any], key: str) -> Decimal | None:
@@ -181,9 +203,9 @@ def bounded_number_regexes(schema: dict[str, Any], integer: bool) -> list[str]:
     least, most = _number_range(schema, integer)
     regexes = [number_regex(integer)]
     if least is not None:
-        regexes.append(_at_least(least))
+        regexes.append(_at_least(least, integer))
     if most is not None:
-        regexes.append(_at_most(most))
+        regexes.append(_at_most(most, integer))
     return regexes
 
 

@@ -35,6 +35,7 @@ from moerun.serve.formats import (
     GIGACHAT_ROLE,
     HY3,
     is_text_parameter,
+    xtml_escape,
 )
 from moerun.serve.json_rules import SchemaRules, regex_literal
 
@@ -401,6 +402,37 @@ def _minicpm5(g: CallGrammar, name: str, parameters: dict) -> Expr:
     return g.seq(f'<function name="{name}">', g.parameters(parameters, one), "</function>")
 
 
+# JSON schema type -> Kimi K3's type attribute of an argument's value
+_XTML_TYPES = {"integer": "number", "number": "number", "boolean": "boolean", "null": "null"}
+_XTML_TYPES |= {"object": "object", "array": "array"}
+
+
+def _kimi_k3(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<|open|>tools<|sep|><|open|>call tool="NAME" index="1"<|sep|>, each argument <|open|>argument key="K"
+    type="T"<|sep|>VALUE<|close|>argument<|sep|> (a string's value as text, any other's as JSON, its type the
+    schema's or, where the schema has none of one kind, any but string), then the call, the tools section and the
+    message closed: markers and tag names as the template's macros write them."""
+
+    def one(key: str, schema: dict) -> Expr:
+        text = is_text_parameter(schema)
+        kind = "string" if text else _XTML_TYPES.get(schema.get("type"))
+        attribute = g.lit(kind) if kind else '("number" | "boolean" | "null" | "object" | "array")'
+        head = g.seq("<|open|>", f'argument key="{xtml_escape(key)}" type="', Expr(attribute), '"', "<|sep|>")
+        value = g.text_value(schema, "<|close|>", ()) if text else g.seq(g.json(schema), "<|close|>")
+        return g.seq(head, value, "argument", "<|sep|>")
+
+    return g.seq(
+        "<|open|>",
+        "tools",
+        "<|sep|>",
+        "<|open|>",
+        f'call tool="{xtml_escape(name)}" index="1"',
+        "<|sep|>",
+        g.parameters(parameters, one),
+        *("<|close|>", "call", "<|sep|>", "<|close|>", "tools", "<|sep|>", "<|close|>", "message", "<|sep|>"),
+    )
+
+
 def _solar(g: CallGrammar, name: str, parameters: dict) -> Expr:
     """<|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|><|calls|>,
     the id a short word of letters and digits."""
@@ -457,6 +489,7 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "hy3": _arg_tags(HY3, f"<tool_sep{HY3}>\n", "tool_calls"),
     "solar-open": _solar,
     "minicpm5": _minicpm5,
+    "kimi-k3": _kimi_k3,
     "functionary-v3.2": _functionary_v32,
     "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
     "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),

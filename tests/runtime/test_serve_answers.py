@@ -80,6 +80,11 @@ OUTPUTS = {
     "minicpm5": '<function name="get_weather"><param name="city">Paris</param><param name="days">3</param>'
     '</function><function name="search"><param name="query"><![CDATA[moe 2]]></param></function>',
     "functionary-v3.2": '>>>get_weather\n{"city": "Paris", "days": 3}>>>search\n{"query": "moe 2"}',
+    "kimi-k3": '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
+    'type="string"<|sep|>Paris<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3'
+    '<|close|>argument<|sep|><|close|>call<|sep|><|open|>call tool="search" index="2"<|sep|><|open|>json '
+    'type="object"<|sep|>{"query": "moe 2"}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+    "<|close|>message<|sep|>",
     # one call a message
     "gigachat-3": '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "get_weather", "arguments": '
     '{"city": "Paris", "days": 3}}',
@@ -353,3 +358,25 @@ def test_hunyuan_hy3_reasoning_tags_built_by_its_template():
         "get_weather",
         "search",
     ]
+
+
+def test_kimi_k3_sections_reasoning_response_and_tools():
+    """Kimi K3's answer is sections: the think section (opened by the prompt) to reasoning_content, the response
+    section's text to content without its tags, then the tools section; with no tools the tags still leave."""
+    tags = reasoning_tags("{{- '<|close|>' + tag + '<|sep|>' -}}")
+    k3 = FORMATS["kimi-k3"]
+    head = "Weather first.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
+    for piece in (1, 4, 100):
+        message, merged = run(ChatAnswer(tags, True, k3, SCHEMAS, dropped=k3.dropped), head + OUTPUTS["kimi-k3"], piece)
+        assert (message["reasoning_content"], message["content"]) == ("Weather first.", "Checking.")
+        assert merged["content"] == "Checking." and [c["function"]["name"] for c in message["tool_calls"]] == [
+            "get_weather",
+            "search",
+        ]
+        plain = head + "<|close|>message<|sep|>"
+        message, merged = run(ChatAnswer(tags, True, None, dropped=k3.dropped), plain, piece)
+        assert (message["reasoning_content"], message["content"], merged["content"]) == (
+            "Weather first.",
+            "Checking.",
+            "Checking.",
+        )

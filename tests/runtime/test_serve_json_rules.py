@@ -11,11 +11,13 @@ import random
 from decimal import Decimal
 
 import jsonschema
+import llguidance
+import llguidance.torch
 import pytest
 
 from moerun.serve.json_rules import NUMBER_FRACTION_DIGITS, NUMBER_INTEGER_DIGITS
 from moerun.serve.tool_grammar import NO_FREE_WHITESPACE, call_grammar, json_grammar
-from tests.runtime.test_serve_tool_grammar import accepts
+from tests.runtime.test_serve_tool_grammar import CONTROL_IDS, TOKENIZER, accepts
 from tests.runtime.test_serve_tools import FAMILIES, NO_THINKING_TEMPLATE, LiveServer, scripted_model
 
 BOUNDS = [0, 0.0, -0.5, 1, 7, -7, 12.5, -12.5, 100, 0.25, 3.14159, 50.2, 99.99, 0.001, 1e15]
@@ -218,3 +220,25 @@ def test_a_schema_where_no_number_can_appear_goes_to_llguidance_whole():
     assert accepts(lark, ['{"s":"ab","e":2}']) and not accepts(lark, ['{"s":"a1"}'])
     # a keyword this writer does not know, where a number may appear: llguidance's rule, unchanged
     assert _whole({"$defs": {"n": {"type": "number"}}, "type": "array", "items": {"$ref": "#/$defs/n"}})
+
+
+@pytest.mark.parametrize(
+    "schema, text",
+    [
+        ({"type": "integer", "minimum": 1, "maximum": 7}, "4"),
+        ({"type": "number", "exclusiveMaximum": 10}, "9." + "9" * NUMBER_FRACTION_DIGITS),
+        ({"type": "integer"}, "9" * NUMBER_INTEGER_DIGITS),
+    ],
+)
+def test_a_number_that_can_go_no_further_lets_a_control_token_follow(schema, text):
+    """The number's regexes agree on where it can go on, so that after a number its bounds end, the mask offers the
+    control token the grammar writes next (Kimi K3's <|close|> after a typed value), not just the end."""
+    end = CONTROL_IDS["<|end|>"]
+    head, rest = json_grammar(schema, {}).split("\n", 1)
+    matcher = llguidance.LLMatcher(
+        TOKENIZER, llguidance.LLMatcher.grammar_from_lark(f"{head} <[{end}]>\n{rest}"), log_level=0
+    )
+    assert matcher.consume_tokens(list(text.encode()))
+    bits = llguidance.torch.allocate_token_bitmask(1, TOKENIZER.vocab_size)
+    llguidance.torch.fill_next_token_bitmask(matcher, bits, 0)
+    assert [i for i in range(TOKENIZER.vocab_size) if (bits[0, i // 32] >> (i % 32)) & 1] == [end]

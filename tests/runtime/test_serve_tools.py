@@ -259,6 +259,18 @@ FAMILIES = {
         ],
         (),
     ),
+    "kimi-k3": (
+        "<|open|> <|close|> <|end_of_msg|>",
+        [
+            *("<|close|>", "response", "<|sep|>", "<|open|>", "tools", "<|sep|>#2"),
+            *("<|open|>#2", 'call tool="get_weather" index="1"', "<|sep|>#3"),
+            *("<|open|>#3", 'argument key="city" type="string"', "<|sep|>#4", "Paris", "<|close|>#2", "argument"),
+            *("<|sep|>#5", "<|open|>#4", 'argument key="days" type="number"', "<|sep|>#6", "2", "<|close|>#3"),
+            *("argument#2", "<|sep|>#7", "<|close|>#4", "call", "<|sep|>#8", "<|close|>#5", "tools#2", "<|sep|>#9"),
+            *("<|close|>#6", "message", "<|sep|>#10"),
+        ],
+        ("<|open|>", "<|close|>", "<|sep|>"),
+    ),
     "minimax-m1": (
         "<tool_calls></tool_calls>",
         ["<tool_calls>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_calls>"],
