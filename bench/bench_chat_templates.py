@@ -8,6 +8,10 @@ only: `pip install transformers`.
     python bench/bench_chat_templates.py [--sdist llama_cpp_python-0.3.36.tar.gz] [-v]
 
 A conversation the template refuses counts as identical when both renderers refuse it with the same message.
+
+It then lists the tool-call format `moerun serve` picks for each template (as the server does: harmony for a
+template that writes `<|channel|>`, else formats.tool_format), and the templates with none: those that show the
+model its tools (a request with `tools` is a 400 naming why) and those that take no tools.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from moerun.serve.chat import ChatTemplate
+from moerun.serve.formats import tool_format
 from moerun.serve.protocol import ApiError
 
 SDIST = "llama-cpp-python==0.3.36"
@@ -159,6 +164,25 @@ def same_error(ours: str, theirs: str) -> bool:
     return message in ours
 
 
+def tool_formats(found: dict[str, str]) -> None:
+    """Print how many templates pick each tool-call format, and the ones that pick none."""
+    picked, without, no_tools = collections.Counter(), [], []
+    for name, source in found.items():
+        written = "harmony" if "<|channel|>" in source else getattr(tool_format(source), "name", None)
+        if written is not None:
+            picked[written] += 1
+        elif TOOLS[1]["function"]["name"] in moerun_render(source, [{"role": "user", "content": "Hi"}], TOOLS):
+            without.append(name)
+        else:
+            no_tools.append(name)
+    print(
+        f"{sum(picked.values())} of {len(found)} templates pick a tool-call format: "
+        + ", ".join(f"{name} {n}" for name, n in picked.most_common())
+    )
+    print(f"  {len(without)} show the model its tools in no format the server parses: {', '.join(without)}")
+    print(f"  {len(no_tools)} take no tools: {', '.join(no_tools)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sdist", type=Path, help="the llama-cpp-python source package (default: pip download it)")
@@ -198,6 +222,7 @@ def main() -> None:
         print(f"  both refuse: {name}: {'; '.join(refused)}")
     for name, convs in differing.items():
         print(f"  differs: {name} ({', '.join(convs)})")
+    tool_formats(found)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,11 @@ def tool_call_validity(
             texts, finish, _, _ = run(sched, jobs)
             for i, (tools, text) in enumerate(zip(offered, texts)):
                 by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-                answer = HarmonyAnswer() if name == "harmony" else ChatAnswer(tools=formats[name], schemas=by_name)
+                if name == "harmony":
+                    answer = HarmonyAnswer()
+                else:  # (the prompt ends with the text a format opens the answer with, functionary v3.2's >>>)
+                    written = formats[name]
+                    answer = ChatAnswer(tools=written, schemas=by_name, opening=written.prompt_end)
                 answer.push(text)
                 answer.end()
                 try:

@@ -153,11 +153,20 @@ class ChatAnswer:
         tools: ToolFormat | None = None,
         schemas: dict[str, dict] | None = None,
         parallel_tool_calls: bool = True,
+        opening: str = "",
+        content_marker: str = "",
+        dropped: tuple[str, ...] = (),
     ) -> None:
+        """`opening`: text the prompt ended with that the answer is read as beginning with; `content_marker`: what
+        opens the answer's text where the format marks it; `dropped`: the tags around the answer's sections, left
+        out of the content (all three ToolFormat's: functionary v3.2's, Kimi K3's; given whether or not calls are
+        parsed)."""
         self.tags, self.tools, self.schemas = reasoning, tools, schemas or {}
         # "start": the reasoning tag may still open the answer; "reasoning"; "content"; "calls": reading calls
         self.state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
-        self._pending = ""  # text not classified yet
+        self._pending = opening  # text not classified yet
+        self._marker = content_marker  # dropped where the content begins with it (then "")
+        self._dropped = dropped
         self._strip = self.state == "reasoning"  # drop the whitespace that opens the next piece
         self.content: list[str] = []
         self.reasoning: list[str] = []
@@ -213,9 +222,18 @@ class ChatAnswer:
             self._pending = pending[len(pending) - keep :]
             return False
         if self.state == "content":
+            if self._marker:
+                if len(pending) < len(self._marker) and self._marker.startswith(pending):
+                    return False  # it may be the marker: wait
+                if pending.startswith(self._marker):
+                    self._pending = pending = pending[len(self._marker) :]
+                self._marker = ""
+            for tag in self._dropped:
+                self._pending = pending = pending.replace(tag, "")
             if self.tools is None:
-                self._emit(delta, "content", pending)
-                self._pending = ""
+                keep = max((_held(pending, tag) for tag in self._dropped), default=0)
+                self._emit(delta, "content", pending[: len(pending) - keep])
+                self._pending = pending[len(pending) - keep :]
                 return False
             i = min((j for start in self.tools.starts if (j := pending.find(start)) >= 0), default=-1)
             if i >= 0:
@@ -223,7 +241,7 @@ class ChatAnswer:
                 self._emit(delta, "content", before)
                 self.state, self._call_text, self._pending = "calls", pending[len(before) :], ""
                 return False
-            keep = max(_held(pending, start) for start in self.tools.starts)
+            keep = max(_held(pending, tag) for tag in self.tools.starts + self._dropped)
             self._emit(delta, "content", pending[: len(pending) - keep])
             self._pending = pending[len(pending) - keep :]
             return False

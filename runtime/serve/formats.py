@@ -27,11 +27,20 @@ Call = tuple[str, dict[str, Any]]
 class ReasoningTags:
     start: str
     end: str
+    written: str = ""  # what the template writes when it uses these tags, where it is not the end tag
+
+    @property
+    def detect(self) -> str:
+        return self.written or self.end
 
 
-# Checked in order: the first whose end tag the template writes (<seed:think>'s end tag does not contain </think>)
+# Checked in order: the first the template writes (its end tag, mostly; <seed:think>'s does not contain </think>)
 REASONING_TAGS = (
     ReasoningTags("<seed:think>", "</seed:think>"),
+    # Kimi K3's think section, its tags written by the template's open_tag and close_tag macros
+    ReasoningTags("<|open|>think<|sep|>", "<|close|>think<|sep|>", "{{- '<|close|>' + tag + '<|sep|>' -}}"),
+    # Hunyuan Hy3's template builds its tags from a suffix of its own: '</think{}>'.format(HYTK)
+    ReasoningTags("<think:opensource>", "</think:opensource>", "'</think{}>'.format(HYTK)"),
     ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>"),  # Command-R7B's plan before its actions
     ReasoningTags("<|channel>thought", "<channel|>"),  # Gemma 4's thought channel
     ReasoningTags("[THINK]", "[/THINK]"),
@@ -40,7 +49,7 @@ REASONING_TAGS = (
 
 
 def reasoning_tags(template: str | None) -> ReasoningTags | None:
-    return next((t for t in REASONING_TAGS if template and t.end in template), None)
+    return next((t for t in REASONING_TAGS if template and t.detect in template), None)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,14 @@ class ToolFormat:
     # (text from `start` on so far, tool name -> parameters schema) -> the calls begun
     stream: Callable[[str, dict[str, dict]], list[PartialCall]]
     other_starts: tuple[str, ...] = ()  # other texts the calls may begin with
+    # text the generation prompt ends with that opens the answer's first part (functionary v3.2's `>>>`, after
+    # which the model names the part's recipient): the answer is read as if it began with it
+    prompt_end: str = ""
+    # what opens a stretch of plain text among the calls (functionary v3.2's `>>>all\n`), dropped from the content
+    content_marker: str = ""
+    # the tags around the answer's sections, dropped from the content wherever they come (Kimi K3's), with or without
+    # calls: a format that has them keeps its markers in the model's text always
+    dropped: tuple[str, ...] = ()
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -180,11 +197,16 @@ _NAMED_CALL = re.compile(
 _OBJECT_END = re.compile(r"\s*\}\s*,?")  # a call object's end, and the comma before the next one
 
 
-def _named_calls(text: str, at: int = 0) -> tuple[list[PartialCall], int | None]:
-    """{"name": ..., "arguments": {...}} objects from `at`, separated by commas (a JSON list's items) -> the calls
-    begun, and where the text after the last complete object starts (None: the last is not complete)."""
+# the opening of a {"NAME": {...}} call (Apertus), up to its arguments' first character
+_KEYED_CALL = re.compile(r'\s*\{\s*("(?:[^"\\]|\\.)*")\s*:\s*(?=\{)')
+
+
+def _named_calls(text: str, at: int = 0, opening: re.Pattern = _NAMED_CALL) -> tuple[list[PartialCall], int | None]:
+    """{"name": ..., "arguments": {...}} objects (or others whose `opening` holds the name) from `at`, separated by
+    commas (a JSON list's items) -> the calls begun, and where the text after the last complete object starts (None:
+    the last is not complete)."""
     calls = []
-    while m := _NAMED_CALL.match(text, at):
+    while m := opening.match(text, at):
         end, complete = _json_span(text, m.end())
         calls.append(PartialCall(json.loads(m.group(1)), text[m.end() : end], complete))
         close = _OBJECT_END.match(text, end) if complete else None
@@ -244,35 +266,190 @@ def _xml_functions_stream(block: str) -> Callable[[str, dict[str, dict]], list[P
     return stream
 
 
-_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+RECIPIENT = ">>>"  # functionary v3.2: what opens each part of an answer, before the part's recipient
 
 
-def _glm(text: str, tools: dict[str, dict]) -> list[Call]:
-    """<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call> (GLM-4.5 and later)."""
+def _recipient_parts(text: str) -> tuple[list[PartialCall], bool]:
+    """Functionary v3.2's parts: >>>NAME\n{...} a call, >>>all\nTEXT text (skipped here) -> the calls begun, and
+    whether the text holds nothing else (a part that is neither breaks off the reading)."""
+    calls, at = [], 0
+    while (i := text.find(RECIPIENT, at)) >= 0:
+        head, sep, _ = text[i + len(RECIPIENT) :].partition("\n")
+        if not sep:
+            return calls, not head.strip() or RECIPIENT not in head
+        body = i + len(RECIPIENT) + len(head) + 1
+        if head.strip() == "all":
+            at = body
+            continue
+        rest = text[body:]
+        if not rest.strip():
+            return calls, True
+        if not rest.lstrip().startswith("{"):
+            return calls, False
+        brace = body + len(rest) - len(rest.lstrip())
+        end, complete = _json_span(text, brace)
+        calls.append(PartialCall(head.strip(), text[brace:end], complete))
+        if not complete:
+            return calls, True
+        at = end
+    return calls, not text[at:].strip() or at > 0
+
+
+def _functionary_v32(text: str, tools: dict[str, dict]) -> list[Call]:
+    calls, clean = _recipient_parts(text)
+    if not calls or not clean or not all(c.complete for c in calls):
+        raise ValueError("not functionary v3.2 calls")
+    return [(c.name, _json_object(c.arguments)) for c in calls]
+
+
+def _functionary_v32_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    return _recipient_parts(text)[0]
+
+
+def xtml_tag(name: str, close: bool = False) -> str:
+    """Kimi K3's tag of a section, without attributes."""
+    return f"{'<|close|>' if close else '<|open|>'}{name}<|sep|>"
+
+
+def xtml_escape(text: str) -> str:
+    """An attribute's value as Kimi K3's template writes it."""
+    return text.replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _xtml_unescape(text: str) -> str:
+    return text.replace("&quot;", '"').replace("&amp;", "&")
+
+
+_XTML_CALL = re.compile(r'<\|open\|>call tool="([^"]*)"[^<]*?<\|sep\|>(.*?)(<\|close\|>call<\|sep\|>|$)', re.DOTALL)
+_XTML_ARGUMENT = re.compile(
+    r'<\|open\|>argument key="([^"]*)"(?: type="([^"]*)")?[^<]*?<\|sep\|>(.*?)<\|close\|>argument<\|sep\|>', re.DOTALL
+)
+_XTML_JSON = re.compile(r"<\|open\|>json[^<]*?<\|sep\|>(.*?)<\|close\|>json<\|sep\|>", re.DOTALL)
+
+
+def _xtml_value(value: str, kind: str, name: str, key: str, tools: dict[str, dict]) -> Any:
+    """An argument's text by its type attribute (`string`: the text; another: JSON), by the schema without one."""
+    if not kind:
+        return _typed(value, name, key, tools)
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _xtml_calls(text: str, tools: dict[str, dict]) -> list[tuple[str, dict[str, Any], bool]]:
+    """Kimi K3's <|open|>call tool="NAME" index="N"<|sep|> sections -> (name, the complete arguments, whether the
+    call closed); the arguments one <|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|> each, or
+    one <|open|>json ...<|sep|>{...}<|close|>json<|sep|>."""
     calls = []
-    for body in _blocks(text, "<tool_call>", "</tool_call>"):
-        name = body.split("<arg_key>", 1)[0].strip()
-        if not name:
-            raise ValueError("a <tool_call> without a function name")
-        calls.append((name, {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _ARG.findall(body)}))
+    for m in _XTML_CALL.finditer(text):
+        name, body, closed = _xtml_unescape(m.group(1)), m.group(2), bool(m.group(3))
+        block = _XTML_JSON.search(body)
+        if block:
+            arguments = _json_object(block.group(1))
+        else:
+            arguments = {
+                _xtml_unescape(k): _xtml_value(v, kind, name, _xtml_unescape(k), tools)
+                for k, kind, v in _XTML_ARGUMENT.findall(body)
+            }
+        calls.append((name, arguments, closed))
     return calls
 
 
-def _glm_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+def _kimi_k3(text: str, tools: dict[str, dict]) -> list[Call]:
+    calls = _xtml_calls(text, tools)
+    if not calls or not all(closed for _, _, closed in calls):
+        raise ValueError("not Kimi K3 calls")
+    return [(name, arguments) for name, arguments, _ in calls]
+
+
+def _kimi_k3_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     calls = []
-    for body, closed in _closed_blocks(text, "<tool_call>", "</tool_call>"):
-        head, sep, _ = body.partition("<arg_key>")
-        if not (sep or closed) or not head.strip():  # the name is known once its first argument or the end comes
-            break
-        name = head.strip()
-        calls.append(
-            _arguments_so_far(
-                name, {k.strip(): _typed(v, name, k.strip(), tools) for k, v in _ARG.findall(body)}, closed
-            )
-        )
+    for name, arguments, closed in _xtml_calls(text, tools):
+        calls.append(_arguments_so_far(name, arguments, closed))
         if not closed:
             break
     return calls
+
+
+_MINICPM_CALL = re.compile(r'<function name="([^"]+)">(.*?)(</function>|$)', re.DOTALL)
+_MINICPM_PARAM = re.compile(r'<param name="([^"]+)">(.*?)</param>', re.DOTALL)
+CDATA_OPEN, CDATA_CLOSE = "<![CDATA[", "]]>"
+
+
+def _minicpm5_calls(text: str, tools: dict[str, dict]) -> list[tuple[str, dict[str, Any], bool]]:
+    """MiniCPM5's <function name="NAME"><param name="KEY">VALUE</param>...</function> calls -> (name, the complete
+    arguments, whether the call closed); a value in a CDATA block is the block's text."""
+    calls = []
+    for m in _MINICPM_CALL.finditer(text):
+        name, arguments = m.group(1).strip(), {}
+        for key, value in _MINICPM_PARAM.findall(m.group(2)):
+            if value.startswith(CDATA_OPEN) and value.endswith(CDATA_CLOSE):
+                value = value[len(CDATA_OPEN) : -len(CDATA_CLOSE)]
+            arguments[key.strip()] = _typed(value, name, key.strip(), tools)
+        calls.append((name, arguments, bool(m.group(3))))
+    return calls
+
+
+def _minicpm5(text: str, tools: dict[str, dict]) -> list[Call]:
+    calls = _minicpm5_calls(text, tools)
+    if not calls or not all(closed for _, _, closed in calls):
+        raise ValueError("not MiniCPM5 function calls")
+    return [(name, arguments) for name, arguments, _ in calls]
+
+
+def _minicpm5_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    calls = []
+    for name, arguments, closed in _minicpm5_calls(text, tools):
+        calls.append(_arguments_so_far(name, arguments, closed))
+        if not closed:
+            break
+    return calls
+
+
+def _arg_tags(
+    suffix: str = "", name_end: str = "<arg_key>"
+) -> tuple[Callable[[str, dict[str, dict]], list[Call]], Callable[[str, dict[str, dict]], list[PartialCall]]]:
+    """(parse, stream) of <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>, each
+    tag's name ending in `suffix` (GLM-4.5 and later: none; Hunyuan Hy3: ":opensource", its name ended by a
+    <tool_sep:opensource>); the name ends at `name_end`."""
+    call_open, call_close = f"<tool_call{suffix}>", f"</tool_call{suffix}>"
+    argument = re.compile(
+        rf"<arg_key{suffix}>(.*?)</arg_key{suffix}>\s*<arg_value{suffix}>(.*?)</arg_value{suffix}>", re.DOTALL
+    )
+
+    def arguments(name: str, body: str, tools: dict[str, dict]) -> dict[str, Any]:
+        return {k.strip(): _typed(v, name, k.strip(), tools) for k, v in argument.findall(body)}
+
+    def parse(text: str, tools: dict[str, dict]) -> list[Call]:
+        calls = []
+        for body in _blocks(text, call_open, call_close):
+            name = body.split(name_end, 1)[0].strip()
+            if not name:
+                raise ValueError(f"a {call_open} without a function name")
+            calls.append((name, arguments(name, body, tools)))
+        return calls
+
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        calls = []
+        for body, closed in _closed_blocks(text, call_open, call_close):
+            head, sep, _ = body.partition(name_end)
+            if not (sep or closed) or not head.strip():  # the name is known once what ends it comes
+                break
+            name = head.strip()
+            calls.append(_arguments_so_far(name, arguments(name, body, tools), closed))
+            if not closed:
+                break
+        return calls
+
+    return parse, stream
+
+
+_glm, _glm_stream = _arg_tags()
+HY3 = ":opensource"  # the suffix of Hunyuan Hy3's tags
+_hy3, _hy3_stream = _arg_tags(HY3, f"<tool_sep{HY3}>")
 
 
 def _mistral(text: str, tools: dict[str, dict]) -> list[Call]:
@@ -386,6 +563,25 @@ _kimi_k2, _kimi_k2_stream = _name_then_json(
     "<|tool_call_argument_begin|>",
     lambda head: head.strip().removeprefix("functions.").rsplit(":", 1)[0],
     "a Kimi tool call without its arguments",
+)
+
+
+# <|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|>, after <|tool_calls|> (Solar
+# Open)
+_solar, _solar_stream = _name_then_json(
+    "<|tool_call:begin|>",
+    "<|tool_call:end|>",
+    "<|tool_call:args|>",
+    lambda head: head.split("<|tool_call:name|>", 1)[-1].strip(),
+    "a Solar Open tool call without its arguments",
+)
+SOLAR_MARKERS = (
+    "<|tool_calls|>",
+    "<|tool_call:begin|>",
+    "<|tool_call:name|>",
+    "<|tool_call:args|>",
+    "<|tool_call:end|>",
+    "<|calls|>",
 )
 
 
@@ -724,6 +920,50 @@ def _lfm2_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
     return out
 
 
+def _keyed_list(text: str, tools: dict[str, dict]) -> list[Call]:
+    """Apertus: <|tools_prefix|>[{"NAME": {...}}, ...]<|tools_suffix|>, each call an object of one key, the tool's
+    name, whose value is the arguments."""
+    body = text.strip().removeprefix(APERTUS_START).split(APERTUS_END, 1)[0].strip()
+    value, _ = json.JSONDecoder().raw_decode(body)
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(item, dict) and len(item) == 1 for item in items):
+        raise ValueError("not a list of {name: arguments} objects")
+    return [(name, _checked_object(arguments)) for item in items for name, arguments in item.items()]
+
+
+def _keyed_list_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+    m = re.match(rf"\s*{re.escape(APERTUS_START)}\s*\[", text)
+    return _named_calls(text, m.end(), _KEYED_CALL)[0] if m else []
+
+
+def _one_object(prefix: str) -> Callable[[str, dict[str, dict]], list[Call]]:
+    """One {"name": ..., "arguments": {...}} object after `prefix` (GigaChat 3's function call message)."""
+
+    def parse(text: str, tools: dict[str, dict]) -> list[Call]:
+        body = text.strip().removeprefix(prefix.strip()).strip()
+        value, _ = json.JSONDecoder().raw_decode(body)
+        return [_name_and_arguments(value)]
+
+    return parse
+
+
+def _one_object_stream(prefix: str) -> Callable[[str, dict[str, dict]], list[PartialCall]]:
+    opening = re.compile(rf"\s*{re.escape(prefix.strip())}\s*")
+
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        m = opening.match(text)
+        return _named_calls(text, m.end())[0][:1] if m else []
+
+    return stream
+
+
+APERTUS_START, APERTUS_END = "<|tools_prefix|>", "<|tools_suffix|>"
+# GigaChat 3: a message of the role "function call" after the answer's text (its separators are tokens that end in
+# the newlines the template writes after them)
+GIGACHAT_MESSAGE, GIGACHAT_ROLE = "<|message_sep|>\n\n", "<|role_sep|>\n"
+GIGACHAT_CALL = f"{GIGACHAT_MESSAGE}function call{GIGACHAT_ROLE}"
+GIGACHAT31_CALL = "<|function_call|>"  # GigaChat 3.1: the call follows the answer's text in its message
+
 _MINIMAX, _MINIMAX_STREAM = _invoke_xml("", "minimax:tool_call")
 _DSML, _DSML_STREAM = _invoke_xml("｜DSML｜", "function_calls")
 
@@ -769,6 +1009,32 @@ TOOL_FORMATS = (
         _xml_functions_stream("seed:tool_call"),
     ),
     ToolFormat(
+        "kimi-k3",
+        ("<|open|>", "<|close|>", "<|end_of_msg|>"),
+        xtml_tag("tools"),
+        _kimi_k3,
+        ("<|open|>", "<|close|>", "<|sep|>"),
+        _kimi_k3_stream,
+        dropped=(xtml_tag("response"), xtml_tag("response", close=True), xtml_tag("message", close=True)),
+    ),
+    ToolFormat(
+        "hy3",
+        ("'<tool_sep{}>'.format(HYTK)", f"HYTK = '{HY3}'"),
+        f"<tool_calls{HY3}>",
+        _hy3,
+        tuple(f"<{tag}{HY3}>" for tag in ("tool_calls", "/tool_calls", "tool_call", "/tool_call", "tool_sep"))
+        + tuple(f"<{tag}{HY3}>" for tag in ("arg_key", "/arg_key", "arg_value", "/arg_value")),
+        _hy3_stream,
+    ),
+    ToolFormat(
+        "solar-open",
+        ("<|tool_call:begin|>", "<|tool_call:args|>"),
+        "<|tool_calls|>",
+        _solar,
+        SOLAR_MARKERS,
+        _solar_stream,
+    ),
+    ToolFormat(
         "glm-4.5",
         ("<tool_call>", "<arg_key>"),
         "<tool_call>",
@@ -809,8 +1075,59 @@ TOOL_FORMATS = (
         _gemma4_stream,
     ),
     ToolFormat(
+        "functionary-v3.2",
+        (">>>all", ">>>${recipient}"),
+        RECIPIENT,
+        _functionary_v32,
+        (),
+        _functionary_v32_stream,
+        prompt_end=RECIPIENT,
+        content_marker=f"{RECIPIENT}all\n",
+    ),
+    ToolFormat(
+        "minicpm5",
+        ("Tool usage guidelines:", '<function name="', '<param name="'),
+        '<function name="',
+        _minicpm5,
+        (),
+        _minicpm5_stream,
+    ),
+    ToolFormat(
+        "apertus",
+        (APERTUS_START,),
+        APERTUS_START,
+        _keyed_list,
+        (APERTUS_START, APERTUS_END),
+        _keyed_list_stream,
+    ),
+    ToolFormat(
+        "gigachat-3.1",
+        ("<|role_sep|>", GIGACHAT31_CALL),
+        GIGACHAT31_CALL,
+        _one_object(GIGACHAT31_CALL),
+        (GIGACHAT31_CALL,),
+        _one_object_stream(GIGACHAT31_CALL),
+    ),
+    ToolFormat(
+        "gigachat-3",
+        ("<|role_sep|>", "<|message_sep|>", "'function call'"),
+        GIGACHAT_CALL,
+        _one_object(GIGACHAT_CALL),
+        (GIGACHAT_MESSAGE, GIGACHAT_ROLE),
+        _one_object_stream(GIGACHAT_CALL),
+    ),
+    ToolFormat(
+        "nemotron-v2",
+        ("<TOOLCALL>",),
+        "<TOOLCALL>",
+        _json_list("<TOOLCALL>", "</TOOLCALL>"),
+        ("<TOOLCALL>", "</TOOLCALL>"),
+        _json_list_stream("<TOOLCALL>"),
+    ),
+    ToolFormat(
         "lfm2",
-        (("<|tool_call_start|>", "<|tool_list_start|>"),),
+        # LFM2's templates list the tools between tokens of their own; LFM2.5 Instruct's, after plain text
+        (("<|tool_call_start|>", "<|tool_list_start|>", "List of tools: ["),),
         "<|tool_call_start|>",
         _lfm2,
         ("<|tool_call_start|>", "<|tool_call_end|>"),

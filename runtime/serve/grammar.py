@@ -9,7 +9,6 @@ vocabulary's token trie in tens of microseconds).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -18,7 +17,7 @@ import llguidance.torch
 import torch
 
 from moerun.serve.protocol import ApiError
-from moerun.serve.tool_grammar import CALL_SHAPES, NO_FREE_WHITESPACE, Thinking, call_grammar, json_grammar
+from moerun.serve.tool_grammar import CALL_SHAPES, Thinking, call_grammar, json_grammar
 from moerun.tokenizer import Tokenizer
 
 
@@ -77,11 +76,8 @@ class Grammars:
         """A JSON schema's grammar (after the reasoning `thinking` allows), checked: an ApiError(400) naming `param`
         when llguidance cannot compile it."""
         try:
-            if thinking is None:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=NO_FREE_WHITESPACE)
-            else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(json_grammar(schema, control or {}, thinking))
-        except ValueError as e:
+            grammar = llguidance.LLMatcher.grammar_from_lark(json_grammar(schema, control or {}, thinking))
+        except (ValueError, TypeError) as e:  # (TypeError: a keyword's value of the wrong type)
             raise ApiError(400, f"'{param}': not a JSON schema ({e})", param=param) from e
         self.check(grammar, param)
         return grammar
@@ -106,7 +102,7 @@ class Grammars:
             )
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(format_name, tools, control, thinking))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # (TypeError: a keyword's value of the wrong type)
             raise ApiError(400, f"'{param}': the tools' schemas cannot be enforced ({e})", param=param) from e
         self.check(grammar, param)
         return grammar

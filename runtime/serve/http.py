@@ -126,11 +126,15 @@ class Server:
         text, prompt = await asyncio.to_thread(self.chat.prompt, req.messages, req.tools, req.template_kwargs)
         tags = self.chat.reasoning if req.split_reasoning else None
         in_reasoning = tags is not None and text.rstrip().endswith(tags.start)
+        written = self.chat.tool_format  # its way of marking the answer's parts holds with or without calls
+        opening = written.prompt_end if written and written.prompt_end and text.endswith(written.prompt_end) else ""
+        content_marker = written.content_marker if opening else ""
+        dropped = written.dropped if written else ()
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools or ()}
         markers = (tags.start, tags.end) if tags else ()
-        control_text = self.chat.control_texts(
-            markers + (calls.markers if calls else ()) + (HARMONY_MARKERS if self.chat.harmony else ())
-        )
+        # (a format whose sections' tags are dropped from the content needs its markers to find them, calls or not)
+        kept = calls.markers if calls else written.markers if dropped else ()
+        control_text = self.chat.control_texts(markers + kept + (HARMONY_MARKERS if self.chat.harmony else ()))
         # a thinking model may think before a constrained answer, unconstrained, unless the prompt closed its
         # reasoning (thinking turned off) or the reasoning is not split out of the answer (reasoning_format none)
         thinking = None
@@ -164,7 +168,9 @@ class Server:
         else:
 
             def answer() -> Answer:
-                return ChatAnswer(tags, in_reasoning, calls, schemas, req.parallel_tool_calls)
+                return ChatAnswer(
+                    tags, in_reasoning, calls, schemas, req.parallel_tool_calls, opening, content_marker, dropped
+                )
 
         return await self._generate(request, req, prompt, CHAT, answer, control_text, grammar)
 

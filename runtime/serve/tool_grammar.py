@@ -4,7 +4,8 @@ one of the offered tools, and arguments valid against that tool's JSON schema. B
 `response_format`'s JSON, a thinking model may think (`Thinking`): its reasoning, free text up to the reasoning's
 end tag, is left unconstrained, and the grammar holds from the end tag on.
 
-Formats whose arguments are one JSON value embed the schema whole (`%json{...}`). The XML-like formats write each
+JSON values (a `response_format`'s, the arguments of the formats whose arguments are one JSON value, the XML-like
+formats' typed values) follow their schema with numbers of bounded length (json_rules). The XML-like formats write each
 argument on its own: a parameter the parser reads as bare text (`formats.is_text_parameter`) is a terminal whose
 text follows the string's schema (enum, const, pattern, minLength/maxLength) and never contains a tag that would end
 the value, the call or the block early; any other parameter is a JSON value of its schema. Parameters come in the
@@ -21,27 +22,25 @@ from typing import Any
 
 import llguidance
 
-from moerun.serve.formats import DS_CALL, DS_END, DS_SEP, GEMMA_QUOTE, is_text_parameter
+from moerun.serve.formats import (
+    APERTUS_END,
+    APERTUS_START,
+    CDATA_OPEN,
+    DS_CALL,
+    DS_END,
+    DS_SEP,
+    GEMMA_QUOTE,
+    GIGACHAT31_CALL,
+    GIGACHAT_MESSAGE,
+    GIGACHAT_ROLE,
+    HY3,
+    is_text_parameter,
+    xtml_escape,
+)
+from moerun.serve.json_rules import SchemaRules, regex_literal
 
 # JSON as the grammar writes it: no whitespace between its tokens that the model could spin on
 NO_FREE_WHITESPACE = {"whitespace_flexible": False}
-
-_REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
-
-
-def _regex_literal(text: str) -> str:
-    """`text` as a regex matching it alone (inside lark's /.../)."""
-    out = []
-    for ch in text:
-        if ch in _REGEX_SPECIAL:
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif not ch.isprintable() or ch.isspace():
-            out.append(f"\\x{{{ord(ch):x}}}")
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def _pattern_regex(pattern: str) -> str:
@@ -60,7 +59,7 @@ def _string_regex(schema: dict[str, Any]) -> list[str]:
     choices = [schema["const"]] if "const" in schema else schema.get("enum")
     if choices is not None:
         texts = [c for c in choices if isinstance(c, str)]
-        regexes.append("|".join(_regex_literal(t) for t in texts) if texts else "[^\\x{0}-\\x{10ffff}]")
+        regexes.append("|".join(regex_literal(t) for t in texts) if texts else "[^\\x{0}-\\x{10ffff}]")
     if isinstance(schema.get("pattern"), str):
         regexes.append(_pattern_regex(schema["pattern"]))
     low, high = schema.get("minLength", 0), schema.get("maxLength")
@@ -69,12 +68,18 @@ def _string_regex(schema: dict[str, Any]) -> list[str]:
     return regexes or ["(?s:.*)"]
 
 
+def _embedded(schema: Any) -> str:
+    """A JSON schema llguidance compiles itself, written without free whitespace."""
+    return "%json " + json.dumps({**schema, "x-guidance": NO_FREE_WHITESPACE} if isinstance(schema, dict) else schema)
+
+
 class CallGrammar:
     """One grammar being written: its rules and terminals, and the pieces a call is made of."""
 
     def __init__(self, control: dict[str, int]) -> None:
         self.control = control
         self.rules: list[str] = []
+        self.schemas = SchemaRules(self.rules, _embedded)
 
     def lit(self, text: str) -> str:
         """A literal text; a control token's text as that token."""
@@ -85,7 +90,8 @@ class CallGrammar:
         return Expr(" ".join(p.text if isinstance(p, Expr) else self.lit(p) for p in parts))
 
     def json(self, schema: dict[str, Any]) -> Expr:
-        return Expr("%json " + json.dumps({**schema, "x-guidance": NO_FREE_WHITESPACE}))
+        """A JSON value of `schema`, its numbers of bounded length (json_rules)."""
+        return Expr(self.schemas.value(schema))
 
     def text_value(
         self, schema: dict[str, Any], close: str, forbidden: tuple[str, ...], strip_newlines: bool = False
@@ -102,8 +108,8 @@ class CallGrammar:
                 parts += ["~/\\n(?s:.*)/", "~/(?s:.*)\\n/"]
             self.rules.append(f"{name}: " + " & ".join(parts))
             return self.seq(Expr(name), close)
-        end = _regex_literal(close)
-        tags = "|".join(_regex_literal(t) for t in (close, *forbidden) if t not in self.control)
+        end = regex_literal(close)
+        tags = "|".join(regex_literal(t) for t in (close, *forbidden) if t not in self.control)
         parts = [f"/(?:{r}){end}/" for r in regexes] + [f"~/(?s:.*)(?:{tags})(?s:.+)/"]
         if strip_newlines:
             parts += ["~/\\n(?s:.*)/", f"~/(?s:.*)\\n{end}/"]
@@ -212,6 +218,22 @@ def _call_list(
         return g.seq(prefix, "[", item, "]", *([suffix] if suffix else []))
 
     return call
+
+
+def _apertus(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<|tools_prefix|>[{"NAME": {...}}]<|tools_suffix|>"""
+    call = {"type": "object", "properties": {name: _schema(parameters)}, "required": [name]}
+    return g.seq(APERTUS_START, "[", g.json({**call, "additionalProperties": False}), "]", APERTUS_END)
+
+
+def _gigachat(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """The function call message: its separators (tokens), the role, one {"name": ..., "arguments": ...} object."""
+    return g.seq(GIGACHAT_MESSAGE, "function call", GIGACHAT_ROLE, g.json(_call_object(name, parameters)))
+
+
+def _functionary_v32(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """NAME\n{...}, after the `>>>` the prompt ends with."""
+    return g.seq(f"{name}\n", g.json(_schema(parameters)))
 
 
 def _functionary(g: CallGrammar, name: str, parameters: dict) -> Expr:
@@ -346,16 +368,85 @@ def _xml_functions(block: str) -> Callable[[CallGrammar, str, dict], Expr]:
     return call
 
 
-def _glm(g: CallGrammar, name: str, parameters: dict) -> Expr:
-    """<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...</tool_call>"""
+def _arg_tags(suffix: str = "", name_end: str = "\n", block: str = "") -> Callable[[CallGrammar, str, dict], Expr]:
+    """<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>, each tag's name ending
+    in `suffix`, `name_end` after the name, the call inside `block` where there is one (GLM-4.5 and later: no suffix,
+    no block; Hunyuan Hy3: :opensource, <tool_sep:opensource>\n, <tool_calls:opensource>)."""
+
+    def tag(name: str) -> str:
+        return f"<{name}{suffix}>"
+
+    def call(g: CallGrammar, name: str, parameters: dict) -> Expr:
+        def one(key: str, schema: dict) -> Expr:
+            head = g.seq(tag("arg_key"), key, tag("/arg_key"), "\n", tag("arg_value"))
+            if is_text_parameter(schema):
+                return g.seq(head, g.text_value(schema, tag("/arg_value"), (tag("/tool_call"),)), "\n")
+            return g.seq(head, g.json(schema), tag("/arg_value"), "\n")
+
+        body = g.seq(tag("tool_call"), name, name_end, g.parameters(parameters, one), tag("/tool_call"))
+        return g.seq(tag(block), "\n", body, "\n", tag(f"/{block}")) if block else body
+
+    return call
+
+
+def _minicpm5(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<function name="NAME"><param name="KEY">VALUE</param>...</function>: a text value written as it is, never in
+    a CDATA block (nor holding the tags that would end it early), any other a JSON value."""
 
     def one(key: str, schema: dict) -> Expr:
-        head = g.seq("<arg_key>", key, "</arg_key>", "\n", "<arg_value>")
+        head = f'<param name="{key}">'
         if is_text_parameter(schema):
-            return g.seq(head, g.text_value(schema, "</arg_value>", ("</tool_call>",)), "\n")
-        return g.seq(head, g.json(schema), "</arg_value>", "\n")
+            return g.seq(head, g.text_value(schema, "</param>", ("</function>", CDATA_OPEN)))
+        return g.seq(head, g.json(schema), "</param>")
 
-    return g.seq("<tool_call>", f"{name}\n", g.parameters(parameters, one), "</tool_call>")
+    return g.seq(f'<function name="{name}">', g.parameters(parameters, one), "</function>")
+
+
+# JSON schema type -> Kimi K3's type attribute of an argument's value
+_XTML_TYPES = {"integer": "number", "number": "number", "boolean": "boolean", "null": "null"}
+_XTML_TYPES |= {"object": "object", "array": "array"}
+
+
+def _kimi_k3(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<|open|>tools<|sep|><|open|>call tool="NAME" index="1"<|sep|>, each argument <|open|>argument key="K"
+    type="T"<|sep|>VALUE<|close|>argument<|sep|> (a string's value as text, any other's as JSON, its type the
+    schema's or, where the schema has none of one kind, any but string), then the call, the tools section and the
+    message closed: markers and tag names as the template's macros write them."""
+
+    def one(key: str, schema: dict) -> Expr:
+        text = is_text_parameter(schema)
+        kind = "string" if text else _XTML_TYPES.get(schema.get("type"))
+        attribute = g.lit(kind) if kind else '("number" | "boolean" | "null" | "object" | "array")'
+        head = g.seq("<|open|>", f'argument key="{xtml_escape(key)}" type="', Expr(attribute), '"', "<|sep|>")
+        value = g.text_value(schema, "<|close|>", ()) if text else g.seq(g.json(schema), "<|close|>")
+        return g.seq(head, value, "argument", "<|sep|>")
+
+    return g.seq(
+        "<|open|>",
+        "tools",
+        "<|sep|>",
+        "<|open|>",
+        f'call tool="{xtml_escape(name)}" index="1"',
+        "<|sep|>",
+        g.parameters(parameters, one),
+        *("<|close|>", "call", "<|sep|>", "<|close|>", "tools", "<|sep|>", "<|close|>", "message", "<|sep|>"),
+    )
+
+
+def _solar(g: CallGrammar, name: str, parameters: dict) -> Expr:
+    """<|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>{...}<|tool_call:end|><|calls|>,
+    the id a short word of letters and digits."""
+    return g.seq(
+        "<|tool_calls|>",
+        "<|tool_call:begin|>",
+        Expr("/[A-Za-z0-9]{1,16}/"),
+        "<|tool_call:name|>",
+        name,
+        "<|tool_call:args|>",
+        g.json(_schema(parameters)),
+        "<|tool_call:end|>",
+        "<|calls|>",
+    )
 
 
 def _invoke_xml(prefix: str, block: str, string_attribute: bool) -> Callable[[CallGrammar, str, dict], Expr]:
@@ -394,7 +485,12 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "harmony": _harmony,
     "qwen3-coder": _xml_functions("tool_call"),
     "seed-oss": _xml_functions("seed:tool_call"),
-    "glm-4.5": _glm,
+    "glm-4.5": _arg_tags(),
+    "hy3": _arg_tags(HY3, f"<tool_sep{HY3}>\n", "tool_calls"),
+    "solar-open": _solar,
+    "minicpm5": _minicpm5,
+    "kimi-k3": _kimi_k3,
+    "functionary-v3.2": _functionary_v32,
     "minimax-m2": _invoke_xml("", "minimax:tool_call", string_attribute=False),
     "deepseek-v3.2": _invoke_xml("｜DSML｜", "function_calls", string_attribute=True),
     "llama-3.x": _llama3,
@@ -407,6 +503,10 @@ CALL_SHAPES: dict[str, Callable[[CallGrammar, str, dict], Expr]] = {
     "lfm2": _lfm2,
     "minimax-m1": _minimax_m1,
     "apriel": _call_list("<tool_calls>", "</tool_calls>"),
+    "apertus": _apertus,
+    "gigachat-3": _gigachat,
+    "gigachat-3.1": lambda g, name, parameters: g.seq(GIGACHAT31_CALL, g.json(_call_object(name, parameters))),
+    "nemotron-v2": _call_list("<TOOLCALL>", "</TOOLCALL>"),
 }
 
 
@@ -421,9 +521,10 @@ def call_grammar(
     return g.grammar(_thinking(g, thinking), calls)
 
 
-def json_grammar(schema: dict[str, Any], control: dict[str, int], thinking: Thinking) -> str:
+def json_grammar(schema: dict[str, Any], control: dict[str, int], thinking: Thinking | None = None) -> str:
     """The lark grammar of a JSON value of `schema` after the reasoning `thinking` allows (gpt-oss: in a final
     message)."""
     g = CallGrammar(control)
-    answer = g.seq("<|channel|>", "final", "<|message|>", g.json(schema)) if thinking.harmony else g.json(schema)
+    harmony = thinking is not None and thinking.harmony
+    answer = g.seq("<|channel|>", "final", "<|message|>", g.json(schema)) if harmony else g.json(schema)
     return g.grammar(_thinking(g, thinking), [answer])

@@ -64,7 +64,33 @@ OUTPUTS = {
     'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3'
     '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter '
     'name="query" string="true">moe 2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+    "apertus": '<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}, {"search": {"query": "moe 2"}}]'
+    "<|tools_suffix|>",
+    "nemotron-v2": '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+    '{"name": "search", "arguments": {"query": "moe 2"}}]</TOOLCALL>',
+    "hy3": "<tool_calls:opensource>\n<tool_call:opensource>get_weather<tool_sep:opensource>\n"
+    "<arg_key:opensource>city</arg_key:opensource>\n<arg_value:opensource>Paris</arg_value:opensource>\n"
+    "<arg_key:opensource>days</arg_key:opensource>\n<arg_value:opensource>3</arg_value:opensource>\n"
+    "</tool_call:opensource>\n<tool_call:opensource>search<tool_sep:opensource>\n"
+    "<arg_key:opensource>query</arg_key:opensource>\n<arg_value:opensource>moe 2</arg_value:opensource>\n"
+    "</tool_call:opensource>\n</tool_calls:opensource>",
+    "solar-open": "<|tool_calls|><|tool_call:begin|>a1<|tool_call:name|>get_weather<|tool_call:args|>"
+    '{"city": "Paris", "days": 3}<|tool_call:end|><|tool_call:begin|>b2<|tool_call:name|>search'
+    '<|tool_call:args|>{"query": "moe 2"}<|tool_call:end|><|calls|>',
+    "minicpm5": '<function name="get_weather"><param name="city">Paris</param><param name="days">3</param>'
+    '</function><function name="search"><param name="query"><![CDATA[moe 2]]></param></function>',
+    "functionary-v3.2": '>>>get_weather\n{"city": "Paris", "days": 3}>>>search\n{"query": "moe 2"}',
+    "kimi-k3": '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
+    'type="string"<|sep|>Paris<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3'
+    '<|close|>argument<|sep|><|close|>call<|sep|><|open|>call tool="search" index="2"<|sep|><|open|>json '
+    'type="object"<|sep|>{"query": "moe 2"}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+    "<|close|>message<|sep|>",
+    # one call a message
+    "gigachat-3": '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris", "days": 3}}',
+    "gigachat-3.1": '<|function_call|>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
 }
+ONE_CALL = {"gigachat-3", "gigachat-3.1"}
 
 
 def run(answer: ChatAnswer, text: str, piece: int) -> tuple[dict, dict]:
@@ -99,7 +125,7 @@ def test_each_format_parses_its_calls_after_some_text_streamed_or_whole(name):
         message, merged = run(answer, text, piece)
         assert answer.finish_reason("stop") == "tool_calls"
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
-        assert calls == CALLS and message["content"] == "Let me check."
+        assert calls == (CALLS[:1] if name in ONE_CALL else CALLS) and message["content"] == "Let me check."
         streamed = [{k: v for k, v in c.items() if k not in ("index", "pieces")} for c in merged["tool_calls"]]
         assert merged["content"] == "Let me check." and streamed == message["tool_calls"]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message["tool_calls"])
@@ -108,7 +134,7 @@ def test_each_format_parses_its_calls_after_some_text_streamed_or_whole(name):
             assert [c["function"]["arguments"] for c in message["tool_calls"]] == [
                 '{"city": "Paris", "days": 3}',
                 '{"query": "moe 2"}',
-            ]
+            ][: len(calls)]
 
 
 def test_reasoning_then_content_then_a_call_and_the_finish_reason():
@@ -320,3 +346,37 @@ def test_lfm2_python_calls_with_python_and_json_values():
         assert merged["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
     message, _ = run(ChatAnswer(tools=FORMATS["lfm2"], schemas=SCHEMAS), "<|tool_call_start|>[os.system('x')]", 5)
     assert "tool_calls" not in message and message["content"] == "<|tool_call_start|>[os.system('x')]"
+
+
+def test_hunyuan_hy3_reasoning_tags_built_by_its_template():
+    tags = reasoning_tags("{%- set HYTK = ':opensource' %}{%- set think_end_token = '</think{}>'.format(HYTK) %}")
+    assert (tags.start, tags.end) == ("<think:opensource>", "</think:opensource>")
+    text = "<think:opensource>Weather first.</think:opensource>Checking." + OUTPUTS["hy3"]
+    message, merged = run(ChatAnswer(tags, False, FORMATS["hy3"], SCHEMAS), text, 5)
+    assert message["reasoning_content"] == merged["reasoning_content"] == "Weather first."
+    assert message["content"] == "Checking." and [c["function"]["name"] for c in message["tool_calls"]] == [
+        "get_weather",
+        "search",
+    ]
+
+
+def test_kimi_k3_sections_reasoning_response_and_tools():
+    """Kimi K3's answer is sections: the think section (opened by the prompt) to reasoning_content, the response
+    section's text to content without its tags, then the tools section; with no tools the tags still leave."""
+    tags = reasoning_tags("{{- '<|close|>' + tag + '<|sep|>' -}}")
+    k3 = FORMATS["kimi-k3"]
+    head = "Weather first.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
+    for piece in (1, 4, 100):
+        message, merged = run(ChatAnswer(tags, True, k3, SCHEMAS, dropped=k3.dropped), head + OUTPUTS["kimi-k3"], piece)
+        assert (message["reasoning_content"], message["content"]) == ("Weather first.", "Checking.")
+        assert merged["content"] == "Checking." and [c["function"]["name"] for c in message["tool_calls"]] == [
+            "get_weather",
+            "search",
+        ]
+        plain = head + "<|close|>message<|sep|>"
+        message, merged = run(ChatAnswer(tags, True, None, dropped=k3.dropped), plain, piece)
+        assert (message["reasoning_content"], message["content"], merged["content"]) == (
+            "Weather first.",
+            "Checking.",
+            "Checking.",
+        )

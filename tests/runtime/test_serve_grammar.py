@@ -156,6 +156,14 @@ def test_a_schema_the_engine_cannot_compile_is_a_400(server):
     client = server.client()
     for response_format in (
         {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}},
+        # bounds no number of the grammar's digits meets, and keywords of the wrong type
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "number", "minimum": 2, "maximum": 1}}},
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "integer", "minimum": 1e20}}},
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "minItems": None}}},
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "s", "schema": {"type": "number", "multipleOf": 2, "minimum": "a"}},
+        },
         {"type": "xml"},
         {"type": "json_schema"},
     ):

@@ -146,3 +146,16 @@ def test_gpt_oss_json_after_analysis_is_a_final_message():
     answer.push("".join(analysis + final))
     answer.end()
     assert answer.fields() == {"role": "assistant", "content": '{"n":3}', "reasoning_content": "Count."}
+
+
+def test_minicpm5_values_in_cdata_blocks_and_the_grammar_writes_them_plain():
+    minicpm5 = next(f for f in TOOL_FORMATS if f.name == "minicpm5")
+    code = "if a < b:\n    x = 1 & 2"
+    text = (
+        f'<function name="edit"><param name="path">a.py</param><param name="code"><![CDATA[{code}]]></param></function>'
+    )
+    assert minicpm5.parse(text, {"edit": SCHEMA}) == [("edit", {"path": "a.py", "code": code})]
+    lark = call_grammar("minicpm5", TOOLS, {})
+    assert accepts(lark, [text.replace(f"<![CDATA[{code}]]>", code)])
+    assert not accepts(lark, [text])  # the grammar writes a value as it is: the parser would take out the block
+    assert not accepts(lark, [text.replace("a.py", "a.txt")])

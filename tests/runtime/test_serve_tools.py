@@ -173,6 +173,104 @@ FAMILIES = {
         ["<|tool_call_start|>", "[get_weather(", "city='Paris', ", "days=2", ")]", "<|tool_call_end|>"],
         ("<|tool_call_start|>", "<|tool_call_end|>"),
     ),
+    "lfm2.5": (
+        "List of tools: [",
+        ["<|tool_call_start|>", "[get_weather(", "city='Paris', ", "days=2", ")]", "<|tool_call_end|>"],
+        ("<|tool_call_start|>", "<|tool_call_end|>"),
+    ),
+    "apertus": (
+        "<|tools_prefix|>",
+        ["<|tools_prefix|>", '[{"get_weather": ', *ARGUMENT_PIECES, "}]", "<|tools_suffix|>"],
+        ("<|tools_prefix|>", "<|tools_suffix|>"),
+    ),
+    "gigachat-3": (
+        "<|role_sep|> <|message_sep|> 'function call'",
+        [
+            "<|message_sep|>\n\n",
+            "function call",
+            "<|role_sep|>\n",
+            '{"name": "get_weather", "arguments": ',
+            *ARGUMENT_PIECES,
+            "}",
+        ],
+        ("<|message_sep|>\n\n", "<|role_sep|>\n"),
+    ),
+    "gigachat-3.1": (
+        "<|role_sep|> <|function_call|>",
+        ["<|function_call|>", '{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}"],
+        ("<|function_call|>",),
+    ),
+    "nemotron-v2": (
+        "<TOOLCALL>",
+        ["<TOOLCALL>", '[{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}]", "</TOOLCALL>"],
+        ("<TOOLCALL>", "</TOOLCALL>"),
+    ),
+    "hy3": (
+        "'<tool_sep{}>'.format(HYTK) HYTK = ':opensource'",
+        [
+            "<tool_calls:opensource>",
+            "\n",
+            "<tool_call:opensource>",
+            "get_weather",
+            "<tool_sep:opensource>",
+            "\n<arg_key:opensource>city</arg_key:opensource>\n<arg_value:opensource>Paris</arg_value:opensource>"
+            "\n<arg_key:opensource>days</arg_key:opensource>\n<arg_value:opensource>2</arg_value:opensource>\n",
+            "</tool_call:opensource>",
+            "\n#2",
+            "</tool_calls:opensource>",
+        ],
+        (
+            "<tool_calls:opensource>",
+            "<tool_call:opensource>",
+            "<tool_sep:opensource>",
+            "</tool_call:opensource>",
+            "</tool_calls:opensource>",
+        ),
+    ),
+    "solar-open": (
+        "<|tool_call:begin|> <|tool_call:args|>",
+        [
+            "<|tool_calls|>",
+            "<|tool_call:begin|>",
+            "k3x9",
+            "<|tool_call:name|>",
+            "get_weather",
+            "<|tool_call:args|>",
+            *ARGUMENT_PIECES,
+            "<|tool_call:end|>",
+            "<|calls|>",
+        ],
+        (
+            "<|tool_calls|>",
+            "<|tool_call:begin|>",
+            "<|tool_call:name|>",
+            "<|tool_call:args|>",
+            "<|tool_call:end|>",
+            "<|calls|>",
+        ),
+    ),
+    "minicpm5": (
+        'Tool usage guidelines: <function name=" <param name="',
+        [
+            '<function name="get_weather">',
+            '<param name="city">Paris</param>',
+            '<param name="days">2</param>',
+            "</function>",
+        ],
+        (),
+    ),
+    "kimi-k3": (
+        "<|open|> <|close|> <|end_of_msg|>",
+        [
+            *("<|close|>", "response", "<|sep|>", "<|open|>", "tools", "<|sep|>#2"),
+            *("<|open|>#2", 'call tool="get_weather" index="1"', "<|sep|>#3"),
+            *("<|open|>#3", 'argument key="city" type="string"', "<|sep|>#4", "Paris", "<|close|>#2", "argument"),
+            *("<|sep|>#5", "<|open|>#4", 'argument key="days" type="number"', "<|sep|>#6", "2", "<|close|>#3"),
+            *("argument#2", "<|sep|>#7", "<|close|>#4", "call", "<|sep|>#8", "<|close|>#5", "tools#2", "<|sep|>#9"),
+            *("<|close|>#6", "message", "<|sep|>#10"),
+        ],
+        ("<|open|>", "<|close|>", "<|sep|>"),
+    ),
     "minimax-m1": (
         "<tool_calls></tool_calls>",
         ["<tool_calls>", '\n{"name": "get_weather", "arguments": ', *ARGUMENT_PIECES, "}\n", "</tool_calls>"],
@@ -779,5 +877,48 @@ def test_command_r7b_plan_action_and_response(synth_model, tmp_path):
         ]
         r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
+    finally:
+        server.close()
+
+
+FUNCTIONARY_V32 = (
+    "{#- >>>all >>>${recipient} -#}"
+    "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n>>>' }}{%- endif -%}"
+)
+
+
+@pytest.mark.parametrize("text_first", [True, False])
+def test_functionary_v32_parts_after_the_prompts_recipient_marker(text_first, synth_model, tmp_path):
+    """functionary v3.2: the prompt ends with `>>>`, after which the model names the part's recipient: `all` for
+    text (the marker dropped from the content), a function's name for a call, its JSON arguments on the next line;
+    with text first or the call at once, whole and streamed; with tool_choice none the text is the content alone;
+    tool_choice required constrains the answer to a call after the prompt's marker."""
+    call = ["get_weather\n", *ARGUMENT_PIECES]
+    # (the second marker a token of its own text: the prompt's must be the one the script starts from)
+    script = ["all\n", "Let me look.", " >>>", *call] if text_first else call
+    server = live(synth_model, tmp_path, FUNCTIONARY_V32, {">>>": script})
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": "Weather?"}]
+        content = "Let me look." if text_first else None
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0)
+        (made,) = r.choices[0].message.tool_calls
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (content, "tool_calls")
+        assert (made.function.name, json.loads(made.function.arguments)) == CALL
+        streamed, finish = collect(
+            client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0, stream=True)
+        )
+        (entry,) = streamed["tool_calls"].values()
+        assert (streamed["content"], finish) == (content or "", "tool_calls")
+        assert entry["arguments"] == STREAMED_ARGUMENTS and entry["pieces"] == len(ARGUMENT_PIECES)
+        if text_first:  # no tools parsed: the text part, without its marker, and the call's text as written
+            r = client.chat.completions.create(model="m", messages=messages, temperature=0)
+            assert r.choices[0].message.content == "Let me look. >>>" + "".join(call)
+        forced = client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, tool_choice="required", temperature=0
+        )
+        (made,) = forced.choices[0].message.tool_calls
+        assert made.function.name == "get_weather" and forced.choices[0].message.content is None
     finally:
         server.close()
