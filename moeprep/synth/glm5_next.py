@@ -184,23 +184,30 @@ GLM5_NEXT_METADATA = (
     }
 )
 
+# The sizes of the synthetic KDA + MLA hybrids (glm5-next, kimi-k3): one KV head (KDA's and MLA's latent), a leading
+# dense layer, one shared expert, MLA with whole-head latents and no rotated part, absorbed (attn_k_b / attn_v_b).
+KDA_MLA_SIZES = {
+    "n_head_kv": lambda g: 1,
+    "n_dense_lead": lambda g: 1,
+    "n_expert_shared": lambda g: 1,
+    "expert_weights_scale": lambda g: 2.5,
+    "q_lora_rank": lambda g: g["n_embd"],
+    "kv_lora_rank": lambda g: min(g["n_embd"], 512),
+    "qk_nope_dim": lambda g: g["head_dim"],
+    "qk_rope_dim": lambda g: 0,
+    "v_head_dim": lambda g: g["head_dim"],
+    "rope_dim": lambda g: 0,
+    "mla_split": lambda g: True,
+}
+
+
 GLM5_NEXT = ArchSpec(
     ARCH,
     Glm5NextMixer(),
     Moe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
     derived={
         "n_layer": lambda g: max(g["n_layer"], DSA_EVERY + 1 + NEXTN),
-        "n_head_kv": lambda g: 1,
-        "n_dense_lead": lambda g: 1,
-        "n_expert_shared": lambda g: 1,
-        "expert_weights_scale": lambda g: 2.5,
-        "q_lora_rank": lambda g: g["n_embd"],
-        "kv_lora_rank": lambda g: min(g["n_embd"], 512),
-        "qk_nope_dim": lambda g: g["head_dim"],
-        "qk_rope_dim": lambda g: 0,
-        "v_head_dim": lambda g: g["head_dim"],
-        "rope_dim": lambda g: 0,
-        "mla_split": lambda g: True,
+        **KDA_MLA_SIZES,
     },
     metadata=GLM5_NEXT_METADATA,
     checks=(

@@ -25,7 +25,7 @@ from typing import Any
 from gguf import Keys
 
 from moeprep.synth.config import SynthConfig
-from moeprep.synth.glm5_next import CONV_KERNEL, blk, kda
+from moeprep.synth.glm5_next import CONV_KERNEL, KDA_MLA_SIZES, blk, kda
 from moeprep.synth.parts import (
     EXPERT_FF,
     MLA,
@@ -126,17 +126,7 @@ KIMI_K3 = KimiK3ArchSpec(
     LatentMoe(gating=SIGMOID, shared=SharedExpert(lambda c: c.n_ff_exp * c.n_expert_shared)),
     derived={
         "n_layer": lambda g: max(g["n_layer"], MLA_EVERY),
-        "n_head_kv": lambda g: 1,
-        "n_dense_lead": lambda g: 1,
-        "n_expert_shared": lambda g: 1,
-        "expert_weights_scale": lambda g: 2.5,
-        "q_lora_rank": lambda g: g["n_embd"],
-        "kv_lora_rank": lambda g: min(g["n_embd"], 512),
-        "qk_nope_dim": lambda g: g["head_dim"],
-        "qk_rope_dim": lambda g: 0,
-        "v_head_dim": lambda g: g["head_dim"],
-        "rope_dim": lambda g: 0,
-        "mla_split": lambda g: True,
+        **KDA_MLA_SIZES,
     },
     metadata=EXPERT_FF
     | SIGMOID_ROUTING
