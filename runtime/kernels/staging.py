@@ -86,10 +86,12 @@ def second_delta(w: QWeight) -> int:
 
 def _second_address(w: QWeight) -> int:
     """The address the bank's device reads its second bank at (host memory through the driver's mapping)."""
+    # the kernels find matrix e of the second bank slot_bytes * e past its start, as in the bank itself
     assert w.second.shape[1:] == w.data.shape[1:] and w.second.data_ptr() % 4 == 0, (
         tuple(w.second.shape),
         tuple(w.data.shape),
     )
+    assert w.second.is_contiguous() and w.second[0].numel() == w.slot_bytes, (w.second.stride(), w.slot_bytes)
     return _bus_address(w.second.data_ptr(), w.data.is_cuda and not w.second.is_cuda)
 
 
