@@ -172,8 +172,8 @@ def to_mainline(source: str, out: str, split_max_size: str | None) -> None:
 @click.argument("out", metavar="OUT", type=click.Path(path_type=str))
 @click.option("--split-max-size", help="Write llama.cpp shards of at most this size (48G).")
 def split_experts(source: str, out: str, split_max_size: str | None) -> None:
-    """Rewrite fused ffn_gate_up_exps experts (Gemma 4's converter writes them) as ffn_gate_exps and ffn_up_exps, the
-    layout moerun runs: the same bytes, nothing requantized."""
+    """Rewrite fused ffn_gate_up_exps experts (Gemma 4's converter writes them) as ffn_gate_exps and ffn_up_exps, for
+    tools that want the split layout (moerun and llama.cpp run both): the same bytes, nothing requantized."""
     from tqdm import tqdm
 
     from moeprep.gguf.reader import open_gguf

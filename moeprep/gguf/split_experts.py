@@ -3,7 +3,7 @@
 Converters that read checkpoints storing each layer's experts' gate and up projections as one `gate_up_proj`
 (Gemma 4's, and other models in that checkpoint layout) write `blk.N.ffn_gate_up_exps` [E, 2I, D]: each expert's I
 gate rows, then its I up rows. llama.cpp reads that layout and the split one (`ffn_gate_exps` and `ffn_up_exps`,
-[E, I, D] each) alike; moerun's expert kernels and its expert cache read the split one. A row of a GGUF tensor is a
+[E, I, D] each) alike, and so does moerun; some tools want the split one. A row of a GGUF tensor is a
 whole number of blocks in any type, so the split is a byte copy of row ranges: nothing is requantized, and the model
 computes exactly what it did.
 """

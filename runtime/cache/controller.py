@@ -249,7 +249,11 @@ class ExpertCache:
         if not self.config.pin:
             return parts
         readers = tuple(d for d in self.devices if d.type == "cuda")
-        return tuple(replace(t, data=page_locked(t.data, readers)) for t in parts)
+        pinned = {}  # an ungated layer's up, given as its gate too, is pinned once
+        for t in parts:
+            if id(t) not in pinned:
+                pinned[id(t)] = replace(t, data=page_locked(t.data, readers))
+        return tuple(pinned[id(t)] for t in parts)
 
 
 def streams(device: torch.device, pinned: bool | None, options: RuntimeOptions) -> bool:

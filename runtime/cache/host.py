@@ -24,25 +24,17 @@ PIN_SPARE = 8 << 30  # RAM left free after pinning the experts
 
 
 def host_experts(g: GGUFModel, layer: int) -> tuple[ExpertBytes, ExpertBytes, ExpertBytes]:
-    """A layer's gate, up and down expert tensors as host bytes (the memory map) with their biases."""
-    from moerun.weights import dequantize_bytes, expert_tensor_names
+    """A layer's gate, up and down expert tensors as host bytes (views of the memory map; a fused gate/up's halves
+    strided row ranges of it) with their biases."""
+    from moerun.weights import expert_bytes
 
-    infos = {t.name: t for t in g.tensors}
-    parts: dict[str, ExpertBytes] = {}  # one object for a tensor named twice (ungated experts' up as their gate)
-    for name in expert_tensor_names(infos, layer):
-        if name in parts:
-            continue
-        info = infos[name]
-        n_expert, rows, cols = info.shape
-        bias = infos.get(name.removesuffix("weight") + "bias")
-        bias_values = None if bias is None else dequantize_bytes(g.raw(bias), bias.ggml_type, bias.shape).numpy()
-        parts[name] = ExpertBytes(g.raw(info).reshape(n_expert, rows, -1), info.ggml_type, rows, cols, bias_values)
-    return tuple(parts[name] for name in expert_tensor_names(infos, layer))
+    return expert_bytes(g, layer)
 
 
 def page_locked(data: np.ndarray, readers: tuple[torch.device, ...]) -> np.ndarray:
-    """A copy of `data` in page-locked memory registered with CUDA (torch's pinned allocator rounds sizes up to a
-    power of two, which would nearly double a layer's experts), which the GPUs `readers` copy from."""
+    """A C-contiguous copy of `data` in page-locked memory registered with CUDA (torch's pinned allocator rounds sizes
+    up to a power of two, which would nearly double a layer's experts), which the GPUs `readers` copy from. (`data`
+    may be a fused gate/up's half, a strided view: its copy is contiguous, the layout the kernels' second bank has.)"""
     page = mmap.PAGESIZE
     raw = np.empty(data.nbytes + page, np.uint8)
     start = -raw.ctypes.data % page

@@ -356,7 +356,7 @@ def gemv(
     values = bt.dot8_values if on_i8 else bt.values  # per step of a lane: the 8-bit route's unit, or a block
     deltas = (second_delta(w), second_delta(w if up is None else up))
     # 16-byte loads of the experts' words: the 60 GB model's gate+up 1555 -> 1766 GB/s on the H200 (kernels.md)
-    align = 16 if slots is not None and all(n % 16 == 0 for n in (w.rows * row_bytes, *deltas)) else 1
+    align = 16 if slots is not None and all(n % 16 == 0 for n in (w.slot_bytes, *deltas)) else 1
     grid = (groups * triton.cdiv(w.rows, tiles.rows),)
     _gemv_kernel[grid](
         x,
@@ -369,7 +369,7 @@ def gemv(
         w.rows,
         w.cols // values,
         row_bytes,
-        w.rows * row_bytes,
+        w.slot_bytes,
         w.cols,
         x_div,
         tokens,

@@ -39,7 +39,10 @@ def supports(qtype: Q) -> bool:
 
 def _block_type(w: QWeight) -> BlockType:
     bt = BLOCK_TYPES[Q(w.qtype)]
-    assert w.data.dtype == torch.uint8 and w.data.is_contiguous(), (w.data.dtype, w.qtype)
+    # each matrix's rows contiguous; a bank's matrices may lie further apart (QWeight.slot_bytes)
+    rows_contiguous = w.data.stride(-1) == 1 and w.data.stride(-2) == w.data.shape[-1]
+    bank_ok = w.data.dim() == 2 or w.data.stride(0) >= w.rows * w.data.shape[-1]
+    assert w.data.dtype == torch.uint8 and rows_contiguous and bank_ok, (w.data.dtype, w.qtype, w.data.stride())
     assert w.cols % bt.values == 0 and w.data.shape[-2:] == (w.rows, w.cols // bt.values * bt.nbytes), (
         tuple(w.data.shape),
         Q(w.qtype).name,

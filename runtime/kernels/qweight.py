@@ -19,8 +19,16 @@ class QWeight:
     step's missed experts run in the same launch as its cached ones: the layer's experts in page-locked host memory
     (the GPU reads them over the bus), or a staging bank on the device they were copied to for the step."""
 
-    data: torch.Tensor  # uint8, (N, row_bytes) or (E, N, row_bytes), contiguous
+    # uint8, (N, row_bytes) or (E, N, row_bytes): each matrix's rows contiguous; a bank's matrices contiguous too, or
+    # slot_bytes apart (a fused ffn_gate_up_exps' gate or up half: a view whose slots lie a fused expert apart)
+    data: torch.Tensor
     qtype: Q
     rows: int  # N, output features
     cols: int  # C, input features (a multiple of the type's block size)
-    second: torch.Tensor | None = None  # uint8 (E2, N, row_bytes): slot -2 - e of the matrix-vector kernel
+    # uint8 (E2, N, row_bytes), contiguous, its matrices slot_bytes apart too: slot -2 - e of the matrix-vector kernel
+    second: torch.Tensor | None = None
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes from one matrix of a bank to the next (a dense matrix: its own bytes)."""
+        return self.data.stride(0) if self.data.dim() == 3 else self.data.numel()

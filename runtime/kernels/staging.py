@@ -21,16 +21,17 @@ from moerun.kernels.qweight import QWeight
 
 
 @triton.jit
-def _stage_kernel(slot_ptr, dst_ptr, src_delta, words, BLOCK: tl.constexpr):
+def _stage_kernel(slot_ptr, dst_ptr, src_delta, words, src_words, BLOCK: tl.constexpr):
     """Program (p, c): words c*BLOCK .. c*BLOCK+BLOCK-1 of the matrix that pair p names in the second bank (slot
-    -2 - e; the bank at src_delta words from dst_ptr), copied to matrix p of the staging bank at dst_ptr. Pairs
-    with other slots copy nothing."""
+    -2 - e; the bank at src_delta words from dst_ptr, its matrices src_words apart), copied to matrix p of the
+    staging bank at dst_ptr. Pairs with other slots copy nothing."""
     p = tl.program_id(0)
     slot = tl.load(slot_ptr + p).to(tl.int64)
     if slot < -1:
         i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < words
-        tl.store(dst_ptr + p * words + i, tl.load(dst_ptr + src_delta + (-2 - slot) * words + i, mask=ok), mask=ok)
+        src = dst_ptr + src_delta + (-2 - slot) * src_words + i
+        tl.store(dst_ptr + p * words + i, tl.load(src, mask=ok), mask=ok)
 
 
 def stage_second(
@@ -53,12 +54,24 @@ def stage_second(
     for w, stage in zip(banks, stages):
         matrix = w.data[0].numel()
         delta = _second_address(w) - stage.data_ptr()
-        # the widest words that divide the matrix and both banks' addresses (a host copy may start 4 bytes past one)
-        size = next(n for n in (8, 4, 1) if matrix % n == 0 and delta % n == 0 and stage.data_ptr() % n == 0)
+        src_stride = w.second.stride(0)  # a matrix's bytes, or more where the second bank is a fused gate/up's half
+        # the widest words that divide the matrix, its stride and both banks' addresses (a host copy may start 4
+        # bytes past one)
+        size = next(
+            n
+            for n in (8, 4, 1)
+            if matrix % n == 0 and src_stride % n == 0 and delta % n == 0 and stage.data_ptr() % n == 0
+        )
         assert stage.shape[0] >= n_pairs and stage.shape[1:] == w.data.shape[1:]
         words = stage.view(-1).view({8: torch.int64, 4: torch.int32, 1: torch.uint8}[size])
         _stage_kernel[(n_pairs, triton.cdiv(matrix // size, tuning.STAGE_WORDS))](
-            copies, words, delta // size, matrix // size, BLOCK=tuning.STAGE_WORDS, num_warps=tuning.STAGE_WARPS
+            copies,
+            words,
+            delta // size,
+            matrix // size,
+            src_stride // size,
+            BLOCK=tuning.STAGE_WORDS,
+            num_warps=tuning.STAGE_WARPS,
         )
         staged.append(dataclasses.replace(w, second=stage))
     return tuple(staged), torch.where(slots < -1, -2 - owner, slots).to(slots.dtype)
@@ -80,8 +93,13 @@ def _first_pairs(slots: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torc
 
 
 def second_delta(w: QWeight) -> int:
-    """Where the bank's second bank lies for the kernel, as a byte offset from its bytes (0: it has none)."""
-    return 0 if w.second is None else _second_address(w) - w.data.data_ptr()
+    """Where the bank's second bank lies for the matrix-vector kernel, as a byte offset from its bytes (0: it has
+    none). The kernel finds its matrix e slot_bytes * e past its start, as in the bank itself: page-locked copies
+    and staging banks are laid out so (a fused gate/up's halves are copied apart when pinned)."""
+    if w.second is None:
+        return 0
+    assert w.second.stride(0) == w.slot_bytes, (w.second.stride(), w.slot_bytes)
+    return _second_address(w) - w.data.data_ptr()
 
 
 def _second_address(w: QWeight) -> int:

@@ -67,7 +67,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def relu_sqr(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Nemotron-H's ungated experts: relu(up)^2; `gate` is not read (weights.expert_tensor_names passes up there)."""
+    """Nemotron-H's ungated experts: relu(up)^2; `gate` is not read (weights.expert_rows passes up there)."""
     return F.relu(up).square()
 
 

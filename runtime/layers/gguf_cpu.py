@@ -19,7 +19,7 @@ from moerun.layers.linear import Linear
 from moerun.layers.moe import GGUFExperts
 from moerun.layers.ops import Kernels
 from moerun.step import Step
-from moerun.weights import Weights, expert_tensor_names
+from moerun.weights import Weights, expert_bytes, expert_rows
 
 # ------------------------------------------------------------------------------------------- the ExpertCompute
 
@@ -33,7 +33,7 @@ class CPUExperts(GGUFExperts):
 
     @classmethod
     def can_run(cls, w: Weights, layer: int) -> bool:
-        return all(supports(w.info(name).ggml_type) for name in expert_tensor_names(w, layer))
+        return all(supports(part.info.ggml_type) for part in expert_rows(w.gguf, layer))
 
     @classmethod
     def load(
@@ -41,12 +41,7 @@ class CPUExperts(GGUFExperts):
     ) -> CPUExperts:
         experts = super().load(w, hooks, layer, activation, kernels)
         experts.ggml = ggml
-        experts.host = tuple(
-            _host_bytes(w, name.removesuffix(".weight"), bias)
-            for name, bias in zip(
-                expert_tensor_names(w, layer), (experts.gate_bias, experts.up_bias, experts.down_bias)
-            )
-        )
+        experts.host = expert_bytes(w.gguf, layer)
         return experts
 
     def forward(

@@ -43,7 +43,7 @@ from moerun.layers.ffn import Activation
 from moerun.layers.linear import Linear
 from moerun.layers.moe import GGUFExperts
 from moerun.step import Step
-from moerun.weights import ExpertTensor, Weights, expert_tensor_names
+from moerun.weights import ExpertTensor, Weights, expert_rows
 
 __all__ = ["DeviceExperts", "QuantLinear", "QWeight", "supports"]
 
@@ -140,7 +140,8 @@ def keep_decoded_copies(net: torch.nn.Module, reserve: int) -> int:
 
 
 def expert_bank(t: ExpertTensor) -> QWeight:
-    """A stacked expert tensor's device bytes as a bank whose slot e is expert e."""
+    """A stacked expert tensor's device bytes as a bank whose slot e is expert e (a fused gate/up's half: a view
+    whose slots lie a whole fused expert apart, QWeight.slot_bytes)."""
     return QWeight(t.device_bytes, t.info.ggml_type, t.rows, t.cols)
 
 
@@ -168,7 +169,7 @@ class DeviceExperts(GGUFExperts):
     def can_run(cls, w: Weights, layer: int) -> bool:
         """The kernels decode all three expert types, and ExpertTensor keeps their bytes on the device (it does so
         for the types the device dequantizer reads, which its reference path for hooks needs; IQ4_XS is not one)."""
-        types = [w.info(name).ggml_type for name in expert_tensor_names(w, layer)]
+        types = [part.info.ggml_type for part in expert_rows(w.gguf, layer)]
         return all(supports(t) and device_dequantizes(t) for t in types)
 
     def forward(

@@ -21,7 +21,7 @@ from moerun.layers.ffn import Activation, FeedForward
 from moerun.layers.linear import Linear
 from moerun.layers.ops import Kernels
 from moerun.step import Step
-from moerun.weights import ExpertTensor, Weights, expert_tensor_names
+from moerun.weights import ExpertTensor, Weights
 
 if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
     from moerun.kernels.act_i8 import QAct
@@ -145,15 +145,7 @@ class GGUFExperts(nn.Module):
 
     @classmethod
     def load(cls, w: Weights, hooks: Hooks, layer: int, activation: Activation, kernels: Kernels) -> GGUFExperts:
-        names = expert_tensor_names(w, layer)
-        tensors = {name: w.experts(name) for name in dict.fromkeys(names)}  # a tensor named twice is loaded once
-        return cls(
-            *(tensors[name] for name in names),
-            activation,
-            kernels,
-            hooks,
-            tuple(w.optional(name.removesuffix("weight") + "bias", torch.float32) for name in names),
-        )
+        return cls(*w.experts(layer), activation, kernels, hooks, w.expert_biases(layer))
 
     def forward(
         self,
@@ -171,9 +163,10 @@ class GGUFExperts(nn.Module):
             for i, e in enumerate(group.tolist()):  # the host sync routing needs
                 rows, slots = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and in which K slots
                 xe = x[rows]  # (n, D)
-                if self.hooks.activation:
-                    self.hooks.fire_activation(self.gate.name, xe, e)
-                    self.hooks.fire_activation(self.up.name, xe, e)
+                if self.hooks.activation:  # once per stored tensor: a fused gate/up's input counts once, as in
+                    self.hooks.fire_activation(self.gate.name, xe, e)  # llama.cpp's imatrix
+                    if self.up.name != self.gate.name:
+                        self.hooks.fire_activation(self.up.name, xe, e)
                 h = self.act(
                     self._matmul(self.gate, gate[i], xe, e, self.gate_bias),
                     self._matmul(self.up, up[i], xe, e, self.up_bias),

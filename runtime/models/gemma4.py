@@ -17,7 +17,7 @@ final_logit_softcapping.
 
 Gemma 4's dense edge models (E2B, E4B) add per-layer token embeddings and share KV caches between layers; those
 files are refused, as is a fused attn_qkv, which llama.cpp also reads. Experts fused into ffn_gate_up_exps (as Gemma 4's
-converter writes them) are refused with the command that splits them (`moeprep split-experts`, a byte copy).
+converter writes them) run as they are stored (moerun.weights.expert_rows), as the split layout does.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ def read_args(g: GGUFModel) -> ModelArgs:
         raise MoeprepError(f"{g.path}: gemma4 with per-layer token embeddings (Gemma 4 E2B/E4B) is not supported")
     if int(g.get(f"{arch}.attention.shared_kv_layers", 0)):
         raise MoeprepError(f"{g.path}: gemma4 with layers sharing KV caches (Gemma 4 E2B/E4B) is not supported")
-    if any(name.endswith(".ffn_gate_up_exps.weight") for name in names):
-        raise MoeprepError(
-            f"{g.path}: experts stored as one fused ffn_gate_up_exps tensor; moerun reads ffn_gate_exps and "
-            f"ffn_up_exps: run `moeprep split-experts {g.path} OUT.gguf` (a byte copy, nothing requantized)"
-        )
     if any(name.endswith(".attn_qkv.weight") for name in names):
         raise MoeprepError(
             f"{g.path}: gemma4 with attn_qkv (projections fused into one tensor) is not supported "

@@ -3,43 +3,13 @@ for byte, in any type; a model without fused experts, or with a fused scale, is 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.split_experts import split_experts
-from moeprep.gguf.writer import OutputTensor, copied_tensor, write_gguf
 from moeprep.synth import write_synth_model
-
-
-def fuse_gate_up(src: Path, out: Path, extra: tuple[str, ...] = ()) -> Path:
-    """`src` with each layer's gate and up experts (weights, and biases where it has them) concatenated per expert
-    into ffn_gate_up_exps, gate rows first, at the gate tensor's place; `extra` names tensors to append (as copies
-    of ffn_down_exps.bias under that name)."""
-    g = open_gguf(src)
-    infos = {t.name: t for t in g.tensors}
-    tensors = []
-    for t in g.tensors:
-        if ".ffn_up_exps." in t.name:
-            continue
-        if ".ffn_gate_exps." in t.name:
-            up = infos[t.name.replace("ffn_gate_exps", "ffn_up_exps")]
-            E, rows = t.shape[0], t.shape[1]
-            halves = [g.raw(x).reshape(E, rows, -1) for x in (t, up)]
-            fused = np.concatenate(halves, axis=1)
-            name = t.name.replace("ffn_gate_exps", "ffn_gate_up_exps")
-            shape = (E, 2 * rows, *t.shape[2:])
-            tensors.append(OutputTensor(name, t.ggml_type, shape, lambda data=fused: [data]))
-        else:
-            tensors.append(copied_tensor(g, t))
-    for name in extra:
-        bias = infos["blk.0.ffn_down_exps.bias"]
-        tensors.append(OutputTensor(name, bias.ggml_type, bias.shape, lambda b=bias: [g.raw(b)]))
-    write_gguf(out, g, tensors=tensors)
-    return out
+from tests.fused_experts import fuse_gate_up
 
 
 @pytest.mark.parametrize("arch,qtype", [("gpt-oss", "F32"), ("qwen3moe", "Q4_K"), ("qwen3moe", "Q8_0")])

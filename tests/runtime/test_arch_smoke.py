@@ -133,58 +133,6 @@ def test_llama4_with_several_experts_per_token_is_refused(synth_model, tmp_path)
         moerun.load_model(path)
 
 
-def _fused_gate_up(src, out):
-    """`src` rewritten with each layer's ffn_gate_exps and ffn_up_exps as one ffn_gate_up_exps [E, 2I, D] (gate rows
-    first), the layout Gemma 4's converter writes."""
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import OutputTensor, copied_tensor, write_gguf
-
-    g = open_gguf(src)
-    infos = {t.name: t for t in g.tensors}
-    tensors = []
-    for t in g.tensors:
-        if t.name.endswith(".ffn_up_exps.weight"):
-            continue
-        if t.name.endswith(".ffn_gate_exps.weight"):
-            up = infos[t.name.replace("ffn_gate_exps", "ffn_up_exps")]
-            E, rows, cols = t.shape
-            fused = np.concatenate([g.raw(t).reshape(E, rows, -1), g.raw(up).reshape(E, rows, -1)], axis=1)
-            name = t.name.replace("ffn_gate_exps", "ffn_gate_up_exps")
-            tensors.append(OutputTensor(name, t.ggml_type, (E, 2 * rows, cols), lambda data=fused: [data]))
-        else:
-            tensors.append(copied_tensor(g, t))
-    write_gguf(out, g, tensors=tensors)
-    return out
-
-
-def test_gemma4_fused_gate_up_experts_are_refused_then_split(synth_model, tmp_path):
-    """llama.cpp runs the fused layout to the same logits; moerun, which reads gate and up apart, names the command
-    that splits them, whose output holds the split file's tensors byte for byte and runs."""
-    from click.testing import CliRunner
-
-    from moeprep.cli import main as moeprep_main
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from tests.oracle import llama_eval
-
-    split = synth_model("gemma4", expert_type="F32", attn_type="F32")
-    fused = _fused_gate_up(split, tmp_path / "fused.gguf")
-    tokens = moerun.load_model(split).tokenizer.encode(PROMPT)
-    np.testing.assert_allclose(llama_eval(fused, tokens).logits, llama_eval(split, tokens).logits, rtol=0, atol=1e-5)
-    with pytest.raises(MoeprepError, match="moeprep split-experts"):
-        moerun.load_model(fused)
-    out = tmp_path / "split-again.gguf"
-    result = CliRunner().invoke(moeprep_main, ["split-experts", str(fused), str(out)])
-    assert result.exit_code == 0, result.output
-    a, b = open_gguf(split), open_gguf(out)
-    assert [(t.name, t.ggml_type, t.shape) for t in a.tensors] == [(t.name, t.ggml_type, t.shape) for t in b.tensors]
-    assert all(bytes(a.raw(t)) == bytes(b.raw(u)) for t, u in zip(a.tensors, b.tensors))
-    again = CliRunner().invoke(moeprep_main, ["split-experts", str(out), str(tmp_path / "third.gguf")])
-    assert again.exit_code == 2 and "already split" in again.output
-    prompt = torch.tensor(tokens)
-    assert torch.equal(moerun.load_model(out).forward(prompt), moerun.load_model(split).forward(prompt))
-
-
 def test_gemma4_fused_qkv_is_refused_in_one_line(synth_model, tmp_path):
     import dataclasses
 

@@ -47,9 +47,11 @@ from moerun.kernels.rounding import q8_0_blocks, q8_k_blocks
 @dataclass(frozen=True)
 class ExpertBytes:
     """One stacked expert tensor as GGUF bytes in host memory (E, rows, row_bytes), and its optional bias (E, rows).
-    What the kernels take is prepared once here: the format's code (-1: no kernel for the type) and C-contiguous
-    read-only views of the bytes and the bias (memory-mapped and in-memory arrays then share one numba type, hence
-    one compiled kernel)."""
+    `data` is C-contiguous, or a row range of a C-contiguous stack whose experts hold `step` times as many rows (the
+    gate or up half of a fused ffn_gate_up_exps: step 2). What the kernels take is prepared once here: the format's
+    code (-1: no kernel for the type) and C-contiguous read-only views of the bytes and the bias (memory-mapped and
+    in-memory arrays then share one numba type, hence one compiled kernel): `kernel_data`, from data's first byte,
+    in which expert e is kernel_data[e * kernel_step], so a half is read in place, not copied."""
 
     data: np.ndarray
     qtype: Q
@@ -58,6 +60,7 @@ class ExpertBytes:
     bias: np.ndarray | None = None
     code: int = field(init=False, repr=False, compare=False)
     kernel_data: np.ndarray = field(init=False, repr=False, compare=False)
+    kernel_step: int = field(init=False, repr=False, compare=False)
     kernel_bias: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -68,8 +71,10 @@ class ExpertBytes:
                 self.data.shape,
                 self.qtype,
             )
+        kernel_data, step = _expert_blocks(self.data)
         object.__setattr__(self, "code", code)
-        object.__setattr__(self, "kernel_data", _read_only(self.data, np.uint8))
+        object.__setattr__(self, "kernel_data", kernel_data)
+        object.__setattr__(self, "kernel_step", step)
         object.__setattr__(self, "kernel_bias", _NO_BIAS if self.bias is None else _read_only(self.bias, F32))
 
 
@@ -78,6 +83,30 @@ def _read_only(a: np.ndarray, dtype: type) -> np.ndarray:
     view = np.ascontiguousarray(a, dtype).view(np.ndarray)
     view.flags.writeable = False
     return view
+
+
+def _expert_blocks(data: np.ndarray) -> tuple[np.ndarray, int]:
+    """data (E, rows, row_bytes) uint8 -> (a C-contiguous read-only array of (rows, row_bytes) blocks starting at
+    data's first byte, the step between experts in it). A row range of a stack whose experts hold `step` such blocks
+    (its rows contiguous, the experts step * rows rows apart) is read in place: the array ends at data's last
+    expert's rows, so it stays within the stack. Any other layout is copied (step 1)."""
+    n_experts, rows, row_bytes = data.shape
+    block = rows * row_bytes
+    strides = data.strides
+    if (
+        data.dtype == np.uint8
+        and n_experts > 0
+        and block > 0
+        and strides[1:] == (row_bytes, 1)
+        and strides[0] >= block
+        and strides[0] % block == 0
+    ):
+        step = strides[0] // block
+        blocks = np.lib.stride_tricks.as_strided(
+            data, ((n_experts - 1) * step + 1, rows, row_bytes), (block, row_bytes, 1), writeable=False
+        )
+        return blocks.view(np.ndarray), step
+    return _read_only(data, np.uint8), 1
 
 
 _NO_BIAS = _read_only(np.zeros((0, 0), F32), F32)
@@ -140,8 +169,9 @@ def _rows_kernel(unpack: Callable, dot: Callable, fused: Callable | None, fused_
     the fused decode-and-dot per pair; the others decode each row once, into wq, for all their pairs."""
 
     @numba.njit(**JIT)
-    def rows(w, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y):
+    def rows(w, step, bias, item, order, act_row, xq, xf, xd, xs, block, n_sub, y):
         e, j0, j1, r0, r1 = item[0], item[1], item[2], item[3], item[4]
+        we = e * step  # expert e's block of w (ExpertBytes.kernel_step)
         nb = max(xq.shape[1], xf.shape[1]) // block
         wq = np.empty(xq.shape[1], np.int16)
         prod = np.empty(xq.shape[1], np.int32)
@@ -154,11 +184,11 @@ def _rows_kernel(unpack: Callable, dot: Callable, fused: Callable | None, fused_
                 for j in range(j0, j1):
                     p = order[j]
                     a = act_row[p]
-                    v = fused(w[e, r], sc, mn, xq[a], xd[a], xs[a])
+                    v = fused(w[we, r], sc, mn, xq[a], xd[a], xs[a])
                     y[p, r] = v + bias[e, r] if bias.shape[0] else v
             return
         for r in range(r0, r1):
-            unpack(w[e, r], wq, wf, sc, mn, dd)
+            unpack(w[we, r], wq, wf, sc, mn, dd)
             for j in range(j0, j1):
                 p = order[j]
                 a = act_row[p]

@@ -46,10 +46,11 @@ def _quantize_rows(quantize, x, used, q):
 
 
 @numba.njit(**JIT)
-def _ggml_rows(dot, w, bias, item, order, act_row, q, n, y):
-    """y[p, r] = row r of expert item[0] . q[act_row[p]] (n values; + its bias) over the item's pairs and rows."""
+def _ggml_rows(dot, w, step, bias, item, order, act_row, q, n, y):
+    """y[p, r] = row r of expert item[0] . q[act_row[p]] (n values; + its bias) over the item's pairs and rows;
+    expert e is block e * step of w (ExpertBytes.kernel_step)."""
     e, row_bytes = item[0], np.int64(w.shape[2])
-    base = _address(w) + e * w.shape[1] * row_bytes
+    base = _address(w) + e * step * w.shape[1] * row_bytes
     for j in range(item[1], item[2]):
         p = order[j]
         qp, yp = _address(q[act_row[p]]), _address(y[p])
@@ -62,10 +63,29 @@ def _ggml_rows(dot, w, bias, item, order, act_row, q, n, y):
 
 @numba.njit(**JIT)
 def _ggml_gate_up_item(
-    gate_dot, gate_w, gate_b, up_dot, up_w, up_b, act_code, limit, up_limit, item, order, token, xg, xu, n, g, u, h
+    gate_dot,
+    gate_w,
+    gate_step,
+    gate_b,
+    up_dot,
+    up_w,
+    up_step,
+    up_b,
+    act_code,
+    limit,
+    up_limit,
+    item,
+    order,
+    token,
+    xg,
+    xu,
+    n,
+    g,
+    u,
+    h,
 ):
-    _ggml_rows(gate_dot, gate_w, gate_b, item, order, token, xg, n, g)
-    _ggml_rows(up_dot, up_w, up_b, item, order, token, xu, n, u)
+    _ggml_rows(gate_dot, gate_w, gate_step, gate_b, item, order, token, xg, n, g)
+    _ggml_rows(up_dot, up_w, up_step, up_b, item, order, token, xu, n, u)
     _activate_item(act_code, limit, up_limit, item, order, g, u, h)
 
 
@@ -77,12 +97,15 @@ def _moe_ggml(
     weights,
     gate_k,
     gate_w,
+    gate_step,
     gate_b,
     up_k,
     up_w,
+    up_step,
     up_b,
     down_k,
     down_w,
+    down_step,
     down_b,
     act_code,
     limit,
@@ -90,8 +113,7 @@ def _moe_ggml(
     out,
 ):
     """_moe with ggml's row dots (gate_k, up_k, down_k: the tensors' ggml kernels) and its roundings of the inputs."""
-    n_experts = gate_w.shape[0]
-    bad, token, order, start, used = _pairs(ids, n_experts)
+    bad, token, order, start, used = _pairs(ids, (gate_w.shape[0] - 1) // gate_step + 1)
     if bad >= 0:
         return bad
     P, T, D, I = token.shape[0], x.shape[0], x.shape[1], gate_w.shape[1]
@@ -110,9 +132,11 @@ def _moe_ggml(
         _ggml_gate_up_item(
             gate_k[0],
             gate_w,
+            gate_step,
             gate_b,
             up_k[0],
             up_w,
+            up_step,
             up_b,
             act_code,
             F32(limit),
@@ -132,20 +156,20 @@ def _moe_ggml(
     y = np.empty((P, out.shape[1]), F32)
     pair = np.arange(P)
     for it in numba.prange(down_items.shape[0]):
-        _ggml_rows(down_k[0], down_w, down_b, down_items[it], order, pair, hq, I, y)
+        _ggml_rows(down_k[0], down_w, down_step, down_b, down_items[it], order, pair, hq, I, y)
     _combine(ids, weights, token, y, out)
     return -1
 
 
 @numba.njit(parallel=True, **JIT)
-def _matmul_ggml(items_wanted, x, experts, k, w, bias, y):
+def _matmul_ggml(items_wanted, x, experts, k, w, step, bias, y):
     """_matmul with ggml's row dot (k: the tensor's ggml kernel)."""
-    bad, token, order, start, used = _pairs(experts, w.shape[0])
+    bad, token, order, start, used = _pairs(experts, (w.shape[0] - 1) // step + 1)
     if bad >= 0:
         return bad
     items = _items(start, y.shape[1], items_wanted)
     q = np.empty((x.shape[0], k[2]), np.uint8)
     _quantize_rows(k[1], x, used, q)
     for it in numba.prange(items.shape[0]):
-        _ggml_rows(k[0], w, bias, items[it], order, token, q, x.shape[1], y)
+        _ggml_rows(k[0], w, step, bias, items[it], order, token, q, x.shape[1], y)
     return -1

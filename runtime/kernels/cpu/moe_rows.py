@@ -107,25 +107,31 @@ def _round_rows(code, x, used, xq, xf, xd, xs):
 
 
 @numba.njit(**JIT)
-def _rows_one(code, w, bias, item, order, act_row, xq, xf, xd, xs, y):
+def _rows_one(code, w, step, bias, item, order, act_row, xq, xf, xd, xs, y):
     i = 0
     for rows in literal_unroll(_ROWS):
         if i == code:
-            rows(w, bias, item, order, act_row, xq, xf, xd, xs, _BLOCK[code], _N_SUB[code], y)
+            rows(w, step, bias, item, order, act_row, xq, xf, xd, xs, _BLOCK[code], _N_SUB[code], y)
         i += 1
 
 
+@numba.njit(inline="always")
+def _n_experts(w, step):
+    """Experts in a kernel array whose expert e is block e * step (ExpertBytes.kernel_step)."""
+    return (w.shape[0] - 1) // step + 1
+
+
 @numba.njit(parallel=True, **JIT)
-def _matmul(items_wanted, x, experts, code, w, bias, y):
+def _matmul(items_wanted, x, experts, code, w, step, bias, y):
     """y[i] = expert experts[i] of w times x[i] (+ its bias); the entry of expert_matmul."""
-    bad, token, order, start, used = _pairs(experts, w.shape[0])
+    bad, token, order, start, used = _pairs(experts, _n_experts(w, step))
     if bad >= 0:
         return bad
     items = _items(start, y.shape[1], items_wanted)
     xq, xf, xd, xs = _rounded(_FORMAT_ROUNDING[code], x.shape[0], x.shape[1])
     _round_rows(_FORMAT_ROUNDING[code], x, used, xq, xf, xd, xs)
     for it in numba.prange(items.shape[0]):
-        _rows_one(code, w, bias, items[it], order, token, xq, xf, xd, xs, y)
+        _rows_one(code, w, step, bias, items[it], order, token, xq, xf, xd, xs, y)
     return -1
 
 
@@ -136,9 +142,11 @@ def _matmul(items_wanted, x, experts, code, w, bias, y):
 def _gate_up_item(
     gate_code,
     gate_w,
+    gate_step,
     gate_b,
     up_code,
     up_w,
+    up_step,
     up_b,
     act_code,
     limit,
@@ -159,8 +167,8 @@ def _gate_up_item(
     h,
 ):
     """The gate and up rows of a work item, then h = act(g, u, limit, up_limit) on its rows and pairs."""
-    _rows_one(gate_code, gate_w, gate_b, item, order, token, xq, xf, xd, xs, g)
-    _rows_one(up_code, up_w, up_b, item, order, token, uq, uf, ud, us, u)
+    _rows_one(gate_code, gate_w, gate_step, gate_b, item, order, token, xq, xf, xd, xs, g)
+    _rows_one(up_code, up_w, up_step, up_b, item, order, token, uq, uf, ud, us, u)
     _activate_item(act_code, limit, up_limit, item, order, g, u, h)
 
 
@@ -172,12 +180,15 @@ def _moe(
     weights,
     gate_code,
     gate_w,
+    gate_step,
     gate_b,
     up_code,
     up_w,
+    up_step,
     up_b,
     down_code,
     down_w,
+    down_step,
     down_b,
     act_code,
     limit,
@@ -195,8 +206,7 @@ def _moe(
     4. out += the weighted sum of each token's pairs.
     The roundings of 1 and 3 and the sum of 4 run in parallel over rows from PARALLEL_MIN_ROWS rows on, on the
     calling thread below, so a decode call (a token and its few missed experts) starts two parallel regions."""
-    n_experts = gate_w.shape[0]
-    bad, token, order, start, used = _pairs(ids, n_experts)
+    bad, token, order, start, used = _pairs(ids, _n_experts(gate_w, gate_step))
     if bad >= 0:
         return bad
     P, T, D, I = token.shape[0], x.shape[0], x.shape[1], gate_w.shape[1]
@@ -218,9 +228,11 @@ def _moe(
         _gate_up_item(
             gate_code,
             gate_w,
+            gate_step,
             gate_b,
             up_code,
             up_w,
+            up_step,
             up_b,
             act_code,
             F32(limit),
@@ -247,7 +259,7 @@ def _moe(
     y = np.empty((P, out.shape[1]), F32)
     pair = np.arange(P)
     for it in numba.prange(down_items.shape[0]):
-        _rows_one(down_code, down_w, down_b, down_items[it], order, pair, hq, hf, hd, hs, y)
+        _rows_one(down_code, down_w, down_step, down_b, down_items[it], order, pair, hq, hf, hd, hs, y)
 
     _combine(ids, weights, token, y, out)
     return -1
@@ -276,9 +288,9 @@ def expert_matmul(
     x, experts = np.ascontiguousarray(x, F32), np.ascontiguousarray(experts, np.int64)[:, None]
     kernel = ggml_kernel(t, ggml)
     if kernel is not None:
-        bad = _launch(_matmul_ggml, threads, x, experts, kernel, t.kernel_data, t.kernel_bias, y)
+        bad = _launch(_matmul_ggml, threads, x, experts, kernel, t.kernel_data, t.kernel_step, t.kernel_bias, y)
     else:
-        bad = _launch(_matmul, threads, x, experts, _code(t), t.kernel_data, t.kernel_bias, y)
+        bad = _launch(_matmul, threads, x, experts, _code(t), t.kernel_data, t.kernel_step, t.kernel_bias, y)
     if bad >= 0:
         raise _out_of_range(bad, t.data.shape[0])
     return y
@@ -319,12 +331,15 @@ def moe_rows(
             weights,
             kernels[0],
             gate.kernel_data,
+            gate.kernel_step,
             gate.kernel_bias,
             kernels[1],
             up.kernel_data,
+            up.kernel_step,
             up.kernel_bias,
             kernels[2],
             down.kernel_data,
+            down.kernel_step,
             down.kernel_bias,
             _ACTIVATION_CODES[activation],
             float(limit),
@@ -340,12 +355,15 @@ def moe_rows(
             weights,
             _code(gate),
             gate.kernel_data,
+            gate.kernel_step,
             gate.kernel_bias,
             _code(up),
             up.kernel_data,
+            up.kernel_step,
             up.kernel_bias,
             _code(down),
             down.kernel_data,
+            down.kernel_step,
             down.kernel_bias,
             _ACTIVATION_CODES[activation],
             float(limit),
