@@ -358,20 +358,30 @@ def _xtml_calls(text: str, tools: dict[str, dict]) -> list[tuple[str, dict[str, 
     return calls
 
 
-def _kimi_k3(text: str, tools: dict[str, dict]) -> list[Call]:
-    calls = _xtml_calls(text, tools)
-    if not calls or not all(closed for _, _, closed in calls):
-        raise ValueError("not Kimi K3 calls")
-    return [(name, arguments) for name, arguments, _ in calls]
+def _from_closed_calls(
+    read: Callable[[str, dict[str, dict]], list[tuple[str, dict[str, Any], bool]]], what: str
+) -> tuple[Callable[[str, dict[str, dict]], list[Call]], Callable[[str, dict[str, dict]], list[PartialCall]]]:
+    """(parse, stream) of a format whose reader `read` gives each call's (name, complete arguments, whether it
+    closed): a parse needs every call closed; a stream sends each call's arguments so far, up to the first still open."""
+
+    def parse(text: str, tools: dict[str, dict]) -> list[Call]:
+        calls = read(text, tools)
+        if not calls or not all(closed for _, _, closed in calls):
+            raise ValueError(f"not {what}")
+        return [(name, arguments) for name, arguments, _ in calls]
+
+    def stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
+        calls = []
+        for name, arguments, closed in read(text, tools):
+            calls.append(_arguments_so_far(name, arguments, closed))
+            if not closed:
+                break
+        return calls
+
+    return parse, stream
 
 
-def _kimi_k3_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
-    calls = []
-    for name, arguments, closed in _xtml_calls(text, tools):
-        calls.append(_arguments_so_far(name, arguments, closed))
-        if not closed:
-            break
-    return calls
+_kimi_k3, _kimi_k3_stream = _from_closed_calls(_xtml_calls, "Kimi K3 calls")
 
 
 _MINICPM_CALL = re.compile(r'<function name="([^"]+)">(.*?)(</function>|$)', re.DOTALL)
@@ -393,20 +403,7 @@ def _minicpm5_calls(text: str, tools: dict[str, dict]) -> list[tuple[str, dict[s
     return calls
 
 
-def _minicpm5(text: str, tools: dict[str, dict]) -> list[Call]:
-    calls = _minicpm5_calls(text, tools)
-    if not calls or not all(closed for _, _, closed in calls):
-        raise ValueError("not MiniCPM5 function calls")
-    return [(name, arguments) for name, arguments, _ in calls]
-
-
-def _minicpm5_stream(text: str, tools: dict[str, dict]) -> list[PartialCall]:
-    calls = []
-    for name, arguments, closed in _minicpm5_calls(text, tools):
-        calls.append(_arguments_so_far(name, arguments, closed))
-        if not closed:
-            break
-    return calls
+_minicpm5, _minicpm5_stream = _from_closed_calls(_minicpm5_calls, "MiniCPM5 function calls")
 
 
 def _arg_tags(
