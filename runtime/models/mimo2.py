@@ -13,7 +13,7 @@ from torch import nn
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import Attention, Block
+from moerun.layers import Block
 from moerun.models.base import BuildContext
 from moerun.step import Step
 
@@ -49,23 +49,8 @@ class ScaledOutput(nn.Module):
 def build_block(ctx: BuildContext, layer: int) -> Block:
     a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
     sliding = a.swa_layers[layer]
-    n_kv = a.kv_heads_by_layer[layer]
-    attn: nn.Module = Attention(
-        wq=ctx.linear(f"{p}.attn_q"),
-        wk=ctx.linear(f"{p}.attn_k"),
-        wv=ctx.linear(f"{p}.attn_v"),
-        wo=ctx.linear(f"{p}.attn_output"),
-        rope=ctx.rope(base=a.rope_base_swa) if sliding else ctx.rope(),
-        cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim),
-        n_heads=a.n_heads,
-        n_kv_heads=n_kv,
-        head_dim=a.head_dim,
-        v_head_dim=a.v_head_dim,
-        scale=1.0 / math.sqrt(a.head_dim),
-        window=a.sliding_window if sliding else 0,
-        sinks=w.optional(f"{p}.attn_sinks.weight", torch.float32),
-        kernels=ctx.backend.kernels,
-    )
+    rope = ctx.rope(base=a.rope_base_swa) if sliding else ctx.rope()
+    attn: nn.Module = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim))  # sinks, window: the layer's
     if a.attn_value_scale not in (0.0, 1.0):
         attn = ScaledOutput(attn, a.attn_value_scale)
     ffn = ctx.routed_experts(layer) if f"{p}.ffn_gate_inp.weight" in w else ctx.feed_forward(layer)
