@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 import moerun
+from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import describe_model
 from moeprep.profile.regimes import REGIMES, Shape, generate
 from moerun.bench import run_bench
@@ -89,6 +91,12 @@ def measure(
     }
 
 
+def refuse(message: str) -> None:
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=MODEL)
@@ -105,6 +113,13 @@ def main() -> None:
     args = ap.parse_args()
     bw = Bandwidths(*(float(x) for x in args.gbps.split(",")))  # bus, moerun's CPU experts, llama.cpp's
     regimes = [r for r in REGIMES if r != "token-id"] if args.regimes == "all" else args.regimes.split(",")
+    prompt = args.prompt if args.cold else 0
+    if args.n_gen < 1 or prompt < 0 or prompt + args.n_gen > CHUNK:
+        refuse(f"-n {args.n_gen} and --prompt {prompt} must be at least 1 and 0 and fit a replayed chunk of {CHUNK}")
+    if unknown := [r for r in regimes if r not in REGIMES]:
+        refuse(f"unknown regime {unknown[0]}: choose from {', '.join(REGIMES)}")
+    if not args.model.is_file():
+        refuse(f"{args.model}: no such model file")
     rows = []
     print(
         f"expert traffic per decode token in ms at {bw.bus_gbps:g} GB/s bus, {bw.cpu_gbps:g} GB/s CPU experts "
@@ -118,7 +133,10 @@ def main() -> None:
     for regime in regimes:
         for share in SHARES:
             for plan in PLANS:
-                r = measure(args.model, regime, share, plan, bw, args.n_gen, args.prompt if args.cold else None)
+                try:
+                    r = measure(args.model, regime, share, plan, bw, args.n_gen, prompt if args.cold else None)
+                except MoeprepError as e:  # a model moerun cannot load or cache: one line, exit 2
+                    refuse(str(e))
                 rows.append(r)
                 print(
                     f"| {regime} | {share:.0%} | {plan} | {r['plan']} / {r['policy']} / {r['pinned']} | "

@@ -116,6 +116,9 @@ def test_bench_cache_warms_from_the_trace_chunks_it_does_not_replay():
             + ["--routing", "missing.npz"],
             "no such routing trace",
         ),
+        (["bench/bench_cache_plan.py", "--cold", "--prompt", "600"], "fit a replayed chunk of 512"),
+        (["bench/bench_cache_plan.py", "--regimes", "nope"], "unknown regime nope"),
+        (["bench/bench_cache_plan.py", "--model", "missing.gguf"], "missing.gguf: no such model file"),
     ],
 )
 def test_bench_scripts_refuse_bad_input_in_one_line(argv, message):
