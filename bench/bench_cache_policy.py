@@ -20,6 +20,15 @@ empty, at 10 / 25 / 38 / 50% of the experts cached, hit rates after the first 64
 It prints one table per regime and checks payback's targets: at every share a hit rate at least the best of LRU,
 LFU and ClassLRU (to TIE: where payback takes a peer's own ranking they differ only in its first steps), and on
 average at least half of the way from LRU to Belady.
+
+On the regimes with a latent router (all but `trained`) the table has a `state-oracle` row too: a cache that ranks
+experts by what the router's hidden state says of them (regimes.Hidden: the context state of the token just
+observed and the router's directions and offsets, which no policy seeing only the choices can know better), and
+lets a miss in when it outranks the lowest resident. Given that state the choices to come do not depend on those
+before, so it holds everything the past could tell an online policy; its distance from Belady is the part of
+Belady's lead that comes from the future's own draws (the next tokens' ids and noise). It is measured, not proven,
+a bound: ranking by the expected logit at a horizon is a natural rule, not shown optimal (the best of HORIZONS is
+taken at each share, in hindsight, which favours the oracle).
 """
 
 from __future__ import annotations
@@ -34,10 +43,11 @@ import numpy as np
 from moeprep.gguf.anatomy import model_geometry
 from moeprep.gguf.reader import open_gguf
 from moeprep.profile.heldout import SIZES, cache_slots
-from moeprep.profile.policy import POLICIES, Belady, UploadCost, make_policy, next_uses, replay
-from moeprep.profile.regimes import REGIMES, Shape, generate
+from moeprep.profile.policy import POLICIES, SPAN, Belady, Replacement, UploadCost, make_policy, next_uses, replay
+from moeprep.profile.regimes import REGIMES, Hidden, Shape, generate, generate_with_hidden
 from moeprep.profile.routing_stats import SIZES as REGIME_SIZES
-from moeprep.profile.routing_stats import hit_rates
+from moeprep.profile.routing_stats import WARM_AFTER, hit_rates
+from moeprep.profile.tracefile import TraceFile
 
 HERE = Path(__file__).resolve().parent
 # every policy that adapts; static needs a profile
@@ -45,6 +55,51 @@ COMPARED = ("lru", "lfu", "lfuda", "classlru", "admit2", "payback", "cost-paybac
 REGIME_POLICIES = ("lru", "lfu", "classlru", "payback", "cost-payback", "belady", "oracle")
 PEERS = ("lru", "lfu", "classlru")  # what payback must match at every share
 TIE = 0.0005  # a hit-rate difference this small is a tie: the policies choose the same experts but for a few steps
+HORIZONS = (1, 4, 8, 32)  # tokens ahead at which the state oracle ranks the experts' expected logits
+
+
+class StateOracle(Replacement):
+    """Keeps the experts the router's hidden state makes most likely `ahead` tokens after the token just observed:
+    priority = Hidden.expected_logits (recency breaking ties). Row b is a cache of MoE layer layers[b] stepping
+    through context states states[b] [T, D] (its chunk's, one per token)."""
+
+    name = "state-oracle"
+
+    def __init__(self, slots, n_expert: int, top_k: int, hidden: Hidden, layers, states: np.ndarray, ahead: float):
+        super().__init__(slots, n_expert, top_k)
+        self.hidden, self.layers, self.states, self.ahead = hidden, np.asarray(layers), states, ahead
+
+    def priority(self, rows: np.ndarray) -> np.ndarray:
+        now = self.states[rows, np.maximum(self.tokens[rows] - 1, 0)]  # [R, D] the state of the last token seen
+        h = self.hidden
+        scale = h.p.context * h.p.rho**self.ahead
+        mu = scale * np.einsum("rd,red->re", now, h.directions[self.layers[rows]]) + h.offsets[self.layers[rows]]
+        return mu * SPAN + self.last[rows]
+
+
+def state_oracle_rates(t: TraceFile, hidden: Hidden, sizes=REGIME_SIZES, horizons=HORIZONS) -> np.ndarray:
+    """[H, S] the state oracle's hit rate (warm, as hit_rates counts it) at each horizon and share: every chunk a
+    fresh session, every layer a cache of its own starting empty, no upload cap."""
+    n_m, n_k, n_e = t.n_layers, t.top_k, t.n_expert
+    slots = np.array([cache_slots(s, n_e) for s in sizes])
+    ids, valid = t.routing_trace().padded(range(t.n_chunks))  # [C, T, M, K], [C, T]
+    n_c, n_t = valid.shape
+    states = np.zeros((n_c, n_t, hidden.states.shape[1]))
+    for c in range(n_c):
+        states[c, : valid[c].sum()] = hidden.states[t.starts[c] : t.starts[c + 1]]
+    shape = (n_c, len(sizes), n_m)  # rows
+    rows_ids = np.broadcast_to(ids.transpose(0, 2, 1, 3)[:, None], (*shape, n_t, n_k)).reshape(-1, n_t, n_k)
+    rows_valid = np.broadcast_to(valid[:, None, None], (*shape, n_t)).reshape(-1, n_t)
+    rows_states = np.broadcast_to(states[:, None, None], (*shape, *states.shape[1:])).reshape(-1, *states.shape[1:])
+    rows_slots = np.broadcast_to(slots[None, :, None], shape).reshape(-1)
+    rows_layer = np.broadcast_to(np.arange(n_m)[None, None], shape).reshape(-1)
+    warm = (rows_valid & (np.arange(n_t) >= WARM_AFTER)[None]).reshape(*shape, n_t)
+    out = np.zeros((len(horizons), len(sizes)))
+    for hi, ahead in enumerate(horizons):
+        oracle = StateOracle(rows_slots, n_e, n_k, hidden, rows_layer, rows_states, ahead)
+        hits = replay(oracle, np.ascontiguousarray(rows_ids), rows_valid).hits.reshape(*shape, n_t)
+        out[hi] = (hits * warm).sum(axis=(0, 2, 3)) / np.maximum(warm.sum(axis=(0, 2, 3)) * n_k, 1)
+    return out
 
 
 def load_stream(path: Path, n_tokens: int | None) -> np.ndarray:
@@ -77,9 +132,14 @@ def run_policy(name: str, ids: np.ndarray, n_expert: int, caps: tuple[int | None
 def regime_table(name: str, layers: int, tokens: int) -> dict:
     """Hit rates (warm) and uploads per token per layer of every policy at every share on one regime's trace."""
     r = REGIMES[name]
-    t = generate(name, Shape(layers, r.shape.experts, r.shape.top_k), tokens, r.target_chunk)
+    shape = Shape(layers, r.shape.experts, r.shape.top_k)
+    if name == "trained":  # recorded routing: no hidden state
+        t, oracle = generate(name, shape, tokens, r.target_chunk), None
+    else:
+        t, hidden = generate_with_hidden(name, shape, tokens, r.target_chunk)
+        oracle = state_oracle_rates(t, hidden)
     slots, hits, uploads = hit_rates(t, REGIME_SIZES, REGIME_POLICIES)
-    return {
+    out = {
         "experts": t.n_expert,
         "top_k": t.top_k,
         "layers": layers,
@@ -92,15 +152,24 @@ def regime_table(name: str, layers: int, tokens: int) -> dict:
             p: [float(uploads[i, s].mean()) for s in range(len(REGIME_SIZES))] for i, p in enumerate(REGIME_POLICIES)
         },
     }
+    if oracle is not None:
+        out["state_oracle"] = {f"{h:g}": oracle[i].tolist() for i, h in enumerate(HORIZONS)}
+        out["hit"]["state-oracle"] = oracle.max(axis=0).tolist()  # the best horizon at each share
+    return out
+
+
+def way_to_belady(res: dict, policy: str) -> float:
+    """The mean over shares of (policy - LRU) / (Belady - LRU), by hit rate."""
+    hit = res["hit"]
+    lru, belady, mine = (np.array(hit[p]) for p in ("lru", "belady", policy))
+    return float(((mine - lru) / np.maximum(belady - lru, 1e-9)).mean())
 
 
 def payback_verdict(res: dict) -> tuple[np.ndarray, float]:
     """(payback's hit rate minus the best of PEERS at each share, mean share of the way from LRU to Belady)."""
     hit = res["hit"]
     best_peer = np.max([hit[p] for p in PEERS], axis=0)
-    lru, belady, payback = (np.array(hit[p]) for p in ("lru", "belady", "payback"))
-    way = (payback - lru) / np.maximum(belady - lru, 1e-9)
-    return payback - best_peer, float(way.mean())
+    return np.array(hit["payback"]) - best_peer, way_to_belady(res, "payback")
 
 
 def print_regimes(results: dict) -> None:
@@ -120,12 +189,17 @@ def print_regimes(results: dict) -> None:
                 for h, u in zip(res["hit"][p], res["uploads"][p])
             ]
             print(f"| {p} | " + " | ".join(cells) + " |")
+        if "state-oracle" in res["hit"]:
+            print("| state-oracle | " + " | ".join(f"{h:.1%}" for h in res["hit"]["state-oracle"]) + " |")
         ahead, way = payback_verdict(res)
+        bound = (
+            f"; the state oracle's: {way_to_belady(res, 'state-oracle'):.0%}" if "state-oracle" in res["hit"] else ""
+        )
         print(
             f"payback minus the best of {', '.join(PEERS)}: "
             + " / ".join(f"{100 * d:+.2f}" for d in ahead)
             + f" points (at least it, to {100 * TIE:.2f} points: {'yes' if (ahead >= -TIE).all() else 'no'}); "
-            f"of the way from LRU to Belady on average: {way:.0%}"
+            f"of the way from LRU to Belady on average: {way:.0%}{bound}"
         )
 
 

@@ -105,7 +105,7 @@ class Regime:
     about: str  # one line
     shape: Shape  # the shape the targets are stated at
     targets: tuple[Target, ...]
-    generate: Callable[..., TraceFile]  # (shape, lengths, seed) -> trace
+    generate: Callable[..., TraceFile]  # (shape, lengths, seed, hidden=False) -> trace (and Hidden if hidden)
     source: str  # where the targets come from
     target_tokens: int = 8192
     target_chunk: int = 1024
@@ -133,6 +133,25 @@ def _context(rng: np.random.Generator, n: int, rho: float, turn: int) -> np.ndar
     return states
 
 
+@dataclass(frozen=True)
+class Hidden:
+    """What a latent_routing router knows and a policy that sees only its choices does not: the context states and
+    the router's parameters. Given the state at token t, the choices after t do not depend on the choices before
+    it, so an online policy can infer from the past at most this (the bench's state oracle ranks by it)."""
+
+    p: Latent
+    states: np.ndarray  # [N, D] the context state c_t of every token (chunks laid end to end)
+    directions: np.ndarray  # [M, E, D] u_le
+    offsets: np.ndarray  # [M, E] b_le, head boost included
+
+    def expected_logits(self, layer: int, states: np.ndarray, ahead: float) -> np.ndarray:
+        """[T, E] the mean of layer's logits `ahead` tokens after each of `states` [T, D], over the unknowns (the
+        state's drift, the token's id, the noise): context * rho**ahead * <u_le, c_t> + b_le. Every expert's logit
+        has the same spread around it, so ranking by it is ranking by the chance of being chosen then."""
+        scale = self.p.context * self.p.rho**ahead
+        return scale * states @ self.directions[layer].T + self.offsets[layer]
+
+
 def latent_routing(
     p: Latent,
     shape: Shape,
@@ -143,6 +162,19 @@ def latent_routing(
 ) -> tuple[np.ndarray, np.ndarray]:
     """ids [N, M, K] int64 and weights [N, M, K] float32 for chunks of `lengths` tokens (each a fresh session).
     turns: a chunk label's turn length, over p.turn."""
+    ids, weights, _ = latent_routing_hidden(p, shape, lengths, seed, labels, turns)
+    return ids, weights
+
+
+def latent_routing_hidden(
+    p: Latent,
+    shape: Shape,
+    lengths: list[int],
+    seed: int,
+    labels: list[str] | None = None,
+    turns: dict[str, int] | None = None,
+) -> tuple[np.ndarray, np.ndarray, Hidden]:
+    """latent_routing's ids and weights, and its hidden state."""
     rng = np.random.default_rng(seed)
     m, e, k = shape.layers, shape.experts, shape.top_k
     if k > e:
@@ -153,7 +185,7 @@ def latent_routing(
     for layer in range(m):
         offsets[layer, rng.permutation(e)[: p.head]] += p.head_boost
     words = rng.standard_normal((VOCAB, DIMS)) / np.sqrt(DIMS)  # w_v, about unit length
-    ids, weights = [], []
+    ids, weights, states = [], [], []
     for c, n in enumerate(lengths):
         turn = (turns or {}).get(labels[c], p.turn) if labels else p.turn
         state = _context(rng, n, p.rho, turn)  # [T, D]
@@ -171,7 +203,8 @@ def latent_routing(
             chunk_ids[:, layer], chunk_w[:, layer] = top, w / w.sum(axis=1, keepdims=True)
         ids.append(chunk_ids)
         weights.append(chunk_w)
-    return np.concatenate(ids), np.concatenate(weights)
+        states.append(state)
+    return np.concatenate(ids), np.concatenate(weights), Hidden(p, np.concatenate(states), experts, offsets)
 
 
 def chunk_lengths(tokens: int, chunk: int) -> list[int]:
@@ -184,10 +217,10 @@ def chunk_lengths(tokens: int, chunk: int) -> list[int]:
 def _latent_generator(
     name: str, p: Latent, source: str, labels: tuple[str, ...] = (), turns: dict[str, int] | None = None
 ):
-    def generate(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
+    def generate(shape: Shape, lengths: list[int], seed: int, hidden: bool = False) -> TraceFile:
         chunk_labels = [labels[c % len(labels)] for c in range(len(lengths))] if labels else None
-        ids, weights = latent_routing(p, shape, lengths, seed, chunk_labels, turns)
-        return TraceFile(
+        ids, weights, state = latent_routing_hidden(p, shape, lengths, seed, chunk_labels, turns)
+        trace = TraceFile(
             ids,
             np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
             shape.experts,
@@ -196,6 +229,7 @@ def _latent_generator(
             source=f"moeprep routing generate --regime {name} --seed {seed}",
             labels=None if chunk_labels is None else np.array(chunk_labels),
         )
+        return (trace, state) if hidden else trace
 
     generate.__doc__ = f"A `{name}` trace: latent_routing with {p}. Targets from {source}."
     return generate
@@ -206,7 +240,7 @@ def _latent_generator(
 TRAINED_SHAPE = Shape(6, 32, 4)
 
 
-def _trained(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
+def _trained(shape: Shape, lengths: list[int], seed: int, hidden: bool = False) -> TraceFile:
     """The recorded routing of the trained bench model (bench/models/bench-qwen3moe-f16.gguf: 6 MoE layers, 32
     experts, top-4) on held-out text, taken in order, its 512-token windows laid end to end and cut into `lengths`.
     At another shape, by this rule: layer l follows recorded layer l mod 6, its expert ids relabelled by a permutation
@@ -216,6 +250,8 @@ def _trained(shape: Shape, lengths: list[int], seed: int) -> TraceFile:
     probable), so a token's first two choices take their experts' first part and its last two the next. E must be
     a multiple of 32 and K of 4, with K/4 <= E/32. Targets from `moeprep profile` of that model on held-out text
     (LRU 50.0% at 25% and 78.5% at 50% cached)."""
+    if hidden:
+        raise MoeprepError("the trained regime is recorded routing: it has no hidden state to show")
     with np.load(TRAINED_TRACE) as z:
         recorded = z["experts"].astype(np.int64)  # [N, 6, 4]
     if sum(lengths) > len(recorded):
@@ -340,11 +376,21 @@ def regime(name: str) -> Regime:
 
 
 def generate(name: str, shape: Shape, tokens: int, chunk: int, seed: int = 0) -> TraceFile:
+    _check_shape(shape)
+    return regime(name).generate(shape, chunk_lengths(tokens, chunk), seed)
+
+
+def generate_with_hidden(name: str, shape: Shape, tokens: int, chunk: int, seed: int = 0) -> tuple[TraceFile, Hidden]:
+    """`generate`'s trace and the router's hidden state behind it (latent_routing regimes only)."""
+    _check_shape(shape)
+    return regime(name).generate(shape, chunk_lengths(tokens, chunk), seed, hidden=True)
+
+
+def _check_shape(shape: Shape) -> None:
     if min(shape.layers, shape.experts, shape.top_k) < 1:
         raise MoeprepError("--layers, --experts and --top-k must be at least 1")
     if shape.top_k > shape.experts:
         raise MoeprepError(f"--top-k {shape.top_k} is more than --experts {shape.experts}")
-    return regime(name).generate(shape, chunk_lengths(tokens, chunk), seed)
 
 
 @dataclass
