@@ -1,13 +1,13 @@
-"""The policy bench's state oracle: a cache that ranks experts by the router's hidden state (what bounds any policy
-that sees only the choices). The hidden state comes with the same trace `generate` writes; the oracle's ranking and
-hits are checked on hand-made states and traces."""
+"""The policy bench's state oracle, a cache that ranks experts by the router's hidden state (what bounds any policy
+that sees only the choices), and its seeded replay. The hidden state comes with the same trace `generate` writes;
+the oracle's ranking and hits, and a seeded cache's, are checked on hand-made states and traces."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.bench_cache_policy import StateOracle, state_oracle_rates
+from bench.bench_cache_policy import StateOracle, seeded_rates, state_oracle_rates
 from moeprep.errors import MoeprepError
 from moeprep.profile.policy import make_policy, replay
 from moeprep.profile.regimes import Hidden, Latent, Shape, generate, generate_with_hidden
@@ -81,3 +81,14 @@ def test_state_oracle_rates_count_warm_tokens_of_every_chunk() -> None:
     hidden = hand_hidden(np.tile([1.0, 0.0], (2 * n, 1)))
     rates = state_oracle_rates(t, hidden, sizes=(0.34, 1.0), horizons=(1, 8))
     assert np.allclose(rates, [[5 / 6, 5 / 6], [0.0, 5 / 6]])
+
+
+def test_seeded_rates_seed_each_chunk_with_the_other_chunks() -> None:
+    """LFU with one slot of three experts. Chunk 0: expert 0 for 64 tokens, then 1 1 1 1 0 0; chunk 1: expert 1 for
+    70 tokens. Seeded from chunk 1, chunk 0 starts with 1 weighing 256 uses, which 0's 64 never pass: warm hits
+    at the four 1s. Seeded from chunk 0 (0: 66 uses, 1: 4, so 241 and 15 seeded), chunk 1 keeps 0 throughout: no
+    hits. (Unseeded, chunk 0 would keep 0 and hit the last two, chunk 1 keep 1 and hit all six.)"""
+    chunk0 = np.concatenate([np.zeros(64, np.int64), [1, 1, 1, 1, 0, 0]])
+    ids = np.concatenate([chunk0, np.ones(70, np.int64)])[:, None, None]
+    t = TraceFile(ids, np.array([0, 70, 140]), 3)
+    assert np.allclose(seeded_rates(t, "lfu", sizes=(0.34,)), [4 / 12])
