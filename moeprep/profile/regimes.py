@@ -14,7 +14,8 @@ explains) and b_le a fixed standard normal offset (some experts busier than othe
 experts of each layer (a heavy head: a few experts every context favours). The K largest logits are the
 token's choice; their softmax, renormalised over the K, its gate weights. A chat session (`turn` > 0) is a series
 of turns of about `turn` tokens; at each turn's start the state jumps to a fresh draw (a new message, a new topic)
-while the session's cache carries on.
+while the session's cache carries on. `latent_routing_hidden` also gives what the router knows and a cache does not
+(`Hidden`: the states c_t, the directions u_le, the offsets), which the policy bench's state oracle ranks by.
 
 A regime's targets are stated at its own shape (`shape`), over a trace of `target_tokens` tokens in chunks of
 `target_chunk`, and checked by tests/test_routing_regimes.py with `moeprep routing stats`'s definitions
@@ -142,12 +143,12 @@ class Hidden:
     p: Latent
     states: np.ndarray  # [N, D] the context state c_t of every token (chunks laid end to end)
     directions: np.ndarray  # [M, E, D] u_le
-    offsets: np.ndarray  # [M, E] b_le, head boost included
+    offsets: np.ndarray  # [M, E] popularity * b_le, head boost included
 
     def expected_logits(self, layer: int, states: np.ndarray, ahead: float) -> np.ndarray:
         """[T, E] the mean of layer's logits `ahead` tokens after each of `states` [T, D], over the unknowns (the
-        state's drift, the token's id, the noise): context * rho**ahead * <u_le, c_t> + b_le. Every expert's logit
-        has the same spread around it, so ranking by it is ranking by the chance of being chosen then."""
+        state's drift, the token's id, the noise): context * rho**ahead * <u_le, c_t> + offset. Every expert's logit
+        has the same spread around it, so ranking by it ranks, roughly, by the chance of being chosen then."""
         scale = self.p.context * self.p.rho**ahead
         return scale * states @ self.directions[layer].T + self.offsets[layer]
 
