@@ -18,7 +18,7 @@ while the session's cache carries on. `latent_routing_hidden` also gives what th
 (`Hidden`: the states c_t, the directions u_le, the offsets), which the policy bench's state oracle ranks by.
 
 A regime's targets are stated at its own shape (`shape`), over a trace of `target_tokens` tokens in chunks of
-`target_chunk`, and checked by tests/test_routing_regimes.py with `moeprep routing stats`'s definitions
+`target_chunk`, and checked by tests/profile/test_routing.py with `moeprep routing stats`'s definitions
 (routing_stats.py). At other shapes the same parameters give the same kind of routing, not the same numbers.
 
 Letters: T tokens of a chunk, M MoE layers, E experts, K experts per token, D context dimensions.
