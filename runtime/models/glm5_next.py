@@ -173,15 +173,19 @@ class HyperBlock(nn.Module):
         ffn: nn.Module,
         first: bool,
         last: bool,
+        head: nn.Module | None = None,
     ) -> None:
+        """`head`: what the last block returns of its streams (T, N, D) -> (T, D): their mean without one,
+        DeepSeek-V4's weighted sum (its output_hc_*) with one."""
         super().__init__()
         self.hc_attn, self.attn_norm, self.attn = hc_attn, attn_norm, attn
         self.hc_ffn, self.ffn_norm, self.ffn = hc_ffn, ffn_norm, ffn
-        self.first, self.last = first, last
+        self.first, self.last, self.head = first, last, head
 
     def forward(self, x: torch.Tensor, delta: None, step: Step) -> tuple[torch.Tensor, None]:
-        """x (T, D) for the first block, else (T, N, D) -> (T, N, D), or their mean (T, D) from the last block. The
-        merges sum their streams themselves: no pending delta (layers.Block's) comes in or goes out."""
+        """x (T, D) for the first block, else (T, N, D) -> (T, N, D), or their mean (T, D) (or the head's mix) from
+        the last block. The merges sum their streams themselves: no pending delta (layers.Block's) comes in or goes
+        out."""
         assert delta is None
         streams = x[:, None, :].expand(-1, self.hc_attn.n, -1) if self.first else x
         h, post, comb = self.hc_attn.split(streams)
@@ -189,7 +193,9 @@ class HyperBlock(nn.Module):
         h, post, comb = self.hc_ffn.split(streams)
         _, normed, i8 = self.ffn_norm.add_forward_i8(h, None)  # i8: normed's rounding for the FFN's products, or None
         streams = self.hc_ffn.merge(self.ffn(normed, step, i8), streams, post, comb)
-        return streams.mean(1) if self.last else streams, None
+        if not self.last:
+            return streams, None
+        return (streams.mean(1) if self.head is None else self.head(streams)), None
 
 
 # ------------------------------------------------------------------------------------------------------ KDA
