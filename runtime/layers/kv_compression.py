@@ -65,39 +65,58 @@ class KVCompressor(nn.Module):
             "cache", torch.zeros(n_seq, n_ctx // ratio + 1, self.width, device=device), persistent=False
         )
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (T, D) -> its rows (T, 2, cW): the values, and the scores with the ape row of each position."""
+        return torch.stack([self.kv(x).float(), self.gate(x).float() + self.ape[positions % self.ratio]], dim=1)
+
     def update(self, x: torch.Tensor, seq: int, positions: torch.Tensor) -> None:
-        """x (T, D) of sequence `seq` at consecutive `positions`: the entries of the blocks they complete into the
-        cache, their rows into the state."""
+        """x (T, D) of sequence `seq` at consecutive `positions` (a prompt chunk): the entries of the blocks they
+        complete into the cache, their rows into the state."""
         r = self.ratio
-        rows = torch.stack([self.kv(x).float(), self.gate(x).float() + self.ape[positions % r]], dim=1)  # (T, 2, cW)
-        first = int(positions[0])
+        rows, first = self.project(x, positions), positions[0]
         ends = positions[(positions + 1) % r == 0]
         if len(ends):
             blocks = (ends + 1) // r - 1  # (B,)
             own = blocks[:, None] * r + torch.arange(r, device=x.device)  # (B, r) the blocks' positions
-            values, scores = self.sources(rows, seq, first, own)
-            entries = (torch.softmax(scores, dim=1) * values).sum(1)  # (B, W)
-            self.cache[seq, blocks] = rotate_tail(self.rope, self.norm(entries)[:, None], blocks * r)[:, 0]
+
+            def read(pos: torch.Tensor) -> torch.Tensor:  # the step's own rows from `first` on, the state's before
+                own_rows = rows[(pos - first).clamp(0, len(rows) - 1)]
+                return torch.where((pos >= first)[..., None, None], own_rows, self.state[seq, pos % self.state_size])
+
+            self.cache[seq, blocks] = self.entries(read, own, blocks)
         keep = min(len(positions), self.state_size)
         self.state[seq, positions[-keep:] % self.state_size] = rows[-keep:]
 
-    def sources(self, rows: torch.Tensor, seq: int, first: int, own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The values and scores (B, n, W) each block's entry mixes: its own tokens' rows (n = ratio), or the
-        previous block's first halves then its own second halves (overlapping: n = 2 ratio)."""
-        if not self.overlap:
-            cur = self._rows(rows, seq, first, own)
-            return cur[:, :, 0], cur[:, :, 1]
-        W = self.width
-        prev, cur = self._rows(rows, seq, first, own - self.ratio), self._rows(rows, seq, first, own)
-        values = torch.cat([prev[:, :, 0, :W], cur[:, :, 0, W:]], dim=1)
-        scores = torch.cat([prev[:, :, 1, :W], cur[:, :, 1, W:]], dim=1)
-        return values, scores
+    def update_tokens(self, x: torch.Tensor, seqs: torch.Tensor, positions: torch.Tensor) -> None:
+        """One token each of distinct sequences `seqs` (T,) (decode steps), without a host sync: each token's row
+        into the state, then the entry of the block it is in into the cache, complete or not (an unfinished block's
+        entry is seen by no query, and is written again when its last token comes)."""
+        r = self.ratio
+        self.state[seqs, positions % self.state_size] = self.project(x, positions)
+        blocks = positions // r  # (T,)
+        own = blocks[:, None] * r + torch.arange(r, device=x.device)  # (T, r)
+        entries = self.entries(lambda pos: self.state[seqs[:, None], pos % self.state_size], own, blocks)
+        self.cache[seqs, blocks] = entries
 
-    def _rows(self, rows: torch.Tensor, seq: int, first: int, pos: torch.Tensor) -> torch.Tensor:
-        """(B, n, 2, cW) rows at positions `pos` (B, n): the step's own from `first` on, the state's before; before
-        position 0 a zero value with score -inf."""
-        step_rows = rows[(pos - first).clamp(0, len(rows) - 1)]
-        out = torch.where((pos >= first)[..., None, None], step_rows, self.state[seq, pos % self.state_size])
+    def entries(self, read, own: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The entries (B, W) of `blocks` (B,) whose positions are `own` (B, r), read(positions (B, n)) giving their
+        rows (B, n, 2, cW): per channel the softmax over its own tokens' rows (n = ratio), or over the previous
+        block's first halves and its own second halves (overlapping: n = 2 ratio); then normed and rotated."""
+        if self.overlap:
+            W = self.width
+            prev, cur = self._masked(read, own - self.ratio), self._masked(read, own)
+            values = torch.cat([prev[:, :, 0, :W], cur[:, :, 0, W:]], dim=1)
+            scores = torch.cat([prev[:, :, 1, :W], cur[:, :, 1, W:]], dim=1)
+        else:
+            cur = self._masked(read, own)
+            values, scores = cur[:, :, 0], cur[:, :, 1]
+        entries = (torch.softmax(scores, dim=1) * values).sum(1)  # (B, W)
+        return rotate_tail(self.rope, self.norm(entries)[:, None], blocks * self.ratio)[:, 0]
+
+    @staticmethod
+    def _masked(read, pos: torch.Tensor) -> torch.Tensor:
+        """read(pos), with a zero value and score -inf before position 0."""
+        out = read(pos)
         before = (pos < 0)[..., None]
         out[..., 0, :] = out[..., 0, :].masked_fill(before, 0.0)
         out[..., 1, :] = out[..., 1, :].masked_fill(before, float("-inf"))

@@ -124,18 +124,26 @@ class EntryIndexer(nn.Module):
         self.rope, self.n_heads, self.head_size, self.top_k = rope, a.indexer_heads, a.indexer_head_size, a.top_k
 
     def select(
-        self, qr: torch.Tensor, x: torch.Tensor, seq: int, positions: torch.Tensor, visible: torch.Tensor
+        self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, seq
     ) -> torch.Tensor:
-        """(T, B) bool: the visible entries each query keeps; qr (T, Cq) its q LoRA latent, x (T, D) its input."""
+        """(T, B) bool: the visible entries each query keeps; qr (T, Cq) its q LoRA latent, x (T, D) its input, seq
+        its sequence (a number) or each query's (T,)."""
         T, B = visible.shape
         if B <= self.top_k:
             return visible
         q = rotate_tail(self.rope, self.q(qr).view(T, self.n_heads, self.head_size), positions)  # (T, Hi, di)
         w_heads = self.proj(x).float() / math.sqrt(self.n_heads * self.head_size)  # (T, Hi)
-        entries = self.keys.cache[seq, :B]  # (B, di)
-        scores = (torch.einsum("thd,bd->thb", q, entries).relu() * w_heads[..., None]).sum(1)
+        scores = (
+            torch.einsum("thd,tbd->thb", q, per_query(self.keys.cache, seq, B, T)).relu() * w_heads[..., None]
+        ).sum(1)
         top = scores.masked_fill(~visible, float("-inf")).topk(self.top_k, dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True) & visible
+
+
+def per_query(cache: torch.Tensor, seq, n: int, T: int) -> torch.Tensor:
+    """The first n rows (T, n, W) of `cache` (n_seq, S, W) each query reads: its sequence's, `seq` a number for all
+    (a view, no copy) or one per query (T,)."""
+    return cache[seq, :n].expand(T, -1, -1) if isinstance(seq, int) else cache[seq, :n]
 
 
 class CompressedAttention(nn.Module):
@@ -174,15 +182,19 @@ class CompressedAttention(nn.Module):
         q = self.wq_b(qr).view(T, H, d).float()
         q = rotate_tail(self.rope, q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + self.eps), positions)
         kv = rotate_tail(self.rope, self.kv_norm(self.wkv(x))[:, None], positions)[:, 0]  # (T, d)
-        if step.seqs is None:
-            out = self._segment(x, qr, q, kv, int(step.seq), positions)
-        else:  # tokens of several sequences: each reads its own sequence's keys
+        if step.seqs is None and T > 1:  # a prompt chunk
+            out = self._attend(q, qr, x, kv, int(step.seq), positions, step.n_slots)
+        elif step.seqs is None or step.capture is not None or len(set(step.seqs.tolist())) == T:
+            # decode tokens, one per sequence: no host sync, so that a CUDA graph can hold the step
+            seqs = step.seqs if step.seqs is not None else torch.full_like(positions, int(step.seq))
+            out = self._attend(q, qr, x, kv, seqs, positions, step.n_slots)
+        else:  # single tokens of which some share a sequence: in order, each after the one before
             out = torch.cat(
                 [
-                    self._segment(
-                        x[t : t + 1], qr[t : t + 1], q[t : t + 1], kv[t : t + 1], int(s), positions[t : t + 1]
+                    self._attend(
+                        q[t : t + 1], qr[t : t + 1], x[t : t + 1], kv[t : t + 1], s, positions[t : t + 1], p + 1
                     )
-                    for t, s in enumerate(step.seqs.tolist())
+                    for t, (s, p) in enumerate(zip(step.seqs.tolist(), positions.tolist()))
                 ]
             )
         out = rotate_tail(self.rope, out, positions, inverse=True).reshape(T, self.wo_a.weight.shape[0], -1)
@@ -198,39 +210,53 @@ class CompressedAttention(nn.Module):
         weight = self.wo_a.weight
         return torch.einsum("tgi,gri->tgr", out.to(weight.dtype), weight).float().reshape(T, -1)
 
-    def _segment(
-        self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, seq: int, positions: torch.Tensor
+    def _attend(
+        self,
+        q: torch.Tensor,
+        qr: torch.Tensor,
+        x: torch.Tensor,
+        kv: torch.Tensor,
+        seq: int | torch.Tensor,
+        positions: torch.Tensor,
+        n: int,
     ) -> torch.Tensor:
-        """Consecutive tokens of one sequence: store their keys, build what they complete, attend -> (T, H, d)."""
-        self.raw[seq].index_copy_(0, positions, kv)
-        n = int(positions.max()) + 1
+        """Store the tokens' keys and build the entries they complete, then attend -> (T, H, d). `seq`: a number for
+        consecutive tokens of one sequence (a prompt chunk), or each token's (T,), one token per sequence; n: the raw
+        slots read."""
+        T = len(positions)
+        chunk = isinstance(seq, int)
+        if chunk:
+            self.raw[seq].index_copy_(0, positions, kv)
+        else:
+            self.raw.index_put_((seq, positions), kv)
         slots, p = torch.arange(n, device=x.device)[None, :], positions[:, None]
         allowed = slots <= p
         if self.window:
             allowed &= slots > p - self.window
-        keys = self.raw[seq, :n]
-        if self.compressor is not None:
-            self.compressor.update(x, seq, positions)
-            B = n // self.ratio
-            if B:
-                visible = torch.arange(B, device=x.device)[None, :] < (p + 1) // self.ratio  # (T, B)
-                if self.indexer is not None:
-                    self.indexer.keys.update(x, seq, positions)
-                    visible = self.indexer.select(qr, x, seq, positions, visible)
-                keys = torch.cat([keys, self.compressor.cache[seq, :B]])
-                allowed = torch.cat([allowed, visible], dim=1)
-            elif self.indexer is not None:
-                self.indexer.keys.update(x, seq, positions)
-        return self._attend(q, keys, allowed)
+        keys = per_query(self.raw, seq, n, T)
+        for compressor in (self.compressor, self.indexer.keys if self.indexer is not None else None):
+            if compressor is not None and chunk:
+                compressor.update(x, seq, positions)
+            elif compressor is not None:
+                compressor.update_tokens(x, seq, positions)
+        B = n // self.ratio if self.ratio else 0
+        if B:
+            visible = torch.arange(B, device=x.device)[None, :] < (p + 1) // self.ratio  # (T, B)
+            if self.indexer is not None:
+                visible = self.indexer.select(qr, x, positions, visible, seq)
+            keys = torch.cat([keys, per_query(self.compressor.cache, seq, B, T)], dim=1)
+            allowed = torch.cat([allowed, visible], dim=1)
+        return self._softmax(q, keys, allowed)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """q (T, H, d) over keys (S, d) that are the values too, where allowed (T, S), with the heads' sinks."""
+    def _softmax(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q (T, H, d) over its keys (T, S, d), which are the values too, where allowed (T, S), with the heads'
+        sinks."""
         T, H, _ = q.shape
-        scores = torch.einsum("thd,sd->ths", q, keys) / math.sqrt(self.d)
+        scores = torch.einsum("thd,tsd->ths", q, keys) / math.sqrt(self.d)
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
         sinks = self.sinks[None, :, None].expand(T, H, 1)
         probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
-        return torch.einsum("ths,sd->thd", probs, keys)
+        return torch.einsum("ths,tsd->thd", probs, keys)
 
 
 class HyperHead(nn.Module):

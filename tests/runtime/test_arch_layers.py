@@ -744,9 +744,9 @@ def compressed_f64(
 
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
 def test_kv_compressor(ratio, overlap):
-    """The entries a sequence completes, fed as a prompt in chunks of odd lengths and then token by token (so blocks
-    straddle steps and the state's ring), equal the float64 reference over the whole sequence; a second sequence keeps
-    its own; starting over at position 0 reads nothing of the first run."""
+    """The entries a sequence completes, fed as a prompt in chunks of odd lengths and then as decode steps of both
+    sequences side by side (so blocks straddle steps and the state's ring), equal the float64 reference over the
+    whole sequence; starting over at position 0 reads nothing of the first run."""
     from moerun.layers.kv_compression import KVCompressor
 
     gen = torch.Generator().manual_seed(37)
@@ -768,8 +768,10 @@ def test_kv_compressor(ratio, overlap):
     w["norm"] = norm.double().numpy()
     xs = [torch.randn(T, D, generator=gen) for _ in range(2)]
     for seq, x in enumerate(xs):
-        for a, b in ((0, 13), (13, 19), *((t, t + 1) for t in range(19, T))):
+        for a, b in ((0, 13), (13, 19)):
             layer.update(x[a:b], seq, torch.arange(a, b))
+    for t in range(19, T):  # both sequences' decode steps side by side
+        layer.update_tokens(torch.stack([xs[0][t], xs[1][t]]), torch.tensor([0, 1]), torch.tensor([t, t]))
     for seq, x in enumerate(xs):
         want = compressed_f64(x.double().numpy(), w, ratio, overlap, dim, base)
         np.testing.assert_allclose(layer.cache[seq, : T // ratio].double().numpy(), want, atol=1e-4, rtol=1e-4)

@@ -205,6 +205,13 @@ def test_cached_decode_equals_prefill(synth_model, calibration_text):
         ]
     torch.testing.assert_close(torch.stack([b[0] for b in batched]), full[124:132], **tol)
     torch.testing.assert_close(torch.stack([b[1] for b in batched]), other_full[124:132], **tol)
+    # single tokens of one step, two of them of one sequence with another's between: in order
+    with torch.inference_mode():
+        mixed = model.forward_batch(
+            torch.stack([tokens[132], other[132], tokens[133]]), torch.tensor([132, 132, 133]), torch.tensor([0, 1, 0])
+        )
+    torch.testing.assert_close(mixed[[0, 2]], full[132:134], **tol)
+    torch.testing.assert_close(mixed[1], other_full[132], **tol)
 
 
 def test_compressed_entries_count(synth_model, calibration_text):
