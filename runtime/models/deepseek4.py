@@ -37,6 +37,7 @@ from moerun.models.glm5_next import HyperBlock, HyperConnection
 from moerun.step import Step
 
 CSA_RATIO, HCA_RATIO = 4, 128  # the overlapping compression with an indexer, and the plain one
+QUERY_BLOCK = 128  # queries scored at once: (128, H, S) float32 scores
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
@@ -133,17 +134,20 @@ class EntryIndexer(nn.Module):
             return visible
         q = rotate_tail(self.rope, self.q(qr).view(T, self.n_heads, self.head_size), positions)  # (T, Hi, di)
         w_heads = self.proj(x).float() / math.sqrt(self.n_heads * self.head_size)  # (T, Hi)
-        scores = (
-            torch.einsum("thd,tbd->thb", q, per_query(self.keys.cache, seq, B, T)).relu() * w_heads[..., None]
-        ).sum(1)
+        scores = (products(q, rows_read(self.keys.cache, seq, B)).relu() * w_heads[..., None]).sum(1)
         top = scores.masked_fill(~visible, float("-inf")).topk(self.top_k, dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True) & visible
 
 
-def per_query(cache: torch.Tensor, seq, n: int, T: int) -> torch.Tensor:
-    """The first n rows (T, n, W) of `cache` (n_seq, S, W) each query reads: its sequence's, `seq` a number for all
-    (a view, no copy) or one per query (T,)."""
-    return cache[seq, :n].expand(T, -1, -1) if isinstance(seq, int) else cache[seq, :n]
+def rows_read(cache: torch.Tensor, seq, n: int) -> torch.Tensor:
+    """The first n rows of `cache` (n_seq, S, W) the queries read: (n, W) of sequence `seq` where it is a number
+    (every query's), else (T, n, W), one sequence per query."""
+    return cache[seq, :n]
+
+
+def products(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """q (T, H, d) times rows (n, d) shared by the queries, or (T, n, d) each its own -> (T, H, n)."""
+    return torch.einsum("thd,nd->thn" if rows.dim() == 2 else "thd,tnd->thn", q, rows)
 
 
 class CompressedAttention(nn.Module):
@@ -171,8 +175,8 @@ class CompressedAttention(nn.Module):
             self.rope = ctx.rope(scaled=False)
         self.compressor = compressor(ctx, layer, "attn", self.ratio, self.rope) if self.ratio else None
         self.indexer = EntryIndexer(ctx, layer, a, self.rope) if self.ratio == CSA_RATIO else None
-        self.register_buffer(  # the raw keys, one slot per position
-            "raw", torch.zeros(ctx.n_seq, ctx.n_ctx, self.d, device=w.device), persistent=False
+        self.register_buffer(  # the raw keys, one slot per position, in the compute dtype (as KVCache keeps them)
+            "raw", torch.zeros(ctx.n_seq, ctx.n_ctx, self.d, dtype=w.dtype, device=w.device), persistent=False
         )
 
     def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
@@ -223,17 +227,16 @@ class CompressedAttention(nn.Module):
         """Store the tokens' keys and build the entries they complete, then attend -> (T, H, d). `seq`: a number for
         consecutive tokens of one sequence (a prompt chunk), or each token's (T,), one token per sequence; n: the raw
         slots read."""
-        T = len(positions)
         chunk = isinstance(seq, int)
         if chunk:
-            self.raw[seq].index_copy_(0, positions, kv)
+            self.raw[seq].index_copy_(0, positions, kv.to(self.raw.dtype))
         else:
-            self.raw.index_put_((seq, positions), kv)
+            self.raw.index_put_((seq, positions), kv.to(self.raw.dtype))
         slots, p = torch.arange(n, device=x.device)[None, :], positions[:, None]
         allowed = slots <= p
         if self.window:
             allowed &= slots > p - self.window
-        keys = per_query(self.raw, seq, n, T)
+        keys = rows_read(self.raw, seq, n).float()
         for compressor in (self.compressor, self.indexer.keys if self.indexer is not None else None):
             if compressor is not None and chunk:
                 compressor.update(x, seq, positions)
@@ -244,19 +247,22 @@ class CompressedAttention(nn.Module):
             visible = torch.arange(B, device=x.device)[None, :] < (p + 1) // self.ratio  # (T, B)
             if self.indexer is not None:
                 visible = self.indexer.select(qr, x, positions, visible, seq)
-            keys = torch.cat([keys, per_query(self.compressor.cache, seq, B, T)], dim=1)
+            keys = torch.cat([keys, rows_read(self.compressor.cache, seq, B)], dim=-2)
             allowed = torch.cat([allowed, visible], dim=1)
         return self._softmax(q, keys, allowed)
 
     def _softmax(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """q (T, H, d) over its keys (T, S, d), which are the values too, where allowed (T, S), with the heads'
-        sinks."""
-        T, H, _ = q.shape
-        scores = torch.einsum("thd,tsd->ths", q, keys) / math.sqrt(self.d)
-        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-        sinks = self.sinks[None, :, None].expand(T, H, 1)
-        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
-        return torch.einsum("ths,tsd->thd", probs, keys)
+        """q (T, H, d) over its keys, (S, d) shared or (T, S, d) each its own, which are the values too, where
+        allowed (T, S), with the heads' sinks; QUERY_BLOCK queries at a time, which bounds the scores' memory."""
+        out = []
+        for a in range(0, len(q), QUERY_BLOCK):
+            qb, kb = q[a : a + QUERY_BLOCK], keys if keys.dim() == 2 else keys[a : a + QUERY_BLOCK]
+            scores = products(qb, kb) / math.sqrt(self.d)
+            scores = scores.masked_fill(~allowed[a : a + QUERY_BLOCK, None, :], float("-inf"))
+            sinks = self.sinks[None, :, None].expand(len(qb), -1, 1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+            out.append(torch.einsum("ths,sd->thd" if kb.dim() == 2 else "ths,tsd->thd", probs, kb))
+        return torch.cat(out)
 
 
 class HyperHead(nn.Module):

@@ -232,3 +232,16 @@ def test_compressed_entries_count(synth_model, calibration_text):
             blind = np.abs(streams_out(block, x, step) - want).max((1, 2)) / np.abs(want).max()
         assert errors.max() <= 1e-4
         assert blind[:first_entry].max() <= 1e-4 and blind[first_entry:].max() > 1e-2, f"block {layer}"
+
+
+def test_inspect_shows_the_attention_pattern(synth_model):
+    """`moeprep inspect` names each block's attention from attention.compress_ratios (the NextN block's included)."""
+    from moeprep.gguf.anatomy import describe_model
+
+    geometry = describe_model(open_gguf(synth_model("deepseek4"))).geometry
+    assert geometry.attention == {
+        "window": [0, 3],
+        "window + 1/4 compressed, indexed": [1],
+        "window + 1/128 compressed": [2],
+    }
+    assert geometry.nextn_layers == [3]
