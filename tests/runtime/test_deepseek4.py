@@ -67,12 +67,13 @@ def run_both(model: moerun.Model, path: Path, tokens: list[int]):
     return ref, ours, experts
 
 
-@pytest.mark.parametrize("weights", ["F32", "F16"])
-def test_matches_llama_cpp(weights, synth_model, calibration_text):
+@pytest.mark.parametrize("weights,options", [("F32", {}), ("F16", {}), ("F32", {"yarn": True})], ids=str)
+def test_matches_llama_cpp(weights, options, synth_model, calibration_text):
     """Logits within 1e-3 relative, the same top-1 token wherever llama.cpp's leads clearly, the same experts at
     every (token, layer) including the hash-routed layer, each block within 1e-4 (F32) / 2.5e-4 (F16) of llama.cpp
-    given its input."""
-    path = synth_model("deepseek4", expert_type=weights, attn_type=weights)
+    given its input. With YaRN the compressed layers' RoPE is scaled (and its magnitude factor cancelled), the
+    others' not."""
+    path = synth_model("deepseek4", expert_type=weights, attn_type=weights, **options)
     model = moerun.load_model(path)
     tokens = tokens_of(model, calibration_text)
     ref, ours, experts = run_both(model, path, tokens)
@@ -245,3 +246,25 @@ def test_inspect_shows_the_attention_pattern(synth_model):
         "window + 1/128 compressed": [2],
     }
     assert geometry.nextn_layers == [3]
+
+
+@pytest.mark.parametrize("key", ["attention.compress_ratios", "attention.output_group_count", "hyper_connection.count"])
+def test_without_its_keys_is_refused(key, synth_model, tmp_path):
+    """Keys llama.cpp's deepseek4 loader requires: a file without one is refused in one line naming it."""
+    from moeprep.errors import MoeprepError
+
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, open_gguf(synth_model("deepseek4")), kv_remove=[f"deepseek4.{key}"])
+    with pytest.raises(MoeprepError, match=f"deepseek4.{key}"):
+        moerun.load_model(path)
+
+
+def test_an_unknown_compression_ratio_is_refused(synth_model, tmp_path):
+    """llama.cpp compresses by 4 or 128 only; another ratio is refused in one line."""
+    from moeprep.errors import MoeprepError
+
+    path = tmp_path / "ratio8.gguf"
+    ratios = KVValue([0, 8, 128, 0], GGUFValueType.ARRAY, GGUFValueType.UINT32)
+    write_gguf(path, open_gguf(synth_model("deepseek4")), kv_set={"deepseek4.attention.compress_ratios": ratios})
+    with pytest.raises(MoeprepError, match="compress_ratios must give every block 0, 4 or 128"):
+        moerun.load_model(path)
