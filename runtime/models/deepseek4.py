@@ -31,9 +31,9 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SQRT_SOFTPLUS, ModelArgs, required_key
 from moerun.layers import Activation, HashRouter, Linear, MoE, Rope
+from moerun.layers.hyper_connections import HyperBlock, HyperConnection, HyperHead
 from moerun.layers.kv_compression import KVCompressor, rotate_tail
 from moerun.models.base import BuildContext
-from moerun.models.glm5_next import HyperBlock, HyperConnection
 from moerun.step import Step
 
 CSA_RATIO, HCA_RATIO = 4, 128  # the overlapping compression with an indexer, and the plain one
@@ -265,25 +265,6 @@ class CompressedAttention(nn.Module):
         return torch.cat(out)
 
 
-class HyperHead(nn.Module):
-    """The last streams (T, N, D) -> (T, D): summed with weights sigmoid(fn(rms-normed streams) scale + base) + eps."""
-
-    def __init__(self, ctx: BuildContext, a: Deepseek4Args) -> None:
-        super().__init__()
-        w = ctx.weights
-        self.fn = Linear.load(w, "output_hc_fn", ctx.hooks, torch.float32)
-        self.register_buffer("base", w.dense("output_hc_base.weight", torch.float32), persistent=False)  # (N,)
-        self.register_buffer("scale", w.dense("output_hc_scale.weight", torch.float32), persistent=False)  # (1,)
-        self.norm_eps, self.eps = ctx.args.norm_eps, a.hc_eps
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        T, N, D = streams.shape
-        flat = streams.reshape(T, N * D)
-        mixes = self.fn(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.norm_eps))  # (T, N)
-        pre = torch.sigmoid(mixes * self.scale[0] + self.base) + self.eps
-        return (streams * pre[:, :, None]).sum(1)
-
-
 def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     args, w, hooks = ctx.args, ctx.weights, ctx.hooks
     a = Deepseek4Args.from_gguf(w.gguf)
@@ -294,14 +275,8 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
     ffn = MoE(layer, router, ctx.experts(layer, routed), hooks, shared=shared)
 
     def hc(site: str) -> HyperConnection:
-        return HyperConnection(
-            Linear.load(w, f"{p}.hc_{site}_fn", hooks, torch.float32),
-            w.dense(f"{p}.hc_{site}_base.weight", torch.float32),
-            w.dense(f"{p}.hc_{site}_scale.weight", torch.float32),
-            a.n_streams,
-            args.norm_eps,
-            a.hc_eps,
-            a.sinkhorn_iterations,
+        return HyperConnection.load(
+            w, hooks, f"{p}.hc_{site}", a.n_streams, args.norm_eps, a.hc_eps, a.sinkhorn_iterations
         )
 
     last = layer == args.n_layers - 1
@@ -314,5 +289,5 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
         ffn,
         first=layer == 0,
         last=last,
-        head=HyperHead(ctx, a) if last else None,
+        head=HyperHead.load(w, hooks, args.norm_eps, a.hc_eps) if last else None,
     )

@@ -7,8 +7,9 @@ attention of AFMoE (with and without RoPE), step35 (gated per head, half of each
 Laguna (softplus gates) (layers/attention.py, layers/rope.py), RoPE with and without the model's context scaling
 (layers/rope.py: Laguna's sliding layers), the post-normed block (layers/block.py), ReGLU and step35's clamped SwiGLU
 (layers/ffn.py), LFM2's gated short convolution (layers/short_conv.py), Kimi-K3's situ activation (layers/ffn.py),
-latent MoE (layers/moe.py) and cross-layer residual mix (models/kimi_k3.py), and DeepSeek-V4's compressed keys and
-tail rotation (layers/kv_compression.py), sqrt-softplus scores and hash routing (layers/moe.py)."""
+latent MoE (layers/moe.py) and cross-layer residual mix (models/kimi_k3.py), the hyper-connections of GLM-5.3-Flash
+and DeepSeek-V4 (layers/hyper_connections.py), and DeepSeek-V4's compressed keys and tail rotation
+(layers/kv_compression.py), sqrt-softplus scores and hash routing (layers/moe.py)."""
 
 from __future__ import annotations
 
@@ -814,3 +815,43 @@ def test_sqrt_softplus_and_hash_routing():
     ids, weights = HashRouter(gate, args, TORCH_KERNELS, table)(x, step)
     np.testing.assert_array_equal(ids.numpy(), table[tokens].numpy())
     np.testing.assert_allclose(weights.double().numpy(), weights_f64(table[tokens].numpy()), rtol=1e-5)
+
+
+def test_hyper_connections():
+    """A mixing site (layers/hyper_connections.py) against float64: the pre weights sum the streams into the sublayer's
+    input; Sinkhorn (softmax over destinations, then columns and rows normalised in turn) makes the mixing doubly
+    stochastic; the merge gives post_d y + sum_s comb[s, d] stream_s; the head mix sums the streams by its own weights."""
+    from moerun.layers.hyper_connections import HyperConnection, HyperHead
+
+    gen = torch.Generator().manual_seed(43)
+    T, N, iterations, hc_eps = 5, 4, 20, 1e-6
+    fn, base, scale = linear(gen, N * (2 + N), N * D), torch.randn(N * (2 + N), generator=gen), torch.rand(3) + 0.5
+    site = HyperConnection(fn, base, scale, N, EPS, hc_eps, iterations)
+    head_fn, head_base = linear(gen, N, N * D), torch.randn(N, generator=gen)
+    head = HyperHead(head_fn, head_base, scale[:1], EPS, hc_eps)
+    streams, y = torch.randn(T, N, D, generator=gen), torch.randn(T, D, generator=gen)
+    s = streams.double().numpy()
+    flat = s.reshape(T, N * D)
+    mixes = flat / np.sqrt((flat**2).mean(-1, keepdims=True) + EPS) @ fn.weight.double().numpy().T
+    b, c = base.double().numpy(), scale.double().numpy()
+    sigmoid = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    pre = sigmoid(mixes[:, :N] * c[0] + b[:N]) + hc_eps
+    post = 2 * sigmoid(mixes[:, N : 2 * N] * c[1] + b[N : 2 * N])
+    comb = (mixes[:, 2 * N :] * c[2] + b[2 * N :]).reshape(T, N, N)  # [t, src, dst]
+    comb = np.exp(comb - comb.max(-1, keepdims=True))
+    comb = comb / comb.sum(-1, keepdims=True) + hc_eps
+    comb = comb / (comb.sum(1, keepdims=True) + hc_eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(2, keepdims=True) + hc_eps)
+        comb = comb / (comb.sum(1, keepdims=True) + hc_eps)
+    h, got_post, got_comb = site.split(streams)
+    np.testing.assert_allclose(h.double().numpy(), (s * pre[:, :, None]).sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_post.double().numpy(), post, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_comb.double().numpy(), comb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(comb.sum(1), 1, atol=1e-4)  # doubly stochastic, to Sinkhorn's precision
+    np.testing.assert_allclose(comb.sum(2), 1, atol=1e-3)
+    merged = post[:, :, None] * y.double().numpy()[:, None, :] + np.einsum("tsd,tse->tde", comb, s)
+    np.testing.assert_allclose(site.merge(y, streams, got_post, got_comb).double().numpy(), merged, atol=1e-5)
+    head_mix = flat / np.sqrt((flat**2).mean(-1, keepdims=True) + EPS) @ head_fn.weight.double().numpy().T
+    weights = sigmoid(head_mix * c[0] + head_base.double().numpy()) + hc_eps
+    np.testing.assert_allclose(head(streams).double().numpy(), (s * weights[:, :, None]).sum(1), atol=1e-5)
