@@ -16,6 +16,10 @@ one without with rope.freq_base, unscaled. A query attends, under one softmax wi
 The output's rotation is taken back at the query's position; heads are then grouped (attention.output_group_count G):
 each group's heads go through their own attn_output_a slice (to output_lora_rank R), and attn_output_b maps the G R
 values back to D.
+State, per sequence: the raw keys (one slot per position), and per compressor its entries and a ring of its last
+rows (what an unfinished block needs); a step starting at position 0 reads nothing of an earlier run. A prompt chunk
+builds the entries of the blocks it completes; a decode step (one token per sequence) rewrites the entry of the
+block each token is in, finished or not, with no host sync, so that a CUDA graph can hold it.
 Letters: H heads, d head size, Hi/di the indexer's heads and key size, G groups, R the output LoRA rank.
 """
 
