@@ -93,9 +93,9 @@ class Deepseek4Args:
             n_streams=int(need("hyper_connection.count")),
             sinkhorn_iterations=int(need("hyper_connection.sinkhorn_iterations")),
             hc_eps=float(need("hyper_connection.epsilon")),
-            indexer_heads=int(g.get(key("attention.indexer.head_count"), 0)),
-            indexer_head_size=int(g.get(key("attention.indexer.key_length"), 0)),
-            top_k=int(g.get(key("attention.indexer.top_k"), 0)),
+            indexer_heads=int(need("attention.indexer.head_count")),
+            indexer_head_size=int(need("attention.indexer.key_length")),
+            top_k=int(need("attention.indexer.top_k")),
             clamp_exp=clamp_exp,
             clamp_shexp=per_block("swiglu_clamp_shexp", 0.0)
             if g.get(key("swiglu_clamp_shexp")) is not None
