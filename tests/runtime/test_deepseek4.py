@@ -248,7 +248,10 @@ def test_inspect_shows_the_attention_pattern(synth_model):
     assert geometry.nextn_layers == [3]
 
 
-@pytest.mark.parametrize("key", ["attention.compress_ratios", "attention.output_group_count", "hyper_connection.count"])
+@pytest.mark.parametrize(
+    "key",
+    ["attention.compress_ratios", "attention.output_group_count", "hyper_connection.count", "attention.indexer.top_k"],
+)
 def test_without_its_keys_is_refused(key, synth_model, tmp_path):
     """Keys llama.cpp's deepseek4 loader requires: a file without one is refused in one line naming it."""
     from moeprep.errors import MoeprepError
