@@ -16,8 +16,9 @@ one without with rope.freq_base, unscaled. A query attends, under one softmax wi
 The output's rotation is taken back at the query's position; heads are then grouped (attention.output_group_count G):
 each group's heads go through their own attn_output_a slice (to output_lora_rank R), and attn_output_b maps the G R
 values back to D.
-State, per sequence: the raw keys (one slot per position), and per compressor its entries and a ring of its last
-rows (what an unfinished block needs); a step starting at position 0 reads nothing of an earlier run. A prompt chunk
+State, per sequence: a ring of the raw keys of the last `sliding_window` positions, and per compressor its entries
+and a ring of its last rows (what an unfinished block needs); a step starting at position 0 reads nothing of an
+earlier run. A prompt chunk
 builds the entries of the blocks it completes; a decode step (one token per sequence) rewrites the entry of the
 block each token is in, finished or not, with no host sync, so that a CUDA graph can hold it.
 Letters: H heads, d head size, Hi/di the indexer's heads and key size, G groups, R the output LoRA rank.
@@ -179,8 +180,14 @@ class CompressedAttention(nn.Module):
             self.rope = ctx.rope(scaled=False)
         self.compressor = compressor(ctx, layer, "attn", self.ratio, self.rope) if self.ratio else None
         self.indexer = EntryIndexer(ctx, layer, a, self.rope) if self.ratio == CSA_RATIO else None
-        self.register_buffer(  # the raw keys, one slot per position, in the compute dtype (as KVCache keeps them)
-            "raw", torch.zeros(ctx.n_seq, ctx.n_ctx, self.d, dtype=w.dtype, device=w.device), persistent=False
+        # the raw keys, in the compute dtype (as KVCache keeps them): a ring of the window's positions (all of them
+        # without a window), with the position each slot holds (-1: none)
+        slots = min(self.window or ctx.n_ctx, ctx.n_ctx)
+        self.register_buffer(
+            "raw", torch.zeros(ctx.n_seq, slots, self.d, dtype=w.dtype, device=w.device), persistent=False
+        )
+        self.register_buffer(
+            "raw_pos", torch.full((ctx.n_seq, slots), -1, dtype=torch.long, device=w.device), persistent=False
         )
 
     def forward(self, x: torch.Tensor, step: Step, i8=None) -> torch.Tensor:
@@ -229,18 +236,14 @@ class CompressedAttention(nn.Module):
         n: int,
     ) -> torch.Tensor:
         """Store the tokens' keys and build the entries they complete, then attend -> (T, H, d). `seq`: a number for
-        consecutive tokens of one sequence (a prompt chunk), or each token's (T,), one token per sequence; n: the raw
-        slots read."""
+        consecutive tokens of one sequence (a prompt chunk), or each token's (T,), one token per sequence; n: the
+        step's slots (positions), of which n // ratio compressed entries are read."""
         chunk = isinstance(seq, int)
-        if chunk:
-            self.raw[seq].index_copy_(0, positions, kv.to(self.raw.dtype))
-        else:
-            self.raw.index_put_((seq, positions), kv.to(self.raw.dtype))
-        slots, p = torch.arange(n, device=x.device)[None, :], positions[:, None]
-        allowed = slots <= p
+        keys, key_pos = self._raw_keys(kv, seq, positions)
+        p = positions[:, None]
+        allowed = (key_pos >= 0) & (key_pos <= p)
         if self.window:
-            allowed &= slots > p - self.window
-        keys = rows_read(self.raw, seq, n).float()
+            allowed &= key_pos > p - self.window
         for compressor in (self.compressor, self.indexer.keys if self.indexer is not None else None):
             if compressor is not None and chunk:
                 compressor.update(x, seq, positions)
@@ -254,6 +257,23 @@ class CompressedAttention(nn.Module):
             keys = torch.cat([keys, rows_read(self.compressor.cache, seq, B)], dim=-2)
             allowed = torch.cat([allowed, visible], dim=1)
         return self._softmax(q, keys, allowed)
+
+    def _raw_keys(self, kv: torch.Tensor, seq, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the tokens' raw keys in the ring; return the keys the queries read and their positions: for a chunk
+        the ring's earlier positions then the chunk's own ((R + T, d), (1, R + T)), else each token's sequence's ring
+        after the write ((T, R, d), (T, R))."""
+        R = self.raw.shape[1]
+        if not isinstance(seq, int):
+            self.raw[seq, positions % R] = kv.to(self.raw.dtype)
+            self.raw_pos[seq, positions % R] = positions
+            return self.raw[seq].float(), self.raw_pos[seq]
+        earlier = self.raw_pos[seq].masked_fill(self.raw_pos[seq] >= positions[0], -1)  # a restart drops the rest
+        keys = torch.cat([self.raw[seq], kv.to(self.raw.dtype)]).float()  # the chunk's own rounded as stored
+        key_pos = torch.cat([earlier, positions])[None, :]
+        keep = min(len(positions), R)
+        self.raw[seq, positions[-keep:] % R] = kv[-keep:].to(self.raw.dtype)
+        self.raw_pos[seq, positions[-keep:] % R] = positions[-keep:]
+        return keys, key_pos
 
     def _softmax(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """q (T, H, d) over its keys, (S, d) shared or (T, S, d) each its own, which are the values too, where
