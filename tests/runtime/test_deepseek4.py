@@ -69,25 +69,31 @@ def run_both(model: moerun.Model, path: Path, tokens: list[int]):
 
 @pytest.mark.parametrize("weights,options", [("F32", {}), ("F16", {}), ("F32", {"yarn": True})], ids=str)
 def test_matches_llama_cpp(weights, options, synth_model, calibration_text):
-    """Logits within 1e-3 relative, the same top-1 token wherever llama.cpp's leads clearly, the same experts at
-    every (token, layer) including the hash-routed layer, each block within 1e-4 (F32) / 2.5e-4 (F16) of llama.cpp
-    given its input. With YaRN the compressed layers' RoPE is scaled (and its magnitude factor cancelled), the
-    others' not."""
+    """At the positions no routing near-tie decides (tests/near_ties.py; at least 90% of them): logits within 1e-3
+    relative, the same top-1 token where the two best are not as close, the same experts at every (token, layer)
+    including the hash-routed layer, each block within 1e-4 (F32) / 2.5e-4 (F16) of llama.cpp given its input. With
+    YaRN the compressed layers' RoPE is scaled (and its magnitude factor cancelled), the others' not."""
     path = synth_model("deepseek4", expert_type=weights, attn_type=weights, **options)
     model = moerun.load_model(path)
     tokens = tokens_of(model, calibration_text)
-    ref, ours, experts = run_both(model, path, tokens)
-    error = np.abs(ours - ref.logits).max()
-    assert error / np.abs(ref.logits).max() <= 1e-3, f"logits differ by {error / np.abs(ref.logits).max():.2e}"
-    top2 = np.sort(ref.logits, axis=-1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] > 2 * error
-    assert clear.mean() > 0.9 and (ours.argmax(-1) == ref.logits.argmax(-1))[clear].all()
+    with router_inputs(model) as inputs:
+        ref, ours, experts = run_both(model, path, tokens)
+    clear = judged(routing_margins(model, inputs))
+    with router_inputs(model) as inputs:
+        errors = block_errors(model, tokens, ref.streams)
+    forced = judged(routing_margins(model, inputs))
+    assert clear.mean() >= MIN_JUDGED and forced.mean() >= MIN_JUDGED, "too many routing near-ties"
+    error = np.abs(ours - ref.logits)[clear].max() / np.abs(ref.logits).max()
+    assert error <= 1e-3, f"logits differ by {error:.2e}"
+    top1 = clear & judged(top1_margins(ours))
+    assert (ours.argmax(-1) == ref.logits.argmax(-1))[top1].all()
     assert sorted(experts) == sorted(ref.topk) == [0, 1, 2]
     for layer, ids in ref.topk.items():
-        assert all(set(a) == set(b) for a, b in zip(experts[layer], ids)), f"layer {layer} chose other experts"
+        same = [set(a) == set(b) for a, b in zip(experts[layer][clear], ids[clear])]
+        assert all(same), f"layer {layer} chose other experts"
     bound = 1e-4 if weights == "F32" else 2.5e-4
-    errors = block_errors(model, tokens, ref.streams)
-    assert max(e.max() for e in errors) <= bound, [f"{e.max():.2e}" for e in errors]
+    worst = [e[forced].max() for e in errors]
+    assert max(worst) <= bound, [f"{e:.2e}" for e in worst]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
@@ -155,16 +161,18 @@ def test_indexer_selection_matches_llama_cpp(synth_model, calibration_text, tmp_
     attn, step = block.attn.attn, Step(torch.arange(T), n_slots=T)
     x, want = torch.from_numpy(ref.streams[0]), ref.streams[1]
     with torch.inference_mode():
-        errors = np.abs(streams_out(block, x, step) - want).max((1, 2)) / np.abs(want).max()
+        with router_inputs(model) as inputs:
+            errors = np.abs(streams_out(block, x, step) - want).max((1, 2)) / np.abs(want).max()
+        untied = judged(routing_margins(model, inputs))  # no routing near-tie either
         h, _, _ = block.hc_attn.split(x)
         ranked = indexer_scores(attn, block.attn_norm(h), step.positions).sort(-1, descending=True).values
         attn.indexer.top_k = T  # every entry
         dense_errors = np.abs(streams_out(block, x, step) - want).max((1, 2)) / np.abs(want).max()
     sparse = np.arange(T) >= 35
-    judged = sparse & (ranked[:, 7] != ranked[:, 8]).numpy()
-    assert judged.sum() >= 0.7 * sparse.sum()
-    assert errors[~sparse].max() <= 1e-4 and errors[judged].max() <= 1e-4
-    assert dense_errors[judged].max() > 10 * errors[judged].max()
+    clear = untied & sparse & (ranked[:, 7] != ranked[:, 8]).numpy()
+    assert clear.sum() >= 0.7 * sparse.sum()
+    assert errors[untied & ~sparse].max() <= 1e-4 and errors[clear].max() <= 1e-4
+    assert dense_errors[clear].max() > 10 * errors[clear].max()
 
 
 def indexer_scores(attn: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -227,12 +235,15 @@ def test_compressed_entries_count(synth_model, calibration_text):
         block = model.net.blocks[layer]
         x, want = torch.from_numpy(ref.streams[layer - 1]), ref.streams[layer]
         with torch.inference_mode():
-            errors = np.abs(streams_out(block, x, step) - want).max((1, 2)) / np.abs(want).max()
+            with router_inputs(model) as inputs:
+                errors = np.abs(streams_out(block, x, step) - want).max((1, 2)) / np.abs(want).max()
+            untied = judged(routing_margins(model, inputs))
             block.attn.attn.compressor.cache.zero_()
             block.attn.attn.compressor.update = lambda *args: None  # entries stay zero: keys of score 0, values 0
             blind = np.abs(streams_out(block, x, step) - want).max((1, 2)) / np.abs(want).max()
-        assert errors.max() <= 1e-4
-        assert blind[:first_entry].max() <= 1e-4 and blind[first_entry:].max() > 1e-2, f"block {layer}"
+        assert untied.mean() >= MIN_JUDGED and errors[untied].max() <= 1e-4
+        assert blind[:first_entry][untied[:first_entry]].max() <= 1e-4, f"block {layer}"
+        assert blind[first_entry:].max() > 1e-2, f"block {layer}"
 
 
 def test_inspect_shows_the_attention_pattern(synth_model):
