@@ -22,6 +22,7 @@ LLM, ATT, ROPE = Keys.LLM, Keys.Attention, Keys.Rope
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 GATING_SOFTMAX_WEIGHT = 3
+GATING_SQRT_SOFTPLUS = 4  # DeepSeek-V4: sqrt(softplus(logit))
 
 # Fixed values for architectures whose llama.cpp loader ignores the DeepSeek-style MoE keys (weights scale,
 # gating function, leading dense blocks) even when a file carries them; each such arch also fixes whether it

@@ -35,6 +35,8 @@ class Step:
     seqs: torch.Tensor | None = None  # (T,) int64, or None: every token is in `seq`
     groups: tuple[tuple[int, int, int, int], ...] = ()  # a mixed step's row groups, see group_rows and parts
     capture: Capture | None = None  # the CUDA-graph capture recording this step, if any (capture.py)
+    tokens: torch.Tensor | None = None  # (T,) the step's token ids, for routers that read them (DeepSeek-V4's hash
+    # layers); the Transformer sets them
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _copies: dict[torch.device, Step] = field(default_factory=dict)  # shared by the step and all its copies
     _parts: list[tuple[slice, Step]] = field(default_factory=list)

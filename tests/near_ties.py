@@ -30,8 +30,8 @@ import torch
 
 import moerun
 from moeprep.gguf.roles import parse_tensor_name
-from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
-from moerun.layers.moe import GATING_PROBS, Router
+from moerun.config import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, GATING_SQRT_SOFTPLUS
+from moerun.layers.moe import GATING_PROBS, HashRouter, Router
 
 TIE_BOUND = 1e-3
 MIN_JUDGED = 0.9
@@ -60,6 +60,8 @@ SCORE_SLOPES: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     GATING_SOFTMAX: lambda probs: probs * (1 - probs),
     GATING_SIGMOID: lambda probs: probs * (1 - probs),
     GATING_SOFTMAX_WEIGHT: torch.ones_like,
+    # p = sqrt(softplus(x)): dp/dx = sigmoid(x) / 2p, and sigmoid(x) = 1 - exp(-p^2)
+    GATING_SQRT_SOFTPLUS: lambda probs: -torch.expm1(-probs.square()) / (2 * probs),
 }
 
 
@@ -67,11 +69,13 @@ SCORE_SLOPES: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 def routing_margins(model: moerun.Model, inputs: dict[int, torch.Tensor]) -> np.ndarray:
     """(MoE layers, T): how far the router logits must drift to change a token's choice, over the range of its
     logits: the gap between the K-th and (K+1)-th selection scores (and, with expert groups, between the last kept
-    and the first dropped group) in logit units, as our router computes them."""
+    and the first dropped group) in logit units, as our router computes them. Hash-routed layers have none."""
     routers = {parse_tensor_name(m.gate.name).block: m for m in model.net.modules() if isinstance(m, Router)}
     margins = []
     for layer, x in sorted(inputs.items()):
         r = routers[layer]
+        if isinstance(r, HashRouter):  # the token id chooses: no margin to drift across
+            continue
         logits = r.gate(x).float()  # (T, E)
         probs = GATING_PROBS[r.gating](logits)
         slopes = SCORE_SLOPES[r.gating](probs).clamp(min=1e-30)

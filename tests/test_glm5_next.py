@@ -265,9 +265,10 @@ class LlamaRun:
     streams: dict[int, np.ndarray]  # layer -> (T, 4, D): llama.cpp's l_out, the 4 residual streams
 
 
-def llama_run(path: Path, tokens: list[int]) -> LlamaRun:
+def llama_run(path: Path, tokens: list[int], out_prefix: bytes = b"l_out-") -> LlamaRun:
     """tokens in one batch from position 0, F32 KV cache, no flash attention; records ffn_moe_topk-N and the 4-stream
-    l_out-N through the graph callback (as tests/oracle.llama_eval does for one-stream models)."""
+    l_out-N (`out_prefix`: deepseek4's graph names them l_last-N) through the graph callback (as
+    tests/oracle.llama_eval does for one-stream models)."""
     _backend()
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = 0
@@ -283,7 +284,7 @@ def llama_run(path: Path, tokens: list[int]) -> LlamaRun:
     @llama_cpp.ggml_backend_sched_eval_callback
     def on_tensor(tensor_p, ask, user_data):
         t = GGMLTensor.from_address(tensor_p)
-        k_layer, l_layer = layer_of(t.name, b"ffn_moe_topk-"), layer_of(t.name, b"l_out-")
+        k_layer, l_layer = layer_of(t.name, b"ffn_moe_topk-"), layer_of(t.name, out_prefix)
         if ask:
             return k_layer is not None or l_layer is not None
         if k_layer is not None:

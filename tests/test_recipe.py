@@ -41,6 +41,7 @@ FAMILIES = {
     "step35",
     "laguna",
     "kimi-k3",
+    "deepseek4",
 }
 GOOD = """
 name = "Test"

@@ -110,7 +110,8 @@ def test_k_quant_variants_load(arch: str, tmp_path: Path) -> None:
     model = open_gguf(path)
     types = {t.name: t.type_name for t in model.tensors}
     assert {v for k, v in types.items() if "_exps.weight" in k} == {"Q4_K"}
-    first_attention = next(name for name in types if name.endswith(".attn_output.weight"))  # hybrids: not every layer
+    # hybrids: not every layer; deepseek4's low-rank output ends in attn_output_b
+    first_attention = next(name for name in types if name.endswith((".attn_output.weight", ".attn_output_b.weight")))
     assert types[first_attention] == "Q6_K"
     assert np.isfinite(eval_logits(llama(path))).all()
 

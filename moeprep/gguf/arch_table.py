@@ -405,6 +405,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         INDEXER,
         HYPER_CONNECTIONS,
         HEAD_HYPER_CONNECTIONS,
+        # every block attends to a sliding window of raw keys, most also to compressed ones
+        attention_kinds=(
+            "attention.compress_ratios",
+            {0: "window", 4: "window + 1/4 compressed, indexed", 128: "window + 1/128 compressed"},
+        ),
     ),
     "dflash": _arch(
         "dflash",

@@ -14,6 +14,7 @@ from gguf import MODEL_ARCH, ExpertGatingFuncType, Keys
 
 from moeprep.synth.afmoe import AFMOE
 from moeprep.synth.config import SynthConfig
+from moeprep.synth.deepseek4 import DEEPSEEK4
 from moeprep.synth.gemma4 import GEMMA4
 from moeprep.synth.glm5_next import GLM5_NEXT
 from moeprep.synth.kimi_k3 import KIMI_K3
@@ -344,5 +345,8 @@ ARCHS: dict[str, ArchSpec] = {
         # Kimi-K3: Kimi-Linear's KDA and MLA layers with cross-layer residual attention, a latent MoE, the situ
         # activation and gated MLA (moeprep/synth/kimi_k3.py).
         KIMI_K3,
+        # DeepSeek-V4: hyper-connections, one shared KV head over a sliding window plus compressed keys (some chosen
+        # by a lightning indexer), a grouped low-rank output, sqrt-softplus and hash routing (moeprep/synth/deepseek4.py).
+        DEEPSEEK4,
     )
 }

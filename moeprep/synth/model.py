@@ -44,7 +44,8 @@ ROLE_TYPES: dict[TensorRole, Callable[[SynthConfig], GGMLQuantizationType]] = {
 # Tensors whose type is fixed whatever attn_type says. attn_k_b: on CPUs with AMX, llama.cpp (0c1e570) puts an F16
 # or quantized attn_k_b in its AMX buffer, whose matmul then refuses absorbed MLA's permuted activations and the
 # graph fails to schedule (GGML_ASSERT(*cur_backend_id != -1)); F32 weights never go there.
-PINNED_TYPES: dict[str, GGMLQuantizationType] = {"attn_k_b": Q.F32}
+# ffn_gate_tid2eid: DeepSeek-V4's token -> experts table, integers llama.cpp reads as I32.
+PINNED_TYPES: dict[str, GGMLQuantizationType] = {"attn_k_b": Q.F32, "ffn_gate_tid2eid": Q.I32}
 # general.file_type names the bulk of the bytes: the experts' type.
 FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
     Q.F32: LlamaFileType.ALL_F32,

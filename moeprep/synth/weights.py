@@ -178,7 +178,9 @@ def random_blocks(
 
 def quantize(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Bytes of float `values` in qtype: moeprep's quantizers (byte-equal to ggml's) for every type they cover,
-    gguf-py for the rest (MXFP4)."""
+    gguf-py for the rest (MXFP4); integer tables (I32) as they are."""
+    if qtype == Q.I32:
+        return np.ascontiguousarray(values, dtype=np.int32).view(np.uint8)
     rows = values.reshape(-1, values.shape[-1])
     if qtype in registry.QUANTIZERS:
         data = registry.quantize_rows(rows, qtype)

@@ -41,7 +41,7 @@ from moerun.layers.ffn import (
     swiglu_oai,
 )
 from moerun.layers.linear import Linear
-from moerun.layers.moe import ExpertCompute, GGUFExperts, LatentMoE, MoE, Router
+from moerun.layers.moe import ExpertCompute, GGUFExperts, HashRouter, LatentMoE, MoE, Router
 from moerun.layers.norm import RMSNorm, add_rms_norm, rms_norm
 from moerun.layers.ops import Kernels, device_of
 from moerun.layers.reference import TORCH_KERNELS
@@ -60,6 +60,7 @@ __all__ = [
     "ExpertCompute",
     "FeedForward",
     "GGUFExperts",
+    "HashRouter",
     "Kernels",
     "LatentMoE",
     "Linear",

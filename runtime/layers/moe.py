@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +15,7 @@ from moerun.config import (
     GATING_SIGMOID,
     GATING_SOFTMAX,
     GATING_SOFTMAX_WEIGHT,
+    GATING_SQRT_SOFTPLUS,
     ModelArgs,
 )
 from moerun.hooks import Hooks
@@ -31,8 +33,8 @@ from torch import nn
 class Router(nn.Module):
     """Chooses K experts per token and their gate weights, following llama.cpp's build_moe_ffn.
 
-    gating: softmax or sigmoid over the router logits, or (gpt-oss) softmax over the chosen logits only; then
-    the chosen weights are renormalised to sum 1 if args.expert_weights_norm, and scaled by expert_weights_scale.
+    gating: softmax, sigmoid or sqrt(softplus) over the router logits, or (gpt-oss) softmax over the chosen logits
+    only; then the chosen weights are renormalised to sum 1 if args.expert_weights_norm, and scaled by expert_weights_scale.
     `selection_bias` (exp_probs_b) shifts only the choice, not the weights. With expert groups, each group scores
     the sum of its two best experts and only the best `n_group_used` groups compete.
     """
@@ -47,7 +49,12 @@ class Router(nn.Module):
         self.n_groups, self.n_group_used = args.n_expert_groups, args.n_group_used
         self.register_buffer("selection_bias", selection_bias, persistent=False)
         self.kernels = kernels
-        plain = self.kernels.route is not None and selection_bias is None and self.n_groups <= 1
+        plain = (  # the fused kernel knows softmax, sigmoid and softmax-weight scores
+            self.kernels.route is not None
+            and selection_bias is None
+            and self.n_groups <= 1
+            and self.gating != GATING_SQRT_SOFTPLUS
+        )
         self.choose = self.choose_plain if plain else self.choose_general
 
     @classmethod
@@ -77,6 +84,10 @@ class Router(nn.Module):
         if self.n_groups > 1:
             scores = self._mask_groups(scores)
         ids = torch.topk(scores, self.k, dim=-1).indices  # (T, K)
+        return ids, self.weigh(probs, ids)
+
+    def weigh(self, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' gate weights (T, K) from the scores (T, E)."""
         weights = probs.gather(-1, ids)
         if self.gating == GATING_SOFTMAX_WEIGHT:
             weights = torch.softmax(weights, dim=-1)
@@ -84,7 +95,7 @@ class Router(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
         if self.scale not in (0.0, 1.0):
             weights = weights * self.scale
-        return ids, weights
+        return weights
 
     def _mask_groups(self, scores: torch.Tensor) -> torch.Tensor:
         T, E = scores.shape
@@ -95,10 +106,32 @@ class Router(nn.Module):
         return grouped.masked_fill(mask[..., None], float("-inf")).view(T, E)
 
 
+class HashRouter(Router):
+    """DeepSeek-V4's first layers: the experts come from the token id (ffn_gate_tid2eid, a (V, K) table), the
+    weights from the router's scores at them, renormalised and scaled as the Router's. Reads step.tokens."""
+
+    def __init__(self, gate: Linear, args: ModelArgs, kernels: Kernels, table: torch.Tensor) -> None:
+        super().__init__(gate, args, kernels)
+        self.register_buffer("table", table.long(), persistent=False)  # (V, K)
+
+    @classmethod
+    def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, kernels: Kernels) -> HashRouter:
+        name = f"blk.{layer}.ffn_gate_tid2eid.weight"
+        info = w.info(name)
+        table = torch.from_numpy(w.gguf.raw(info).view(np.int32).reshape(info.shape).astype(np.int64))
+        return cls(Linear.load(w, f"blk.{layer}.ffn_gate_inp", hooks, torch.float32), args, kernels, table.to(w.device))
+
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert step is not None and step.tokens is not None, "a hash router reads the step's token ids"
+        ids = self.table[step.tokens.to(self.table.device)]  # (T, K)
+        return ids, self.weigh(GATING_PROBS[self.gating](self.gate(x).float()), ids)
+
+
 GATING_PROBS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     GATING_SOFTMAX: lambda logits: torch.softmax(logits, dim=-1),
     GATING_SIGMOID: torch.sigmoid,
     GATING_SOFTMAX_WEIGHT: lambda logits: logits,
+    GATING_SQRT_SOFTPLUS: lambda logits: torch.sqrt(F.softplus(logits)),
 }
 
 

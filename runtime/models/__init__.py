@@ -13,6 +13,7 @@ ARCHS: dict[str, str] = {  # general.architecture -> its module in moerun.models
     "bailingmoe2": "bailingmoe2",
     "deepseek2": "deepseek2",
     "deepseek32": "deepseek32",
+    "deepseek4": "deepseek4",
     "glm4moe": "glm4moe",
     "glm-dsa": "glm_dsa",
     "glm5-next": "glm5_next",

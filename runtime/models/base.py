@@ -227,6 +227,7 @@ class Transformer(nn.Module):
         """tokens (T,) at step.positions -> logits (T, V) float32, or (R, V) for the rows `outputs` (R,) only: the
         final norm and the output head, the largest matmul of a prompt chunk, run only where logits are wanted."""
         x, delta = self.embed(tokens), None  # the residual stream is x + delta (T, D): see Block
+        step.tokens = tokens  # for routers that read the token ids (before the step is copied to another device)
         capture = step.capture if self.layout.spans_devices else None
         for device, run in self.runs:
             if delta is not None:  # a boundary between runs: the stream crosses as one tensor

@@ -2,11 +2,9 @@
 layers and absorbed MLA without RoPE (DSA) in the others, leading dense blocks, sigmoid-routed experts with a shared
 expert, clamped SwiGLU everywhere. The trailing NextN (multi-token prediction) block is not run.
 
-Hyper-connections. The residual is 4 streams (T, 4, D); the first block copies the embedding into all four and the
-last returns their mean, so the Transformer around the blocks still sees (T, D). Before the attention and before
-the FFN, hc_*_fn reads the RMS-normed streams (all 4 D values) and gives per token: 4 `pre` weights that sum the
-streams into the sublayer's input, 4 `post` weights for the sublayer's output in each stream, and a 4x4 stream
-mixing matrix made doubly stochastic by Sinkhorn iterations: stream d out = post_d y + sum_s comb[s, d] stream s.
+Hyper-connections (runtime/layers/hyper_connections.py). The residual is 4 streams (T, 4, D); the first block
+copies the embedding into all four and the last returns their mean, so the Transformer around the blocks still sees
+(T, D).
 
 KDA. q, k, v each through a short causal convolution (its last kernel-1 inputs kept per sequence) and SiLU; q and
 k L2-normalised per head; per head a (Hd, Hd) state S decays per key channel by exp(g), g = softplus(f_b(f_a(x))
@@ -35,14 +33,13 @@ from torch import nn
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs, required_key
-from moerun.hooks import Hooks
 from moerun.layers import Activation, Linear, MoE, RMSNorm
 from moerun.layers.delta_rule import delta_rule_chunked, delta_rule_recurrent
+from moerun.layers.hyper_connections import HyperBlock, HyperConnection
 from moerun.models.base import BuildContext
 from moerun.models.deepseek2 import MLAttention, rope_attn_factor
 from moerun.models.deepseek32 import Selection, SparseMLA, shared_indexer_sources
 from moerun.step import Step
-from moerun.weights import Weights
 
 L2_EPS = 1e-6  # llama.cpp's q/k L2 norm for KDA (as the reference FLA kernels)
 
@@ -107,89 +104,6 @@ class Glm5NextArgs:
             kpool=int(need("attention.indexer.kpool")),
             layer_norm_eps=float(g.get(key("attention.layer_norm_epsilon"), 0.0)),
         )
-
-
-# ------------------------------------------------------------------------------------------ hyper-connections
-
-
-class HyperConnection(nn.Module):
-    """One mixing site (hc_attn_* or hc_ffn_*): streams (T, N, D) -> the sublayer input, then the new streams."""
-
-    def __init__(
-        self, fn: Linear, base: torch.Tensor, scale: torch.Tensor, n: int, norm_eps: float, eps: float, iterations: int
-    ) -> None:
-        super().__init__()
-        self.fn, self.n, self.norm_eps, self.eps, self.iterations = fn, n, norm_eps, eps, iterations
-        self.register_buffer("base", base, persistent=False)  # (N (2 + N),): pre, post, then the N x N mixing
-        self.register_buffer("scale", scale, persistent=False)  # (3,)
-
-    @classmethod
-    def load(cls, w: Weights, hooks: Hooks, prefix: str, a: Glm5NextArgs, norm_eps: float) -> HyperConnection:
-        return cls(
-            Linear.load(w, f"{prefix}_fn", hooks, torch.float32),
-            w.dense(f"{prefix}_base.weight", torch.float32),
-            w.dense(f"{prefix}_scale.weight", torch.float32),
-            a.n_streams,
-            norm_eps,
-            a.hc_eps,
-            a.sinkhorn_iterations,
-        )
-
-    def split(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams (T, N, D) -> sublayer input (T, D), post weights (T, N), mixing comb (T, N src, N dst)."""
-        T, N, D = streams.shape
-        flat = streams.reshape(T, N * D)
-        mixes = self.fn(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.norm_eps))  # (T, N (2 + N))
-        pre = torch.sigmoid(mixes[:, :N] * self.scale[0] + self.base[:N]) + self.eps
-        post = 2 * torch.sigmoid(mixes[:, N : 2 * N] * self.scale[1] + self.base[N : 2 * N])
-        comb = (mixes[:, 2 * N :] * self.scale[2] + self.base[2 * N :]).view(T, N, N)  # [t, src, dst]
-        return (streams * pre[:, :, None]).sum(1), post, self._sinkhorn(comb)
-
-    def _sinkhorn(self, logits: torch.Tensor) -> torch.Tensor:
-        """Softmax over destinations, then alternately columns (over sources) and rows normalised to 1."""
-        comb = torch.softmax(logits, dim=-1) + self.eps
-        comb = comb / (comb.sum(1, keepdim=True) + self.eps)
-        for _ in range(self.iterations - 1):
-            comb = comb / (comb.sum(2, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(1, keepdim=True) + self.eps)
-        return comb
-
-    @staticmethod
-    def merge(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """Stream d: post_d y + sum_s comb[s, d] stream_s -> (T, N, D)."""
-        return post[:, :, None] * y[:, None, :] + torch.einsum("tsd,tse->tde", comb, streams)
-
-
-class HyperBlock(nn.Module):
-    """hc_attn -> attn_norm -> attention -> hc_attn merge, then the same around ffn_norm and the FFN."""
-
-    def __init__(
-        self,
-        hc_attn: HyperConnection,
-        attn_norm: RMSNorm,
-        attn: nn.Module,
-        hc_ffn: HyperConnection,
-        ffn_norm: RMSNorm,
-        ffn: nn.Module,
-        first: bool,
-        last: bool,
-    ) -> None:
-        super().__init__()
-        self.hc_attn, self.attn_norm, self.attn = hc_attn, attn_norm, attn
-        self.hc_ffn, self.ffn_norm, self.ffn = hc_ffn, ffn_norm, ffn
-        self.first, self.last = first, last
-
-    def forward(self, x: torch.Tensor, delta: None, step: Step) -> tuple[torch.Tensor, None]:
-        """x (T, D) for the first block, else (T, N, D) -> (T, N, D), or their mean (T, D) from the last block. The
-        merges sum their streams themselves: no pending delta (layers.Block's) comes in or goes out."""
-        assert delta is None
-        streams = x[:, None, :].expand(-1, self.hc_attn.n, -1) if self.first else x
-        h, post, comb = self.hc_attn.split(streams)
-        streams = self.hc_attn.merge(self.attn(self.attn_norm(h), step), streams, post, comb)
-        h, post, comb = self.hc_ffn.split(streams)
-        _, normed, i8 = self.ffn_norm.add_forward_i8(h, None)  # i8: normed's rounding for the FFN's products, or None
-        streams = self.hc_ffn.merge(self.ffn(normed, step, i8), streams, post, comb)
-        return streams.mean(1) if self.last else streams, None
 
 
 # ------------------------------------------------------------------------------------------------------ KDA
@@ -368,7 +282,9 @@ def build_block(ctx: BuildContext, layer: int) -> HyperBlock:
             hooks,
             shared=ctx.feed_forward(layer, "_shexp", activation=shared),
         )
-    hc = lambda site: HyperConnection.load(w, hooks, f"{p}.hc_{site}", a, args.norm_eps)  # noqa: E731
+    hc = lambda site: HyperConnection.load(  # noqa: E731
+        w, hooks, f"{p}.hc_{site}", a.n_streams, args.norm_eps, a.hc_eps, a.sinkhorn_iterations
+    )
     norm = lambda name: ctx.norm(f"{p}.{name}.weight")  # noqa: E731
     return HyperBlock(
         hc("attn"),

@@ -34,7 +34,7 @@ LEADING_DENSE = {
     "laguna": [0],
     "kimi-k3": [0],
 }  # llama4: interleaved; nemotron_h_moe: its Mamba-2 and attention layers have no FFN at all
-NEXTN = {"glm5-next": [5], "step35": [3]}  # blocks with experts that no decoder runs
+NEXTN = {"glm5-next": [5], "step35": [3], "deepseek4": [3]}  # blocks with experts that no decoder runs
 
 
 @pytest.fixture(scope="module")

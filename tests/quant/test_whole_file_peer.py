@@ -18,6 +18,14 @@ from tests.quant.test_quantize_cmd import run
 # llama.cpp's `pure` also requantizes dense FFNs (glm4moe's leading dense layer, shared experts, Kimi-K3's latent
 # projections): a --type rule asks moeprep for the same.
 DENSE_FFN_RULE = r"ffn_(gate|up|down|routed_down|routed_up)(_shexp)?\.weight$"
+# Matrices llama.cpp requantizes that moeprep keeps unless a rule names them (OTHER in moeprep/gguf/arch_table.py):
+# DeepSeek-V4's hyper-connection mixes, the head's one among them, its KV compressors (llama.cpp protects these only
+# for glm5-next) and its NextN block's projection.
+OTHER_RULES = {"deepseek4": r"(hc_(attn|ffn)_fn|output_hc_fn|_compressor_(kv|gate|ape)|nextn\.eh_proj)\.weight$"}
+
+
+def other_rules(arch: str, qtype: str) -> list[str]:
+    return ["--type", f"{OTHER_RULES[arch]}={qtype}"] if arch in OTHER_RULES else []
 
 
 @pytest.mark.parametrize(
@@ -54,6 +62,8 @@ DENSE_FFN_RULE = r"ffn_(gate|up|down|routed_down|routed_up)(_shexp)?\.weight$"
         ("laguna", "tiny", "Q4_K", {}),
         ("kimi-k3", "small", "Q4_K", {}),  # ssm_g, gated MLA, ffn_routed_*, residual scores
         ("kimi-k3", "tiny", "Q4_K", {}),
+        ("deepseek4", "small", "Q4_K", {}),  # attn_kv, attn_output_a/b, indexer, compressors, hc_*, tid2eid
+        ("deepseek4", "tiny", "Q4_K", {}),
     ],
     ids=lambda v: ",".join(v) if isinstance(v, dict) else v,
 )
@@ -67,7 +77,16 @@ def test_tensors_equal_llama_cpp_quantize(
     )
     ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
     result = run(
-        "quantize", src, ours, "--attn", attn_type, "--type", f"{DENSE_FFN_RULE}={attn_type}", "--threads", "2"
+        "quantize",
+        src,
+        ours,
+        "--attn",
+        attn_type,
+        "--type",
+        f"{DENSE_FFN_RULE}={attn_type}",
+        *other_rules(arch, attn_type),
+        "--threads",
+        "2",
     )
     assert result.exit_code == 0, result.output
     llama_quantize(src, peer, attn_type)
@@ -95,7 +114,8 @@ def test_every_synth_architecture_equals_llama_cpp_pure(arch: str, tmp_path: Pat
     as llama.cpp's quantizer, the tensors it protects (moeprep/gguf/arch_table.py) included."""
     src = write_synth_model(tmp_path / "src.gguf", arch, preset="small", expert_type="Q4_K", attn_type="Q8_0")
     ours, peer = tmp_path / "ours.gguf", tmp_path / "peer.gguf"
-    result = run("quantize", src, ours, "--attn", "Q4_K", "--type", f"{EVERY_BLOCK_WEIGHT}=Q4_K", "--threads", "2")
+    rules = ["--type", f"{EVERY_BLOCK_WEIGHT}=Q4_K", *other_rules(arch, "Q4_K")]
+    result = run("quantize", src, ours, "--attn", "Q4_K", *rules, "--threads", "2")
     assert result.exit_code == 0, result.output
     llama_quantize(src, peer, "Q4_K")
     a, b = open_gguf(ours), open_gguf(peer)

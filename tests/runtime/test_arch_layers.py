@@ -6,8 +6,10 @@ token from the state it left, two sequences side by side, a sequence started ane
 attention of AFMoE (with and without RoPE), step35 (gated per head, half of each head rotated with divisors) and
 Laguna (softplus gates) (layers/attention.py, layers/rope.py), RoPE with and without the model's context scaling
 (layers/rope.py: Laguna's sliding layers), the post-normed block (layers/block.py), ReGLU and step35's clamped SwiGLU
-(layers/ffn.py), LFM2's gated short convolution (layers/short_conv.py), and Kimi-K3's situ activation (layers/ffn.py),
-latent MoE (layers/moe.py) and cross-layer residual mix (models/kimi_k3.py)."""
+(layers/ffn.py), LFM2's gated short convolution (layers/short_conv.py), Kimi-K3's situ activation (layers/ffn.py),
+latent MoE (layers/moe.py) and cross-layer residual mix (models/kimi_k3.py), the hyper-connections of GLM-5.3-Flash
+and DeepSeek-V4 (layers/hyper_connections.py), and DeepSeek-V4's compressed keys and tail rotation
+(layers/kv_compression.py), sqrt-softplus scores and hash routing (layers/moe.py)."""
 
 from __future__ import annotations
 
@@ -679,3 +681,177 @@ def test_latent_moe_equals_float64(synth_model) -> None:
     shared = situ(xd @ t("ffn_gate_shexp").T, xd @ t("ffn_up_shexp").T) @ t("ffn_down_shexp").T
     want = normed @ t("ffn_routed_up").T + shared
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+# --- DeepSeek-V4: compressed keys, the tail rotation, sqrt-softplus scores, hash routing -----------------------------
+
+
+def rotate_tail_f64(x: np.ndarray, positions: np.ndarray, dim: int, base: float, sign: float = 1.0) -> np.ndarray:
+    """x (T, ..., d): adjacent pairs of the last `dim` channels turned by sign * position * base^(-2i/dim)."""
+    angles = sign * positions[:, None] * base ** (-np.arange(0, dim, 2) / dim)  # (T, dim/2)
+    angles = angles.reshape(len(x), *([1] * (x.ndim - 2)), dim // 2)
+    out = x.astype(np.float64).copy()
+    a, b = x[..., -dim::2], x[..., -dim + 1 :: 2]
+    out[..., -dim::2] = a * np.cos(angles) - b * np.sin(angles)
+    out[..., -dim + 1 :: 2] = a * np.sin(angles) + b * np.cos(angles)
+    return out
+
+
+def test_rotate_tail_and_back():
+    """RoPE on the last channels of a head (DeepSeek-V4's layout: the rotated part after the rest), and its inverse."""
+    from moerun.layers.kv_compression import rotate_tail
+
+    T, Dh, dim, base = 11, 16, 6, 40000.0
+    args = SimpleNamespace(
+        rope_dim=dim,
+        rope_base=base,
+        rope_style="normal",
+        rope_scaling="none",
+        rope_freq_scale=1.0,
+        rope_attn_factor=1.0,
+    )
+    rope = Rope(args, T, torch.device("cpu"))
+    x = torch.randn(T, 3, Dh, generator=torch.Generator().manual_seed(31))
+    positions = torch.arange(T)
+    got = rotate_tail(rope, x, positions).double().numpy()
+    np.testing.assert_allclose(got, rotate_tail_f64(x.double().numpy(), np.arange(T), dim, base), atol=1e-5)
+    back = rotate_tail(rope, rotate_tail(rope, x, positions), positions, inverse=True)
+    torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
+
+
+def compressed_f64(
+    x: np.ndarray, w: dict[str, np.ndarray], ratio: int, overlap: bool, dim: int, base: float
+) -> np.ndarray:
+    """Every complete block's entry of the sequence x (T, D) in float64: per channel, the softmax over the block's
+    tokens (and, overlapping, the previous block's first halves) of gate x + ape weighting kv x; RMS-normed, rotated
+    at the block's first position."""
+    kv, score = x @ w["kv"].T, x @ w["gate"].T + w["ape"][np.arange(len(x)) % ratio]
+    W = w["norm"].shape[0]
+    entries = []
+    for b in range(len(x) // ratio):
+        own = slice(b * ratio, (b + 1) * ratio)
+        if overlap:
+            prev_v = kv[own.start - ratio : own.start, :W] if b else np.zeros((ratio, W))
+            prev_s = score[own.start - ratio : own.start, :W] if b else np.full((ratio, W), -np.inf)
+            values, scores = np.concatenate([prev_v, kv[own, W:]]), np.concatenate([prev_s, score[own, W:]])
+        else:
+            values, scores = kv[own], score[own]
+        p = np.exp(scores - scores.max(0))
+        entry = (p / p.sum(0) * values).sum(0)
+        entries.append(entry / np.sqrt((entry**2).mean() + EPS) * w["norm"])
+    entries = np.array(entries)
+    return rotate_tail_f64(entries, np.arange(len(entries)) * ratio, dim, base)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+def test_kv_compressor(ratio, overlap):
+    """The entries a sequence completes, fed as a prompt in chunks of odd lengths and then as decode steps of both
+    sequences side by side (so blocks straddle steps and the state's ring), equal the float64 reference over the
+    whole sequence; starting over at position 0 reads nothing of the first run."""
+    from moerun.layers.kv_compression import KVCompressor
+
+    gen = torch.Generator().manual_seed(37)
+    T, W, dim, base, c = 45, 8, 4, 20000.0, 2 if overlap else 1
+    args = SimpleNamespace(
+        rope_dim=dim,
+        rope_base=base,
+        rope_style="normal",
+        rope_scaling="none",
+        rope_freq_scale=1.0,
+        rope_attn_factor=1.0,
+    )
+    kv, gate = linear(gen, c * W, D), linear(gen, c * W, D)
+    ape, norm = torch.randn(ratio, c * W, generator=gen), 1 + 0.1 * torch.randn(W, generator=gen)
+    layer = KVCompressor(
+        kv, gate, ape, RMSNorm(norm, EPS, TORCH_KERNELS), Rope(args, 64, torch.device("cpu")), ratio, overlap, 64, 2
+    )
+    w = {"kv": kv.weight.double().numpy(), "gate": gate.weight.double().numpy(), "ape": ape.double().numpy()}
+    w["norm"] = norm.double().numpy()
+    xs = [torch.randn(T, D, generator=gen) for _ in range(2)]
+    for seq, x in enumerate(xs):
+        for a, b in ((0, 13), (13, 19)):
+            layer.update(x[a:b], seq, torch.arange(a, b))
+    for t in range(19, T):  # both sequences' decode steps side by side
+        layer.update_tokens(torch.stack([xs[0][t], xs[1][t]]), torch.tensor([0, 1]), torch.tensor([t, t]))
+    for seq, x in enumerate(xs):
+        want = compressed_f64(x.double().numpy(), w, ratio, overlap, dim, base)
+        np.testing.assert_allclose(layer.cache[seq, : T // ratio].double().numpy(), want, atol=1e-4, rtol=1e-4)
+    layer.update(xs[1][:10], 0, torch.arange(10))  # sequence 0 anew, from sequence 1's first tokens
+    want = compressed_f64(xs[1][:10].double().numpy(), w, ratio, overlap, dim, base)
+    np.testing.assert_allclose(layer.cache[0, : 10 // ratio].double().numpy(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_sqrt_softplus_and_hash_routing():
+    """sqrt(softplus) scores with a selection bias (DeepSeek-V4's Router), and the hash router: the token's experts
+    from its table row, weighted by those scores, renormalised and scaled, as in float64."""
+    from moerun.config import GATING_SQRT_SOFTPLUS
+    from moerun.layers import HashRouter, Router
+
+    gen = torch.Generator().manual_seed(41)
+    T, E, k, V, scale = 10, 8, 3, 20, 1.5
+    args = SimpleNamespace(
+        n_experts_used=k,
+        gating=GATING_SQRT_SOFTPLUS,
+        expert_weights_norm=True,
+        expert_weights_scale=scale,
+        n_expert_groups=0,
+        n_group_used=0,
+    )
+    gate, bias = linear(gen, E, D), 0.3 * torch.randn(E, generator=gen)
+    table = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(V)])
+    x, tokens = torch.randn(T, D, generator=gen), torch.randint(0, V, (T,), generator=gen)
+    logits = x.double().numpy() @ gate.weight.double().numpy().T
+    scores = np.sqrt(np.log1p(np.exp(logits)))
+
+    def weights_f64(ids: np.ndarray) -> np.ndarray:
+        chosen = np.take_along_axis(scores, ids, -1)
+        return chosen / chosen.sum(-1, keepdims=True) * scale
+
+    ids, weights = Router(gate, args, TORCH_KERNELS, selection_bias=bias)(x)
+    want_ids = np.argsort(-(scores + bias.double().numpy()), -1)[:, :k]
+    assert all(set(a) == set(b) for a, b in zip(ids.numpy(), want_ids))
+    np.testing.assert_allclose(weights.double().numpy(), weights_f64(ids.numpy()), rtol=1e-5)
+    step = Step(torch.arange(T), n_slots=T, tokens=tokens)
+    ids, weights = HashRouter(gate, args, TORCH_KERNELS, table)(x, step)
+    np.testing.assert_array_equal(ids.numpy(), table[tokens].numpy())
+    np.testing.assert_allclose(weights.double().numpy(), weights_f64(table[tokens].numpy()), rtol=1e-5)
+
+
+def test_hyper_connections():
+    """A mixing site (layers/hyper_connections.py) against float64: the pre weights sum the streams into the sublayer's
+    input; Sinkhorn (softmax over destinations, then columns and rows normalised in turn) makes the mixing doubly
+    stochastic; the merge gives post_d y + sum_s comb[s, d] stream_s; the head mix sums the streams by its own weights."""
+    from moerun.layers.hyper_connections import HyperConnection, HyperHead
+
+    gen = torch.Generator().manual_seed(43)
+    T, N, iterations, hc_eps = 5, 4, 20, 1e-6
+    fn, base, scale = linear(gen, N * (2 + N), N * D), torch.randn(N * (2 + N), generator=gen), torch.rand(3) + 0.5
+    site = HyperConnection(fn, base, scale, N, EPS, hc_eps, iterations)
+    head_fn, head_base = linear(gen, N, N * D), torch.randn(N, generator=gen)
+    head = HyperHead(head_fn, head_base, scale[:1], EPS, hc_eps)
+    streams, y = torch.randn(T, N, D, generator=gen), torch.randn(T, D, generator=gen)
+    s = streams.double().numpy()
+    flat = s.reshape(T, N * D)
+    mixes = flat / np.sqrt((flat**2).mean(-1, keepdims=True) + EPS) @ fn.weight.double().numpy().T
+    b, c = base.double().numpy(), scale.double().numpy()
+    sigmoid = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    pre = sigmoid(mixes[:, :N] * c[0] + b[:N]) + hc_eps
+    post = 2 * sigmoid(mixes[:, N : 2 * N] * c[1] + b[N : 2 * N])
+    comb = (mixes[:, 2 * N :] * c[2] + b[2 * N :]).reshape(T, N, N)  # [t, src, dst]
+    comb = np.exp(comb - comb.max(-1, keepdims=True))
+    comb = comb / comb.sum(-1, keepdims=True) + hc_eps
+    comb = comb / (comb.sum(1, keepdims=True) + hc_eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(2, keepdims=True) + hc_eps)
+        comb = comb / (comb.sum(1, keepdims=True) + hc_eps)
+    h, got_post, got_comb = site.split(streams)
+    np.testing.assert_allclose(h.double().numpy(), (s * pre[:, :, None]).sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_post.double().numpy(), post, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_comb.double().numpy(), comb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(comb.sum(1), 1, atol=1e-4)  # doubly stochastic, to Sinkhorn's precision
+    np.testing.assert_allclose(comb.sum(2), 1, atol=1e-3)
+    merged = post[:, :, None] * y.double().numpy()[:, None, :] + np.einsum("tsd,tse->tde", comb, s)
+    np.testing.assert_allclose(site.merge(y, streams, got_post, got_comb).double().numpy(), merged, atol=1e-5)
+    head_mix = flat / np.sqrt((flat**2).mean(-1, keepdims=True) + EPS) @ head_fn.weight.double().numpy().T
+    weights = sigmoid(head_mix * c[0] + head_base.double().numpy()) + hc_eps
+    np.testing.assert_allclose(head(streams).double().numpy(), (s * weights[:, :, None]).sum(1), atol=1e-5)

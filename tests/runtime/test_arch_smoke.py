@@ -36,6 +36,7 @@ ARCHS = [
     "step35",
     "laguna",
     "kimi-k3",
+    "deepseek4",
 ]
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"

@@ -79,6 +79,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
         "step35",
         "laguna",
         "kimi-k3",
+        "deepseek4",
     ],
 )
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):
