@@ -56,12 +56,16 @@ class Model:
         self.decoded_bytes = decoded_bytes  # VRAM of the dense weights' bfloat16 copies (load_model's dense_bf16)
         self.decode_graphs = DecodeGraphs(self) if device.type == "cuda" else None
         self.prompt_graphs: PromptGraphs | None = None  # made by capture_prompt_steps (a server's choice)
+        # a layer whose state folds in every token it ran (a recurrent state, a ring of the last keys): a sequence
+        # then goes on only from where it stopped, or anew from position 0, never from an earlier position
+        self.keeps_history = any(getattr(m, "keeps_history", False) for m in net.modules())
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, seq: int = 0, last_only: bool = False) -> torch.Tensor:
         """tokens (T,) int64 at positions start_pos.. of sequence `seq` -> logits (T, V) float32, or (1, V) for the
         last token with `last_only` (a prompt to generate from); the sequence's slots from start_pos on are
-        overwritten, so start_pos 0 starts it anew and a shared prefix can be kept."""
+        overwritten, so start_pos 0 starts it anew and a shared prefix can be kept (where `keeps_history`, only
+        where the sequence stopped)."""
         T = tokens.shape[0]
         self._check_fits(start_pos + T, seq)
         chunk = [(tokens.tolist(), start_pos, seq)] if last_only and self.prompt_graphs is not None else []

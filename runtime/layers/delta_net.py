@@ -40,6 +40,7 @@ def causal_conv(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class GatedDeltaNet(nn.Module):
     seq_on_host = True  # its recurrent state is indexed by step.seq as a number: no captured prompt steps
+    keeps_history = True  # its state folds in every token it ran: a sequence goes on only where it stopped (Model)
 
     def __init__(
         self,

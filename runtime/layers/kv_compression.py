@@ -39,6 +39,8 @@ def rotate_tail(rope: Rope, x: torch.Tensor, positions: torch.Tensor, inverse: b
 class KVCompressor(nn.Module):
     """One layer's compressor (attn_compressor_* or indexer_compressor_*) with its state and its entries."""
 
+    keeps_history = True  # its state folds in every token it ran: a sequence goes on only where it stopped (Model)
+
     def __init__(
         self,
         kv: Linear,

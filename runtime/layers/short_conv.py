@@ -20,6 +20,7 @@ from moerun.step import Step
 
 class ShortConv(nn.Module):
     seq_on_host = True  # its state is indexed by step.seq as a number: no captured prompt steps
+    keeps_history = True  # its state folds in every token it ran: a sequence goes on only where it stopped (Model)
 
     def __init__(self, *, in_proj: Linear, conv: torch.Tensor, out_proj: Linear, n_seq: int) -> None:
         """conv (D, K): tap K - 1 reads the current token."""

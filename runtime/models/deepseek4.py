@@ -157,6 +157,7 @@ def products(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 class CompressedAttention(nn.Module):
     seq_on_host = True  # its caches are indexed by step.seq as a number: no captured prompt steps
+    keeps_history = True  # its state folds in every token it ran: a sequence goes on only where it stopped (Model)
 
     def __init__(self, ctx: BuildContext, layer: int, a: Deepseek4Args) -> None:
         super().__init__()

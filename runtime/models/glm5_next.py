@@ -111,6 +111,7 @@ class Glm5NextArgs:
 
 class KimiDeltaAttention(nn.Module):
     seq_on_host = True  # its recurrent state is indexed by step.seq as a number: no captured prompt steps
+    keeps_history = True  # its state folds in every token it ran: a sequence goes on only where it stopped (Model)
 
     def __init__(self, ctx: BuildContext, a: Glm5NextArgs, layer: int) -> None:
         super().__init__()

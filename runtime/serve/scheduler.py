@@ -17,6 +17,8 @@ pass, where one by one each would hold every decoding stream for a whole prompt 
 
 Each sequence remembers the token ids whose KV its slots hold. A new job goes to the free sequence that shares the
 longest prefix with its prompt and starts at the end of that prefix: a chat that goes on prefills only its new turn.
+A model with recurrent state (Model.keeps_history) can go on only from where a sequence stopped: there the prefix
+is kept only when it is all the sequence ran.
 
 Text comes out in whole UTF-8 characters, and a stop string ends the job where it starts (the string itself is not
 returned); text that could still turn out to begin a stop string is held back until it cannot.
@@ -300,16 +302,24 @@ class Scheduler:
         while self.waiting and free:
             job_id, job = self.waiting.popleft()
             del self._arrived[job_id]
-            shared = {s: _common_prefix(self.sequences[s].tokens, job.prompt) for s in free}
+            shared = {s: self._usable_prefix(self.sequences[s].tokens, job.prompt) for s in free}
             s = max(free, key=lambda s: (shared[s], -self.sequences[s].last_used))
             free.remove(s)
             seq = self.sequences[s]
             keep = min(shared[s], len(job.prompt) - 1)  # the last prompt token always runs: it gives the logits
+            if self.model.keeps_history and keep < len(seq.tokens):
+                keep = 0  # its recurrent state holds tokens past `keep`: start anew
             del seq.tokens[keep:]
             limit = self.model.n_ctx - len(job.prompt)
             seq.job = _Running(
                 job_id, job, job.prompt[keep:], min(job.max_tokens or limit, limit), keep, TextStream(job.stop)
             )
+
+    def _usable_prefix(self, tokens: list[int], prompt: list[int]) -> int:
+        """How many of a sequence's tokens a prompt can keep: their common prefix, or, for a model whose state folds
+        in every token it ran (Model.keeps_history), all of them or none."""
+        shared = _common_prefix(tokens, prompt)
+        return shared if not self.model.keeps_history or shared == len(tokens) else 0
 
     def _start_masks(self, runs: list[_Running]) -> tuple[list[int], Future | None]:
         """The rows among `runs` under a grammar, and their next-token masks, computed in a worker thread (the
