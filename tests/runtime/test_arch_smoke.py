@@ -236,6 +236,24 @@ def test_lfm2moe_without_gating_function_is_refused(synth_model, tmp_path):
         moerun.load_model(path)
 
 
+@pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
+def test_lfm2moe_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
+    """llama.cpp's lfm2 loader requires both per-head norms on every attention layer; moerun refuses a file missing
+    one in one line instead of running that layer without it."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model("lfm2moe"))
+    attention = next(i for i, n in enumerate(moerun.load_model(src.path).args.kv_heads_by_layer) if n)
+    missing = f"blk.{attention}.{norm}.weight"
+    path = tmp_path / "no-norm.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {missing} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
 def test_laguna_layouts(synth_model):
     """XS.2's layout: a full-attention layer first in every four, the sliding ones with twice its query heads, their
     own RoPE (plain, over rope.dimension_count_swa channels) and a gate value per head; M.1's: every layer full, one
