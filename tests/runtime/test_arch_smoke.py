@@ -205,6 +205,23 @@ def test_step35_without_its_sliding_window_keys_is_refused(key, synth_model, tmp
         moerun.load_model(path)
 
 
+def test_step35_with_an_unknown_rope_scaling_is_refused(synth_model, tmp_path):
+    """A rope.scaling.type llama.cpp does not know (its loader stops on it) is refused in one line, exit code 2."""
+    from click.testing import CliRunner
+    from gguf import GGUFValueType
+
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import KVValue, write_gguf
+    from moerun.cli import main
+    from tests.runtime.test_cli import _assert_one_line_error
+
+    path = tmp_path / "dynamic.gguf"
+    kv = {"step35.rope.scaling.type": KVValue("dynamic", GGUFValueType.STRING)}
+    write_gguf(path, open_gguf(synth_model("step35")), kv_set=kv)
+    result = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hi", "-n", "1", "--device", "cpu"])
+    _assert_one_line_error(result, "unknown rope.scaling.type 'dynamic'; llama.cpp knows none, linear, yarn, longrope")
+
+
 def test_smallthinker_without_sliding_window_matches_llama_cpp(synth_model, calibration_text, tmp_path):
     """The variant without attention.sliding_window: every layer full attention with RoPE (the synthetic file's
     layer 0 has none in the sliding-window variant, so a leftover NoPE layer shows)."""
