@@ -32,7 +32,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SOFTMAX, ModelArgs
 from moerun.hooks import Hooks
-from moerun.layers import Activation, Attention, FeedForward, MoE, RMSNorm, Router
+from moerun.layers import Activation, Attention, FeedForward, MoE, RMSNorm, Router, yarn_attn_factor
 from moerun.layers.moe import ExpertCompute
 from moerun.layers.norm import unit_rms
 from moerun.models.base import BuildContext
@@ -155,13 +155,16 @@ def build_block(ctx: BuildContext, layer: int) -> Gemma4Block:
     head_dim, rope_dim, base = layer_geometry(ctx, layer)
     n_kv = a.kv_heads_by_layer[layer]
     wk = ctx.linear(f"{p}.attn_k")
-    factors = "rope_freqs.weight" if not sliding and "rope_freqs.weight" in w else None  # the full layers' only
+    if sliding:  # llama.cpp's gemma4 gives them no context scaling: the rope op's magnitude factor alone
+        rope = ctx.rope(base=base, dim=rope_dim, scaled=False, attn_factor=yarn_attn_factor(a))
+    else:  # rope_freqs: the full layers' only
+        rope = ctx.rope(base=base, dim=rope_dim, freq_factors="rope_freqs.weight" if "rope_freqs.weight" in w else None)
     attn = Attention(
         wq=ctx.linear(f"{p}.attn_q"),
         wk=wk,
         wv=ctx.linear(f"{p}.attn_v") if f"{p}.attn_v.weight" in w else wk,  # no attn_v: the keys' projection
         wo=ctx.linear(f"{p}.attn_output"),
-        rope=ctx.rope(base=base, dim=rope_dim, freq_factors=factors),
+        rope=rope,
         cache=ctx.kv_cache(n_kv, head_dim, head_dim),
         n_heads=a.n_heads,
         n_kv_heads=n_kv,

@@ -13,7 +13,7 @@ from torch import nn
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import Block
+from moerun.layers import Block, yarn_attn_factor
 from moerun.models.base import BuildContext
 from moerun.step import Step
 
@@ -49,7 +49,9 @@ class ScaledOutput(nn.Module):
 def build_block(ctx: BuildContext, layer: int) -> Block:
     a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
     sliding = a.swa_layers[layer]
-    rope = ctx.rope(base=a.rope_base_swa) if sliding else ctx.rope()
+    # llama.cpp's mimo2 gives the sliding layers no context scaling of their own: positions as they are, with the
+    # magnitude factor the rope op applies on every layer
+    rope = ctx.rope(base=a.rope_base_swa, scaled=False, attn_factor=yarn_attn_factor(a)) if sliding else ctx.rope()
     attn: nn.Module = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim))  # sinks, window: the layer's
     if a.attn_value_scale not in (0.0, 1.0):
         attn = ScaledOutput(attn, a.attn_value_scale)

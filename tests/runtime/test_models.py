@@ -279,15 +279,25 @@ U32 = GGUFValueType.UINT32
     "arch,options",
     [
         ("deepseek2", {"mla_split": True}),  # attn_k_b / attn_v_b instead of attn_kv_b
-        ("deepseek2", {"yarn": True}),  # YaRN with deepseek2's yarn_log_multiplier
-        ("qwen3moe", {"yarn": True}),
-        ("gpt-oss", {"yarn": True}),
         ("laguna", {"sliding_window": 0}),  # Laguna M.1's layout: all full attention, one gate value per channel
     ],
     ids=lambda v: v if isinstance(v, str) else ",".join(v),
 )
 def test_variants_match_llama_cpp(arch, options, synth_model, calibration_text):
     c = compare(synth_model(arch, expert_type="F32", attn_type="F32", **options), calibration_text)
+    assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+@pytest.mark.parametrize("scaling", ["linear", "yarn"])
+@pytest.mark.parametrize("arch", ONE_STREAM_ARCHS)
+def test_rope_scaling_matches_llama_cpp(arch, scaling, synth_model, calibration_text):
+    """A file with context scaling (rope.scaling.type and factor 4; YaRN with an original context, deepseek2's with
+    its yarn_log_multiplier) of 512 positions: the 256 compared run past YaRN's original 128. Where llama.cpp gives
+    sliding layers no scaling of their own (mimo2, gemma4, step35) they keep their positions and share the rope op's
+    magnitude factor; laguna's take plain RoPE."""
+    path = synth_model(arch, expert_type="F32", attn_type="F32", rope_scaling=scaling, n_ctx=512)
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
 
 
