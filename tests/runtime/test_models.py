@@ -301,6 +301,17 @@ def test_rope_scaling_matches_llama_cpp(arch, scaling, synth_model, calibration_
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
 
 
+def test_dense_llama_matches_llama_cpp(dense_model, calibration_text):
+    """A llama file without experts (no ffn_gate_inp: every layer a dense SwiGLU FFN) runs as llama.cpp runs it."""
+    model = moerun.load_model(dense_model)
+    assert model.args.n_experts == 0
+    tokens = model.tokenizer.encode(calibration_text)[:N_POSITIONS]
+    ours, ref = model.forward(torch.tensor(tokens)).numpy(), llama_eval(dense_model, tokens).logits
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    clear = judged(top1_margins(ref))
+    assert clear.mean() >= MIN_JUDGED and (ours.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
 def test_group_limited_routing_matches_llama_cpp(synth_model, calibration_text, tmp_path):
     """DeepSeek-V3's group-limited top-k: 16 experts in 4 groups, only the 2 best groups compete."""
     path = _with_keys(
