@@ -7,10 +7,9 @@ without it), over half of it on the full layers with the file's base and, where 
 first divisors. Per-head Q/K RMSNorm; each head's output multiplied by sigmoid(attn_gate x) before attn_output.
 
 Context scaling (rope.scaling.type) as llama.cpp applies it to step35: linear and YaRN scale the full layers'
-positions by the file's factor (YaRN blending per channel pair, with llama.cpp's default beta_fast 32 and beta_slow 1
-and no log multiplier, keys its step35 loader does not read); LongRoPE does the same linearly and takes the
-full layers' divisors from rope_factors_long when a sequence's context exceeds the original one, else from
-rope_factors_short. The sliding layers keep their positions unscaled (llama.cpp has no sliding-layer factor for
+positions by the file's factor (YaRN blending per channel pair, with llama.cpp's beta_fast 32 and beta_slow 1 and
+no log multiplier: config.py); LongRoPE does the same linearly and takes the full layers' divisors from
+rope_factors_long when a sequence's context exceeds the original one, else from rope_factors_short. The sliding layers keep their positions unscaled (llama.cpp has no sliding-layer factor for
 step35) but share the magnitude factor of the model's rope op, rope.scaling.attn_factor included.
 
 A layer without a router (ffn_gate_inp) has a dense SwiGLU FFN; the others route with the file's gating function
@@ -31,9 +30,6 @@ from moerun.models.base import BuildContext
 
 CLAMP_EPS = 1e-6  # a limit at or below it is no clamp (llama.cpp's test)
 SWA_ROPE_BASE = 10000.0  # llama.cpp's base for the sliding layers when the file has no freq_base_swa
-SCALINGS = ("none", "linear", "yarn", "longrope")  # the rope.scaling.type values llama.cpp knows
-# What llama.cpp's step35 context uses whatever the file says: the defaults of its YaRN parameters
-YARN_DEFAULTS = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_log_mul": 0.0}
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
@@ -44,15 +40,11 @@ def read_args(g: GGUFModel) -> ModelArgs:
         dense += 1
     args = ModelArgs.from_gguf(
         g,
-        fixed={"rope_style": "neox", "n_dense_lead": dense, **YARN_DEFAULTS},
+        fixed={"rope_style": "neox", "n_dense_lead": dense},
         defaults={"gating": GATING_SIGMOID, "rope_base_swa": SWA_ROPE_BASE},
         kv_heads_vary=True,
         heads_vary=True,
     )
-    if args.rope_scaling not in SCALINGS:  # llama.cpp's loader stops on it too
-        raise MoeprepError(
-            f"{g.path}: unknown rope.scaling.type {args.rope_scaling!r}; llama.cpp knows {', '.join(SCALINGS)}"
-        )
     if args.rope_dim % 4:
         raise MoeprepError(f"{g.path}: step35's full layers rotate half of rope.dimension_count ({args.rope_dim})")
     pattern = g.get(f"{g.arch}.attention.sliding_window_pattern")

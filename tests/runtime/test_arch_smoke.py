@@ -205,7 +205,8 @@ def test_step35_without_its_sliding_window_keys_is_refused(key, synth_model, tmp
         moerun.load_model(path)
 
 
-def test_step35_with_an_unknown_rope_scaling_is_refused(synth_model, tmp_path):
+@pytest.mark.parametrize("arch", ["step35", "qwen3moe"])
+def test_an_unknown_rope_scaling_is_refused(arch, synth_model, tmp_path):
     """A rope.scaling.type llama.cpp does not know (its loader stops on it) is refused in one line, exit code 2."""
     from click.testing import CliRunner
     from gguf import GGUFValueType
@@ -216,8 +217,8 @@ def test_step35_with_an_unknown_rope_scaling_is_refused(synth_model, tmp_path):
     from tests.runtime.test_cli import _assert_one_line_error
 
     path = tmp_path / "dynamic.gguf"
-    kv = {"step35.rope.scaling.type": KVValue("dynamic", GGUFValueType.STRING)}
-    write_gguf(path, open_gguf(synth_model("step35")), kv_set=kv)
+    kv = {f"{arch}.rope.scaling.type": KVValue("dynamic", GGUFValueType.STRING)}
+    write_gguf(path, open_gguf(synth_model(arch)), kv_set=kv)
     result = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hi", "-n", "1", "--device", "cpu"])
     _assert_one_line_error(result, "unknown rope.scaling.type 'dynamic'; llama.cpp knows none, linear, yarn, longrope")
 

@@ -301,6 +301,21 @@ def test_rope_scaling_matches_llama_cpp(arch, scaling, synth_model, calibration_
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
 
 
+def test_yarn_keys_llama_cpp_does_not_read_change_nothing(synth_model, calibration_text, tmp_path):
+    """llama.cpp reads rope.scaling.yarn_beta_fast/slow only for grok and mistral3, and yarn_log_multiplier only for
+    the DeepSeek family: in a qwen3moe file they change nothing, in either engine."""
+    src = synth_model("qwen3moe", expert_type="F32", attn_type="F32", rope_scaling="yarn", n_ctx=512)
+    f32 = GGUFValueType.FLOAT32
+    keys = {f"qwen3moe.rope.scaling.{k}": (v, f32) for k, v in (("yarn_beta_fast", 4.0), ("yarn_beta_slow", 2.0))}
+    keys["qwen3moe.rope.scaling.yarn_log_multiplier"] = (0.5, f32)
+    path = _with_keys(src, tmp_path / "betas.gguf", **keys)
+    model = moerun.load_model(path)
+    assert (model.args.yarn_beta_fast, model.args.yarn_beta_slow, model.args.yarn_log_mul) == (32.0, 1.0, 0.0)
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
 def test_dense_llama_matches_llama_cpp(dense_model, calibration_text):
     """A llama file without experts (no ffn_gate_inp: every layer a dense SwiGLU FFN) runs as llama.cpp runs it."""
     model = moerun.load_model(dense_model)
