@@ -283,3 +283,6 @@ def test_cli_prints_path_and_size(tmp_path: Path) -> None:
     assert open_gguf(out).get("glm4moe.block_count") == 2
     bad = CliRunner().invoke(main, ["synth", str(out), "--arch", "nope"])
     assert bad.exit_code == 2 and "unknown synthetic architecture" in bad.output
+    scaled = CliRunner().invoke(main, ["synth", str(out), "--arch", "step35", "--rope-scaling", "yarn"])
+    assert scaled.exit_code == 0, scaled.output
+    assert open_gguf(out).get("step35.rope.scaling.type") == "yarn"
