@@ -217,10 +217,10 @@ class ModelArgs:
             v_head_dim_mla=int(get(ATT.VALUE_LENGTH_MLA, "v_head_dim_mla", 0)),
             n_nextn_layers=n_nextn,
         )
-        if values["rope_scaling"] not in ROPE_SCALINGS:  # even where the arch fixes it: llama.cpp's loader stops first
-            raise MoeprepError(
-                f"{g.path}: unknown rope.scaling.type {values['rope_scaling']!r}; llama.cpp knows {', '.join(ROPE_SCALINGS)}"
-            )
+        scaling = values["rope_scaling"]
+        if scaling not in ROPE_SCALINGS:  # even where the arch fixes it: llama.cpp's loader stops first
+            known = ", ".join(ROPE_SCALINGS)
+            raise MoeprepError(f"{g.path}: unknown rope.scaling.type {scaling!r}; llama.cpp knows {known}")
         values.update(fixed or {})
         values["swa_layers"] = _swa_layers(
             g,

@@ -9,8 +9,9 @@ first divisors. Per-head Q/K RMSNorm; each head's output multiplied by sigmoid(a
 Context scaling (rope.scaling.type) as llama.cpp applies it to step35: linear and YaRN scale the full layers'
 positions by the file's factor (YaRN blending per channel pair, with llama.cpp's beta_fast 32 and beta_slow 1 and
 no log multiplier: config.py); LongRoPE does the same linearly and takes the full layers' divisors from
-rope_factors_long when a sequence's context exceeds the original one, else from rope_factors_short. The sliding layers keep their positions unscaled (llama.cpp has no sliding-layer factor for
-step35) but share the magnitude factor of the model's rope op, rope.scaling.attn_factor included.
+rope_factors_long when a sequence's context exceeds the original one, else from rope_factors_short. The sliding
+layers keep their positions unscaled (llama.cpp has no sliding-layer factor for step35) but share the magnitude
+factor of the model's rope op, rope.scaling.attn_factor included.
 
 A layer without a router (ffn_gate_inp) has a dense SwiGLU FFN; the others route with the file's gating function
 (sigmoid without one), exp_probs_b, renormalised and scaled as the file's keys say, beside a shared expert. Where
