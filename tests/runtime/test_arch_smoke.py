@@ -1,6 +1,7 @@
-"""The architectures added beside the first eight, through what a user runs besides a plain forward pass: the expert
-cache (outputs equal the all-resident model, prompt and decode), `moeprep profile` (counts for exactly the layers
-that route), batched decode, and greedy generation. Their agreement with llama.cpp is tests/runtime/test_models.py's.
+"""Every architecture with one residual stream (glm5-next's four: tests/test_glm5_next.py), through what a user runs
+besides a plain forward pass: the expert cache (outputs equal the all-resident model, prompt and decode), `moeprep
+profile` (counts for exactly the layers that route), batched decode, and greedy generation. Their agreement with
+llama.cpp is tests/runtime/test_models.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from moerun.cache.experts import CachedExperts
 from tests.runtime.conftest import profile_model
 
 ARCHS = [
+    "qwen3moe",
+    "qwen2moe",
+    "olmoe",
+    "llama",
+    "deepseek2",
+    "glm4moe",
+    "gpt-oss",
     "mimo2",
     "qwen35moe",
     "qwen3next",
