@@ -4,8 +4,10 @@
 Attention: the two kinds of layer differ in head size (attention.key_length against key_length_swa), KV heads (a
 per-layer head_count_kv), RoPE base (rope.freq_base against freq_base_swa) and rotated channels
 (rope.dimension_count against dimension_count_swa); the full layers' NeoX RoPE is "proportional", its unrotated
-channel pairs given frequency divisors of 1e30 by rope_freqs. Q and K are RMS-normalised per head with a weight, V
-without one; a full layer without attn_v uses its keys' projection as values. Scores are not scaled (scale 1).
+channel pairs given frequency divisors of 1e30 by rope_freqs; the file's context scaling applies to the full layers'
+positions only, the sliding ones sharing just the rope op's magnitude factor. Q and K are RMS-normalised per head
+with a weight, V without one; a full layer without attn_v uses its keys' projection as values. Scores are not scaled
+(scale 1).
 Every sublayer output is RMS-normalised before it joins the residual stream (attn_post_norm, post_ffw_norm).
 
 FFN: a dense GELU-gated MLP in every layer; a layer with a router adds routed experts beside it, each branch with its

@@ -1,6 +1,8 @@
 """MiMo-V2 (Xiaomi MiMo-V2-Flash): sliding-window and full-attention layers side by side, each kind with its own
 KV head count (a per-layer head_count_kv), RoPE base (freq_base_swa on the sliding layers) and, where the file has
-them, attention sinks; partial NeoX RoPE over keys wider than values; the attention output scaled by value_scale.
+them, attention sinks; partial NeoX RoPE over keys wider than values (the file's context scaling on the full layers;
+the sliding ones keep their positions, with the rope op's magnitude factor); the attention output scaled by
+value_scale.
 A layer without a router (ffn_gate_inp) has a dense SwiGLU FFN; the others route by sigmoid scores plus
 exp_probs_b, the chosen weights renormalised and never scaled (llama.cpp's mimo2 graph fixes all three)."""
 
