@@ -17,7 +17,7 @@ from moeprep import __version__
 from moeprep.cli_groups import MoeprepGroup
 from moeprep.profile.cli import profile
 from moeprep.routing_cli import routing
-from moeprep.synth.config import ROUTING_KINDS
+from moeprep.synth.config import ROPE_SCALINGS, ROUTING_KINDS
 
 
 @click.group(cls=MoeprepGroup)
@@ -237,6 +237,13 @@ main.add_command(routing)  # `moeprep routing`: traces of named regimes and thei
     "the preset's (bench-60g and qwen3-30b-a3b: qwen3-30b; others: random).",
 )
 @click.option(
+    "--rope-scaling",
+    type=click.Choice(ROPE_SCALINGS),
+    default=None,
+    help="Context scaling the file declares, with factor 4 (docs/synth.md); longrope: step35 only. Default: the "
+    "architecture's (laguna: yarn; others: none).",
+)
+@click.option(
     "--chat-template",
     is_flag=True,
     help="Write a ChatML chat template with tool calls (<tool_call>{json}</tool_call>), so `moerun serve` can serve "
@@ -256,6 +263,7 @@ def synth(
     fast_random_blocks: bool,
     n_vocab: int | None,
     routing: str | None,
+    rope_scaling: str | None,
     chat_template: bool,
 ) -> None:
     """Write a synthetic MoE model (random weights, real tokenizer) that llama.cpp loads: test and demo fixtures."""
@@ -276,6 +284,7 @@ def synth(
         fast_random_blocks=fast_random_blocks,
         n_vocab=n_vocab,
         routing=routing,
+        rope_scaling=rope_scaling,
         chat_template=chat_template,
     )
     click.echo(f"{path}  {format_size(Path(path).stat().st_size)}")

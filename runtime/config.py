@@ -29,6 +29,15 @@ GATING_SQRT_SOFTPLUS = 4  # DeepSeek-V4: sqrt(softplus(logit))
 # renormalises the top-k weights (expert_weights_norm).
 PLAIN_MOE: dict[str, Any] = {"expert_weights_scale": 0.0, "gating": GATING_SOFTMAX, "n_dense_lead": 0}
 
+# The rope.scaling.type values llama.cpp's loader knows (it stops on any other); a file without the key is "linear"
+# (scaled only where it gives a factor). LongRoPE's divisor tables only where an arch module reads them (step35):
+# elsewhere llama.cpp has none for it either and scales the positions linearly.
+ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")
+# YaRN's correction range as llama.cpp's context sets it: only its grok and mistral3 loaders, which moerun does not
+# run, read rope.scaling.yarn_beta_fast / yarn_beta_slow from a file. Its yarn_log_multiplier likewise stays 0 but
+# where an arch module reads it (deepseek2's, for DeepSeek-V2/V3 and V3.2).
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
 
 def missing_key(g: GGUFModel, key: str) -> MoeprepError:
     """The error of a metadata key (its full name) a complete file of g's architecture has."""
@@ -64,7 +73,7 @@ class ModelArgs:
     rope_dim_swa: int  # rotated channels on the sliding-window layers (laguna's differ from the full layers')
     rope_base: float
     rope_base_swa: float
-    rope_scaling: str  # "none", "linear", "yarn"
+    rope_scaling: str  # one of ROPE_SCALINGS
     rope_factor: float  # context extension factor; 0 or 1 means none
     rope_orig_ctx: int
     rope_attn_factor: float
@@ -185,9 +194,9 @@ class ModelArgs:
             rope_factor=float(get(ROPE.SCALING_FACTOR, "rope_factor", 0.0)),
             rope_orig_ctx=int(get(ROPE.SCALING_ORIG_CTX_LEN, "rope_orig_ctx", n_ctx_train)),
             rope_attn_factor=float(get(ROPE.SCALING_ATTN_FACTOR, "rope_attn_factor", 1.0)),
-            yarn_beta_fast=float(get(ROPE.SCALING_YARN_BETA_FAST, "yarn_beta_fast", 32.0)),
-            yarn_beta_slow=float(get(ROPE.SCALING_YARN_BETA_SLOW, "yarn_beta_slow", 1.0)),
-            yarn_log_mul=float(get(ROPE.SCALING_YARN_LOG_MUL, "yarn_log_mul", 0.0)),
+            yarn_beta_fast=YARN_BETA_FAST,
+            yarn_beta_slow=YARN_BETA_SLOW,
+            yarn_log_mul=0.0,
             attn_scale=float(get(ATT.SCALE, "attn_scale", 0.0)),
             attn_value_scale=float(get("{arch}.attention.value_scale", "attn_value_scale", 0.0)),  # no gguf-py constant
             sliding_window=int(get(ATT.SLIDING_WINDOW, "sliding_window", 0)),
@@ -209,6 +218,10 @@ class ModelArgs:
             v_head_dim_mla=int(get(ATT.VALUE_LENGTH_MLA, "v_head_dim_mla", 0)),
             n_nextn_layers=n_nextn,
         )
+        scaling = values["rope_scaling"]
+        if scaling not in ROPE_SCALINGS:  # even where the arch fixes it: llama.cpp's loader stops first
+            known = ", ".join(ROPE_SCALINGS)
+            raise MoeprepError(f"{g.path}: unknown rope.scaling.type {scaling!r}; llama.cpp knows {known}")
         values.update(fixed or {})
         values["swa_layers"] = _swa_layers(
             g,

@@ -360,6 +360,19 @@ def test_moerun_matches_llama_cpp(weights: str, calibration_tokens: list[int], t
             assert np.abs(got - want).max() / np.abs(want).max() <= 1e-3, f"block {layer}"
 
 
+@pytest.mark.parametrize("scaling", ["linear", "yarn"])
+def test_rope_scaling_changes_nothing(scaling: str, calibration_tokens: list[int], tmp_path: Path) -> None:
+    """llama.cpp's glm5-next graph rotates nothing and scales its scores by 1/sqrt(head size) alone, so a file with
+    context scaling runs as the one without it, in both engines (deepseek2's MLA would scale the scores)."""
+    options = dict(expert_type="F32", attn_type="F32", n_ctx=512)
+    path = write_synth_model(tmp_path / "scaled.gguf", "glm5-next", rope_scaling=scaling, **options)
+    plain = write_synth_model(tmp_path / "plain.gguf", "glm5-next", **options)
+    ref = llama_logits(path, calibration_tokens)
+    ours = moerun.load_model(path).forward(torch.tensor(calibration_tokens)).numpy()
+    assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
+    assert np.abs(ref - llama_logits(plain, calibration_tokens)).max() <= 1e-6 * np.abs(ref).max()
+
+
 def test_cached_decode_equals_prefill(calibration_tokens: list[int], tmp_path: Path) -> None:
     """Chunks, then single tokens, carry the KDA convolution and recurrent state and the MLA cache; position 0
     starts over; two sequences side by side in one batch keep their own states."""

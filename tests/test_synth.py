@@ -122,6 +122,20 @@ def test_deepseek2_options_load(options: dict, tmp_path: Path) -> None:
     assert np.isfinite(eval_logits(llama(path))).all()
 
 
+@pytest.mark.parametrize("scaling", ["linear", "yarn", "longrope"])
+def test_step35_rope_scaling_keys(scaling: str, tmp_path: Path) -> None:
+    """rope_scaling writes the type and factor (and for YaRN and LongRoPE the original context); LongRoPE's divisors
+    replace rope_freqs. llama.cpp loads each (its agreement: tests/runtime/test_models.py)."""
+    path = write_synth_model(tmp_path / "s.gguf", "step35", rope_scaling=scaling)
+    model = open_gguf(path)
+    kv, names = model.kv, {t.name for t in model.tensors}
+    assert kv["step35.rope.scaling.type"] == scaling and kv["step35.rope.scaling.factor"] == 4.0
+    assert kv.get("step35.rope.scaling.original_context_length") == (None if scaling == "linear" else 512)
+    divisors = {"rope_factors_long.weight", "rope_factors_short.weight"}
+    assert names & (divisors | {"rope_freqs.weight"}) == (divisors if scaling == "longrope" else {"rope_freqs.weight"})
+    assert np.isfinite(eval_logits(llama(path))).all()
+
+
 def test_mla_layouts_are_one_model(tmp_path: Path) -> None:
     """attn_k_b/attn_v_b are cut from attn_kv_b's draw: both layouts compute the same logits (up to F16)."""
     kv_b = eval_logits(llama(write_synth_model(tmp_path / "kv_b.gguf", "deepseek2")))
@@ -252,6 +266,9 @@ def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
         (dict(flux_capacitor=1), "unknown synth option"),
         (dict(arch="olmoe", n_head_kv=2), "n_head_kv must equal n_head"),
         (dict(n_vocab=1000), "n_vocab must be at least"),
+        (dict(rope_scaling="dynamic"), "rope_scaling must be one of none, linear, yarn, longrope"),
+        (dict(rope_scaling="linear", yarn=True), "yarn=True is rope_scaling='yarn'"),
+        (dict(rope_scaling="longrope"), "rope_scaling='longrope' is written for step35 only"),
     ],
 )
 def test_bad_options_are_user_errors(kwargs: dict, message: str) -> None:
@@ -267,3 +284,6 @@ def test_cli_prints_path_and_size(tmp_path: Path) -> None:
     assert open_gguf(out).get("glm4moe.block_count") == 2
     bad = CliRunner().invoke(main, ["synth", str(out), "--arch", "nope"])
     assert bad.exit_code == 2 and "unknown synthetic architecture" in bad.output
+    scaled = CliRunner().invoke(main, ["synth", str(out), "--arch", "step35", "--rope-scaling", "yarn"])
+    assert scaled.exit_code == 0, scaled.output
+    assert open_gguf(out).get("step35.rope.scaling.type") == "yarn"

@@ -153,7 +153,7 @@ ARCHS: dict[str, ArchSpec] = {
             | SIGMOID_ROUTING
             | {
                 # llama.cpp divides this by 0.1 (its converters store 0.1 * mscale_all_dim); 0.1 means 1.0
-                Keys.Rope.SCALING_YARN_LOG_MUL: lambda c: 0.1 if c.yarn else None
+                Keys.Rope.SCALING_YARN_LOG_MUL: lambda c: 0.1 if c.rope_scaling == "yarn" else None
             },
             checks=(
                 (lambda c: c.rope_dim == c.qk_rope_dim, "rope_dim must equal qk_rope_dim"),

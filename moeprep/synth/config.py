@@ -61,7 +61,10 @@ class SynthConfig:
     qk_rope_dim: int
     v_head_dim: int
     mla_split: bool  # deepseek2: write attn_k_b/attn_v_b (absorbed MLA) instead of attn_kv_b
-    yarn: bool  # write YaRN rope-scaling keys (factor YARN_FACTOR over n_ctx / YARN_FACTOR original positions)
+    yarn: bool  # shorthand for rope_scaling="yarn"
+    # the rope.scaling keys written: "none", "linear" (factor ROPE_SCALING_FACTOR), "yarn" or "longrope" (that factor
+    # over n_ctx / ROPE_SCALING_FACTOR original positions; longrope: step35 only, with its long and short divisors)
+    rope_scaling: str
     n_vocab: int  # the shipped tokenizer's tokens, then padding tokens (real models have 150k-260k)
     routing: str  # a key of moeprep.synth.routing.ROUTINGS: "random", "token-id" or a routing regime's name
     tensor_types: tuple[tuple[str, GGMLQuantizationType], ...]  # (tensor base name, type) over the role's type
@@ -166,12 +169,15 @@ COMMON_DEFAULTS: dict[str, Rule] = {
     "v_head_dim": lambda g: 0,
     "mla_split": lambda g: False,
     "yarn": lambda g: False,
+    "rope_scaling": lambda g: "yarn" if g["yarn"] else "none",
     "n_vocab": lambda g: VOCAB_SIZE,
     "routing": lambda g: "random",
     "tensor_types": lambda g: (),
 }
 # the keys of moeprep.synth.routing.ROUTINGS: uniform, the token-id lookup, the regimes the weights can be built for
 ROUTING_KINDS = ("random", "token-id", *CONTEXT_REGIMES)
+ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # the rope.scaling.type values the writer can give a model
+LONGROPE_ARCHS = ("step35",)  # those whose writer gives LongRoPE its rope_factors_long/short tensors
 CONTEXT_ROUTING_ARCHS = ("qwen3moe",)  # regime routing needs per-head Q/K norms and whole-head NeoX rotary
 
 GEOMETRY_FIELDS = tuple(
@@ -199,6 +205,12 @@ CHECKS: tuple[tuple[Callable[[SynthConfig], bool], str], ...] = (
     (lambda c: c.n_embd >= 2, "n_embd must be at least 2 (channel 0 is the router's bias channel)"),
     (lambda c: c.n_vocab >= VOCAB_SIZE, f"n_vocab must be at least the tokenizer's {VOCAB_SIZE} tokens"),
     (lambda c: c.routing in ROUTING_KINDS, f"routing must be one of {', '.join(ROUTING_KINDS)}"),
+    (lambda c: c.rope_scaling in ROPE_SCALINGS, f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}"),
+    (lambda c: not c.yarn or c.rope_scaling == "yarn", "yarn=True is rope_scaling='yarn'; give one of them"),
+    (
+        lambda c: c.rope_scaling != "longrope" or c.arch in LONGROPE_ARCHS,
+        f"rope_scaling='longrope' is written for {', '.join(LONGROPE_ARCHS)} only",
+    ),
     (
         lambda c: c.routing not in CONTEXT_REGIMES or c.arch in CONTEXT_ROUTING_ARCHS,
         f"routing by a regime is built for {', '.join(CONTEXT_ROUTING_ARCHS)} only (random and token-id: any)",

@@ -102,7 +102,7 @@ LAGUNA = ArchSpec(
         "expert_weights_scale": lambda g: ROUTE_SCALE,
         "rope_freq_base": lambda g: FULL_ROPE_BASE,
         "rope_dim": lambda g: g["head_dim"] // 2,  # XS.2's full layers rotate 64 of 128 channels
-        "yarn": lambda g: True,
+        "rope_scaling": lambda g: "yarn",  # the released models' (another scaling: rope_scaling=...)
     },
     metadata=EXPERT_FF | SIGMOID_ROUTING | {Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: lambda c: c.n_ff_shexp},
     checks=(

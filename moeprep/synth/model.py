@@ -177,7 +177,7 @@ def write_synth_model(
     always-resident matrix: attention, shared experts, dense FFN layers. skew 0..1: uneven expert popularity.
     fast_random_blocks: quantized tensors as valid random blocks (no float weights; minutes for 17 GB).
     chat_template: write a ChatML template with tool calls (moeprep/synth/chat.py), for serving the model.
-    overrides: any SynthConfig field (head_dim, n_head_kv, mla_split, yarn, sliding_window, ...).
+    overrides: any SynthConfig field (head_dim, n_head_kv, mla_split, yarn, rope_scaling, sliding_window, ...).
     on_tensor(name, n_bytes) is called after each tensor is written (progress bars)."""
     sizes = {
         "n_layer": n_layer,

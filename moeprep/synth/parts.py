@@ -25,7 +25,7 @@ from moeprep.synth.config import Rule, SynthConfig
 from moeprep.synth.weights import BIAS_STD, NORM_NOISE, SINK_STD, Embedding, Init, KvBPart, Normal, ProbsBias, Router
 
 T = MODEL_TENSOR
-YARN_FACTOR = 4.0
+ROPE_SCALING_FACTOR = 4.0  # rope.scaling.factor of a model written with rope_scaling (linear or YaRN)
 
 
 @dataclass(frozen=True)
@@ -332,9 +332,11 @@ COMMON_METADATA: dict[str, MetaRule] = {
     Keys.Rope.FREQ_BASE: lambda c: c.rope_freq_base,
     Keys.LLM.EXPERT_COUNT: lambda c: c.n_expert,
     Keys.LLM.EXPERT_USED_COUNT: lambda c: c.n_expert_used,
-    Keys.Rope.SCALING_TYPE: lambda c: "yarn" if c.yarn else None,
-    Keys.Rope.SCALING_FACTOR: lambda c: YARN_FACTOR if c.yarn else None,
-    Keys.Rope.SCALING_ORIG_CTX_LEN: lambda c: int(c.n_ctx / YARN_FACTOR) if c.yarn else None,
+    Keys.Rope.SCALING_TYPE: lambda c: None if c.rope_scaling == "none" else c.rope_scaling,
+    Keys.Rope.SCALING_FACTOR: lambda c: None if c.rope_scaling == "none" else ROPE_SCALING_FACTOR,
+    Keys.Rope.SCALING_ORIG_CTX_LEN: lambda c: (
+        int(c.n_ctx / ROPE_SCALING_FACTOR) if c.rope_scaling in ("yarn", "longrope") else None
+    ),
 }
 EXPERT_FF: dict[str, MetaRule] = {Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: lambda c: c.n_ff_exp}
 # DeepSeek-V3-style routing: sigmoid scores, weights renormalised over the chosen experts, then scaled.

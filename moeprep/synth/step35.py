@@ -6,7 +6,8 @@ What sets it apart from the shared parts of parts.py, all per layer:
     sliding layers, 64 on the full ones) and RoPE base (`rope.freq_base_swa` on the sliding ones);
   * the full layers rotate half of each head, the sliding ones all of it, from one rope.dimension_count;
   * Llama-3-style frequency divisors (rope_freqs [d/2], one tensor for the model) on the full layers only, which
-    read the first quarter of it, as the converter writes it;
+    read the first quarter of it, as the converter writes it; with rope_scaling="longrope", LongRoPE's two such
+    tensors instead (rope_factors_long, rope_factors_short), which llama.cpp's step35 loader then reads;
   * per-head q/k RMSNorm (attn_q_norm, attn_k_norm [d]) and a per-head output gate: sigmoid(attn_gate x) multiplies
     each head's attention output before attn_output (attn_gate [H(il), D]);
   * a leading dense layer, then sigmoid routing with exp_probs_b, renormalised and scaled, beside a shared expert;
@@ -48,6 +49,7 @@ ROUTE_SCALE = 3.0  # Step-3.5-Flash's moe_router_scaling_factor
 # The real model clamps at 7; synthetic activations are O(1), so a smaller limit makes both clamps bite.
 SWIGLU_CLAMP = 1.5
 ROPE_DIVISOR_RANGE = (1.0, 8.0)  # Llama-3 factors run from 1 (high frequencies) to the scaling factor
+SHORT_DIVISOR_RANGE = (1.0, 2.0)  # LongRoPE's short factors stay near 1, its long ones span ROPE_DIVISOR_RANGE
 
 
 def n_trunk(c: SynthConfig) -> int:
@@ -71,11 +73,12 @@ class RopeDivisors:
     rest (the converter's padding)."""
 
     std: float = 0.0
+    span: tuple[float, float] = ROPE_DIVISOR_RANGE
 
     def sample(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         values = np.ones(shape, dtype=np.float32)
         used = shape[0] // 2
-        values[:used] = rng.uniform(*ROPE_DIVISOR_RANGE, used).astype(np.float32)
+        values[:used] = rng.uniform(*self.span, used).astype(np.float32)
         return values
 
 
@@ -122,10 +125,16 @@ class Step35Attention:
 
 @dataclass(frozen=True)
 class Step35ArchSpec(ArchSpec):
-    """The shared layer, with the model's one rope_freqs tensor."""
+    """The shared layer, with the model's one rope_freqs tensor (LongRoPE: its long and short divisors)."""
 
     def global_tensors(self, c: SynthConfig) -> list[TensorSpec]:
-        return [TensorSpec(tensor_name(T.ROPE_FREQS), (c.head_dim // 2,), RopeDivisors())]
+        shape = (c.head_dim // 2,)
+        if c.rope_scaling == "longrope":
+            return [
+                TensorSpec(tensor_name(T.ROPE_FACTORS_LONG), shape, RopeDivisors()),
+                TensorSpec(tensor_name(T.ROPE_FACTORS_SHORT), shape, RopeDivisors(span=SHORT_DIVISOR_RANGE)),
+            ]
+        return [TensorSpec(tensor_name(T.ROPE_FREQS), shape, RopeDivisors())]
 
 
 STEP35 = Step35ArchSpec(

@@ -111,16 +111,25 @@ class BuildContext:
         return KVCache(self.n_ctx, n_kv_heads, k_dim, v_dim, self.weights.dtype, self.weights.device, self.n_seq)
 
     def attention(
-        self, layer: int, rope: Rope | None = None, scale: float | None = None, gate: OutputGate | None = None
+        self,
+        layer: int,
+        rope: Rope | None = None,
+        scale: float | None = None,
+        gate: OutputGate | None = None,
+        qk_norms_required: bool = False,
     ) -> Attention:
         """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v (or one attn_qkv)/output (+ biases),
-        optional attn_q_norm/k_norm (per head or over the whole projection) and attn_sinks, the layer's own query and
-        KV head counts, a sliding window on the layers that have one, and the arch's output `gate` if it has one."""
+        attn_q_norm/k_norm (per head or over the whole projection) where the file has them, or always with
+        `qk_norms_required` (a file without them is then refused in one line, as the arch's llama.cpp loader refuses
+        it), optional attn_sinks, the layer's own query and KV head counts, a sliding window on the layers that have
+        one, and the arch's output `gate` if it has one."""
         a, w, p = self.args, self.weights, f"blk.{layer}"
         n_heads, n_kv_heads = a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
         cache = self.kv_cache(n_kv_heads, a.head_dim, a.v_head_dim)
-        q_norm = self.norm(f"{p}.attn_q_norm.weight") if f"{p}.attn_q_norm.weight" in w else None
-        k_norm = self.norm(f"{p}.attn_k_norm.weight") if f"{p}.attn_k_norm.weight" in w else None
+        q_norm, k_norm = (
+            self.norm(name) if qk_norms_required or name in w else None
+            for name in (f"{p}.attn_q_norm.weight", f"{p}.attn_k_norm.weight")
+        )
         if f"{p}.attn_qkv.weight" in w:
             projections = {"wqkv": self.linear(f"{p}.attn_qkv")}
         else:

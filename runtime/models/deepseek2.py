@@ -14,6 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+from gguf import Keys
 from torch import nn
 
 from moeprep.gguf.reader import GGUFModel
@@ -31,8 +32,9 @@ if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
 def read_args(g: GGUFModel) -> ModelArgs:
     args = ModelArgs.from_gguf(g, fixed={"rope_style": "normal"}, defaults={"gating": GATING_SOFTMAX})
     # The converter stores 0.1 * mscale_all_dim as the yarn log multiplier; llama.cpp divides the 0.1 back out.
+    log_mul = float(g.get(Keys.Rope.SCALING_YARN_LOG_MUL.format(arch=g.arch), 0.0))
     return args.replace(
-        yarn_log_mul=args.yarn_log_mul / 0.1,
+        yarn_log_mul=log_mul / 0.1,
         head_dim_mla=args.head_dim_mla or args.head_dim,
         v_head_dim_mla=args.v_head_dim_mla or args.v_head_dim,
         shared_expert_dim=args.expert_dim * args.n_shared_experts,

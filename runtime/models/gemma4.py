@@ -4,8 +4,10 @@
 Attention: the two kinds of layer differ in head size (attention.key_length against key_length_swa), KV heads (a
 per-layer head_count_kv), RoPE base (rope.freq_base against freq_base_swa) and rotated channels
 (rope.dimension_count against dimension_count_swa); the full layers' NeoX RoPE is "proportional", its unrotated
-channel pairs given frequency divisors of 1e30 by rope_freqs. Q and K are RMS-normalised per head with a weight, V
-without one; a full layer without attn_v uses its keys' projection as values. Scores are not scaled (scale 1).
+channel pairs given frequency divisors of 1e30 by rope_freqs; the file's context scaling applies to the full layers'
+positions only, the sliding ones sharing just the rope op's magnitude factor. Q and K are RMS-normalised per head
+with a weight, V without one; a full layer without attn_v uses its keys' projection as values. Scores are not scaled
+(scale 1).
 Every sublayer output is RMS-normalised before it joins the residual stream (attn_post_norm, post_ffw_norm).
 
 FFN: a dense GELU-gated MLP in every layer; a layer with a router adds routed experts beside it, each branch with its
@@ -32,7 +34,7 @@ from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SOFTMAX, ModelArgs
 from moerun.hooks import Hooks
-from moerun.layers import Activation, Attention, FeedForward, MoE, RMSNorm, Router
+from moerun.layers import Activation, Attention, FeedForward, MoE, RMSNorm, Router, yarn_attn_factor
 from moerun.layers.moe import ExpertCompute
 from moerun.layers.norm import unit_rms
 from moerun.models.base import BuildContext
@@ -155,13 +157,16 @@ def build_block(ctx: BuildContext, layer: int) -> Gemma4Block:
     head_dim, rope_dim, base = layer_geometry(ctx, layer)
     n_kv = a.kv_heads_by_layer[layer]
     wk = ctx.linear(f"{p}.attn_k")
-    factors = "rope_freqs.weight" if not sliding and "rope_freqs.weight" in w else None  # the full layers' only
+    if sliding:  # llama.cpp's gemma4 gives them no context scaling: the rope op's magnitude factor alone
+        rope = ctx.rope(base=base, dim=rope_dim, scaled=False, attn_factor=yarn_attn_factor(a))
+    else:  # rope_freqs: the full layers' only
+        rope = ctx.rope(base=base, dim=rope_dim, freq_factors="rope_freqs.weight" if "rope_freqs.weight" in w else None)
     attn = Attention(
         wq=ctx.linear(f"{p}.attn_q"),
         wk=wk,
         wv=ctx.linear(f"{p}.attn_v") if f"{p}.attn_v.weight" in w else wk,  # no attn_v: the keys' projection
         wo=ctx.linear(f"{p}.attn_output"),
-        rope=ctx.rope(base=base, dim=rope_dim, freq_factors=factors),
+        rope=rope,
         cache=ctx.kv_cache(n_kv, head_dim, head_dim),
         n_heads=a.n_heads,
         n_kv_heads=n_kv,

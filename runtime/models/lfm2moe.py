@@ -2,9 +2,10 @@
 for lfm2moe files.
 
 A layer whose head_count_kv is 0 mixes tokens with LFM2's gated short convolution (layers/short_conv.py, its state
-kept per sequence); the others are GQA with per-head Q/K RMSNorm and NeoX RoPE. FFN: leading dense SwiGLU layers,
-then the file's gating function (llama.cpp refuses a file without one) with exp_probs_b, top-k renormalised and
-never scaled. The final norm is stored as token_embd_norm."""
+kept per sequence); the others are the shared GQA (BuildContext.attention) with per-head Q/K RMSNorm, which
+llama.cpp's loader requires, and NeoX RoPE. FFN: leading dense SwiGLU layers, then the file's gating function
+(llama.cpp refuses a file without one) with exp_probs_b, top-k renormalised and never scaled. The final norm is
+stored as token_embd_norm."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import ModelArgs, required_key
-from moerun.layers import Attention, Block
+from moerun.layers import Block
 from moerun.layers.short_conv import ShortConv
 from moerun.models.base import BuildContext
 
@@ -30,8 +31,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
     a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
-    n_kv = a.kv_heads_by_layer[layer]
-    if n_kv == 0:  # a short-convolution layer
+    if a.kv_heads_by_layer[layer] == 0:  # a short-convolution layer
         mixer: torch.nn.Module = ShortConv(
             in_proj=ctx.linear(f"{p}.shortconv.in_proj"),
             conv=w.dense(f"{p}.shortconv.conv.weight", torch.float32),
@@ -41,21 +41,7 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     else:
         if a.head_dim != a.v_head_dim:
             raise MoeprepError(f"{w.gguf.path}: lfm2moe needs key_length == value_length")
-        mixer = Attention(
-            wq=ctx.linear(f"{p}.attn_q"),
-            wk=ctx.linear(f"{p}.attn_k"),
-            wv=ctx.linear(f"{p}.attn_v"),
-            wo=ctx.linear(f"{p}.attn_output"),
-            rope=ctx.rope(),
-            cache=ctx.kv_cache(n_kv, a.head_dim, a.v_head_dim),
-            n_heads=a.n_heads,
-            n_kv_heads=n_kv,
-            head_dim=a.head_dim,
-            v_head_dim=a.v_head_dim,
-            scale=1.0 / math.sqrt(a.head_dim),
-            q_norm=ctx.norm(f"{p}.attn_q_norm.weight"),
-            k_norm=ctx.norm(f"{p}.attn_k_norm.weight"),
-            kernels=ctx.backend.kernels,
-        )
+        # llama.cpp scales by 1/sqrt(head size) whatever attention.scale says
+        mixer = ctx.attention(layer, scale=1.0 / math.sqrt(a.head_dim), qk_norms_required=True)
     ffn = ctx.feed_forward(layer) if layer < a.n_dense_lead else ctx.routed_experts(layer)
     return ctx.block(layer, mixer, ffn)

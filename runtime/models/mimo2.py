@@ -1,6 +1,8 @@
 """MiMo-V2 (Xiaomi MiMo-V2-Flash): sliding-window and full-attention layers side by side, each kind with its own
 KV head count (a per-layer head_count_kv), RoPE base (freq_base_swa on the sliding layers) and, where the file has
-them, attention sinks; partial NeoX RoPE over keys wider than values; the attention output scaled by value_scale.
+them, attention sinks; partial NeoX RoPE over keys wider than values (the file's context scaling on the full layers;
+the sliding ones keep their positions, with the rope op's magnitude factor); the attention output scaled by
+value_scale.
 A layer without a router (ffn_gate_inp) has a dense SwiGLU FFN; the others route by sigmoid scores plus
 exp_probs_b, the chosen weights renormalised and never scaled (llama.cpp's mimo2 graph fixes all three)."""
 
@@ -13,7 +15,7 @@ from torch import nn
 
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import Block
+from moerun.layers import Block, yarn_attn_factor
 from moerun.models.base import BuildContext
 from moerun.step import Step
 
@@ -49,7 +51,9 @@ class ScaledOutput(nn.Module):
 def build_block(ctx: BuildContext, layer: int) -> Block:
     a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
     sliding = a.swa_layers[layer]
-    rope = ctx.rope(base=a.rope_base_swa) if sliding else ctx.rope()
+    # llama.cpp's mimo2 gives the sliding layers no context scaling of their own: positions as they are, with the
+    # magnitude factor the rope op applies on every layer
+    rope = ctx.rope(base=a.rope_base_swa, scaled=False, attn_factor=yarn_attn_factor(a)) if sliding else ctx.rope()
     attn: nn.Module = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim))  # sinks, window: the layer's
     if a.attn_value_scale not in (0.0, 1.0):
         attn = ScaledOutput(attn, a.attn_value_scale)

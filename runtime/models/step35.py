@@ -6,6 +6,13 @@ whole rope.dimension_count (or rope.dimension_count_swa) on the sliding layers w
 without it), over half of it on the full layers with the file's base and, where the file has rope_freqs, its
 first divisors. Per-head Q/K RMSNorm; each head's output multiplied by sigmoid(attn_gate x) before attn_output.
 
+Context scaling (rope.scaling.type) as llama.cpp applies it to step35: linear and YaRN scale the full layers'
+positions by the file's factor (YaRN blending per channel pair, with llama.cpp's beta_fast 32 and beta_slow 1 and
+no log multiplier: config.py); LongRoPE does the same linearly and takes the full layers' divisors from
+rope_factors_long when a sequence's context exceeds the original one, else from rope_factors_short. The sliding
+layers keep their positions unscaled (llama.cpp has no sliding-layer factor for step35) but share the magnitude
+factor of the model's rope op, rope.scaling.attn_factor included.
+
 A layer without a router (ffn_gate_inp) has a dense SwiGLU FFN; the others route with the file's gating function
 (sigmoid without one), exp_probs_b, renormalised and scaled as the file's keys say, beside a shared expert. Where
 swiglu_clamp_exp / swiglu_clamp_shexp give a layer a limit above zero, its routed experts / its shared expert and
@@ -19,7 +26,7 @@ import math
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel
 from moerun.config import GATING_SIGMOID, ModelArgs
-from moerun.layers import SWIGLU, Activation, Block, MoE
+from moerun.layers import SWIGLU, Activation, Block, MoE, yarn_attn_factor
 from moerun.models.base import BuildContext
 
 CLAMP_EPS = 1e-6  # a limit at or below it is no clamp (llama.cpp's test)
@@ -39,8 +46,6 @@ def read_args(g: GGUFModel) -> ModelArgs:
         kv_heads_vary=True,
         heads_vary=True,
     )
-    if args.rope_freq_scale != 1.0:
-        raise MoeprepError(f"{g.path}: step35 with RoPE scaling ({args.rope_scaling}) is not supported")
     if args.rope_dim % 4:
         raise MoeprepError(f"{g.path}: step35's full layers rotate half of rope.dimension_count ({args.rope_dim})")
     pattern = g.get(f"{g.arch}.attention.sliding_window_pattern")
@@ -59,6 +64,16 @@ def per_layer(g: GGUFModel, name: str, n_layers: int) -> tuple[float, ...]:
     return tuple(float(v) for v in value[:n_layers]) if isinstance(value, list) else (float(value),) * n_layers
 
 
+def full_layer_divisors(ctx: BuildContext) -> str | None:
+    """The tensor of frequency divisors the full layers read, as llama.cpp picks it: rope_freqs; with LongRoPE,
+    rope_factors_long when a sequence's context (ctx.n_ctx) exceeds the original one, else rope_factors_short;
+    None where the file has not that tensor."""
+    name = "rope_freqs.weight"
+    if ctx.args.rope_scaling == "longrope":
+        name = "rope_factors_long.weight" if ctx.n_ctx > ctx.args.rope_orig_ctx else "rope_factors_short.weight"
+    return name if name in ctx.weights else None
+
+
 def swiglu(limit: float) -> Activation:
     return Activation("swiglu_limited", limit) if limit > CLAMP_EPS else SWIGLU
 
@@ -67,11 +82,10 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     a, w, p = ctx.args, ctx.weights, f"blk.{layer}"
     g = w.gguf
     sliding = a.swa_layers[layer]
-    if sliding:
-        rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa)
+    if sliding:  # positions unscaled, the magnitude factor of every layer's rope op
+        rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False, attn_factor=yarn_attn_factor(a))
     else:
-        factors = "rope_freqs.weight" if "rope_freqs.weight" in w else None
-        rope = ctx.rope(dim=a.rope_dim // 2, freq_factors=factors)
+        rope = ctx.rope(dim=a.rope_dim // 2, freq_factors=full_layer_divisors(ctx))
     gate = ctx.output_gate(layer, "sigmoid") if f"{p}.attn_gate.weight" in w else None  # one value per head
     attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate)
     shared = swiglu(per_layer(g, "swiglu_clamp_shexp", a.n_layers)[layer])  # the dense FFN's and the shared expert's

@@ -1,6 +1,7 @@
-"""The architectures added beside the first eight, through what a user runs besides a plain forward pass: the expert
-cache (outputs equal the all-resident model, prompt and decode), `moeprep profile` (counts for exactly the layers
-that route), batched decode, and greedy generation. Their agreement with llama.cpp is tests/runtime/test_models.py's.
+"""Every architecture with one residual stream (glm5-next's four: tests/test_glm5_next.py), through what a user runs
+besides a plain forward pass: the expert cache (outputs equal the all-resident model, prompt and decode), `moeprep
+profile` (counts for exactly the layers that route), batched decode, and greedy generation. Their agreement with
+llama.cpp is tests/runtime/test_models.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from moerun.cache.experts import CachedExperts
 from tests.runtime.conftest import profile_model
 
 ARCHS = [
+    "qwen3moe",
+    "qwen2moe",
+    "olmoe",
+    "llama",
+    "deepseek2",
+    "glm4moe",
+    "gpt-oss",
     "mimo2",
     "qwen35moe",
     "qwen3next",
@@ -206,6 +214,24 @@ def test_step35_without_its_sliding_window_keys_is_refused(key, synth_model, tmp
         moerun.load_model(path)
 
 
+@pytest.mark.parametrize("arch", ["step35", "qwen3moe"])
+def test_an_unknown_rope_scaling_is_refused(arch, synth_model, tmp_path):
+    """A rope.scaling.type llama.cpp does not know (its loader stops on it) is refused in one line, exit code 2."""
+    from click.testing import CliRunner
+    from gguf import GGUFValueType
+
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import KVValue, write_gguf
+    from moerun.cli import main
+    from tests.runtime.test_cli import _assert_one_line_error
+
+    path = tmp_path / "dynamic.gguf"
+    kv = {f"{arch}.rope.scaling.type": KVValue("dynamic", GGUFValueType.STRING)}
+    write_gguf(path, open_gguf(synth_model(arch)), kv_set=kv)
+    result = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hi", "-n", "1", "--device", "cpu"])
+    _assert_one_line_error(result, "unknown rope.scaling.type 'dynamic'; llama.cpp knows none, linear, yarn, longrope")
+
+
 def test_smallthinker_without_sliding_window_matches_llama_cpp(synth_model, calibration_text, tmp_path):
     """The variant without attention.sliding_window: every layer full attention with RoPE (the synthetic file's
     layer 0 has none in the sliding-window variant, so a leftover NoPE layer shows)."""
@@ -235,6 +261,24 @@ def test_lfm2moe_without_gating_function_is_refused(synth_model, tmp_path):
     write_gguf(path, open_gguf(synth_model("lfm2moe")), kv_remove=["lfm2moe.expert_gating_func"])
     with pytest.raises(MoeprepError, match="lfm2moe.expert_gating_func is missing"):
         moerun.load_model(path)
+
+
+@pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
+def test_lfm2moe_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
+    """llama.cpp's lfm2 loader requires both per-head norms on every attention layer; moerun refuses a file missing
+    one in one line instead of running that layer without it."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model("lfm2moe"))
+    attention = next(i for i, n in enumerate(moerun.load_model(src.path).args.kv_heads_by_layer) if n)
+    missing = f"blk.{attention}.{norm}.weight"
+    path = tmp_path / "no-norm.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {missing} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
 
 
 def test_laguna_layouts(synth_model):

@@ -58,7 +58,12 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
     "arch",
     [
         "qwen3moe",
+        "qwen2moe",
+        "olmoe",
+        "llama",
         "deepseek2",
+        "glm4moe",
+        "gpt-oss",
         "mimo2",
         "qwen35moe",
         "qwen3next",

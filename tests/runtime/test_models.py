@@ -75,9 +75,10 @@ class Comparison:
 _comparisons: dict[Path, Comparison] = {}
 
 
-def compare(path: Path, text: str) -> Comparison:
+def compare(path: Path, text: str, n_ctx: int | None = None) -> Comparison:
+    """`n_ctx`: our context per sequence (default: the model's, at most 4096); llama.cpp's is 256."""
     if path not in _comparisons:
-        model = moerun.load_model(path)
+        model = moerun.load_model(path, n_ctx=n_ctx)
         tokens = model.tokenizer.encode(text)[:N_POSITIONS]
         assert len(tokens) == N_POSITIONS
         run = llama_eval(path, tokens)
@@ -279,9 +280,6 @@ U32 = GGUFValueType.UINT32
     "arch,options",
     [
         ("deepseek2", {"mla_split": True}),  # attn_k_b / attn_v_b instead of attn_kv_b
-        ("deepseek2", {"yarn": True}),  # YaRN with deepseek2's yarn_log_multiplier
-        ("qwen3moe", {"yarn": True}),
-        ("gpt-oss", {"yarn": True}),
         ("laguna", {"sliding_window": 0}),  # Laguna M.1's layout: all full attention, one gate value per channel
     ],
     ids=lambda v: v if isinstance(v, str) else ",".join(v),
@@ -289,6 +287,45 @@ U32 = GGUFValueType.UINT32
 def test_variants_match_llama_cpp(arch, options, synth_model, calibration_text):
     c = compare(synth_model(arch, expert_type="F32", attn_type="F32", **options), calibration_text)
     assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+@pytest.mark.parametrize("scaling", ["linear", "yarn"])
+@pytest.mark.parametrize("arch", ONE_STREAM_ARCHS)
+def test_rope_scaling_matches_llama_cpp(arch, scaling, synth_model, calibration_text):
+    """A file with context scaling (rope.scaling.type and factor 4; YaRN with an original context, deepseek2's with
+    its yarn_log_multiplier) of 512 positions: the 256 compared run past YaRN's original 128. Where llama.cpp gives
+    sliding layers no scaling of their own (mimo2, gemma4, step35) they keep their positions and share the rope op's
+    magnitude factor; laguna's take plain RoPE."""
+    path = synth_model(arch, expert_type="F32", attn_type="F32", rope_scaling=scaling, n_ctx=512)
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4, f"a layer given llama.cpp's input differs by {max(c.layer_errors):.2e}"
+    assert c.rel_error <= 1e-3 and c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_yarn_keys_llama_cpp_does_not_read_change_nothing(synth_model, calibration_text, tmp_path):
+    """llama.cpp reads rope.scaling.yarn_beta_fast/slow only for grok and mistral3, and yarn_log_multiplier only for
+    the DeepSeek family: in a qwen3moe file they change nothing, in either engine."""
+    src = synth_model("qwen3moe", expert_type="F32", attn_type="F32", rope_scaling="yarn", n_ctx=512)
+    f32 = GGUFValueType.FLOAT32
+    keys = {f"qwen3moe.rope.scaling.{k}": (v, f32) for k, v in (("yarn_beta_fast", 4.0), ("yarn_beta_slow", 2.0))}
+    keys["qwen3moe.rope.scaling.yarn_log_multiplier"] = (0.5, f32)
+    path = _with_keys(src, tmp_path / "betas.gguf", **keys)
+    model = moerun.load_model(path)
+    assert (model.args.yarn_beta_fast, model.args.yarn_beta_slow, model.args.yarn_log_mul) == (32.0, 1.0, 0.0)
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+def test_dense_llama_matches_llama_cpp(dense_model, calibration_text):
+    """A llama file without experts (no ffn_gate_inp: every layer a dense SwiGLU FFN) runs as llama.cpp runs it."""
+    model = moerun.load_model(dense_model)
+    assert model.args.n_experts == 0
+    tokens = model.tokenizer.encode(calibration_text)[:N_POSITIONS]
+    ours, ref = model.forward(torch.tensor(tokens)).numpy(), llama_eval(dense_model, tokens).logits
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    clear = judged(top1_margins(ref))
+    assert clear.mean() >= MIN_JUDGED and (ours.argmax(-1) == ref.argmax(-1))[clear].all()
 
 
 def test_group_limited_routing_matches_llama_cpp(synth_model, calibration_text, tmp_path):
@@ -377,6 +414,49 @@ def test_step35_without_its_optional_tensors_matches_llama_cpp(synth_model, cali
     c = compare(path, calibration_text)
     assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
     assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+
+
+# step35 files with context scaling (synth's rope_scaling) of 512 positions: the original context is 128, so the 256
+# compared run past it. attn_factor: a rope.scaling.attn_factor, which llama.cpp's rope op applies on the sliding
+# layers as well, whose positions it leaves unscaled.
+@pytest.mark.parametrize("scaling,attn_factor", [("yarn", None), ("linear", None), ("yarn", 0.8), ("linear", 0.8)])
+def test_step35_with_rope_scaling_matches_llama_cpp(scaling, attn_factor, synth_model, calibration_text, tmp_path):
+    path = synth_model("step35", expert_type="F32", attn_type="F32", rope_scaling=scaling, n_ctx=512)
+    if attn_factor is not None:
+        keys = {"step35.rope.scaling.attn_factor": (attn_factor, GGUFValueType.FLOAT32)}
+        path = _with_keys(path, tmp_path / "attn-factor.gguf", **keys)
+    args = moerun.load_model(path).args
+    original = 128 if scaling == "yarn" else 512  # linear scaling writes no original context: the model's whole one
+    assert (args.rope_scaling, args.rope_freq_scale, args.rope_orig_ctx) == (scaling, 0.25, original)
+    c = compare(path, calibration_text)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+    # the scaling matters here: the same weights without it are far from llama.cpp's logits
+    plain, scaled = tmp_path / "unscaled.gguf", open_gguf(path)
+    write_gguf(plain, scaled, kv_remove=[k for k in scaled.kv if k.startswith("step35.rope.scaling.")])
+    _assert_differs(moerun.load_model(plain), calibration_text, c.ref)
+
+
+@pytest.mark.parametrize("divisors", ["long", "short"])
+def test_step35_with_longrope_matches_llama_cpp(divisors, synth_model, calibration_text):
+    """LongRoPE: the full layers read rope_factors_long when a sequence's context exceeds the original one, else
+    rope_factors_short. Both engines run a context of 256 positions: over the original 128 of a file of 512, under the
+    original 512 of a file of 2048; the other table, chosen by another context, gives other logits."""
+    path = synth_model(
+        "step35", expert_type="F32", attn_type="F32", rope_scaling="longrope", n_ctx=512 if divisors == "long" else 2048
+    )
+    c = compare(path, calibration_text, n_ctx=N_POSITIONS)
+    assert max(c.layer_errors) <= 1e-4 and c.rel_error <= 1e-3
+    assert c.top1_agreement == 1.0 and c.expert_agreement >= 0.999
+    other = moerun.load_model(path, n_ctx=128 if divisors == "long" else 1024)  # at the original context, or over it
+    _assert_differs(other, calibration_text, c.ref)
+
+
+def _assert_differs(model: moerun.Model, text: str, ref: np.ndarray) -> None:
+    """`model`'s logits over as much of `text` as its context holds are far from llama.cpp's `ref` (T, V)."""
+    tokens = model.tokenizer.encode(text)[: min(N_POSITIONS, model.n_ctx)]
+    ours = model.forward(torch.tensor(tokens)).numpy()
+    assert np.abs(ours - ref[: len(tokens)]).max() > 1e-2 * np.abs(ref).max()
 
 
 def test_granitehybrid_without_rope_matches_llama_cpp(synth_model, calibration_text, tmp_path):
