@@ -40,6 +40,7 @@ from moeprep.synth.parts import (
     T,
     TensorSpec,
     matrix_in,
+    nextn,
     norm,
     tensor_name,
 )
@@ -136,12 +137,8 @@ class Deepseek4Attention:
                 matrix_in(T.INDEXER_ATTN_Q_B, il, (c.n_head * INDEXER_HEAD, Cq)),
                 *compressor(c, il, "indexer", INDEXER_HEAD, ratio),
             ]
-        if il >= n_trunk(c):  # eh_proj [D, 2 D] joins the embedding and the hidden state
-            out += [
-                matrix_in(T.NEXTN_EH_PROJ, il, (D, 2 * D)),
-                norm(T.NEXTN_ENORM, il, D),
-                norm(T.NEXTN_HNORM, il, D),
-            ]
+        if il >= n_trunk(c):
+            out += nextn(c, il)
         return out
 
     def metadata(self, c: SynthConfig) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from moeprep.synth.parts import (
     matrix_in,
     matrix_out,
     mla_split_kv_b,
+    nextn,
     norm,
     tensor_name,
 )
@@ -127,15 +128,6 @@ def dsa(c: SynthConfig, il: int) -> list[TensorSpec]:
 
 def matrix_in_named(name: str, shape: tuple[int, ...]) -> TensorSpec:
     return TensorSpec(name, shape, Normal(1 / math.sqrt(shape[-1])))
-
-
-def nextn(c: SynthConfig, il: int) -> list[TensorSpec]:
-    """eh_proj [D, 2 D] joins the embedding and the hidden state; the optional embed/head copies are left out."""
-    return [
-        matrix_in(T.NEXTN_EH_PROJ, il, (c.n_embd, 2 * c.n_embd)),
-        norm(T.NEXTN_ENORM, il, c.n_embd),
-        norm(T.NEXTN_HNORM, il, c.n_embd),
-    ]
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,15 @@ class GQA:
         }
 
 
+def nextn(c: SynthConfig, il: int) -> list[TensorSpec]:
+    """A NextN (multi-token prediction) block's own tensors: eh_proj [D, 2 D] joins the embedding and the hidden state; the optional embed/head copies are left out."""
+    return [
+        matrix_in(T.NEXTN_EH_PROJ, il, (c.n_embd, 2 * c.n_embd)),
+        norm(T.NEXTN_ENORM, il, c.n_embd),
+        norm(T.NEXTN_HNORM, il, c.n_embd),
+    ]
+
+
 def mla_kv_b(c: SynthConfig, il: int) -> list[TensorSpec]:
     """The classic layout: attn_kv_b [H (N + Vh), C] expands the latent into per-head K (no-rope part) and V."""
     return [matrix_in(T.ATTN_KV_B, il, (c.n_head * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank))]

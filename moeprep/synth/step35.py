@@ -39,6 +39,7 @@ from moeprep.synth.parts import (
     TensorSpec,
     matrix_in,
     matrix_out,
+    nextn,
     norm,
     tensor_name,
 )
@@ -98,12 +99,8 @@ class Step35Attention:
             matrix_out(c, T.ATTN_OUT, il, (D, h)),
             matrix_in(T.ATTN_GATE, il, (heads(c, il), D)),
         ]
-        if il >= n_trunk(c):  # eh_proj [D, 2 D] joins the embedding and the hidden state
-            out += [
-                matrix_in(T.NEXTN_EH_PROJ, il, (D, 2 * D)),
-                norm(T.NEXTN_ENORM, il, D),
-                norm(T.NEXTN_HNORM, il, D),
-            ]
+        if il >= n_trunk(c):
+            out += nextn(c, il)
         return out
 
     def metadata(self, c: SynthConfig) -> dict[str, Any]:
