@@ -290,16 +290,17 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if a.scores:
-        np.savez_compressed(a.scores, experts=ids.astype(np.uint8), probs=probs.astype(np.float16))
+        experts = ids.astype(np.uint8 if probs.shape[2] <= 256 else np.uint16)
+        np.savez_compressed(a.scores, experts=experts, probs=probs.astype(np.float16))
     n_expert, n_k = probs.shape[2], ids.shape[2]
+    line = f"{len(ids)} tokens, {ids.shape[1]} MoE layers, {n_expert} experts, top-{n_k}"
     with np.load(TRAINED_TRACE) as z:
         recorded = z["experts"][: len(ids)].astype(np.int64)
-    n = min(len(recorded), len(ids))
-    same = np.sort(recorded[:n], axis=2) == np.sort(ids[:n], axis=2)
-    print(
-        f"{len(ids)} tokens, {ids.shape[1]} MoE layers, {n_expert} experts, top-{n_k}; choices equal to the "
-        f"`trained` trace's: {same.mean():.2%} of {same.size}"
-    )
+    if recorded.shape[1:] == ids.shape[1:]:  # the trained bench model's shape: check against its recorded trace
+        n = min(len(recorded), len(ids))
+        same = np.sort(recorded[:n], axis=2) == np.sort(ids[:n], axis=2)
+        line += f"; choices equal to the `trained` trace's: {same.mean():.2%} of {same.size}"
+    print(line)
     slots, rows = measure(ids, probs, a.ctx_size, KINDS)
     auc = next_choice_auc(ids, probs, a.ctx_size)
     results["trained"] = report(f"trained, recorded scores ({len(ids)} tokens)", slots, rows, n_k, auc)
