@@ -26,7 +26,8 @@ What a graph cannot capture is listed by `graph_blockers`; the caller then runs 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -129,12 +130,32 @@ class DecodeGraphs:
         return capture_program(self.model, step, self.pool)
 
 
+@contextlib.contextmanager
+def state_kept(net: torch.nn.Module) -> Iterator[None]:
+    """Run a step that must leave no trace: the state of every layer whose state folds in the tokens it runs
+    (`keeps_history`: a recurrent state, a short convolution's rows) is put back as it was. A KV slot written twice
+    with the same token holds the same key, but a recurrent state that takes a token twice holds it twice."""
+    kept = [
+        (buffer, buffer.clone())
+        for m in net.modules()
+        if getattr(m, "keeps_history", False)
+        for buffer in m.buffers(recurse=False)
+    ]
+    try:
+        yield
+    finally:
+        for buffer, saved in kept:
+            buffer.copy_(saved)
+
+
 def capture_program(model, step: Callable[[Capture | None], torch.Tensor], pool) -> tuple[Program, torch.Tensor]:
     """Run `step` once uncaptured (lazy allocations, kernel selection and compiles happen outside the capture), then
-    capture it on a side stream, the Capture handed to the step: -> the Program and its static output."""
+    capture it on a side stream, the Capture handed to the step: -> the Program and its static output. The capture
+    runs nothing, and the caller replays the program once: so the uncaptured run must leave the model's state as it
+    found it (a graph is captured the first time its key comes, in the middle of a sequence)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), state_kept(model.net):
         step(None)
     torch.cuda.current_stream().wait_stream(side)
     for device in set(model.net.layout.devices):
