@@ -5,10 +5,15 @@ sequence before and whatever rides with it in a pass."""
 
 from __future__ import annotations
 
+import dataclasses
+from unittest.mock import MagicMock
+
 import pytest
 import torch
 
 import moerun
+from moerun import graphs
+from moerun.capture import Program
 from moerun.graphs import state_kept
 from moerun.serve.scheduler import Job, Scheduler
 from tests.runtime.test_serve_prefix import greedy_alone
@@ -34,7 +39,7 @@ def test_a_step_under_state_kept_leaves_no_trace(synth_model, arch):
         m.forward(torch.tensor(prompt))
     want = alone.decode(17, len(prompt))
     with state_kept(model.net):
-        assert torch.equal(model.decode(17, len(prompt)), want)
+        torch.testing.assert_close(model.decode(17, len(prompt)), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.decode(17, len(prompt)), want, rtol=1e-5, atol=1e-5)
     twice = model.decode(17, len(prompt))  # the token taken a second time: a state that differs
     assert (twice - want).abs().max() > 1e-3
@@ -77,3 +82,64 @@ def test_served_answers_equal_each_prompt_alone(synth_model, arch):
     check([enc("The dog barked")], after[1:], 4)
     last = [cancelled[:9], first[1] + enc(" again")]
     check(last, serve(last, 4), 4)
+
+
+class WithoutCuda:
+    """torch, its CUDA streams, pools and waits stood in for (graphs.py's only CUDA calls besides the capture)."""
+
+    cuda = MagicMock()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+class RecordedCapture:
+    """A stand-in for capture.Capture on a machine without CUDA, as a capture behaves: what runs under it leaves no
+    trace in the model's buffers (a capture records the kernels, it does not run them), and the program replays the
+    step for real (the test's recording_forward)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        self.net, self.program = net, Program()
+
+    def __enter__(self) -> RecordedCapture:
+        self.kept = [(b, b.clone()) for b in self.net.buffers()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for buffer, saved in self.kept:
+            if not torch.equal(buffer, saved):  # (the weights' buffers may be read-only maps of the file)
+                buffer.copy_(saved)
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_decode_graphs_first_met_mid_sequence_take_each_token_once(synth_model, arch, monkeypatch):
+    """DecodeGraphs capture a step the first time its key comes (here: after a prompt, the first decode step of a
+    sequence alone, then of two sequences): the replayed steps give the eager steps' logits. The CUDA calls are
+    stood in for, so this runs on the CPU: a capture that records without running, a replay that runs."""
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
+    graphed, eager = (moerun.load_model(path, n_ctx=128, n_seq=2) for _ in range(2))
+    monkeypatch.setattr(graphs, "torch", WithoutCuda())
+    net, forward = graphed.net, graphed.net.forward
+
+    def recording_forward(tokens, step, outputs=None):  # the capture's program replays the step
+        out = forward(tokens, step, outputs)
+        if step.capture is not None:  # a replay reads the static inputs anew (its masks too)
+            step.capture.program.parts.append(lambda: out.copy_(forward(tokens, uncaptured(step), outputs)))
+        return out
+
+    def uncaptured(step):
+        return dataclasses.replace(step, capture=None, _masks={}, _copies={}, _parts=[])
+
+    monkeypatch.setattr(net, "forward", recording_forward)
+    monkeypatch.setattr(graphs, "Capture", lambda pool: RecordedCapture(net))
+    decode_graphs = graphs.DecodeGraphs(graphed)
+    prompts = [graphed.tokenizer.encode(p) for p in PROMPTS[:2]]
+    for model in (graphed, eager):
+        for s, prompt in enumerate(prompts):
+            model.forward(torch.tensor(prompt), 0, seq=s)
+    a, b = (len(p) for p in prompts)
+    steps = [([17], [a], [0]), ([5], [a + 1], [0]), ([9, 40], [a + 2, b], [0, 1]), ([11, 3], [a + 3, b + 1], [0, 1])]
+    for tokens, positions, seqs in steps:
+        want = eager.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs))
+        torch.testing.assert_close(decode_graphs(tokens, positions, seqs), want, rtol=1e-4, atol=1e-4)
+    assert len(decode_graphs.graphs) == 2  # each key captured once, the first time it came
