@@ -143,3 +143,31 @@ def test_decode_graphs_first_met_mid_sequence_take_each_token_once(synth_model, 
         want = eager.forward_batch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(seqs))
         torch.testing.assert_close(decode_graphs(tokens, positions, seqs), want, rtol=1e-4, atol=1e-4)
     assert len(decode_graphs.graphs) == 2  # each key captured once, the first time it came
+
+
+@pytest.mark.parametrize("arch", RECURRENT + WINDOWED + INDEXED)
+def test_one_pass_of_a_token_a_restart_and_a_chunk_equals_each_sequence_alone(synth_model, arch):
+    """One forward_batch holding, in this order, a decode token of sequence 2, sequence 1 started anew at position 0
+    (over what it ran before) and four more tokens of sequence 0: the two chunks' rows equal each sequence run alone,
+    and so does sequence 2's next token after it. (The decode token's own row is left out: a product of one row and
+    one of many take different kernels, whose roundings differ.)"""
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
+    alone, batched = moerun.load_model(path, n_ctx=128), moerun.load_model(path, n_ctx=128, n_seq=3)
+    first, second, third = (batched.tokenizer.encode(PREAMBLE + p) for p in PROMPTS)
+    batched.forward(torch.tensor(first), 0, seq=0)
+    batched.forward(torch.tensor(third[::-1]), 0, seq=1)  # what sequence 1 ran before it starts anew
+    batched.forward(torch.tensor(third), 0, seq=2)
+    more = [5, 17, 99, 7]
+    tokens = torch.tensor([40] + second + more)
+    positions = torch.tensor([len(third)] + list(range(len(second))) + list(range(len(first), len(first) + 4)))
+    seqs = torch.tensor([2] + [1] * len(second) + [0] * 4)
+    got = batched.forward_batch(tokens, positions, seqs, outputs=torch.arange(1, len(tokens)))
+    want = [alone.forward(torch.tensor(second))]
+    alone.forward(torch.tensor(first))
+    want.append(alone.forward(torch.tensor(more), len(first)))  # in the same chunks as the batched sequence
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)
+    alone.forward(torch.tensor(third))
+    alone.forward(torch.tensor([40]), len(third))
+    torch.testing.assert_close(
+        batched.decode(3, len(third) + 1, seq=2), alone.decode(3, len(third) + 1), rtol=1e-4, atol=1e-4
+    )
