@@ -145,7 +145,8 @@ def state_kept(net: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         for buffer, saved in kept:
-            buffer.copy_(saved)
+            if not torch.equal(buffer, saved):  # (a weight among them may be a read-only map of the file)
+                buffer.copy_(saved)
 
 
 def capture_program(model, step: Callable[[Capture | None], torch.Tensor], pool) -> tuple[Program, torch.Tensor]:
