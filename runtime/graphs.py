@@ -110,12 +110,16 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b > max(positions))
         key = (seqs[0] if B == 1 else -1, B, bucket)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
+            # the step ran once before its capture: its logits are this step's, and a replay would feed the tokens
+            # a second time, which a recurrent state keeps (a graph is first met in the middle of a sequence)
+            program, logits, ran = self._capture(*key)
+            self.graphs[key] = program, logits
+            return ran.clone()
         program, logits = self.graphs[key]
         program.replay()
         return logits.clone()  # the static output is overwritten by the next replay
 
-    def _capture(self, seq: int, B: int, bucket: int) -> tuple[Program, torch.Tensor]:
+    def _capture(self, seq: int, B: int, bucket: int) -> tuple[Program, torch.Tensor, torch.Tensor]:
         tokens, positions, seqs = self.inputs[B]
 
         def step(capture: Capture | None) -> torch.Tensor:
@@ -129,19 +133,22 @@ class DecodeGraphs:
         return capture_program(self.model, step, self.pool)
 
 
-def capture_program(model, step: Callable[[Capture | None], torch.Tensor], pool) -> tuple[Program, torch.Tensor]:
+def capture_program(
+    model, step: Callable[[Capture | None], torch.Tensor], pool
+) -> tuple[Program, torch.Tensor, torch.Tensor]:
     """Run `step` once uncaptured (lazy allocations, kernel selection and compiles happen outside the capture), then
-    capture it on a side stream, the Capture handed to the step: -> the Program and its static output."""
+    capture it on a side stream, the Capture handed to the step: -> the Program, its static output, and the output
+    of the uncaptured run (the capture runs nothing: that run is the step's one run until the first replay)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step(None)
+        ran = step(None)
     torch.cuda.current_stream().wait_stream(side)
     for device in set(model.net.layout.devices):
         torch.cuda.synchronize(device)
     with torch.cuda.stream(side), Capture(pool) as capture:
         out = step(capture)
-    return capture.program, out
+    return capture.program, out, ran
 
 
 Chunk = tuple[list[int], int, int]  # a prompt chunk: its tokens, its first position, its sequence
@@ -231,4 +238,7 @@ class PromptGraphs:
         def step(capture: Capture | None) -> torch.Tensor:
             return self.model.net(tokens, Step(positions, n_slots=kvb, seq=seqs, capture=capture), outputs=last)
 
-        return capture_program(self.model, step, self.pool)
+        # the replay after the capture writes the KV slots the uncaptured run wrote, with the same values (no model
+        # with a recurrent state runs prompt graphs: prompt_graph_blockers)
+        program, out, _ = capture_program(self.model, step, self.pool)
+        return program, out

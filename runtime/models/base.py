@@ -221,7 +221,8 @@ class Transformer(nn.Module):
         w = ctx.on(self.layout.first).weights
         self.embed = Embedding(w, "token_embd.weight", ctx.args.embed_scale)
         for block in blocks:
-            block.attn = ByGroups(block.attn)
+            if block.attn is not None:  # (a block of one FFN part has none: nemotron_h_moe)
+                block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
         last = ctx.on(self.layout.last)
         # LFM2 files store their final norm as token_embd_norm (and have no output_norm)

@@ -40,15 +40,19 @@ def layer_kind(g: GGUFModel, args: ModelArgs, layer: int) -> str:
 
 class OnePartBlock(nn.Module):
     """A residual block of one part: h = x + part(norm(x)). Handed on as (x, part's output), whose sum the next
-    norm takes (see Block); the part sits in `attn`, the slot the model runs group by group on a mixed step."""
+    norm takes (see Block). A part that mixes positions (Mamba-2, attention) sits in `attn`, the slot the model runs
+    group by group on a mixed step; an FFN in `ffn`, which runs on the whole step at once, as every block's FFN does:
+    the expert cache takes one routing per layer and step."""
 
-    def __init__(self, attn_norm: RMSNorm, part: nn.Module) -> None:
+    def __init__(self, attn_norm: RMSNorm, part: nn.Module, mixes_positions: bool) -> None:
         super().__init__()
-        self.attn_norm, self.attn = attn_norm, part
+        self.attn_norm = attn_norm
+        self.attn, self.ffn = (part, None) if mixes_positions else (None, part)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         x, normed, i8 = self.attn_norm.add_forward_i8(x, delta)
-        return x, self.attn(normed, step, i8)
+        part = self.attn if self.attn is not None else self.ffn
+        return x, part(normed, step, i8)
 
 
 def ffn(ctx: BuildContext, layer: int) -> nn.Module:
@@ -67,4 +71,4 @@ def build_block(ctx: BuildContext, layer: int) -> nn.Module:
         part: nn.Module = mamba2_mixer(ctx, layer)
     else:
         part = ctx.attention(layer) if kind == "attention" else ffn(ctx, layer)
-    return OnePartBlock(ctx.norm(f"blk.{layer}.attn_norm.weight"), part)
+    return OnePartBlock(ctx.norm(f"blk.{layer}.attn_norm.weight"), part, mixes_positions=kind != "ffn")

@@ -348,3 +348,27 @@ def test_kimi_k3_without_its_keys_is_refused(key, synth_model, tmp_path):
     write_gguf(path, open_gguf(synth_model("kimi-k3")), kv_remove=[f"kimi-k3.{key}"])
     with pytest.raises(MoeprepError, match=f"kimi-k3.{key}"):
         moerun.load_model(path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prompt_chunk_riding_with_decode_tokens_through_the_expert_cache(arch, synth_model):
+    """One pass holding a prompt chunk of sequence 1, then decode tokens of sequences 2 and 0 (what the server runs
+    while a prompt is prefilled), the routed experts through the expert cache: each sequence's logits equal the
+    all-resident model's run alone, and the cache sees every token once per routed layer."""
+    path = synth_model(arch, expert_type="F32", attn_type="F32")
+    alone = moerun.load_model(path)
+    cache = CacheConfig(budgets=BUDGET, slots_per_layer=alone.args.n_experts // 2)
+    cached = moerun.load_model(path, n_seq=3, cache=cache)
+    first, second, third = (alone.tokenizer.encode(p) for p in (PROMPT, "Once upon a time, in a land", "SELECT *"))
+    expected = [alone.forward(torch.tensor(p))[-1] for p in (first + [17], second, third + [40])]
+    cached.forward(torch.tensor(first), 0, seq=0)
+    cached.forward(torch.tensor(third), 0, seq=2)
+    before = cached.expert_cache.stats.lookups.sum()
+    tokens = torch.tensor(second + [40, 17])
+    positions = torch.tensor(list(range(len(second))) + [len(third), len(first)])
+    seqs = torch.tensor([1] * len(second) + [2, 0])
+    rows = torch.tensor([len(second) + 1, len(second) - 1, len(second)])  # sequences 0, 1, 2
+    got = cached.forward_batch(tokens, positions, seqs, outputs=rows)
+    torch.testing.assert_close(got, torch.stack(expected), rtol=1e-4, atol=1e-4)
+    n_routed = sum(isinstance(m, CachedExperts) for m in cached.net.modules())
+    assert cached.expert_cache.stats.lookups.sum() - before == len(tokens) * alone.args.n_experts_used * n_routed
