@@ -54,6 +54,7 @@ class KimiK3Args:
     res_block_size: int  # 0: no residual attention
     situ: Activation
     has_latent: bool
+    full_output_gate: bool = True  # KDA's output gate is one full-rank ssm_g
 
     @classmethod
     def from_gguf(cls, g: GGUFModel, norm_eps: float) -> KimiK3Args:

@@ -6,6 +6,8 @@ llama.cpp is tests/runtime/test_models.py's.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -277,6 +279,23 @@ def test_lfm2moe_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
     path = tmp_path / "no-norm.gguf"
     write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
     with pytest.raises(MoeprepError, match=f"tensor {missing} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
+def test_kimi_k3_without_its_output_gate_is_refused_by_name(synth_model, tmp_path):
+    """Kimi-K3's KDA layers have one full-rank output gate ssm_g (llama.cpp's loader requires it); a file without it
+    is refused naming that tensor, not glm5-next's low-rank ssm_g_a the file never had."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model("kimi-k3"))
+    kda = next(i for i, n in enumerate(moerun.load_model(src.path).args.kv_heads_by_layer) if n == 0)
+    missing = f"blk.{kda}.ssm_g.weight"
+    path = tmp_path / "no-gate.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
         moerun.load_model(path)
     assert "\n" not in str(refused.value)
 
