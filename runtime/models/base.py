@@ -42,7 +42,7 @@ from moerun.layers import (
 from moerun.layers.softcap import SoftCappedHead
 from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
-from moerun.weights import Weights
+from moerun.weights import FUSED_GATE_UP, Weights
 
 if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
     from moerun.kernels.act_i8 import QAct
@@ -167,6 +167,10 @@ class BuildContext:
 
     def experts(self, layer: int, activation: Activation = SWIGLU) -> nn.Module:
         """The routed experts of `layer`: through the expert cache where there is one, else the backend's."""
+        if activation.reads_gate:  # stored alone or fused with up; only ungated experts may have neither
+            gate, fused = (f"blk.{layer}.{part}.weight" for part in ("ffn_gate_exps", FUSED_GATE_UP))
+            if fused not in self.weights:
+                self.weights.info(gate)  # refuses a file without it in one line
         if self.cache is not None:
             return CachedExperts.for_layer(
                 self.weights.gguf, layer, self.cache, self.hooks, activation, self.backend.kernels

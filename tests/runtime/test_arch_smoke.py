@@ -300,6 +300,23 @@ def test_kimi_k3_without_its_output_gate_is_refused_by_name(synth_model, tmp_pat
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("arch", ["lfm2moe", "laguna", "qwen3moe"])
+def test_gated_experts_without_their_gate_are_refused(arch, synth_model, tmp_path):
+    """Gated experts (SwiGLU) read ffn_gate_exps; a file without it is refused in one line naming it, as llama.cpp's
+    loaders do, instead of running the up rows in the gate's place (only Nemotron-H's ungated experts do that)."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    missing = next(t.name for t in src.tensors if t.name.endswith(".ffn_gate_exps.weight"))
+    path = tmp_path / "no-gate-experts.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
 def test_laguna_layouts(synth_model):
     """XS.2's layout: a full-attention layer first in every four, the sliding ones with twice its query heads, their
     own RoPE (plain, over rope.dimension_count_swa channels) and a gate value per head; M.1's: every layer full, one
