@@ -39,7 +39,7 @@ from moerun.step import Step
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return glm5_next.read_args(g)
+    return glm5_next.read_args(g).replace(selection_bias_required=True)  # llama.cpp's kimi-k3 loader needs exp_probs_b
 
 
 @dataclass(frozen=True)

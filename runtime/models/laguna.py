@@ -28,7 +28,13 @@ SWA_PATTERN = 4  # one full-attention layer, then three sliding ones, where the 
 
 def read_args(g: GGUFModel) -> ModelArgs:
     defaults = {"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN, "swa_full_first": True, "n_shared_experts": 1}
-    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults=defaults, heads_vary=True, kv_heads_vary=True)
+    args = ModelArgs.from_gguf(
+        g,
+        fixed={"rope_style": "neox", "selection_bias_required": True},
+        defaults=defaults,
+        heads_vary=True,
+        kv_heads_vary=True,
+    )
     if args.head_dim != args.v_head_dim:
         raise MoeprepError(
             f"{g.path}: laguna needs key_length == value_length (got {args.head_dim}, {args.v_head_dim})"

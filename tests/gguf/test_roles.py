@@ -149,7 +149,10 @@ def doc_table_rows() -> list[tuple[list[str], list[str], list[str]]]:
     for line in table.splitlines()[2:]:
         family, attention, copied = (cell.strip() for cell in line.strip().strip("|").split("|"))
         archs = [word for word in re.findall(r"[\w.-]+", family) if word in ROLE_TABLES]
-        named = [[n for item in re.findall(r"`([^`]+)`", cell) for n in expand_doc_names(item)] for cell in (attention, copied)]
+        named = [
+            [n for item in re.findall(r"`([^`]+)`", cell) for n in expand_doc_names(item)]
+            for cell in (attention, copied)
+        ]
         rows.append((archs, named[0], named[1]))
     return rows
 

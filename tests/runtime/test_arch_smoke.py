@@ -317,6 +317,23 @@ def test_gated_experts_without_their_gate_are_refused(arch, synth_model, tmp_pat
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("arch", ["lfm2moe", "laguna", "kimi-k3", "deepseek4"])
+def test_router_without_its_selection_bias_is_refused(arch, synth_model, tmp_path):
+    """These architectures' llama.cpp loaders require exp_probs_b on every routed layer; a file without it is refused
+    in one line naming it instead of routing without the bias."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    missing = next(t.name for t in src.tensors if t.name.endswith(".exp_probs_b.bias"))
+    path = tmp_path / "no-bias.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
 def test_laguna_layouts(synth_model):
     """XS.2's layout: a full-attention layer first in every four, the sliding ones with twice its query heads, their
     own RoPE (plain, over rope.dimension_count_swa channels) and a gate value per head; M.1's: every layer full, one
