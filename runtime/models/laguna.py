@@ -47,5 +47,6 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     a = ctx.args
     rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False) if a.swa_layers[layer] else ctx.rope()
     gate = ctx.output_gate(layer, "softplus")  # one value per head (XS.2) or per channel (M.1)
-    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate)  # llama.cpp fixes the scale
+    # llama.cpp fixes the scale, and its loader requires both per-head norms
+    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate, qk_norms_required=True)
     return ctx.block(layer, attn, ctx.ffn(layer))

@@ -334,6 +334,23 @@ def test_router_without_its_selection_bias_is_refused(arch, synth_model, tmp_pat
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
+def test_laguna_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
+    """llama.cpp's laguna loader requires both per-head norms on every layer; moerun refuses a file missing one in
+    one line instead of running that layer without it."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model("laguna"))
+    missing = f"blk.1.{norm}.weight"
+    path = tmp_path / "no-norm.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
 def test_laguna_layouts(synth_model):
     """XS.2's layout: a full-attention layer first in every four, the sliding ones with twice its query heads, their
     own RoPE (plain, over rope.dimension_count_swa channels) and a gate value per head; M.1's: every layer full, one
