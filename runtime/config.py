@@ -113,6 +113,9 @@ class ModelArgs:
     # exp_probs_b on every routed layer: required where the arch's llama.cpp loader requires it (an arch fact its
     # module fixes), else used where present
     selection_bias_required: bool = False
+    # output.weight required where the arch's llama.cpp loader has no tied-embedding fallback; else token_embd stands
+    # in for a missing head
+    output_required: bool = False
 
     @classmethod
     def from_gguf(

@@ -213,7 +213,7 @@ class ByGroups(nn.Module):
 class Transformer(nn.Module):
     """Token embedding (times args.embed_scale) -> blocks -> final RMSNorm (output_norm, or LFM2's token_embd_norm)
     -> output head (token_embd when
-    output.weight is absent; soft-capped where args.logit_softcap says).
+    output.weight is absent and the architecture allows it; soft-capped where args.logit_softcap says).
 
     `layout` says which device runs each block (all on ctx's device without one): the embedding sits with the first
     block, the norm and head with the last, and the hidden state and the step move at each change of device."""
@@ -231,7 +231,8 @@ class Transformer(nn.Module):
         # LFM2 files store their final norm as token_embd_norm (and have no output_norm)
         final_norm = "output_norm.weight" if "output_norm.weight" in last.weights else "token_embd_norm.weight"
         self.norm = last.norm(final_norm)
-        head = last.linear("output" if "output.weight" in last.weights else "token_embd")
+        tied = not ctx.args.output_required and "output.weight" not in last.weights
+        head = last.linear("token_embd" if tied else "output")
         self.output = SoftCappedHead(head, ctx.args.logit_softcap) if ctx.args.logit_softcap else head
         if ctx.args.logit_scale:  # the head is linear: dividing the final norm's weight divides the logits
             self.norm.weight.div_(ctx.args.logit_scale)

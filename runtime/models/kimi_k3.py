@@ -39,7 +39,8 @@ from moerun.step import Step
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return glm5_next.read_args(g).replace(selection_bias_required=True)  # llama.cpp's kimi-k3 loader needs exp_probs_b
+    # llama.cpp's kimi-k3 loader requires exp_probs_b and output.weight
+    return glm5_next.read_args(g).replace(selection_bias_required=True, output_required=True)
 
 
 @dataclass(frozen=True)

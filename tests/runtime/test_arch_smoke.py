@@ -351,6 +351,22 @@ def test_laguna_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("arch", ["step35", "kimi-k3", "deepseek4"])
+def test_file_without_its_output_head_is_refused(arch, synth_model, tmp_path):
+    """These architectures' llama.cpp loaders require output.weight (no tied-embedding fallback); a file without it
+    is refused in one line instead of running token_embd as the head."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    path = tmp_path / "no-output.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != "output.weight"])
+    with pytest.raises(MoeprepError, match=r"tensor output\.weight is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
 def test_laguna_layouts(synth_model):
     """XS.2's layout: a full-attention layer first in every four, the sliding ones with twice its query heads, their
     own RoPE (plain, over rope.dimension_count_swa channels) and a gate value per head; M.1's: every layer full, one
