@@ -325,9 +325,34 @@ def _prepare_outdir(job: PrepareJob, state: dict[str, Any]) -> None:
 def prepare(job: PrepareJob, log: Callable[[str], None] = lambda line: None) -> list[StepResult]:
     """Run the steps that are not up to date; `log` gets one line as each step starts and ends."""
     _check_job(job)
+    made = [d for d in (job.outdir, job.work) if not d.exists()]
     job.work.mkdir(parents=True, exist_ok=True)
-    state = read_state(job)
-    _prepare_outdir(job, state)
+    try:
+        state = read_state(job)
+        _prepare_outdir(job, state)
+        return _run_steps(job, state, log)
+    except BaseException:
+        _remove_if_nothing_done(job, made)
+        raise
+
+
+def _remove_if_nothing_done(job: PrepareJob, made: list[Path]) -> None:
+    """A run that failed before any step finished takes back the folders it made (a bad model then leaves no OUTDIR
+    behind); a folder holding anything else, or made by an earlier run, stays."""
+    try:
+        if not made or read_state(job)["steps"]:
+            return
+    except MoeprepError:
+        return
+    job.state_file.unlink(missing_ok=True)
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _run_steps(job: PrepareJob, state: dict[str, Any], log: Callable[[str], None]) -> list[StepResult]:
     results = []
     for i, step in enumerate(STEPS, 1):
         head = f"[{i}/{len(STEPS)}] {step.name}"

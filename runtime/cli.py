@@ -187,7 +187,14 @@ class ModelOptions:
         from moerun.cache.plan import Bandwidths
 
         slots = None if self.cache_slots == "auto" else _slot_count(self.cache_slots)
-        asked = self.vram_budget is not None or slots is not None or self.expert_profile is not None
+        asked = (
+            self.vram_budget is not None
+            or slots is not None
+            or self.expert_profile is not None
+            or self.cache_policy != "auto"
+            or self.cache_plan != "auto"
+            or self.cache_gbps is not None
+        )
         if not asked and (self.device == "cpu" or fits_device(g, self.device)):
             return None
         if self.device == "cpu" and self.vram_budget is None:

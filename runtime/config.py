@@ -110,6 +110,12 @@ class ModelArgs:
     # (its embedding multiplier goes to embed_scale)
     residual_scale: float = 0.0  # multiplies each layer's attention and FFN outputs before their residual adds
     logit_scale: float = 0.0  # divides the logits
+    # exp_probs_b on every routed layer: required where the arch's llama.cpp loader requires it (an arch fact its
+    # module fixes), else used where present
+    selection_bias_required: bool = False
+    # output.weight required where the arch's llama.cpp loader has no tied-embedding fallback; else token_embd stands
+    # in for a missing head
+    output_required: bool = False
 
     @classmethod
     def from_gguf(

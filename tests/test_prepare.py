@@ -156,6 +156,21 @@ def test_refusals_come_before_any_work(model: Path, text: Path, tmp_path: Path) 
     assert "unknown key calibration.ctx_size" in moeprep("prepare", bad, model, out, *FAST, code=2)
 
 
+def test_model_missing_a_tensor_leaves_no_outdir(model: Path, text: Path, tmp_path: Path) -> None:
+    """A model the runtime refuses fails the first step in one line, and the OUTDIR that run made is gone again."""
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(model)
+    missing = "blk.1.attn_q.weight"
+    broken = tmp_path / "broken.gguf"
+    write_gguf(broken, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    out = tmp_path / "new" / "out"
+    out.parent.mkdir()
+    stderr = moeprep("prepare", RECIPE, broken, out, "--dataset", text, *FAST, code=2)
+    assert f"tensor {missing} is missing" in stderr
+    assert list(out.parent.iterdir()) == []
+
+
 def test_upload_folder_of_someone_else_is_kept(model: Path, text: Path, tmp_path: Path) -> None:
     (tmp_path / "out" / "upload").mkdir(parents=True)
     (tmp_path / "out" / "upload" / "mine.txt").write_text("keep me")

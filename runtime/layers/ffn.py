@@ -118,6 +118,11 @@ class Activation:
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return ACTIVATIONS[self.name](gate, up, self.limit, self.up_limit)
 
+    @property
+    def reads_gate(self) -> bool:
+        """False only for relu_sqr, whose experts have no gate tensor."""
+        return self.name != "relu_sqr"
+
     def on(self, kernels: Kernels) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The function computing it with `kernels`: their fused one where they have it (never for a clamp that
         varies), else this torch reference."""

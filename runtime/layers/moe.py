@@ -59,14 +59,12 @@ class Router(nn.Module):
 
     @classmethod
     def load(cls, args: ModelArgs, w: Weights, hooks: Hooks, layer: int, kernels: Kernels) -> Router:
-        """ffn_gate_inp (+ bias) in float32, where near-ties decide routing; exp_probs_b if the model has one."""
+        """ffn_gate_inp (+ bias) in float32, where near-ties decide routing; exp_probs_b if the model has one (a file
+        without it is refused where the architecture requires it)."""
         p = f"blk.{layer}"
-        return cls(
-            Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32),
-            args,
-            kernels,
-            selection_bias=w.optional(f"{p}.exp_probs_b.bias", torch.float32),
-        )
+        read_bias = w.dense if args.selection_bias_required else w.optional
+        gate = Linear.load(w, f"{p}.ffn_gate_inp", hooks, torch.float32)
+        return cls(gate, args, kernels, selection_bias=read_bias(f"{p}.exp_probs_b.bias", torch.float32))
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, D) -> expert ids (T, K) int64, weights (T, K) float32. (`step`: for routers that read the positions,

@@ -42,7 +42,7 @@ from moerun.layers import (
 from moerun.layers.softcap import SoftCappedHead
 from moerun.options import RuntimeOptions, process_options
 from moerun.step import Step
-from moerun.weights import Weights
+from moerun.weights import FUSED_GATE_UP, Weights
 
 if TYPE_CHECKING:  # Triton's, which only CUDA builds of torch bring
     from moerun.kernels.act_i8 import QAct
@@ -167,6 +167,10 @@ class BuildContext:
 
     def experts(self, layer: int, activation: Activation = SWIGLU) -> nn.Module:
         """The routed experts of `layer`: through the expert cache where there is one, else the backend's."""
+        if activation.reads_gate:  # stored alone or fused with up; only ungated experts may have neither
+            gate, fused = (f"blk.{layer}.{part}.weight" for part in ("ffn_gate_exps", FUSED_GATE_UP))
+            if fused not in self.weights:
+                self.weights.info(gate)  # refuses a file without it in one line
         if self.cache is not None:
             return CachedExperts.for_layer(
                 self.weights.gguf, layer, self.cache, self.hooks, activation, self.backend.kernels
@@ -209,7 +213,7 @@ class ByGroups(nn.Module):
 class Transformer(nn.Module):
     """Token embedding (times args.embed_scale) -> blocks -> final RMSNorm (output_norm, or LFM2's token_embd_norm)
     -> output head (token_embd when
-    output.weight is absent; soft-capped where args.logit_softcap says).
+    output.weight is absent and the architecture allows it; soft-capped where args.logit_softcap says).
 
     `layout` says which device runs each block (all on ctx's device without one): the embedding sits with the first
     block, the norm and head with the last, and the hidden state and the step move at each change of device."""
@@ -228,7 +232,8 @@ class Transformer(nn.Module):
         # LFM2 files store their final norm as token_embd_norm (and have no output_norm)
         final_norm = "output_norm.weight" if "output_norm.weight" in last.weights else "token_embd_norm.weight"
         self.norm = last.norm(final_norm)
-        head = last.linear("output" if "output.weight" in last.weights else "token_embd")
+        tied = not ctx.args.output_required and "output.weight" not in last.weights
+        head = last.linear("token_embd" if tied else "output")
         self.output = SoftCappedHead(head, ctx.args.logit_softcap) if ctx.args.logit_softcap else head
         if ctx.args.logit_scale:  # the head is linear: dividing the final norm's weight divides the logits
             self.norm.weight.div_(ctx.args.logit_scale)

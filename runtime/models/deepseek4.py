@@ -46,7 +46,8 @@ QUERY_BLOCK = 128  # queries scored at once: (128, H, S) float32 scores
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    args = ModelArgs.from_gguf(g, fixed={"rope_style": "normal"}, defaults={"gating": GATING_SQRT_SOFTPLUS})
+    fixed = {"rope_style": "normal", "selection_bias_required": True, "output_required": True}
+    args = ModelArgs.from_gguf(g, fixed=fixed, defaults={"gating": GATING_SQRT_SOFTPLUS})
     return args.replace(shared_expert_dim=args.expert_dim * args.n_shared_experts)
 
 

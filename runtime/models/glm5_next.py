@@ -71,6 +71,7 @@ class Glm5NextArgs:
     kpool: int
     layer_norm_eps: float  # the indexer key's LayerNorm
     l2_eps: float = L2_EPS  # KDA's q/k L2 norm
+    full_output_gate: bool = False  # KDA's output gate is low rank (ssm_g_a, ssm_g_b)
 
     @classmethod
     def from_gguf(cls, g: GGUFModel) -> Glm5NextArgs:
@@ -128,8 +129,9 @@ class KimiDeltaAttention(nn.Module):
         self.register_buffer("dt_bias", w.dense(f"{p}.ssm_dt.bias", torch.float32), persistent=False)  # (Di,)
         self.register_buffer("A", w.dense(f"{p}.ssm_a", torch.float32), persistent=False)  # (H,) -exp(A_log)
         self.beta = ctx.linear(f"{p}.ssm_beta")
-        # the output gate: low rank (ssm_g_b ssm_g_a), or Kimi-K3's full-rank ssm_g
-        full_gate = f"{p}.ssm_g.weight" in w
+        # the output gate: low rank (ssm_g_b ssm_g_a), or Kimi-K3's full-rank ssm_g; the architecture says which, so a
+        # file missing its gate is refused naming the tensor its loader needs
+        full_gate = a.full_output_gate
         self.g_a = None if full_gate else ctx.linear(f"{p}.ssm_g_a")
         self.g_b = ctx.linear(f"{p}.ssm_g" if full_gate else f"{p}.ssm_g_b")
         self.o_norm = ctx.norm(f"{p}.ssm_norm.weight")

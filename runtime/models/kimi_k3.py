@@ -39,7 +39,8 @@ from moerun.step import Step
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return glm5_next.read_args(g)
+    # llama.cpp's kimi-k3 loader requires exp_probs_b and output.weight
+    return glm5_next.read_args(g).replace(selection_bias_required=True, output_required=True)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class KimiK3Args:
     res_block_size: int  # 0: no residual attention
     situ: Activation
     has_latent: bool
+    full_output_gate: bool = True  # KDA's output gate is one full-rank ssm_g
 
     @classmethod
     def from_gguf(cls, g: GGUFModel, norm_eps: float) -> KimiK3Args:

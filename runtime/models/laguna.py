@@ -28,7 +28,13 @@ SWA_PATTERN = 4  # one full-attention layer, then three sliding ones, where the 
 
 def read_args(g: GGUFModel) -> ModelArgs:
     defaults = {"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN, "swa_full_first": True, "n_shared_experts": 1}
-    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults=defaults, heads_vary=True, kv_heads_vary=True)
+    args = ModelArgs.from_gguf(
+        g,
+        fixed={"rope_style": "neox", "selection_bias_required": True},
+        defaults=defaults,
+        heads_vary=True,
+        kv_heads_vary=True,
+    )
     if args.head_dim != args.v_head_dim:
         raise MoeprepError(
             f"{g.path}: laguna needs key_length == value_length (got {args.head_dim}, {args.v_head_dim})"
@@ -41,5 +47,6 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     a = ctx.args
     rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False) if a.swa_layers[layer] else ctx.rope()
     gate = ctx.output_gate(layer, "softplus")  # one value per head (XS.2) or per channel (M.1)
-    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate)  # llama.cpp fixes the scale
+    # llama.cpp fixes the scale, and its loader requires both per-head norms
+    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate, qk_norms_required=True)
     return ctx.block(layer, attn, ctx.ffn(layer))

@@ -25,7 +25,13 @@ def read_args(g: GGUFModel) -> ModelArgs:
     arch = g.arch
     for key in ("expert_gating_func", "shortconv.l_cache"):
         required_key(g, f"{arch}.{key}")
-    fixed = {"rope_style": "neox", "expert_weights_norm": True, "expert_weights_scale": 0.0, "sliding_window": 0}
+    fixed = {
+        "rope_style": "neox",
+        "expert_weights_norm": True,
+        "expert_weights_scale": 0.0,
+        "sliding_window": 0,
+        "selection_bias_required": True,
+    }
     return ModelArgs.from_gguf(g, fixed=fixed, kv_heads_vary=True)
 
 

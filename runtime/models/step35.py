@@ -41,7 +41,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
         dense += 1
     args = ModelArgs.from_gguf(
         g,
-        fixed={"rope_style": "neox", "n_dense_lead": dense},
+        fixed={"rope_style": "neox", "n_dense_lead": dense, "output_required": True},
         defaults={"gating": GATING_SIGMOID, "rope_base_swa": SWA_ROPE_BASE},
         kv_heads_vary=True,
         heads_vary=True,

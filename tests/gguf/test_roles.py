@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
+import re
+from pathlib import Path
+
 import pytest
 
 from moeprep.gguf.roles import ROLE_TABLES, TensorRole, parse_tensor_name, role_table, tensor_role
@@ -123,3 +127,47 @@ def test_parse_tensor_name() -> None:
     assert (parsed.block, parsed.base, parsed.suffix) == (12, "nextn.eh_proj", "weight")
     parsed = parse_tensor_name("token_embd.weight")
     assert (parsed.block, parsed.base, parsed.suffix) == (None, "token_embd", "weight")
+
+
+# ---- docs/quantize.md's table of what `--attn` requantizes, against the role tables -----------------------------
+QUANTIZE_DOC = Path(__file__).resolve().parents[2] / "docs" / "quantize.md"
+
+
+def expand_doc_names(item: str) -> list[str]:
+    """`attn_q/k/v/output` -> attn_q, attn_k, attn_v, attn_output; `attn_q_a/q_b` -> attn_q_a, attn_q_b: each
+    alternative after a slash replaces as many trailing `_` parts of the first name as it has."""
+    first, *rest = item.split("/")
+    parts = first.split("_")
+    return [first] + ["_".join(parts[: len(parts) - len(alt.split("_"))] + [alt]) for alt in rest]
+
+
+def doc_table_rows() -> list[tuple[list[str], list[str], list[str]]]:
+    """(architectures, names said to be requantized by --attn, names said to be copied) per row of the table."""
+    text = QUANTIZE_DOC.read_text(encoding="utf-8")
+    table = text.split("| family (examples) |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        family, attention, copied = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        archs = [word for word in re.findall(r"[\w.-]+", family) if word in ROLE_TABLES]
+        named = [
+            [n for item in re.findall(r"`([^`]+)`", cell) for n in expand_doc_names(item)]
+            for cell in (attention, copied)
+        ]
+        rows.append((archs, named[0], named[1]))
+    return rows
+
+
+@pytest.mark.parametrize("row", doc_table_rows(), ids=lambda row: row[0][0])
+def test_quantize_doc_table_says_what_attn_requantizes(row: tuple[list[str], list[str], list[str]]) -> None:
+    """Every name the table puts in the `--attn` column is attention in each of the row's architectures that has
+    it, every name in the copied column is not; every name is some row architecture's."""
+    archs, attention, copied = row
+    assert archs, row
+    for pattern, want_attention in [(n, True) for n in attention] + [(n, False) for n in copied]:
+        found = False
+        for arch in archs:
+            for base, role in ROLE_TABLES[arch].items():
+                if fnmatch.fnmatchcase(base, pattern):
+                    found = True
+                    assert (role == R.ATTENTION) == want_attention, f"docs/quantize.md: {arch} {base} is {role.value}"
+        assert found, f"docs/quantize.md names `{pattern}`, which none of {archs} has"

@@ -184,6 +184,9 @@ def test_cache_options_refuse_bad_input(synth_model, tmp_path, calibration_text)
     _assert_one_line_error(run("bench", *model, "--vram-budget", "lots"), "--vram-budget")
     _assert_one_line_error(run("bench", *model, "--vram-budget", "1540M", "--cache-slots", "0"), "--cache-slots")
     _assert_one_line_error(run(*model, "-p", "x", "--cache-slots", "3"), "--vram-budget")  # cpu needs a budget
+    for option in (["--cache-policy", "lru"], ["--cache-plan", "static"], ["--cache-gbps", "25,6"]):
+        # each asks for the cache as --cache-slots does, never ignored
+        _assert_one_line_error(run(*model, "-p", "x", "-n", "1", *option), "--vram-budget")
     _assert_one_line_error(run("bench", *model, "--vram-budget", "64M"), "larger --vram-budget")
     _assert_one_line_error(run("bench", *model, "-p", "0", "-n", "0"), "nothing to measure")
     _assert_one_line_error(run("bench", *model, "--json", str(tmp_path / "no" / "b.json")), "does not exist")
