@@ -230,6 +230,7 @@ class ModelOptions:
             dense_bf16=self.dense_bf16,
             options=RuntimeOptions.from_environment(),
         )
+        warn_past_training_context(model)
         if model.expert_cache is not None:
             click.echo(describe_cache(model.expert_cache), err=True)
         if model.decoded_bytes:
@@ -239,6 +240,19 @@ class ModelOptions:
                 err=True,
             )
         return model
+
+
+def warn_past_training_context(model) -> None:
+    """One line on stderr when the context is longer than the file declares the model for (its training context, or
+    what its RoPE scaling covers): as llama.cpp, moerun runs it, since a user may mean it, but says so."""
+    covered = model.args.context_covered
+    if model.n_ctx > covered:
+        scaled = "" if covered == model.args.n_ctx_train else " with its RoPE scaling"
+        click.echo(
+            f"moerun: warning: a context of {model.n_ctx} is above the {covered} positions the model was trained "
+            f"for{scaled}; past them its output may degrade",
+            err=True,
+        )
 
 
 def _slot_count(text: str) -> int:
@@ -436,11 +450,18 @@ def read_routing(path: str, model_path: str):
 
 
 def read_text(path: str) -> str:
+    """The file's text, decoded strictly: a binary file (or text in another encoding) is refused with the offset of
+    its first byte that is not UTF-8, rather than scored or replayed as replacement characters."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise MoeprepError(f"{path}: cannot read ({e.strerror})") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MoeprepError(
+            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); give a UTF-8 text file"
+        ) from e
 
 
 @main.command()
@@ -456,11 +477,13 @@ def perplexity(model_path: str, text_file: str, ctx_size: int, device: str | Non
     import moerun
 
     g = open_model_file(model_path)
+    text = read_text(text_file)  # a file that is not text is refused before the model loads
     set_threads(threads)
     chosen = resolve_device(device)
     announce_device(chosen, device)
     model = moerun.load_model(g, device=chosen, n_ctx=ctx_size, options=RuntimeOptions.from_environment())
-    tokens = model.tokenizer.encode(read_text(text_file))
+    warn_past_training_context(model)
+    tokens = model.tokenizer.encode(text)
     start = time.perf_counter()
     ppl = moerun.perplexity(model, tokens, ctx_size)
     n_chunks = len(tokens) // ctx_size

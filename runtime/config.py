@@ -248,6 +248,15 @@ class ModelArgs:
             return 1.0
         return 1.0 / self.rope_factor
 
+    @property
+    def context_covered(self) -> int:
+        """The longest context the file declares the model for: its training context, or, where it declares RoPE
+        scaling, the original context times the factor when that is longer (a file may give the pre-scaling
+        context_length)."""
+        if self.rope_freq_scale == 1.0:
+            return self.n_ctx_train
+        return max(self.n_ctx_train, round(self.rope_orig_ctx * self.rope_factor))
+
 
 def _swa_layers(g: GGUFModel, n_layers: int, window: int, default_pattern: int, full_first: bool) -> tuple[bool, ...]:
     """Which layers use the sliding window: an explicit per-layer list, or a period n where all but the last layer

@@ -295,6 +295,11 @@ def open_cache(
             f"plan, not --cache-plan {config.plan}; give --cache-slots auto"
         )
     geo = anatomy.geometry
+    if config.slots_per_layer is not None and config.slots_per_layer > geo.n_expert:
+        raise MoeprepError(
+            f"--cache-slots {config.slots_per_layer}: a MoE layer of this model has {geo.n_expert} experts; give "
+            f"at most {geo.n_expert} (every expert resident) or --cache-slots auto"
+        )
     moe = list(geo.moe_layers)
     usage = usage_rows(config.usage, geo.n_layer, moe, geo.n_expert, len(geo.nextn_layers))  # [M, E] or None
     shape = Shape(
@@ -362,9 +367,9 @@ def routing_curves(config: CacheConfig, profile, policies: tuple[str, ...]) -> d
 
 
 def fixed_slots(placement: Placement, per_layer: int, expert_bytes) -> Placement:
-    """The placement with `per_layer` slots in every MoE layer (at most its experts), on the same GPUs; refused
-    when a GPU's budget, after its non-expert share and the reserve, cannot hold them."""
-    slots = tuple(min(per_layer, placement.n_expert) if s else 0 for s in placement.slots)
+    """The placement with `per_layer` slots (at most the experts: open_cache refuses more) in every MoE layer, on the
+    same GPUs; refused when a GPU's budget, after its non-expert share and the reserve, cannot hold them."""
+    slots = tuple(per_layer if s else 0 for s in placement.slots)
     cache = [0] * len(placement.budgets)
     for layer, n in enumerate(slots):
         if n:

@@ -225,3 +225,80 @@ main(["-m", {str(synth_model("qwen3moe", expert_type="Q4_K", attn_type="Q8_0"))!
         notices.append("s compiling kernels (once" in run.stderr)
     assert files[0] and files[1] == files[0], sorted(set(files[1]) - set(files[0]))
     assert notices == [True, False]
+
+
+def _warnings(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("moerun: warning: ")]
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "perplexity", "serve"])
+def test_a_context_past_training_warns_once_and_runs(command, synth_model, monkeypatch):
+    """-c above the file's context_length: one warning line, then the command goes on (here the load, which this
+    test stops right after the warning is due)."""
+    from moerun import cli
+
+    def stop_after_warning(model):
+        warn(model)
+        raise MoeprepError("stopped after loading")
+
+    warn = cli.warn_past_training_context
+    monkeypatch.setattr(cli, "warn_past_training_context", stop_after_warning)
+    model = str(synth_model("qwen3moe", n_ctx=64))
+    rest = {"perplexity": ["-f", __file__], "serve": ["--port", "1"], "bench": ["-p", "4", "-n", "4"]}
+    rest["run"] = ["-p", "x", "-n", "1"]
+    past = run(command, "-m", model, "-c", "128", "--device", "cpu", *rest[command])
+    assert past.exit_code == 2, past.output  # the stop, not a refusal of -c
+    assert _warnings(past) == [
+        "moerun: warning: a context of 128 is above the 64 positions the model was trained for; past them its "
+        "output may degrade"
+    ]
+    within = run(command, "-m", model, "-c", "64", "--device", "cpu", *rest[command])
+    assert within.exit_code == 2 and _warnings(within) == [], within.output
+
+
+def test_a_context_the_rope_scaling_covers_does_not_warn(synth_model):
+    """linear scaling by 4 over a context_length of 64 covers 256 positions; YaRN's original context of 16 times 4
+    covers the 64 of context_length alone."""
+    from moerun.cli import warn_past_training_context
+
+    linear = moerun.load_model(synth_model("qwen3moe", n_ctx=64, rope_scaling="linear"), n_ctx=256)
+    assert linear.args.context_covered == 256
+    yarn = moerun.load_model(synth_model("qwen3moe", n_ctx=64, rope_scaling="yarn"), n_ctx=128)
+    assert yarn.args.context_covered == 64
+    runner = CliRunner()
+    with runner.isolation() as (_, err, _):
+        warn_past_training_context(linear)
+        assert err.getvalue() == b""
+        warn_past_training_context(yarn)
+        assert err.getvalue().decode() == (
+            "moerun: warning: a context of 128 is above the 64 positions the model was trained for; past them its "
+            "output may degrade\n"
+        )
+    scaled_past = moerun.load_model(synth_model("qwen3moe", n_ctx=64, rope_scaling="linear"), n_ctx=300)
+    with runner.isolation() as (_, err, _):
+        warn_past_training_context(scaled_past)
+        assert "the 256 positions the model was trained for with its RoPE scaling" in err.getvalue().decode()
+
+
+def test_cache_slots_above_the_experts_are_refused(synth_model):
+    model = ["-m", str(synth_model("qwen3moe")), "--device", "cpu", "--vram-budget", "8G"]
+    _assert_one_line_error(
+        run("bench", *model, "--cache-slots", "17", "-p", "4", "-n", "4"),
+        "--cache-slots 17: a MoE layer of this model has 16 experts; give at most 16",
+    )
+    every = run("bench", *model, "--cache-slots", "16", "-p", "4", "-n", "4", "-t", "1")  # every expert resident
+    assert every.exit_code == 0, every.output
+    assert "slots per layer 16 16 16" in every.stderr
+
+
+def test_perplexity_refuses_a_file_that_is_not_utf8(synth_model, tmp_path, calibration_text):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(calibration_text[:100].encode() + b"\xff\xfe\x00\x01" + bytes(range(256)))
+    result = run("perplexity", "-m", str(synth_model("qwen3moe")), "-f", str(binary), "-c", "128")
+    _assert_one_line_error(result, f"{binary}: not UTF-8 text (byte 0xff at offset 100)")
+    assert "running on" not in result.stderr  # refused before the model loads
+    # a character of several bytes is text, and so is a byte-order mark
+    text = tmp_path / "text.txt"
+    text.write_bytes("\ufeff".encode() + ("naïve café – 東京 " * 200).encode())
+    ok = run("perplexity", "-m", str(synth_model("qwen3moe")), "-f", str(text), "-c", "64", "-t", "1")
+    assert ok.exit_code == 0, ok.output
