@@ -12,7 +12,15 @@ from typing import Any
 
 from moeprep.errors import MoeprepError
 from moeprep.gguf.reader import GGUFModel, TensorInfo
-from moeprep.gguf.roles import TensorRole, attention_kinds, block_mixers, parse_tensor_name, role_table, tensor_role
+from moeprep.gguf.roles import (
+    TensorRole,
+    attention_kinds,
+    block_mixers,
+    parse_tensor_name,
+    role_table,
+    tensor_role,
+    window_kinds,
+)
 from moeprep.units import format_size
 
 # Per-GPU memory kept back for the CUDA context, KV cache and activations when counting cache slots.
@@ -36,6 +44,8 @@ class ModelGeometry:
     # the trailing NextN (multi-token prediction) blocks: loaded by no decoder, so in neither list above and given
     # no cache slots, although their *_exps tensors are routed experts by role
     nextn_layers: list[int] = field(default_factory=list)
+    # the decoder's blocks by how far back they attend, where they differ: {"sliding 4096": [...], "full": [...]}
+    windows: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_moe(self) -> bool:
@@ -128,6 +138,7 @@ def model_geometry(model: GGUFModel) -> ModelGeometry:
         expert_bytes={b: per_block[b] // n_expert for b in moe_layers},
         attention=attention_kinds(model.arch, model.kv) or block_mixers([t.name for t in model.tensors], n_layer),
         nextn_layers=nextn,
+        windows=window_kinds(model.arch, model.kv, n_layer - len(nextn)),
     )
 
 
@@ -216,6 +227,20 @@ def _expert_lines(a: Anatomy) -> list[str]:
     ]
 
 
+def window_pattern(windows: dict[str, list[int]]) -> str:
+    """The blocks' kinds as one letter each (the kind's first), shortened to its repeating unit where there is one:
+    "S = sliding 128 (6 blocks), F = full (2 blocks): (SSSF) x2"."""
+    letters = {block: kind[0].upper() for kind, blocks in windows.items() for block in blocks}
+    sequence = "".join(letters[block] for block in sorted(letters))
+    legend = ", ".join(f"{kind[0].upper()} = {kind} ({len(blocks)} blocks)" for kind, blocks in windows.items())
+    n = len(sequence)
+    period = next(p for p in range(1, n + 1) if all(sequence[i] == sequence[i % p] for i in range(n)))
+    if n // period < 2:
+        return f"{legend}: {sequence}"
+    rest = sequence[n - n % period :]
+    return f"{legend}: ({sequence[:period]}) x{n // period}" + (f" + {rest}" if rest else "")
+
+
 def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
     """The human-readable report `moeprep inspect` prints."""
     geo = a.geometry
@@ -237,6 +262,7 @@ def format_anatomy(a: Anatomy, plan: VramPlan | None = None) -> str:
             if geo.attention
             else []
         ),
+        *([f"window        {window_pattern(geo.windows)}"] if geo.windows else []),
         *_expert_lines(a),
         "",
         f"{'role':<14}{'tensors':>8}{'bytes':>14}  types",

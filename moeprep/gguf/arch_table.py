@@ -336,6 +336,34 @@ GLM5_NEXT_Q8_0_FLOOR = ("attn_q_a", "attn_q_b", "nextn.eh_proj")
 
 
 @dataclass(frozen=True)
+class WindowRule:
+    """How an architecture's loader tells its blocks that attend to recent positions only (a sliding window, or
+    llama4's chunks) from those that attend to every position, where the file does not list them
+    (attention.sliding_window_pattern): with attention.sliding_window above 0, in each `period` blocks all slide but
+    one, the last (or the first with `full_first`); period 0: every block slides."""
+
+    period: int = 0
+    full_first: bool = False
+    window: int = 0  # the loader's window whatever the file's attention.sliding_window says (0: the file's)
+    # llama4: blocks attend within chunks of `chunk` positions, every `full_every`-th block to every position; a file
+    # whose attention.sliding_window is 0 has no chunks
+    chunk: int = 0
+    full_every: int = 0
+
+
+DEFAULT_WINDOWS = WindowRule()  # every block slides where the file has a window and no pattern
+# The architectures whose loader sets the pattern itself (src/models/<arch>.cpp; moerun's arch modules read the same).
+WINDOW_RULES: dict[str, WindowRule] = {
+    "afmoe": WindowRule(period=4),
+    "gpt-oss": WindowRule(period=2),
+    "laguna": WindowRule(period=4, full_first=True),
+    "lfm2moe": WindowRule(window=-1),  # -1: the loader ignores the key; no block slides
+    "llama4": WindowRule(chunk=8192, full_every=4),
+    "smallthinker": WindowRule(period=4, full_first=True, window=4096),
+}
+
+
+@dataclass(frozen=True)
 class Architecture:
     """One MoE architecture: its loader in llama.cpp, its role table and its quantizer rules beyond the shared ones."""
 

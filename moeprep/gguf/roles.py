@@ -10,7 +10,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from moeprep.gguf.arch_table import ARCHITECTURES, KEEP_EVERYWHERE, KEEP_NAMES, MIXERS, NO_MIXER, QuantLimit, TensorRole
+from moeprep.gguf.arch_table import (
+    ARCHITECTURES,
+    DEFAULT_WINDOWS,
+    KEEP_EVERYWHERE,
+    KEEP_NAMES,
+    MIXERS,
+    NO_MIXER,
+    WINDOW_RULES,
+    QuantLimit,
+    TensorRole,
+)
 
 __all__ = [
     "ROLE_TABLES",
@@ -24,6 +34,7 @@ __all__ = [
     "quant_limit",
     "role_table",
     "tensor_role",
+    "window_kinds",
 ]
 
 R = TensorRole
@@ -84,6 +95,34 @@ def attention_kinds(arch: str, metadata: dict[str, object]) -> dict[str, list[in
     for block, value in enumerate(per_block):
         kinds.setdefault(names.get(value, str(value)), []).append(block)
     return kinds
+
+
+def window_kinds(arch: str, metadata: dict[str, object], n_layer: int) -> dict[str, list[int]]:
+    """The decoder's blocks by how far back they attend, {"sliding 4096": [0, 1, 2, 4, ...], "full": [3, ...]} (llama4:
+    "chunked 8192"), as the arch's loader reads attention.sliding_window and attention.sliding_window_pattern (a
+    per-block list, or a period: arch_table.WindowRule); {} when every block attends the same way."""
+    rule = WINDOW_RULES.get(arch, DEFAULT_WINDOWS)
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if rule.chunk:  # no key: chunks; a key of 0: none
+        if window is not None and int(window) == 0:
+            return {}
+        chunked = [(block + 1) % rule.full_every != 0 for block in range(n_layer)]
+        return _split_blocks(chunked, f"chunked {rule.chunk}")
+    if rule.window < 0 or not window or int(window) <= 0:
+        return {}
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", rule.period)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern[:n_layer]]
+    else:
+        n = int(pattern)
+        offset = 0 if rule.full_first else n - 1  # where the full block sits in each period
+        sliding = [n == 0 or block % n != offset for block in range(n_layer)]
+    return _split_blocks(sliding, f"sliding {rule.window or int(window)}")
+
+
+def _split_blocks(recent: list[bool], name: str) -> dict[str, list[int]]:
+    kinds = {name: [b for b, r in enumerate(recent) if r], "full": [b for b, r in enumerate(recent) if not r]}
+    return kinds if all(kinds.values()) else {}
 
 
 def block_mixers(names: list[str], n_layer: int) -> dict[str, list[int]]:

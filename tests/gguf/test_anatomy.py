@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from gguf import GGUFValueType
 
 from moeprep.cli import main
 from moeprep.errors import MoeprepError
 from moeprep.gguf.anatomy import DEFAULT_RESERVE, describe_model, model_geometry, moe_geometry, plan_vram
 from moeprep.gguf.reader import open_gguf
 from moeprep.gguf.roles import TensorRole
-from moeprep.gguf.writer import write_gguf
+from moeprep.gguf.writer import KVValue, write_gguf
 from moeprep.synth import SYNTH_ARCHS, write_synth_model
 
 LEADING_DENSE = {
@@ -152,3 +153,56 @@ def test_dense_model_shows_its_anatomy(dense_model: Path) -> None:
 def test_commands_that_need_experts_refuse_a_dense_model(dense_model: Path) -> None:
     with pytest.raises(MoeprepError, match="not a Mixture-of-Experts model"):
         moe_geometry(open_gguf(dense_model))
+
+
+def _window_line(path: Path) -> str | None:
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 0, result.output
+    return next((line for line in result.stdout.splitlines() if line.startswith("window ")), None)
+
+
+@pytest.mark.parametrize(
+    ("arch", "line"),
+    [
+        # the arch's period, the full block last (gpt-oss: every other block, from 0; afmoe: three then one)
+        ("gpt-oss", "S = sliding 16 (4 blocks), F = full (4 blocks): (SF) x4"),
+        ("afmoe", "S = sliding 16 (6 blocks), F = full (2 blocks): (SSSF) x2"),
+        # the full block first in each period (llama.cpp's dense_first); smallthinker's window is fixed at 4096
+        ("laguna", "S = sliding 16 (6 blocks), F = full (2 blocks): (FSSS) x2"),
+        ("smallthinker", "S = sliding 4096 (6 blocks), F = full (2 blocks): (FSSS) x2"),
+        # a per-block list in the file; step35's NextN block is no decoder block, so 7 remain: a partial period
+        ("gemma4", "S = sliding 16 (4 blocks), F = full (4 blocks): (SF) x4"),
+        ("mimo2", "S = sliding 16 (4 blocks), F = full (4 blocks): (FS) x4"),
+        ("step35", "S = sliding 16 (3 blocks), F = full (4 blocks): (FS) x3 + F"),
+        # llama4's chunks: every 4th block attends to every position
+        ("llama4", "C = chunked 8192 (6 blocks), F = full (2 blocks): (CCCF) x2"),
+    ],
+)
+def test_inspect_shows_sliding_and_full_blocks(arch: str, line: str, tmp_path: Path) -> None:
+    path = write_synth_model(tmp_path / f"{arch}.gguf", arch, n_layer=8)
+    assert _window_line(path) == f"window        {line}"
+    report = json.loads(CliRunner().invoke(main, ["inspect", str(path), "--json"]).stdout)
+    assert sum(len(blocks) for blocks in report["geometry"]["windows"].values()) == 8 - len(NEXTN.get(arch, []))
+
+
+def test_inspect_shows_no_window_line_where_every_block_attends_alike(tmp_path: Path) -> None:
+    # no window at all; every block sliding (deepseek4's raw-key window: its attention line tells the blocks apart);
+    # llama4 without chunks (attention.sliding_window 0)
+    assert _window_line(write_synth_model(tmp_path / "qwen3moe.gguf", "qwen3moe", n_layer=8)) is None
+    assert _window_line(write_synth_model(tmp_path / "deepseek4.gguf", "deepseek4", n_layer=8)) is None
+    chunked = write_synth_model(tmp_path / "llama4.gguf", "llama4", n_layer=8)
+    unchunked = tmp_path / "llama4-no-chunks.gguf"
+    write_gguf(
+        unchunked,
+        open_gguf(chunked),
+        kv_set={"llama4.attention.sliding_window": KVValue(0, GGUFValueType.UINT32)},
+    )
+    assert _window_line(unchunked) is None
+
+
+def test_window_pattern_without_a_repeating_unit() -> None:
+    from moeprep.gguf.anatomy import window_pattern
+
+    assert window_pattern({"sliding 512": [0, 1, 3], "full": [2, 4]}) == (
+        "S = sliding 512 (3 blocks), F = full (2 blocks): SSFSF"
+    )

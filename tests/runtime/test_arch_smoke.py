@@ -458,3 +458,19 @@ def test_a_prompt_chunk_riding_with_decode_tokens_through_the_expert_cache(arch,
     torch.testing.assert_close(got, torch.stack(expected), rtol=1e-4, atol=1e-4)
     n_routed = sum(isinstance(m, CachedExperts) for m in cached.net.modules())
     assert cached.expert_cache.stats.lookups.sum() - before == len(tokens) * alone.args.n_experts_used * n_routed
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "afmoe", "laguna", "smallthinker", "gemma4", "mimo2", "step35"])
+def test_inspect_names_the_sliding_blocks_moerun_builds(arch, synth_model):
+    """`moeprep inspect` reads the sliding blocks from the arch's rule (moeprep/gguf/arch_table.py's WINDOW_RULES);
+    moerun builds them from its arch module's: both give the same blocks."""
+    from moeprep.gguf.anatomy import model_geometry
+    from moeprep.gguf.reader import open_gguf
+    from moerun.models import arch_module
+
+    g = open_gguf(synth_model(arch, n_layer=8))
+    args = arch_module(g.arch).read_args(g)
+    windows = model_geometry(g).windows
+    sliding = next(blocks for kind, blocks in windows.items() if kind.startswith("sliding"))
+    assert sliding == [layer for layer, slides in enumerate(args.swa_layers) if slides]
+    assert f"sliding {args.sliding_window}" in windows
