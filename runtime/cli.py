@@ -245,14 +245,18 @@ class ModelOptions:
 def warn_past_training_context(model) -> None:
     """One line on stderr when the context is longer than the file declares the model for (its training context, or
     what its RoPE scaling covers): as llama.cpp, moerun runs it, since a user may mean it, but says so."""
-    covered = model.args.context_covered
-    if model.n_ctx > covered:
-        scaled = "" if covered == model.args.n_ctx_train else " with its RoPE scaling"
-        click.echo(
-            f"moerun: warning: a context of {model.n_ctx} is above the {covered} positions the model was trained "
-            f"for{scaled}; past them its output may degrade",
-            err=True,
+    args = model.args
+    covered = args.context_covered
+    if model.n_ctx <= covered:
+        return
+    if covered == args.n_ctx_train:
+        limit = f"the {covered} positions the model was trained for (context_length)"
+    else:
+        limit = (
+            f"the {covered} positions the file's {args.rope_scaling} RoPE scaling covers "
+            f"({args.rope_orig_ctx} x {args.rope_factor:g})"
         )
+    click.echo(f"moerun: warning: a context of {model.n_ctx} is above {limit}; past them output may degrade", err=True)
 
 
 def _slot_count(text: str) -> int:

@@ -249,8 +249,8 @@ def test_a_context_past_training_warns_once_and_runs(command, synth_model, monke
     past = run(command, "-m", model, "-c", "128", "--device", "cpu", *rest[command])
     assert past.exit_code == 2, past.output  # the stop, not a refusal of -c
     assert _warnings(past) == [
-        "moerun: warning: a context of 128 is above the 64 positions the model was trained for; past them its "
-        "output may degrade"
+        "moerun: warning: a context of 128 is above the 64 positions the model was trained for (context_length); "
+        "past them output may degrade"
     ]
     within = run(command, "-m", model, "-c", "64", "--device", "cpu", *rest[command])
     assert within.exit_code == 2 and _warnings(within) == [], within.output
@@ -271,13 +271,22 @@ def test_a_context_the_rope_scaling_covers_does_not_warn(synth_model):
         assert err.getvalue() == b""
         warn_past_training_context(yarn)
         assert err.getvalue().decode() == (
-            "moerun: warning: a context of 128 is above the 64 positions the model was trained for; past them its "
-            "output may degrade\n"
+            "moerun: warning: a context of 128 is above the 64 positions the model was trained for (context_length); "
+            "past them output may degrade\n"
         )
     scaled_past = moerun.load_model(synth_model("qwen3moe", n_ctx=64, rope_scaling="linear"), n_ctx=300)
     with runner.isolation() as (_, err, _):
         warn_past_training_context(scaled_past)
-        assert "the 256 positions the model was trained for with its RoPE scaling" in err.getvalue().decode()
+        assert err.getvalue().decode() == (
+            "moerun: warning: a context of 300 is above the 256 positions the file's linear RoPE scaling covers "
+            "(64 x 4); past them output may degrade\n"
+        )
+
+
+def test_generation_goes_on_past_the_training_context(synth_model):
+    result = run("-m", str(synth_model("qwen3moe", n_ctx=64)), "-c", "96", "-p", "x", "-n", "70", "--temp", "0")
+    assert result.exit_code == 0, result.output
+    assert len(_warnings(result)) == 1 and "generation: 69 tokens" in result.stderr
 
 
 def test_cache_slots_above_the_experts_are_refused(synth_model):
