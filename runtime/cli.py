@@ -118,7 +118,7 @@ cache_slots_option = click.option(
     default="auto",
     show_default=True,
     help="Expert-cache slots per MoE layer: auto (the budget decides, hot layers get more) or a number for every "
-    "layer.",
+    "layer, at most its experts.",
 )
 expert_profile_option = click.option(
     "--expert-profile",
@@ -470,7 +470,7 @@ def read_text(path: str) -> str:
 
 @main.command()
 @model_option
-@click.option("-f", "--file", "text_file", required=True, type=click.Path(), help="Text file to score.")
+@click.option("-f", "--file", "text_file", required=True, type=click.Path(), help="UTF-8 text file to score.")
 @click.option(
     "-c", "--ctx-size", default=512, show_default=True, type=click.IntRange(min=4), help="Chunk size in tokens."
 )
