@@ -116,18 +116,17 @@ class BuildContext:
         rope: Rope | None = None,
         scale: float | None = None,
         gate: OutputGate | None = None,
-        qk_norms_required: bool = False,
     ) -> Attention:
         """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v (or one attn_qkv)/output (+ biases),
-        attn_q_norm/k_norm (per head or over the whole projection) where the file has them, or always with
-        `qk_norms_required` (a file without them is then refused in one line, as the arch's llama.cpp loader refuses
-        it), optional attn_sinks, the layer's own query and KV head counts, a sliding window on the layers that have
+        attn_q_norm/k_norm (per head or over the whole projection) where the file has them, or always where
+        args.qk_norms_required (a file without them is then refused in one line, as the arch's llama.cpp loader
+        refuses it), optional attn_sinks, the layer's own query and KV head counts, a sliding window on the layers that have
         one, and the arch's output `gate` if it has one."""
         a, w, p = self.args, self.weights, f"blk.{layer}"
         n_heads, n_kv_heads = a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
         cache = self.kv_cache(n_kv_heads, a.head_dim, a.v_head_dim)
         q_norm, k_norm = (
-            self.norm(name) if qk_norms_required or name in w else None
+            self.norm(name) if a.qk_norms_required or name in w else None
             for name in (f"{p}.attn_q_norm.weight", f"{p}.attn_k_norm.weight")
         )
         if f"{p}.attn_qkv.weight" in w:

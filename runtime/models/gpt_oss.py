@@ -12,7 +12,7 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    fixed = {**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox", "gating": GATING_SOFTMAX_WEIGHT}
+    fixed = {**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox", "gating": GATING_SOFTMAX_WEIGHT, "output_required": True}
     return ModelArgs.from_gguf(g, fixed=fixed, defaults={"swa_pattern": 2})
 
 

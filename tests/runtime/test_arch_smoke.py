@@ -317,7 +317,9 @@ def test_gated_experts_without_their_gate_are_refused(arch, synth_model, tmp_pat
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("arch", ["lfm2moe", "laguna", "kimi-k3", "deepseek4"])
+@pytest.mark.parametrize(
+    "arch", ["lfm2moe", "laguna", "kimi-k3", "deepseek4", "glm4moe", "minimax-m2", "afmoe"]
+)
 def test_router_without_its_selection_bias_is_refused(arch, synth_model, tmp_path):
     """These architectures' llama.cpp loaders require exp_probs_b on every routed layer; a file without it is refused
     in one line naming it instead of routing without the bias."""
@@ -351,7 +353,27 @@ def test_laguna_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("arch", ["step35", "kimi-k3", "deepseek4"])
+@pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "minimax-m2", "dots1", "bailingmoe2", "afmoe"])
+def test_attention_without_its_qk_norms_is_refused(arch, norm, synth_model, tmp_path):
+    """These architectures' llama.cpp loaders require attn_q_norm and attn_k_norm on every attention layer; a file
+    missing one is refused in one line naming it instead of running that layer without it."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    missing = next(t.name for t in src.tensors if t.name.endswith(f".{norm}.weight"))
+    path = tmp_path / "no-norm.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "arch", ["step35", "kimi-k3", "deepseek4", "qwen2moe", "olmoe", "gpt-oss", "minimax-m2", "dots1", "bailingmoe2"]
+)
 def test_file_without_its_output_head_is_refused(arch, synth_model, tmp_path):
     """These architectures' llama.cpp loaders require output.weight (no tied-embedding fallback); a file without it
     is refused in one line instead of running token_embd as the head."""
