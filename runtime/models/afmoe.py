@@ -45,7 +45,7 @@ def build_block(ctx: BuildContext, layer: int) -> SandwichBlock:
     if layer < a.n_dense_lead:
         ffn = ctx.feed_forward(layer)
     else:
-        ffn = ctx.routed_experts(layer, shared=f"{p}.ffn_gate_shexp.weight" in ctx.weights)
+        ffn = ctx.routed_experts(layer, shared=a.n_shared_experts > 0)
     return SandwichBlock(
         ctx.norm(f"{p}.attn_norm.weight"),
         attn,

@@ -82,6 +82,22 @@ class BuildContext:
         """GGUF tensor `prefix`.weight (+ its bias) as the backend's Linear (see Backend.linear)."""
         return self.backend.linear(self.weights, prefix, self.hooks, dtype, shape)
 
+    def require(self, *names: str) -> None:
+        """Refuse a file without any of `names` in one line naming it: tensors the shared loaders read where present
+        (biases, sinks) that the architecture's llama.cpp loader requires."""
+        for name in names:
+            self.weights.info(name)
+
+    def present(self, name: str, *companions: str) -> bool:
+        """Whether the file has `name`, the tensor whose presence gives a layer an optional part; a file with any of
+        the part's `companions` but not `name` is refused in one line naming it (llama.cpp's loader refuses a file
+        with tensors it leaves unread) instead of running the layer without the part."""
+        if name in self.weights:
+            return True
+        if any(companion in self.weights for companion in companions):
+            self.weights.info(name)  # refuses
+        return False
+
     def norm(self, name: str) -> RMSNorm:
         """The RMSNorm of GGUF tensor `name` with the model's epsilon."""
         return RMSNorm.load(self.weights, name, self.args.norm_eps, self.backend.kernels)
