@@ -226,8 +226,8 @@ class ByGroups(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding (times args.embed_scale) -> blocks -> final RMSNorm (output_norm, or LFM2's token_embd_norm)
-    -> output head (token_embd when
+    """Token embedding (times args.embed_scale) -> blocks -> final RMSNorm (args.final_norm: output_norm, or LFM2's
+    token_embd_norm) -> output head (token_embd when
     output.weight is absent and the architecture allows it; soft-capped where args.logit_softcap says).
 
     `layout` says which device runs each block (all on ctx's device without one): the embedding sits with the first
@@ -244,9 +244,7 @@ class Transformer(nn.Module):
                 block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
         last = ctx.on(self.layout.last)
-        # LFM2 files store their final norm as token_embd_norm (and have no output_norm)
-        final_norm = "output_norm.weight" if "output_norm.weight" in last.weights else "token_embd_norm.weight"
-        self.norm = last.norm(final_norm)
+        self.norm = last.norm(ctx.args.final_norm)
         tied = not ctx.args.output_required and "output.weight" not in last.weights
         head = last.linear("token_embd" if tied else "output")
         self.output = SoftCappedHead(head, ctx.args.logit_softcap) if ctx.args.logit_softcap else head

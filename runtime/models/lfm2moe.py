@@ -32,6 +32,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
         "sliding_window": 0,
         "selection_bias_required": True,
         "qk_norms_required": True,
+        "final_norm": "token_embd_norm.weight",
     }
     return ModelArgs.from_gguf(g, fixed=fixed, kv_heads_vary=True)
 

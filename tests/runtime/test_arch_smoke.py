@@ -441,6 +441,23 @@ def test_file_without_a_tensor_llama_cpp_requires_is_refused(arch, missing, synt
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "gemma4", "lfm2moe"])
+def test_file_without_its_final_norm_is_refused_naming_it(arch, synth_model, tmp_path):
+    """A file without its final norm is refused naming the tensor it lacks: output_norm, or LFM2's token_embd_norm
+    (not LFM2's name for every architecture)."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    missing = next(t.name for t in src.tensors if t.name in ("output_norm.weight", "token_embd_norm.weight"))
+    path = tmp_path / "no-final-norm.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
 def test_laguna_layouts(synth_model):
     """XS.2's layout: a full-attention layer first in every four, the sliding ones with twice its query heads, their
     own RoPE (plain, over rope.dimension_count_swa channels) and a gate value per head; M.1's: every layer full, one
