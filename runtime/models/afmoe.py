@@ -26,8 +26,8 @@ SWA_PATTERN = 4  # three sliding layers, then a full one, where the file has no 
 
 def read_args(g: GGUFModel) -> ModelArgs:
     dim = int(g.get(f"{g.arch}.embedding_length", 0))
-    fixed = {"rope_style": "neox", "embed_scale": float(np.float32(math.sqrt(dim)))}
-    fixed |= {"qk_norms_required": True, "selection_bias_required": True}  # sqrtf(n_embd)
+    fixed = {"rope_style": "neox", "embed_scale": float(np.float32(math.sqrt(dim)))}  # sqrtf(n_embd)
+    fixed |= {"qk_norms_required": True, "selection_bias_required": True}
     args = ModelArgs.from_gguf(g, fixed=fixed, defaults={"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN})
     if args.head_dim != args.v_head_dim:
         raise MoeprepError(f"{g.path}: afmoe needs key_length == value_length (got {args.head_dim}, {args.v_head_dim})")

@@ -136,8 +136,8 @@ class BuildContext:
         """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v (or one attn_qkv)/output (+ biases),
         attn_q_norm/k_norm (per head or over the whole projection) where the file has them, or always where
         args.qk_norms_required (a file without them is then refused in one line, as the arch's llama.cpp loader
-        refuses it), optional attn_sinks, the layer's own query and KV head counts, a sliding window on the layers that have
-        one, and the arch's output `gate` if it has one."""
+        refuses it), optional attn_sinks, the layer's own query and KV head counts, a sliding window on the layers
+        that have one, and the arch's output `gate` if it has one."""
         a, w, p = self.args, self.weights, f"blk.{layer}"
         n_heads, n_kv_heads = a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
         cache = self.kv_cache(n_kv_heads, a.head_dim, a.v_head_dim)

@@ -159,7 +159,7 @@ def build_block(ctx: BuildContext, layer: int) -> Gemma4Block:
     wk = ctx.linear(f"{p}.attn_k")
     if sliding:  # llama.cpp's gemma4 gives them no context scaling: the rope op's magnitude factor alone
         rope = ctx.rope(base=base, dim=rope_dim, scaled=False, attn_factor=yarn_attn_factor(a))
-    else:  # rope_freqs: the full layers' only
+    else:  # rope_freqs (required, as llama.cpp's gemma4 loader requires it): the full layers' only
         rope = ctx.rope(base=base, dim=rope_dim, freq_factors="rope_freqs.weight")
     attn = Attention(
         wq=ctx.linear(f"{p}.attn_q"),
