@@ -110,6 +110,11 @@ class ModelArgs:
     # (its embedding multiplier goes to embed_scale)
     residual_scale: float = 0.0  # multiplies each layer's attention and FFN outputs before their residual adds
     logit_scale: float = 0.0  # divides the logits
+    # attn_q_norm and attn_k_norm on every attention layer: required where the arch's llama.cpp loader requires them
+    # (an arch fact its module fixes), else used where present
+    qk_norms_required: bool = False
+    # the final norm's tensor (LFM2 files store it as token_embd_norm.weight)
+    final_norm: str = "output_norm.weight"
     # exp_probs_b on every routed layer: required where the arch's llama.cpp loader requires it (an arch fact its
     # module fixes), else used where present
     selection_bias_required: bool = False

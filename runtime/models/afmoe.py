@@ -27,6 +27,7 @@ SWA_PATTERN = 4  # three sliding layers, then a full one, where the file has no 
 def read_args(g: GGUFModel) -> ModelArgs:
     dim = int(g.get(f"{g.arch}.embedding_length", 0))
     fixed = {"rope_style": "neox", "embed_scale": float(np.float32(math.sqrt(dim)))}  # sqrtf(n_embd)
+    fixed |= {"qk_norms_required": True, "selection_bias_required": True}
     args = ModelArgs.from_gguf(g, fixed=fixed, defaults={"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN})
     if args.head_dim != args.v_head_dim:
         raise MoeprepError(f"{g.path}: afmoe needs key_length == value_length (got {args.head_dim}, {args.v_head_dim})")
@@ -44,7 +45,7 @@ def build_block(ctx: BuildContext, layer: int) -> SandwichBlock:
     if layer < a.n_dense_lead:
         ffn = ctx.feed_forward(layer)
     else:
-        ffn = ctx.routed_experts(layer, shared=f"{p}.ffn_gate_shexp.weight" in ctx.weights)
+        ffn = ctx.routed_experts(layer, shared=a.n_shared_experts > 0)
     return SandwichBlock(
         ctx.norm(f"{p}.attn_norm.weight"),
         attn,

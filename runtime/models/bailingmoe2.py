@@ -11,7 +11,11 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults={"gating": GATING_SIGMOID})
+    args = ModelArgs.from_gguf(
+        g,
+        fixed={"rope_style": "neox", "qk_norms_required": True, "output_required": True},
+        defaults={"gating": GATING_SIGMOID},
+    )
     # expert_shared_feed_forward_length is one shared expert's width (the routed experts' where absent)
     return args.replace(shared_expert_dim=(args.shared_expert_dim or args.expert_dim) * args.n_shared_experts)
 

@@ -82,6 +82,22 @@ class BuildContext:
         """GGUF tensor `prefix`.weight (+ its bias) as the backend's Linear (see Backend.linear)."""
         return self.backend.linear(self.weights, prefix, self.hooks, dtype, shape)
 
+    def require(self, *names: str) -> None:
+        """Refuse a file without any of `names` in one line naming it: tensors the shared loaders read where present
+        (biases, sinks) that the architecture's llama.cpp loader requires."""
+        for name in names:
+            self.weights.info(name)
+
+    def present(self, name: str, *companions: str) -> bool:
+        """Whether the file has `name`, the tensor whose presence gives a layer an optional part; a file with any of
+        the part's `companions` but not `name` is refused in one line naming it (llama.cpp's loader refuses a file
+        with tensors it leaves unread) instead of running the layer without the part."""
+        if name in self.weights:
+            return True
+        if any(companion in self.weights for companion in companions):
+            self.weights.info(name)  # refuses
+        return False
+
     def norm(self, name: str) -> RMSNorm:
         """The RMSNorm of GGUF tensor `name` with the model's epsilon."""
         return RMSNorm.load(self.weights, name, self.args.norm_eps, self.backend.kernels)
@@ -116,18 +132,17 @@ class BuildContext:
         rope: Rope | None = None,
         scale: float | None = None,
         gate: OutputGate | None = None,
-        qk_norms_required: bool = False,
     ) -> Attention:
         """The standard attention of `layer` in llama.cpp's layout: attn_q/k/v (or one attn_qkv)/output (+ biases),
-        attn_q_norm/k_norm (per head or over the whole projection) where the file has them, or always with
-        `qk_norms_required` (a file without them is then refused in one line, as the arch's llama.cpp loader refuses
-        it), optional attn_sinks, the layer's own query and KV head counts, a sliding window on the layers that have
-        one, and the arch's output `gate` if it has one."""
+        attn_q_norm/k_norm (per head or over the whole projection) where the file has them, or always where
+        args.qk_norms_required (a file without them is then refused in one line, as the arch's llama.cpp loader
+        refuses it), optional attn_sinks, the layer's own query and KV head counts, a sliding window on the layers
+        that have one, and the arch's output `gate` if it has one."""
         a, w, p = self.args, self.weights, f"blk.{layer}"
         n_heads, n_kv_heads = a.heads_by_layer[layer], a.kv_heads_by_layer[layer]
         cache = self.kv_cache(n_kv_heads, a.head_dim, a.v_head_dim)
         q_norm, k_norm = (
-            self.norm(name) if qk_norms_required or name in w else None
+            self.norm(name) if a.qk_norms_required or name in w else None
             for name in (f"{p}.attn_q_norm.weight", f"{p}.attn_k_norm.weight")
         )
         if f"{p}.attn_qkv.weight" in w:
@@ -211,8 +226,8 @@ class ByGroups(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding (times args.embed_scale) -> blocks -> final RMSNorm (output_norm, or LFM2's token_embd_norm)
-    -> output head (token_embd when
+    """Token embedding (times args.embed_scale) -> blocks -> final RMSNorm (args.final_norm: output_norm, or LFM2's
+    token_embd_norm) -> output head (token_embd when
     output.weight is absent and the architecture allows it; soft-capped where args.logit_softcap says).
 
     `layout` says which device runs each block (all on ctx's device without one): the embedding sits with the first
@@ -229,9 +244,7 @@ class Transformer(nn.Module):
                 block.attn = ByGroups(block.attn)
         self.blocks = nn.ModuleList(blocks)
         last = ctx.on(self.layout.last)
-        # LFM2 files store their final norm as token_embd_norm (and have no output_norm)
-        final_norm = "output_norm.weight" if "output_norm.weight" in last.weights else "token_embd_norm.weight"
-        self.norm = last.norm(final_norm)
+        self.norm = last.norm(ctx.args.final_norm)
         tied = not ctx.args.output_required and "output.weight" not in last.weights
         head = last.linear("token_embd" if tied else "output")
         self.output = SoftCappedHead(head, ctx.args.logit_softcap) if ctx.args.logit_softcap else head

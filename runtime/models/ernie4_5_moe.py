@@ -15,10 +15,10 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:
-    g, p = ctx.weights.gguf, f"blk.{layer}"
+    g = ctx.weights.gguf
     step = int(g.get(f"{g.arch}.interleave_moe_layer_step", 1))
     if layer >= ctx.args.n_dense_lead and (layer + 1) % step == 0:
-        ffn = ctx.routed_experts(layer, shared=f"{p}.ffn_up_shexp.weight" in ctx.weights)
+        ffn = ctx.routed_experts(layer, shared=ctx.args.shared_expert_dim > 0)
     else:
         ffn = ctx.feed_forward(layer)
     return ctx.block(layer, ctx.attention(layer), ffn)

@@ -159,8 +159,8 @@ def build_block(ctx: BuildContext, layer: int) -> Gemma4Block:
     wk = ctx.linear(f"{p}.attn_k")
     if sliding:  # llama.cpp's gemma4 gives them no context scaling: the rope op's magnitude factor alone
         rope = ctx.rope(base=base, dim=rope_dim, scaled=False, attn_factor=yarn_attn_factor(a))
-    else:  # rope_freqs: the full layers' only
-        rope = ctx.rope(base=base, dim=rope_dim, freq_factors="rope_freqs.weight" if "rope_freqs.weight" in w else None)
+    else:  # rope_freqs (required, as llama.cpp's gemma4 loader requires it): the full layers' only
+        rope = ctx.rope(base=base, dim=rope_dim, freq_factors="rope_freqs.weight")
     attn = Attention(
         wq=ctx.linear(f"{p}.attn_q"),
         wk=wk,
@@ -180,7 +180,15 @@ def build_block(ctx: BuildContext, layer: int) -> Gemma4Block:
         kernels=ctx.backend.kernels,
     )
     moe = mlp_post_norm = None
-    if f"{p}.ffn_gate_inp.weight" in w:
+    moe_parts = (
+        "ffn_gate_up_exps",
+        "ffn_gate_exps",
+        "ffn_up_exps",
+        "ffn_down_exps",
+        "pre_ffw_norm_2",
+        "post_ffw_norm_2",
+    )
+    if ctx.present(f"{p}.ffn_gate_inp.weight", *(f"{p}.{part}.weight" for part in moe_parts)):
         moe = Gemma4MoE(
             layer,
             ctx.router(layer),

@@ -11,7 +11,9 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    args = ModelArgs.from_gguf(g, fixed={"rope_style": "neox"}, defaults={"gating": GATING_SIGMOID})
+    args = ModelArgs.from_gguf(
+        g, fixed={"rope_style": "neox", "selection_bias_required": True}, defaults={"gating": GATING_SIGMOID}
+    )
     return args.replace(shared_expert_dim=args.expert_dim * args.n_shared_experts)
 
 

@@ -48,6 +48,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
     # llama.cpp's glm5-next graph rotates nothing and scales its scores by 1/sqrt(head size) alone, so the file's
     # context-scaling keys change nothing (MLAttention would otherwise scale the scores by YaRN's magnitude)
     fixed = {"rope_style": "normal", "rope_scaling": "none", "rope_attn_factor": 1.0}
+    fixed |= {"selection_bias_required": True, "output_required": True}
     args = ModelArgs.from_gguf(g, fixed=fixed, defaults={"gating": GATING_SIGMOID})
     return args.replace(shared_expert_dim=args.expert_dim * args.n_shared_experts)
 

@@ -36,7 +36,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
 
 
 def mamba2_mixer(ctx: BuildContext, layer: int) -> Mamba2:
-    """The Mamba-2 mixer of `layer` from llama.cpp's tensors: ssm_in, ssm_conv1d (+ bias), ssm_dt.bias, ssm_a, ssm_d,
+    """The Mamba-2 mixer of `layer` from llama.cpp's tensors: ssm_in, ssm_conv1d and its bias, ssm_dt.bias, ssm_a, ssm_d,
     ssm_norm and ssm_out; its sizes from the ssm.* keys."""
     g, w, p = ctx.weights.gguf, ctx.weights, f"blk.{layer}"
 
@@ -47,7 +47,7 @@ def mamba2_mixer(ctx: BuildContext, layer: int) -> Mamba2:
     return Mamba2(
         in_proj=ctx.linear(f"{p}.ssm_in"),
         conv=conv.reshape(conv.shape[0], -1),
-        conv_bias=w.optional(f"{p}.ssm_conv1d.bias", torch.float32),
+        conv_bias=w.dense(f"{p}.ssm_conv1d.bias", torch.float32),
         dt_bias=w.dense(f"{p}.ssm_dt.bias", torch.float32),
         A=w.dense(f"{p}.ssm_a", torch.float32),
         D=w.dense(f"{p}.ssm_d", torch.float32),

@@ -30,7 +30,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
     defaults = {"gating": GATING_SIGMOID, "swa_pattern": SWA_PATTERN, "swa_full_first": True, "n_shared_experts": 1}
     args = ModelArgs.from_gguf(
         g,
-        fixed={"rope_style": "neox", "selection_bias_required": True},
+        fixed={"rope_style": "neox", "selection_bias_required": True, "qk_norms_required": True},
         defaults=defaults,
         heads_vary=True,
         kv_heads_vary=True,
@@ -48,5 +48,5 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
     rope = ctx.rope(base=a.rope_base_swa, dim=a.rope_dim_swa, scaled=False) if a.swa_layers[layer] else ctx.rope()
     gate = ctx.output_gate(layer, "softplus")  # one value per head (XS.2) or per channel (M.1)
     # llama.cpp fixes the scale, and its loader requires both per-head norms
-    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate, qk_norms_required=True)
+    attn = ctx.attention(layer, rope, scale=1.0 / math.sqrt(a.head_dim), gate=gate)
     return ctx.block(layer, attn, ctx.ffn(layer))

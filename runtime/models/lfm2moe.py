@@ -31,6 +31,8 @@ def read_args(g: GGUFModel) -> ModelArgs:
         "expert_weights_scale": 0.0,
         "sliding_window": 0,
         "selection_bias_required": True,
+        "qk_norms_required": True,
+        "final_norm": "token_embd_norm.weight",
     }
     return ModelArgs.from_gguf(g, fixed=fixed, kv_heads_vary=True)
 
@@ -48,6 +50,6 @@ def build_block(ctx: BuildContext, layer: int) -> Block:
         if a.head_dim != a.v_head_dim:
             raise MoeprepError(f"{w.gguf.path}: lfm2moe needs key_length == value_length")
         # llama.cpp scales by 1/sqrt(head size) whatever attention.scale says
-        mixer = ctx.attention(layer, scale=1.0 / math.sqrt(a.head_dim), qk_norms_required=True)
+        mixer = ctx.attention(layer, scale=1.0 / math.sqrt(a.head_dim))
     ffn = ctx.feed_forward(layer) if layer < a.n_dense_lead else ctx.routed_experts(layer)
     return ctx.block(layer, mixer, ffn)

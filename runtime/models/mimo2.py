@@ -31,6 +31,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
         "expert_weights_norm": True,
         "expert_weights_scale": 0.0,
         "n_dense_lead": dense,
+        "output_required": True,
     }
     # llama.cpp's default base for the sliding layers when the file gives none
     return ModelArgs.from_gguf(g, fixed=fixed, defaults={"rope_base_swa": 10000.0}, kv_heads_vary=True)

@@ -12,6 +12,7 @@ from moerun.models.base import BuildContext
 
 def read_args(g: GGUFModel) -> ModelArgs:
     fixed = {"rope_style": "neox", "expert_weights_norm": True, "expert_weights_scale": 0.0, "n_dense_lead": 0}
+    fixed |= {"qk_norms_required": True, "selection_bias_required": True, "output_required": True}
     args = ModelArgs.from_gguf(g, fixed=fixed, defaults={"gating": GATING_SIGMOID})
     return args.replace(expert_dim=args.ffn_dim or args.expert_dim)
 

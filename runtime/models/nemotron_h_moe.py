@@ -23,7 +23,7 @@ def read_args(g: GGUFModel) -> ModelArgs:
     eps = g.get(f"{g.arch}.attention.layernorm_rms_epsilon", g.get(f"{g.arch}.attention.layernorm_epsilon"))
     args = ModelArgs.from_gguf(
         g,
-        fixed={"gating": GATING_SIGMOID, "n_dense_lead": 0, "rope_style": "normal"},
+        fixed={"gating": GATING_SIGMOID, "n_dense_lead": 0, "rope_style": "normal", "selection_bias_required": True},
         defaults={"norm_eps": eps if eps is not None else 1e-5},
     )
     return args.replace(rope_dim=0, n_shared_experts=1)  # no RoPE in any layer

@@ -9,7 +9,16 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    args = ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox"})
+    args = ModelArgs.from_gguf(
+        g,
+        fixed={
+            **PLAIN_MOE,
+            "expert_weights_norm": False,
+            "rope_style": "neox",
+            "qk_norms_required": True,
+            "output_required": True,
+        },
+    )
     return args.replace(expert_dim=args.ffn_dim)  # the experts are feed_forward_length wide
 
 

@@ -10,7 +10,9 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    args = ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox"})
+    args = ModelArgs.from_gguf(
+        g, fixed={**PLAIN_MOE, "expert_weights_norm": False, "rope_style": "neox", "output_required": True}
+    )
     return args.replace(n_shared_experts=1, shared_expert_dim=args.shared_expert_dim or args.ffn_dim)
 
 

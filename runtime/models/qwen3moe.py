@@ -9,7 +9,9 @@ from moerun.models.base import BuildContext
 
 
 def read_args(g: GGUFModel) -> ModelArgs:
-    return ModelArgs.from_gguf(g, fixed={**PLAIN_MOE, "expert_weights_norm": True, "rope_style": "neox"})
+    return ModelArgs.from_gguf(
+        g, fixed={**PLAIN_MOE, "expert_weights_norm": True, "rope_style": "neox", "qk_norms_required": True}
+    )
 
 
 def build_block(ctx: BuildContext, layer: int) -> Block:

@@ -317,7 +317,10 @@ def test_gated_experts_without_their_gate_are_refused(arch, synth_model, tmp_pat
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("arch", ["lfm2moe", "laguna", "kimi-k3", "deepseek4"])
+@pytest.mark.parametrize(
+    "arch",
+    ["lfm2moe", "laguna", "kimi-k3", "deepseek4", "glm4moe", "minimax-m2", "afmoe", "glm5-next", "nemotron_h_moe"],
+)
 def test_router_without_its_selection_bias_is_refused(arch, synth_model, tmp_path):
     """These architectures' llama.cpp loaders require exp_probs_b on every routed layer; a file without it is refused
     in one line naming it instead of routing without the bias."""
@@ -351,7 +354,40 @@ def test_laguna_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("arch", ["step35", "kimi-k3", "deepseek4"])
+@pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "minimax-m2", "dots1", "bailingmoe2", "afmoe"])
+def test_attention_without_its_qk_norms_is_refused(arch, norm, synth_model, tmp_path):
+    """These architectures' llama.cpp loaders require attn_q_norm and attn_k_norm on every attention layer; a file
+    missing one is refused in one line naming it instead of running that layer without it."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    missing = next(t.name for t in src.tensors if t.name.endswith(f".{norm}.weight"))
+    path = tmp_path / "no-norm.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "step35",
+        "kimi-k3",
+        "deepseek4",
+        "qwen2moe",
+        "olmoe",
+        "gpt-oss",
+        "minimax-m2",
+        "dots1",
+        "bailingmoe2",
+        "mimo2",
+        "glm5-next",
+    ],
+)
 def test_file_without_its_output_head_is_refused(arch, synth_model, tmp_path):
     """These architectures' llama.cpp loaders require output.weight (no tied-embedding fallback); a file without it
     is refused in one line instead of running token_embd as the head."""
@@ -363,6 +399,61 @@ def test_file_without_its_output_head_is_refused(arch, synth_model, tmp_path):
     path = tmp_path / "no-output.gguf"
     write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != "output.weight"])
     with pytest.raises(MoeprepError, match=r"tensor output\.weight is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "arch, missing",
+    [
+        # the Mamba-2 mixers' convolution bias
+        ("granitehybrid", "blk.0.ssm_conv1d.bias"),
+        ("nemotron_h_moe", "blk.0.ssm_conv1d.bias"),
+        # a shared expert the file's keys announce (expert_shared_feed_forward_length, expert_shared_count)
+        ("ernie4_5-moe", "blk.1.ffn_up_shexp.weight"),
+        ("afmoe", "blk.1.ffn_gate_shexp.weight"),
+        # a router on every layer of a model with experts, and the full layers' RoPE frequency divisors
+        ("gemma4", "blk.1.ffn_gate_inp.weight"),
+        ("gemma4", "rope_freqs.weight"),
+        # gpt-oss's biases and sinks
+        ("gpt-oss", "blk.0.attn_output.bias"),
+        ("gpt-oss", "blk.0.attn_sinks.weight"),
+        ("gpt-oss", "blk.0.ffn_gate_inp.bias"),
+        ("gpt-oss", "blk.0.ffn_gate_exps.bias"),
+        ("gpt-oss", "blk.0.ffn_up_exps.bias"),
+        ("gpt-oss", "blk.0.ffn_down_exps.bias"),
+    ],
+)
+def test_file_without_a_tensor_llama_cpp_requires_is_refused(arch, missing, synth_model, tmp_path):
+    """Tensors the shared loaders read where present (or whose presence chose a layer's parts) that these
+    architectures' llama.cpp loaders require: a file without one is refused in one line naming it, instead of running
+    without it (a zero bias, no sinks, no shared expert, a dense layer in place of a routed one, plain RoPE)."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    assert missing in {t.name for t in src.tensors}
+    path = tmp_path / "incomplete.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "gemma4", "lfm2moe"])
+def test_file_without_its_final_norm_is_refused_naming_it(arch, synth_model, tmp_path):
+    """A file without its final norm is refused naming the tensor it lacks: output_norm, or LFM2's token_embd_norm
+    (not LFM2's name for every architecture)."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.reader import open_gguf
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    src = open_gguf(synth_model(arch))
+    missing = next(t.name for t in src.tensors if t.name in ("output_norm.weight", "token_embd_norm.weight"))
+    path = tmp_path / "no-final-norm.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
         moerun.load_model(path)
     assert "\n" not in str(refused.value)
 
