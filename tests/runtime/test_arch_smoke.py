@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import moerun
+from moeprep.gguf.reader import open_gguf
 from moeprep.profile.format import read_profile
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
@@ -265,56 +266,45 @@ def test_lfm2moe_without_gating_function_is_refused(synth_model, tmp_path):
         moerun.load_model(path)
 
 
+def assert_refused_without(src, missing: str, tmp_path) -> None:
+    """`src` (an open GGUF) written again without tensor `missing`: moerun refuses the file in one line naming it."""
+    from moeprep.errors import MoeprepError
+    from moeprep.gguf.writer import copied_tensor, write_gguf
+
+    assert missing in {t.name for t in src.tensors}
+    path = tmp_path / "incomplete.gguf"
+    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
+    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
+        moerun.load_model(path)
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
 def test_lfm2moe_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
     """llama.cpp's lfm2 loader requires both per-head norms on every attention layer; moerun refuses a file missing
     one in one line instead of running that layer without it."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model("lfm2moe"))
     attention = next(i for i, n in enumerate(moerun.load_model(src.path).args.kv_heads_by_layer) if n)
     missing = f"blk.{attention}.{norm}.weight"
-    path = tmp_path / "no-norm.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {missing} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 def test_kimi_k3_without_its_output_gate_is_refused_by_name(synth_model, tmp_path):
     """Kimi-K3's KDA layers have one full-rank output gate ssm_g (llama.cpp's loader requires it); a file without it
     is refused naming that tensor, not glm5-next's low-rank ssm_g_a the file never had."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model("kimi-k3"))
     kda = next(i for i, n in enumerate(moerun.load_model(src.path).args.kv_heads_by_layer) if n == 0)
     missing = f"blk.{kda}.ssm_g.weight"
-    path = tmp_path / "no-gate.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 @pytest.mark.parametrize("arch", ["lfm2moe", "laguna", "qwen3moe"])
 def test_gated_experts_without_their_gate_are_refused(arch, synth_model, tmp_path):
     """Gated experts (SwiGLU) read ffn_gate_exps; a file without it is refused in one line naming it, as llama.cpp's
     loaders do, instead of running the up rows in the gate's place (only Nemotron-H's ungated experts do that)."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model(arch))
     missing = next(t.name for t in src.tensors if t.name.endswith(".ffn_gate_exps.weight"))
-    path = tmp_path / "no-gate-experts.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -324,34 +314,18 @@ def test_gated_experts_without_their_gate_are_refused(arch, synth_model, tmp_pat
 def test_router_without_its_selection_bias_is_refused(arch, synth_model, tmp_path):
     """These architectures' llama.cpp loaders require exp_probs_b on every routed layer; a file without it is refused
     in one line naming it instead of routing without the bias."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model(arch))
     missing = next(t.name for t in src.tensors if t.name.endswith(".exp_probs_b.bias"))
-    path = tmp_path / "no-bias.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 @pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
 def test_laguna_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
     """llama.cpp's laguna loader requires both per-head norms on every layer; moerun refuses a file missing one in
     one line instead of running that layer without it."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model("laguna"))
     missing = f"blk.1.{norm}.weight"
-    path = tmp_path / "no-norm.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 @pytest.mark.parametrize("norm", ["attn_q_norm", "attn_k_norm"])
@@ -359,17 +333,9 @@ def test_laguna_without_its_qk_norms_is_refused(norm, synth_model, tmp_path):
 def test_attention_without_its_qk_norms_is_refused(arch, norm, synth_model, tmp_path):
     """These architectures' llama.cpp loaders require attn_q_norm and attn_k_norm on every attention layer; a file
     missing one is refused in one line naming it instead of running that layer without it."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model(arch))
     missing = next(t.name for t in src.tensors if t.name.endswith(f".{norm}.weight"))
-    path = tmp_path / "no-norm.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -391,16 +357,8 @@ def test_attention_without_its_qk_norms_is_refused(arch, norm, synth_model, tmp_
 def test_file_without_its_output_head_is_refused(arch, synth_model, tmp_path):
     """These architectures' llama.cpp loaders require output.weight (no tied-embedding fallback); a file without it
     is refused in one line instead of running token_embd as the head."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model(arch))
-    path = tmp_path / "no-output.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != "output.weight"])
-    with pytest.raises(MoeprepError, match=r"tensor output\.weight is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, "output.weight", tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -428,34 +386,18 @@ def test_file_without_a_tensor_llama_cpp_requires_is_refused(arch, missing, synt
     """Tensors the shared loaders read where present (or whose presence chose a layer's parts) that these
     architectures' llama.cpp loaders require: a file without one is refused in one line naming it, instead of running
     without it (a zero bias, no sinks, no shared expert, a dense layer in place of a routed one, plain RoPE)."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model(arch))
     assert missing in {t.name for t in src.tensors}
-    path = tmp_path / "incomplete.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "gemma4", "lfm2moe"])
 def test_file_without_its_final_norm_is_refused_naming_it(arch, synth_model, tmp_path):
     """A file without its final norm is refused naming the tensor it lacks: output_norm, or LFM2's token_embd_norm
     (not LFM2's name for every architecture)."""
-    from moeprep.errors import MoeprepError
-    from moeprep.gguf.reader import open_gguf
-    from moeprep.gguf.writer import copied_tensor, write_gguf
-
     src = open_gguf(synth_model(arch))
     missing = next(t.name for t in src.tensors if t.name in ("output_norm.weight", "token_embd_norm.weight"))
-    path = tmp_path / "no-final-norm.gguf"
-    write_gguf(path, src, tensors=[copied_tensor(src, t) for t in src.tensors if t.name != missing])
-    with pytest.raises(MoeprepError, match=f"tensor {re.escape(missing)} is missing") as refused:
-        moerun.load_model(path)
-    assert "\n" not in str(refused.value)
+    assert_refused_without(src, missing, tmp_path)
 
 
 def test_laguna_layouts(synth_model):
