@@ -331,7 +331,7 @@ def prepare(job: PrepareJob, log: Callable[[str], None] = lambda line: None) -> 
         state = read_state(job)
         _prepare_outdir(job, state)
         return _run_steps(job, state, log)
-    except BaseException:
+    except Exception:  # an error, not an interrupt: an interrupted run keeps its state.json to resume from
         _remove_if_nothing_done(job, made)
         raise
 
