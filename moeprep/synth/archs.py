@@ -24,6 +24,7 @@ from moeprep.synth.llama4 import LLAMA4
 from moeprep.synth.mamba2 import GRANITEHYBRID, NEMOTRON_H_MOE
 from moeprep.synth.mimo2 import MIMO2
 from moeprep.synth.parts import (
+    DEEPSEEK_DERIVED,
     EXPERT_FF,
     GQA,
     MLA,
@@ -89,19 +90,6 @@ class MLAWithIndexer:
             )
         )
 
-
-DEEPSEEK_DERIVED = {
-    "n_head_kv": lambda g: g["n_head"],
-    "n_dense_lead": lambda g: 1,
-    "n_expert_shared": lambda g: 1,
-    "expert_weights_scale": lambda g: 2.5,
-    "q_lora_rank": lambda g: g["n_embd"],
-    "kv_lora_rank": lambda g: min(g["n_embd"], 512),
-    "qk_nope_dim": lambda g: g["head_dim"],
-    "qk_rope_dim": lambda g: g["head_dim"] // 2,
-    "v_head_dim": lambda g: g["head_dim"],
-    "rope_dim": lambda g: g["qk_rope_dim"],
-}
 
 # Softmax routing whose choice adds exp_probs_b to the probabilities (ERNIE 4.5): the skew goes there, in
 # probability units.

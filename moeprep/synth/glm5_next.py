@@ -24,6 +24,7 @@ from gguf import Keys
 
 from moeprep.synth.config import SynthConfig
 from moeprep.synth.parts import (
+    DEEPSEEK_DERIVED,
     EXPERT_FF,
     SIGMOID,
     SIGMOID_ROUTING,
@@ -178,17 +179,9 @@ GLM5_NEXT_METADATA = (
 
 # The sizes of the synthetic KDA + MLA hybrids (glm5-next, kimi-k3): one KV head (KDA's and MLA's latent), a leading
 # dense layer, one shared expert, MLA with whole-head latents and no rotated part, absorbed (attn_k_b / attn_v_b).
-KDA_MLA_SIZES = {
+KDA_MLA_SIZES = DEEPSEEK_DERIVED | {
     "n_head_kv": lambda g: 1,
-    "n_dense_lead": lambda g: 1,
-    "n_expert_shared": lambda g: 1,
-    "expert_weights_scale": lambda g: 2.5,
-    "q_lora_rank": lambda g: g["n_embd"],
-    "kv_lora_rank": lambda g: min(g["n_embd"], 512),
-    "qk_nope_dim": lambda g: g["head_dim"],
-    "qk_rope_dim": lambda g: 0,
-    "v_head_dim": lambda g: g["head_dim"],
-    "rope_dim": lambda g: 0,
+    "qk_rope_dim": lambda g: 0,  # and so rope_dim
     "mla_split": lambda g: True,
 }
 

@@ -135,6 +135,22 @@ def nextn(c: SynthConfig, il: int) -> list[TensorSpec]:
     ]
 
 
+# The sizes of the synthetic DeepSeek-style MLA models: a leading dense layer, one shared expert, MLA over a latent
+# of the model's width with half of each head rotated.
+DEEPSEEK_DERIVED = {
+    "n_head_kv": lambda g: g["n_head"],
+    "n_dense_lead": lambda g: 1,
+    "n_expert_shared": lambda g: 1,
+    "expert_weights_scale": lambda g: 2.5,
+    "q_lora_rank": lambda g: g["n_embd"],
+    "kv_lora_rank": lambda g: min(g["n_embd"], 512),
+    "qk_nope_dim": lambda g: g["head_dim"],
+    "qk_rope_dim": lambda g: g["head_dim"] // 2,
+    "v_head_dim": lambda g: g["head_dim"],
+    "rope_dim": lambda g: g["qk_rope_dim"],
+}
+
+
 def mla_kv_b(c: SynthConfig, il: int) -> list[TensorSpec]:
     """The classic layout: attn_kv_b [H (N + Vh), C] expands the latent into per-head K (no-rope part) and V."""
     return [matrix_in(T.ATTN_KV_B, il, (c.n_head * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank))]
