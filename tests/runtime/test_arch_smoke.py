@@ -17,38 +17,9 @@ from moeprep.gguf.reader import open_gguf
 from moeprep.profile.format import read_profile
 from moerun.cache.config import CacheConfig
 from moerun.cache.experts import CachedExperts
-from tests.runtime.conftest import profile_model
+from tests.runtime.conftest import SMOKE_ARCHS, assert_batched_decode_equals_alone, profile_model
 
-ARCHS = [
-    "qwen3moe",
-    "qwen2moe",
-    "olmoe",
-    "llama",
-    "deepseek2",
-    "glm4moe",
-    "gpt-oss",
-    "mimo2",
-    "qwen35moe",
-    "qwen3next",
-    "minimax-m2",
-    "llama4",
-    "deepseek32",
-    "dots1",
-    "ernie4_5-moe",
-    "hunyuan-moe",
-    "bailingmoe2",
-    "afmoe",
-    "glm-dsa",
-    "gemma4",
-    "granitehybrid",
-    "nemotron_h_moe",
-    "smallthinker",
-    "lfm2moe",
-    "step35",
-    "laguna",
-    "kimi-k3",
-    "deepseek4",
-]
+ARCHS = SMOKE_ARCHS
 BUDGET = [8 << 30]  # more than the synthetic models need: slots_per_layer sets the slots
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
 
@@ -107,15 +78,7 @@ def test_profile_counts_the_routed_layers(arch, synth_model, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_decode_equals_each_sequence_alone(arch, synth_model):
     path = synth_model(arch, expert_type="F32", attn_type="F32")
-    alone, batched = moerun.load_model(path), moerun.load_model(path, n_seq=2)
-    prompts = [alone.tokenizer.encode(p) for p in ("def bisect(a, x):", "Once upon a time, in a land")]
-    expected = [
-        torch.stack([alone.forward(torch.tensor(p))[-1], alone.forward(torch.tensor([7]), len(p))[0]]) for p in prompts
-    ]
-    first = [batched.forward(torch.tensor(p), 0, seq=s)[-1] for s, p in reversed(list(enumerate(prompts)))][::-1]
-    step = batched.forward_batch(torch.tensor([7, 7]), torch.tensor([len(p) for p in prompts]), torch.tensor([0, 1]))
-    for s in range(2):
-        torch.testing.assert_close(torch.stack([first[s], step[s]]), expected[s], rtol=1e-4, atol=1e-4)
+    assert_batched_decode_equals_alone(path)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -21,7 +21,7 @@ from moerun.cache.experts import CachedExperts
 from moerun.layers.gguf_cpu import CPUExperts
 from moerun.options import RuntimeOptions
 from tests.fused_experts import fuse_gate_up
-from tests.runtime.conftest import profile_model
+from tests.runtime.conftest import assert_batched_decode_equals_alone, profile_model
 from tests.runtime.test_models import _assert_quantized_agreement, compare
 
 PROMPT = "def bisect(a, x):\n    lo, hi = 0, len(a)"
@@ -127,15 +127,7 @@ def test_fused_file_profiles_as_the_split_file(fused_pair, tmp_path):
 @pytest.mark.parametrize("arch", ["gemma4", "qwen3moe"])
 def test_fused_file_batched_decode_equals_each_sequence_alone(arch, fused_pair):
     fused = fused_pair(arch, "F32")[1]
-    alone, batched = moerun.load_model(fused), moerun.load_model(fused, n_seq=2)
-    prompts = [alone.tokenizer.encode(p) for p in ("def bisect(a, x):", "Once upon a time, in a land")]
-    expected = [
-        torch.stack([alone.forward(torch.tensor(p))[-1], alone.forward(torch.tensor([7]), len(p))[0]]) for p in prompts
-    ]
-    first = [batched.forward(torch.tensor(p), 0, seq=s)[-1] for s, p in reversed(list(enumerate(prompts)))][::-1]
-    step = batched.forward_batch(torch.tensor([7, 7]), torch.tensor([len(p) for p in prompts]), torch.tensor([0, 1]))
-    for s in range(2):
-        torch.testing.assert_close(torch.stack([first[s], step[s]]), expected[s], rtol=1e-4, atol=1e-4)
+    assert_batched_decode_equals_alone(fused)
 
 
 @pytest.mark.parametrize("arch,activation", [("qwen3moe", "swiglu"), ("gemma4", "geglu")])

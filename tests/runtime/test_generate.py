@@ -12,6 +12,7 @@ import moerun
 from moeprep.errors import MoeprepError
 from moerun.generation import make_sampler
 from tests.oracle import llama_eval
+from tests.runtime.conftest import SMOKE_ARCHS
 
 
 def test_greedy_generation_follows_the_argmax(synth_model):
@@ -54,39 +55,7 @@ def _llama_cpp_perplexity(path, tokens: list[int], n_ctx: int, bos: int | None) 
     return math.exp(nll / count)
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        "qwen3moe",
-        "qwen2moe",
-        "olmoe",
-        "llama",
-        "deepseek2",
-        "glm4moe",
-        "gpt-oss",
-        "mimo2",
-        "qwen35moe",
-        "qwen3next",
-        "minimax-m2",
-        "llama4",
-        "deepseek32",
-        "dots1",
-        "ernie4_5-moe",
-        "hunyuan-moe",
-        "bailingmoe2",
-        "afmoe",
-        "smallthinker",
-        "lfm2moe",
-        "glm-dsa",
-        "gemma4",
-        "granitehybrid",
-        "nemotron_h_moe",
-        "step35",
-        "laguna",
-        "kimi-k3",
-        "deepseek4",
-    ],
-)
+@pytest.mark.parametrize("arch", SMOKE_ARCHS)
 def test_perplexity_matches_llama_cpp(arch, synth_model, calibration_text):
     path = synth_model(arch)
     model = moerun.load_model(path, n_ctx=128)
